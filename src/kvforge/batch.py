@@ -1,0 +1,88 @@
+"""The flattened batch of one forward step: the contract between runner, model and cache.
+
+Tokens of several sequences are concatenated into one row dimension `T`. Each sequence
+contributes a contiguous span of rows: a prefill chunk (many rows) or a decode token (one
+row). There is no prefill or decode phase: a span is just `query_len` new tokens on top of
+`cached_len` tokens the cache already holds for that sequence.
+
+Invariants (checked by `ForwardBatch.build`):
+- spans are contiguous, in order, and cover rows [0, T) exactly once;
+- the token at row `span.query_start + i` has position `span.cached_len + i`;
+- a sequence appears at most once per step;
+- `logit_rows` indexes rows of T; logits are produced only for them, in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SequenceSpan:
+    seq_id: int
+    query_start: int  # first row of this sequence in the flattened batch
+    query_len: int  # rows (new tokens) of this sequence in this step
+    cached_len: int  # tokens of this sequence already stored before this step
+
+    @property
+    def total_len(self) -> int:
+        return self.cached_len + self.query_len
+
+    @property
+    def query_end(self) -> int:
+        return self.query_start + self.query_len
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    spans: tuple[SequenceSpan, ...]
+    logit_rows: torch.Tensor  # [R] int64, rows of T that need logits
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        seq_ids: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        cached_lens: Sequence[int],
+        need_logits: Sequence[bool] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """Flatten per-sequence new tokens; the last row of a sequence gets logits if asked."""
+        if not (len(seq_ids) == len(token_ids) == len(cached_lens)):
+            raise ConfigError("batch", (len(seq_ids), len(token_ids), len(cached_lens)),
+                              "seq_ids, token_ids and cached_lens must have the same length")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ConfigError("seq_ids", list(seq_ids), "a sequence may appear only once per step")
+        need = list(need_logits) if need_logits is not None else [True] * len(seq_ids)
+        spans: list[SequenceSpan] = []
+        flat: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        for seq_id, tokens, cached, wants in zip(seq_ids, token_ids, cached_lens, need):
+            if len(tokens) == 0:
+                raise ConfigError("token_ids", f"sequence {seq_id}", "each span needs at least one token")
+            if cached < 0:
+                raise ConfigError("cached_lens", cached, "must be >= 0")
+            start = len(flat)
+            spans.append(SequenceSpan(int(seq_id), start, len(tokens), int(cached)))
+            flat.extend(int(t) for t in tokens)
+            positions.extend(range(cached, cached + len(tokens)))
+            if wants:
+                logit_rows.append(len(flat) - 1)
+        return cls(
+            token_ids=torch.tensor(flat, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            spans=tuple(spans),
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        )

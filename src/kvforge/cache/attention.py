@@ -1,0 +1,104 @@
+"""Attention kernels in plain PyTorch, shared by cache methods.
+
+- `reference_attention`: the definition (explicit mask, float32 softmax). Tests compare
+  every other path against it.
+- `chunk_attention`: a span of queries over a dense key range (prefill chunks), through
+  `scaled_dot_product_attention`.
+- `decode_attention`: one query per sequence for a batch of sequences, reading paged
+  storage tile by tile with an online softmax, so no sequence's cache is copied whole.
+
+Shapes: queries [n, heads, head_dim]; keys/values [m, kv_heads, head_dim]; grouped-query
+attention maps query head h to kv head h // (heads // kv_heads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def visibility_mask(q_positions: torch.Tensor, k_positions: torch.Tensor,
+                    window: int | None) -> torch.Tensor:
+    """[n, m] bool: query at p sees key at s iff s <= p and (no window or s > p - window)."""
+    delta = q_positions[:, None] - k_positions[None, :]
+    visible = delta >= 0
+    if window is not None:
+        visible &= delta < window
+    return visible
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                        k_positions: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,mhd->hnm", q.float(), kf) * scale
+    scores = scores.masked_fill(~visibility_mask(q_positions, k_positions, window)[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnm,mhd->nhd", probs, vf).to(q.dtype)
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_q_position: int,
+                    first_k_position: int, scale: float, window: int | None) -> torch.Tensor:
+    """Queries at consecutive positions over keys at consecutive positions."""
+    n, m = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    aligned = first_q_position == first_k_position and n == m
+    no_window_effect = window is None or window >= n
+    if aligned and no_window_effect:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        q_pos = torch.arange(first_q_position, first_q_position + n, device=q.device)
+        k_pos = torch.arange(first_k_position, first_k_position + m, device=q.device)
+        mask = visibility_mask(q_pos, k_pos, window)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor,
+                     k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+                     first_page_position: torch.Tensor, visible_from: torch.Tensor,
+                     visible_to: torch.Tensor, scale: float, tile_pages: int) -> torch.Tensor:
+    """One query per sequence over its own new key plus stored keys, in float32.
+
+    q [B, heads, D]; k_self/v_self [B, kv_heads, D] (the step's own token, exact);
+    k_pages/v_pages [num_pages, block, kv_heads, D]; page_table [B, P] page ids (padding
+    entries may hold any valid id); first_page_position [B] position of the first token
+    of page_table[:, 0]; stored keys at positions [visible_from, visible_to) are visible.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = k_self.shape[1]
+    group = heads // kv_heads
+    block = k_pages.shape[1]
+    qg = q.float().view(batch, kv_heads, group, dim) * scale
+    # The step's own key is always visible: it seeds the running max/sum, so every row is
+    # finite from the start and fully masked tiles can never produce NaN.
+    running_max = torch.einsum("bhgd,bhd->bhg", qg, k_self.float())
+    running_sum = torch.ones_like(running_max)
+    acc = v_self.float()[:, :, None, :].expand(batch, kv_heads, group, dim).clone()
+    num_pages = page_table.shape[1]
+    offsets = torch.arange(tile_pages * block, device=q.device)
+    for start in range(0, num_pages, tile_pages):
+        ids = page_table[:, start:start + tile_pages]
+        tile = ids.shape[1] * block
+        k = k_pages[ids].reshape(batch, tile, kv_heads, dim).float()
+        v = v_pages[ids].reshape(batch, tile, kv_heads, dim).float()
+        scores = torch.einsum("bhgd,bshd->bhgs", qg, k)
+        positions = first_page_position[:, None] + start * block + offsets[None, :tile]
+        hidden = (positions < visible_from[:, None]) | (positions >= visible_to[:, None])
+        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        new_max = torch.maximum(running_max, scores.amax(dim=-1))
+        probs = torch.exp(scores - new_max[..., None])
+        correction = torch.exp(running_max - new_max)
+        running_sum = running_sum * correction + probs.sum(dim=-1)
+        acc = acc * correction[..., None] + torch.einsum("bhgs,bshd->bhgd", probs, v)
+        running_max = new_max
+    out = acc / running_sum[..., None]
+    return out.reshape(batch, heads, dim).to(q.dtype)

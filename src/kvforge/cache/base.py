@@ -1,0 +1,103 @@
+"""The cache-method interface: how K/V are stored and how attention reads them.
+
+The model computes Q (with RoPE), pre-RoPE K and V, then for each layer calls
+`write(cache_layer, batch, k_pre, v, rope)` followed by `attend(cache_layer, batch, q, rope)`.
+A method decides the storage (full precision, quantised, low-rank + offloaded) and the
+attention over it. New methods register with `@register_cache_method` and never touch
+model files.
+
+Step protocol (the model drives it):
+  begin_step(batch) -> [write(l), attend(l)] for each model layer -> end_step(batch)
+`write` for a cache layer happens before any `attend` that reads it in the same step.
+Several model layers may attend to one cache layer (AcrossKV); only one writes it.
+
+Memory protocol (the scheduler drives it): before a step, `allocate(seq, n)` makes room
+for the step that brings `seq` to `n` tokens (all-or-nothing, False if it does not fit);
+`free(seq)` returns everything. `memory_usage()` reports bytes per tier.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from kvforge.batch import ForwardBatch
+from kvforge.cache.layout import CacheLayout
+from kvforge.errors import ConfigError
+from kvforge.models.rope import PositionedRope
+
+
+class CacheMethod(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, layout: CacheLayout, compute_dtype: torch.dtype, device: torch.device) -> None:
+        self.layout = layout
+        self.compute_dtype = compute_dtype
+        self.device = torch.device(device)
+
+    # -- memory accounting ------------------------------------------------------------
+    @abstractmethod
+    def bytes_per_token(self, cache_layer: int) -> float:
+        """Bytes one stored token costs in one cache layer (K and V, all KV heads)."""
+
+    def kv_bytes_per_token(self) -> float:
+        """Bytes one token costs over all cache layers, ignoring sliding-window bounds."""
+        return sum(self.bytes_per_token(layer) for layer in range(self.layout.num_cache_layers))
+
+    @abstractmethod
+    def sequence_bytes(self, num_tokens: int) -> int:
+        """Bytes a sequence of `num_tokens` tokens holds at most (windows bound it)."""
+
+    @abstractmethod
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes in use per storage tier, e.g. {"fast": ..., "slow": ...}."""
+
+    @abstractmethod
+    def memory_capacity(self) -> dict[str, int]:
+        """Bytes available per storage tier (the budget)."""
+
+    def statistics(self) -> dict[str, float]:
+        """Method-specific counters (hit rates, compression ratios, ...)."""
+        return {}
+
+    # -- sequences --------------------------------------------------------------------
+    @abstractmethod
+    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether `allocate(seq_id, num_tokens)` would succeed now."""
+
+    @abstractmethod
+    def allocate(self, seq_id: int, num_tokens: int) -> bool:
+        """Make room for the step that brings `seq_id` to `num_tokens` tokens."""
+
+    @abstractmethod
+    def free(self, seq_id: int) -> None:
+        """Release everything the sequence holds; unknown ids are ignored."""
+
+    @abstractmethod
+    def num_cached_tokens(self, seq_id: int) -> int:
+        """Tokens of the sequence the cache accounts for (0 if unknown)."""
+
+    # -- one forward step -------------------------------------------------------------
+    def begin_step(self, batch: ForwardBatch) -> None:
+        """Check the batch against the cache state and prepare per-step metadata."""
+        for span in batch.spans:
+            have = self.num_cached_tokens(span.seq_id)
+            if have != span.cached_len:
+                raise ConfigError("cached_len", span.cached_len,
+                                  f"sequence {span.seq_id} has {have} cached tokens")
+
+    @abstractmethod
+    def write(self, cache_layer: int, batch: ForwardBatch, k_pre: torch.Tensor, v: torch.Tensor,
+              rope: PositionedRope) -> None:
+        """Store the step's keys (before RoPE) and values [T, kv_heads, head_dim]."""
+
+    @abstractmethod
+    def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
+               rope: PositionedRope) -> torch.Tensor:
+        """Attention output [T, heads, head_dim] for the step's queries (RoPE applied).
+        Each query sees the sequence's earlier tokens and the step's own tokens up to it."""
+
+    def end_step(self, batch: ForwardBatch) -> None:
+        """Commit the step: sequences now hold `span.total_len` tokens."""

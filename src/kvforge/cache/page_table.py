@@ -1,0 +1,179 @@
+"""Per-sequence page tables over a shared block pool, for layers grouped by attention kind.
+
+A *page* is `block_size` tokens of K and V for every cache layer of one *layer group*.
+Layers are grouped so that every group has the same number of layers (the gcd of the
+number of layers of each kind), which makes all pages the same size and lets one pool
+serve global and sliding-window layers without splitting the budget (Gemma3: 3 global +
+15 sliding layers -> 6 groups of 3).
+
+Each sequence owns one page list per group. Logical page `j` holds tokens
+[j * block_size, (j + 1) * block_size). Sliding-window groups keep only the pages that a
+future query can still see and mark released entries with -1.
+
+Pure Python, no torch.
+
+Invariants:
+- `allocate(seq, n)` prepares storage for the step that brings `seq` to `n` tokens and is
+  all-or-nothing;
+- after `commit(seq, n)`, a sliding group with window w holds exactly the pages that
+  contain tokens [max(0, n - w + 1), n): the keys any later query can attend to;
+- tokens of a sliding group that no later query can see are never stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvforge.cache.block_pool import BlockPool
+from kvforge.cache.layout import CacheLayout
+from kvforge.errors import CacheCapacityError
+
+RELEASED = -1
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    group_size: int
+    layers: tuple[tuple[int, ...], ...]  # cache layers of each group, in order
+    windows: tuple[int | None, ...]  # sliding window of each group (None = global)
+    slot_of: tuple[tuple[int, int], ...]  # cache layer -> (group, index within group)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.layers)
+
+    @classmethod
+    def from_layout(cls, layout: CacheLayout) -> LayerGroups:
+        by_window: dict[int | None, list[int]] = {}
+        for layer, spec in enumerate(layout.specs):
+            by_window.setdefault(spec.sliding_window, []).append(layer)
+        size = math.gcd(*(len(layers) for layers in by_window.values()))
+        groups: list[tuple[int, ...]] = []
+        windows: list[int | None] = []
+        for window, layers in by_window.items():
+            for start in range(0, len(layers), size):
+                groups.append(tuple(layers[start:start + size]))
+                windows.append(window)
+        slot_of = [(0, 0)] * layout.num_cache_layers
+        for group, layers in enumerate(groups):
+            for index, layer in enumerate(layers):
+                slot_of[layer] = (group, index)
+        return cls(size, tuple(groups), tuple(windows), tuple(slot_of))
+
+
+@dataclass
+class _SequencePages:
+    pages: list[list[int]]  # per group: page id per logical page, RELEASED once dropped
+    num_tokens: int = 0  # tokens committed (stored or deliberately dropped by a window)
+
+
+class PageTable:
+    def __init__(self, pool: BlockPool, block_size: int, groups: LayerGroups) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.groups = groups
+        self._seqs: dict[int, _SequencePages] = {}
+
+    # -- queries ----------------------------------------------------------------------
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def num_tokens(self, seq_id: int) -> int:
+        seq = self._seqs.get(seq_id)
+        return seq.num_tokens if seq else 0
+
+    def sequences(self) -> list[int]:
+        return list(self._seqs)
+
+    def first_kept_token(self, group: int, position: int) -> int:
+        """First key a query at `position` (or later) can see in this group. After a
+        sequence holds n tokens, the next query sits at position n."""
+        window = self.groups.windows[group]
+        return 0 if window is None else max(0, position - window + 1)
+
+    def pages(self, seq_id: int, group: int) -> list[int]:
+        return self._seqs[seq_id].pages[group]
+
+    def pages_for_growth(self, seq_id: int, num_tokens: int) -> int:
+        """Pages that `allocate(seq_id, num_tokens)` would take from the pool."""
+        seq = self._seqs.get(seq_id)
+        return sum(len(self._new_pages(seq, g, num_tokens)) for g in range(self.groups.num_groups))
+
+    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
+        return self.pool.can_allocate(self.pages_for_growth(seq_id, num_tokens))
+
+    def max_pages_per_sequence(self, num_tokens: int) -> int:
+        """Pages one sequence of `num_tokens` tokens holds at most (steady state + one page
+        of slack per group for the partially filled page)."""
+        total = 0
+        for group in range(self.groups.num_groups):
+            window = self.groups.windows[group]
+            kept = num_tokens if window is None else min(num_tokens, window - 1)
+            total += math.ceil(kept / self.block_size) + (0 if window is None else 1)
+        return total
+
+    # -- lifecycle --------------------------------------------------------------------
+    def allocate(self, seq_id: int, num_tokens: int) -> bool:
+        """Make room for the step that brings `seq_id` to `num_tokens` tokens.
+        Returns False (allocating nothing) if the pool is too small right now."""
+        seq = self._seqs.get(seq_id)
+        plan = [self._new_pages(seq, g, num_tokens) for g in range(self.groups.num_groups)]
+        needed = sum(len(p) for p in plan)
+        if not self.pool.can_allocate(needed):
+            return False
+        if seq is None:
+            seq = _SequencePages(pages=[[] for _ in range(self.groups.num_groups)])
+            self._seqs[seq_id] = seq
+        fresh = iter(self.pool.allocate(needed))
+        for group, logical in enumerate(plan):
+            table = seq.pages[group]
+            wanted = set(logical)
+            for index in range(len(table), self._num_logical(num_tokens)):
+                table.append(next(fresh) if index in wanted else RELEASED)
+        return True
+
+    def commit(self, seq_id: int, num_tokens: int) -> None:
+        """Record that `seq_id` now holds `num_tokens` tokens; release pages that fell
+        out of every sliding window."""
+        seq = self._seqs[seq_id]
+        seq.num_tokens = num_tokens
+        for group in range(self.groups.num_groups):
+            if self.groups.windows[group] is None:
+                continue
+            first_kept_page = self.first_kept_token(group, num_tokens) // self.block_size
+            table = seq.pages[group]
+            dropped = [table[j] for j in range(first_kept_page) if table[j] != RELEASED]
+            for j in range(first_kept_page):
+                table[j] = RELEASED
+            self.pool.free(dropped)
+
+    def free(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        for table in seq.pages:
+            self.pool.free([page for page in table if page != RELEASED])
+
+    def require_slots(self, seq_id: int, group: int, start: int, end: int) -> list[int]:
+        """Page ids holding tokens [start, end) of a sequence; raises if any is missing."""
+        table = self._seqs[seq_id].pages[group] if seq_id in self._seqs else []
+        first, last = start // self.block_size, (end - 1) // self.block_size
+        if end <= start:
+            return []
+        if last >= len(table) or any(table[j] == RELEASED for j in range(first, last + 1)):
+            raise CacheCapacityError(
+                f"sequence {seq_id} has no storage for tokens [{start}, {end}) in layer group "
+                f"{group}: call allocate() for the step before running it"
+            )
+        return table[first:last + 1]
+
+    # -- internals --------------------------------------------------------------------
+    def _num_logical(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def _new_pages(self, seq: _SequencePages | None, group: int, num_tokens: int) -> list[int]:
+        """Logical page indices to allocate so tokens the step stores have a page."""
+        have = len(seq.pages[group]) if seq else 0
+        first_stored = self.first_kept_token(group, num_tokens) // self.block_size
+        return list(range(max(have, first_stored), self._num_logical(num_tokens)))

@@ -1,0 +1,265 @@
+"""Model configuration: one validated dataclass for every supported decoder.
+
+`ModelConfig.from_hf_dict` reads a Hugging Face `config.json` (transformers 4.x and 5.x
+spellings of RoPE parameters both work); the GGUF loader builds the same object from GGUF
+metadata. Everything downstream (models, cache layout, memory accounting) reads only this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvforge.errors import ConfigError, require
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+RopeType = Literal["default", "linear", "llama3"]
+Architecture = Literal["llama", "gemma3"]
+
+# model_type (config.json) -> decoder family implemented in kvforge.models
+MODEL_TYPE_TO_ARCHITECTURE: dict[str, Architecture] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters of one attention kind (global or local layers)."""
+
+    theta: float
+    rope_type: RopeType = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        require(self.theta > 0, "rope_theta", self.theta, "must be > 0")
+        require(self.rope_type in ("default", "linear", "llama3"), "rope_type", self.rope_type,
+                "supported RoPE types are default, linear and llama3")
+        require(self.factor >= 1.0 or self.rope_type == "default", "rope_scaling.factor", self.factor,
+                "must be >= 1")
+        if self.rope_type == "llama3":
+            require(self.high_freq_factor > self.low_freq_factor, "rope_scaling.high_freq_factor",
+                    self.high_freq_factor, "must be greater than low_freq_factor")
+
+    @classmethod
+    def from_hf(cls, theta: float, scaling: dict[str, Any] | None) -> RopeConfig:
+        if not scaling:
+            return cls(theta=float(theta))
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ConfigError("rope_scaling.rope_type", rope_type,
+                              "supported RoPE types are default, linear and llama3")
+        if rope_type == "default":
+            return cls(theta=float(theta))
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(scaling.get("factor", 1.0)),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and behaviour of a decoder-only model. Validated on construction."""
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    model_type: str = "llama"
+    # Rotary parameters of sliding-window layers when they differ (Gemma3's local base).
+    local_rope: RopeConfig | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2, some Llamas)
+    attention_out_bias: bool = False  # bias on o_proj (Llama's attention_bias; not Qwen2)
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    # One entry per layer, FULL_ATTENTION or SLIDING_ATTENTION; empty means all full.
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        require(self.architecture in ("llama", "gemma3"), "architecture", self.architecture,
+                "supported architectures are llama (Llama/Mistral/Qwen2/SmolLM2) and gemma3")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value > 0, name, value, "must be a positive integer")
+        require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", self.num_kv_heads,
+                f"must divide num_heads={self.num_heads} (grouped-query attention)")
+        require(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even for rotary embeddings")
+        require(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        require(self.hidden_act in ("silu", "gelu_pytorch_tanh"), "hidden_act", self.hidden_act,
+                "supported activations are silu and gelu_pytorch_tanh")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        require(len(self.layer_types) == self.num_layers, "layer_types", len(self.layer_types),
+                f"must have one entry per layer (num_layers={self.num_layers})")
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        require(not bad, "layer_types", bad[:1], f"entries must be one of {LAYER_TYPES}")
+        if SLIDING_ATTENTION in self.layer_types:
+            require(self.sliding_window is not None and self.sliding_window > 0, "sliding_window",
+                    self.sliding_window, "must be a positive integer when a layer uses sliding attention")
+        if self.query_pre_attn_scalar is not None:
+            require(self.query_pre_attn_scalar > 0, "query_pre_attn_scalar", self.query_pre_attn_scalar,
+                    "must be > 0")
+
+    # ----------------------------------------------------------------------------------
+    @property
+    def attention_scale(self) -> float:
+        """Multiplier of q.k: query_pre_attn_scalar^-0.5 (Gemma) or head_dim^-0.5."""
+        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        return float(base) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == SLIDING_ATTENTION
+
+    def window_of(self, layer: int) -> int | None:
+        """Sliding window of a layer (a query sees itself and window-1 earlier keys) or None."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        if self.is_sliding(layer) and self.local_rope is not None:
+            return self.local_rope
+        return self.rope
+
+    def num_parameters(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attn += q + 2 * kv
+        if self.attention_out_bias:
+            attn += h
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        norms = 2 * h if self.architecture == "llama" else 4 * h + 2 * self.head_dim
+        per_layer = attn + mlp + norms
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+    # ----------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, config: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dictionary."""
+        model_type = config.get("model_type")
+        if model_type == "gemma3" and "text_config" in config:
+            text = dict(config["text_config"])
+            text.setdefault("model_type", "gemma3_text")
+            return cls.from_hf_dict(text)
+        if model_type not in MODEL_TYPE_TO_ARCHITECTURE:
+            raise ConfigError("model_type", model_type,
+                              f"supported model types are {sorted(MODEL_TYPE_TO_ARCHITECTURE)}")
+        architecture = MODEL_TYPE_TO_ARCHITECTURE[model_type]
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        num_layers = int(config["num_hidden_layers"])
+        head_dim = config.get("head_dim") or hidden // heads
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        common: dict[str, Any] = dict(
+            architecture=architecture,
+            model_type=model_type,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+        if architecture == "gemma3":
+            return cls._gemma3_from_hf(config, common)
+        return cls._llama_from_hf(config, common)
+
+    @classmethod
+    def _llama_from_hf(cls, config: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+        model_type = common["model_type"]
+        params = config.get("rope_parameters")
+        if params:  # transformers 5.x: one dict holding theta and scaling
+            rope = RopeConfig.from_hf(params.get("rope_theta", config.get("rope_theta", 10000.0)), params)
+        else:
+            rope = RopeConfig.from_hf(config.get("rope_theta", 10000.0), config.get("rope_scaling"))
+        window = config.get("sliding_window")
+        layer_types = config.get("layer_types")
+        if model_type == "qwen2":
+            # Qwen2 ignores sliding_window unless use_sliding_window is set.
+            if not config.get("use_sliding_window", False):
+                window, layer_types = None, None
+            elif not layer_types:
+                start = int(config.get("max_window_layers", common["num_layers"]))
+                layer_types = [SLIDING_ATTENTION if i >= start else FULL_ATTENTION
+                               for i in range(common["num_layers"])]
+        if window and not layer_types:
+            layer_types = [SLIDING_ATTENTION] * common["num_layers"]  # Mistral: every layer slides
+        return cls(
+            **common,
+            rope=rope,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=True if model_type == "qwen2" else bool(config.get("attention_bias", False)),
+            attention_out_bias=model_type != "qwen2" and bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            hidden_act=config.get("hidden_act", "silu"),
+            sliding_window=int(window) if window and layer_types else None,
+            layer_types=tuple(layer_types or ()),
+        )
+
+    @classmethod
+    def _gemma3_from_hf(cls, config: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+        params = config.get("rope_parameters")
+        if params and FULL_ATTENTION in params:  # transformers 5.x
+            full = params[FULL_ATTENTION]
+            local = params.get(SLIDING_ATTENTION, {"rope_theta": 10000.0})
+            rope = RopeConfig.from_hf(full.get("rope_theta", 1_000_000.0), full)
+            local_rope = RopeConfig.from_hf(local.get("rope_theta", 10000.0), local)
+        else:
+            rope = RopeConfig.from_hf(config.get("rope_theta", 1_000_000.0), config.get("rope_scaling"))
+            local_rope = RopeConfig(theta=float(config.get("rope_local_base_freq", 10000.0)))
+        layer_types = config.get("layer_types")
+        if not layer_types:
+            pattern = int(config.get("sliding_window_pattern", 6))
+            layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
+                           for i in range(common["num_layers"])]
+        common["max_position_embeddings"] = int(config.get("max_position_embeddings", 131072))
+        return cls(
+            **common,
+            rope=rope,
+            local_rope=local_rope,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            hidden_act=config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh",
+            sliding_window=int(config.get("sliding_window") or 4096),
+            layer_types=tuple(layer_types),
+            query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)),
+            final_logit_softcapping=config.get("final_logit_softcapping"),
+        )

@@ -1,0 +1,1 @@
+"""Runner and generation loop over a model and a cache method."""

@@ -1,0 +1,58 @@
+"""Executes one forward step for several sequences: prefill chunks and decode tokens mixed.
+
+The runner turns per-sequence work items into a `ForwardBatch`, makes room in the cache,
+and calls the model. It does not decide *what* runs in a step (that is the scheduler's
+job); it only checks that the step is runnable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.batch import ForwardBatch
+from kvforge.cache.base import CacheMethod
+from kvforge.errors import CacheCapacityError, ConfigError
+from kvforge.models.causal_lm import CausalLM
+
+
+@dataclass(frozen=True)
+class StepItem:
+    """New tokens of one sequence for this step; `need_logits` asks for the logits of the
+    last one (a prompt's final chunk or a decode token)."""
+
+    seq_id: int
+    token_ids: Sequence[int]
+    need_logits: bool = True
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: CacheMethod) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        self.max_positions = model.config.max_position_embeddings
+
+    def step(self, items: Sequence[StepItem]) -> torch.Tensor:
+        """Run one step; returns logits [number of items needing logits, vocab] in order."""
+        if not items:
+            raise ConfigError("items", [], "a step needs at least one sequence")
+        cached = [self.cache.num_cached_tokens(item.seq_id) for item in items]
+        for item, have in zip(items, cached):
+            total = have + len(item.token_ids)
+            if total > self.max_positions:
+                raise ConfigError("sequence length", total,
+                                  f"must be <= max_position_embeddings={self.max_positions}")
+            if not self.cache.allocate(item.seq_id, total):
+                raise CacheCapacityError(
+                    f"KV cache budget exhausted: sequence {item.seq_id} needs room for {total} tokens")
+        batch = ForwardBatch.build(
+            [item.seq_id for item in items], [item.token_ids for item in items], cached,
+            [item.need_logits for item in items], device=self.device)
+        with torch.inference_mode():
+            return self.model(batch, self.cache)
+
+    def release(self, seq_id: int) -> None:
+        self.cache.free(seq_id)

@@ -1,0 +1,1 @@
+"""Decoder implementations (plain PyTorch) and their loaders."""

@@ -1,0 +1,113 @@
+"""The decoder skeleton shared by every architecture: embed -> layers -> norm -> logits.
+
+Parameter names mirror Hugging Face (`model.embed_tokens`, `model.layers.N...`,
+`model.norm`, `lm_head`), so HF state dicts load by name. Subclasses supply the decoder
+layer, the norm and the embedding scale.
+
+`forward(batch, cache)` runs one engine step over a flattened batch of several sequences
+and returns logits only for `batch.logit_rows` (the final norm and the vocabulary
+projection, often the largest matmul, run on those rows only).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+from torch import nn
+
+from kvforge.batch import ForwardBatch
+from kvforge.cache.base import CacheMethod
+from kvforge.cache.layout import CacheLayerSpec, CacheLayout
+from kvforge.config import ModelConfig, RopeConfig
+from kvforge.errors import ModelLoadError
+from kvforge.models.rope import RotaryEmbedding
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, embed_tokens: nn.Embedding, layers: list[nn.Module], norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        kw = dict(dtype=dtype, device=device)
+        embed = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        layers = [self.make_layer(i, dtype, device) for i in range(config.num_layers)]
+        self.model = DecoderStack(embed, layers, self.make_norm(config.hidden_size, dtype, device))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # One rotary table per distinct RoPE configuration (Gemma3: local and global).
+        ropes: list[RopeConfig] = []
+        self.rope_index: list[int] = []
+        for layer in range(config.num_layers):
+            rope = config.rope_of(layer)
+            if rope not in ropes:
+                ropes.append(rope)
+            self.rope_index.append(ropes.index(rope))
+        self.rotaries = [RotaryEmbedding(config.head_dim, rope, device) for rope in ropes]
+
+    # -- architecture hooks -----------------------------------------------------------
+    @abstractmethod
+    def make_layer(self, layer: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+        """Decoder layer `layer`, whose forward is (h, batch, cache, rope) -> h."""
+
+    @abstractmethod
+    def make_norm(self, dim: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module: ...
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    # -- cache ------------------------------------------------------------------------
+    def cache_layout(self) -> CacheLayout:
+        """One cache layer per model layer (SwiftKV/AcrossKV models override this)."""
+        c = self.config
+        specs = [CacheLayerSpec(c.num_kv_heads, c.head_dim, c.attention_scale, c.window_of(layer))
+                 for layer in range(c.num_layers)]
+        return CacheLayout.one_per_layer(specs)
+
+    # -- forward ----------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, cache: CacheMethod) -> torch.Tensor:
+        cache.begin_step(batch)
+        hidden = self.embed(batch.token_ids)
+        ropes = [rotary.at(batch.positions, hidden.dtype) for rotary in self.rotaries]
+        for index, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, batch, cache, ropes[self.rope_index[index]])
+        logits = self.logits(hidden[batch.logit_rows])
+        cache.end_step(batch)
+        return logits
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(hidden))
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # -- weights ----------------------------------------------------------------------
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named tensors; every parameter must be present exactly once."""
+        state = dict(state)
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        expected = {name for name, _ in self.named_parameters()}
+        missing = sorted(expected - state.keys())
+        unexpected = sorted(state.keys() - expected)
+        if missing or unexpected:
+            raise ModelLoadError(
+                f"checkpoint does not match {type(self).__name__}: missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                f"{' ...' if len(unexpected) > 5 else ''}")
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(self.get_parameter(name).shape):
+                raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, the model "
+                                     f"expects {tuple(self.get_parameter(name).shape)}")
+        self.load_state_dict(state, strict=False)

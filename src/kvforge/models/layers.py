@@ -1,0 +1,99 @@
+"""Building blocks shared by the decoders. Module and parameter names mirror Hugging Face
+checkpoints (q_proj, k_proj, ..., gate_proj, input_layernorm) so weights load by name."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.batch import ForwardBatch
+from kvforge.cache.base import CacheMethod
+from kvforge.models.rope import PositionedRope
+
+
+class RMSNorm(nn.Module):
+    """Llama-style RMSNorm: normalise in float32, scale by w in the input dtype."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma RMSNorm: scale by (1 + w), all in float32, then back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, activation: str, bias: bool,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias, dtype=dtype, device=device)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias, dtype=dtype, device=device)
+        self.activation = _ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+
+
+class CachedAttention(nn.Module):
+    """Projections + optional QK-norm + RoPE; storage and the attention itself belong to
+    the cache method, reached through `cache_layer`."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool,
+                 out_bias: bool, cache_layer: int, qk_norm_eps: float | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.cache_layer = cache_layer
+        kw = dict(dtype=dtype, device=device)
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias, **kw)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias, **kw)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias, **kw)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=out_bias, **kw)
+        if qk_norm_eps is not None:
+            self.q_norm = GemmaRMSNorm(head_dim, qk_norm_eps, **kw)
+            self.k_norm = GemmaRMSNorm(head_dim, qk_norm_eps, **kw)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
+                rope: PositionedRope) -> torch.Tensor:
+        rows = x.shape[0]
+        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cache.write(self.cache_layer, batch, k, v, rope)
+        out = cache.attend(self.cache_layer, batch, rope.apply(q), rope)
+        return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))

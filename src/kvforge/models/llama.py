@@ -1,0 +1,42 @@
+"""Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2 (QKV bias), SmolLM2 (tied embeddings).
+
+Pre-norm residual blocks: h += attn(norm(h)); h += mlp(norm(h)). GQA throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvforge.batch import ForwardBatch
+from kvforge.cache.base import CacheMethod
+from kvforge.config import ModelConfig
+from kvforge.models.causal_lm import CausalLM
+from kvforge.models.layers import CachedAttention, GatedMLP, RMSNorm
+from kvforge.models.rope import PositionedRope
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, cache_layer: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.self_attn = CachedAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                         c.attention_bias, c.attention_out_bias, cache_layer,
+                                         dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
+                rope: PositionedRope) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache, rope)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(CausalLM):
+    def make_layer(self, layer: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+        return LlamaDecoderLayer(self.config, layer, dtype, device)
+
+    def make_norm(self, dim: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+        return RMSNorm(dim, self.config.rms_norm_eps, dtype, device)

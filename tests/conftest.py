@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random-weight models of each architecture, built both in
+transformers (the reference) and in kvforge with the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kvforge.cache.registry import create_cache
+from kvforge.config import ModelConfig
+from kvforge.engine.runner import ModelRunner
+from kvforge.models.registry import build_model
+
+torch.set_num_threads(2)
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+            max_position_embeddings=1024)
+
+# name -> (transformers config class, overrides). Chosen to cover GQA, QKV bias, llama3
+# RoPE scaling, Mistral sliding window and Gemma3's hybrid layers.
+ARCHITECTURES = {
+    "llama_gqa": (transformers.LlamaConfig, dict(num_hidden_layers=3, num_key_value_heads=2)),
+    "llama3_rope": (transformers.LlamaConfig, dict(
+        num_hidden_layers=2, num_key_value_heads=1, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64))),
+    "smollm2_tied": (transformers.LlamaConfig, dict(num_hidden_layers=2, num_key_value_heads=2,
+                                                    tie_word_embeddings=True)),
+    "qwen2_bias": (transformers.Qwen2Config, dict(num_hidden_layers=2, num_key_value_heads=2)),
+    "mistral_window": (transformers.MistralConfig, dict(num_hidden_layers=2, num_key_value_heads=2,
+                                                        sliding_window=12)),
+    "gemma3_hybrid": (transformers.Gemma3TextConfig, dict(
+        num_hidden_layers=4, num_key_value_heads=1, head_dim=32, sliding_window=10,
+        query_pre_attn_scalar=24, sliding_window_pattern=2)),
+}
+
+
+def make_pair(name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(transformers model, kvforge model) with identical random weights, fp32."""
+    config_cls, overrides = ARCHITECTURES[name]
+    torch.manual_seed(seed)
+    hf_config = config_cls(**{**TINY, **overrides})
+    hf_config._attn_implementation = "eager"
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    state = hf.state_dict()
+    for key in state:  # give norms and biases non-trivial values
+        if "norm" in key or key.endswith("bias"):
+            state[key] = torch.randn_like(state[key]) * 0.2 + (0 if "gemma" in name else 1.0) * ("norm" in key)
+    hf.load_state_dict(state)
+    ours = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), dtype=torch.float32)
+    ours.load_hf_state_dict(hf.state_dict())
+    return hf, ours
+
+
+def make_runner(model, cache: str = "full:block_size=4", budget: int = 1 << 22) -> ModelRunner:
+    return ModelRunner(model, create_cache(cache, model.cache_layout(), budget, torch.float32))
+
+
+@pytest.fixture(params=sorted(ARCHITECTURES))
+def arch(request) -> str:
+    return request.param

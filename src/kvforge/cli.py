@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--text-file", default=None,
                      help="text whose held-out part supplies the passage (default: "
                           "../shared/data/wikitext-2-raw-test.txt)")
+    ver.add_argument("--passage-tokens", type=int, default=256,
+                     help="length of the scored passage (longer than a sliding window to test it)")
     _add_json_arg(ver)
 
     info = verbs.add_parser("info", help="architecture, parameters and KV bytes per token")
@@ -111,7 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from kvforge.verify import run_verify
 
-    report = run_verify(args.model, text_file=args.text_file)
+    report = run_verify(args.model, text_file=args.text_file, passage_tokens=args.passage_tokens)
     print(f"model                      {report.model}")
     print(f"passage tokens             {report.passage_tokens}")
     print(f"max_abs_logit_diff         {report.max_abs_logit_diff:.3e}  "

@@ -22,6 +22,7 @@ import torch
 from kvforge.cache.registry import create_cache
 from kvforge.engine.greedy import greedy_generate
 from kvforge.engine.runner import ModelRunner, StepItem
+from kvforge.errors import ConfigError
 from kvforge.models.loader import ModelSource, load_model
 from kvforge.models.tokenizer import encode_prompt, has_chat_template, load_tokenizer
 from kvforge.text_data import heldout_text
@@ -84,7 +85,7 @@ def _passage_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
 
 
 def run_verify(model_name: str, text_file: str | Path | None = None,
-               kv_budget: int = 256 * 2**20) -> VerifyReport:
+               passage_tokens: int = PASSAGE_TOKENS, kv_budget: int = 256 * 2**20) -> VerifyReport:
     times: dict[str, float] = {}
     start = time.perf_counter()
     model, source = load_model(model_name, dtype="float32")
@@ -98,7 +99,9 @@ def run_verify(model_name: str, text_file: str | Path | None = None,
     cache = create_cache("full", model.cache_layout(), kv_budget, torch.float32)
     runner = ModelRunner(model, cache)
 
-    passage = tokenizer.encode(heldout_text(text_file))[:PASSAGE_TOKENS]
+    if passage_tokens <= DECODED_TOKENS:
+        raise ConfigError("passage_tokens", passage_tokens, f"must be > {DECODED_TOKENS}")
+    passage = tokenizer.encode(heldout_text(text_file))[:passage_tokens]
     start = time.perf_counter()
     ours = _passage_logits(runner, passage)
     with torch.inference_mode():

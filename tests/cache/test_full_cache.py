@@ -72,8 +72,8 @@ def test_exhaustion_reported_and_other_sequences_unaffected():
 def test_decode_attention_matches_reference(window):
     torch.manual_seed(0)
     heads, kv_heads, dim, block, pages_total = 6, 2, 8, 4, 40
-    k_pages = torch.randn(pages_total, block, kv_heads, dim)
-    v_pages = torch.randn(pages_total, block, kv_heads, dim)
+    k_pages = torch.randn(kv_heads, pages_total, block, dim)
+    v_pages = torch.randn(kv_heads, pages_total, block, dim)
     lengths = [0, 3, 9, 17]  # cached tokens per sequence
     tables = [torch.randperm(pages_total)[:(n + block - 1) // block].tolist() for n in lengths]
     q = torch.randn(len(lengths), heads, dim)
@@ -85,8 +85,8 @@ def test_decode_attention_matches_reference(window):
     out = decode_attention(q, k_self, v_self, k_pages, v_pages, table, torch.zeros(4, dtype=torch.long),
                            visible_from, torch.tensor(lengths), scale=0.3, tile_pages=2)
     for b, n in enumerate(lengths):
-        keys = torch.cat((k_pages[tables[b]].flatten(0, 1)[:n], k_self[b:b + 1]))
-        values = torch.cat((v_pages[tables[b]].flatten(0, 1)[:n], v_self[b:b + 1]))
+        keys = torch.cat((k_pages[:, tables[b]].flatten(1, 2)[:, :n].transpose(0, 1), k_self[b:b + 1]))
+        values = torch.cat((v_pages[:, tables[b]].flatten(1, 2)[:, :n].transpose(0, 1), v_self[b:b + 1]))
         expected = reference_attention(q[b:b + 1], keys, values, torch.tensor([n]), torch.arange(n + 1),
                                        0.3, window)
         torch.testing.assert_close(out[b:b + 1], expected, atol=1e-5, rtol=0)

@@ -41,24 +41,25 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_q_position: int,
                     first_k_position: int, scale: float, window: int | None) -> torch.Tensor:
-    """Queries at consecutive positions over keys at consecutive positions."""
-    n, m = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
+    """Queries [n, heads, D] at consecutive positions over head-major keys/values
+    [kv_heads, m, D] at consecutive positions."""
+    n, m = q.shape[0], k.shape[1]
+    group = q.shape[1] // k.shape[0]
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    qh = q.transpose(0, 1)[None]
     aligned = first_q_position == first_k_position and n == m
     no_window_effect = window is None or window >= n
     if aligned and no_window_effect:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(qh, k[None], v[None], is_causal=True, scale=scale)
     else:
         q_pos = torch.arange(first_q_position, first_q_position + n, device=q.device)
         k_pos = torch.arange(first_k_position, first_k_position + m, device=q.device)
         mask = visibility_mask(q_pos, k_pos, window)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(qh, k[None], v[None], attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)
 
 
@@ -69,36 +70,42 @@ def decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor
     """One query per sequence over its own new key plus stored keys, in float32.
 
     q [B, heads, D]; k_self/v_self [B, kv_heads, D] (the step's own token, exact);
-    k_pages/v_pages [num_pages, block, kv_heads, D]; page_table [B, P] page ids (padding
-    entries may hold any valid id); first_page_position [B] position of the first token
-    of page_table[:, 0]; stored keys at positions [visible_from, visible_to) are visible.
+    k_pages/v_pages head-major [kv_heads, num_pages, block, D]; page_table [B, P] page ids
+    (padding entries may hold any valid id); first_page_position [B] position of the first
+    token of page_table[:, 0]; stored keys at positions [visible_from, visible_to) are
+    visible. Work is batched over (kv head, sequence) pairs: gathering pages from
+    head-major storage yields [kv_heads, B, tokens, D] with no further copy before bmm.
     """
     batch, heads, dim = q.shape
     kv_heads = k_self.shape[1]
     group = heads // kv_heads
-    block = k_pages.shape[1]
-    qg = q.float().view(batch, kv_heads, group, dim) * scale
+    block = k_pages.shape[2]
+    pairs = kv_heads * batch
+    qh = (q.float() * scale).view(batch, kv_heads, group, dim).transpose(0, 1).reshape(pairs, group, dim)
+    k_own = k_self.float().transpose(0, 1).reshape(pairs, dim, 1)
+    v_own = v_self.float().transpose(0, 1).reshape(pairs, 1, dim)
     # The step's own key is always visible: it seeds the running max/sum, so every row is
     # finite from the start and fully masked tiles can never produce NaN.
-    running_max = torch.einsum("bhgd,bhd->bhg", qg, k_self.float())
+    running_max = torch.bmm(qh, k_own)  # [pairs, group, 1]
     running_sum = torch.ones_like(running_max)
-    acc = v_self.float()[:, :, None, :].expand(batch, kv_heads, group, dim).clone()
+    acc = v_own.expand(pairs, group, dim).clone()
     num_pages = page_table.shape[1]
     offsets = torch.arange(tile_pages * block, device=q.device)
     for start in range(0, num_pages, tile_pages):
         ids = page_table[:, start:start + tile_pages]
         tile = ids.shape[1] * block
-        k = k_pages[ids].reshape(batch, tile, kv_heads, dim).float()
-        v = v_pages[ids].reshape(batch, tile, kv_heads, dim).float()
-        scores = torch.einsum("bhgd,bshd->bhgs", qg, k)
+        flat_ids = ids.reshape(-1)
+        k = k_pages.index_select(1, flat_ids).view(pairs, tile, dim).float()
+        v = v_pages.index_select(1, flat_ids).view(pairs, tile, dim).float()
+        scores = torch.bmm(qh, k.transpose(1, 2))  # [pairs, group, tile]
         positions = first_page_position[:, None] + start * block + offsets[None, :tile]
         hidden = (positions < visible_from[:, None]) | (positions >= visible_to[:, None])
-        scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
-        new_max = torch.maximum(running_max, scores.amax(dim=-1))
-        probs = torch.exp(scores - new_max[..., None])
+        scores.masked_fill_(hidden.repeat(kv_heads, 1)[:, None, :], float("-inf"))
+        new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+        probs = torch.exp(scores - new_max)
         correction = torch.exp(running_max - new_max)
-        running_sum = running_sum * correction + probs.sum(dim=-1)
-        acc = acc * correction[..., None] + torch.einsum("bhgs,bshd->bhgd", probs, v)
+        running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
+        acc = acc * correction + torch.bmm(probs, v)
         running_max = new_max
-    out = acc / running_sum[..., None]
+    out = (acc / running_sum).view(kv_heads, batch, group, dim).transpose(0, 1)
     return out.reshape(batch, heads, dim).to(q.dtype)

@@ -99,5 +99,6 @@ class CacheMethod(ABC):
         """Attention output [T, heads, head_dim] for the step's queries (RoPE applied).
         Each query sees the sequence's earlier tokens and the step's own tokens up to it."""
 
+    @abstractmethod
     def end_step(self, batch: ForwardBatch) -> None:
         """Commit the step: sequences now hold `span.total_len` tokens."""

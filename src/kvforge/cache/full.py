@@ -1,7 +1,8 @@
 """The `full` cache method: post-RoPE K and V in fp32/bf16/fp16 on a paged block pool.
 
-Storage per side (K, V): [group_size, num_pages, block_size, kv_heads, head_dim], one page
-id valid for every layer of a group (see page_table.py). The number of pages is fixed by
+Storage per side (K, V): [group_size, kv_heads, num_pages, block_size, head_dim], one
+page id valid for every layer of a group (see page_table.py). Head-major so that gathering
+a batch's pages gives [kv_heads, sequences, tokens, head_dim], ready for batched matmuls. The number of pages is fixed by
 the byte budget at construction; `torch.empty` reserves address space, and memory is
 touched only as pages are used.
 
@@ -91,7 +92,7 @@ class FullCache(CacheMethod):
                 f"{self.page_bytes} bytes = {minimum} bytes (block_size={self.block_size})")
         self.budget_bytes = budget_bytes
         self.pages = PageTable(BlockPool(num_pages), self.block_size, self.groups)
-        shape = (self.groups.group_size, num_pages, self.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (self.groups.group_size, layout.num_kv_heads, num_pages, self.block_size, layout.head_dim)
         self.k_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
         self.v_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
         self._plans: list[_GroupPlan] = []
@@ -149,8 +150,9 @@ class FullCache(CacheMethod):
         if plan.write_rows is not None:
             k, v = k[plan.write_rows], v[plan.write_rows]
         heads, dim = self.layout.num_kv_heads, self.layout.head_dim
-        self.k_store[index].view(-1, heads, dim).index_copy_(0, plan.write_slots, k.to(self.storage_dtype))
-        self.v_store[index].view(-1, heads, dim).index_copy_(0, plan.write_slots, v.to(self.storage_dtype))
+        for store, values in ((self.k_store, k), (self.v_store, v)):
+            flat = store[index].view(heads, -1, dim)
+            flat.index_copy_(1, plan.write_slots, values.transpose(0, 1).to(self.storage_dtype))
 
     def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
                rope: PositionedRope) -> torch.Tensor:
@@ -163,15 +165,15 @@ class FullCache(CacheMethod):
         for prefill in plan.prefills:
             span = prefill.span
             rows = slice(span.query_start, span.query_end)
-            k, v = k_new[rows], v_new[rows]
+            k, v = k_new[rows].transpose(0, 1), v_new[rows].transpose(0, 1)  # head-major
             past_from = prefill.past_from
             if span.cached_len > past_from:
                 skip = past_from - prefill.first_page_position
                 length = span.cached_len - past_from
-                past_k = k_pages[prefill.pages].flatten(0, 1)[skip:skip + length]
-                past_v = v_pages[prefill.pages].flatten(0, 1)[skip:skip + length]
-                k = torch.cat((past_k.to(k.dtype), k))
-                v = torch.cat((past_v.to(v.dtype), v))
+                past_k = k_pages.index_select(1, prefill.pages).flatten(1, 2)[:, skip:skip + length]
+                past_v = v_pages.index_select(1, prefill.pages).flatten(1, 2)[:, skip:skip + length]
+                k = torch.cat((past_k.to(k.dtype), k), dim=1)
+                v = torch.cat((past_v.to(v.dtype), v), dim=1)
             else:
                 past_from = span.cached_len
             out[rows] = chunk_attention(q[rows], k, v, span.cached_len, past_from, spec.scale,
@@ -188,7 +190,6 @@ class FullCache(CacheMethod):
     def _plan_group(self, group: int, batch: ForwardBatch) -> _GroupPlan:
         """Per-step metadata of one layer group, shared by every layer in it."""
         block = self.block_size
-        window = self.groups.windows[group]
         rows: list[int] = []
         slots: list[int] = []
         decode_spans: list[SequenceSpan] = []

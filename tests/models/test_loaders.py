@@ -22,12 +22,8 @@ from safetensors.torch import save_file
 from kvforge.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from kvforge.errors import ConfigError, ModelLoadError
 from kvforge.models import named_models
-from kvforge.models.gguf_checkpoint import (
-    read_gguf_config,
-    read_gguf_metadata,
-    read_gguf_state_dict,
-    unpermute_qk,
-)
+from kvforge.models.gguf_checkpoint import read_gguf_config, read_gguf_state_dict, unpermute_qk
+from kvforge.models.gguf_metadata import read_gguf_metadata
 from kvforge.models.hf_checkpoint import normalize_hf_name, read_hf_config, read_hf_state_dict
 from kvforge.models.loader import (
     ModelSource,

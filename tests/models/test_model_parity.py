@@ -82,3 +82,14 @@ def test_logits_only_for_requested_rows(arch):
     logits = runner.step([StepItem(0, [1, 2, 3], num_logits=0), StepItem(1, [4, 5]),
                           StepItem(2, [6, 7, 8], num_logits=3)])
     assert logits.shape == (4, 96)
+
+
+def test_every_row_scored_matches_reference(arch):
+    """num_logits = chunk length returns one row per token (perplexity, verify)."""
+    hf, model = make_pair(arch)
+    tokens = torch.randint(0, 96, (LENGTH,), generator=torch.Generator().manual_seed(5))
+    expected = reference_logits(hf, tokens)
+    runner = make_runner(model)
+    first = runner.step([StepItem(0, tokens[:20].tolist(), num_logits=20)])
+    rest = runner.step([StepItem(0, tokens[20:].tolist(), num_logits=LENGTH - 20)])
+    torch.testing.assert_close(torch.cat((first, rest)), expected, atol=1e-5, rtol=0)

@@ -1,0 +1,25 @@
+"""Engine configuration: validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvforge.errors import require
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_budget_bytes: int = 1 << 30
+    # Tokens computed per step, all requests together (prefill chunks + decode tokens).
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        require(self.kv_budget_bytes > 0, "kv_budget", self.kv_budget_bytes, "must be > 0 bytes")
+        require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens,
+                "must be >= 1")
+        require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
+                "must be >= 2")

@@ -1,0 +1,144 @@
+"""`LLM`: the offline facade. Load a model once, then `generate` or `stream`.
+
+Prompts may be text (encoded as is), token ids, or chat messages
+(`[{"role": "user", "content": ...}, ...]`, rendered with the model's chat template).
+A request that is invalid on its own (empty, too long for the context or the KV budget)
+comes back with `finish_reason == "error"` and a message; the others run normally.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from kvforge.cache.registry import create_cache, parse_cache_spec
+from kvforge.engine.engine_config import EngineConfig
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.request import FinishReason, Request
+from kvforge.engine.sampling import SamplingParams
+from kvforge.errors import ConfigError
+from kvforge.models.loader import load_model, parse_dtype
+from kvforge.models.tokenizer import encode_prompt, has_chat_template, load_tokenizer
+from kvforge.sizes import parse_bytes
+
+Messages = Sequence[Mapping[str, str]]
+Prompt = str | Sequence[int] | Messages
+
+
+def _is_token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)
+
+
+def _is_messages(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and all(
+        isinstance(m, Mapping) and "role" in m for m in prompt)
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", cache: str = "full", dtype: str = "float32",
+                 kv_budget: str | int = "1GiB", max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 256, max_model_len: int | None = None,
+                 cache_options: Sequence[str] | None = None, device: str = "cpu") -> None:
+        # Everything that can be wrong with the arguments fails before weights load.
+        spec = parse_cache_spec(cache, list(cache_options or []))
+        torch_dtype = parse_dtype(dtype)
+        config = EngineConfig(kv_budget_bytes=parse_bytes(kv_budget), max_num_batched_tokens=max_num_batched_tokens,
+                              max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        self.model, self.source = load_model(model, dtype=torch_dtype, device=device)
+        self.tokenizer = load_tokenizer(self.source)
+        kv_cache = create_cache(spec, self.model.cache_layout(), config.kv_budget_bytes, torch_dtype, device)
+        self.cache_spec = spec
+        self.engine = LLMEngine(self.model, kv_cache, self.tokenizer, config)
+
+    @property
+    def is_chat_model(self) -> bool:
+        return has_chat_template(self.tokenizer)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return encode_prompt(self.tokenizer, prompt, chat=False)
+        if _is_token_ids(prompt):
+            return list(prompt)
+        if _is_messages(prompt):
+            if not self.is_chat_model:
+                raise ConfigError("prompt", "chat messages", "need a model with a chat template")
+            return encode_prompt(self.tokenizer, prompt, chat=True)
+        raise ConfigError("prompt", type(prompt).__name__, "must be text, token ids or chat messages")
+
+    # -- batch generation -------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        prompt_list = self._as_prompt_list(prompts)
+        param_list = self._as_param_list(params, len(prompt_list))
+        results: dict[str, RequestOutput] = {}
+        order = [self._submit(p, sp, results) for p, sp in zip(prompt_list, param_list)]
+        bar = tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or len(order) < 2)
+        bar.update(len(results))
+        generated = 0
+        start = time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                generated += len(output.new_token_ids)
+                if output.finished:
+                    results[output.request_id] = output
+                    bar.update(1)
+            bar.set_postfix(tok_s=f"{generated / max(time.perf_counter() - start, 1e-9):.1f}", refresh=False)
+        bar.close()
+        return [results[request_id] for request_id in order]
+
+    # -- streaming --------------------------------------------------------------------
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Yield each request's output as it changes (`new_text` / `new_token_ids` hold the
+        delta); requests rejected on submission are yielded first, already finished."""
+        prompt_list = self._as_prompt_list(prompts)
+        param_list = self._as_param_list(params, len(prompt_list))
+        rejected: dict[str, RequestOutput] = {}
+        for prompt, sp in zip(prompt_list, param_list):
+            self._submit(prompt, sp, rejected)
+        yield from rejected.values()
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+
+    # -- helpers ----------------------------------------------------------------------
+    def _submit(self, prompt: Prompt, params: SamplingParams, rejected: dict[str, RequestOutput]) -> str:
+        try:
+            return self.engine.add_request(self.encode(prompt), params)
+        except ConfigError as exc:
+            request = Request(f"rejected-{len(rejected)}-{id(prompt)}", -1, [], params)
+            request.error = str(exc)
+            request.finish(FinishReason.ERROR)
+            rejected[request.request_id] = RequestOutput.of(request, [], "")
+            return request.request_id
+
+    @staticmethod
+    def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str) or _is_token_ids(prompts) or _is_messages(prompts):
+            return [prompts]
+        return list(prompts)
+
+    @staticmethod
+    def _as_param_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int
+                       ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        if len(params) != count:
+            raise ConfigError("params", len(params), f"must be one SamplingParams or one per prompt ({count})")
+        return list(params)
+
+
+def set_threads(threads: int | None) -> None:
+    """Set torch CPU threads (benchmarks set this explicitly)."""
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError("threads", threads, "must be >= 1")
+        torch.set_num_threads(threads)

@@ -1,0 +1,157 @@
+"""The engine: scheduler + runner + sampler, one `step()` at a time.
+
+`add_request` validates a request alone and raises ConfigError if it can never run (empty
+prompt, prompt beyond the context, prompt larger than the whole KV budget, token ids
+outside the vocabulary); nothing else in the engine is touched, so other requests go on.
+`step()` schedules, runs the model once, samples, applies stop rules and returns the
+outputs of every request that changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvforge.cache.base import CacheMethod
+from kvforge.engine.detokenizer import IncrementalDetokenizer
+from kvforge.engine.engine_config import EngineConfig
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.request import FinishReason, Request
+from kvforge.engine.runner import ModelRunner, StepItem
+from kvforge.engine.sampling import SamplingParams, banned_token_ids, find_stop, make_generator, sample
+from kvforge.engine.scheduler import ScheduledChunk, Scheduler
+from kvforge.errors import ConfigError
+from kvforge.models.causal_lm import CausalLM
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, cache: CacheMethod, tokenizer: Any | None = None,
+                 config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        limit = model.config.max_position_embeddings
+        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        self.runner = ModelRunner(model, cache)
+        self.scheduler = Scheduler(cache, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        eos = set(model.config.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.steps = 0
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; raises ConfigError (leaving the engine untouched) if it is invalid."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError("params", type(params).__name__, "must be a SamplingParams")
+        prompt = [int(t) for t in prompt_token_ids]
+        self._validate_prompt(prompt)
+        number = next(self._ids)
+        request_id = str(number) if request_id is None else str(request_id)
+        if request_id in self._requests and not self._requests[request_id].is_finished:
+            raise ConfigError("request_id", request_id, "must be unique among unfinished requests")
+        request = Request(request_id, number, prompt, params, eos_token_ids=self.eos_token_ids)
+        if not params.greedy:
+            request.generator = make_generator(params.seed, self.runner.device)
+        if self.tokenizer is not None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        aborted = self.scheduler.abort(ids)
+        for request in aborted:
+            self._requests.pop(request.request_id, None)
+        return [RequestOutput.of(r, [], "") for r in aborted]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _validate_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ConfigError("prompt", "", "must contain at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError("prompt token id", bad[0], f"must be in [0, {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ConfigError("prompt length", len(prompt),
+                              f"must be < max_model_len={self.max_model_len} (room for at least one "
+                              "generated token)")
+        needed = self.cache.sequence_bytes(len(prompt) + 1)
+        capacity = self.cache.memory_capacity()["fast"]
+        if needed > capacity:
+            raise ConfigError("kv_budget", capacity,
+                              f"must hold this prompt of {len(prompt)} tokens ({needed} bytes needed)")
+
+    # -- one step ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        outputs: dict[str, RequestOutput] = {}
+        for request in scheduled.dropped:
+            request.error = "the KV-cache budget cannot hold this sequence even alone"
+            self._requests.pop(request.request_id, None)
+            outputs[request.request_id] = RequestOutput.of(request, [], "")
+        if not scheduled.chunks:
+            return list(outputs.values())
+        self.steps += 1
+        logits = self.runner.step([self._item(chunk) for chunk in scheduled.chunks])
+        now = time.perf_counter()
+        sampling: list[Request] = []
+        for chunk in scheduled.chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            if chunk.needs_logits:
+                sampling.append(request)
+        if sampling:
+            chosen = sample(logits, [r.params for r in sampling], [r.generator for r in sampling],
+                            [banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens)
+                             for r in sampling])
+            for request, token, logprob in zip(sampling, chosen.token_ids, chosen.logprobs):
+                outputs[request.request_id] = self._accept(request, token, logprob, now)
+        return list(outputs.values())
+
+    def _item(self, chunk: ScheduledChunk) -> StepItem:
+        tokens = chunk.request.tokens(chunk.start, chunk.end)
+        return StepItem(chunk.request.seq_id, tokens, num_logits=int(chunk.needs_logits))
+
+    def _accept(self, request: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
+        """Append a sampled token and apply the stop rules."""
+        params = request.params
+        request.output_token_ids.append(token)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        stopped = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        new_text = ""
+        if request.detokenizer is not None and not stopped:
+            new_text = request.detokenizer.add(token)
+            request.output_text = request.detokenizer.text
+            if params.stop and request.num_output_tokens >= params.min_tokens:
+                cut = find_stop(request.output_text, params.stop, request.stop_search_from)
+                request.stop_search_from = len(request.output_text)
+                if cut is not None:
+                    new_text = new_text[:max(0, len(new_text) - (len(request.output_text) - cut))]
+                    request.output_text = request.output_text[:cut]
+                    stopped = True
+        if stopped:
+            self.scheduler.finish(request, FinishReason.STOP)
+        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            self.scheduler.finish(request, FinishReason.LENGTH)
+        output = RequestOutput.of(request, [token], new_text)
+        if request.is_finished:
+            self._requests.pop(request.request_id, None)
+        return output

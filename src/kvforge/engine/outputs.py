@@ -1,0 +1,62 @@
+"""What the engine reports about a request: final results and streaming deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvforge.engine.request import Request
+
+
+@dataclass(frozen=True)
+class RequestMetricsReport:
+    prompt_tokens: int
+    output_tokens: int
+    time_to_first_token: float | None  # seconds from arrival to the first generated token
+    time_per_output_token: float | None  # mean seconds between later tokens
+    latency: float | None  # seconds from arrival to finish
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, request: Request) -> RequestMetricsReport:
+        m = request.metrics
+        ttft = None if m.first_token_time is None else m.first_token_time - m.arrival_time
+        tpot = None
+        if m.first_token_time is not None and m.finish_time is not None and request.num_output_tokens > 1:
+            tpot = (m.finish_time - m.first_token_time) / (request.num_output_tokens - 1)
+        latency = None if m.finish_time is None else m.finish_time - m.arrival_time
+        return cls(request.num_prompt_tokens, request.num_output_tokens, ttft, tpot, latency,
+                   m.num_preemptions)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """State of a request after a step. `new_token_ids`/`new_text` are what this step added
+    (the streaming delta); `token_ids`/`text` are everything so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[float] | None
+    error: str | None
+    metrics: RequestMetricsReport
+
+    @classmethod
+    def of(cls, request: Request, new_token_ids: list[int], new_text: str) -> RequestOutput:
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            token_ids=list(request.output_token_ids),
+            text=request.output_text,
+            new_token_ids=new_token_ids,
+            new_text=new_text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            logprobs=list(request.output_logprobs) if request.params.logprobs else None,
+            error=request.error,
+            metrics=RequestMetricsReport.of(request),
+        )

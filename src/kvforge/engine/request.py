@@ -1,0 +1,97 @@
+"""A generation request and its lifecycle state (plain Python, no torch).
+
+There is no prefill or decode phase: a request has `num_tokens` (prompt + generated) and
+`num_computed_tokens` (tokens whose K/V the cache holds). Each step computes some of the
+missing tokens; when the last one is computed its logits give the next token.
+
+Invariants:
+- 0 <= num_computed_tokens <= num_tokens;
+- a running request that is preempted drops its cache and restarts from
+  num_computed_tokens = 0, recomputing prompt and generated tokens;
+- once finished, a request never changes again.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvforge.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # rejected (bad input)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class Request:
+    request_id: str
+    seq_id: int  # the cache's handle for this request's storage
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Token ids that end generation unless params.ignore_eos (the model's EOS ids).
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_text: str = ""
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    generator: Any = None  # torch.Generator of this request (set by the engine)
+    detokenizer: Any = None  # IncrementalDetokenizer (set by the engine when it has a tokenizer)
+    # Position in the output text from which stop strings are searched next.
+    stop_search_from: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        if index < len(self.prompt_token_ids):
+            return self.prompt_token_ids[index]
+        return self.output_token_ids[index - len(self.prompt_token_ids)]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        return (prompt + self.output_token_ids)[start:end]
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.metrics.finish_time = time.perf_counter()

@@ -1,0 +1,276 @@
+"""Per-request sampling: parameters, token choice for one step, stop-string search.
+
+`sample` turns the logits of one step (one row per request) into one token per row.
+Invariants:
+
+- A row's token depends only on its own logits, its own `SamplingParams`, its banned
+  ids and its own `torch.Generator`, never on the other rows of the batch. Non-greedy
+  rows are therefore processed one at a time with 1-D tensor ops, and each draws exactly
+  one uniform number from its own generator per step.
+- Greedy rows (temperature 0 or top_k 1) take the argmax (ties -> lowest id) and draw
+  nothing from their generator.
+- Banned ids (`min_tokens` not reached yet) are masked to -inf before anything else;
+  a token with zero probability after masking, top-k and top-p is never returned.
+- Log-probabilities are those of the *unmodified* model distribution: log_softmax of the
+  raw logits, before banning, temperature, top-k and top-p.
+- Everything is computed in float32 (cumulative sums in float64), whatever the logits'
+  dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvforge.errors import require
+
+# Cumulative probabilities carry float32 rounding (about 1e-7); a prefix whose sum is
+# within this of top_p counts as reaching it, so probs [0.5, 0.3, ...] with top_p=0.8
+# keep exactly two tokens.
+TOP_P_TOLERANCE = 1e-6
+# top-p without top-k first looks for the nucleus among this many best tokens (a partial
+# top-k, far cheaper than sorting a 100k+ vocabulary), then 16x as many, and sorts the
+# whole vocabulary only if needed.
+NUCLEUS_CANDIDATES = 1024
+_MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request chooses its tokens and when it stops. Validated on construction."""
+
+    max_tokens: int = 128
+    min_tokens: int = 0  # stop ids and EOS are banned until this many tokens are produced
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables top-p
+    seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings; the output text is cut where one starts
+    ignore_eos: bool = False  # don't stop on the model's EOS ids
+    logprobs: bool = False  # report log_softmax(raw logits) at each chosen token
+
+    def __post_init__(self) -> None:
+        require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+                "must be an integer >= 1")
+        require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+                "must be an integer >= 0")
+        require(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                f"must be <= max_tokens={self.max_tokens}")
+        require(_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+                "temperature", self.temperature, "must be a finite number >= 0 (0 means greedy)")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        require(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
+                "must be an integer >= 1, or 0 to disable top-k")
+        require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p,
+                "must be in (0, 1] (1 disables top-p)")
+        object.__setattr__(self, "top_p", float(self.top_p))
+        require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < _MAX_SEED), "seed",
+                self.seed, "must be None or an integer in [0, 2**64)")
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int))
+        bad_ids = [t for t in self.stop_token_ids if not (_is_int(t) and t >= 0)]
+        require(not bad_ids, "stop_token_ids", self.stop_token_ids,
+                "must be non-negative integer token ids")
+        object.__setattr__(self, "stop", _as_tuple(self.stop, str))
+        bad_stops = [s for s in self.stop if not (isinstance(s, str) and s)]
+        require(not bad_stops, "stop", self.stop, "must be non-empty strings")
+        require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
+        require(isinstance(self.logprobs, bool), "logprobs", self.logprobs, "must be a bool")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the choice is deterministic: argmax of the (masked) logits."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def greedy_params(cls, max_tokens: int = 128, **overrides: Any) -> SamplingParams:
+        """Greedy decoding (temperature 0) with the other fields given by keyword."""
+        return cls(max_tokens=max_tokens, temperature=0.0, **overrides)
+
+
+def _as_tuple(value: Any, scalar: type) -> tuple[Any, ...]:
+    """A single `scalar` becomes a 1-tuple; any other iterable becomes a tuple."""
+    if isinstance(value, scalar) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        return tuple(value)
+    return (value,)  # refused by the element checks
+
+
+def banned_token_ids(params: SamplingParams, eos_token_ids: Iterable[int], num_generated: int) -> frozenset[int]:
+    """Ids a request may not sample yet: its stop ids and (unless ignore_eos) the EOS ids,
+    while it has produced fewer than `min_tokens` tokens; empty afterwards."""
+    if num_generated >= params.min_tokens:
+        return frozenset()
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned.update(eos_token_ids)
+    return frozenset(banned)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own random stream on `device`. seed None -> seeded nondeterministically
+    (std::random_device or the clock). The same seed gives the same stream on one device
+    type; CPU and CUDA streams differ."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """One step's choices: `token_ids[i]` for row i; `logprobs[i]` is the raw-model
+    log-probability of that token when row i asked for logprobs, else None."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None] | None = None,
+           banned: Sequence[Collection[int] | None] | None = None) -> SampleOutput:
+    """Choose one token per row of `logits` [R, V].
+
+    `generators[i]` is row i's stream (None -> torch's default generator on the logits'
+    device, which is not reproducible per request); greedy rows never use it.
+    `banned[i]` are ids row i must not produce (ids outside [0, V) are ignored).
+    """
+    require(logits.dim() == 2, "logits", tuple(logits.shape), "must be 2-D [rows, vocab]")
+    rows, vocab = logits.shape
+    require(len(params) == rows, "params", len(params), f"must have one entry per logits row ({rows})")
+    gens: Sequence[torch.Generator | None] = [None] * rows if generators is None else generators
+    require(len(gens) == rows, "generators", len(gens), f"must have one entry per logits row ({rows})")
+    bans: Sequence[Collection[int] | None] = [None] * rows if banned is None else banned
+    require(len(bans) == rows, "banned", len(bans), f"must have one entry per logits row ({rows})")
+
+    # Masked float32 view/copy; elementwise, so a row's values do not depend on the others.
+    work = logits.detach().float()  # the logits themselves when already float32
+    ban_rows: list[int] = []
+    ban_cols: list[int] = []
+    for i, ids in enumerate(bans):
+        for t in ids or ():
+            if 0 <= t < vocab:
+                ban_rows.append(i)
+                ban_cols.append(int(t))
+    if ban_rows:
+        if work.data_ptr() == logits.data_ptr():
+            work = work.clone()  # never write into the caller's logits
+        device = work.device
+        work[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = -math.inf
+
+    tokens = torch.empty(rows, dtype=torch.long, device=work.device)
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if len(greedy_rows) == rows:
+        tokens = work.argmax(dim=-1)
+    elif greedy_rows:
+        index = torch.tensor(greedy_rows, device=work.device)
+        tokens[index] = work.index_select(0, index).argmax(dim=-1)
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = _sample_row(work[i], p, gens[i])
+
+    logprobs: list[float | None] = [None] * rows
+    logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
+    if logprob_rows:
+        index = torch.tensor(logprob_rows, device=logits.device)
+        raw = logits.detach().index_select(0, index).float().log_softmax(dim=-1)
+        chosen = raw.gather(1, tokens.index_select(0, index.to(tokens.device)).unsqueeze(1)).squeeze(1)
+        for i, value in zip(logprob_rows, chosen.tolist()):
+            logprobs[i] = value
+    return SampleOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+
+def _sample_row(scores: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """One draw for one non-greedy row; `scores` is the masked float32 row [V].
+    Returns a 0-dim long tensor (no host sync)."""
+    # Shift so the maximum is exactly 0 before dividing: no overflow for tiny temperatures,
+    # and softmax always has one term equal to 1 (no NaN) unless every id is banned.
+    scaled = (scores - scores.max()) / params.temperature
+    vocab = scaled.shape[0]
+    # `probs` is sorted descending whenever top-k or top-p applies; `candidates` holds the
+    # vocabulary id of each entry of `probs` (None = identity, the whole vocabulary).
+    candidates: torch.Tensor | None = None
+    if 0 < params.top_k < vocab:
+        values, candidates = torch.topk(scaled, params.top_k)  # sorted, descending
+        probs = torch.softmax(values, dim=-1)  # renormalised over the k best
+    elif params.top_p < 1:
+        probs, candidates = _nucleus_candidates(torch.softmax(scaled, dim=-1), params.top_p)
+    else:
+        probs = torch.softmax(scaled, dim=-1)  # plain temperature sampling never sorts
+    if params.top_p < 1:
+        # Nucleus: the smallest prefix of the sorted distribution whose mass reaches top_p;
+        # at least one token.
+        cumulative = probs.double().cumsum(dim=-1)
+        threshold = torch.tensor([params.top_p - TOP_P_TOLERANCE], dtype=torch.float64,
+                                 device=probs.device)
+        keep = torch.searchsorted(cumulative, threshold) + 1  # up to the first reaching it
+        positions = torch.arange(probs.shape[0], device=probs.device)
+        probs = torch.where(positions < keep, probs, torch.zeros_like(probs))
+    choice = _draw(probs, generator)
+    return choice if candidates is None else candidates[choice]
+
+
+def _nucleus_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The highest `probs` [V] in descending order with their ids: enough of them to hold
+    the nucleus. Tries the NUCLEUS_CANDIDATES best, then 16 times as many, and sorts the
+    whole vocabulary only when those do not reach top_p. The nucleus is a prefix of the
+    sorted order, so the path taken changes nothing (up to the order of exactly equal
+    probabilities), and it depends on the row alone. One host sync per try."""
+    vocab = probs.shape[0]
+    k = NUCLEUS_CANDIDATES
+    while k < vocab:
+        values, ids = torch.topk(probs, k)  # sorted, descending
+        if float(values.double().cumsum(dim=-1)[-1]) >= top_p - TOP_P_TOLERANCE:
+            return values, ids
+        k *= 16
+    values, ids = torch.sort(probs, descending=True)
+    return values, ids
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Inverse-CDF draw from unnormalised non-negative `probs` [N] with one uniform number.
+
+    `searchsorted(cdf, u * total, right=True)` is the first index whose cdf exceeds the
+    target, so an index whose probability is 0 (cdf equal to its predecessor's) is never
+    returned; the clamp covers u * total rounding up to total.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[-1:]
+    u = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generator)
+    index = torch.searchsorted(cdf, u * total, right=True)
+    last_positive = torch.searchsorted(cdf, total)  # first index reaching the total mass
+    return torch.minimum(index, last_positive).squeeze(0)
+
+
+def find_stop(text: str, stops: Sequence[str], search_from: int) -> int | None:
+    """Index in `text` where the earliest stop string starts, or None.
+
+    `text[:search_from]` was searched before (it held no stop string), so only matches
+    that end after `search_from` are looked for: each stop s is searched from
+    `search_from - len(s) + 1`, which keeps incremental decoding O(new text).
+    Empty stop strings are ignored.
+    """
+    best: int | None = None
+    for stop in stops:
+        if not stop:
+            continue
+        found = text.find(stop, max(0, search_from - len(stop) + 1))
+        if found >= 0 and (best is None or found < best):
+            best = found
+    return best

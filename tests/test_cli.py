@@ -17,6 +17,8 @@ from kvforge.cli import main
     (["generate", "--dtype", "float64", "hi"], "invalid dtype='float64'"),
     (["generate", "--kv-budget", "lots", "hi"], "kv_budget"),
     (["generate", "--max-tokens", "0", "hi"], "max_tokens"),
+    (["generate", "--top-p", "1.5", "hi"], "top_p"),
+    (["chat", "--temperature", "-1"], "temperature"),
 ])
 def test_bad_input_gives_clear_error(argv, expected, capsys):
     assert main(argv) == 2

@@ -1,4 +1,4 @@
-"""Command line: `kvforge generate | verify | info`."""
+"""Command line: `kvforge generate | chat | bench | verify | info`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,42 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    parser.add_argument("--cache", default="full", help="cache method, optionally name:key=value,...")
+    parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
+                        help="cache method option (repeatable)")
+    parser.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET, help="KV-cache memory budget, e.g. 512MB")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="tokens computed per engine step (prefill chunk size)")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt")
+    parser.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    parser.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from kvforge.engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
+def _make_llm(args: argparse.Namespace):
+    from kvforge.engine.llm import LLM
+
+    return LLM(model=args.model, cache=args.cache, cache_options=args.cache_opt, dtype=args.dtype,
+               kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
 def _add_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT", default=None, help="also write the result as JSON")
 
@@ -38,16 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description="KV-cache reshaping for LLM inference")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
-    gen = verbs.add_parser("generate", help="greedy generation for one or more prompts")
+    gen = verbs.add_parser("generate", help="generate text for one or more prompts")
     _add_model_args(gen)
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
     gen.add_argument("prompts", nargs="+", help="prompt text(s)")
-    gen.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    gen.add_argument("--cache", default="full", help="cache method, optionally name:key=value,...")
-    gen.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
-                     help="cache method option (repeatable)")
-    gen.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET, help="KV-cache memory budget, e.g. 512MB")
-    gen.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _add_json_arg(gen)
+
+    chat = verbs.add_parser("chat", help="interactive chat (type /reset to forget, /exit to quit)")
+    _add_model_args(chat)
+    _add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system message")
 
     ver = verbs.add_parser("verify", help="compare kvforge with transformers on the same weights")
     _add_model_args(ver)
@@ -65,49 +104,68 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvforge.cache.registry import create_cache, parse_cache_spec
-    from kvforge.engine.greedy import greedy_generate
-    from kvforge.engine.runner import ModelRunner
-    from kvforge.errors import ConfigError
-    from kvforge.models.loader import load_model, parse_dtype
-    from kvforge.models.tokenizer import encode_prompt, has_chat_template, load_tokenizer
-    from kvforge.sizes import parse_bytes
-
-    if args.max_tokens < 1:
-        raise ConfigError("max_tokens", args.max_tokens, "must be >= 1")
-    dtype = parse_dtype(args.dtype)
-    spec = parse_cache_spec(args.cache, args.cache_opt)
-    budget = parse_bytes(args.kv_budget)
-    model, source = load_model(args.model, dtype=dtype)
-    tokenizer = load_tokenizer(source)
-    chat = not args.raw and has_chat_template(tokenizer)
-    prompts = [encode_prompt(tokenizer, text, chat=chat) for text in args.prompts]
-    for text, ids in zip(args.prompts, prompts):
-        if not ids:
-            raise ConfigError("prompt", text, "must encode to at least one token")
-    runner = ModelRunner(model, create_cache(spec, model.cache_layout(), budget, dtype))
-    stops = sorted(set(model.config.eos_token_ids) | {tokenizer.eos_token_id} - {None})
-    streaming = len(prompts) == 1
-    printed = ""
-    generated: list[int] = []
-
-    def stream(seq_id: int, token: int) -> None:
-        nonlocal printed
-        if token in stops:
-            return
-        generated.append(token)
-        text = tokenizer.decode(generated, skip_special_tokens=True)
-        print(text[len(printed):], end="", flush=True)
-        printed = text
-
-    outputs = greedy_generate(runner, prompts, args.max_tokens, stop_token_ids=stops,
-                              on_token=stream if streaming else None)
-    if streaming:
+    params = _sampling_params(args)  # validated before the model loads
+    llm = _make_llm(args)
+    chat = not args.raw and llm.is_chat_model
+    prompts = [[{"role": "user", "content": text}] if chat else text for text in args.prompts]
+    outputs = []
+    if len(prompts) == 1:
+        for output in llm.stream(prompts, params):
+            print(output.new_text, end="", flush=True)
+            if output.finished:
+                outputs.append(output)
         print()
-        return 0
-    for text, ids in zip(args.prompts, outputs):
-        print(f"### {text}\n{tokenizer.decode(ids, skip_special_tokens=True)}\n")
-    return 0
+    else:
+        outputs = llm.generate(prompts, params)
+        for text, output in zip(args.prompts, outputs):
+            print(f"### {text}\n{output.text}\n")
+    errors = [o.error for o in outputs if o.error]
+    for error in errors:
+        print(f"kvforge generate: error: {error}", file=sys.stderr)
+    _write_json(args.json, {"outputs": [_output_record(text, o) for text, o in zip(args.prompts, outputs)]})
+    return 2 if errors else 0
+
+
+def _output_record(prompt: str, output: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "text": output.text, "token_ids": output.token_ids,
+            "finish_reason": output.finish_reason, "error": output.error,
+            "metrics": vars(output.metrics)}
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _make_llm(args)
+    if not llm.is_chat_model:
+        print(f"kvforge chat: error: {args.model} has no chat template; use `kvforge generate --raw`",
+              file=sys.stderr)
+        return 2
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line.strip()})
+        reply = ""
+        print("assistant> ", end="", flush=True)
+        # Each turn re-sends the whole conversation (no prefix caching yet).
+        for output in llm.stream([history], params):
+            print(output.new_text, end="", flush=True)
+            reply = output.text
+            if output.error:
+                print(f"\nkvforge chat: error: {output.error}", file=sys.stderr)
+                history.pop()
+                break
+        else:
+            history.append({"role": "assistant", "content": reply})
+        print()
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -133,7 +191,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "verify": cmd_verify, "info": cmd_info}
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "verify": cmd_verify, "info": cmd_info}
 
 
 def main(argv: list[str] | None = None) -> int:

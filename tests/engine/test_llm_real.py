@@ -57,3 +57,27 @@ def test_batch_invariance_real_model(llm):
     for prompt, sp, out in zip(prompts, params, together):
         alone = llm.generate([prompt], [sp], use_tqdm=False)[0]
         assert out.token_ids == alone.token_ids
+
+
+@pytest.mark.slow
+def test_budget_for_two_of_six_real_model(llm):
+    from kvforge.engine.llm import LLM
+    from kvforge.text_data import heldout_text
+
+    ids = llm.tokenizer.encode(heldout_text())
+    prompt_len, max_tokens = 300, 40
+    prompts = [ids[i * 400:i * 400 + prompt_len] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    budget = 2 * llm.engine.cache.sequence_bytes(prompt_len + max_tokens)
+    tight = LLM("smollm2-135m", kv_budget=budget, max_num_batched_tokens=256)
+    engine = tight.engine
+    outputs: dict[str, object] = {}
+    request_ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        assert engine.cache.memory_usage()["fast"] <= budget
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    assert [outputs[i].token_ids for i in request_ids] == [r.token_ids for r in reference]
+    assert all(len(outputs[i].token_ids) == max_tokens for i in request_ids)

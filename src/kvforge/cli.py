@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from kvforge.bench.cli import add_bench_parser, run_bench
 from kvforge.errors import KVForgeError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -100,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = verbs.add_parser("info", help="architecture, parameters and KV bytes per token")
     _add_model_args(info)
     _add_json_arg(info)
+
+    add_bench_parser(verbs)  # kvforge bench prefill | decode | throughput (kvforge.bench.cli)
     return parser
 
 
@@ -191,7 +194,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "verify": cmd_verify, "info": cmd_info}
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "verify": cmd_verify, "info": cmd_info,
+            "bench": run_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

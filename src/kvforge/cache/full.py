@@ -25,9 +25,11 @@ from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
 from kvforge.errors import ConfigError, require
+from kvforge.kernels.cpu_paged_attention import cpu_kernels_available, paged_decode_attention_cpu
 from kvforge.models.rope import PositionedRope
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODE_KERNELS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class FullCacheConfig:
     block_size: int = 16
     # Stored tokens read per tile by batched decode attention (bounds temporaries).
     decode_tile_tokens: int = 1024
+    # Batched decode attention: "auto" uses the compiled CPU kernel for CPU tensors when it
+    # builds (kvforge.kernels), else the PyTorch `decode_attention`; "torch" always the latter.
+    decode_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         require(self.storage_dtype is None or self.storage_dtype in STORAGE_DTYPES, "storage_dtype",
@@ -44,6 +49,8 @@ class FullCacheConfig:
         require(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
         require(self.decode_tile_tokens >= self.block_size, "decode_tile_tokens", self.decode_tile_tokens,
                 "must be >= block_size")
+        require(self.decode_kernel in DECODE_KERNELS, "decode_kernel", self.decode_kernel,
+                f"must be one of {list(DECODE_KERNELS)}")
 
 
 @dataclass(frozen=True)
@@ -180,10 +187,13 @@ class FullCache(CacheMethod):
                                         spec.sliding_window)
         if plan.decode is not None:
             d = plan.decode
-            out[d.rows] = decode_attention(
-                q[d.rows], k_new[d.rows], v_new[d.rows], k_pages, v_pages, d.page_table,
-                d.first_page_position, d.visible_from, d.visible_to, spec.scale,
-                tile_pages=max(1, self.config.decode_tile_tokens // self.block_size))
+            args = (q[d.rows], k_new[d.rows], v_new[d.rows], k_pages, v_pages, d.page_table,
+                    d.first_page_position, d.visible_from, d.visible_to, spec.scale)
+            if self.config.decode_kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
+                out[d.rows] = paged_decode_attention_cpu(*args)  # reads pages in place
+            else:
+                out[d.rows] = decode_attention(
+                    *args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size))
         return out
 
     # -- planning ---------------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""Arguments of `kvforge bench <prefill|decode|throughput>` and their dispatch.
+
+Kept free of heavy imports: a benchmark module is imported only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from typing import Any
+
+BENCHMARKS = ("prefill", "decode", "throughput")
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (weights and compute)")
+    parser.add_argument("--threads", type=_count(1), default=2, help="torch CPU threads for every system (2)")
+    parser.add_argument("--cache", default="full", help="cache method under test, optionally name:key=value,...")
+    parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
+                        help="option of the cache under test (repeatable)")
+    parser.add_argument("--kv-budget", default="4GiB",
+                        help="KV-cache budget of each kvforge system (4GiB; untouched pages cost no RAM)")
+    parser.add_argument("--compare", action="append", default=[], metavar="X[,Y...]",
+                        help="also measure: hf (transformers, same weights) or a cache spec such as full or "
+                             "full:storage_dtype=bfloat16; base (SwiftKV) needs --swiftkv, not available yet")
+    parser.add_argument("--json", metavar="OUT", default=None, help="write JSON to OUT and a plot to OUT.png")
+    parser.add_argument("--repeats", type=_count(1), default=3, help="timed runs per system; median reported (3)")
+    parser.add_argument("--warmup", type=_count(0), default=1, help="untimed runs per system first (1)")
+    parser.add_argument("--seed", type=_count(0), default=0, help="seed of the random prompt token ids (0)")
+
+
+def add_bench_parser(verbs: Any) -> argparse.ArgumentParser:
+    """Register `bench` and its sub-verbs on the top-level subparsers."""
+    bench = verbs.add_parser("bench", help="measure prefill, decode or serving throughput")
+    kinds = bench.add_subparsers(dest="bench_verb", required=True)
+
+    prefill = kinds.add_parser("prefill", help="prompt tokens/s to the first token (one engine step)")
+    _add_common(prefill)
+    prefill.add_argument("--prompt-len", type=_count(1), default=512, help="tokens per prompt (512)")
+    prefill.add_argument("--batch", type=_count(1), default=1, help="prompts prefilled together (1)")
+
+    decode = kinds.add_parser("decode", help="generated tokens/s with the prefill excluded")
+    _add_common(decode)
+    decode.add_argument("--batch", type=_count(1), default=1, help="sequences decoded together (1)")
+    decode.add_argument("--context", type=_count(1), default=512, help="prompt tokens per sequence (512)")
+    decode.add_argument("--gen", type=_count(2), default=64, help="tokens generated per sequence (64)")
+
+    throughput = kinds.add_parser("throughput", help="requests submitted at once, served to completion")
+    _add_common(throughput)
+    throughput.add_argument("--num-requests", type=_count(1), default=16, help="requests (16)")
+    throughput.add_argument("--input-len", type=_count(1), default=512, help="prompt tokens per request (512)")
+    throughput.add_argument("--output-len", type=_count(1), default=64, help="generated tokens per request (64)")
+    throughput.add_argument("--max-num-batched-tokens", type=_count(1), default=2048,
+                            help="kvforge tokens per engine step (2048)")
+    throughput.add_argument("--max-num-seqs", type=_count(1), default=256, help="kvforge running sequences (256)")
+    throughput.add_argument("--hf-batch", type=_count(1), default=None,
+                            help="transformers static batch size (default min(num_requests, 16))")
+    return bench
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"kvforge.bench.{args.bench_verb}")
+    module.run(args)
+    return 0

@@ -1,0 +1,201 @@
+"""What every benchmark shares: the systems under comparison, the context (model, prompts,
+options), engine construction and timing.
+
+Timing rule: each system runs `warmup` untimed times (first-call costs: thread pools,
+oneDNN/BLAS kernel selection, first touch of the KV pool), then `repeats` timed times; the
+reported run is the one with the median time (the upper median for an even count), so its
+other counters belong to the same run. All repeat times are kept in `seconds_all`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from kvforge.cache.registry import CacheSpec, create_cache, parse_cache_spec
+from kvforge.config import ModelConfig
+from kvforge.engine.engine_config import EngineConfig
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.errors import ConfigError, KVForgeError, require
+from kvforge.models.loader import (
+    ModelSource,
+    load_model,
+    load_model_config,
+    parse_dtype,
+    resolve_model_source,
+)
+from kvforge.models.tokenizer import load_tokenizer
+from kvforge.sizes import parse_bytes
+
+
+@dataclass(frozen=True)
+class System:
+    """One configuration measured: kvforge with a cache spec, or the transformers peer."""
+
+    name: str
+    kind: Literal["kvforge", "hf"]
+    cache: CacheSpec | None = None
+
+
+def parse_compare(entries: list[str] | str | None) -> list[System]:
+    """`--compare` values -> systems. Each value is a comma-separated list of `hf`, `base`
+    (SwiftKV's base model, refused until --swiftkv exists) or cache specs; a spec's own
+    `k=v` options may continue after commas (`full:storage_dtype=bfloat16,block_size=32`)."""
+    texts = [entries] if isinstance(entries, str) else list(entries or [])
+    items: list[str] = []
+    for text in texts:
+        for piece in (p.strip() for p in text.split(",")):
+            if not piece:
+                continue
+            if "=" in piece and ":" not in piece and items and items[-1] not in ("hf", "base"):
+                items[-1] += "," + piece  # another option of the previous cache spec
+            else:
+                items.append(piece)
+    systems = []
+    for item in items:
+        if item == "hf":
+            systems.append(System("hf", "hf"))
+        elif item == "base":
+            raise ConfigError("compare", item, "'base' is SwiftKV's base model and needs --swiftkv, "
+                                               "which does not exist yet")
+        else:
+            try:
+                spec = parse_cache_spec(item)
+            except ConfigError as exc:
+                raise ConfigError("compare", item, f"each entry must be hf, base or a cache spec ({exc})") from exc
+            systems.append(System(f"kvforge[{spec}]", "kvforge", spec))
+    return systems
+
+
+def unique_names(systems: list[System]) -> list[System]:
+    """`--cache full --compare full` measures the same thing twice; keep JSON keys distinct."""
+    seen: dict[str, int] = {}
+    out = []
+    for system in systems:
+        seen[system.name] = seen.get(system.name, 0) + 1
+        name = system.name if seen[system.name] == 1 else f"{system.name}#{seen[system.name]}"
+        out.append(System(name, system.kind, system.cache))
+    return out
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def load_kvforge(model: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, ModelSource]:
+    """kvforge model and tokenizer (tests replace this with a cached loader)."""
+    net, source = load_model(model, dtype=dtype)
+    return net, load_tokenizer(source), source
+
+
+@dataclass
+class BenchContext:
+    """Options validated before anything heavy loads, and the shared kvforge model."""
+
+    args: argparse.Namespace
+    dtype: torch.dtype
+    systems: list[System]
+    kv_budget: int
+    config: ModelConfig
+    source: ModelSource
+    peak: Any = None  # MachinePeak, measured once before the systems run
+    load_before: list[float] | None = None  # load averages when the measurements start
+    _loaded: tuple[Any, Any] | None = field(default=None, repr=False)
+
+    def kvforge_model(self) -> tuple[Any, Any]:
+        """(model, tokenizer), loaded on first use and shared by every kvforge system."""
+        if self._loaded is None:
+            start = time.perf_counter()
+            model, tokenizer, self.source = load_kvforge(self.args.model, self.dtype)
+            self._loaded = (model, tokenizer)
+            log(f"kvforge model loaded ({time.perf_counter() - start:.1f} s)")
+        return self._loaded
+
+    def make_engine(self, spec: CacheSpec, max_num_batched_tokens: int, max_num_seqs: int = 256) -> LLMEngine:
+        """A fresh engine on the shared weights, with its own cache of `--kv-budget` bytes."""
+        model, tokenizer = self.kvforge_model()
+        cache = create_cache(spec, model.cache_layout(), self.kv_budget, self.dtype)
+        config = EngineConfig(kv_budget_bytes=self.kv_budget, max_num_batched_tokens=max_num_batched_tokens,
+                              max_num_seqs=max_num_seqs)
+        return LLMEngine(model, cache, tokenizer, config)
+
+    def prompts(self, count: int, length: int) -> list[list[int]]:
+        """Random token ids from a generator seeded by --seed: the same ids for every system."""
+        generator = torch.Generator().manual_seed(self.args.seed)
+        ids = torch.randint(0, self.config.vocab_size, (count, length), generator=generator)
+        return ids.tolist()
+
+
+def prepare(args: argparse.Namespace, tokens_per_sequence: int) -> BenchContext:
+    """Validate options, set the thread count and describe the model (weights load later)."""
+    for name in ("threads", "repeats"):
+        require(getattr(args, name) >= 1, name, getattr(args, name), "must be >= 1")
+    require(args.warmup >= 0, "warmup", args.warmup, "must be >= 0")
+    dtype = parse_dtype(args.dtype)
+    under_test = parse_cache_spec(args.cache, list(args.cache_opt))
+    systems = unique_names([System(f"kvforge[{under_test}]", "kvforge", under_test), *parse_compare(args.compare)])
+    budget = parse_bytes(args.kv_budget)
+    torch.set_num_threads(args.threads)  # before any measurement, including the peak
+    source = resolve_model_source(args.model)
+    config = load_model_config(source)
+    require(tokens_per_sequence <= config.max_position_embeddings, "sequence length", tokens_per_sequence,
+            f"must be <= max_position_embeddings={config.max_position_embeddings} of {args.model}")
+    return BenchContext(args, dtype, systems, budget, config, source)
+
+
+Runner = Callable[[BenchContext, System], dict[str, Any]]
+
+
+def run_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[str, Any]]:
+    """Measure every system with the runner registered for its kind, freeing between systems."""
+    from kvforge.bench.peak import measure_peak
+
+    ctx.load_before = load_average()
+    ctx.peak = measure_peak(ctx.dtype)
+    log(f"matmul peak {ctx.peak.matmul_gflops:.1f} GFLOP/s ({ctx.peak.matmul_dtype}, n={ctx.peak.matmul_size}), "
+        f"read bandwidth {ctx.peak.read_gbps:.1f} GB/s, {ctx.peak.threads} threads")
+    results = []
+    for system in ctx.systems:
+        if system.kind not in runners:
+            raise KVForgeError(f"no runner for system kind {system.kind!r}")
+        metrics = runners[system.kind](ctx, system)
+        results.append({"name": system.name, "kind": system.kind, **metrics})
+        gc.collect()  # the runner's engine (KV pool) or transformers model is garbage now
+    return results
+
+
+def repeat_runs(label: str, once: Callable[[], dict[str, Any]], warmup: int, repeats: int) -> dict[str, Any]:
+    """Run `once` (which times itself and returns {"seconds": ..., counters...}) warmup +
+    repeats times; return the median-time run with `seconds_all`."""
+    for index in range(warmup):
+        run = once()
+        log(f"{label}: warmup {index + 1}/{warmup} {run['seconds']:.3f} s")
+    runs = []
+    for index in range(repeats):
+        run = once()
+        runs.append(run)
+        log(f"{label}: run {index + 1}/{repeats} {run['seconds']:.3f} s")
+    ordered = sorted(runs, key=lambda r: r["seconds"])
+    chosen = ordered[len(ordered) // 2]
+    # The fastest run too: on a shared machine the gap between median and min shows noise.
+    return {**chosen, "seconds_all": [r["seconds"] for r in runs], "seconds_min": ordered[0]["seconds"]}
+
+
+def rate(amount: float, seconds: float) -> float:
+    return amount / seconds if seconds > 0 else float("inf")
+
+
+def load_average() -> list[float] | None:
+    """1/5/15-minute load averages: a busy machine makes every number here noisy."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None

@@ -1,0 +1,114 @@
+"""`kvforge bench decode`: generated tokens per second with the prefill EXCLUDED.
+
+kvforge: `batch` requests of `context` random token ids, max_tokens=gen, greedy,
+ignore_eos. The engine is stepped until every request has its first token (the prefill
+phase, untimed; max_num_batched_tokens is large so it takes one or a few steps), then the
+remaining steps are timed until all requests finish: normally batch * (gen - 1) tokens
+in gen - 1 lock-step decode steps (the tokens actually produced are counted).
+
+transformers: the [batch, context] prompt is prefilled into a DynamicCache (untimed), then
+gen - 1 forward calls with greedy argmax fed back are timed. This is `generate`'s loop
+without its per-step Python overhead, so it favours transformers.
+
+Also reported: ms per step and achieved GB/s = (weight bytes + KV bytes read per step) x
+steps / time (flops.py), compared with the read bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from kvforge.bench import hf_peer
+from kvforge.bench.common import BenchContext, System, log, prepare, rate, repeat_runs, run_systems
+from kvforge.bench.flops import KVReadModel, decode_bytes, weight_bytes_per_step
+from kvforge.bench.report import Column, Panel, finish
+from kvforge.engine.sampling import SamplingParams
+from kvforge.errors import KVForgeError, require
+
+HEADLINE = "generated_tokens_per_s"
+PREFILL_TOKENS_PER_STEP = (2048, 32768)  # bounds of max_num_batched_tokens for the untimed prefill
+
+
+def _element_size(ctx: BenchContext) -> int:
+    return torch.tensor([], dtype=ctx.dtype).element_size()
+
+
+def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
+    args = ctx.args
+    prompts = ctx.prompts(args.batch, args.context)
+    low, high = PREFILL_TOKENS_PER_STEP
+    assert system.cache is not None
+    engine = ctx.make_engine(system.cache, max_num_batched_tokens=min(high, max(low, args.batch * args.context)),
+                             max_num_seqs=max(256, args.batch))
+    params = SamplingParams.greedy_params(max_tokens=args.gen, ignore_eos=True)
+
+    def step_outputs() -> list[Any]:
+        outputs = engine.step()
+        for output in outputs:
+            if output.error:
+                raise KVForgeError(f"request failed: {output.error}")
+        return outputs
+
+    def once() -> dict[str, Any]:
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        started: set[str] = set()
+        while len(started) < len(prompts):  # prefill phase, untimed
+            started.update(o.request_id for o in step_outputs() if o.new_token_ids)
+        steps_before, tokens = engine.steps, 0
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            tokens += sum(len(o.new_token_ids) for o in step_outputs())
+        return {"seconds": time.perf_counter() - start, "tokens": tokens, "steps": engine.steps - steps_before}
+
+    run = repeat_runs(system.name, once, args.warmup, args.repeats)
+    run["kv_bytes_per_token"] = engine.cache.kv_bytes_per_token()
+    run["bytes_per_step_model"] = KVReadModel.of_cache(engine.cache)
+    return run
+
+
+def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
+    args = ctx.args
+    prompts = ctx.prompts(args.batch, args.context)
+    start = time.perf_counter()
+    model = hf_peer.load_hf_peer(ctx.source, ctx.dtype)
+    log(f"transformers model loaded ({time.perf_counter() - start:.1f} s)")
+    run = repeat_runs(system.name, lambda: hf_peer.decode(model, prompts, args.gen), args.warmup, args.repeats)
+    kv = KVReadModel.of_dense(ctx.config, _element_size(ctx))
+    run["kv_bytes_per_token"] = sum(kv.bytes_per_token)
+    run["bytes_per_step_model"] = kv
+    return run
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("batch", "context"):
+        require(getattr(args, name) >= 1, name, getattr(args, name), "must be >= 1")
+    require(args.gen >= 2, "gen", args.gen, "must be >= 2 (the first token comes from the prefill)")
+    ctx = prepare(args, tokens_per_sequence=args.context + args.gen)
+    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf})
+    weights = weight_bytes_per_step(ctx.config, _element_size(ctx))
+    for system in systems:
+        kv: KVReadModel = system.pop("bytes_per_step_model")
+        seconds, steps = system["seconds"], max(system["steps"], 1)
+        total = decode_bytes(weights, kv, args.batch, args.context, args.gen - 1)
+        system[HEADLINE] = rate(system["tokens"], seconds)
+        system["ms_per_step"] = seconds / steps * 1e3
+        system["weight_bytes_per_step"] = weights
+        system["kv_bytes_per_step_mean"] = total / (args.gen - 1) - weights
+        system["achieved_gbps"] = rate(total, seconds) / 1e9
+        system["fraction_of_read_bandwidth"] = system["achieved_gbps"] / ctx.peak.read_gbps
+    settings = {
+        "batch": args.batch, "context": args.context, "gen": args.gen, "timed_steps": args.gen - 1,
+        "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed, "kv_budget": ctx.kv_budget,
+        "prefill": "excluded (untimed); timing starts once every request has its first token",
+        "hf_timing": "G-1 forward calls with a DynamicCache and argmax feedback: generate's loop "
+                     "without its Python overhead, which favours transformers",
+    }
+    columns = [Column(HEADLINE, "gen tok/s"), Column("ms_per_step", "ms/step"), Column("achieved_gbps", "GB/s"),
+               Column("fraction_of_read_bandwidth", "of read BW", "{:.2f}"), Column("tokens", "tokens", "{}")]
+    panel = Panel("achieved_gbps", "achieved GB/s (weights + KV)", ctx.peak.read_gbps, "measured read")
+    return finish(ctx, "decode", settings, HEADLINE, systems, columns, panel)

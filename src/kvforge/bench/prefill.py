@@ -1,0 +1,89 @@
+"""`kvforge bench prefill`: how fast a prompt becomes its first token.
+
+kvforge: `batch` requests of `prompt_len` random token ids, max_tokens=1, greedy, through
+the engine with max_num_batched_tokens = prompt_len * batch, so the whole prefill is one
+engine step (checked: `engine_steps` is reported). Timed from the first add_request to the
+last finished output: time to first token, including scheduling, sampling and detokenising.
+
+transformers: one forward call `model(ids, logits_to_keep=1)` under inference_mode (what
+generate(max_new_tokens=1) computes without its set-up code), plus the argmax.
+
+Headline: prompt_tokens_per_s = prompt_len * batch / seconds. Also achieved GFLOP/s from
+the analytic FLOP count (flops.py) and its fraction of the matmul peak measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from kvforge.bench import hf_peer
+from kvforge.bench.common import BenchContext, System, log, prepare, rate, repeat_runs, run_systems
+from kvforge.bench.flops import prefill_flops
+from kvforge.bench.report import Column, Panel, finish
+from kvforge.engine.sampling import SamplingParams
+from kvforge.errors import KVForgeError, require
+
+HEADLINE = "prompt_tokens_per_s"
+
+
+def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
+    args = ctx.args
+    prompts = ctx.prompts(args.batch, args.prompt_len)
+    assert system.cache is not None
+    engine = ctx.make_engine(system.cache, max_num_batched_tokens=args.prompt_len * args.batch,
+                             max_num_seqs=max(256, args.batch))
+    params = SamplingParams.greedy_params(max_tokens=1, ignore_eos=True)
+
+    def once() -> dict[str, Any]:
+        steps_before = engine.steps
+        start = time.perf_counter()
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.error:
+                    raise KVForgeError(f"request failed: {output.error}")
+        return {"seconds": time.perf_counter() - start, "engine_steps": engine.steps - steps_before}
+
+    run = repeat_runs(system.name, once, args.warmup, args.repeats)
+    return run
+
+
+def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
+    args = ctx.args
+    prompts = ctx.prompts(args.batch, args.prompt_len)
+    start = time.perf_counter()
+    model = hf_peer.load_hf_peer(ctx.source, ctx.dtype)
+    log(f"transformers model loaded ({time.perf_counter() - start:.1f} s)")
+    run = repeat_runs(system.name, lambda: {"seconds": hf_peer.prefill(model, prompts)}, args.warmup, args.repeats)
+    return run
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    require(args.prompt_len >= 1, "prompt_len", args.prompt_len, "must be >= 1")
+    require(args.batch >= 1, "batch", args.batch, "must be >= 1")
+    ctx = prepare(args, tokens_per_sequence=args.prompt_len + 1)
+    flops = prefill_flops(ctx.config, args.prompt_len, args.batch)
+    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf})
+    tokens = args.prompt_len * args.batch
+    for system in systems:
+        seconds = system["seconds"]
+        system[HEADLINE] = rate(tokens, seconds)
+        system["ms_to_first_token"] = seconds * 1e3
+        system["achieved_gflops"] = rate(flops.total, seconds) / 1e9
+        system["fraction_of_matmul_peak"] = system["achieved_gflops"] / ctx.peak.matmul_gflops
+    settings = {
+        "prompt_len": args.prompt_len, "batch": args.batch, "repeats": args.repeats, "warmup": args.warmup,
+        "seed": args.seed, "kv_budget": ctx.kv_budget, "max_num_batched_tokens": tokens,
+        "flops": {"linear": flops.linear, "attention": flops.attention, "lm_head": flops.lm_head,
+                  "total": flops.total},
+        "kvforge_timing": "engine: add_request -> finished output (one step, max_tokens=1)",
+        "hf_timing": "one forward call model(ids, logits_to_keep=1) under inference_mode + argmax",
+    }
+    columns = [Column(HEADLINE, "prompt tok/s"), Column("ms_to_first_token", "ms TTFT"),
+               Column("achieved_gflops", "GFLOP/s"), Column("fraction_of_matmul_peak", "of peak", "{:.2f}"),
+               Column("engine_steps", "steps", "{}")]
+    panel = Panel("achieved_gflops", "achieved GFLOP/s", ctx.peak.matmul_gflops, "matmul peak")
+    return finish(ctx, "prefill", settings, HEADLINE, systems, columns, panel)

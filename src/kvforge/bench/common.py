@@ -127,11 +127,35 @@ class BenchContext:
                               max_num_seqs=max_num_seqs)
         return LLMEngine(model, cache, tokenizer, config)
 
+    def hf_model(self) -> Any:
+        """The transformers peer on the same weights and dtype (loaded per call: only the
+        `hf` system needs it, and it is freed when that system is done)."""
+        from kvforge.bench.hf_peer import load_hf_peer
+
+        start = time.perf_counter()
+        model = load_hf_peer(self.source, self.dtype)
+        log(f"transformers model loaded ({time.perf_counter() - start:.1f} s)")
+        return model
+
     def prompts(self, count: int, length: int) -> list[list[int]]:
         """Random token ids from a generator seeded by --seed: the same ids for every system."""
         generator = torch.Generator().manual_seed(self.args.seed)
         ids = torch.randint(0, self.config.vocab_size, (count, length), generator=generator)
         return ids.tolist()
+
+
+def drain(engine: LLMEngine, prompts: list[list[int]], params: Any,
+          on_step: Callable[[list[Any]], None] | None = None) -> None:
+    """Submit every prompt, then step until all finish; a failed request aborts the run."""
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        for output in outputs:
+            if output.error:
+                raise KVForgeError(f"request failed: {output.error}")
+        if on_step is not None:
+            on_step(outputs)
 
 
 def prepare(args: argparse.Namespace, tokens_per_sequence: int) -> BenchContext:

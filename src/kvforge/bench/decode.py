@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvforge.bench import hf_peer
-from kvforge.bench.common import BenchContext, System, log, prepare, rate, repeat_runs, run_systems
+from kvforge.bench.common import BenchContext, System, prepare, rate, repeat_runs, run_systems
 from kvforge.bench.flops import KVReadModel, decode_bytes, weight_bytes_per_step
 from kvforge.bench.report import Column, Panel, finish
 from kvforge.engine.sampling import SamplingParams
@@ -74,9 +74,7 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
 def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
     args = ctx.args
     prompts = ctx.prompts(args.batch, args.context)
-    start = time.perf_counter()
-    model = hf_peer.load_hf_peer(ctx.source, ctx.dtype)
-    log(f"transformers model loaded ({time.perf_counter() - start:.1f} s)")
+    model = ctx.hf_model()
     run = repeat_runs(system.name, lambda: hf_peer.decode(model, prompts, args.gen), args.warmup, args.repeats)
     kv = KVReadModel.of_dense(ctx.config, _element_size(ctx))
     run["kv_bytes_per_token"] = sum(kv.bytes_per_token)

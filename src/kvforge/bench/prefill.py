@@ -19,11 +19,11 @@ import time
 from typing import Any
 
 from kvforge.bench import hf_peer
-from kvforge.bench.common import BenchContext, System, log, prepare, rate, repeat_runs, run_systems
+from kvforge.bench.common import BenchContext, System, drain, prepare, rate, repeat_runs, run_systems
 from kvforge.bench.flops import prefill_flops
 from kvforge.bench.report import Column, Panel, finish
 from kvforge.engine.sampling import SamplingParams
-from kvforge.errors import KVForgeError, require
+from kvforge.errors import require
 
 HEADLINE = "prompt_tokens_per_s"
 
@@ -39,12 +39,7 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     def once() -> dict[str, Any]:
         steps_before = engine.steps
         start = time.perf_counter()
-        for prompt in prompts:
-            engine.add_request(prompt, params)
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.error:
-                    raise KVForgeError(f"request failed: {output.error}")
+        drain(engine, prompts, params)
         return {"seconds": time.perf_counter() - start, "engine_steps": engine.steps - steps_before}
 
     run = repeat_runs(system.name, once, args.warmup, args.repeats)
@@ -54,9 +49,7 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
 def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
     args = ctx.args
     prompts = ctx.prompts(args.batch, args.prompt_len)
-    start = time.perf_counter()
-    model = hf_peer.load_hf_peer(ctx.source, ctx.dtype)
-    log(f"transformers model loaded ({time.perf_counter() - start:.1f} s)")
+    model = ctx.hf_model()
     run = repeat_runs(system.name, lambda: {"seconds": hf_peer.prefill(model, prompts)}, args.warmup, args.repeats)
     return run
 

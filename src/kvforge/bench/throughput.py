@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from kvforge.bench import hf_peer
-from kvforge.bench.common import BenchContext, System, log, prepare, rate, repeat_runs, run_systems
+from kvforge.bench.common import BenchContext, System, drain, prepare, rate, repeat_runs, run_systems
 from kvforge.bench.report import Column, Panel, finish
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import KVForgeError, require
@@ -40,16 +40,15 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     def once() -> dict[str, Any]:
         scheduler.peak_running = 0  # the engine is reused across repeats: count this run only
         preemptions_before, steps_before = scheduler.num_preemptions, engine.steps
-        peak_kv, generated = 0, 0
+        counters = {"peak_kv": 0, "generated": 0}
+
+        def count(outputs: list[Any]) -> None:
+            counters["generated"] += sum(len(o.new_token_ids) for o in outputs)
+            counters["peak_kv"] = max(counters["peak_kv"], cache.memory_usage()["fast"])
+
         start = time.perf_counter()
-        for prompt in prompts:
-            engine.add_request(prompt, params)
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.error:
-                    raise KVForgeError(f"request failed: {output.error}")
-                generated += len(output.new_token_ids)
-            peak_kv = max(peak_kv, cache.memory_usage()["fast"])
+        drain(engine, prompts, params, count)
+        generated, peak_kv = counters["generated"], counters["peak_kv"]
         seconds = time.perf_counter() - start
         if generated != args.num_requests * args.output_len:
             raise KVForgeError(f"generated {generated} tokens, expected {args.num_requests * args.output_len}")
@@ -67,9 +66,7 @@ def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
     args = ctx.args
     prompts = ctx.prompts(args.num_requests, args.input_len)
     batch = args.hf_batch or min(args.num_requests, 16)
-    start = time.perf_counter()
-    model = hf_peer.load_hf_peer(ctx.source, ctx.dtype)
-    log(f"transformers model loaded ({time.perf_counter() - start:.1f} s)")
+    model = ctx.hf_model()
     run = repeat_runs(system.name, lambda: {"seconds": hf_peer.generate(model, prompts, args.output_len, batch)},
                       args.warmup, args.repeats)
     run.update(peak_concurrent_sequences=min(batch, args.num_requests), preemptions=0, hf_batch=batch)

@@ -92,6 +92,20 @@ def test_decode_attention_matches_reference(window):
         torch.testing.assert_close(out[b:b + 1], expected, atol=1e-5, rtol=0)
 
 
+def test_decode_attention_ignores_garbage_in_hidden_slots():
+    """Never-written slots (torch.empty storage) may hold NaN/inf; hidden slots must not leak."""
+    torch.manual_seed(0)
+    k_pages = torch.randn(1, 4, 4, 8)
+    v_pages = torch.randn(1, 4, 4, 8)
+    k_pages[0, 1, 2:] = float("nan")  # beyond the stored length of the sequence
+    v_pages[0, 1, 2:] = float("inf")
+    v_pages[0, 3] = float("nan")  # a padding page
+    out = decode_attention(torch.randn(1, 2, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8), k_pages,
+                           v_pages, torch.tensor([[0, 1, 3]]), torch.tensor([0]), torch.tensor([0]),
+                           torch.tensor([6]), scale=0.3, tile_pages=2)
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("storage", ["bfloat16", "float16"])
 def test_low_precision_storage_close_to_fp32(storage):
     hf, model = make_pair("llama_gqa")

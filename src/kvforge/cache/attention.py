@@ -99,8 +99,11 @@ def decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor
         v = v_pages.index_select(1, flat_ids).view(pairs, tile, dim).float()
         scores = torch.bmm(qh, k.transpose(1, 2))  # [pairs, group, tile]
         positions = first_page_position[:, None] + start * block + offsets[None, :tile]
-        hidden = (positions < visible_from[:, None]) | (positions >= visible_to[:, None])
-        scores.masked_fill_(hidden.repeat(kv_heads, 1)[:, None, :], float("-inf"))
+        hidden = ((positions < visible_from[:, None]) | (positions >= visible_to[:, None])).repeat(kv_heads, 1)
+        scores.masked_fill_(hidden[:, None, :], float("-inf"))
+        # Hidden slots may never have been written (storage comes from torch.empty) and can
+        # hold NaN/inf bits: 0 * NaN would poison the sum, so their values are zeroed too.
+        v = v.masked_fill(hidden[:, :, None], 0.0)
         new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
         probs = torch.exp(scores - new_max)
         correction = torch.exp(running_max - new_max)

@@ -21,6 +21,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.config import ModelConfig, RopeConfig
 from kvforge.errors import ModelLoadError
+from kvforge.kernels.cpu_linear import linear
 from kvforge.models.rope import RotaryEmbedding
 
 
@@ -89,7 +90,8 @@ class CausalLM(nn.Module):
         return logits
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.model.norm(hidden))
+        # lm_head through the small-M CPU kernel when eligible (decode), else F.linear.
+        logits = linear(self.model.norm(hidden), self.lm_head.weight, self.lm_head.bias)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -9,6 +9,7 @@ from torch import nn
 
 from kvforge.batch import ForwardBatch
 from kvforge.cache.base import CacheMethod
+from kvforge.kernels.cpu_linear import linear
 from kvforge.models.rope import PositionedRope
 
 
@@ -49,7 +50,11 @@ _ACTIVATIONS = {
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)).
+
+    The projections stay nn.Linear modules (HF parameter names) but are applied through
+    `kvforge.kernels.cpu_linear.linear`: the small-M CPU kernel for decode-sized fp32
+    steps, F.linear otherwise."""
 
     def __init__(self, hidden: int, intermediate: int, activation: str, bias: bool,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -60,12 +65,15 @@ class GatedMLP(nn.Module):
         self.activation = _ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)
+        up = linear(x, self.up_proj.weight, self.up_proj.bias)
+        return linear(self.activation(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class CachedAttention(nn.Module):
     """Projections + optional QK-norm + RoPE; storage and the attention itself belong to
-    the cache method, reached through `cache_layer`."""
+    the cache method, reached through `cache_layer`. The projections are nn.Linear modules
+    applied through `kvforge.kernels.cpu_linear.linear` (see GatedMLP)."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool,
                  out_bias: bool, cache_layer: int, qk_norm_eps: float | None = None, dtype: torch.dtype | None = None,
@@ -89,11 +97,11 @@ class CachedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
                 rope: PositionedRope) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        q = linear(x, self.q_proj.weight, self.q_proj.bias).view(rows, self.num_heads, self.head_dim)
+        k = linear(x, self.k_proj.weight, self.k_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
+        v = linear(x, self.v_proj.weight, self.v_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cache.write(self.cache_layer, batch, k, v, rope)
         out = cache.attend(self.cache_layer, batch, rope.apply(q), rope)
-        return self.o_proj(out.reshape(rows, self.num_heads * self.head_dim))
+        return linear(out.reshape(rows, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)

@@ -1,0 +1,167 @@
+"""Build-at-first-use for kvforge's C++ CPU kernels (shared by every kernel module).
+
+A `CppKernel` compiles one C++ source with `torch.utils.cpp_extension.load` (needs a C++
+compiler and `ninja`) the first time `available()` is called, and caches success or
+failure for the process. The source registers its operators through TORCH_LIBRARY (no
+pybind11), so loading the library is all that is needed to reach `torch.ops.<namespace>`.
+
+Invariants:
+- `available()` never raises; a failure is logged once per kernel as a warning
+  ("kvforge CPU kernels disabled: ...") and callers use their PyTorch fallback.
+- `KVFORGE_DISABLE_CPU_KERNELS` (anything but "" or "0") makes every kernel unavailable;
+  it is read on every call, so it can be toggled at run time (tests do).
+- The build directory name hashes the source, the flags, torch, Python and a CPU
+  fingerprint, so `-march=native` binaries are never loaded on a different CPU and an
+  edited source never loads a stale binary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "KVFORGE_DISABLE_CPU_KERNELS"
+
+# Tried in order: the first that compiles wins. -march=native is safe because the build
+# runs on the machine that loads it, and the build directory name hashes a CPU fingerprint
+# (a shared cache directory never hands a binary to a different CPU). -fopenmp is needed for
+# at::parallel_for to run in parallel (ATen's OpenMP backend is inlined into the library,
+# and is serial without _OPENMP) and for `omp simd` hints; the libgomp it links resolves to
+# the copy torch has already loaded (same soname), so torch.set_num_threads applies. The
+# last set (no OpenMP: serial, e.g. Apple clang) is still much faster than the fallbacks.
+DEFAULT_FLAG_SETS: tuple[tuple[str, ...], ...] = (
+    ("-O3", "-march=native", "-fopenmp"),
+    ("-O3", "-fopenmp"),
+    ("-O3",),
+)
+
+
+def kernels_disabled() -> bool:
+    """True when the environment asks for the PyTorch fallbacks."""
+    return os.environ.get(DISABLE_ENV, "").strip() not in ("", "0")
+
+
+class CppKernel:
+    """One C++ source built lazily into a library that registers `torch.ops.<namespace>.<op>`.
+
+    `name` prefixes the build directory; `what` and `fallback` only word the log messages.
+    """
+
+    def __init__(self, name: str, source: Path, namespace: str, op: str, what: str, fallback: str,
+                 flag_sets: tuple[tuple[str, ...], ...] = DEFAULT_FLAG_SETS) -> None:
+        self.name = name
+        self.source = source.read_text(encoding="utf-8")
+        self.namespace = namespace
+        self.op = op
+        self.what = what
+        self.fallback = fallback
+        self.flag_sets = flag_sets
+        self.build_seconds: float | None = None  # time of the successful load (compile or cache)
+        self._lock = threading.Lock()
+        self._built: bool | None = None  # None: not tried yet
+
+    def available(self) -> bool:
+        """True when the compiled kernel can be used (builds it on the first call)."""
+        if kernels_disabled():
+            return False
+        if self._built is None:
+            with self._lock:
+                if self._built is None:
+                    self._built = self._build()
+        return self._built
+
+    # -- building -------------------------------------------------------------------------
+    def _build(self) -> bool:
+        """Compile (or load the cached build of) the kernel; never raises."""
+        try:
+            from torch.utils import cpp_extension
+        except Exception as error:  # noqa: BLE001 - any import problem means "no kernel"
+            logger.warning("kvforge CPU kernels disabled: torch.utils.cpp_extension unavailable (%s)", error)
+            return False
+        if not _ensure_ninja(cpp_extension):
+            logger.warning("kvforge CPU kernels disabled: `ninja` was not found (pip install ninja); "
+                           "using %s", self.fallback)
+            return False
+        errors: list[str] = []
+        for flags in self.flag_sets:
+            try:
+                self._load(cpp_extension, flags)
+                return True
+            except Exception as error:  # noqa: BLE001 - compiler failures come as many types
+                errors.append(f"flags {' '.join(flags)}: {_tail(str(error))}")
+        logger.warning("kvforge CPU kernels disabled: building the %s failed; using %s.\n%s", self.what,
+                       self.fallback, "\n".join(errors))
+        return False
+
+    def _load(self, cpp_extension, flags: tuple[str, ...]) -> None:
+        name = f"{self.name}_{self._fingerprint(flags)}"
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+        build_dir = os.path.join(root, name)
+        os.makedirs(build_dir, exist_ok=True)
+        source = os.path.join(build_dir, f"{name}.cpp")
+        _write_if_changed(source, self.source)
+        cached = os.path.exists(os.path.join(build_dir, f"{name}.so"))
+        start = time.perf_counter()
+        openmp = ["-fopenmp"] if "-fopenmp" in flags else []
+        cpp_extension.load(name=name, sources=[source], extra_cflags=list(flags), extra_ldflags=openmp,
+                           build_directory=build_dir, is_python_module=False, verbose=False)
+        getattr(getattr(torch.ops, self.namespace), self.op)  # raises if not registered
+        self.build_seconds = time.perf_counter() - start
+        action = "loaded cached build of" if cached else "compiled"
+        logger.info("kvforge: %s the %s in %.1f s (%s, flags %s)", action, self.what, self.build_seconds,
+                    build_dir, " ".join(flags))
+
+    def _fingerprint(self, flags: tuple[str, ...]) -> str:
+        """Hash of everything the binary depends on: source, flags, torch, Python and the CPU."""
+        parts = [self.source, " ".join(flags), torch.__version__, platform.python_version(), platform.machine(),
+                 _cpu_description()]
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _cpu_description() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = [line for line in info if line.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _ensure_ninja(cpp_extension) -> bool:
+    if cpp_extension.is_ninja_available():
+        return True
+    try:  # the `ninja` PyPI package, whose binary is not on PATH unless the venv is active
+        import ninja  # type: ignore[import-not-found]
+    except ImportError:
+        return False
+    binary = shutil.which("ninja", path=ninja.BIN_DIR)
+    if binary is None:
+        return False
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return cpp_extension.is_ninja_available()
+
+
+def _write_if_changed(path: str, text: str) -> None:
+    # Rewriting an identical file would bump its mtime and make ninja rebuild.
+    try:
+        with open(path) as existing:
+            if existing.read() == text:
+                return
+    except OSError:
+        pass
+    with open(path, "w") as out:
+        out.write(text)
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])

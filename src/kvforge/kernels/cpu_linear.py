@@ -1,0 +1,78 @@
+"""Small-M fp32 linear on CPU (`y = x @ W.T + b` for decode steps), a C++ kernel built at first use.
+
+With M <= 32 rows BLAS sgemm streams the weights at a fraction of the memory bandwidth;
+`torch.ops.kvforge_cpu_linear.small_m_linear` reads every weight row once while x stays in
+cache (see cpu_linear.cpp). `linear` dispatches to it for eligible calls and to
+`torch.nn.functional.linear` otherwise (prefill, other dtypes, autograd, no kernel).
+
+Invariant: with the kernel, each output element's summation order does not depend on M nor
+on the other rows of x, so row i of `linear(x, W)` is bitwise equal to `linear(x[i:i+1], W)`
+(batched and single-sequence decode agree exactly). It differs from F.linear by rounding.
+
+Built lazily by `small_m_linear_available()` through `kvforge.kernels.build`; a build
+failure is logged once and `linear` falls back. `KVFORGE_DISABLE_CPU_KERNELS=1` forces
+the fallback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.kernels.build import DEFAULT_FLAG_SETS, DISABLE_ENV, CppKernel, kernels_disabled
+
+__all__ = ["DISABLE_ENV", "MAX_ROWS", "linear", "small_m_linear_available"]
+
+MAX_ROWS = 32  # more rows: BLAS is as good (it is compute-bound then) and is used instead
+
+# -ffp-contract=off keeps the portable path's a * b + c unfused everywhere, so the
+# M-invariance does not hinge on the compiler's contraction choices (intrinsics are explicit).
+_KERNEL = CppKernel(name="kvforge_cpu_linear", source=Path(__file__).with_name("cpu_linear.cpp"),
+                    namespace="kvforge_cpu_linear", op="small_m_linear", what="small-M linear kernel",
+                    fallback="torch.nn.functional.linear",
+                    flag_sets=tuple((*flags, "-ffp-contract=off") for flags in DEFAULT_FLAG_SETS))
+
+
+def small_m_linear_available() -> bool:
+    """True when the compiled kernel can be used (builds it on the first call)."""
+    return _KERNEL.available()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through the small-M kernel when the call is eligible.
+
+    Eligible: CPU float32 x with at most MAX_ROWS rows once leading dims are flattened, a
+    contiguous 2-D float32 CPU weight (nn.Linear layout [N, K]), a float32 CPU bias or none,
+    no autograd needed (the op has no backward), the kernel built and not disabled.
+    """
+    if _eligible(x, weight, bias):
+        k = weight.shape[1]
+        rows = x.reshape(-1, k)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        if bias is not None and not bias.is_contiguous():
+            bias = bias.contiguous()
+        out = torch.ops.kvforge_cpu_linear.small_m_linear(rows, weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    # Ordered cheapest first: this runs for every projection of every decode step.
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu or not weight.is_cpu:
+        return False
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or not weight.is_contiguous():
+        return False
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows < 1 or rows > MAX_ROWS:
+        return False
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu or bias.dim() != 1):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return False
+    if kernels_disabled():
+        return False
+    return _KERNEL.available()

@@ -1,0 +1,178 @@
+"""The small-M linear kernel against F.linear, its M-invariance (batched rows are bitwise
+equal to single rows), the dispatch rules of `linear`, and a tiny model end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_pair, make_runner
+
+from kvforge.engine.runner import StepItem
+from kvforge.kernels import cpu_linear
+from kvforge.kernels.cpu_linear import MAX_ROWS, linear, small_m_linear_available
+
+requires_kernel = pytest.mark.skipif(
+    not small_m_linear_available(),
+    reason="the small-M linear kernel could not be built (see the logged warning) or "
+           "KVFORGE_DISABLE_CPU_KERNELS is set")
+
+
+def kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.kvforge_cpu_linear.small_m_linear(x, weight, bias)
+
+
+def operands(m: int, k: int, n: int, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen) / k ** 0.5
+    return x, weight, (torch.randn(n, generator=gen) if bias else None)
+
+
+def assert_matches_f_linear(x, weight, bias) -> None:
+    out = kernel(x, weight, bias)
+    ref = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    # fp32 accumulation of K terms: error relative to the magnitude of the terms
+    scale = (x.abs().double() @ weight.abs().double().T).max().item() + 1.0
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, atol=1e-5 * scale, rtol=0)
+    torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4 * scale, rtol=0)
+
+
+@requires_kernel
+@pytest.mark.parametrize("k", [576, 1536, 64, 20, 1])
+@pytest.mark.parametrize("n", [1, 7, 192, 1536])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear(k, n, bias):
+    for m in (1, 2, 5, 6, 7, 16, 17, 32):
+        assert_matches_f_linear(*operands(m, k, n, bias, seed=m))
+
+
+@requires_kernel
+@pytest.mark.parametrize("m", range(1, 33))
+def test_every_row_count(m):
+    assert_matches_f_linear(*operands(m, 37, 13, bias=True, seed=m))
+
+
+@requires_kernel
+def test_lm_head_size():
+    assert_matches_f_linear(*operands(16, 576, 49152, bias=False))
+
+
+@requires_kernel
+@pytest.mark.parametrize("k,n", [(576, 1536), (20, 7), (1, 5), (1536, 192), (33, 4)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_do_not_depend_on_the_batch(k, n, threads):
+    """Each output's summation order is fixed: a row's result is bitwise the same alone, at
+    any position of any batch, and with any thread count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, weight, bias = operands(32, k, n, bias=True)
+        full = kernel(x, weight, bias)
+        for i in range(32):
+            assert torch.equal(kernel(x[i:i + 1], weight, bias)[0], full[i]), f"row {i}"
+        gen = torch.Generator().manual_seed(5)
+        for m in (2, 5, 6, 7, 16, 17):
+            rows = torch.randperm(32, generator=gen)[:m]
+            other = torch.cat([torch.randn(3, k, generator=gen), x[rows]])  # shifted positions
+            assert torch.equal(kernel(other, weight, bias)[3:], full[rows]), f"batch of {m + 3}"
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_eligible_calls_use_the_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_linear, "_KERNEL", _FakeKernel(calls))
+    monkeypatch.setattr(torch.ops, "kvforge_cpu_linear", _FakeOps(calls), raising=False)
+    monkeypatch.delenv(cpu_linear.DISABLE_ENV, raising=False)
+    x, weight, bias = operands(4, 8, 3, bias=True)
+    with torch.no_grad():
+        assert linear(x, weight, bias).shape == (4, 3)
+        assert linear(x.view(2, 2, 8), weight).shape == (2, 2, 3)  # leading dims flattened
+        assert linear(x.T.contiguous().T, weight).shape == (4, 3)  # non-contiguous x is copied
+    assert calls == ["op", "op", "op"]
+
+
+@pytest.mark.parametrize("case", ["rows", "bf16", "grad", "weight_grad", "disabled", "no_rows",
+                                  "strided_weight", "float64"])
+def test_falls_back_to_f_linear(case, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_linear, "_KERNEL", _FakeKernel(calls))
+    monkeypatch.setattr(torch.ops, "kvforge_cpu_linear", _FakeOps(calls), raising=False)
+    monkeypatch.delenv(cpu_linear.DISABLE_ENV, raising=False)
+    x, weight, bias = operands(4, 8, 3, bias=True)
+    if case == "rows":
+        x = torch.randn(MAX_ROWS + 1, 8)
+    elif case == "bf16":
+        x, weight, bias = x.bfloat16(), weight.bfloat16(), bias.bfloat16()
+    elif case == "float64":
+        x, weight, bias = x.double(), weight.double(), bias.double()
+    elif case == "grad":
+        x.requires_grad_(True)
+    elif case == "weight_grad":
+        weight.requires_grad_(True)
+    elif case == "disabled":
+        monkeypatch.setenv(cpu_linear.DISABLE_ENV, "1")
+    elif case == "no_rows":
+        x = torch.randn(0, 8)
+    elif case == "strided_weight":
+        weight = torch.randn(8, 3).T
+    out = linear(x, weight, bias)
+    torch.testing.assert_close(out, F.linear(x, weight, bias))
+    assert "op" not in calls
+    if case in ("grad", "weight_grad"):
+        out.sum().backward()  # autograd works through the fallback
+
+
+def test_parameters_needing_grad_use_the_kernel_under_no_grad(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_linear, "_KERNEL", _FakeKernel(calls))
+    monkeypatch.setattr(torch.ops, "kvforge_cpu_linear", _FakeOps(calls), raising=False)
+    monkeypatch.delenv(cpu_linear.DISABLE_ENV, raising=False)
+    layer = torch.nn.Linear(8, 3)  # parameters require grad, as in every model
+    with torch.inference_mode():
+        linear(torch.randn(2, 8), layer.weight, layer.bias)
+    assert calls == ["op"]
+
+
+@requires_kernel
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "smollm2_tied", "gemma3_hybrid"])
+def test_model_decode_same_logits_with_and_without_kernel(name, monkeypatch):
+    _, model = make_pair(name)
+    calls = []
+    original = cpu_linear.linear
+    for module in ("kvforge.models.layers", "kvforge.models.causal_lm"):
+        monkeypatch.setattr(f"{module}.linear", lambda *args: calls.append(1) or original(*args))
+    prompts = [list(range(3, 30)), [7, 8], list(range(40, 52))]
+    logits = {}
+    for mode in ("kernel", "disabled"):
+        if mode == "disabled":
+            monkeypatch.setenv(cpu_linear.DISABLE_ENV, "1")
+        runner = make_runner(model)
+        runner.step([StepItem(seq, prompt) for seq, prompt in enumerate(prompts)])
+        steps = [runner.step([StepItem(seq, [(5 * step + seq) % 90]) for seq in range(len(prompts))])
+                 for step in range(12)]
+        logits[mode] = torch.stack(steps)
+    assert calls, "the models did not call kvforge.kernels.cpu_linear.linear"
+    torch.testing.assert_close(logits["kernel"], logits["disabled"], atol=1e-5, rtol=0)
+
+
+class _FakeKernel:
+    """Stands in for the built kernel so dispatch tests run without a compiler."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def available(self) -> bool:
+        return True
+
+
+class _FakeOps:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def small_m_linear(self, x, weight, bias):
+        assert x.dim() == 2 and x.is_contiguous() and x.dtype == torch.float32
+        self.calls.append("op")
+        return F.linear(x, weight, bias)

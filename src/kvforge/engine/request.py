@@ -80,16 +80,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def token_at(self, index: int) -> int:
-        if index < len(self.prompt_token_ids):
-            return self.prompt_token_ids[index]
-        return self.output_token_ids[index - len(self.prompt_token_ids)]
-
     def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + outputs, without copying the whole sequence."""
         prompt = self.prompt_token_ids
-        if end <= len(prompt):
+        split = len(prompt)
+        if end <= split:
             return prompt[start:end]
-        return (prompt + self.output_token_ids)[start:end]
+        if start >= split:
+            return self.output_token_ids[start - split:end - split]
+        return prompt[start:] + self.output_token_ids[:end - split]
 
     def finish(self, reason: FinishReason) -> None:
         self.status = RequestStatus.FINISHED

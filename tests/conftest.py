@@ -57,6 +57,15 @@ def make_runner(model, cache: str = "full:block_size=4", budget: int = 1 << 22) 
     return ModelRunner(model, create_cache(cache, model.cache_layout(), budget, torch.float32))
 
 
+def decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> torch.Tensor:
+    """Prefill the prompts together, then decode `steps` batched tokens; logits [steps, B, V]."""
+    from kvforge.engine.runner import StepItem
+
+    runner.step([StepItem(seq, prompt) for seq, prompt in enumerate(prompts)])
+    return torch.stack([runner.step([StepItem(seq, [(5 * step + seq) % 90]) for seq in range(len(prompts))])
+                        for step in range(steps)])
+
+
 @pytest.fixture(params=sorted(ARCHITECTURES))
 def arch(request) -> str:
     return request.param

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_pair, make_runner
+from conftest import decode_logits, make_pair, make_runner
 
-from kvforge.engine.runner import StepItem
 from kvforge.kernels import cpu_linear
 from kvforge.kernels.cpu_linear import MAX_ROWS, linear, small_m_linear_available
 
@@ -149,11 +148,7 @@ def test_model_decode_same_logits_with_and_without_kernel(name, monkeypatch):
     for mode in ("kernel", "disabled"):
         if mode == "disabled":
             monkeypatch.setenv(cpu_linear.DISABLE_ENV, "1")
-        runner = make_runner(model)
-        runner.step([StepItem(seq, prompt) for seq, prompt in enumerate(prompts)])
-        steps = [runner.step([StepItem(seq, [(5 * step + seq) % 90]) for seq in range(len(prompts))])
-                 for step in range(12)]
-        logits[mode] = torch.stack(steps)
+        logits[mode] = decode_logits(make_runner(model), prompts, steps=12)
     assert calls, "the models did not call kvforge.kernels.cpu_linear.linear"
     torch.testing.assert_close(logits["kernel"], logits["disabled"], atol=1e-5, rtol=0)
 

@@ -8,11 +8,10 @@ import sys
 
 import pytest
 import torch
-from conftest import make_pair, make_runner
+from conftest import decode_logits, make_pair, make_runner
 
 from kvforge.cache.attention import decode_attention
 from kvforge.cache.registry import parse_cache_spec
-from kvforge.engine.runner import StepItem
 from kvforge.errors import ConfigError
 from kvforge.kernels import cpu_paged_attention
 from kvforge.kernels.cpu_paged_attention import cpu_kernels_available, paged_decode_attention_cpu
@@ -180,10 +179,7 @@ def test_model_decode_same_logits_with_and_without_kernel(name, monkeypatch):
     logits = {}
     for kernel in ("auto", "torch"):
         runner = make_runner(model, cache=f"full:block_size=4,decode_kernel={kernel}")
-        runner.step([StepItem(seq, prompt) for seq, prompt in enumerate(prompts)])
-        steps = [runner.step([StepItem(seq, [(5 * step + seq) % 90]) for seq in range(len(prompts))])
-                 for step in range(16)]
-        logits[kernel] = torch.stack(steps)
+        logits[kernel] = decode_logits(runner, prompts, steps=16)
     assert calls, "the kernel was not used by decode_kernel=auto"
     torch.testing.assert_close(logits["auto"], logits["torch"], atol=1e-5, rtol=0)
 

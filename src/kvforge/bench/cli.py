@@ -9,8 +9,6 @@ import argparse
 import importlib
 from typing import Any
 
-BENCHMARKS = ("prefill", "decode", "throughput")
-
 
 def _count(minimum: int):
     def parse(text: str) -> int:

@@ -35,11 +35,6 @@ def register_cache_method(name: str, config: type):
     return decorate
 
 
-def available_cache_methods() -> list[str]:
-    _import_builtin_methods()
-    return sorted(_METHODS)
-
-
 @dataclass(frozen=True)
 class CacheSpec:
     method: str

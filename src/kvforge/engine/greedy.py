@@ -8,7 +8,7 @@ sequence through the paged cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -16,8 +16,7 @@ from kvforge.engine.runner import ModelRunner, StepItem
 
 
 def greedy_generate(runner: ModelRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    stop_token_ids: Sequence[int] = (), prefill_chunk: int | None = None,
-                    on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+                    stop_token_ids: Sequence[int] = (), prefill_chunk: int | None = None) -> list[list[int]]:
     """Returns the generated ids of each prompt (stop token included if produced)."""
     stops = set(stop_token_ids)
     fed = [0] * len(prompts)  # prompt tokens already sent
@@ -43,8 +42,6 @@ def greedy_generate(runner: ModelRunner, prompts: Sequence[Sequence[int]], max_n
                 token = int(torch.argmax(logits[row]).item())
                 row += 1
                 outputs[item.seq_id].append(token)
-                if on_token is not None:
-                    on_token(item.seq_id, token)
                 if token in stops or len(outputs[item.seq_id]) >= max_new_tokens:
                     finished.append(item.seq_id)
             for i in finished:

@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from kvforge.cache.registry import create_cache, parse_cache_spec
@@ -135,10 +134,3 @@ class LLM:
             raise ConfigError("params", len(params), f"must be one SamplingParams or one per prompt ({count})")
         return list(params)
 
-
-def set_threads(threads: int | None) -> None:
-    """Set torch CPU threads (benchmarks set this explicitly)."""
-    if threads is not None:
-        if threads < 1:
-            raise ConfigError("threads", threads, "must be >= 1")
-        torch.set_num_threads(threads)

@@ -42,10 +42,6 @@ class ModelSource:
     path: Path
     name: str  # the named default, else the file stem / directory name
 
-    @property
-    def is_named(self) -> bool:
-        return self.name in NAMED_MODELS
-
 
 def resolve_model_source(name_or_path: str | Path) -> ModelSource:
     """Turn a CLI/API model argument into a ModelSource (ModelLoadError when impossible)."""

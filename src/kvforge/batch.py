@@ -49,6 +49,22 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def trailing_counts(self, rows: torch.Tensor) -> list[int] | None:
+        """If `rows` is, span by span in order, a run of trailing rows of each span (as
+        `logit_rows` built by `build` always is), the run length per span; else None."""
+        wanted = rows.tolist()
+        counts: list[int] = []
+        index = 0
+        for span in self.spans:
+            count = 0
+            while index + count < len(wanted) and span.query_start <= wanted[index + count] < span.query_end:
+                count += 1
+            if wanted[index:index + count] != list(range(span.query_end - count, span.query_end)):
+                return None
+            counts.append(count)
+            index += count
+        return counts if index == len(wanted) else None
+
     @classmethod
     def build(
         cls,

@@ -26,7 +26,10 @@ MODEL_TYPE_TO_ARCHITECTURE: dict[str, Architecture] = {
     "qwen2": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
+    "llama_swiftkv": "llama",
 }
+SWIFTKV_MODEL_TYPE = "llama_swiftkv"
+SWIFTKV_ARCHITECTURE_NAME = "LlamaSwiftKVForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,62 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class SwiftKVConfig:
+    """SwiftKV wiring of a decoder (Qiao et al.): layers >= `num_key_value_layers` (l) get
+    their K/V from layer l's input through `norm_swiftkv` (SingleInputKV), and groups of
+    `key_value_group_size` (g) consecutive later layers share one K/V (AcrossKV).
+
+    Cache layers: model layers < l own one each; later layer i reads cache layer
+    l + (i - l) // g, written by its group leader (the first layer of the group)."""
+
+    num_key_value_layers: int
+    key_value_group_size: int = 1
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.num_key_value_layers, int) and self.num_key_value_layers >= 1,
+                "num_key_value_layers", self.num_key_value_layers, "must be an integer >= 1")
+        require(isinstance(self.key_value_group_size, int) and self.key_value_group_size >= 1,
+                "key_value_group_size", self.key_value_group_size, "must be an integer >= 1")
+
+    def check_layers(self, num_layers: int) -> None:
+        kv_layers, g = self.num_key_value_layers, self.key_value_group_size
+        require(1 <= kv_layers <= num_layers, "num_key_value_layers", kv_layers,
+                f"must be in [1, num_layers={num_layers}]")
+        require((num_layers - kv_layers) % g == 0, "key_value_group_size", g,
+                f"must divide the number of later layers num_layers - num_key_value_layers = "
+                f"{num_layers} - {kv_layers} = {num_layers - kv_layers}")
+
+    def is_later(self, layer: int) -> bool:
+        return layer >= self.num_key_value_layers
+
+    def is_leader(self, layer: int) -> bool:
+        """Later layers whose k/v_proj_swiftkv produce their group's K/V."""
+        return self.is_later(layer) and (layer - self.num_key_value_layers) % self.key_value_group_size == 0
+
+    def leaders(self, num_layers: int) -> range:
+        return range(self.num_key_value_layers, num_layers, self.key_value_group_size)
+
+    def cache_layer_of(self, layer: int) -> int:
+        first = self.num_key_value_layers
+        return layer if layer < first else first + (layer - first) // self.key_value_group_size
+
+    def num_cache_layers(self, num_layers: int) -> int:
+        first = self.num_key_value_layers
+        return first + (num_layers - first) // self.key_value_group_size
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> SwiftKVConfig | None:
+        """The SwiftKV fields of a `llama_swiftkv` config.json (None when `swiftkv` is false)."""
+        if not config.get("swiftkv", True):
+            return None
+        layers = config.get("num_key_value_layers")
+        if layers is None:
+            raise ConfigError("num_key_value_layers", None, "a llama_swiftkv config with swiftkv=true needs it")
+        return cls(num_key_value_layers=int(layers),
+                   key_value_group_size=int(config.get("key_value_group_size") or 1))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape and behaviour of a decoder-only model. Validated on construction."""
 
@@ -100,6 +159,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    swiftkv: SwiftKVConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +188,13 @@ class ModelConfig:
         if self.query_pre_attn_scalar is not None:
             require(self.query_pre_attn_scalar > 0, "query_pre_attn_scalar", self.query_pre_attn_scalar,
                     "must be > 0")
+        if self.swiftkv is not None:
+            require(self.architecture == "llama", "swiftkv", self.architecture,
+                    "SwiftKV is implemented for Llama-family models only")
+            self.swiftkv.check_layers(self.num_layers)
+            later = {self.window_of(i) for i in range(self.swiftkv.num_key_value_layers, self.num_layers)}
+            require(len(later) <= 1, "swiftkv", "mixed sliding/global later layers",
+                    "the later layers of a SwiftKV model must share one attention kind")
 
     # ----------------------------------------------------------------------------------
     @property
@@ -200,6 +267,8 @@ class ModelConfig:
         )
         if architecture == "gemma3":
             return cls._gemma3_from_hf(config, common)
+        if model_type == SWIFTKV_MODEL_TYPE:
+            common["swiftkv"] = SwiftKVConfig.from_hf(config)
         return cls._llama_from_hf(config, common)
 
     @classmethod

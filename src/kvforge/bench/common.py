@@ -43,12 +43,16 @@ class System:
     name: str
     kind: Literal["kvforge", "hf"]
     cache: CacheSpec | None = None
+    # kvforge systems: run the --swiftkv model when one is given (False: SwiftKV's base model).
+    swiftkv: bool = True
 
 
-def parse_compare(entries: list[str] | str | None) -> list[System]:
+def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None = None,
+                  swiftkv: str | None = None) -> list[System]:
     """`--compare` values -> systems. Each value is a comma-separated list of `hf`, `base`
-    (SwiftKV's base model, refused until --swiftkv exists) or cache specs; a spec's own
-    `k=v` options may continue after commas (`full:storage_dtype=bfloat16,block_size=32`)."""
+    (the --swiftkv model's base model with the cache under test) or cache specs; a spec's own
+    `k=v` options may continue after commas (`full:storage_dtype=bfloat16,block_size=32`).
+    With --swiftkv, cache-spec systems run the SwiftKV model too."""
     texts = [entries] if isinstance(entries, str) else list(entries or [])
     items: list[str] = []
     for text in texts:
@@ -64,15 +68,21 @@ def parse_compare(entries: list[str] | str | None) -> list[System]:
         if item == "hf":
             systems.append(System("hf", "hf"))
         elif item == "base":
-            raise ConfigError("compare", item, "'base' is SwiftKV's base model and needs --swiftkv, "
-                                               "which does not exist yet")
+            if swiftkv is None:
+                raise ConfigError("compare", item, "'base' is SwiftKV's base model and needs --swiftkv DIR")
+            spec = under_test or parse_cache_spec("full")
+            systems.append(System(f"base[{spec}]", "kvforge", spec, swiftkv=False))
         else:
             try:
                 spec = parse_cache_spec(item)
             except ConfigError as exc:
                 raise ConfigError("compare", item, f"each entry must be hf, base or a cache spec ({exc})") from exc
-            systems.append(System(f"kvforge[{spec}]", "kvforge", spec))
+            systems.append(System(_kvforge_name(spec, swiftkv), "kvforge", spec))
     return systems
+
+
+def _kvforge_name(spec: CacheSpec, swiftkv: str | None) -> str:
+    return f"swiftkv[{spec}]" if swiftkv else f"kvforge[{spec}]"
 
 
 def unique_names(systems: list[System]) -> list[System]:
@@ -82,7 +92,7 @@ def unique_names(systems: list[System]) -> list[System]:
     for system in systems:
         seen[system.name] = seen.get(system.name, 0) + 1
         name = system.name if seen[system.name] == 1 else f"{system.name}#{seen[system.name]}"
-        out.append(System(name, system.kind, system.cache))
+        out.append(System(name, system.kind, system.cache, system.swiftkv))
     return out
 
 
@@ -90,9 +100,9 @@ def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def load_kvforge(model: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, ModelSource]:
+def load_kvforge(model: str, dtype: torch.dtype, swiftkv: str | None = None) -> tuple[torch.nn.Module, Any, ModelSource]:
     """kvforge model and tokenizer (tests replace this with a cached loader)."""
-    net, source = load_model(model, dtype=dtype)
+    net, source = load_model(model, dtype=dtype, swiftkv=swiftkv)
     return net, load_tokenizer(source), source
 
 
@@ -108,21 +118,30 @@ class BenchContext:
     source: ModelSource
     peak: Any = None  # MachinePeak, measured once before the systems run
     load_before: list[float] | None = None  # load averages when the measurements start
-    _loaded: tuple[Any, Any] | None = field(default=None, repr=False)
+    _loaded: dict[bool, tuple[Any, Any]] = field(default_factory=dict, repr=False)
 
-    def kvforge_model(self) -> tuple[Any, Any]:
-        """(model, tokenizer), loaded on first use and shared by every kvforge system."""
-        if self._loaded is None:
+    @property
+    def swiftkv(self) -> str | None:
+        return getattr(self.args, "swiftkv", None)
+
+    def kvforge_model(self, swiftkv: bool = True) -> tuple[Any, Any]:
+        """(model, tokenizer), loaded on first use and shared by every kvforge system; the
+        --swiftkv model unless `swiftkv` is False or none was given (then the base model)."""
+        overlay = self.swiftkv if swiftkv else None
+        key = overlay is not None
+        if key not in self._loaded:
             start = time.perf_counter()
-            model, tokenizer, self.source = load_kvforge(self.args.model, self.dtype)
-            self._loaded = (model, tokenizer)
-            log(f"kvforge model loaded ({time.perf_counter() - start:.1f} s)")
-        return self._loaded
+            model, tokenizer, source = load_kvforge(self.args.model, self.dtype, swiftkv=overlay)
+            if not key:
+                self.source = source
+            self._loaded[key] = (model, tokenizer)
+            log(f"kvforge {'SwiftKV ' if key else ''}model loaded ({time.perf_counter() - start:.1f} s)")
+        return self._loaded[key]
 
-    def make_engine(self, spec: CacheSpec, max_num_batched_tokens: int, max_num_seqs: int = 256) -> LLMEngine:
+    def make_engine(self, system: System, max_num_batched_tokens: int, max_num_seqs: int = 256) -> LLMEngine:
         """A fresh engine on the shared weights, with its own cache of `--kv-budget` bytes."""
-        model, tokenizer = self.kvforge_model()
-        cache = create_cache(spec, model.cache_layout(), self.kv_budget, self.dtype)
+        model, tokenizer = self.kvforge_model(system.swiftkv)
+        cache = create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype)
         config = EngineConfig(kv_budget_bytes=self.kv_budget, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs)
         return LLMEngine(model, cache, tokenizer, config)
@@ -165,11 +184,17 @@ def prepare(args: argparse.Namespace, tokens_per_sequence: int) -> BenchContext:
     require(args.warmup >= 0, "warmup", args.warmup, "must be >= 0")
     dtype = parse_dtype(args.dtype)
     under_test = parse_cache_spec(args.cache, list(args.cache_opt))
-    systems = unique_names([System(f"kvforge[{under_test}]", "kvforge", under_test), *parse_compare(args.compare)])
+    swiftkv = getattr(args, "swiftkv", None)
+    systems = unique_names([System(_kvforge_name(under_test, swiftkv), "kvforge", under_test),
+                            *parse_compare(args.compare, under_test, swiftkv)])
     budget = parse_bytes(args.kv_budget)
     torch.set_num_threads(args.threads)  # before any measurement, including the peak
     source = resolve_model_source(args.model)
     config = load_model_config(source)
+    if swiftkv is not None:  # a bad checkpoint fails before anything loads
+        from kvforge.swiftkv.checkpoint import overlay_config
+
+        overlay_config(config, swiftkv)
     require(tokens_per_sequence <= config.max_position_embeddings, "sequence length", tokens_per_sequence,
             f"must be <= max_position_embeddings={config.max_position_embeddings} of {args.model}")
     return BenchContext(args, dtype, systems, budget, config, source)

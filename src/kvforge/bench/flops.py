@@ -34,13 +34,23 @@ class PrefillFlops:
         return self.linear + self.attention + self.lm_head
 
 
-def linear_params_per_token(config: ModelConfig) -> int:
-    """Weights one token multiplies through in the decoder layers (embedding and lm_head excluded)."""
+def _layer_params(config: ModelConfig) -> tuple[int, int]:
+    """(q, o, gate, up, down weights; k and v weights) of one decoder layer."""
     h, inter = config.hidden_size, config.intermediate_size
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter  # q, k, v, o; gate, up, down
-    return config.num_layers * per_layer
+    return 2 * h * q + 3 * h * inter, 2 * h * kv
+
+
+def linear_params_per_token(config: ModelConfig) -> int:
+    """Weights one token multiplies through in the decoder layers (embedding and lm_head
+    excluded). For a SwiftKV model: the layers < l and the group leaders' K/V projections
+    (what a prompt token that needs no logits runs)."""
+    other, kv = _layer_params(config)
+    swift = config.swiftkv
+    if swift is None:
+        return config.num_layers * (other + kv)
+    return swift.num_key_value_layers * (other + kv) + len(swift.leaders(config.num_layers)) * kv
 
 
 def _pairs_from_start(num_tokens: int, window: int | None) -> int:
@@ -56,17 +66,30 @@ def causal_pairs(num_tokens: int, window: int | None = None, cached: int = 0) ->
 
 
 def attention_flops(config: ModelConfig, num_tokens: int, cached: int = 0) -> int:
-    """Attention FLOPs of one sequence's step, summed over layers (sliding windows respected)."""
+    """Attention FLOPs of one sequence's step, summed over layers (sliding windows respected).
+    SwiftKV later layers attend only for the step's last token (its logit row)."""
     per_pair = 2 * 2 * config.num_heads * config.head_dim
-    pairs = sum(causal_pairs(num_tokens, config.window_of(layer), cached) for layer in range(config.num_layers))
+    swift = config.swiftkv
+    pairs = 0
+    for layer in range(config.num_layers):
+        window = config.window_of(layer)
+        if swift is not None and swift.is_later(layer):
+            pairs += causal_pairs(1, window, cached + num_tokens - 1)
+        else:
+            pairs += causal_pairs(num_tokens, window, cached)
     return per_pair * pairs
 
 
 def prefill_flops(config: ModelConfig, prompt_len: int, batch: int = 1) -> PrefillFlops:
-    """FLOPs of prefilling `batch` prompts of `prompt_len` tokens, logits for the last token of each."""
+    """FLOPs of prefilling `batch` prompts of `prompt_len` tokens, logits for the last token
+    of each (SwiftKV: later layers' Q/O and MLP run for that token only)."""
     tokens = prompt_len * batch
+    linear = 2 * linear_params_per_token(config) * tokens
+    if config.swiftkv is not None:
+        later = config.num_layers - config.swiftkv.num_key_value_layers
+        linear += 2 * later * _layer_params(config)[0] * batch
     return PrefillFlops(
-        linear=2 * linear_params_per_token(config) * tokens,
+        linear=linear,
         attention=batch * attention_flops(config, prompt_len),
         lm_head=2 * config.hidden_size * config.vocab_size * batch,
     )

@@ -99,6 +99,19 @@ class CacheMethod(ABC):
         """Attention output [T, heads, head_dim] for the step's queries (RoPE applied).
         Each query sees the sequence's earlier tokens and the step's own tokens up to it."""
 
+    def attend_rows(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor, rope: PositionedRope,
+                    rows: torch.Tensor) -> torch.Tensor:
+        """Attention for a subset of the step's query rows (`rows` [R] into the batch, q
+        [R, heads, head_dim]); each query sees exactly what `attend` would show it. Used
+        by SwiftKV's later layers, which compute queries only for the logit rows.
+
+        This generic version runs `attend` with zero queries elsewhere and keeps the
+        requested rows (correct for any method, but it pays for every row); methods
+        override it to attend for the requested rows only."""
+        full = q.new_zeros((batch.num_tokens, *q.shape[1:]))
+        full[rows] = q
+        return self.attend(cache_layer, batch, full, rope)[rows]
+
     @abstractmethod
     def end_step(self, batch: ForwardBatch) -> None:
         """Commit the step: sequences now hold `span.total_len` tokens."""

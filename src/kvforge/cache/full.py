@@ -55,6 +55,7 @@ class FullCacheConfig:
 
 @dataclass(frozen=True)
 class _DecodePlan:
+    seq_ids: tuple[int, ...]
     rows: torch.Tensor  # [B] rows of the batch with a single new token
     page_table: torch.Tensor  # [B, P]
     first_page_position: torch.Tensor  # [B]
@@ -163,6 +164,25 @@ class FullCache(CacheMethod):
 
     def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
                rope: PositionedRope) -> torch.Tensor:
+        queries = {span.seq_id: (span.query_start, span.query_len) for span in batch.spans}
+        return self._attend(cache_layer, q, queries, all_rows=True)
+
+    def attend_rows(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor, rope: PositionedRope,
+                    rows: torch.Tensor) -> torch.Tensor:
+        counts = batch.trailing_counts(rows)
+        if counts is None:  # not trailing runs per span: the generic (all-rows) path
+            return super().attend_rows(cache_layer, batch, q, rope, rows)
+        queries: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for span, count in zip(batch.spans, counts):
+            queries[span.seq_id] = (offset, count)
+            offset += count
+        return self._attend(cache_layer, q, queries, all_rows=False)
+
+    def _attend(self, cache_layer: int, q: torch.Tensor, queries: dict[int, tuple[int, int]],
+                all_rows: bool) -> torch.Tensor:
+        """Attention for the query rows of each sequence: `queries[seq] = (first row in q,
+        count)`, the last `count` tokens of the sequence's span (all of them when all_rows)."""
         spec = self.layout.specs[cache_layer]
         group, index = self.groups.slot_of[cache_layer]
         plan = self._plans[group]
@@ -171,8 +191,11 @@ class FullCache(CacheMethod):
         out = torch.empty_like(q)
         for prefill in plan.prefills:
             span = prefill.span
-            rows = slice(span.query_start, span.query_end)
-            k, v = k_new[rows].transpose(0, 1), v_new[rows].transpose(0, 1)  # head-major
+            first, count = queries[span.seq_id]
+            if count == 0:
+                continue
+            own = slice(span.query_start, span.query_end)
+            k, v = k_new[own].transpose(0, 1), v_new[own].transpose(0, 1)  # head-major
             past_from = prefill.past_from
             if span.cached_len > past_from:
                 skip = past_from - prefill.first_page_position
@@ -183,17 +206,29 @@ class FullCache(CacheMethod):
                 v = torch.cat((past_v.to(v.dtype), v), dim=1)
             else:
                 past_from = span.cached_len
-            out[rows] = chunk_attention(q[rows], k, v, span.cached_len, past_from, spec.scale,
+            rows = slice(first, first + count)
+            out[rows] = chunk_attention(q[rows], k, v, span.total_len - count, past_from, spec.scale,
                                         spec.sliding_window)
         if plan.decode is not None:
             d = plan.decode
-            args = (q[d.rows], k_new[d.rows], v_new[d.rows], k_pages, v_pages, d.page_table,
+            if all_rows:
+                q_rows, keep = d.rows, None
+            else:  # a one-token span without a requested row gets a zero query, then is dropped
+                located = [queries[seq] for seq in d.seq_ids]
+                keep = torch.tensor([count == 1 for _, count in located], device=q.device)
+                q_rows = torch.tensor([first if count else 0 for first, count in located], device=q.device)
+            q_dec = q[q_rows] if keep is None else q[q_rows] * keep[:, None, None]
+            args = (q_dec, k_new[d.rows], v_new[d.rows], k_pages, v_pages, d.page_table,
                     d.first_page_position, d.visible_from, d.visible_to, spec.scale)
             if self.config.decode_kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
-                out[d.rows] = paged_decode_attention_cpu(*args)  # reads pages in place
+                result = paged_decode_attention_cpu(*args)  # reads pages in place
             else:
-                out[d.rows] = decode_attention(
+                result = decode_attention(
                     *args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size))
+            if keep is None:
+                out[q_rows] = result
+            else:
+                out[q_rows[keep]] = result[keep]
         return out
 
     # -- planning ---------------------------------------------------------------------
@@ -240,6 +275,7 @@ class FullCache(CacheMethod):
         padded = [t + [0] * (width - len(t)) for t in tables]  # padding is masked by position
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         return _DecodePlan(
+            seq_ids=tuple(s.seq_id for s in spans),
             rows=as_tensor([s.query_start for s in spans]),
             page_table=as_tensor(padded).reshape(len(spans), width),
             first_page_position=as_tensor(first_positions),

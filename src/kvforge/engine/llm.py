@@ -42,13 +42,14 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", cache: str = "full", dtype: str = "float32",
                  kv_budget: str | int = "1GiB", max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
-                 cache_options: Sequence[str] | None = None, device: str = "cpu") -> None:
+                 cache_options: Sequence[str] | None = None, device: str = "cpu",
+                 swiftkv: str | None = None) -> None:
         # Everything that can be wrong with the arguments fails before weights load.
         spec = parse_cache_spec(cache, list(cache_options or []))
         torch_dtype = parse_dtype(dtype)
         config = EngineConfig(kv_budget_bytes=parse_bytes(kv_budget), max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-        self.model, self.source = load_model(model, dtype=torch_dtype, device=device)
+        self.model, self.source = load_model(model, dtype=torch_dtype, device=device, swiftkv=swiftkv)
         self.tokenizer = load_tokenizer(self.source)
         kv_cache = create_cache(spec, self.model.cache_layout(), config.kv_budget_bytes, torch_dtype, device)
         self.cache_spec = spec

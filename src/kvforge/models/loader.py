@@ -102,14 +102,34 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> tuple[CausalLM, ModelSource]:
-    """Resolve, build and load a model; returns it (in eval mode) with its source."""
+               device: str | torch.device = "cpu",
+               swiftkv: str | Path | None = None) -> tuple[CausalLM, ModelSource]:
+    """Resolve, build and load a model; returns it (in eval mode) with its source.
+
+    `swiftkv`: a SwiftKV checkpoint directory whose config and tensors are laid over the
+    base model (params-only or full). A SwiftKV checkpoint passed as the model itself works
+    too; a params-only one names its base model in its config."""
     from kvforge.models.registry import build_model  # lazy: the registry imports the model zoo
+    from kvforge.swiftkv import checkpoint as swiftkv_ckpt
 
     torch_dtype = parse_dtype(dtype)
     source = resolve_model_source(name_or_path)
-    config = load_model_config(source)
-    state_dict = load_state_dict(source, config, dtype=torch_dtype)
+    if swiftkv is None and source.kind == "hf_dir":
+        base = swiftkv_ckpt.base_model_of(source.path)
+        if base is not None:
+            return load_model(base, torch_dtype, device, swiftkv=source.path)
+    base_config = load_model_config(source)
+    config = base_config
+    if swiftkv is not None:  # checked before any weight is read
+        overlay = Path(swiftkv).expanduser()
+        if not overlay.is_dir():
+            raise ModelLoadError(f"SwiftKV checkpoint {overlay} is not a directory")
+        config = swiftkv_ckpt.overlay_config(base_config, overlay)
+    state_dict = load_state_dict(source, base_config, dtype=torch_dtype)
+    if swiftkv is not None:
+        state_dict.update(swiftkv_ckpt.read_overlay_tensors(overlay, torch_dtype))
+    if config.swiftkv is not None:
+        state_dict = swiftkv_ckpt.model_state_for_swiftkv(state_dict, config)
     model = build_model(config, dtype=torch_dtype, device=device)
     model.load_hf_state_dict(state_dict)
     del state_dict  # the model holds its own copies (on `device`)

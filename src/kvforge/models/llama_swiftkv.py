@@ -1,0 +1,159 @@
+"""SwiftKV Llama (Qiao et al., Snowflake): SingleInputKV + AcrossKV on the Llama decoder.
+
+With l = `num_key_value_layers` and g = `key_value_group_size`:
+- layers < l are ordinary Llama layers and run on every token of the step;
+- then `x = norm_swiftkv(h)` and ONE fused GEMM gives the K/V of every group leader
+  (later layers l, l + g, ...) from x; the cache stores them in the leader's cache layer;
+- the hidden states are cut down to the rows that need logits, and layers >= l run only
+  on those rows: queries from `q_proj_swiftkv`, attention over the group's cache layer,
+  o_proj and MLP as usual. They have no K/V projection of their own.
+A prompt chunk that does not end its prompt therefore costs only the first l layers plus
+the K/V GEMM. Parameter names follow the authors' checkpoints (`model.norm_swiftkv`,
+`self_attn.q_proj_swiftkv`, leaders' `self_attn.k_proj_swiftkv`/`v_proj_swiftkv`).
+
+Invariant: the cache layer of a group is written (by the fused GEMM) before any later
+layer of the step attends to it, and later layers attend only for `batch.logit_rows`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvforge.batch import ForwardBatch
+from kvforge.cache.base import CacheMethod
+from kvforge.cache.layout import CacheLayerSpec, CacheLayout
+from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.kernels.cpu_linear import linear
+from kvforge.models.layers import GatedMLP, RMSNorm
+from kvforge.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from kvforge.models.rope import PositionedRope
+
+
+class SwiftKVAttention(nn.Module):
+    """Attention of a later layer: its own queries, its group's cache layer for K/V."""
+
+    def __init__(self, config: ModelConfig, cache_layer: int, leader: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.cache_layer = cache_layer
+        kw = dict(dtype=dtype, device=device)
+        self.q_proj_swiftkv = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias, **kw)
+        if leader:  # applied by the model's fused K/V GEMM, not here
+            kv = c.num_kv_heads * c.head_dim
+            self.k_proj_swiftkv = nn.Linear(c.hidden_size, kv, bias=c.attention_bias, **kw)
+            self.v_proj_swiftkv = nn.Linear(c.hidden_size, kv, bias=c.attention_bias, **kw)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_out_bias, **kw)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheMethod, rope: PositionedRope,
+                rows_rope: PositionedRope) -> torch.Tensor:
+        """x: the logit rows only; `rope` covers the whole step, `rows_rope` those rows."""
+        n = x.shape[0]
+        q = linear(x, self.q_proj_swiftkv.weight, self.q_proj_swiftkv.bias).view(n, self.num_heads, self.head_dim)
+        out = cache.attend_rows(self.cache_layer, batch, rows_rope.apply(q), rope, batch.logit_rows)
+        return linear(out.reshape(n, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+
+
+class SwiftKVDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c, swift = config, config.swiftkv
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.self_attn = SwiftKVAttention(c, swift.cache_layer_of(layer), swift.is_leader(layer), dtype, device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod, rope: PositionedRope,
+                rows_rope: PositionedRope) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache, rope, rows_rope)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaSwiftKVForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        if config.swiftkv is None:
+            raise ValueError("LlamaSwiftKVForCausalLM needs config.swiftkv")
+        super().__init__(config, dtype=dtype, device=device)
+        self.model.norm_swiftkv = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self._fused_kv: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+
+    @property
+    def swiftkv(self) -> SwiftKVConfig:
+        return self.config.swiftkv
+
+    def make_layer(self, layer: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+        if self.config.swiftkv.is_later(layer):
+            return SwiftKVDecoderLayer(self.config, layer, dtype, device)
+        return LlamaDecoderLayer(self.config, layer, dtype, device)
+
+    @classmethod
+    def layout_for(cls, config: ModelConfig) -> CacheLayout:
+        """l + (L - l) / g cache layers: AcrossKV groups share one (the memory saving)."""
+        swift = config.swiftkv
+        owners: dict[int, int] = {}  # cache layer -> first model layer reading it
+        for layer in range(config.num_layers):
+            owners.setdefault(swift.cache_layer_of(layer), layer)
+        specs = [CacheLayerSpec(config.num_kv_heads, config.head_dim, config.attention_scale,
+                                config.window_of(owners[c])) for c in range(len(owners))]
+        return CacheLayout(tuple(swift.cache_layer_of(i) for i in range(config.num_layers)), tuple(specs))
+
+    # -- forward ----------------------------------------------------------------------
+    def forward(self, batch: ForwardBatch, cache: CacheMethod) -> torch.Tensor:
+        first_later = self.swiftkv.num_key_value_layers
+        cache.begin_step(batch)
+        hidden = self.embed(batch.token_ids)
+        ropes = [rotary.at(batch.positions, hidden.dtype) for rotary in self.rotaries]
+        layers = self.model.layers
+        for index in range(first_later):
+            hidden = layers[index](hidden, batch, cache, ropes[self.rope_index[index]])
+        if first_later < len(layers):
+            self._write_later_kv(hidden, batch, cache, ropes)
+            hidden = hidden[batch.logit_rows]
+            if hidden.shape[0]:
+                rows_positions = batch.positions[batch.logit_rows]
+                rows_ropes = [rotary.at(rows_positions, hidden.dtype) for rotary in self.rotaries]
+                for index in range(first_later, len(layers)):
+                    r = self.rope_index[index]
+                    hidden = layers[index](hidden, batch, cache, ropes[r], rows_ropes[r])
+        else:
+            hidden = hidden[batch.logit_rows]
+        logits = self.logits(hidden)
+        cache.end_step(batch)
+        return logits
+
+    def _write_later_kv(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
+                        ropes: list[PositionedRope]) -> None:
+        """SingleInputKV: every leader's K/V from norm_swiftkv(h_l), in one GEMM."""
+        rows = hidden.shape[0]
+        weight, bias = self.fused_kv_projection()
+        kv = linear(self.model.norm_swiftkv(hidden), weight, bias)
+        heads, dim = self.config.num_kv_heads, self.config.head_dim
+        per_leader = kv.view(rows, -1, 2, heads, dim)
+        for slot, leader in enumerate(self.swiftkv.leaders(self.config.num_layers)):
+            k, v = per_leader[:, slot, 0], per_leader[:, slot, 1]
+            cache.write(self.swiftkv.cache_layer_of(leader), batch, k, v, ropes[self.rope_index[leader]])
+
+    def leader_attentions(self) -> list[SwiftKVAttention]:
+        return [self.model.layers[i].self_attn for i in self.swiftkv.leaders(self.config.num_layers)]
+
+    def fused_kv_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[leaders x (k, v) x kv_heads x head_dim, hidden] weight (and bias) of the fused GEMM.
+
+        Rebuilt whenever a projection changed (in-place version counters) and on every call
+        while gradients flow (so training reaches the per-layer parameters)."""
+        params = []
+        for attn in self.leader_attentions():
+            params += [attn.k_proj_swiftkv, attn.v_proj_swiftkv]
+        tensors = [p.weight for p in params] + [p.bias for p in params if p.bias is not None]
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        if needs_grad or self._fused_kv is None or self._fused_kv[0] != key:
+            weight = torch.cat([p.weight for p in params], dim=0)
+            bias = torch.cat([p.bias for p in params]) if params[0].bias is not None else None
+            if needs_grad:
+                return weight, bias
+            self._fused_kv = (key, weight.detach(), None if bias is None else bias.detach())
+        return self._fused_kv[1], self._fused_kv[2]

@@ -1,0 +1,189 @@
+"""SwiftKV checkpoints in the authors' published format, and how kvforge builds them.
+
+Format (a Hugging Face checkpoint directory):
+- config.json: a Llama config with `model_type: llama_swiftkv`,
+  `architectures: ["LlamaSwiftKVForCausalLM"]`, `swiftkv: true`, `num_key_value_layers`
+  (l) and `key_value_group_size` (g);
+- tensors: the Llama weights, plus `model.norm_swiftkv.weight`, for every later layer
+  `model.layers.N.self_attn.q_proj_swiftkv.*` and for every group leader (N - l multiple of
+  g) `self_attn.k_proj_swiftkv.*` / `v_proj_swiftkv.*`. The original q/k/v_proj of later
+  layers may be present (the authors keep them); inference ignores them.
+
+kvforge also writes a *params-only* variant (the SwiftKV tensors alone, plus the base
+model's name under `kvforge_base_model`), small enough to commit; loading it overlays the
+tensors on the base model's weights.
+
+Initialisation (as the authors start distillation): q_proj_swiftkv = q_proj of the same
+layer; a leader's k/v_proj_swiftkv = mean of k/v_proj over its group; norm_swiftkv = layer
+l's input_layernorm (the final norm when l = L, where it is unused).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from kvforge.config import SWIFTKV_ARCHITECTURE_NAME, SWIFTKV_MODEL_TYPE, ModelConfig, SwiftKVConfig
+from kvforge.errors import ConfigError, ModelLoadError
+from kvforge.models.hf_checkpoint import CONFIG_FILE, SINGLE_FILE, read_hf_config_dict, read_hf_state_dict
+
+BASE_MODEL_KEY = "kvforge_base_model"
+PARAMS_ONLY_KEY = "kvforge_params_only"
+_PROJECTION_SUFFIXES = (".weight", ".bias")
+
+
+def _layer(index: int) -> str:
+    return f"model.layers.{index}.self_attn."
+
+
+def swiftkv_tensor_names(config: ModelConfig, bias: bool | None = None) -> list[str]:
+    """Names of the SwiftKV-only tensors a model with `config.swiftkv` needs."""
+    swift = config.swiftkv
+    with_bias = config.attention_bias if bias is None else bias
+    suffixes = _PROJECTION_SUFFIXES if with_bias else (".weight",)
+    names = ["model.norm_swiftkv.weight"]
+    for layer in range(swift.num_key_value_layers, config.num_layers):
+        projections = ["q_proj_swiftkv"] + (["k_proj_swiftkv", "v_proj_swiftkv"] if swift.is_leader(layer) else [])
+        names += [_layer(layer) + p + s for p in projections for s in suffixes]
+    return names
+
+
+def initial_swiftkv_tensors(base_state: dict[str, torch.Tensor], config: ModelConfig,
+                            swift: SwiftKVConfig) -> dict[str, torch.Tensor]:
+    """The SwiftKV tensors initialised from a base model's HF-named state dict."""
+    swift.check_layers(config.num_layers)
+    first, group = swift.num_key_value_layers, swift.key_value_group_size
+    suffixes = _PROJECTION_SUFFIXES if config.attention_bias else (".weight",)
+    # With l = L there is no layer l; the (unused) norm then copies the final norm.
+    norm_source = f"model.layers.{first}.input_layernorm.weight" if first < config.num_layers else "model.norm.weight"
+    out = {"model.norm_swiftkv.weight": base_state[norm_source].clone()}
+    for layer in range(first, config.num_layers):
+        for suffix in suffixes:
+            out[_layer(layer) + "q_proj_swiftkv" + suffix] = base_state[_layer(layer) + "q_proj" + suffix].clone()
+    for leader in swift.leaders(config.num_layers):
+        for kind in ("k_proj", "v_proj"):
+            for suffix in suffixes:
+                members = [base_state[_layer(leader + i) + kind + suffix] for i in range(group)]
+                mean = torch.stack([m.float() for m in members]).mean(dim=0)
+                out[_layer(leader) + kind + "_swiftkv" + suffix] = mean.to(members[0].dtype)
+    return out
+
+
+def model_state_for_swiftkv(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Keep the tensors a SwiftKV model uses: drop later layers' original q/k/v_proj and
+    any K/V projection of a non-leader; ModelLoadError if a SwiftKV tensor is missing."""
+    swift = config.swiftkv
+    missing = [name for name in swiftkv_tensor_names(config) if name not in state]
+    if missing:
+        raise ModelLoadError(f"SwiftKV checkpoint (num_key_value_layers={swift.num_key_value_layers}, "
+                             f"key_value_group_size={swift.key_value_group_size}) is missing {len(missing)} "
+                             f"tensor(s): {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    dropped = set()
+    for layer in range(swift.num_key_value_layers, config.num_layers):
+        kinds = ["q_proj", "k_proj", "v_proj"] + ([] if swift.is_leader(layer) else ["k_proj_swiftkv", "v_proj_swiftkv"])
+        dropped.update(_layer(layer) + k + s for k in kinds for s in _PROJECTION_SUFFIXES)
+    return {name: tensor for name, tensor in state.items() if name not in dropped}
+
+
+# -- config.json ---------------------------------------------------------------------------
+def llama_hf_config(config: ModelConfig) -> dict[str, Any]:
+    """A Hugging Face config.json dictionary for a Llama-family ModelConfig (SwiftKV
+    fields included when set). Inverse of ModelConfig.from_hf_dict for these models."""
+    if config.architecture != "llama":
+        raise ConfigError("architecture", config.architecture, "SwiftKV checkpoints are written for Llama models")
+    if config.attention_bias != config.attention_out_bias:
+        raise ConfigError("attention_bias", (config.attention_bias, config.attention_out_bias),
+                          "a llama config has one attention_bias for q/k/v and o (Qwen2-style biases "
+                          "cannot be written as llama_swiftkv)")
+    rope = config.rope
+    rope_scaling = None
+    if rope.rope_type != "default":
+        rope_scaling = {"rope_type": rope.rope_type, "factor": rope.factor}
+        if rope.rope_type == "llama3":
+            rope_scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                                original_max_position_embeddings=rope.original_max_position_embeddings)
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": rope.theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "mlp_bias": config.mlp_bias,
+        "hidden_act": config.hidden_act,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) != 1 else config.eos_token_ids[0],
+        "torch_dtype": "float32",
+    }
+    if config.sliding_window is not None:
+        out["sliding_window"] = config.sliding_window
+        out["layer_types"] = list(config.layer_types)
+    if config.swiftkv is not None:
+        out.update(architectures=[SWIFTKV_ARCHITECTURE_NAME], model_type=SWIFTKV_MODEL_TYPE, swiftkv=True,
+                   num_key_value_layers=config.swiftkv.num_key_value_layers,
+                   key_value_group_size=config.swiftkv.key_value_group_size)
+    return out
+
+
+def write_checkpoint(directory: str | Path, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                     dtype: torch.dtype, base_model: str | None = None) -> Path:
+    """Write config.json + model.safetensors. `base_model` marks a params-only checkpoint
+    (only SwiftKV tensors) that loads on top of that base model."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = llama_hf_config(config)
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if base_model is not None:
+        hf[BASE_MODEL_KEY] = base_model
+        hf[PARAMS_ONLY_KEY] = True
+    (directory / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    if config.tie_word_embeddings:  # HF convention: the tied head is not stored
+        tensors = {name: t for name, t in tensors.items() if name != "lm_head.weight"}
+    contiguous = {name: t.detach().to(dtype).contiguous() for name, t in sorted(tensors.items())}
+    save_file(contiguous, str(directory / SINGLE_FILE), metadata={"format": "pt"})
+    return directory
+
+
+# -- reading -------------------------------------------------------------------------------
+def is_params_only(directory: str | Path) -> bool:
+    return bool(read_hf_config_dict(directory).get(PARAMS_ONLY_KEY, False))
+
+
+def base_model_of(directory: str | Path) -> str | None:
+    return read_hf_config_dict(directory).get(BASE_MODEL_KEY)
+
+
+def overlay_config(base: ModelConfig, directory: str | Path) -> ModelConfig:
+    """The base config with the SwiftKV fields of the checkpoint in `directory`; the two
+    must describe the same network shape."""
+    data = read_hf_config_dict(directory)
+    if data.get("model_type") != SWIFTKV_MODEL_TYPE:
+        raise ModelLoadError(f"{directory} is not a SwiftKV checkpoint: config.json has model_type "
+                             f"{data.get('model_type')!r}, expected {SWIFTKV_MODEL_TYPE!r}")
+    theirs = ModelConfig.from_hf_dict(data)
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim"):
+        if getattr(theirs, field) != getattr(base, field):
+            raise ModelLoadError(f"SwiftKV checkpoint {directory} has {field}={getattr(theirs, field)} but "
+                                 f"the base model has {field}={getattr(base, field)}")
+    if theirs.swiftkv is None:
+        raise ModelLoadError(f"SwiftKV checkpoint {directory} has swiftkv=false")
+    return replace(base, swiftkv=theirs.swiftkv)
+
+
+def read_overlay_tensors(directory: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return read_hf_state_dict(directory, dtype=dtype)

@@ -1,0 +1,111 @@
+"""Dense, cache-free forward of Llama and SwiftKV-Llama models over whole sequences.
+
+Every token runs every layer (for a SwiftKV model: with the SwiftKV wiring, i.e. later
+layers take K/V from `norm_swiftkv(h_l)` through their group leader's projections). This is
+the straightforward definition the engine's skipping forward is tested against, and the
+differentiable forward distillation trains with (plain F.linear / SDPA, autograd intact).
+
+`segment_ids` [B, S] (optional) packs several samples into one row: attention stays within
+a segment and positions restart at each segment start.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvforge.models.causal_lm import CausalLM
+from kvforge.models.llama import LlamaForCausalLM
+from kvforge.models.llama_swiftkv import LlamaSwiftKVForCausalLM
+
+
+def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its segment, [B, S]."""
+    batch, length = segment_ids.shape
+    index = torch.arange(length, device=segment_ids.device).expand(batch, length)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - start_index
+
+
+def _attention_mask(segment_ids: torch.Tensor | None, batch: int, length: int, device: torch.device,
+                    window: int | None) -> torch.Tensor:
+    """[B, 1, S, S] bool: causal, within the segment, and within the sliding window."""
+    index = torch.arange(length, device=device)
+    delta = index[:, None] - index[None, :]
+    causal = delta >= 0
+    if window is not None:
+        causal &= delta < window
+    if segment_ids is None:
+        return causal.expand(batch, 1, length, length)
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, S, H, D], k/v [B, S, KVH, D] -> [B, S, H * D]."""
+    group = q.shape[2] // k.shape[2]
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    if group > 1:
+        kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).flatten(2)
+
+
+def dense_hidden_states(model: CausalLM, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None,
+                        output_layer: int | None = None) -> torch.Tensor:
+    """Final hidden states [B, S, hidden] (before the final norm), or the input of layer
+    `output_layer` when given (for hidden-state losses)."""
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"dense forward supports Llama-family models, not {type(model).__name__}")
+    config = model.config
+    batch, length = token_ids.shape
+    positions = segment_positions(segment_ids) if segment_ids is not None else \
+        torch.arange(length, device=token_ids.device).expand(batch, length)
+    masks = {window: _attention_mask(segment_ids, batch, length, token_ids.device, window)
+             for window in {config.window_of(i) for i in range(config.num_layers)}}
+    hidden = model.embed(token_ids)
+    flat_positions = positions.reshape(-1)
+    ropes = [rotary.at(flat_positions, hidden.dtype) for rotary in model.rotaries]
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    swift = config.swiftkv if isinstance(model, LlamaSwiftKVForCausalLM) else None
+    later_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def project(linear: torch.nn.Linear, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        return F.linear(x, linear.weight, linear.bias).view(batch * length, n_heads, dim)
+
+    for index, layer in enumerate(model.model.layers):
+        if output_layer is not None and index == output_layer:
+            return hidden
+        rope = ropes[model.rope_index[index]]
+        if swift is not None and index == swift.num_key_value_layers:
+            kv_input = model.model.norm_swiftkv(hidden)
+            for leader in swift.leaders(config.num_layers):
+                attn = model.model.layers[leader].self_attn
+                k = rope.apply(project(attn.k_proj_swiftkv, kv_input, kv_heads))
+                v = project(attn.v_proj_swiftkv, kv_input, kv_heads)
+                later_kv[swift.cache_layer_of(leader)] = (k, v)
+        x = layer.input_layernorm(hidden)
+        attn = layer.self_attn
+        if swift is not None and swift.is_later(index):
+            q = project(attn.q_proj_swiftkv, x, heads)
+            k, v = later_kv[swift.cache_layer_of(index)]
+        else:
+            q, k, v = project(attn.q_proj, x, heads), project(attn.k_proj, x, kv_heads), project(attn.v_proj, x, kv_heads)
+            k = rope.apply(k)
+        q = rope.apply(q)
+        shape = (batch, length)
+        out = _attend(q.view(*shape, heads, dim), k.view(*shape, kv_heads, dim), v.view(*shape, kv_heads, dim),
+                      masks[config.window_of(index)], config.attention_scale)
+        hidden = hidden + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return hidden
+
+
+def dense_logits(model: CausalLM, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [B, S, vocab] of every token."""
+    hidden = dense_hidden_states(model, token_ids, segment_ids)
+    logits = F.linear(model.model.norm(hidden), model.lm_head.weight, model.lm_head.bias)
+    cap = model.config.final_logit_softcapping
+    return torch.tanh(logits / cap) * cap if cap else logits

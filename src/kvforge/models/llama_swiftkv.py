@@ -150,10 +150,14 @@ class LlamaSwiftKVForCausalLM(LlamaForCausalLM):
         tensors = [p.weight for p in params] + [p.bias for p in params if p.bias is not None]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         key = tuple((t.data_ptr(), t._version) for t in tensors)
-        if needs_grad or self._fused_kv is None or self._fused_kv[0] != key:
+        if needs_grad:
             weight = torch.cat([p.weight for p in params], dim=0)
-            bias = torch.cat([p.bias for p in params]) if params[0].bias is not None else None
-            if needs_grad:
-                return weight, bias
-            self._fused_kv = (key, weight.detach(), None if bias is None else bias.detach())
+            return weight, torch.cat([p.bias for p in params]) if params[0].bias is not None else None
+        if self._fused_kv is None or self._fused_kv[0] != key:
+            # A normal (not inference-mode) tensor, so the cached copy stays usable outside
+            # the engine's inference_mode too.
+            with torch.inference_mode(False), torch.no_grad():
+                weight = torch.cat([p.weight for p in params], dim=0)
+                bias = torch.cat([p.bias for p in params]) if params[0].bias is not None else None
+            self._fused_kv = (key, weight, bias)
         return self._fused_kv[1], self._fused_kv[2]

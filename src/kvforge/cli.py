@@ -1,4 +1,4 @@
-"""Command line: `kvforge generate | chat | bench | verify | info`."""
+"""Command line: `kvforge generate | chat | bench | eval | swiftkv | analyze | verify | info`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from typing import Any
 
 import torch
 
+from kvforge.analysis.cli import add_analyze_parser, run_analyze
 from kvforge.bench.cli import add_bench_parser, run_bench
 from kvforge.errors import KVForgeError
+from kvforge.eval.cli import add_eval_parser, run_eval
+from kvforge.swiftkv.cli import add_swiftkv_parser, run_swiftkv
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_KV_BUDGET = "1GiB"
@@ -30,6 +33,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="cache method option (repeatable)")
     parser.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET, help="KV-cache memory budget, e.g. 512MB")
+    parser.add_argument("--swiftkv", default=None, metavar="DIR",
+                        help="SwiftKV checkpoint directory laid over --model (see `kvforge swiftkv init`)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="tokens computed per engine step (prefill chunk size)")
 
@@ -56,7 +61,7 @@ def _sampling_params(args: argparse.Namespace):
 def _make_llm(args: argparse.Namespace):
     from kvforge.engine.llm import LLM
 
-    return LLM(model=args.model, cache=args.cache, cache_options=args.cache_opt, dtype=args.dtype,
+    return LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt, dtype=args.dtype,
                kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens)
 
 
@@ -100,9 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = verbs.add_parser("info", help="architecture, parameters and KV bytes per token")
     _add_model_args(info)
+    info.add_argument("--swiftkv", default=None, metavar="DIR", help="SwiftKV checkpoint laid over --model")
     _add_json_arg(info)
 
     add_bench_parser(verbs)  # kvforge bench prefill | decode | throughput (kvforge.bench.cli)
+    add_eval_parser(verbs)  # kvforge eval ppl | niah (kvforge.eval.cli)
+    add_swiftkv_parser(verbs)  # kvforge swiftkv init | flops (kvforge.swiftkv.cli)
+    add_analyze_parser(verbs)  # kvforge analyze layer-similarity | key-spectra | kv-channels | all
     return parser
 
 
@@ -188,14 +197,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from kvforge.info import format_info, model_info
 
-    info = model_info(args.model)
+    info = model_info(args.model, swiftkv=args.swiftkv)
     print(format_info(info))
     _write_json(args.json, info)
     return 0
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "verify": cmd_verify, "info": cmd_info,
-            "bench": run_bench}
+            "bench": run_bench, "eval": run_eval, "swiftkv": run_swiftkv,
+            "analyze": run_analyze}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,21 +9,32 @@ import torch
 from kvforge.cache.full import STORAGE_DTYPES
 from kvforge.cache.registry import create_cache
 from kvforge.config import SLIDING_ATTENTION, ModelConfig
+from kvforge.errors import ConfigError
 from kvforge.models.loader import load_model_config, resolve_model_source
-from kvforge.models.registry import MODEL_CLASSES
+from kvforge.models.registry import model_class
 
 REPORT_CONTEXTS = (1024, 8192, 32768)
 
 
-def model_info(name_or_path: str) -> dict[str, Any]:
+def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
     source = resolve_model_source(name_or_path)
     config = load_model_config(source)
-    layout = MODEL_CLASSES[config.architecture].layout_for(config)
+    if swiftkv is not None:
+        from kvforge.swiftkv.checkpoint import overlay_config
+
+        config = overlay_config(config, swiftkv)
+    layout = model_class(config).layout_for(config)
     sliding = sum(t == SLIDING_ATTENTION for t in config.layer_types)
     kv: dict[str, Any] = {}
-    for name in STORAGE_DTYPES:
+    # kivi rows: quantised bytes per token; per sequence adds the float16 residual (R tokens).
+    specs = {name: f"full:storage_dtype={name}" for name in STORAGE_DTYPES}
+    specs.update({f"kivi-{bits}bit": f"kivi:bits={bits},residual_dtype=float16" for bits in (2, 4)})
+    for name, spec in specs.items():
         # One page per group is enough to ask the method for its accounting.
-        cache = create_cache(f"full:storage_dtype={name}", layout, 1 << 30, torch.float32, "cpu")
+        try:
+            cache = create_cache(spec, layout, 1 << 30, torch.float32, "cpu")
+        except ConfigError:  # e.g. kivi's group does not divide this model's head_dim
+            continue
         per_sequence = {str(n): cache.sequence_bytes(n) for n in REPORT_CONTEXTS
                         if n <= config.max_position_embeddings}
         kv[name] = {"bytes_per_token": cache.kv_bytes_per_token(), "bytes_per_sequence": per_sequence}
@@ -45,6 +56,10 @@ def model_info(name_or_path: str) -> dict[str, Any]:
         "max_position_embeddings": config.max_position_embeddings,
         "tied_embeddings": config.tie_word_embeddings,
         "rope": _rope_text(config),
+        "swiftkv": None if config.swiftkv is None else {
+            "num_key_value_layers": config.swiftkv.num_key_value_layers,
+            "key_value_group_size": config.swiftkv.key_value_group_size,
+            "cache_layers": layout.num_cache_layers},
         "kv_cache": kv,
     }
 
@@ -68,7 +83,11 @@ def format_info(info: dict[str, Any]) -> str:
         f"hidden / vocab {info['hidden_size']} / {info['vocab_size']}"
         + (" (tied embeddings)" if info["tied_embeddings"] else ""),
         f"context        {info['max_position_embeddings']} tokens, RoPE {info['rope']}",
-        "KV cache (full method, K and V of every cache layer):",
+        *([f"swiftkv        l={info['swiftkv']['num_key_value_layers']}, "
+           f"g={info['swiftkv']['key_value_group_size']}: {info['swiftkv']['cache_layers']} cache layers "
+           f"for {info['layers']} layers"] if info.get("swiftkv") else []),
+        "KV cache (K and V of every cache layer; kivi: codes + fp16 scale/zero per group of 32, per sequence "
+        "incl. the fp16 residual of 128 tokens):",
     ]
     for dtype, entry in info["kv_cache"].items():
         per_seq = ", ".join(f"{int(n) // 1024}K ctx {b / 2**20:.1f} MiB"

@@ -68,6 +68,10 @@ def add_bench_parser(verbs: Any) -> argparse.ArgumentParser:
     throughput.add_argument("--max-num-batched-tokens", type=_count(1), default=2048,
                             help="kvforge tokens per engine step (2048)")
     throughput.add_argument("--max-num-seqs", type=_count(1), default=256, help="kvforge running sequences (256)")
+    throughput.add_argument("--admission", choices=("optimistic", "reserve"), default="optimistic",
+                            help="kvforge admission policy for every system: optimistic (admit when the next "
+                                 "chunk fits, preempt later) or reserve (admit when prompt + max_tokens of every "
+                                 "running request fit the budget; no preemption)")
     throughput.add_argument("--hf-batch", type=_count(1), default=None,
                             help="transformers static batch size (default min(num_requests, 16))")
     return bench

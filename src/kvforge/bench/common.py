@@ -138,12 +138,13 @@ class BenchContext:
             log(f"kvforge {'SwiftKV ' if key else ''}model loaded ({time.perf_counter() - start:.1f} s)")
         return self._loaded[key]
 
-    def make_engine(self, system: System, max_num_batched_tokens: int, max_num_seqs: int = 256) -> LLMEngine:
+    def make_engine(self, system: System, max_num_batched_tokens: int, max_num_seqs: int = 256,
+                    admission: str = "optimistic") -> LLMEngine:
         """A fresh engine on the shared weights, with its own cache of `--kv-budget` bytes."""
         model, tokenizer = self.kvforge_model(system.swiftkv)
         cache = create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype)
         config = EngineConfig(kv_budget_bytes=self.kv_budget, max_num_batched_tokens=max_num_batched_tokens,
-                              max_num_seqs=max_num_seqs)
+                              max_num_seqs=max_num_seqs, admission=admission)
         return LLMEngine(model, cache, tokenizer, config)
 
     def hf_model(self) -> Any:

@@ -42,7 +42,7 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     prompts = ctx.prompts(args.batch, args.context)
     low, high = PREFILL_TOKENS_PER_STEP
     assert system.cache is not None
-    engine = ctx.make_engine(system.cache, max_num_batched_tokens=min(high, max(low, args.batch * args.context)),
+    engine = ctx.make_engine(system, max_num_batched_tokens=min(high, max(low, args.batch * args.context)),
                              max_num_seqs=max(256, args.batch))
     params = SamplingParams.greedy_params(max_tokens=args.gen, ignore_eos=True)
 

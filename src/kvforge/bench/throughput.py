@@ -10,8 +10,12 @@ transformers: `model.generate` on static batches of --hf-batch prompts (default
 min(N, 16)), max_new_tokens = min_new_tokens = output_len, greedy. All prompts have the
 same length, so nothing is padded.
 
-Headline: total_tokens_per_s = N * (input_len + output_len) / wall time. Also
-generated tokens/s, peak concurrent sequences, preemptions and the peak KV bytes in use.
+Headline: total_tokens_per_s = N * (input_len + output_len) / wall time (its ratio between
+two systems equals the generated-tokens/s ratio: same work). Also generated tokens/s, peak
+concurrent sequences, preemptions, the peak KV bytes in use, the whole sequences the budget
+admits by the cache's accounting, and both counts relative to the system under test.
+--admission reserve admits a request only when every running request's prompt + max_tokens
+fits the budget (applied to every kvforge system alike; no preemption).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     args = ctx.args
     prompts = ctx.prompts(args.num_requests, args.input_len)
     assert system.cache is not None
-    engine = ctx.make_engine(system.cache, args.max_num_batched_tokens, args.max_num_seqs)
+    engine = ctx.make_engine(system, args.max_num_batched_tokens, args.max_num_seqs,
+                             getattr(args, "admission", "optimistic"))
     params = SamplingParams.greedy_params(max_tokens=args.output_len, ignore_eos=True)
     scheduler, cache = engine.scheduler, engine.cache
 
@@ -59,6 +64,8 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     run = repeat_runs(system.name, once, args.warmup, args.repeats)
     run["kv_bytes_capacity"] = cache.memory_capacity()["fast"]
     run["kv_budget_fraction_used"] = run["kv_bytes_peak"] / run["kv_bytes_capacity"]
+    # Whole sequences (prompt + output) the budget holds by the cache's own accounting.
+    run["admissible_sequences"] = run["kv_bytes_capacity"] // cache.sequence_bytes(args.input_len + args.output_len)
     return run
 
 
@@ -83,9 +90,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for system in systems:
         system[HEADLINE] = rate(total, system["seconds"])
         system["generated_tokens_per_s"] = rate(args.num_requests * args.output_len, system["seconds"])
+    for key, ratio_key in (("peak_concurrent_sequences", "peak_sequences_ratio"),
+                           ("admissible_sequences", "admissible_sequences_ratio")):
+        for system in systems:  # the system under test relative to each system (1.0 for itself)
+            ours, theirs = systems[0].get(key), system.get(key)
+            system[ratio_key] = ours / theirs if ours is not None and theirs else None
     settings = {
         "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+        "admission": getattr(args, "admission", "optimistic"),
         "hf_batch": args.hf_batch or min(args.num_requests, 16), "repeats": args.repeats,
         "warmup": args.warmup, "seed": args.seed, "kv_budget": ctx.kv_budget,
         "kvforge_timing": "all requests added at once, engine stepped to completion (detokenising included)",
@@ -93,6 +106,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     columns = [Column(HEADLINE, "total tok/s"), Column("generated_tokens_per_s", "gen tok/s"),
                Column("seconds", "seconds", "{:.2f}"), Column("peak_concurrent_sequences", "peak seqs", "{}"),
-               Column("preemptions", "preempt", "{}"), Column("kv_budget_fraction_used", "KV used", "{:.1%}")]
+               Column("preemptions", "preempt", "{}"), Column("kv_budget_fraction_used", "KV used", "{:.1%}"),
+               Column("admissible_sequences", "admissible", "{}"),
+               Column("peak_sequences_ratio", "peak ratio", "{:.2f}x"),
+               Column("admissible_sequences_ratio", "adm. ratio", "{:.2f}x")]
     panel = Panel("generated_tokens_per_s", "generated tokens/s")
     return finish(ctx, "throughput", settings, HEADLINE, systems, columns, panel)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from kvforge.errors import require
 
+ADMISSION_POLICIES = ("optimistic", "reserve")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -15,11 +17,18 @@ class EngineConfig:
     max_num_seqs: int = 256
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
+    # "optimistic" (vLLM-style): a waiting request is admitted when its next chunk fits, and
+    # running requests are preempted later if the cache runs out. "reserve": admitted only
+    # when the cache's bytes for every running request's whole lifetime (prompt + max_tokens,
+    # `cache.sequence_bytes`) plus its own fit the budget, so nothing is ever preempted.
+    admission: str = "optimistic"
 
     def __post_init__(self) -> None:
         require(self.kv_budget_bytes > 0, "kv_budget", self.kv_budget_bytes, "must be > 0 bytes")
         require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens,
                 "must be >= 1")
         require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        require(self.admission in ADMISSION_POLICIES, "admission", self.admission,
+                f"must be one of {list(ADMISSION_POLICIES)}")
         require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
                 "must be >= 2")

@@ -36,7 +36,13 @@ class LLMEngine:
         limit = model.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.runner = ModelRunner(model, cache)
-        self.scheduler = Scheduler(cache, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        lifetime = None
+        if self.config.admission == "reserve":
+            def lifetime(request: Request) -> int:
+                total = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
+                return cache.sequence_bytes(total)
+        self.scheduler = Scheduler(cache, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                   lifetime, cache.memory_capacity()["fast"])
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))

@@ -20,7 +20,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,12 +63,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheAllocator, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, cache: CacheAllocator, max_num_batched_tokens: int, max_num_seqs: int,
+                 lifetime_bytes: Callable[[Request], int] | None = None, budget_bytes: int = 0) -> None:
+        """`lifetime_bytes` (with `budget_bytes`) turns on reserving admission: a waiting
+        request is admitted only if the lifetime bytes of the running requests and its own
+        fit the budget (a request admitted alone always is, so none waits forever)."""
         require(max_num_batched_tokens >= 1, "max_num_batched_tokens", max_num_batched_tokens, "must be >= 1")
         require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1")
         self.cache = cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.lifetime_bytes = lifetime_bytes
+        self.budget_bytes = budget_bytes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.peak_running = 0
@@ -113,6 +119,8 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 take = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not self._reservation_fits(request):
+                    break
                 if not self.cache.allocate(request.seq_id, request.num_computed_tokens + take):
                     break
                 self.waiting.popleft()
@@ -122,6 +130,12 @@ class Scheduler:
                 budget -= take
         self.peak_running = max(self.peak_running, len(self.running))
         return out
+
+    def _reservation_fits(self, request: Request) -> bool:
+        if self.lifetime_bytes is None or not self.running:
+            return True
+        reserved = sum(self.lifetime_bytes(r) for r in self.running)
+        return reserved + self.lifetime_bytes(request) <= self.budget_bytes
 
     def _make_room(self, request: Request, take: int, index: int, out: SchedulerOutput) -> bool:
         """Allocate for `request`, preempting newer requests as needed. False if the request

@@ -1,4 +1,5 @@
-"""`kvforge swiftkv init | flops`: write SwiftKV checkpoints and account their FLOPs."""
+"""`kvforge swiftkv init | flops | distill | evaluate`: write SwiftKV checkpoints, account their
+FLOPs, distill them from the base model and measure how close they come to it."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
-    swift = verbs.add_parser("swiftkv", help="SwiftKV checkpoints (init) and FLOP accounting (flops)")
+    swift = verbs.add_parser("swiftkv", help="SwiftKV checkpoints (init, distill, evaluate) and FLOP accounting "
+                                             "(flops)")
     kinds = swift.add_subparsers(dest="swiftkv_verb", required=True)
 
     init = kinds.add_parser("init", help="write a SwiftKV checkpoint initialised from a base model")
@@ -46,11 +48,85 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
     flops.add_argument("--context", type=int, default=None,
                        help="prompt length the attention term averages over (default max_position_embeddings)")
     flops.add_argument("--json", metavar="OUT", default=None, help="also write the table as JSON")
+
+    from kvforge.swiftkv.recipe import add_recipe_flags
+
+    distill = kinds.add_parser(
+        "distill", help="knowledge recovery: train the SwiftKV parameters on the base model's logits",
+        description="Flags and the keys of --recipe (YAML, keys = flag names) are the same; flags given "
+                    "here override the recipe. Run under torchrun for data parallelism.")
+    distill.add_argument("--recipe", default=None, metavar="YAML", help="recipe file (keys = the flag names)")
+    add_recipe_flags(distill)
+
+    evaluate = kinds.add_parser("evaluate", help="held-out perplexity of teacher and SwiftKV student, "
+                                                 "KL(teacher || student), top-1 agreement")
+    evaluate.add_argument("--swiftkv", required=True, metavar="DIR", nargs="+",
+                          help="SwiftKV checkpoint(s): initialised (swiftkv init) or distilled")
+    evaluate.add_argument("--model", default=None,
+                          help="base (teacher) model (default: the base named by a params-only checkpoint)")
+    evaluate.add_argument("--context", type=int, default=1024, help="tokens per held-out window (1024)")
+    evaluate.add_argument("--max-windows", type=int, default=6, help="windows evaluated (6)")
+    evaluate.add_argument("--text-file", default=None, help="text whose last 20%% is held out (default WikiText)")
+    evaluate.add_argument("--threads", type=int, default=None, help="torch threads")
+    evaluate.add_argument("--json", metavar="OUT", default=None, help="also write the figures as JSON")
     return swift
 
 
 def run_swiftkv(args: argparse.Namespace) -> int:
-    return {"init": _run_init, "flops": _run_flops}[args.swiftkv_verb](args)
+    return {"init": _run_init, "flops": _run_flops, "distill": _run_distill,
+            "evaluate": _run_evaluate}[args.swiftkv_verb](args)
+
+
+def _run_distill(args: argparse.Namespace) -> int:
+    from kvforge.swiftkv.distill import run_distill
+    from kvforge.swiftkv.recipe import recipe_from_args
+
+    recipe = recipe_from_args(args)  # an unknown key or a bad value fails here, before any loading
+    result = run_distill(recipe)
+    if not result.main_process:
+        return 0
+    line = (f"distilled SwiftKV l={recipe.num_key_value_layers} g={recipe.group_size}: {result.steps} steps, "
+            f"{result.tokens_trained:,} tokens, training {result.train_s:.0f} s (wall {result.wall_s:.0f} s) -> "
+            f"{result.out}")
+    print(line)
+    if result.before is not None and result.after is not None:
+        from kvforge.swiftkv.evaluate import gap_closed
+
+        print(f"held-out KL {result.before.kl:.4f} -> {result.after.kl:.4f}, student ppl "
+              f"{result.before.student_ppl:.3f} -> {result.after.student_ppl:.3f} (teacher "
+              f"{result.after.teacher_ppl:.3f}, gap closed {100 * gap_closed(result.before, result.after):.1f}%)")
+    return 0
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvforge.models.loader import load_model
+    from kvforge.models.tokenizer import load_tokenizer
+    from kvforge.swiftkv.checkpoint import base_model_of
+    from kvforge.swiftkv.evaluate import QualitySettings, compare_all, format_quality, heldout_windows
+
+    settings = QualitySettings(args.context, args.max_windows)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for directory in args.swiftkv:
+        if not Path(directory).is_dir():
+            raise ModelLoadError(f"SwiftKV checkpoint {directory} is not a directory")
+    model = args.model or base_model_of(args.swiftkv[0])
+    if model is None:
+        raise ConfigError("model", None, "is required: the checkpoint does not name its base model")
+    teacher, source = load_model(model)
+    windows = heldout_windows(load_tokenizer(source), settings, args.text_file)
+    students = [load_model(model, swiftkv=directory)[0] for directory in args.swiftkv]
+    rows = list(zip(map(str, args.swiftkv), compare_all(teacher, students, windows)))
+    print(format_quality(rows, settings))
+    if args.json:
+        payload = {"model": model, "context": settings.context, "windows": len(windows),
+                   "students": {name: quality.to_dict() for name, quality in rows}}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
 
 
 def _run_init(args: argparse.Namespace) -> int:

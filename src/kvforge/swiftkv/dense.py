@@ -11,12 +11,15 @@ a segment and positions restart at each segment start.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kvforge.models.causal_lm import CausalLM
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.models.llama_swiftkv import LlamaSwiftKVForCausalLM
+from kvforge.models.rope import PositionedRope
 
 
 def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -53,32 +56,60 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return out.transpose(1, 2).flatten(2)
 
 
-def dense_hidden_states(model: CausalLM, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None,
-                        output_layer: int | None = None) -> torch.Tensor:
-    """Final hidden states [B, S, hidden] (before the final norm), or the input of layer
-    `output_layer` when given (for hidden-state losses)."""
+def _check_model(model: CausalLM) -> None:
     if not isinstance(model, LlamaForCausalLM):
         raise TypeError(f"dense forward supports Llama-family models, not {type(model).__name__}")
+
+
+@dataclass(frozen=True)
+class DenseInputs:
+    """What every layer of a dense forward shares: shape, masks per sliding window and the
+    RoPE tables of each rotary kind. One object serves the teacher and the student of a
+    distillation batch (same tokens, same positions)."""
+
+    batch: int
+    length: int
+    masks: dict[int | None, torch.Tensor]
+    ropes: list[PositionedRope]
+
+
+def dense_inputs(model: CausalLM, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32) -> DenseInputs:
+    _check_model(model)
     config = model.config
     batch, length = token_ids.shape
     positions = segment_positions(segment_ids) if segment_ids is not None else \
         torch.arange(length, device=token_ids.device).expand(batch, length)
     masks = {window: _attention_mask(segment_ids, batch, length, token_ids.device, window)
              for window in {config.window_of(i) for i in range(config.num_layers)}}
-    hidden = model.embed(token_ids)
     flat_positions = positions.reshape(-1)
-    ropes = [rotary.at(flat_positions, hidden.dtype) for rotary in model.rotaries]
+    return DenseInputs(batch, length, masks, [rotary.at(flat_positions, dtype) for rotary in model.rotaries])
+
+
+def dense_layers(model: CausalLM, inputs: DenseInputs, hidden: torch.Tensor, start: int, stop: int,
+                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Run layers [start, stop) on `hidden` (the input of layer `start`); returns the input
+    of layer `stop` and the inputs of the layers listed in `capture` (index `stop` allowed).
+
+    A SwiftKV model computes its later layers' K/V when it reaches layer l, so a range that
+    contains later layers must start at or before l."""
+    config = model.config
+    batch, length = inputs.batch, inputs.length
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
     swift = config.swiftkv if isinstance(model, LlamaSwiftKVForCausalLM) else None
+    if swift is not None and start > swift.num_key_value_layers and start < stop:
+        raise ValueError(f"a SwiftKV dense range must start at or before layer l={swift.num_key_value_layers}")
     later_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    captured: dict[int, torch.Tensor] = {}
 
     def project(linear: torch.nn.Linear, x: torch.Tensor, n_heads: int) -> torch.Tensor:
         return F.linear(x, linear.weight, linear.bias).view(batch * length, n_heads, dim)
 
-    for index, layer in enumerate(model.model.layers):
-        if output_layer is not None and index == output_layer:
-            return hidden
-        rope = ropes[model.rope_index[index]]
+    for index in range(start, stop):
+        layer = model.model.layers[index]
+        if index in capture:
+            captured[index] = hidden
+        rope = inputs.ropes[model.rope_index[index]]
         if swift is not None and index == swift.num_key_value_layers:
             kv_input = model.model.norm_swiftkv(hidden)
             for leader in swift.leaders(config.num_layers):
@@ -97,10 +128,23 @@ def dense_hidden_states(model: CausalLM, token_ids: torch.Tensor, segment_ids: t
         q = rope.apply(q)
         shape = (batch, length)
         out = _attend(q.view(*shape, heads, dim), k.view(*shape, kv_heads, dim), v.view(*shape, kv_heads, dim),
-                      masks[config.window_of(index)], config.attention_scale)
+                      inputs.masks[config.window_of(index)], config.attention_scale)
         hidden = hidden + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return hidden
+    if stop in capture:
+        captured[stop] = hidden
+    return hidden, captured
+
+
+def dense_hidden_states(model: CausalLM, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None,
+                        output_layer: int | None = None) -> torch.Tensor:
+    """Final hidden states [B, S, hidden] (before the final norm), or the input of layer
+    `output_layer` when given (for hidden-state losses)."""
+    _check_model(model)
+    hidden = model.embed(token_ids)
+    inputs = dense_inputs(model, token_ids, segment_ids, hidden.dtype)
+    stop = model.config.num_layers if output_layer is None else output_layer
+    return dense_layers(model, inputs, hidden, 0, stop)[0]
 
 
 def dense_logits(model: CausalLM, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""Teacher and student of SwiftKV knowledge recovery on ONE frozen copy of the base weights.
+
+The teacher is the base `LlamaForCausalLM` (original wiring, requires_grad off). The
+student is a `LlamaSwiftKVForCausalLM` whose modules are the teacher's own (embedding,
+layers < l, the later layers' norms, o_proj and MLP, final norm, head), plus the trainable
+SwiftKV parameters under the checkpoint's names: `model.norm_swiftkv`, every later layer's
+`self_attn.q_proj_swiftkv` and the group leaders' `self_attn.k_proj_swiftkv` /
+`v_proj_swiftkv`. With `train_later_layers` the later layers' norms, o_proj and MLP are
+private trainable copies instead (the paper's full-vs-partial ablation).
+
+Layers < l are the same modules in both, so a batch runs them once (no grad): the teacher
+continues from layer l with its own wiring, the student from the same hidden state with
+the SwiftKV wiring and autograd on (`forward_hidden`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from kvforge.config import SwiftKVConfig
+from kvforge.errors import ConfigError
+from kvforge.models.layers import RMSNorm
+from kvforge.models.llama import LlamaForCausalLM
+from kvforge.models.llama_swiftkv import LlamaSwiftKVForCausalLM
+from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors
+from kvforge.swiftkv.dense import dense_inputs, dense_layers
+
+_SHARED_LATER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")
+
+
+@dataclass(frozen=True)
+class HiddenPair:
+    """Final hidden states (before the final norm) of teacher and student, [B, S, hidden],
+    and both inputs of the hidden-loss layer when one was asked for."""
+
+    teacher: torch.Tensor
+    student: torch.Tensor
+    teacher_at: torch.Tensor | None = None
+    student_at: torch.Tensor | None = None
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype,
+                      device=weight.device)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer
+
+
+class DistillModel(nn.Module):
+    def __init__(self, base: LlamaForCausalLM, swift: SwiftKVConfig, train_later_layers: bool = False,
+                 init: dict[str, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        if type(base) is not LlamaForCausalLM:
+            raise ConfigError("model", type(base).__name__, "the teacher must be a base Llama-family model "
+                                                            "(not a SwiftKV checkpoint)")
+        config = replace(base.config, swiftkv=swift)  # validates l and g against the layer count
+        base.requires_grad_(False)
+        self.teacher = base.eval()
+        self.swift = swift
+        self.train_later_layers = train_later_layers
+        if init is None:
+            init = initial_swiftkv_tensors(base.state_dict(), base.config, swift)
+        self.student = self._build_student(config, init).eval()
+
+    def _build_student(self, config, init: dict[str, torch.Tensor]) -> LlamaSwiftKVForCausalLM:
+        base = self.teacher
+        # Built on the meta device: every module is replaced by a shared or a new one below.
+        student = LlamaSwiftKVForCausalLM(config, dtype=base.dtype, device="meta")
+        student.rotaries = base.rotaries
+        student.model.embed_tokens = base.model.embed_tokens
+        student.model.norm = base.model.norm
+        student.lm_head = base.lm_head
+        first = self.swift.num_key_value_layers
+        for index in range(config.num_layers):
+            if index < first:
+                student.model.layers[index] = base.model.layers[index]
+                continue
+            mine, theirs = student.model.layers[index], base.model.layers[index]
+            for name in _SHARED_LATER_MODULES:
+                setattr(mine, name, self._later(getattr(theirs, name)))
+            mine.self_attn.o_proj = self._later(theirs.self_attn.o_proj)
+            prefix = f"model.layers.{index}.self_attn."
+            kinds = ("q_proj_swiftkv", "k_proj_swiftkv", "v_proj_swiftkv") if self.swift.is_leader(index) \
+                else ("q_proj_swiftkv",)
+            for kind in kinds:
+                bias = init.get(prefix + kind + ".bias")
+                setattr(mine.self_attn, kind, _linear(init[prefix + kind + ".weight"].to(base.dtype),
+                                                      None if bias is None else bias.to(base.dtype)))
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, base.dtype, base.lm_head.weight.device)
+        with torch.no_grad():
+            norm.weight.copy_(init["model.norm_swiftkv.weight"])
+        student.model.norm_swiftkv = norm
+        leftover = [name for name, p in student.named_parameters() if p.is_meta]
+        if leftover:  # a module the student has but the wiring above forgot
+            raise RuntimeError(f"student parameters left unset: {leftover[:4]}")
+        return student
+
+    def _later(self, module: nn.Module) -> nn.Module:
+        """A later layer's module: the teacher's (frozen) or a trainable private copy."""
+        if not self.train_later_layers:
+            return module
+        return copy.deepcopy(module).requires_grad_(True)
+
+    # -- parameters -------------------------------------------------------------------
+    def trainable(self) -> dict[str, nn.Parameter]:
+        """Trainable parameters by checkpoint name (sorted, so optimizer states line up)."""
+        named = dict(self.student.named_parameters())
+        return {name: named[name] for name in sorted(named) if named[name].requires_grad}
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.trainable().items()}
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        params = self.trainable()
+        if set(state) != set(params):
+            raise ConfigError("training state", sorted(set(state) ^ set(params))[:4],
+                              "does not hold exactly this student's trainable parameters")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state[name])
+
+    # -- forward ----------------------------------------------------------------------
+    def forward_hidden(self, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None,
+                       hidden_layer: int | None = None, autocast: bool = False) -> HiddenPair:
+        """Teacher (no grad) and student (grad) hidden states for one batch; layers < l once."""
+        teacher, student = self.teacher, self.student
+        first, layers = self.swift.num_key_value_layers, teacher.config.num_layers
+        capture = () if hidden_layer is None else (hidden_layer,)
+        device_type = token_ids.device.type
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+            with torch.no_grad():
+                hidden = teacher.embed(token_ids)
+                inputs = dense_inputs(teacher, token_ids, segment_ids, hidden.dtype)
+                shared, _ = dense_layers(teacher, inputs, hidden, 0, first)
+                final_t, at_t = dense_layers(teacher, inputs, shared, first, layers, capture)
+            final_s, at_s = dense_layers(student, inputs, shared, first, layers, capture)
+        return HiddenPair(final_t, final_s, at_t.get(hidden_layer), at_s.get(hidden_layer))

@@ -1,0 +1,75 @@
+"""Tiny teachers, data and recipes for the distillation tests.
+
+No transformers import here (unlike conftest): the data-parallel test spawns processes that
+import this module, and a light import keeps that test fast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.config import ModelConfig, RopeConfig, SwiftKVConfig
+from kvforge.models.registry import build_model
+from kvforge.swiftkv.data import PackedData, Sample, pack
+from kvforge.swiftkv.recipe import DistillRecipe
+from kvforge.swiftkv.student import DistillModel
+
+VOCAB = 96
+FIRST_LATER, GROUP = 1, 2  # on the 5-layer base of across_kv_pair: AcrossKV groups of 2
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls are faster on one thread (and immune to a busy machine's other jobs)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_base(seed: int = 4):
+    """A 5-layer GQA llama with random weights (norms around 1)."""
+    config = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=5,
+                         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=1024,
+                         rope=RopeConfig(theta=10000.0))
+    model = build_model(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale, offset = (0.1, 1.0) if "norm" in name else (0.2, 0.0)
+            p.copy_(torch.randn(p.shape, generator=generator) * scale + offset)
+    return model
+
+
+def tiny_distill_model(first_later: int = FIRST_LATER, group: int = GROUP,
+                       train_later_layers: bool = False) -> DistillModel:
+    return DistillModel(tiny_base(), SwiftKVConfig(first_later, group), train_later_layers)
+
+
+def random_samples(count: int, seed: int, chat_like: bool = False) -> list[Sample]:
+    """Random token samples of varied length; chat-like ones count only their second half."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(count):
+        length = int(torch.randint(5, 40, (1,), generator=generator))
+        ids = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+        counted = [t >= length // 2 - 1 and t < length - 1 for t in range(length)] if chat_like else [True] * length
+        samples.append(Sample(ids, counted))
+    return samples
+
+
+def random_data(rows_wanted: int = 12, seq_len: int = 16, seed: int = 0) -> PackedData:
+    """Packed text-like data with segment boundaries inside rows and some uncounted positions."""
+    samples = random_samples(rows_wanted * 2, seed, chat_like=True)
+    data = pack(samples, seq_len, pad_id=0, split=False)
+    assert data.num_rows >= rows_wanted
+    index = torch.arange(rows_wanted)
+    return PackedData(*data.rows(index), "random")
+
+
+def tiny_recipe(out, **overrides) -> DistillRecipe:
+    values = dict(model="tiny", num_key_value_layers=FIRST_LATER, group_size=GROUP, out=str(out), seq_len=16,
+                  micro_batch_size=2, grad_accum=2, max_steps=6, save_every=2, learning_rate=1e-2,
+                  warmup_ratio=0.2, seed=3)
+    values.update(overrides)
+    return DistillRecipe(**values)

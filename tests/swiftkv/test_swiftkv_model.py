@@ -128,3 +128,29 @@ def test_packed_segments_equal_separate_sequences():
         packed = dense_logits(model, torch.tensor([a + b]), segment_ids=segments)[0]
     torch.testing.assert_close(packed[:9], dense(model, a), atol=1e-5, rtol=0)
     torch.testing.assert_close(packed[9:], dense(model, b), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("residual", [64, 16])
+def test_swiftkv_composes_with_kivi(residual):
+    """Later layers query only the logit rows through the KIVI cache too (its generic
+    attend_rows). With a residual longer than the sequence KIVI stores nothing quantised,
+    so the result is exact; with residual 16 (8-bit) the error is KIVI's own, the same size
+    as on the base model."""
+    base, model = across_kv_pair()
+    tokens = tokens_of(60, 9)
+    cache = f"kivi:bits=8,group=8,residual={residual}"
+
+    def run(net, spec):
+        runner = make_runner(net, cache=spec)
+        rows = [runner.step([StepItem(0, tokens[start:min(start + 13, 40)])])[0] for start in range(0, 40, 13)]
+        rows += [runner.step([StepItem(0, [tokens[p]])])[0] for p in range(40, 60)]
+        return torch.stack(rows)
+
+    expected = dense(model, tokens)[[12, 25, 38, 39] + list(range(40, 60))]
+    got = run(model, cache)
+    if residual == 64:
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    else:
+        swift_error = (got - expected).abs().max().item()
+        base_error = (run(base, cache) - run(base, "full:block_size=4")).abs().max().item()
+        assert swift_error < 2 * base_error + 1e-3

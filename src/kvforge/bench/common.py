@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from kvforge.cache.registry import CacheSpec, create_cache, parse_cache_spec
+from kvforge.cache.registry import CacheSpec, create_cache, parse_cache_spec, split_spec_list
 from kvforge.config import ModelConfig
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
@@ -53,16 +53,7 @@ def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None 
     (the --swiftkv model's base model with the cache under test) or cache specs; a spec's own
     `k=v` options may continue after commas (`full:storage_dtype=bfloat16,block_size=32`).
     With --swiftkv, cache-spec systems run the SwiftKV model too."""
-    texts = [entries] if isinstance(entries, str) else list(entries or [])
-    items: list[str] = []
-    for text in texts:
-        for piece in (p.strip() for p in text.split(",")):
-            if not piece:
-                continue
-            if "=" in piece and ":" not in piece and items and items[-1] not in ("hf", "base"):
-                items[-1] += "," + piece  # another option of the previous cache spec
-            else:
-                items.append(piece)
+    items = split_spec_list(entries, bare=("hf", "base"))
     systems = []
     for item in items:
         if item == "hf":

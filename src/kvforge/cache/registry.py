@@ -67,6 +67,23 @@ def parse_cache_spec(text: str, extra_options: list[str] | None = None) -> Cache
     return spec
 
 
+def split_spec_list(entries: list[str] | str | None, bare: tuple[str, ...] = ()) -> list[str]:
+    """Comma-separated lists of specs (repeated `--compare X,Y` flags) -> one entry per
+    spec. A `k=v` piece without a colon continues the previous spec's options
+    (`kivi,bits=4` -> `kivi:bits=4`), except after a name in `bare` that takes none."""
+    texts = [entries] if isinstance(entries, str) else list(entries or [])
+    items: list[str] = []
+    for text in texts:
+        for piece in (p.strip() for p in text.split(",")):
+            if not piece:
+                continue
+            if "=" in piece and ":" not in piece and items and items[-1] not in bare:
+                items[-1] += ("," if ":" in items[-1] else ":") + piece
+            else:
+                items.append(piece)
+    return items
+
+
 def create_cache(spec: CacheSpec | str, layout: CacheLayout, budget_bytes: int,
                  compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> CacheMethod:
     if isinstance(spec, str):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvforge.cache.registry import CacheSpec, config_from_options, parse_cache_spec
+from kvforge.cache.registry import CacheSpec, config_from_options, parse_cache_spec, split_spec_list
 from kvforge.errors import ConfigError, require
 
 SystemKind = Literal["kvforge", "hf"]
@@ -81,17 +81,7 @@ class EvalSystem:
 
 def split_entries(entries: list[str] | str | None) -> list[str]:
     """Comma-separated `--compare` values -> entries; a bare `k=v` continues the previous spec."""
-    texts = [entries] if isinstance(entries, str) else list(entries or [])
-    items: list[str] = []
-    for text in texts:
-        for piece in (p.strip() for p in text.split(",")):
-            if not piece:
-                continue
-            if "=" in piece and ":" not in piece and items and items[-1] != "hf":
-                items[-1] += ("," if ":" in items[-1] else ":") + piece
-            else:
-                items.append(piece)
-    return items
+    return split_spec_list(entries, bare=("hf", "base"))
 
 
 def parse_system(entry: str) -> EvalSystem:

@@ -19,7 +19,7 @@ for the step that brings `seq` to `n` tokens (all-or-nothing, False if it does n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -115,3 +115,18 @@ class CacheMethod(ABC):
     @abstractmethod
     def end_step(self, batch: ForwardBatch) -> None:
         """Commit the step: sequences now hold `span.total_len` tokens."""
+
+
+class PagedPoolMemory:
+    """Memory accounting of methods whose whole storage is pages of one block pool on the
+    fast tier (`full`, `kivi`): usage and capacity are page counts times `page_bytes`."""
+
+    pages: Any  # kvforge.cache.page_table.PageTable
+    page_bytes: int
+
+    def memory_usage(self) -> dict[str, int]:
+        return {"fast": self.pages.pool.num_used * self.page_bytes, "slow": 0}
+
+    def memory_capacity(self) -> dict[str, int]:
+        return {"fast": self.pages.pool.num_blocks * self.page_bytes, "slow": 0}
+

@@ -19,7 +19,7 @@ import torch
 
 from kvforge.batch import ForwardBatch, SequenceSpan
 from kvforge.cache.attention import chunk_attention, decode_attention
-from kvforge.cache.base import CacheMethod
+from kvforge.cache.base import CacheMethod, PagedPoolMemory
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import LayerGroups, PageTable
@@ -80,7 +80,7 @@ class _GroupPlan:
 
 
 @register_cache_method("full", FullCacheConfig)
-class FullCache(CacheMethod):
+class FullCache(PagedPoolMemory, CacheMethod):
     def __init__(self, layout: CacheLayout, config: FullCacheConfig, budget_bytes: int,
                  compute_dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(layout, compute_dtype, device)
@@ -112,12 +112,6 @@ class FullCache(CacheMethod):
 
     def sequence_bytes(self, num_tokens: int) -> int:
         return self.pages.max_pages_per_sequence(num_tokens) * self.page_bytes
-
-    def memory_usage(self) -> dict[str, int]:
-        return {"fast": self.pages.pool.num_used * self.page_bytes, "slow": 0}
-
-    def memory_capacity(self) -> dict[str, int]:
-        return {"fast": self.pages.pool.num_blocks * self.page_bytes, "slow": 0}
 
     def statistics(self) -> dict[str, float]:
         pool = self.pages.pool

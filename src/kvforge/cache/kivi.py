@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.batch import ForwardBatch, SequenceSpan
-from kvforge.cache.base import CacheMethod
+from kvforge.cache.base import CacheMethod, PagedPoolMemory
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.kivi_attention import kivi_chunk_attention, kivi_decode_attention
 from kvforge.cache.kivi_store import KIVIStore, page_bytes, store_key_pages, store_value_tokens
@@ -131,7 +131,7 @@ class _ResidualWrites:
 
 
 @register_cache_method("kivi", KIVICacheConfig)
-class KIVICache(CacheMethod):
+class KIVICache(PagedPoolMemory, CacheMethod):
     def __init__(self, layout: CacheLayout, config: KIVICacheConfig, budget_bytes: int,
                  compute_dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(layout, compute_dtype, device)
@@ -180,12 +180,6 @@ class KIVICache(CacheMethod):
     def sequence_bytes(self, num_tokens: int) -> int:
         return (self.pages.max_pages_per_sequence(self.quantized_keys(num_tokens)) + self.slot_pages) \
             * self.page_bytes
-
-    def memory_usage(self) -> dict[str, int]:
-        return {"fast": self.pages.pool.num_used * self.page_bytes, "slow": 0}
-
-    def memory_capacity(self) -> dict[str, int]:
-        return {"fast": self.pages.pool.num_blocks * self.page_bytes, "slow": 0}
 
     def statistics(self) -> dict[str, float]:
         pool = self.pages.pool

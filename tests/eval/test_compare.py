@@ -55,3 +55,12 @@ def test_baseline_is_first_full_precision_comparison():
 def test_duplicate_systems_get_distinct_names():
     names = [s.name for s in parse_systems("full", [], ["full,hf,hf"])]
     assert names == ["kvforge[full]", "kvforge[full]#2", "hf", "hf#2"]
+
+
+def test_swiftkv_systems_and_base():
+    systems = parse_systems("full", [], ["base,hf,kivi:bits=4"], swiftkv="ckpt")
+    assert [s.name for s in systems] == ["swiftkv[full]", "base[full]", "hf", "swiftkv[kivi:bits=4]"]
+    assert [s.swiftkv for s in systems] == [True, False, True, True]
+    assert baseline_index(systems) == 1  # the base model with the full cache
+    with pytest.raises(ConfigError, match="--swiftkv"):
+        parse_systems("full", [], ["base"])

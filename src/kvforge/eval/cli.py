@@ -23,8 +23,10 @@ def _add_common(parser: argparse.ArgumentParser, default_model: str) -> None:
     parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="option of the cache under test (repeatable)")
     parser.add_argument("--kv-budget", default="4GiB", help="KV-cache budget of each kvforge system (4GiB)")
+    parser.add_argument("--swiftkv", default=None, metavar="DIR",
+                        help="SwiftKV checkpoint laid over --model for kvforge systems (compare with: base)")
     parser.add_argument("--compare", action="append", default=[], metavar="X[,Y...]",
-                        help="also evaluate: hf (transformers, same weights), hf-quanto:bits=2|4[,group=..,"
+                        help="also evaluate: base (with --swiftkv), hf (transformers, same weights), hf-quanto:bits=2|4[,group=..,"
                              "residual=..], hf-hqq:..., hf-kivi:bits=..., or any cache spec (full, kivi:bits=4)")
     parser.add_argument("--baseline", default=None,
                         help="system the deltas refer to (default: the first full-precision compared system, "

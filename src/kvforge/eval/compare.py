@@ -70,6 +70,8 @@ class EvalSystem:
     cache: CacheSpec | None = None
     hf_cache: str = "dynamic"
     hf_options: HFQuantizedOptions | HFKIVIOptions | None = None
+    # kvforge systems: run the --swiftkv model when one is given (False: its base model).
+    swiftkv: bool = True
 
     @property
     def full_precision(self) -> bool:
@@ -101,8 +103,7 @@ def parse_system(entry: str) -> EvalSystem:
         label = name + "".join(f",{k}={v}" for k, v in sorted(options.items())).replace(",", ":", 1)
         return EvalSystem(label, "hf", hf_cache=backend, hf_options=parsed)
     if name == "base":
-        raise ConfigError("compare", entry, "'base' is SwiftKV's base model and needs --swiftkv, "
-                                            "which does not exist yet")
+        raise ConfigError("compare", entry, "'base' is SwiftKV's base model and needs --swiftkv DIR")
     try:
         spec = parse_cache_spec(entry)
     except ConfigError as exc:
@@ -111,18 +112,29 @@ def parse_system(entry: str) -> EvalSystem:
     return EvalSystem(f"kvforge[{spec}]", "kvforge", spec)
 
 
-def parse_systems(cache: str, cache_opt: list[str] | None, compare: list[str] | str | None) -> list[EvalSystem]:
-    """[system under test, *compared systems], with distinct names."""
+def parse_systems(cache: str, cache_opt: list[str] | None, compare: list[str] | str | None,
+                  swiftkv: str | None = None) -> list[EvalSystem]:
+    """[system under test, *compared systems], with distinct names. With `swiftkv` (a
+    checkpoint directory) kvforge systems run the SwiftKV model, and `base` runs its base
+    model with the cache under test."""
     under_test = parse_cache_spec(cache, list(cache_opt or []))
-    systems = [EvalSystem(f"kvforge[{under_test}]", "kvforge", under_test)]
-    systems += [parse_system(entry) for entry in split_entries(compare)]
+    prefix = "swiftkv" if swiftkv else "kvforge"
+    systems = [EvalSystem(f"{prefix}[{under_test}]", "kvforge", under_test)]
+    for entry in split_entries(compare):
+        if entry == "base" and swiftkv:
+            systems.append(EvalSystem(f"base[{under_test}]", "kvforge", under_test, swiftkv=False))
+            continue
+        system = parse_system(entry)
+        if system.kind == "kvforge" and swiftkv:
+            system = EvalSystem(f"{prefix}[{system.cache}]", "kvforge", system.cache)
+        systems.append(system)
     seen: dict[str, int] = {}
     out = []
     for system in systems:
         seen[system.name] = seen.get(system.name, 0) + 1
         count = seen[system.name]
         out.append(system if count == 1 else EvalSystem(f"{system.name}#{count}", system.kind, system.cache,
-                                                        system.hf_cache, system.hf_options))
+                                                        system.hf_cache, system.hf_options, system.swiftkv))
     return out
 
 

@@ -26,9 +26,9 @@ def log(message: str) -> None:
     print(f"[eval] {message}", file=sys.stderr, flush=True)
 
 
-def load_kvforge(model: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any, ModelSource]:
+def load_kvforge(model: str, dtype: torch.dtype, swiftkv: str | None = None) -> tuple[torch.nn.Module, Any, ModelSource]:
     """kvforge model, tokenizer and source (tests replace this with tiny models)."""
-    net, source = load_model(model, dtype=dtype)
+    net, source = load_model(model, dtype=dtype, swiftkv=swiftkv)
     return net, load_tokenizer(source), source
 
 
@@ -44,16 +44,20 @@ class EvalContext:
     model_name: str
     dtype: torch.dtype
     kv_budget: int
-    _kvforge: tuple[Any, Any, ModelSource] | None = field(default=None, repr=False)
+    swiftkv: str | None = None  # SwiftKV checkpoint laid over the model for kvforge systems
+    _kvforge: dict[bool, tuple[Any, Any, ModelSource]] = field(default_factory=dict, repr=False)
     _hf: torch.nn.Module | None = field(default=None, repr=False)
 
-    def kvforge(self) -> tuple[Any, Any]:
-        """(model, tokenizer), loaded on first use."""
-        if self._kvforge is None:
+    def kvforge(self, swiftkv: bool = True) -> tuple[Any, Any]:
+        """(model, tokenizer), loaded on first use: the --swiftkv model unless `swiftkv` is
+        False or none was given (then the base model)."""
+        key = swiftkv and self.swiftkv is not None
+        if key not in self._kvforge:
             start = time.perf_counter()
-            self._kvforge = load_kvforge(self.model_name, self.dtype)
-            log(f"kvforge model loaded ({time.perf_counter() - start:.1f} s)")
-        return self._kvforge[0], self._kvforge[1]
+            extra = {"swiftkv": self.swiftkv} if key else {}
+            self._kvforge[key] = load_kvforge(self.model_name, self.dtype, **extra)
+            log(f"kvforge {'SwiftKV ' if key else ''}model loaded ({time.perf_counter() - start:.1f} s)")
+        return self._kvforge[key][0], self._kvforge[key][1]
 
     @property
     def tokenizer(self) -> Any:
@@ -61,13 +65,13 @@ class EvalContext:
 
     @property
     def source(self) -> ModelSource:
-        if self._kvforge is not None:
-            return self._kvforge[2]
+        if self._kvforge:
+            return next(iter(self._kvforge.values()))[2]
         return resolve_model_source(self.model_name)
 
     def runner(self, system: EvalSystem) -> ModelRunner:
         """A runner with a fresh cache for a kvforge system."""
-        model, _ = self.kvforge()
+        model, _ = self.kvforge(system.swiftkv)
         return ModelRunner(model, create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype))
 
     def hf_model(self) -> torch.nn.Module:

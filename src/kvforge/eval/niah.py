@@ -174,9 +174,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     depths = depth_grid(args.depths)
     require(args.batch >= 1, "batch", args.batch, "must be >= 1")
     require(args.max_new_tokens >= 1, "max_new_tokens", args.max_new_tokens, "must be >= 1")
-    systems = parse_systems(args.cache, args.cache_opt, args.compare)
+    systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
     base = baseline_index(systems, args.baseline)
-    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget))
+    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv)
     tokenizer = ctx.tokenizer
     chat = bool(args.chat) and has_chat_template(tokenizer)
     if args.chat and not chat:

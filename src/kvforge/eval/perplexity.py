@@ -172,9 +172,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batch = args.batch if args.batch is not None else (1 if args.mode == "prefill" else 8)
     settings = PplSettings(context=args.context, mode=args.mode, prefill_len=args.prefill_len, batch=batch,
                            max_windows=args.max_windows)
-    systems = parse_systems(args.cache, args.cache_opt, args.compare)
+    systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
     base = baseline_index(systems, args.baseline)
-    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget))
+    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv)
     tokenizer = ctx.tokenizer
     text_file = args.text_file or str(default_text_file())
     ids = tokenizer.encode(heldout_text(text_file), add_special_tokens=False)

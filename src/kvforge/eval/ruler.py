@@ -102,9 +102,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
     require(len(lengths) > 0 and all(n > 0 for n in lengths), "lengths", args.lengths, "must be positive integers")
     tasks = parse_tasks(args.tasks)
-    systems = parse_systems(args.cache, args.cache_opt, args.compare)
+    systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
     base = baseline_index(systems, args.baseline)
-    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget))
+    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv)
     chat = bool(args.chat) and has_chat_template(ctx.tokenizer)
     if args.chat and not chat:
         log("--chat ignored: the model has no chat template")

@@ -112,6 +112,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         if parallel.is_main:
             torch.save({"losses": [r["loss"] for r in records], "params": trainer.model.trainable_state()},
                        os.path.join(out, "result.pt"))
+        parallel.barrier()  # nobody tears the group down while the other still uses it
     finally:
         torch.distributed.destroy_process_group()
 

@@ -105,6 +105,8 @@ class FullCache(PagedPoolMemory, CacheMethod):
         self.v_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
         self._plans: list[_GroupPlan] = []
         self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # attend_rows: (rows tensor, seq -> (first row in q, count)) located once per step
+        self._row_queries: tuple[torch.Tensor, dict[int, tuple[int, int]] | None] | None = None
 
     # -- memory accounting ------------------------------------------------------------
     def bytes_per_token(self, cache_layer: int) -> float:
@@ -136,6 +138,7 @@ class FullCache(PagedPoolMemory, CacheMethod):
         super().begin_step(batch)
         self._plans = [self._plan_group(group, batch) for group in range(self.groups.num_groups)]
         self._step_kv = {}
+        self._row_queries = None
 
     def end_step(self, batch: ForwardBatch) -> None:
         for span in batch.spans:
@@ -163,15 +166,18 @@ class FullCache(PagedPoolMemory, CacheMethod):
 
     def attend_rows(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor, rope: PositionedRope,
                     rows: torch.Tensor) -> torch.Tensor:
-        counts = batch.trailing_counts(rows)
-        if counts is None:  # not trailing runs per span: the generic (all-rows) path
+        if self._row_queries is None:  # the same rows for every later layer: locate them once
+            counts = batch.trailing_counts(rows)
+            queries: dict[int, tuple[int, int]] = {}
+            offset = 0
+            for span, count in zip(batch.spans, counts or ()):
+                queries[span.seq_id] = (offset, count)
+                offset += count
+            self._row_queries = (rows, queries if counts is not None else None)
+        if self._row_queries[0] is not rows or self._row_queries[1] is None:
+            # other rows than planned, or not trailing runs per span: the generic path
             return super().attend_rows(cache_layer, batch, q, rope, rows)
-        queries: dict[int, tuple[int, int]] = {}
-        offset = 0
-        for span, count in zip(batch.spans, counts):
-            queries[span.seq_id] = (offset, count)
-            offset += count
-        return self._attend(cache_layer, q, queries, all_rows=False)
+        return self._attend(cache_layer, q, self._row_queries[1], all_rows=False)
 
     def _attend(self, cache_layer: int, q: torch.Tensor, queries: dict[int, tuple[int, int]],
                 all_rows: bool) -> torch.Tensor:

@@ -51,3 +51,50 @@ def greedy_generate(runner: ModelRunner, prompts: Sequence[Sequence[int]], max_n
         for i in range(len(prompts)):
             runner.release(i)
     return outputs
+
+
+def greedy_converse(runner: ModelRunner, conversations: Sequence[Sequence[Sequence[int]]], max_new_tokens: int,
+                    stop_token_ids: Sequence[int] = (), prefill_chunk: int | None = None) -> list[list[list[int]]]:
+    """Greedy multi-turn conversations that keep their cache between turns.
+
+    `conversations[c][t]` are the tokens the user adds in turn t (turn 0: the whole first
+    prompt). A turn generates until a stop id or `max_new_tokens`; the next turn then
+    feeds the turn's last generated token followed by its own tokens, so the sequence
+    in the cache is always prompt + reply + question + reply ... and nothing is
+    recomputed. Returns the generated ids per conversation and turn."""
+    stops = set(stop_token_ids)
+    outputs: list[list[list[int]]] = [[[]] for _ in conversations]
+    pending = [list(turns[0]) if turns else [] for turns in conversations]
+    live = [c for c, turns in enumerate(conversations) if turns and len(turns[0]) > 0 and max_new_tokens > 0]
+    try:
+        while live:
+            items: list[StepItem] = []
+            for c in live:
+                if pending[c]:
+                    take = len(pending[c]) if prefill_chunk is None else min(len(pending[c]), prefill_chunk)
+                    chunk, pending[c] = pending[c][:take], pending[c][take:]
+                    items.append(StepItem(c, chunk, num_logits=int(not pending[c])))
+                else:
+                    items.append(StepItem(c, [outputs[c][-1][-1]]))
+            logits = runner.step(items)
+            row = 0
+            for item in items:
+                if item.num_logits == 0:
+                    continue
+                c = item.seq_id
+                token = int(torch.argmax(logits[row]).item())
+                row += 1
+                outputs[c][-1].append(token)
+                if token not in stops and len(outputs[c][-1]) < max_new_tokens:
+                    continue
+                turn = len(outputs[c])
+                if turn == len(conversations[c]):
+                    live.remove(c)
+                    runner.release(c)
+                else:
+                    pending[c] = [token, *conversations[c][turn]]
+                    outputs[c].append([])
+    finally:
+        for c in range(len(conversations)):
+            runner.release(c)
+    return outputs

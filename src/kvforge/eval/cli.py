@@ -62,6 +62,9 @@ def add_eval_parser(verbs: Any) -> argparse.ArgumentParser:
     niah.add_argument("--haystack-file", default=None, help="text whose sentences fill the haystack "
                                                            "(default: repeated noise sentences)")
     niah.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
+    niah.add_argument("--multi-turn", type=_count(1), default=None, metavar="K",
+                      help="hide K named needles and ask for them in K turns of one conversation that keeps "
+                           "its cache (plain-text prompts; heatmap rows are the needles' depths)")
     niah.add_argument("--max-new-tokens", type=_count(1), default=12, help="greedy tokens generated (12)")
     niah.add_argument("--batch", type=_count(1), default=2, help="kvforge prompts run together (2)")
     niah.add_argument("--prefill-chunk", type=_count(1), default=2048, help="kvforge prefill chunk (2048)")

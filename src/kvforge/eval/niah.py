@@ -8,8 +8,9 @@ prefilling in chunks of `--prefill-chunk` tokens as the engine's scheduler would
 compressing cache method also sees its own stored (compressed) K/V during a long prefill.
 `hf` runs `model.generate` on each prompt alone (no padding).
 
-`--multi-turn K` (several needles asked in successive turns of one conversation reusing
-the cache) is not implemented yet.
+`--multi-turn K` hides K named needles in one haystack and asks for them in K successive
+turns of one conversation that keeps its cache (multiturn.py); the heatmap rows are then the
+needles' depths, and a second table gives accuracy by turn.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvforge.engine.greedy import greedy_generate
+from kvforge.engine.greedy import greedy_converse, greedy_generate
 from kvforge.errors import require
 from kvforge.eval.compare import EvalSystem, baseline_index, parse_systems
 from kvforge.eval.context import EvalContext, describe_system, log, make_hf_cache
+from kvforge.eval.multiturn import Conversation, accuracy_by_turn, build_conversations, turn_records
 from kvforge.eval.passkey import (
     NOISE_SENTENCES,
     PasskeySample,
@@ -91,6 +93,52 @@ def accuracy_grid(records: list[dict[str, Any]], lengths: list[int], depths: lis
     return grid
 
 
+def converse_kvforge(ctx: EvalContext, system: EvalSystem, conversations: list[Conversation], max_new_tokens: int,
+                     batch: int, prefill_chunk: int, bar: Any) -> list[list[list[int]]]:
+    runner = ctx.runner(system)
+    stops = stop_ids(ctx)
+    outputs: list[list[list[int]]] = []
+    for first in range(0, len(conversations), batch):
+        group = [c.turns for c in conversations[first:first + batch]]
+        outputs += greedy_converse(runner, group, max_new_tokens, stop_token_ids=stops, prefill_chunk=prefill_chunk)
+        bar.update(len(group))
+    return outputs
+
+
+def converse_hf(ctx: EvalContext, system: EvalSystem, conversations: list[Conversation], max_new_tokens: int,
+                bar: Any) -> list[list[list[int]]]:
+    """transformers' generate, one conversation at a time, one cache object per conversation
+    passed back in every turn: generate then runs only the tokens the cache lacks."""
+    model = ctx.hf_model()
+    stops = stop_ids(ctx)
+    outputs = []
+    for conversation in conversations:
+        cache = make_hf_cache(system, model)
+        ids: list[int] = []
+        replies: list[list[int]] = []
+        for segment in conversation.turns:
+            ids += (replies[-1] if replies else []) + list(segment)
+            tensor = torch.tensor([ids], dtype=torch.long)
+            with torch.inference_mode():
+                out = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), past_key_values=cache,
+                                     do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
+                                     eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0)
+            replies.append(out[0, len(ids):].tolist())
+        outputs.append(replies)
+        bar.update(1)
+    return outputs
+
+
+def summarise(system: EvalSystem, records: list[dict[str, Any]], lengths: list[int], depths: list[float],
+              seconds: float) -> dict[str, Any]:
+    accuracy = sum(r["correct"] for r in records) / len(records)
+    by_length = {str(n): sum(r["correct"] for r in records if r["length"] == n) / max(1, sum(
+        r["length"] == n for r in records)) for n in lengths}
+    log(f"{system.name}: accuracy {100 * accuracy:.1f}% ({seconds:.1f} s)")
+    return {**describe_system(system), "accuracy": accuracy, "accuracy_by_length": by_length,
+            "grid": accuracy_grid(records, lengths, depths), "seconds": seconds, "samples": records}
+
+
 def evaluate_system(ctx: EvalContext, system: EvalSystem, samples: list[PasskeySample], args: argparse.Namespace,
                     lengths: list[int], depths: list[float]) -> dict[str, Any]:
     tokenizer = ctx.tokenizer
@@ -107,12 +155,35 @@ def evaluate_system(ctx: EvalContext, system: EvalSystem, samples: list[PasskeyS
         records.append({"length": sample.length, "depth": sample.depth, "depth_index": sample.depth_index,
                         "sample": sample.sample_index, "key": sample.key, "prompt_tokens": sample.prompt_tokens,
                         "output": text, "output_ids": generated, "correct": score_output(sample.key, text)})
-    accuracy = sum(r["correct"] for r in records) / len(records)
-    by_length = {str(n): sum(r["correct"] for r in records if r["length"] == n) / max(1, sum(
-        r["length"] == n for r in records)) for n in lengths}
-    log(f"{system.name}: accuracy {100 * accuracy:.1f}% ({seconds:.1f} s)")
-    return {**describe_system(system), "accuracy": accuracy, "accuracy_by_length": by_length,
-            "grid": accuracy_grid(records, lengths, depths), "seconds": seconds, "samples": records}
+    return summarise(system, records, lengths, depths, seconds)
+
+
+def evaluate_conversations(ctx: EvalContext, system: EvalSystem, conversations: list[Conversation],
+                           args: argparse.Namespace, lengths: list[int], depths: list[float]) -> dict[str, Any]:
+    start = time.perf_counter()
+    with tqdm(total=len(conversations), desc=system.name, unit="conversation", leave=False) as bar:
+        if system.kind == "kvforge":
+            outputs = converse_kvforge(ctx, system, conversations, args.max_new_tokens, args.batch,
+                                       args.prefill_chunk, bar)
+        else:
+            outputs = converse_hf(ctx, system, conversations, args.max_new_tokens, bar)
+    seconds = time.perf_counter() - start
+    records = [r for c, out in zip(conversations, outputs) for r in turn_records(c, out, ctx.tokenizer, score_output)]
+    result = summarise(system, records, lengths, depths, seconds)
+    result["accuracy_by_turn"] = accuracy_by_turn(records, args.multi_turn)
+    return result
+
+
+def format_turn_table(results: list[dict[str, Any]], baseline: int) -> str:
+    """Accuracy (%) by turn of the conversation, deltas in points vs the baseline."""
+    base = results[baseline]["accuracy_by_turn"]
+    rows = []
+    for turn in range(len(base)):
+        cells = [f"{100 * r['accuracy_by_turn'][turn]:.1f}" + (
+            "" if i == baseline else f" ({100 * (r['accuracy_by_turn'][turn] - base[turn]):+.1f})")
+            for i, r in enumerate(results)]
+        rows.append([turn + 1, *cells])
+    return markdown_table(["turn"] + [r["name"] for r in results], rows)
 
 
 def format_niah_table(results: list[dict[str, Any]], lengths: list[int], baseline: int) -> str:
@@ -181,18 +252,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     chat = bool(args.chat) and has_chat_template(tokenizer)
     if args.chat and not chat:
         log("--chat ignored: the model has no chat template")
-    samples = build_grid(tokenizer, lengths, args.depths, args.seed, haystack_sentences(args.haystack_file),
-                         chat=chat, samples=args.samples, key_digits=args.key_digits)
-    log(f"{len(samples)} prompts: lengths {lengths}, {len(depths)} depths, {args.samples} per cell, chat={chat}")
-    results = [evaluate_system(ctx, system, samples, args, lengths, depths) for system in systems]
+    sentences = haystack_sentences(args.haystack_file)
+    multi_turn = getattr(args, "multi_turn", None)
+    if multi_turn:
+        require(not chat, "chat", True, "--multi-turn uses plain-text prompts; leave out --chat")
+        depths = depth_grid(multi_turn)  # heatmap rows: where each needle sits
+        conversations = build_conversations(tokenizer, lengths, multi_turn, args.seed, sentences,
+                                            samples=args.samples, key_digits=args.key_digits)
+        log(f"{len(conversations)} conversations of {multi_turn} turns: lengths {lengths}, {args.samples} per length")
+        results = [evaluate_conversations(ctx, system, conversations, args, lengths, depths) for system in systems]
+    else:
+        samples = build_grid(tokenizer, lengths, args.depths, args.seed, sentences,
+                             chat=chat, samples=args.samples, key_digits=args.key_digits)
+        log(f"{len(samples)} prompts: lengths {lengths}, {len(depths)} depths, {args.samples} per cell, chat={chat}")
+        results = [evaluate_system(ctx, system, samples, args, lengths, depths) for system in systems]
     payload = {"eval": "niah", "model": args.model, "dtype": args.dtype,
-               "settings": {"lengths": lengths, "depths": depths, "samples_per_cell": args.samples,
+               "settings": {"lengths": lengths, "depths": depths, "multi_turn": multi_turn, "samples_per_cell": args.samples,
                             "seed": args.seed, "chat": chat, "key_digits": args.key_digits,
                             "max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk,
                             "haystack_file": args.haystack_file},
                "baseline": results[base]["name"], "systems": results, "environment": environment()}
-    print(f"niah: {args.model}, lengths {lengths} x {len(depths)} depths x {args.samples} samples")
+    shape = f"{multi_turn}-turn conversations" if multi_turn else f"{len(depths)} depths"
+    print(f"niah: {args.model}, lengths {lengths} x {shape} x {args.samples} samples")
     print(format_niah_table(results, lengths, base))
+    if multi_turn:
+        print(format_turn_table(results, base))
     if args.json:
         path = write_json(args.json, payload)
         for result in results:

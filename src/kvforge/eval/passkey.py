@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,13 +88,23 @@ def build_sample(tokenizer: Any, length: int, depth: float, key: str, sentences:
         cut = round(depth * count)
         return encode_prompt(tokenizer, render(INSTRUCTION, hay[:cut], needle, hay[cut:], chat), chat=chat)
 
+    return PasskeySample(length, depth, depth_index, sample_index, key,
+                         tuple(longest_fitting(encode, length, mean_sentence_tokens(tokenizer, sentences))))
+
+
+def mean_sentence_tokens(tokenizer: Any, sentences: Sequence[str]) -> float:
+    """Average tokens per haystack sentence over the first 50 (an estimate for the search)."""
+    head = sentences[:50]
+    return max(1.0, sum(len(tokenizer.encode(s, add_special_tokens=False)) for s in head) / len(head))
+
+
+def longest_fitting(encode: Callable[[int], list[int]], length: int, per_sentence: float) -> list[int]:
+    """`encode(count)` for the largest haystack sentence count whose prompt is <= `length`
+    tokens. Token counts are not additive over sentences but grow with the count, so the
+    search brackets the estimate and bisects."""
     bare = len(encode(0))
     require(bare <= length, "length", length, f"must hold the prompt without haystack ({bare} tokens)")
-    per_sentence = max(1.0, sum(len(tokenizer.encode(s, add_special_tokens=False)) + 0.0
-                                for s in sentences[:50]) / min(len(sentences), 50))
-    # Token counts are not additive over sentences but grow with the count: search for the
-    # largest count that fits, starting from the estimate.
-    cache: dict[int, list[int]] = {}
+    cache: dict[int, list[int]] = {0: encode(0)}
 
     def fits(count: int) -> bool:
         if count not in cache:
@@ -109,8 +119,7 @@ def build_sample(tokenizer: Any, length: int, depth: float, key: str, sentences:
     while high - low > 1:  # fits(low) and not fits(high)
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
-    ids = cache[low] if low in cache else encode(low)
-    return PasskeySample(length, depth, depth_index, sample_index, key, tuple(ids))
+    return cache[low]
 
 
 def build_grid(tokenizer: Any, lengths: Sequence[int], depths: int, seed: int, sentences: Sequence[str],

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(verbs)  # kvforge eval ppl | niah (kvforge.eval.cli)
     add_swiftkv_parser(verbs)  # kvforge swiftkv init | flops (kvforge.swiftkv.cli)
     add_analyze_parser(verbs)  # kvforge analyze layer-similarity | key-spectra | kv-channels | all
+    # `kvforge lm-eval ARGS...` is dispatched in main() before parsing: ARGS are lm_eval's own.
+    verbs.add_parser("lm-eval", add_help=False,
+                     help="lm-evaluation-harness with --model kvforge registered (arguments as lm_eval's)")
     return parser
 
 
@@ -209,6 +212,14 @@ COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "verify": cmd_verify, "i
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:
+        try:
+            from kvforge.integrations.lm_eval import main as lm_eval_main
+        except ImportError as exc:
+            print(f"kvforge lm-eval: error: {exc} (pip install 'kvforge[lm-eval]')", file=sys.stderr)
+            return 2
+        return lm_eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)

@@ -77,5 +77,5 @@ def test_grid_is_deterministic_for_a_seed():
 
 
 def test_too_short_length_fails_clearly():
-    with pytest.raises(ConfigError, match="without haystack"):
+    with pytest.raises(ConfigError, match="without any filler"):
         build_sample(CharTokenizer(), 50, 0.5, "12345", NOISE_SENTENCES)

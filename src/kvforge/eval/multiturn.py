@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.errors import require
-from kvforge.eval.passkey import depth_grid, longest_fitting, make_key, mean_sentence_tokens
+from kvforge.eval.fit import largest_fitting
+from kvforge.eval.passkey import depth_grid, make_key, mean_sentence_tokens
 
 COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "silver", "golden", "black", "white")
 THINGS = ("door", "box", "lamp", "clock", "boat", "bell", "chair", "window", "garden", "tower")
@@ -83,7 +84,7 @@ def build_conversation(tokenizer: Any, length: int, turns: int, seed: int, sente
         text = f"{INSTRUCTION}\n\n{' '.join(parts)}{ask(names[order[0]])}"
         return list(tokenizer.encode(text))
 
-    first = longest_fitting(encode, length, mean_sentence_tokens(tokenizer, sentences))
+    _, first = largest_fitting(encode, length, mean_sentence_tokens(tokenizer, sentences))
     later = [tuple(tokenizer.encode(ask(names[j]), add_special_tokens=False)) for j in order[1:]]
     return Conversation(length, sample_index, tuple(names), tuple(keys), tuple(depths), tuple(order),
                         (tuple(first), *later))

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvforge.errors import require
+from kvforge.eval.fit import largest_fitting
 from kvforge.models.tokenizer import encode_prompt
 
 NOISE_SENTENCES = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
@@ -89,37 +90,13 @@ def build_sample(tokenizer: Any, length: int, depth: float, key: str, sentences:
         return encode_prompt(tokenizer, render(INSTRUCTION, hay[:cut], needle, hay[cut:], chat), chat=chat)
 
     return PasskeySample(length, depth, depth_index, sample_index, key,
-                         tuple(longest_fitting(encode, length, mean_sentence_tokens(tokenizer, sentences))))
+                         tuple(largest_fitting(encode, length, mean_sentence_tokens(tokenizer, sentences))[1]))
 
 
 def mean_sentence_tokens(tokenizer: Any, sentences: Sequence[str]) -> float:
     """Average tokens per haystack sentence over the first 50 (an estimate for the search)."""
     head = sentences[:50]
     return max(1.0, sum(len(tokenizer.encode(s, add_special_tokens=False)) for s in head) / len(head))
-
-
-def longest_fitting(encode: Callable[[int], list[int]], length: int, per_sentence: float) -> list[int]:
-    """`encode(count)` for the largest haystack sentence count whose prompt is <= `length`
-    tokens. Token counts are not additive over sentences but grow with the count, so the
-    search brackets the estimate and bisects."""
-    bare = len(encode(0))
-    require(bare <= length, "length", length, f"must hold the prompt without haystack ({bare} tokens)")
-    cache: dict[int, list[int]] = {0: encode(0)}
-
-    def fits(count: int) -> bool:
-        if count not in cache:
-            cache[count] = encode(count)
-        return len(cache[count]) <= length
-
-    guess = int((length - bare) / per_sentence)
-    step = max(1, guess // 32)
-    low, high = 0, guess  # fits(low) holds; high is a candidate
-    while fits(high):
-        low, high = high, high + step
-    while high - low > 1:  # fits(low) and not fits(high)
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return cache[low]
 
 
 def build_grid(tokenizer: Any, lengths: Sequence[int], depths: int, seed: int, sentences: Sequence[str],

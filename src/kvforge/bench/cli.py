@@ -42,6 +42,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=_count(1), default=3, help="timed runs per system; median reported (3)")
     parser.add_argument("--warmup", type=_count(0), default=1, help="untimed runs per system first (1)")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the random prompt token ids (0)")
+    parser.add_argument("--max-position-embeddings", type=_count(2), default=None, metavar="N",
+                        help="raise the model's position limit to N for speed runs past its trained context "
+                             "(RoPE extrapolates; outputs there are not meaningful), e.g. --context 16384 on "
+                             "smollm2-135m (8192)")
 
 
 def add_bench_parser(verbs: Any) -> argparse.ArgumentParser:

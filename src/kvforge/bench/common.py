@@ -10,6 +10,7 @@ other counters belong to the same run. All repeat times are kept in `seconds_all
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -123,6 +124,9 @@ class BenchContext:
         if key not in self._loaded:
             start = time.perf_counter()
             model, tokenizer, source = load_kvforge(self.args.model, self.dtype, swiftkv=overlay)
+            if getattr(self.args, "max_position_embeddings", None):  # speed runs past the trained context
+                model.config = dataclasses.replace(model.config,
+                                                   max_position_embeddings=self.args.max_position_embeddings)
             if not key:
                 self.source = source
             self._loaded[key] = (model, tokenizer)
@@ -183,12 +187,15 @@ def prepare(args: argparse.Namespace, tokens_per_sequence: int) -> BenchContext:
     torch.set_num_threads(args.threads)  # before any measurement, including the peak
     source = resolve_model_source(args.model)
     config = load_model_config(source)
+    if getattr(args, "max_position_embeddings", None):
+        config = dataclasses.replace(config, max_position_embeddings=args.max_position_embeddings)
     if swiftkv is not None:  # a bad checkpoint fails before anything loads
         from kvforge.swiftkv.checkpoint import overlay_config
 
         overlay_config(config, swiftkv)
     require(tokens_per_sequence <= config.max_position_embeddings, "sequence length", tokens_per_sequence,
-            f"must be <= max_position_embeddings={config.max_position_embeddings} of {args.model}")
+            f"must be <= max_position_embeddings={config.max_position_embeddings} of {args.model} "
+            "(--max-position-embeddings N raises it for speed runs)")
     return BenchContext(args, dtype, systems, budget, config, source)
 
 

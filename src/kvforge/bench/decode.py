@@ -57,13 +57,23 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
         for prompt in prompts:
             engine.add_request(prompt, params)
         started: set[str] = set()
+        prefill_start = time.perf_counter()
         while len(started) < len(prompts):  # prefill phase, untimed
             started.update(o.request_id for o in step_outputs() if o.new_token_ids)
+        prefill_seconds = time.perf_counter() - prefill_start
+        # What the cache holds with every prompt in it, and counters of the timed phase only
+        # (methods with counters, e.g. shadowkv, can reset them).
+        held = engine.cache.memory_usage()
+        reset = getattr(engine.cache, "reset_statistics", None)
+        if reset is not None:
+            reset()
         steps_before, tokens = engine.steps, 0
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             tokens += sum(len(o.new_token_ids) for o in step_outputs())
-        return {"seconds": time.perf_counter() - start, "tokens": tokens, "steps": engine.steps - steps_before}
+        return {"seconds": time.perf_counter() - start, "tokens": tokens, "steps": engine.steps - steps_before,
+                "prefill_seconds": prefill_seconds, "cache_bytes_after_prefill": held,
+                "cache_statistics": engine.cache.statistics()}
 
     run = repeat_runs(system.name, once, args.warmup, args.repeats)
     run["kv_bytes_per_token"] = engine.cache.kv_bytes_per_token()
@@ -107,6 +117,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "without its Python overhead, which favours transformers",
     }
     columns = [Column(HEADLINE, "gen tok/s"), Column("ms_per_step", "ms/step"), Column("achieved_gbps", "GB/s"),
-               Column("fraction_of_read_bandwidth", "of read BW", "{:.2f}"), Column("tokens", "tokens", "{}")]
+               Column("fraction_of_read_bandwidth", "of read BW", "{:.2f}"), Column("tokens", "tokens", "{}"),
+               Column("prefill_seconds", "prefill s")]
     panel = Panel("achieved_gbps", "achieved GB/s (weights + KV)", ctx.peak.read_gbps, "measured read")
     return finish(ctx, "decode", settings, HEADLINE, systems, columns, panel)

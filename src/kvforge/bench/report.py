@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvforge.bench.common import BenchContext, load_average, log
+from kvforge.sizes import format_bytes
 
 NOISY_SPREAD = 1.15  # slowest / fastest timed repeat above which the table warns
 
@@ -96,6 +97,7 @@ def format_table(result: dict[str, Any], columns: Sequence[Column]) -> str:
             value = system.get(column.key)
             cells.append(("-" if value is None else column.fmt.format(value)).rjust(w))
         lines.append(system["name"].ljust(width) + "".join(cells))
+    lines.extend(cache_lines(result["systems"]))
     for name, value in result["ratios"].items():
         lines.append(f"{result['headline_metric']}: {names[0]} / {name} = {value:.3f}x")
     spread = max(s["repeat_spread"] for s in result["systems"])
@@ -104,6 +106,25 @@ def format_table(result: dict[str, Any], columns: Sequence[Column]) -> str:
         lines.append(f"note: repeat times differ by up to {spread:.2f}x: the machine looks busy (load average "
                      f"{env['load_average_before']} before, {env['load_average_after']} after); medians reported")
     return "\n".join(lines)
+
+
+def cache_lines(systems: Sequence[dict[str, Any]]) -> list[str]:
+    """Per kvforge system: bytes per tier with the prompts in the cache, and the cache's
+    hit rate and phase times of the timed part when it reports them (shadowkv)."""
+    lines = []
+    for system in systems:
+        held = system.get("cache_bytes_after_prefill")
+        if not held:
+            continue
+        parts = [f"KV after prefill: fast {format_bytes(held.get('fast', 0))}, slow {format_bytes(held.get('slow', 0))}"]
+        stats = system.get("cache_statistics") or {}
+        if "chunk_hit_rate" in stats:
+            parts.append(f"chunk hit rate {stats['chunk_hit_rate']:.3f}")
+        seconds = {k.removeprefix("seconds_"): v for k, v in stats.items() if k.startswith("seconds_") and v}
+        if seconds:
+            parts.append("s: " + " ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
+        lines.append(f"{system['name']}: " + "; ".join(parts))
+    return lines
 
 
 def write_outputs(result: dict[str, Any], path: Path, panel: Panel | None) -> None:

@@ -134,4 +134,4 @@ def _entry(name: str) -> _Entry:
 
 def _import_builtin_methods() -> None:
     # Imported here so each method module can import this registry without a cycle.
-    from kvforge.cache import full, kivi  # noqa: F401
+    from kvforge.cache import full, kivi, shadowkv  # noqa: F401

@@ -1,0 +1,51 @@
+"""Counters and cumulative phase timers of the `shadowkv` method.
+
+Phases (seconds, time.perf_counter, summed over layers and steps): selection (landmark
+scores + top-k), rebuild (matching picks to reuse slots, keys of missed chunks from the
+low-rank store + RoPE, writing them into the slots), fetch (values of missed chunks from
+the slow tier), attention (the sparse attention itself),
+compress (Algorithm 1 at a sequence's first decode step), fold (generated chunks into the
+store). On CUDA the timers measure the host side only (kernels run asynchronously).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+PHASES = ("selection", "rebuild", "fetch", "attention", "compress", "fold")
+
+
+@dataclass
+class ShadowKVStats:
+    chunk_hits: int = 0  # selected chunks found in the previous step's reuse cache
+    chunk_misses: int = 0  # selected chunks rebuilt and fetched
+    compressions: int = 0  # sequences compressed
+    folded_chunks: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def reset(self) -> None:
+        self.chunk_hits = self.chunk_misses = self.compressions = self.folded_chunks = 0
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.chunk_hits + self.chunk_misses
+        return self.chunk_hits / total if total else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {"chunk_hit_rate": self.hit_rate, "chunk_hits": self.chunk_hits,
+                                 "chunk_misses": self.chunk_misses, "compressions": self.compressions,
+                                 "folded_chunks": self.folded_chunks}
+        out.update({f"seconds_{phase}": value for phase, value in self.seconds.items()})
+        return out

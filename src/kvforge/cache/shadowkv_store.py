@@ -1,0 +1,116 @@
+"""Chunk-page storage of compressed ShadowKV sequences: fast and slow tiers.
+
+A *chunk page* holds one chunk (`chunk` consecutive tokens) of one sequence for every
+global cache layer:
+- fast tier: the low-rank key coefficients A [chunk, r] and the landmark [H, D] of the
+  chunk, per layer;
+- slow tier: the chunk's values [H, chunk, D], per layer.
+One page id indexes both tiers, so a sequence's compressed prefix is a list of page ids
+(logical chunk j -> pages[j]) and a step's selection gathers rows of several sequences
+with one index operation.
+
+Tensors (P pages, Lg global cache layers):
+  coefficients [Lg, P, chunk, r]     fast (compute device)
+  landmarks    [Lg, H, P, D]         fast, head-major: index_select over pages gives [H, ..]
+  values       [Lg, H, P, chunk, D]  slow: a CPU tensor ("memory"; pinned when computing on
+               CUDA) or a memory-mapped temporary file ("mmap", so values can exceed RAM)
+All are allocated once with `torch.empty` (or a sparse file): untouched pages cost no memory.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import torch
+
+from kvforge.cache.block_pool import BlockPool
+
+
+def slow_tensor(shape: tuple[int, ...], dtype: torch.dtype, kind: str, compute_device: torch.device,
+                directory: str | None = None) -> torch.Tensor:
+    """Storage of the slow tier (always on the CPU)."""
+    if kind == "mmap":
+        element = torch.tensor([], dtype=dtype).element_size()
+        numel = int(np.prod(shape))
+        handle, path = tempfile.mkstemp(prefix="kvforge-shadowkv-", suffix=".values", dir=directory)
+        os.close(handle)
+        try:
+            # A sparse file: blocks are written as pages are used. The mapping outlives the
+            # name, so the file disappears with the process.
+            raw = np.memmap(path, dtype=np.uint8, mode="w+", shape=(max(1, numel * element),))
+        finally:
+            os.unlink(path)
+        return torch.from_numpy(raw)[:numel * element].view(dtype).view(shape)
+    pin = compute_device.type == "cuda"
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
+class ChunkStore:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, chunk: int, rank: int, num_pages: int,
+                 dtype: torch.dtype, device: torch.device, slow_kind: str, slow_dir: str | None) -> None:
+        self.chunk = chunk
+        self.rank = rank
+        self.device = device
+        self.pool = BlockPool(num_pages)
+        self.coefficients = torch.empty((num_layers, num_pages, chunk, rank), dtype=dtype, device=device)
+        self.landmarks = torch.empty((num_layers, kv_heads, num_pages, head_dim), dtype=dtype, device=device)
+        self.values = slow_tensor((num_layers, kv_heads, num_pages, chunk, head_dim), dtype, slow_kind, device,
+                                  slow_dir)
+        self._staging: torch.Tensor | None = None  # pinned buffer of fetched values (CUDA)
+        self._copied: torch.cuda.Event | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_blocks
+
+    def write(self, layer: int, pages: torch.Tensor, coefficients: torch.Tensor, landmarks: torch.Tensor,
+              values: torch.Tensor) -> None:
+        """Store whole chunks: pages [C]; coefficients [C, chunk, r]; landmarks [H, C, D];
+        values [H, C, chunk, D]."""
+        self.coefficients[layer].index_copy_(0, pages, coefficients.to(self.coefficients.dtype))
+        self.landmarks[layer].index_copy_(1, pages, landmarks.to(self.landmarks.dtype))
+        self.values[layer].index_copy_(1, pages.cpu(), values.to("cpu", self.values.dtype))
+
+    def gather_landmarks(self, layer: int, table: torch.Tensor, first_page: int | None = None) -> torch.Tensor:
+        """table [B, C] page ids -> landmarks [H, B, C, D]. When the table is one run of
+        consecutive pages from `first_page` (sequences compressed together), a view."""
+        batch, chunks = table.shape
+        per_layer = self.landmarks[layer]
+        if first_page is not None:
+            return per_layer[:, first_page:first_page + batch * chunks].view(per_layer.shape[0], batch, chunks, -1)
+        return per_layer.index_select(1, table.reshape(-1)).view(per_layer.shape[0], batch, chunks, -1)
+
+    def sequence_landmarks(self, layer: int, pages: torch.Tensor, run_start: int | None) -> torch.Tensor:
+        """One sequence's landmarks [H, C, D]: a view when its pages are one run."""
+        per_layer = self.landmarks[layer]
+        if run_start is not None:
+            return per_layer[:, run_start:run_start + pages.shape[0]]
+        return per_layer.index_select(1, pages)
+
+    def gather_coefficients(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """pages [M] -> coefficients [M, chunk, r]."""
+        return self.coefficients[layer].index_select(0, pages)
+
+    def fetch_values(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """Values of (head, page) pairs [M] -> [M, chunk, D] on the compute device."""
+        per_layer = self.values[layer]
+        flat = per_layer.view(-1, *per_layer.shape[2:])  # [H * P, chunk, D]
+        index = (heads * per_layer.shape[1] + pages).cpu()
+        if self.device.type != "cuda":
+            return flat.index_select(0, index)
+        # CUDA (not yet run on a GPU): gather on the CPU into a pinned staging buffer, then an
+        # asynchronous copy on the caller's current stream (ShadowKV runs it on a side stream
+        # while keys are rebuilt).
+        count = int(index.numel())
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy out of the staging buffer is done
+        if self._staging is None or self._staging.shape[0] < count:
+            self._staging = torch.empty((max(count, 1), *flat.shape[1:]), dtype=flat.dtype, pin_memory=True)
+        staging = self._staging[:count]
+        torch.index_select(flat, 0, index, out=staging)
+        fetched = staging.to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return fetched

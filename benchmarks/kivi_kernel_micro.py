@@ -14,6 +14,10 @@ The methods run in turn, call by call, so a load change on the shared machine hi
 them alike: the ratios kivi/full of one run are the figures to compare. `--baseline-source`
 also times another version of `cpu_kivi_attention.cpp` (e.g. `git show HEAD:...`), built
 under a renamed operator namespace, for before/after numbers in the same run.
+
+On a machine shared with other work, run it with OMP_WAIT_POLICY=PASSIVE: OpenMP threads
+that spin while a sibling waits for a core made every 2-thread timing here 5x the 1-thread
+one (measured on a 2-core VM at load ~3-7), whatever the kernel.
 """
 
 from __future__ import annotations

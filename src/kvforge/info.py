@@ -29,6 +29,7 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
     # kivi rows: quantised bytes per token; per sequence adds the float16 residual (R tokens).
     specs = {name: f"full:storage_dtype={name}" for name in STORAGE_DTYPES}
     specs.update({f"kivi-{bits}bit": f"kivi:bits={bits},residual_dtype=float16" for bits in (2, 4)})
+    specs["shadowkv"] = "shadowkv"  # default rank/budget, fp32; fast tier (values on the slow tier)
     for name, spec in specs.items():
         # One page per group is enough to ask the method for its accounting.
         try:
@@ -38,6 +39,11 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
         per_sequence = {str(n): cache.sequence_bytes(n) for n in REPORT_CONTEXTS
                         if n <= config.max_position_embeddings}
         kv[name] = {"bytes_per_token": cache.kv_bytes_per_token(), "bytes_per_sequence": per_sequence}
+        compressed = getattr(cache, "compressed_sequence_bytes", None)
+        if compressed is not None:  # shadowkv: per tier once compressed (exact below min_context)
+            tiers = {n: compressed(int(n)) for n in per_sequence}
+            kv[name]["bytes_per_sequence"] = {n: t["fast"] for n, t in tiers.items()}
+            kv[name]["slow_bytes_per_sequence"] = {n: t["slow"] for n, t in tiers.items()}
     return {
         "model": name_or_path,
         "source": str(source.path),
@@ -93,6 +99,11 @@ def format_info(info: dict[str, Any]) -> str:
         per_seq = ", ".join(f"{int(n) // 1024}K ctx {b / 2**20:.1f} MiB"
                             for n, b in entry["bytes_per_sequence"].items())
         lines.append(f"  {dtype:<9} {entry['bytes_per_token']:>9.0f} bytes/token; per sequence: {per_seq}")
+        if "slow_bytes_per_sequence" in entry:
+            slow = ", ".join(f"{int(n) // 1024}K ctx {b / 2**20:.1f} MiB"
+                             for n, b in entry["slow_bytes_per_sequence"].items())
+            lines.append(f"  {'':<9} (fast tier once compressed: rank-r key coefficients, landmarks, exact "
+                         f"buffers; slow tier: {slow})")
     if info["sliding_window_layers"]:
         lines.append("  (bytes/token counts every layer; sliding-window layers stop growing at their "
                      "window, which the per-sequence figures include)")

@@ -218,3 +218,28 @@ def test_bad_configs_fail_naming_the_parameter():
     default = create_cache("shadowkv", layout, 1 << 24, torch.float32)
     assert default.rank == 5  # round(32 / 6)
     assert default.config.budget_tokens(1000) == 128 and default.config.budget_tokens(16384) == 256
+
+
+def test_info_lists_shadowkv_fast_and_slow_bytes(tmp_path):
+    """`kvforge info` reports shadowkv's fast-tier bytes per token (coefficients + landmark
+    share + candidate flags) and per tier per sequence once compressed; exact below
+    min_context (2048)."""
+    import json
+
+    from kvforge.info import format_info, model_info
+    from kvforge.models.hf_checkpoint import CONFIG_FILE
+
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 8192, "rope_theta": 10000.0}
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(config))
+    info = model_info(str(tmp_path))
+    row, full = info["kv_cache"]["shadowkv"], info["kv_cache"]["float32"]
+    layers, heads, dim, chunk, rank = 4, 2, 8, 8, 3  # rank round(16 / 6)
+    assert row["bytes_per_token"] == pytest.approx(layers * ((chunk * rank + heads * dim) * 4 + heads) / chunk)
+    assert row["bytes_per_sequence"]["1024"] == full["bytes_per_sequence"]["1024"]  # not compressed
+    assert row["slow_bytes_per_sequence"]["1024"] == 0
+    compressed_chunks = (8192 - 32) // chunk  # local = 32 tokens stay exact
+    assert row["slow_bytes_per_sequence"]["8192"] == compressed_chunks * layers * heads * chunk * dim * 4
+    assert row["bytes_per_sequence"]["8192"] < full["bytes_per_sequence"]["8192"] / 2
+    assert "shadowkv" in format_info(info) and "slow tier" in format_info(info)

@@ -135,10 +135,11 @@ def test_swiftkv_composes_with_kivi(residual):
     """Later layers query only the logit rows through the KIVI cache too (its generic
     attend_rows). With a residual longer than the sequence KIVI stores nothing quantised,
     so the result is exact; with residual 16 (8-bit) the error is KIVI's own, the same size
-    as on the base model."""
+    as on the base model. The residual is kept in float32 (the compute dtype) so that
+    "exact" means exact; the default 16-bit residual would round it."""
     base, model = across_kv_pair()
     tokens = tokens_of(60, 9)
-    cache = f"kivi:bits=8,group=8,residual={residual}"
+    cache = f"kivi:bits=8,group=8,residual={residual},residual_dtype=float32"
 
     def run(net, spec):
         runner = make_runner(net, cache=spec)

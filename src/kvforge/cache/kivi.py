@@ -14,9 +14,14 @@ tokens, every cache layer, in residual_dtype), paid for with `slot_pages` pages 
 the same pool when the sequence is first allocated and returned by `free`: one budget
 covers quantised pages and residuals, so the scheduler admits exactly what the bytes allow.
 
-Step protocol: `write` quantises the tokens that leave the residuals in this step into
-their (new) pages, reading the old residuals; `attend` reads the state as it was before the
-step plus the step's own exact K/V; `end_step` writes the step's tokens that stay in the
+Multi-token spans (prefill chunks) are attended by kivi_prefill.kivi_chunk_attention_fast
+(fused attention per part, merged by log-sum-exp; `prefill_attention=reference` selects the
+plain PyTorch path of kivi_attention); single tokens by the CPU decode kernel when it builds.
+
+Step protocol: `write` keeps the step's post-RoPE K/V; `attend` reads the state as it was
+before the step plus the step's own exact K/V; `end_step` first quantises the tokens that
+leave the residuals in this step into their (new) pages, reading the old residuals (one
+call per layer group, every layer at once), then writes the step's tokens that stay in the
 residuals (only then can ring slots be overwritten) and commits the lengths.
 """
 
@@ -31,6 +36,7 @@ from kvforge.batch import ForwardBatch, SequenceSpan
 from kvforge.cache.base import CacheMethod, PagedPoolMemory
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.kivi_attention import kivi_chunk_attention, kivi_decode_attention
+from kvforge.cache.kivi_prefill import kivi_chunk_attention_fast
 from kvforge.cache.kivi_store import KIVIStore, page_bytes, store_key_pages, store_value_tokens
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import RELEASED, LayerGroups, PageTable
@@ -42,6 +48,14 @@ from kvforge.models.rope import PositionedRope
 
 RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DECODE_KERNELS = ("auto", "torch")
+# "blockwise": kivi_prefill (fused attention per part, log-sum-exp merge); "reference": the
+# plain PyTorch online-softmax path of kivi_attention.
+PREFILL_ATTENTION = ("blockwise", "reference")
+
+
+def default_residual_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The paper keeps its residual in the model's fp16; here 16 bits of the model's family."""
+    return torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float16
 
 
 @dataclass(frozen=True)
@@ -49,13 +63,16 @@ class KIVICacheConfig:
     bits: int = 2
     group: int = 32  # G: tokens per key group (= page size), channels per value group
     residual: int = 128  # R: full-precision tokens (key residual flush size, value window)
-    # None keeps the residual in the model's compute dtype.
+    # None: 16-bit as in the paper (bfloat16 for a bfloat16 model, else float16), so the
+    # residual costs what a 16-bit full cache pays per token; "float32" keeps it exact.
     residual_dtype: str | None = None
     # Stored tokens dequantised at once by prefill chunks and by the PyTorch decode path.
     prefill_tile_tokens: int = 512
     decode_tile_tokens: int = 1024
     # "auto": the compiled CPU kernel for CPU tensors when it builds; "torch": always PyTorch.
     decode_kernel: str = "auto"
+    # Attention of multi-token spans (prefill chunks): one of PREFILL_ATTENTION.
+    prefill_attention: str = "blockwise"
 
     def __post_init__(self) -> None:
         require(self.bits in SUPPORTED_BITS, "bits", self.bits, f"must be one of {list(SUPPORTED_BITS)}")
@@ -71,6 +88,8 @@ class KIVICacheConfig:
             require(value >= self.group, name, value, f"must be >= group={self.group}")
         require(self.decode_kernel in DECODE_KERNELS, "decode_kernel", self.decode_kernel,
                 f"must be one of {list(DECODE_KERNELS)}")
+        require(self.prefill_attention in PREFILL_ATTENTION, "prefill_attention", self.prefill_attention,
+                f"must be one of {list(PREFILL_ATTENTION)}")
 
 
 @dataclass
@@ -140,7 +159,8 @@ class KIVICache(PagedPoolMemory, CacheMethod):
         heads, dim = layout.num_kv_heads, layout.head_dim
         if dim % g:
             raise ConfigError("group", g, f"must divide head_dim={dim} (values are grouped over channels)")
-        self.residual_dtype = RESIDUAL_DTYPES[config.residual_dtype] if config.residual_dtype else compute_dtype
+        self.residual_dtype = RESIDUAL_DTYPES[config.residual_dtype] if config.residual_dtype \
+            else default_residual_dtype(compute_dtype)
         self.groups = LayerGroups.from_layout(layout)
         self.page_bytes = page_bytes(self.groups.group_size, heads, dim, bits, g)
         element = torch.tensor([], dtype=self.residual_dtype).element_size()
@@ -234,20 +254,9 @@ class KIVICache(PagedPoolMemory, CacheMethod):
 
     def write(self, cache_layer: int, batch: ForwardBatch, k_pre: torch.Tensor, v: torch.Tensor,
               rope: PositionedRope) -> None:
-        k = rope.apply(k_pre)
-        self._step_kv[cache_layer] = (k, v)
-        group, index = self.groups.slot_of[cache_layer]
-        view = self.store.layer(index, cache_layer)
-        flush = self._plans[group].flush
-        dtype = self.residual_dtype
-        if flush.key_pages.numel():
-            slots, offsets = flush.key_res
-            keys = torch.cat((view.k_res[slots, :, offsets], k[flush.key_rows].to(dtype)))[flush.key_order]
-            store_key_pages(view, keys, flush.key_pages)
-        if flush.value_slots.numel():
-            slots, offsets = flush.value_res
-            values = torch.cat((view.v_res[slots, :, offsets], v[flush.value_rows].to(dtype)))[flush.value_order]
-            store_value_tokens(view, values, flush.value_slots)
+        # Tokens leaving the residuals are quantised at end_step, all layers of a group in one
+        # call: attend never reads them from pages in this step (it reads the state before it).
+        self._step_kv[cache_layer] = (rope.apply(k_pre), v)
 
     def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
                rope: PositionedRope) -> torch.Tensor:
@@ -258,11 +267,13 @@ class KIVICache(PagedPoolMemory, CacheMethod):
         k_new, v_new = self._step_kv[cache_layer]
         out = torch.empty_like(q)
         tile = max(1, self.config.prefill_tile_tokens // self.config.group)
+        chunk_attention = kivi_chunk_attention_fast if self.config.prefill_attention == "blockwise" \
+            else kivi_chunk_attention
         for p in plan.prefills:
             rows = slice(p.span.query_start, p.span.query_end)
-            out[rows] = kivi_chunk_attention(q[rows], k_new[rows], v_new[rows], view, p.pages,
-                                             p.first_page_position, p.past_from, p.span.cached_len, p.slot,
-                                             spec.scale, spec.sliding_window, tile)
+            out[rows] = chunk_attention(q[rows], k_new[rows], v_new[rows], view, p.pages,
+                                        p.first_page_position, p.past_from, p.span.cached_len, p.slot,
+                                        spec.scale, spec.sliding_window, tile)
         if plan.decode is not None:
             d = plan.decode
             args = (q[d.rows], k_new[d.rows], v_new[d.rows], view, d.page_table, d.first_page_position,
@@ -277,6 +288,8 @@ class KIVICache(PagedPoolMemory, CacheMethod):
     def end_step(self, batch: ForwardBatch) -> None:
         writes = self._residual_writes
         assert writes is not None
+        for group in range(self.groups.num_groups):  # before the residual writes overwrite the rings
+            self._flush(group)
         for cache_layer, (k, v) in self._step_kv.items():
             for store, values, (rows, slots, offsets) in ((self.store.k_res, k, writes.key),
                                                           (self.store.v_res, v, writes.value)):
@@ -288,6 +301,39 @@ class KIVICache(PagedPoolMemory, CacheMethod):
         self._plans = []
         self._residual_writes = None
         self._step_kv = {}
+
+    def _flush(self, group: int) -> None:
+        """Quantise the tokens of this step that leave the residuals (the plan's `_Flush`) into
+        their pages: one call for the whole layer group when every layer of it was written."""
+        flush = self._plans[group].flush
+        if not flush.key_pages.numel() and not flush.value_slots.numel():
+            return
+        layers = self.groups.layers[group]
+        if all(layer in self._step_kv for layer in layers):
+            parts = [(list(layers), self.store.all_layers(), True)]
+        else:  # some layer not written this step (not done by the engine): layer by layer
+            parts = [([layer], self.store.layer(index, layer), False)
+                     for index, layer in enumerate(layers) if layer in self._step_kv]
+        for written, view, whole_group in parts:
+            index = torch.tensor(written, device=self.device)
+
+            def leaving(res: torch.Tensor, which: int, source: tuple[torch.Tensor, torch.Tensor],
+                        rows: torch.Tensor, order: torch.Tensor, written: list[int] = written,
+                        index: torch.Tensor = index, whole_group: bool = whole_group) -> torch.Tensor:
+                """[layers, tokens, H, D] (no layer dim for one layer): residual reads, then
+                rows of the step, put back in token order, in residual_dtype."""
+                slots, offsets = source
+                old = res[index[:, None], slots, :, offsets]
+                new = torch.stack([self._step_kv[layer][which][rows] for layer in written]).to(self.residual_dtype)
+                tokens = torch.cat((old, new), dim=1)[:, order]
+                return tokens if whole_group else tokens[0]
+
+            if flush.key_pages.numel():
+                keys = leaving(self.store.k_res, 0, flush.key_res, flush.key_rows, flush.key_order)
+                store_key_pages(view, keys, flush.key_pages)
+            if flush.value_slots.numel():
+                values = leaving(self.store.v_res, 1, flush.value_res, flush.value_rows, flush.value_order)
+                store_value_tokens(view, values, flush.value_slots)
 
     # -- planning ---------------------------------------------------------------------
     def _tensor(self, values: list[int]) -> torch.Tensor:

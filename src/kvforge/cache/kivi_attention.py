@@ -14,6 +14,8 @@ value = dequantised page if t < nv else v_res[slot, :, t % R].
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from kvforge.cache.kivi_store import KIVILayerView, dequantize_key_pages, dequantize_value_pages
@@ -52,6 +54,28 @@ def _hide(scores: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> t
     return scores, values.masked_fill(unused[..., None], 0.0)
 
 
+def stored_tiles(view: KIVILayerView, pages: torch.Tensor, first_page_position: int, past_from: int, nv: int,
+                 slot: int, tile_pages: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The quantised pages `pages` (tokens from first_page_position on, in order) of one
+    sequence, `tile_pages` at a time, as (positions [m], keys [H, m, D], values [H, m, D])
+    in float32; tiles wholly before `past_from` are skipped. Tokens >= nv still have their
+    exact values in the residual ring, which replace the (not yet written) quantised ones.
+    At most one tile is ever dequantised at once."""
+    g, residual = view.group, view.residual
+    v_ring = view.v_res[slot]  # [H, R, D]
+    for start in range(0, pages.shape[0], tile_pages):
+        ids = pages[start:start + tile_pages]
+        k_pos = first_page_position + start * g + torch.arange(ids.shape[0] * g, device=pages.device)
+        if int(k_pos[-1]) < past_from:
+            continue
+        keys = dequantize_key_pages(view, ids)
+        values = dequantize_value_pages(view, ids)
+        recent = k_pos >= nv
+        if bool(recent.any()):
+            values = torch.where(recent[None, :, None], v_ring[:, k_pos % residual].float(), values)
+        yield k_pos, keys, values
+
+
 def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, view: KIVILayerView,
                          pages: torch.Tensor, first_page_position: int, past_from: int, cached_len: int,
                          slot: int, scale: float, window: int | None, tile_pages: int) -> torch.Tensor:
@@ -61,7 +85,7 @@ def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     length, heads, dim = q.shape
     kv_heads = k_new.shape[1]
     group = heads // kv_heads
-    residual, g = view.residual, view.group
+    residual = view.residual
     n = cached_len
     nk, nv = (n // residual) * residual, max(0, n - residual)
     device = q.device
@@ -81,16 +105,7 @@ def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
                            hidden_at(torch.arange(n, n + length, device=device)))
     state = OnlineSoftmax(scores, values)
     v_ring = view.v_res[slot]  # [H, R, D]
-    for start in range(0, pages.shape[0], tile_pages):
-        ids = pages[start:start + tile_pages]
-        k_pos = first_page_position + start * g + torch.arange(ids.shape[0] * g, device=device)
-        if int(k_pos[-1]) < past_from:
-            continue
-        keys = dequantize_key_pages(view, ids)
-        values = dequantize_value_pages(view, ids)
-        recent = k_pos >= nv  # their values are still in the residual ring
-        if bool(recent.any()):
-            values = torch.where(recent[None, :, None], v_ring[:, k_pos % residual].float(), values)
+    for k_pos, keys, values in stored_tiles(view, pages, first_page_position, past_from, nv, slot, tile_pages):
         scores, values = _hide(torch.bmm(qh, keys.transpose(1, 2)), values, hidden_at(k_pos))
         state.add(scores, values)
     res_from = max(nk, past_from)

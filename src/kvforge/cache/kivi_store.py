@@ -29,7 +29,8 @@ from kvforge.cache.quant import PARAM_DTYPE, quantize, unpack_codes
 
 @dataclass(frozen=True)
 class KIVILayerView:
-    """The tensors of one cache layer (views into the store, no copies)."""
+    """The tensors of one cache layer (views into the store, no copies). The writers below
+    also take `KIVIStore.all_layers()`, the same tensors with a leading layer dimension."""
 
     k_codes: torch.Tensor  # [H, P, D, G*b/8]
     k_scale: torch.Tensor  # [H, P, D]
@@ -43,11 +44,11 @@ class KIVILayerView:
 
     @property
     def group(self) -> int:
-        return self.v_codes.shape[2]
+        return self.v_codes.shape[-2]
 
     @property
     def residual(self) -> int:
-        return self.k_res.shape[2]
+        return self.k_res.shape[-2]
 
 
 def page_bytes(group_size: int, kv_heads: int, head_dim: int, bits: int, group: int) -> int:
@@ -77,6 +78,13 @@ class KIVIStore:
         self.k_res = empty(num_cache_layers, num_slots, h, residual, d, dtype=residual_dtype)
         self.v_res = empty(num_cache_layers, num_slots, h, residual, d, dtype=residual_dtype)
 
+    def all_layers(self) -> KIVILayerView:
+        """Every layer at once: pages [group_size, ...] (slot index within a layer group),
+        residuals [num_cache_layers, ...]; for the writers, which then quantise a layer group's
+        flushed tokens in one call."""
+        return KIVILayerView(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
+                             self.k_res, self.v_res, self.bits)
+
     def layer(self, index: int, cache_layer: int) -> KIVILayerView:
         """`index`: the layer's slot within its layer group (pages); `cache_layer`: residuals."""
         return KIVILayerView(self.k_codes[index], self.k_scale[index], self.k_zero[index], self.v_codes[index],
@@ -85,27 +93,31 @@ class KIVIStore:
 
 
 # -- writing --------------------------------------------------------------------------
+# Both writers take a layer view, or `KIVIStore.all_layers()` with sources carrying the same
+# leading dimension as its pages (one entry per slot index of a layer group).
 def store_key_pages(view: KIVILayerView, keys: torch.Tensor, page_ids: torch.Tensor) -> None:
-    """Quantise keys [n_pages * G, H, D] (tokens of whole pages, in order) per channel over
-    each page's G tokens and write them to `page_ids` [n_pages]."""
-    heads, dim, g = keys.shape[1], keys.shape[2], view.group
-    # [H, n_pages, D, G]: the token axis of each page last, the one `quantize` groups.
-    per_channel = keys.reshape(-1, g, heads, dim).permute(2, 0, 3, 1)
+    """Quantise keys [*lead, n_pages * G, H, D] (tokens of whole pages, in order) per channel
+    over each page's G tokens and write them to `page_ids` [n_pages]."""
+    heads, dim, g = keys.shape[-2], keys.shape[-1], view.group
+    lead = keys.shape[:-3]
+    # [*lead, H, n_pages, D, G]: the token axis of each page last, the one `quantize` groups.
+    per_channel = keys.reshape(*lead, -1, g, heads, dim).movedim(-2, -4).transpose(-1, -2)
     q = quantize(per_channel, view.bits, g)
-    view.k_codes.index_copy_(1, page_ids, q.packed)
-    view.k_scale.index_copy_(1, page_ids, q.scale.squeeze(-1))
-    view.k_zero.index_copy_(1, page_ids, q.zero.squeeze(-1))
+    view.k_codes.index_copy_(-3, page_ids, q.packed)
+    view.k_scale.index_copy_(-2, page_ids, q.scale.squeeze(-1))
+    view.k_zero.index_copy_(-2, page_ids, q.zero.squeeze(-1))
 
 
 def store_value_tokens(view: KIVILayerView, values: torch.Tensor, flat_slots: torch.Tensor) -> None:
-    """Quantise values [n, H, D] per token over groups of G channels and write token i to
-    the page slot flat_slots[i] = page * G + offset."""
-    heads, dim, g = values.shape[1], values.shape[2], view.group
-    q = quantize(values.transpose(0, 1), view.bits, g)  # [H, n, ...]
-    pages = view.v_codes.shape[1]
-    view.v_codes.view(heads, pages * g, -1).index_copy_(1, flat_slots, q.packed)
-    view.v_scale.view(heads, pages * g, dim // g).index_copy_(1, flat_slots, q.scale)
-    view.v_zero.view(heads, pages * g, dim // g).index_copy_(1, flat_slots, q.zero)
+    """Quantise values [*lead, n, H, D] per token over groups of G channels and write token i
+    to the page slot flat_slots[i] = page * G + offset."""
+    heads, dim, g = values.shape[-2], values.shape[-1], view.group
+    lead = values.shape[:-3]
+    q = quantize(values.transpose(-3, -2), view.bits, g)  # [*lead, H, n, ...]
+    pages = view.v_codes.shape[-3]
+    view.v_codes.view(*lead, heads, pages * g, -1).index_copy_(-2, flat_slots, q.packed)
+    view.v_scale.view(*lead, heads, pages * g, dim // g).index_copy_(-2, flat_slots, q.scale)
+    view.v_zero.view(*lead, heads, pages * g, dim // g).index_copy_(-2, flat_slots, q.zero)
 
 
 # -- reading --------------------------------------------------------------------------

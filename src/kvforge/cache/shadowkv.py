@@ -20,22 +20,12 @@ window in a `full` cache of their own):
   sequence selects once for all its queries (scores summed over them) and is causal
   within itself.
 
-Memory accounting (what `allocate` checks, all-or-nothing):
-  fast = inner exact pages + inner sliding pages + chunk pages x fast chunk bytes
-         + per-sequence fixed state (bases, exact buffers, reuse caches) of compressed
-         sequences and of those reserved to compress in the coming step <= kv budget;
-  slow = chunk pages x slow chunk bytes <= slow budget (a fixed number of chunk pages).
-The step that compresses a sequence holds its exact pages and its compressed state at
-once (the exact pages are freed at the end of it). `allocate` cannot know whether a step
-will compress (it does not see the logit rows), so every step that leaves an exact
-sequence with n >= min_context tokens reserves the compressed state of n tokens; a step
-that does not compress returns the reservation at end_step. `sequence_bytes(n)` is
-therefore exact(n) + compressed(n) once n >= min_context, and exact(n) below it.
+Memory accounting (bytes per token and sequence, reservations, tier usage) is the
+`ShadowKVMemory` mixin in shadowkv_memory.py.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -47,33 +37,14 @@ from kvforge.cache.layout import CacheLayout
 from kvforge.cache.registry import register_cache_method
 from kvforge.cache.shadowkv_compress import compress_layer, fold_chunks
 from kvforge.cache.shadowkv_config import ShadowKVConfig
+from kvforge.cache.shadowkv_memory import SequenceEntry, ShadowKVMemory, chunk_page_bytes
 from kvforge.cache.shadowkv_sparse import SparseAttention, SparseGroup
-from kvforge.cache.shadowkv_state import CompressedSequence, buffer_rows, fixed_state_bytes
+from kvforge.cache.shadowkv_state import CompressedSequence, buffer_rows
 from kvforge.cache.shadowkv_stats import ShadowKVStats
 from kvforge.cache.shadowkv_store import ChunkStore
 from kvforge.cache.shadowkv_threads import cpu_threads
 from kvforge.errors import ConfigError
 from kvforge.models.rope import PositionedRope
-
-
-@dataclass
-class _Reservation:
-    """What `allocate` prepared for the step that brings the sequence to `target` tokens."""
-
-    target: int
-    compress: bool
-    # Chunk pages held back for compression or folding. A count, not ids: the ids are
-    # taken when the chunks are written, so a sequence compressed in one go gets one run
-    # of consecutive pages (landmarks then read in place, see ChunkStore.gather_landmarks).
-    pages: int
-    fixed_bytes: int  # per-sequence state reserved for compression
-
-
-@dataclass
-class _Sequence:
-    num_tokens: int = 0
-    compressed: CompressedSequence | None = None
-    reservation: _Reservation | None = None
 
 
 @dataclass
@@ -92,7 +63,7 @@ def _sub_layout(layout: CacheLayout, layers: list[int]) -> CacheLayout:
 
 
 @register_cache_method("shadowkv", ShadowKVConfig)
-class ShadowKVCache(CacheMethod):
+class ShadowKVCache(ShadowKVMemory, CacheMethod):
     def __init__(self, layout: CacheLayout, config: ShadowKVConfig, budget_bytes: int,
                  compute_dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(layout, compute_dtype, device)
@@ -113,10 +84,8 @@ class ShadowKVCache(CacheMethod):
         self.element = torch.tensor([], dtype=compute_dtype).element_size()
         num_global = len(self.global_layers)
         chunk = config.chunk
-        # per chunk and global layer: r coefficients per token, one landmark per KV head
-        # (and a candidate flag per KV head, one byte)
-        self.fast_chunk_bytes = num_global * ((chunk * self.rank + heads * dim) * self.element + heads)
-        self.slow_chunk_bytes = num_global * heads * chunk * dim * self.element
+        self.fast_chunk_bytes, self.slow_chunk_bytes = chunk_page_bytes(num_global, heads, dim, chunk, self.rank,
+                                                                        self.element)
         self.slow_budget = config.slow_bytes(budget_bytes)
         self.stats = ShadowKVStats()
         self.store: ChunkStore | None = None
@@ -132,55 +101,16 @@ class ShadowKVCache(CacheMethod):
             pages = min(budget_bytes // self.fast_chunk_bytes, self.slow_budget // self.slow_chunk_bytes)
             self.store = ChunkStore(num_global, heads, dim, chunk, self.rank, pages, compute_dtype, self.device,
                                     config.slow_store, config.slow_dir)
-            self.sparse = SparseAttention(self.store, chunk, self.stats, config.reuse, self.device)
-        self._seqs: dict[int, _Sequence] = {}
-        self._fixed_bytes = 0  # per-sequence state of compressed + reserved sequences
-        self._reserved_pages = 0  # chunk pages promised to reservations, not yet taken
+            self.sparse = SparseAttention(self.store, chunk, self.stats, config.reuse, self.device,
+                                          config.kernel)
+        self._seqs: dict[int, SequenceEntry] = {}
+        self._fixed_bytes = 0
+        self._reserved_pages = 0
         self._step: _Step | None = None
         self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._ropes: dict[int, PositionedRope] = {}  # per global layer, for folding at end_step
 
-    # -- memory accounting ------------------------------------------------------------
-    def bytes_per_token(self, cache_layer: int) -> float:
-        """Fast-tier bytes per stored token: compressed rate for global layers (coefficients
-        + landmark share; values are on the slow tier), exact K and V for sliding layers."""
-        if cache_layer in self.sliding_layers:
-            return float(2 * self.layout.num_kv_heads * self.layout.head_dim * self.element)
-        return self.fast_chunk_bytes / len(self.global_layers) / self.config.chunk
-
-    def sequence_bytes(self, num_tokens: int) -> int:
-        total = self._exact_sequence_bytes(num_tokens)
-        if self.exact is not None and num_tokens >= self.config.min_context:
-            total += math.ceil(num_tokens / self.config.chunk) * self.fast_chunk_bytes
-            total += self._fixed_state_bytes(num_tokens, math.ceil(num_tokens / self.config.chunk))
-        return total
-
-    def _exact_sequence_bytes(self, num_tokens: int) -> int:
-        return sum(c.sequence_bytes(num_tokens) for c in (self.exact, self.sliding) if c is not None)
-
-    def _fixed_state_bytes(self, num_tokens: int, num_chunks: int) -> int:
-        layout, config = self.layout, self.config
-        return fixed_state_bytes(len(self.global_layers), layout.num_kv_heads, layout.head_dim, self.rank,
-                                 config.chunk, min(config.outliers, num_chunks), config.window_capacity,
-                                 config.budget_tokens(num_tokens) // config.chunk, self.element)
-
-    def _fast_used(self) -> int:
-        used = self._fixed_bytes
-        for inner in (self.exact, self.sliding):
-            if inner is not None:
-                used += inner.pages.pool.num_used * inner.page_bytes
-        if self.store is not None:
-            used += (self.store.pool.num_used + self._reserved_pages) * self.fast_chunk_bytes
-        return used
-
-    def memory_usage(self) -> dict[str, int]:
-        slow = (self.store.pool.num_used + self._reserved_pages) * self.slow_chunk_bytes if self.store is not None else 0
-        return {"fast": self._fast_used(), "slow": slow}
-
-    def memory_capacity(self) -> dict[str, int]:
-        slow = self.store.num_pages * self.slow_chunk_bytes if self.store is not None else 0
-        return {"fast": self.budget_bytes, "slow": slow}
-
+    # -- statistics -------------------------------------------------------------------
     def statistics(self) -> dict[str, float]:
         usage = self.memory_usage()
         compressed = sum(1 for s in self._seqs.values() if s.compressed is not None)
@@ -194,78 +124,6 @@ class ShadowKVCache(CacheMethod):
         self.stats.reset()
 
     # -- sequences --------------------------------------------------------------------
-    def _compressed_chunks(self, num_tokens: int) -> int:
-        chunk = self.config.chunk
-        return ((num_tokens // chunk) * chunk - self.config.local) // chunk
-
-    def _fold_count(self, window: int) -> int:
-        """Whole chunks folded when the exact tail holds `window` tokens after a step."""
-        if window <= self.config.window_capacity:
-            return 0
-        return (window - self.config.local) // self.config.chunk
-
-    def _plan(self, seq_id: int, num_tokens: int) -> tuple[int, int, bool, int]:
-        """(fast bytes of inner pages, chunk pages, compress, fixed bytes) the step needs."""
-        seq = self._seqs.get(seq_id)
-        cached = seq.num_tokens if seq is not None else 0
-        inner_bytes = 0
-        if self.sliding is not None:
-            inner_bytes += self.sliding.pages.pages_for_growth(seq_id, num_tokens) * self.sliding.page_bytes
-        if seq is not None and seq.compressed is not None:
-            window = seq.compressed.window + num_tokens - cached
-            return inner_bytes, self._fold_count(window), False, 0
-        if self.exact is None:
-            return inner_bytes, 0, False, 0
-        inner_bytes += self.exact.pages.pages_for_growth(seq_id, num_tokens) * self.exact.page_bytes
-        if num_tokens >= self.config.min_context:  # this step may compress (see the module doc)
-            chunks = self._compressed_chunks(num_tokens)
-            return inner_bytes, chunks, True, self._fixed_state_bytes(num_tokens, chunks)
-        return inner_bytes, 0, False, 0
-
-    def _reserved_bytes(self, reservation: _Reservation | None) -> tuple[int, int]:
-        if reservation is None:
-            return 0, 0
-        return reservation.pages * self.fast_chunk_bytes + reservation.fixed_bytes, reservation.pages
-
-    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
-        seq = self._seqs.get(seq_id)
-        if seq is not None and seq.reservation is not None and seq.reservation.target == num_tokens:
-            return True
-        inner_bytes, chunk_pages, _, fixed = self._plan(seq_id, num_tokens)
-        old_bytes, old_pages = self._reserved_bytes(seq.reservation if seq is not None else None)
-        needed = inner_bytes + chunk_pages * self.fast_chunk_bytes + fixed
-        if self._fast_used() - old_bytes + needed > self.budget_bytes:
-            return False
-        if chunk_pages == 0:
-            return True
-        free = self.store.pool.num_free - self._reserved_pages + old_pages if self.store is not None else 0
-        return chunk_pages <= free
-
-    def allocate(self, seq_id: int, num_tokens: int) -> bool:
-        if not self.can_allocate(seq_id, num_tokens):
-            return False
-        seq = self._seqs.setdefault(seq_id, _Sequence())
-        if seq.reservation is not None and seq.reservation.target == num_tokens:
-            return True
-        _, chunk_pages, compress, fixed = self._plan(seq_id, num_tokens)
-        self._release_reservation(seq)
-        # The byte check above covers the inner caches: their own pools hold the whole budget.
-        for inner in (self.sliding, None if seq.compressed is not None else self.exact):
-            if inner is not None:
-                grown = inner.allocate(seq_id, num_tokens)
-                assert grown, "bounded by the byte check"
-        seq.reservation = _Reservation(num_tokens, compress, chunk_pages, fixed)
-        self._reserved_pages += chunk_pages
-        self._fixed_bytes += fixed
-        return True
-
-    def _release_reservation(self, seq: _Sequence) -> None:
-        if seq.reservation is None:
-            return
-        self._reserved_pages -= seq.reservation.pages
-        self._fixed_bytes -= seq.reservation.fixed_bytes
-        seq.reservation = None
-
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
@@ -324,8 +182,9 @@ class ShadowKVCache(CacheMethod):
     def _group(self, spans: list[SequenceSpan]) -> SparseGroup:
         states = [self._seqs[s.seq_id].compressed for s in spans]
         rows = [row for s in spans for row in range(s.query_start, s.query_end)]
+        kernel = self.sparse is not None and self.sparse.uses_kernel(self.compute_dtype)
         return SparseGroup.build(states, rows, spans[0].query_len, spans[0].query_len == 1,  # type: ignore[arg-type]
-                                 self.config.chunk, self.device)
+                                 self.config.chunk, self.device, kernel)
 
     def _exact_batch(self, batch: ForwardBatch, spans: list[SequenceSpan]
                      ) -> tuple[ForwardBatch | None, torch.Tensor | None]:
@@ -375,7 +234,7 @@ class ShadowKVCache(CacheMethod):
             self._step_kv[cache_layer] = (k_post, v)
             chunk = self.config.chunk
             for group in step.groups:
-                if group.own_in_buffer:  # decode tokens: the next window row of each buffer
+                if group.own_in_buffer and not group.kernel:  # decode tokens: the next window row
                     for b, state in enumerate(group.states):
                         layer = state.layers[index]
                         assert layer is not None
@@ -454,13 +313,6 @@ class ShadowKVCache(CacheMethod):
         self._step_kv = {}
 
     # -- compression and folding ------------------------------------------------------
-    def _take_pages(self, reservation: _Reservation, count: int) -> list[int]:
-        """Turn `count` reserved chunk pages into page ids (ascending)."""
-        assert self.store is not None and count <= reservation.pages
-        reservation.pages -= count
-        self._reserved_pages -= count
-        return sorted(self.store.pool.allocate(count))
-
     def _compress(self, span: SequenceSpan) -> None:
         """Compress every global layer of a sequence from its exact pages (committed, this
         step's tokens included), then free the pages."""

@@ -48,6 +48,9 @@ class ShadowKVConfig:
     # CPU threads of ShadowKV's own phases (compression, folding, sparse decode: many small
     # operations, see shadowkv_threads.py); 0: torch's current setting.
     threads: int = 1
+    # Decode steps through the fused C++ CPU kernel (kernels/cpu_shadowkv.py) when it applies
+    # (float32 on CPU) and builds; False: always the PyTorch path (the reference).
+    kernel: bool = True
 
     def __post_init__(self) -> None:
         require(self.chunk >= 1, "chunk", self.chunk, "must be >= 1")

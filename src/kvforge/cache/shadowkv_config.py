@@ -31,8 +31,9 @@ class ShadowKVConfig:
     budget_floor: int = 128
     local: int = 32  # most recent tokens kept exact at compression (a multiple of `chunk`)
     # Exact window for tokens written after compression: when the exact tail (local +
-    # generated) exceeds local + generated_window, its oldest whole chunks are folded into
-    # the low-rank store (ShadowKV+), so generation length is not capped.
+    # generated) exceeds local + generated_window, just enough of its oldest whole chunks
+    # are folded into the low-rank store (ShadowKV+) to bring it back under that bound, so
+    # generation length is not capped and the most recent tokens always stay exact.
     generated_window: int = 256
     # A sequence is compressed at the end of the first step that leaves it with at least
     # this many tokens and asks logits for its last token (a prompt's last chunk, a decode

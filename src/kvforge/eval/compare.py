@@ -141,10 +141,13 @@ def parse_systems(cache: str, cache_opt: list[str] | None, compare: list[str] | 
 def baseline_index(systems: list[EvalSystem], requested: str | None = None) -> int:
     """Index of the baseline (see the module docstring); `requested` names one explicitly."""
     if requested:
-        names = [s.name for s in systems]
+        # A system is named by its display name or by its cache spec; when two systems share
+        # a spec, the spec names the first of them (display names stay unique).
         aliases = {s.name: i for i, s in enumerate(systems)}
-        aliases.update({str(s.cache): i for i, s in enumerate(systems) if s.cache is not None and i > 0})
-        require(requested in aliases, "baseline", requested, f"must be one of {names}")
+        for i, s in enumerate(systems):
+            if s.cache is not None:
+                aliases.setdefault(str(s.cache), i)
+        require(requested in aliases, "baseline", requested, f"must be one of {sorted(aliases)}")
         return aliases[requested]
     for index, system in enumerate(systems[1:], start=1):
         if system.full_precision:

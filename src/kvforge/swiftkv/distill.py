@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvforge.config import ModelConfig, SwiftKVConfig
-from kvforge.errors import ConfigError, require
+from kvforge.errors import ConfigError, ModelLoadError, require
 from kvforge.eval.perplexity import starts_with_bos
 from kvforge.swiftkv.data import (
     PackedData,
@@ -71,6 +71,31 @@ def check_recipe_against_model(recipe: DistillRecipe, base: ModelConfig) -> Mode
     return config
 
 
+def check_init_from(recipe: DistillRecipe, config: ModelConfig) -> None:
+    """`init-from` must be a SwiftKV checkpoint of the same shape, l and g (cheap: config only)."""
+    from kvforge.swiftkv.checkpoint import overlay_config
+
+    try:
+        theirs = overlay_config(replace(config, swiftkv=None), recipe.init_from)
+    except (ModelLoadError, OSError) as exc:
+        raise ConfigError("init-from", recipe.init_from, f"must be a SwiftKV checkpoint directory ({exc})") from exc
+    assert config.swiftkv is not None and theirs.swiftkv is not None
+    mine = (config.swiftkv.num_key_value_layers, config.swiftkv.key_value_group_size)
+    found = (theirs.swiftkv.num_key_value_layers, theirs.swiftkv.key_value_group_size)
+    require(found == mine, "init-from", recipe.init_from,
+            f"must have the recipe's l and g {mine}, found {found}")
+
+
+def starting_tensors(recipe: DistillRecipe, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The SwiftKV tensors of `init-from` (float32), all of them present."""
+    from kvforge.swiftkv.checkpoint import read_overlay_tensors, swiftkv_tensor_names
+
+    tensors = read_overlay_tensors(recipe.init_from, torch.float32)
+    missing = sorted(set(swiftkv_tensor_names(config)) - set(tensors))
+    require(not missing, "init-from", recipe.init_from, f"must hold every SwiftKV tensor; missing {missing[:3]}")
+    return tensors
+
+
 def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
     from kvforge.models.loader import load_model, load_model_config, resolve_model_source
     from kvforge.models.tokenizer import load_tokenizer
@@ -79,6 +104,8 @@ def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
     data_file = check_data_source(recipe.data)
     source = resolve_model_source(recipe.model)
     config = check_recipe_against_model(recipe, load_model_config(source))
+    if recipe.init_from:
+        check_init_from(recipe, config)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     parallel = DataParallel.from_environment(recipe.device)
@@ -90,7 +117,8 @@ def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
     base, _ = load_model(recipe.model, dtype="float32", device=parallel.device)
     tokenizer = load_tokenizer(source)
     data = build_data(recipe, data_file, tokenizer, out, parallel, progress)
-    model = DistillModel(base, config.swiftkv, recipe.train_later_layers)
+    init = starting_tensors(recipe, config) if recipe.init_from else None
+    model = DistillModel(base, config.swiftkv, recipe.train_later_layers, init=init)
     trainer = Trainer(model, data, recipe, out, parallel, progress)
     first_step = trainer.start()  # a state to resume from is checked against the recipe here
     if parallel.is_main:

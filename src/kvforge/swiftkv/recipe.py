@@ -27,6 +27,8 @@ RECIPE_KEYS: dict[str, tuple[str, str]] = {
     "num_key_value_layers": ("int?", "l: layers >= l take K/V from layer l's input (required)"),
     "group_size": ("int", "g: later layers sharing one KV cache (AcrossKV)"),
     "out": ("str?", "output directory: params-only SwiftKV checkpoint + recipe + metrics (required)"),
+    "init_from": ("str?", "start the trained tensors from this SwiftKV checkpoint (same model, l and g; "
+                          "e.g. an earlier distillation) instead of the `swiftkv init` initialisation"),
     "train_later_layers": ("bool", "train every parameter of the later layers (ablation), not only "
                                    "norm_swiftkv and the *_proj_swiftkv projections"),
     "data": ("str?", "training data: a text file (its first 80%% is used) or a .jsonl chat file "
@@ -74,6 +76,7 @@ class DistillRecipe:
     num_key_value_layers: int | None = None
     group_size: int = 1
     out: str | None = None
+    init_from: str | None = None
     train_later_layers: bool = False
     data: str | None = None
     self_generate: int = 0

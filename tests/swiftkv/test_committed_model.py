@@ -48,5 +48,5 @@ def test_committed_model_loads_over_the_base_model(name: str):
     assert student.config.swiftkv is not None and student.config.swiftkv.num_key_value_layers == COMMITTED[name]
     tensors = load_file(str(MODELS / name / "model.safetensors"))
     assert set(tensors) == set(swiftkv_tensor_names(student.config))
-    for name, tensor in tensors.items():
-        torch.testing.assert_close(student.get_parameter(name), tensor.float(), rtol=0, atol=0)
+    for tensor_name, tensor in tensors.items():
+        torch.testing.assert_close(student.get_parameter(tensor_name), tensor.float(), rtol=0, atol=0)

@@ -202,3 +202,23 @@ def test_prefill_against_transformers(fast_bench, tmp_path):
     assert main(["bench", "prefill", "--prompt-len", "16", "--compare", "hf", *COMMON, "--json", str(out)]) == 0
     result = _check_result(out, "prefill", "prompt_tokens_per_s", ["kvforge[full]", "hf"])
     assert result["systems"][1]["kind"] == "hf"
+
+
+def test_every_cpu_kernel_is_built_before_the_first_system_runs(monkeypatch, capsys):
+    """A kernel's first use may not fall inside a timed region (--warmup 0 once timed a 26 s
+    compile): run_systems builds them all before measuring the peak or any system."""
+    from types import SimpleNamespace
+
+    from kvforge.kernels import prebuild
+
+    events: list[str] = []
+    monkeypatch.setattr(prebuild, "CPU_KERNELS", {"a": lambda: events.append("build a") or True,
+                                                  "b": lambda: events.append("build b") or False})
+    monkeypatch.setattr(peak, "measure_peak",
+                        lambda dtype: events.append("peak") or peak.MachinePeak(1.0, 8, "float32", 1.0, 1))
+    ctx = SimpleNamespace(dtype=torch.float32, systems=[common.System("s", "kvforge")])
+    results = common.run_systems(ctx, {"kvforge": lambda ctx, system: events.append("run") or {"x": 1}})
+    assert events == ["build a", "build b", "peak", "run"]
+    assert results == [{"name": "s", "kind": "kvforge", "x": 1}]
+    err = capsys.readouterr().err
+    assert "C++ kernels ready" in err and "a;" in err and "PyTorch fallback for: b" in err

@@ -205,7 +205,15 @@ Runner = Callable[[BenchContext, System], dict[str, Any]]
 def run_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[str, Any]]:
     """Measure every system with the runner registered for its kind, freeing between systems."""
     from kvforge.bench.peak import measure_peak
+    from kvforge.kernels.prebuild import build_cpu_kernels
 
+    # Every kernel is built before the first timed region (a compile once cost 26 s of a
+    # timed ShadowKV decode when --warmup 0 left nothing to build it earlier).
+    kernels, seconds = build_cpu_kernels()
+    ready = [name for name, ok in kernels.items() if ok]
+    missing = [name for name, ok in kernels.items() if not ok]
+    log(f"C++ kernels ready in {seconds:.1f} s: {', '.join(ready) or 'none'}"
+        + (f"; PyTorch fallback for: {', '.join(missing)}" if missing else ""))
     ctx.load_before = load_average()
     ctx.peak = measure_peak(ctx.dtype)
     log(f"matmul peak {ctx.peak.matmul_gflops:.1f} GFLOP/s ({ctx.peak.matmul_dtype}, n={ctx.peak.matmul_size}), "

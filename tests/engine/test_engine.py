@@ -169,3 +169,19 @@ def test_abort_frees_cache_and_others_continue():
         for out in engine.step():
             done[out.request_id] = out
     assert len(done[keep_id].token_ids) == 10
+
+
+def test_uncomputed_prompt_tokens_count_down_with_chunked_prefill():
+    """The prefill progress the decode benchmark shows: prompt tokens not yet in the cache."""
+    engine = make_engine(batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for prompt in prompts_of([20, 30]):
+        engine.add_request(prompt, params)
+    seen = [engine.num_uncomputed_prompt_tokens()]
+    while engine.has_unfinished_requests():
+        engine.step()
+        seen.append(engine.num_uncomputed_prompt_tokens())
+    # Steps 1-2 spend their 16-token budget on prompts; from step 3 the first request's
+    # decode token takes one of the 16, then only decode steps remain.
+    assert seen[:5] == [50, 34, 18, 3, 0]
+    assert all(later == 0 for later in seen[4:])

@@ -17,10 +17,12 @@ steps / time (flops.py), compared with the read bandwidth measured in the same r
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from kvforge.bench import hf_peer
 from kvforge.bench.common import BenchContext, System, prepare, rate, repeat_runs, run_systems
@@ -31,6 +33,7 @@ from kvforge.errors import KVForgeError, require
 
 HEADLINE = "generated_tokens_per_s"
 PREFILL_TOKENS_PER_STEP = (2048, 32768)  # bounds of max_num_batched_tokens for the untimed prefill
+PROGRESS_MIN_TOKENS = 16384  # smaller prefills take seconds: no progress bar
 
 
 def _element_size(ctx: BenchContext) -> int:
@@ -58,8 +61,13 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
             engine.add_request(prompt, params)
         started: set[str] = set()
         prefill_start = time.perf_counter()
-        while len(started) < len(prompts):  # prefill phase, untimed
-            started.update(o.request_id for o in step_outputs() if o.new_token_ids)
+        total = engine.num_uncomputed_prompt_tokens()
+        # The untimed prefill can take many minutes (4 x 32K tokens on CPU): show its progress.
+        with tqdm(total=total, desc=f"{system.name} prefill (untimed)", unit="tok", file=sys.stderr,
+                  disable=total < PROGRESS_MIN_TOKENS) as bar:
+            while len(started) < len(prompts):  # prefill phase, untimed
+                started.update(o.request_id for o in step_outputs() if o.new_token_ids)
+                bar.update(total - engine.num_uncomputed_prompt_tokens() - bar.n)
         prefill_seconds = time.perf_counter() - prefill_start
         # What the cache holds with every prompt in it, and counters of the timed phase only
         # (methods with counters, e.g. shadowkv, can reset them).

@@ -83,6 +83,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def num_uncomputed_prompt_tokens(self) -> int:
+        """Prompt tokens of unfinished requests whose K/V are not in the cache yet (progress of a prefill)."""
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self._requests.values())
+
     def _validate_prompt(self, prompt: list[int]) -> None:
         if not prompt:
             raise ConfigError("prompt", "", "must contain at least one token")

@@ -1,0 +1,43 @@
+"""`chunk_attention` (prefill chunks over a dense key range) against the definition,
+`reference_attention`, with and without the sliding-window tiling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.cache.attention import _window_tiles, chunk_attention, reference_attention
+
+
+@pytest.mark.parametrize(("n", "past", "window"), [
+    (300, 0, None),      # aligned causal prompt
+    (300, 0, 512),       # window longer than the chunk: plain causal path
+    (700, 0, 64),        # tiled: 700 queries, windows of 64 (tiles of 128)
+    (200, 900, 100),     # tiled: a later chunk whose window reaches back into past keys
+    (50, 400, 1000),     # window longer than everything: masked path, nothing clipped
+    (257, 3, 128),       # tiled, ragged last tile, keys starting 3 before the queries
+])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2)])
+def test_chunk_attention_matches_the_definition(n, past, window, heads, kv_heads):
+    torch.manual_seed(n + past)
+    dim, m = 16, past + n
+    first_k = 37  # keys start at an arbitrary position; queries are the last n of them
+    q = torch.randn(n, heads, dim)
+    k = torch.randn(m, kv_heads, dim)
+    v = torch.randn(m, kv_heads, dim)
+    got = chunk_attention(q, k.transpose(0, 1), v.transpose(0, 1), first_k + past, first_k, 0.25, window)
+    q_pos = torch.arange(first_k + past, first_k + m)
+    k_pos = torch.arange(first_k, first_k + m)
+    want = reference_attention(q, k, v, q_pos, k_pos, 0.25, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_window_tiles_cover_every_query_once_and_only_the_keys_it_can_see():
+    n, m, window, first_k, first_q = 1000, 1500, 200, 10, 510
+    tiles = _window_tiles(n, m, first_q, first_k, window)
+    assert [t[0] for t in tiles] == list(range(0, n, 200)) and sum(t[1] for t in tiles) == n
+    for start, count, lo, hi in tiles:
+        first, last = first_q + start, first_q + start + count - 1
+        # keys lo..hi-1 are exactly the union of what the tile's queries see
+        assert first_k + lo == max(first_k, first - window + 1) and first_k + hi == last + 1
+        assert hi - lo <= count + window - 1

@@ -18,7 +18,7 @@ from kvforge.cache.shadowkv import ShadowKVCache
 from kvforge.config import SwiftKVConfig
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
-from kvforge.engine.runner import StepItem
+from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import ConfigError
 from kvforge.models.registry import build_model
@@ -243,3 +243,21 @@ def test_info_lists_shadowkv_fast_and_slow_bytes(tmp_path):
     assert row["slow_bytes_per_sequence"]["8192"] == compressed_chunks * layers * heads * chunk * dim * 4
     assert row["bytes_per_sequence"]["8192"] < full["bytes_per_sequence"]["8192"] / 2
     assert "shadowkv" in format_info(info) and "slow tier" in format_info(info)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the fetch side stream and pinned slow tier)")
+def test_cuda_path_with_exact_settings_equals_the_cpu_full_cache():
+    """The CUDA path (values fetched from pinned host memory on a side stream while keys are
+    rebuilt) against the CPU full cache: the same prompts, compressions and folds as the
+    exact-settings test above (torch keeps TF32 off for fp32 matmuls by default)."""
+    import copy
+
+    _, model = make_pair("llama_gqa")
+    prompts = [list(range(3, 40)), list(range(5, 70)), list(range(1, 11))]
+    full = decode_logits(make_runner(model), prompts, 30)
+    gpu_model = copy.deepcopy(model).to("cuda")
+    cache = create_cache(exact_spec(model), gpu_model.cache_layout(), 1 << 22, torch.float32, device="cuda")
+    ours = decode_logits(ModelRunner(gpu_model, cache), prompts, 30).cpu()
+    torch.testing.assert_close(ours, full, atol=1e-4, rtol=0)
+    stats = cache.statistics()
+    assert stats["compressions"] == 3 and stats["chunk_hits"] > 0 and stats["slow_bytes"] > 0

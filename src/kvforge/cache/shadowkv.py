@@ -261,7 +261,10 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
             assert self.sparse is not None
             k_post, v = self._step_kv[cache_layer]
             scale = self.layout.specs[cache_layer].scale
-            with cpu_threads(self.config.threads, self.device):
+            # The fused kernel is one parallel loop over (sequence, KV head) pairs per layer:
+            # it uses torch's threads. `threads` is for the PyTorch path's many small ops.
+            kernel_only = all(group.kernel for group in step.groups)
+            with cpu_threads(0 if kernel_only else self.config.threads, self.device):
                 self._attend_groups(index, step.groups, q, k_post, v, rope, scale, out)
         return out
 

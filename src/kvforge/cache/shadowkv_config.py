@@ -46,8 +46,9 @@ class ShadowKVConfig:
     slow_store: str = "memory"
     slow_budget: str | None = None  # bytes of the slow tier, e.g. 16GiB; None: the kv budget
     slow_dir: str | None = None  # directory of the mmap file (None: the system temp dir)
-    # CPU threads of ShadowKV's own phases (compression, folding, sparse decode: many small
-    # operations, see shadowkv_threads.py); 0: torch's current setting.
+    # CPU threads of ShadowKV's own PyTorch phases (compression, folding, the PyTorch decode
+    # path: many small operations, see shadowkv_threads.py); 0: torch's current setting.
+    # The fused decode kernel always splits its (sequence, KV head) pairs over torch's threads.
     threads: int = 1
     # Decode steps through the fused C++ CPU kernel (kernels/cpu_shadowkv.py) when it applies
     # (float32 on CPU) and builds; False: always the PyTorch path (the reference).

@@ -1,4 +1,4 @@
-"""Command line: `kvforge generate | chat | bench | eval | swiftkv | analyze | verify | info`."""
+"""Command line: `kvforge generate | chat | serve | bench | eval | swiftkv | analyze | verify | info`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvforge.analysis.cli import add_analyze_parser, run_analyze
 from kvforge.bench.cli import add_bench_parser, run_bench
 from kvforge.errors import KVForgeError
 from kvforge.eval.cli import add_eval_parser, run_eval
+from kvforge.serve.server import add_serve_args, run_serve
 from kvforge.swiftkv.cli import add_swiftkv_parser, run_swiftkv
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="system message")
+
+    serve = verbs.add_parser("serve", help="OpenAI-compatible HTTP server (127.0.0.1:8000 by default)")
+    _add_model_args(serve)
+    _add_engine_args(serve)
+    add_serve_args(serve)
 
     ver = verbs.add_parser("verify", help="compare kvforge with transformers on the same weights")
     _add_model_args(ver)
@@ -206,7 +212,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "verify": cmd_verify, "info": cmd_info,
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": run_serve, "verify": cmd_verify, "info": cmd_info,
             "bench": run_bench, "eval": run_eval, "swiftkv": run_swiftkv,
             "analyze": run_analyze}
 

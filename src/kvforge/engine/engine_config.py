@@ -22,6 +22,9 @@ class EngineConfig:
     # when the cache's bytes for every running request's whole lifetime (prompt + max_tokens,
     # `cache.sequence_bytes`) plus its own fit the budget, so nothing is ever preempted.
     admission: str = "optimistic"
+    # Time every step split into linear layers, attention, sampling and the rest
+    # (`LLMEngine.step_timer`, kvforge.step_timing); costs little on CPU, syncs on CUDA.
+    step_timing: bool = False
 
     def __post_init__(self) -> None:
         require(self.kv_budget_bytes > 0, "kv_budget", self.kv_budget_bytes, "must be > 0 bytes")

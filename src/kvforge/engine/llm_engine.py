@@ -14,16 +14,27 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
+
 from kvforge.cache.base import CacheMethod
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import FinishReason, Request
 from kvforge.engine.runner import ModelRunner, StepItem
-from kvforge.engine.sampling import SamplingParams, banned_token_ids, find_stop, make_generator, sample
+from kvforge.engine.sampling import (
+    SampleOutput,
+    SamplingParams,
+    banned_token_ids,
+    find_stop,
+    make_generator,
+    most_likely,
+    sample,
+)
 from kvforge.engine.scheduler import ScheduledChunk, Scheduler
 from kvforge.errors import ConfigError
 from kvforge.models.causal_lm import CausalLM
+from kvforge.step_timing import StepTimer, recording
 
 
 class LLMEngine:
@@ -50,21 +61,26 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.steps = 0
+        self.step_timer = StepTimer(self.runner.device) if self.config.step_timing else None
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; raises ConfigError (leaving the engine untouched) if it is invalid."""
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; raises ConfigError (leaving the engine untouched) if it is invalid.
+        `arrival_time` (time.perf_counter seconds) backdates the request's metrics, e.g. to
+        when a server received it."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError("params", type(params).__name__, "must be a SamplingParams")
         prompt = [int(t) for t in prompt_token_ids]
-        self._validate_prompt(prompt)
+        self.validate_prompt(prompt)
         number = next(self._ids)
         request_id = str(number) if request_id is None else str(request_id)
         if request_id in self._requests and not self._requests[request_id].is_finished:
             raise ConfigError("request_id", request_id, "must be unique among unfinished requests")
         request = Request(request_id, number, prompt, params, eos_token_ids=self.eos_token_ids)
+        if arrival_time is not None:
+            request.metrics.arrival_time = arrival_time
         if not params.greedy:
             request.generator = make_generator(params.seed, self.runner.device)
         if self.tokenizer is not None:
@@ -87,7 +103,9 @@ class LLMEngine:
         """Prompt tokens of unfinished requests whose K/V are not in the cache yet (progress of a prefill)."""
         return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self._requests.values())
 
-    def _validate_prompt(self, prompt: list[int]) -> None:
+    def validate_prompt(self, prompt: Sequence[int]) -> None:
+        """Raise ConfigError if a prompt can never run here (read-only: safe to call from
+        another thread while the engine steps)."""
         if not prompt:
             raise ConfigError("prompt", "", "must contain at least one token")
         vocab = self.model.config.vocab_size
@@ -106,6 +124,17 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, apply the stop rules; the outputs of every
+        request that changed."""
+        timer = self.step_timer
+        if timer is None:
+            return self._step()
+        with recording(timer):
+            outputs = timer.measure("step", self._step)
+        timer.steps += 1
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}
         for request in scheduled.dropped:
@@ -115,27 +144,64 @@ class LLMEngine:
         if not scheduled.chunks:
             return list(outputs.values())
         self.steps += 1
-        logits = self.runner.step([self._item(chunk) for chunk in scheduled.chunks])
+        items = [self._item(chunk) for chunk in scheduled.chunks]
+        logits = self.runner.step(items)
         now = time.perf_counter()
         sampling: list[Request] = []
-        for chunk in scheduled.chunks:
+        sample_rows: list[int] = []
+        row = 0
+        for chunk, item in zip(scheduled.chunks, items):
             request = chunk.request
+            if _scores_prompt(request):
+                self._score_prompt(request, chunk, logits[row:row + item.num_logits])
+            row += item.num_logits
             request.num_computed_tokens = chunk.end
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
             if chunk.needs_logits:
                 sampling.append(request)
+                sample_rows.append(row - 1)
         if sampling:
-            chosen = sample(logits, [r.params for r in sampling], [r.generator for r in sampling],
-                            [banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens)
-                             for r in sampling])
-            for request, token, logprob in zip(sampling, chosen.token_ids, chosen.logprobs):
-                outputs[request.request_id] = self._accept(request, token, logprob, now)
+            rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
+            chosen = self._sample(rows, sampling)
+            for index, request in enumerate(sampling):
+                if request.params.top_logprobs:
+                    request.output_top_logprobs.append(chosen.top_logprobs[index])
+                outputs[request.request_id] = self._accept(request, chosen.token_ids[index],
+                                                           chosen.logprobs[index], now)
         return list(outputs.values())
 
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
+        args = (logits, [r.params for r in requests], [r.generator for r in requests],
+                [banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens) for r in requests])
+        return sample(*args) if self.step_timer is None else self.step_timer.measure("sampling", sample, *args)
+
     def _item(self, chunk: ScheduledChunk) -> StepItem:
-        tokens = chunk.request.tokens(chunk.start, chunk.end)
-        return StepItem(chunk.request.seq_id, tokens, num_logits=int(chunk.needs_logits))
+        request = chunk.request
+        tokens = request.tokens(chunk.start, chunk.end)
+        # A chunk of a request still scoring its prompt lies within the prompt (the prompt was
+        # complete before any output existed), and every row of it gets logits.
+        num_logits = len(tokens) if _scores_prompt(request) else int(chunk.needs_logits)
+        return StepItem(request.seq_id, tokens, num_logits=num_logits)
+
+    def _score_prompt(self, request: Request, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        """Log-probabilities of the prompt tokens predicted by this chunk's rows (`logits`
+        has one row per position of the chunk): the row of position p predicts token p + 1.
+        After a preemption the recomputed rows that were already scored are skipped."""
+        prompt = request.prompt_token_ids
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)  # nothing predicts the first token
+            request.prompt_top_logprobs.append([])
+        # Chunks run in order, so the next unscored token's predictor is in this chunk.
+        first = len(request.prompt_logprobs) - 1
+        stop = min(chunk.end, len(prompt) - 1)  # the row of position n - 1 samples the first output
+        if stop <= first:
+            return
+        rows = logits[first - chunk.start:stop - chunk.start].float().log_softmax(dim=-1)
+        targets = torch.tensor(prompt[first + 1:stop + 1], device=rows.device)
+        request.prompt_logprobs.extend(rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist())
+        count = request.params.prompt_logprobs or 0
+        request.prompt_top_logprobs.extend(most_likely(rows, count) if count else [[] for _ in range(stop - first)])
 
     def _accept(self, request: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
         """Append a sampled token and apply the stop rules."""
@@ -165,3 +231,8 @@ class LLMEngine:
         if request.is_finished:
             self._requests.pop(request.request_id, None)
         return output
+
+
+def _scores_prompt(request: Request) -> bool:
+    """The request asked for prompt log-probabilities and has not got all of them yet."""
+    return request.params.prompt_logprobs is not None and len(request.prompt_logprobs) < request.num_prompt_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvforge.engine.request import Request
+from kvforge.engine.sampling import TopLogprobs
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,12 @@ class RequestOutput:
     logprobs: list[float] | None
     error: str | None
     metrics: RequestMetricsReport
+    # With params.top_logprobs: the most likely ids at each generated position.
+    top_logprobs: list[TopLogprobs] | None = None
+    # With params.prompt_logprobs, once the whole prompt is computed (None before): one
+    # entry per prompt token, None for the first; and the most likely ids at each position.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
     @classmethod
     def of(cls, request: Request, new_token_ids: list[int], new_text: str) -> RequestOutput:
@@ -59,4 +66,9 @@ class RequestOutput:
             logprobs=list(request.output_logprobs) if request.params.logprobs else None,
             error=request.error,
             metrics=RequestMetricsReport.of(request),
+            top_logprobs=list(request.output_top_logprobs) if request.params.top_logprobs else None,
+            prompt_logprobs=(request.prompt_logprobs if request.params.prompt_logprobs is not None
+                             and len(request.prompt_logprobs) == request.num_prompt_tokens else None),
+            prompt_top_logprobs=(request.prompt_top_logprobs if request.params.prompt_logprobs
+                                 and len(request.prompt_logprobs) == request.num_prompt_tokens else None),
         )

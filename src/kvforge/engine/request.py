@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.engine.sampling import SamplingParams
+from kvforge.engine.sampling import SamplingParams, TopLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +53,12 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt token computed so far (None for
+    # the first token, which nothing predicts). Kept across preemption: recomputed prompt
+    # rows are not scored twice.
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     output_text: str = ""
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -16,6 +16,7 @@ from kvforge.batch import ForwardBatch
 from kvforge.cache.base import CacheMethod
 from kvforge.errors import CacheCapacityError, ConfigError
 from kvforge.models.causal_lm import CausalLM
+from kvforge.step_timing import TimedCache, current_timer
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,10 @@ class ModelRunner:
         batch = ForwardBatch.build(
             [item.seq_id for item in items], [item.token_ids for item in items], cached,
             [item.num_logits for item in items], device=self.device)
+        timer = current_timer()
+        cache = self.cache if timer is None else TimedCache(self.cache, timer)
         with torch.inference_mode():
-            return self.model(batch, self.cache)
+            return self.model(batch, cache)
 
     def release(self, seq_id: int) -> None:
         self.cache.free(seq_id)

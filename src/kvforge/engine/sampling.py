@@ -37,6 +37,8 @@ TOP_P_TOLERANCE = 1e-6
 # whole vocabulary only if needed.
 NUCLEUS_CANDIDATES = 1024
 _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
+# Most alternatives reported per position (OpenAI's chat API allows 20 top_logprobs).
+MAX_TOP_LOGPROBS = 20
 
 
 def _is_int(value: Any) -> bool:
@@ -61,6 +63,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the output text is cut where one starts
     ignore_eos: bool = False  # don't stop on the model's EOS ids
     logprobs: bool = False  # report log_softmax(raw logits) at each chosen token
+    top_logprobs: int = 0  # with logprobs: also the N most likely ids of each position
+    # None: off. N >= 0: the log-probability of every prompt token given the tokens before
+    # it (None for the first), plus the N most likely ids at each prompt position.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
@@ -88,6 +94,13 @@ class SamplingParams:
         require(not bad_stops, "stop", self.stop, "must be non-empty strings")
         require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
         require(isinstance(self.logprobs, bool), "logprobs", self.logprobs, "must be a bool")
+        require(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+                self.top_logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        require(self.top_logprobs == 0 or self.logprobs, "top_logprobs", self.top_logprobs,
+                "needs logprobs=True")
+        require(self.prompt_logprobs is None
+                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+                "prompt_logprobs", self.prompt_logprobs, f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -132,13 +145,18 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+TopLogprobs = list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
 @dataclass(frozen=True)
 class SampleOutput:
     """One step's choices: `token_ids[i]` for row i; `logprobs[i]` is the raw-model
-    log-probability of that token when row i asked for logprobs, else None."""
+    log-probability of that token when row i asked for logprobs, else None;
+    `top_logprobs[i]` the row's `top_logprobs` most likely ids (empty when it asked none)."""
 
     token_ids: list[int]
     logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs]
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -185,6 +203,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             tokens[i] = _sample_row(work[i], p, gens[i])
 
     logprobs: list[float | None] = [None] * rows
+    top: list[TopLogprobs] = [[] for _ in range(rows)]
     logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
     if logprob_rows:
         index = torch.tensor(logprob_rows, device=logits.device)
@@ -192,7 +211,18 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         chosen = raw.gather(1, tokens.index_select(0, index.to(tokens.device)).unsqueeze(1)).squeeze(1)
         for i, value in zip(logprob_rows, chosen.tolist()):
             logprobs[i] = value
-    return SampleOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+        alternatives = max(params[i].top_logprobs for i in logprob_rows)
+        if alternatives:
+            for i, row_top in zip(logprob_rows, most_likely(raw, alternatives)):
+                top[i] = row_top[:params[i].top_logprobs]
+    return SampleOutput(token_ids=tokens.tolist(), logprobs=logprobs, top_logprobs=top)
+
+
+def most_likely(logprobs: torch.Tensor, count: int) -> list[TopLogprobs]:
+    """The `count` most likely (id, log-probability) pairs of each row of `logprobs` [R, V],
+    most likely first (the order of exactly equal values is torch.topk's)."""
+    values, ids = torch.topk(logprobs, min(count, logprobs.shape[-1]), dim=-1)
+    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
 
 
 def _sample_row(scores: torch.Tensor, params: SamplingParams,

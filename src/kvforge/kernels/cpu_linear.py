@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kernels.build import DEFAULT_FLAG_SETS, DISABLE_ENV, CppKernel, kernels_disabled
+from kvforge.step_timing import current_timer
 
 __all__ = ["DISABLE_ENV", "MAX_ROWS", "linear", "small_m_linear_available"]
 
@@ -46,7 +47,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Eligible: CPU float32 x with at most MAX_ROWS rows once leading dims are flattened, a
     contiguous 2-D float32 CPU weight (nn.Linear layout [N, K]), a float32 CPU bias or none,
     no autograd needed (the op has no backward), the kernel built and not disabled.
+    Counted as "linear" by a recording step timer (kvforge.step_timing).
     """
+    timer = current_timer()
+    if timer is not None:
+        return timer.measure("linear", _linear, x, weight, bias)
+    return _linear(x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if _eligible(x, weight, bias):
         k = weight.shape[1]
         rows = x.reshape(-1, k)

@@ -1,0 +1,134 @@
+"""`POST /v1/chat/completions`: messages rendered with the model's chat template, streaming
+or not, logprobs with `top_logprobs` alternatives.
+
+A message's `content` is a string or an array of parts; text parts are joined with a
+newline (as vLLM does), any other kind of part is refused with the parameter named.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from kvforge.models.tokenizer import encode_prompt, has_chat_template
+from kvforge.serve.logprobs import chat_logprobs
+from kvforge.serve.protocol import ChatCompletionRequest, ChatMessage, bad_request
+from kvforge.serve.served_model import ServedModel, sampling_params
+from kvforge.serve.streams import DONE, last_items, merge, sse, unless_disconnected
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatHandler:
+    def __init__(self, served: ServedModel) -> None:
+        self.served = served
+
+    async def create(self, body: ChatCompletionRequest, raw: Request) -> Any:
+        served = self.served
+        served.check_name(body.model)
+        served.check_available()
+        prompt, params = self._inputs(body)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = served.engine.generate(prompt, params, request_id, time.perf_counter())
+        head = {"id": request_id, "created": int(time.time()), "model": served.name}
+        ids = bool(body.return_token_ids)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._events(head, prompt, stream, params, usage, ids),
+                                     media_type="text/event-stream")
+        (out,) = await unless_disconnected(raw, last_items([stream]))
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                                  "logprobs": self._logprobs(out.token_ids, out, params),
+                                  "finish_reason": out.finish_reason}
+        if ids:
+            choice["prompt_token_ids"] = prompt
+            choice["token_ids"] = out.token_ids
+        return JSONResponse({**head, "object": "chat.completion", "choices": [choice],
+                             "usage": _usage(prompt, out)})
+
+    # -- request -> engine inputs -----------------------------------------------------
+    def _inputs(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        served = self.served
+        if body.tools:
+            raise bad_request("tools", f"{len(body.tools)} tools", "tool calling is not supported by kvforge")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise bad_request("response_format", body.response_format, "only {'type': 'text'} is supported")
+        if not has_chat_template(served.tokenizer):
+            raise bad_request("messages", "...", f"{served.name} has no chat template: use /v1/completions")
+        top = body.top_logprobs or 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad_request("top_logprobs", top, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if top and not body.logprobs:
+            raise bad_request("top_logprobs", top, "needs logprobs=true")
+        prompt = encode_prompt(served.tokenizer, _messages(body.messages), chat=True)
+        served.check_prompt(prompt, "messages")
+        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = sampling_params(body, served.max_tokens(requested, len(prompt), name),
+                                 logprobs=bool(body.logprobs), top_logprobs=top)
+        return prompt, params
+
+    # -- engine outputs -> response ---------------------------------------------------
+    def _logprobs(self, token_ids: list[int], out: RequestOutput, params: SamplingParams) -> dict[str, Any] | None:
+        if not params.logprobs:
+            return None
+        count = len(token_ids)
+        tops = (out.top_logprobs or [])[-count:] if count else []
+        return chat_logprobs(self.served.token_text, token_ids, (out.logprobs or [])[-count:] if count else [],
+                             tops or None)
+
+    async def _events(self, head: dict[str, Any], prompt: list[int], stream: AsyncIterator[RequestOutput],
+                      params: SamplingParams, include_usage: bool, ids: bool) -> AsyncIterator[str]:
+        chunk_head = {**head, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if include_usage else {}
+        first: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}
+        if ids:
+            first["prompt_token_ids"] = prompt
+        yield sse({**chunk_head, "choices": [first], **extra})
+        last: RequestOutput | None = None
+        async for _, out in merge([stream]):
+            last = out
+            choice: dict[str, Any] = {
+                "index": 0, "delta": {"content": out.new_text} if out.new_text else {},
+                "logprobs": self._logprobs(out.new_token_ids, out, params),
+                "finish_reason": out.finish_reason if out.finished else None}
+            if ids:
+                choice["token_ids"] = out.new_token_ids
+            yield sse({**chunk_head, "choices": [choice], **extra})
+        if include_usage and last is not None:
+            yield sse({**chunk_head, "choices": [], "usage": _usage(prompt, last)})
+        yield DONE
+
+
+def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages with their content as one string, checked field by field."""
+    if not messages:
+        raise bad_request("messages", [], "must hold at least one message")
+    out = []
+    for index, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise bad_request(f"messages[{index}].role", message.role, f"must be one of {list(ROLES)}")
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part_index, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{index}].content[{part_index}]", part.get("type"),
+                                      "only text parts ({'type': 'text', 'text': ...}) are supported")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        out.append({"role": message.role, "content": content or ""})
+    return out
+
+
+def _usage(prompt: list[int], out: RequestOutput) -> dict[str, int]:
+    completion = len(out.token_ids)
+    return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}

@@ -1,0 +1,100 @@
+"""What the handlers share: the model's name and limits, its tokenizer, the engine, and the
+checks and conversions every endpoint makes (model name, sampling fields, prompt limits).
+
+Every check here raises `APIError` naming the parameter, the value and the rule, before the
+request reaches the engine, so a bad request never touches the requests in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from kvforge.engine.async_engine import AsyncEngine
+from kvforge.engine.sampling import SamplingParams
+from kvforge.errors import ConfigError
+from kvforge.serve.protocol import APIError, _GenerationFields, bad_request
+
+
+@dataclass
+class ServedModel:
+    name: str
+    engine: AsyncEngine
+    tokenizer: Any
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def card(self) -> dict[str, Any]:
+        """The /v1/models entry."""
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "kvforge",
+                "max_model_len": self.max_model_len}
+
+    def check_available(self) -> None:
+        if not self.engine.accepting:
+            raise APIError(503, "the server is shutting down", error_type="service_unavailable")
+
+    def check_name(self, requested: str | None) -> None:
+        if requested is not None and requested != self.name:
+            raise APIError(404, f"The model {requested!r} does not exist: this server serves {self.name!r}",
+                           param="model", code="model_not_found")
+
+    def _token_text(self, token_id: int) -> str:
+        """The text of one token alone (as logprobs report tokens)."""
+        return self.tokenizer.decode([token_id])
+
+    # -- prompts ----------------------------------------------------------------------
+    def check_prompt(self, prompt: Sequence[int], param: str) -> None:
+        """The engine's own limits (context, KV budget, vocabulary) as a 400 on `param`."""
+        try:
+            self.engine.engine.validate_prompt(prompt)
+        except ConfigError as exc:
+            raise APIError(400, f"{param}: {exc}", param=param) from exc
+
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
+        """`requested` checked against the context left after the prompt (None: all of it),
+        as vLLM does: prompt + max_tokens must fit max_model_len."""
+        room = self.max_model_len - prompt_len
+        if requested is None:
+            return room
+        if requested < 1:
+            raise bad_request(param, requested, "must be an integer >= 1")
+        if requested > room:
+            raise bad_request(param, requested,
+                              f"must be <= {room}: the prompt has {prompt_len} tokens and the model's context "
+                              f"is {self.max_model_len} tokens")
+        return requested
+
+
+def sampling_params(body: _GenerationFields, max_tokens: int, **logprob_fields: Any) -> SamplingParams:
+    """The engine's SamplingParams from the fields both endpoints share. Fields OpenAI
+    defines that kvforge does not implement must keep their neutral value."""
+    if body.n not in (None, 1):
+        raise bad_request("n", body.n, "only n=1 is supported (send the request n times)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value not in (None, 0):
+            raise bad_request(name, value, "is not supported by kvforge: must be 0 or omitted")
+    if body.logit_bias:
+        raise bad_request("logit_bias", body.logit_bias, "is not supported by kvforge: must be empty or omitted")
+    top_k = body.top_k or 0
+    if top_k < -1:
+        raise bad_request("top_k", top_k, "must be >= 1, or 0 or -1 to disable top-k")
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=body.min_tokens or 0,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=max(top_k, 0), top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+            stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
+            **logprob_fields)
+    except ConfigError as exc:
+        raise bad_request(exc.parameter, exc.value, exc.rule) from exc

@@ -1,0 +1,97 @@
+"""`kvforge serve`: the OpenAI-compatible server on uvicorn.
+
+Everything that can be checked before the model loads is checked first (host, port free,
+engine options, cache spec). Binds 127.0.0.1:8000 by default; a non-loopback host without
+an API key gets a warning. SIGTERM / SIGINT: stop accepting, abort the requests in flight
+(their streams end with finish_reason "abort"), exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+
+from kvforge.errors import ConfigError, require
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+API_KEY_ENV = "KVFORGE_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Options of `serve` beyond the model, engine and sampling ones `generate` has."""
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind ({DEFAULT_HOST}: this machine only)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port ({DEFAULT_PORT})")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV} if set)")
+    parser.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once (256)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context limit of a request (default: the model's)")
+    parser.add_argument("--admission", choices=("optimistic", "reserve"), default="optimistic",
+                        help="optimistic (admit when the next chunk fits, preempt later) or reserve (admit when "
+                             "prompt + max_tokens of every running request fit; no preemption)")
+    parser.add_argument("--step-timing", action="store_true",
+                        help="time each engine step by part (linear, attention, sampling, other) in /metrics")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="uvicorn log level (info)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_port_free(host: str, port: int) -> None:
+    require(0 < port < 65536, "port", port, "must be in [1, 65535]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError("port", port, f"cannot bind {host}:{port} ({exc.strerror}); choose a free --port") from exc
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from kvforge.serve.app import create_app
+        from kvforge.serve.graceful import GracefulServer
+        from kvforge.serve.metrics import ServerMetrics
+    except ImportError as exc:
+        raise ConfigError("serve", exc.name, "needs the serve extra: pip install 'kvforge[serve]'") from exc
+    from kvforge.engine.async_engine import AsyncEngine
+    from kvforge.engine.llm import LLM
+    from kvforge.serve.served_model import ServedModel
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    require(args.max_num_seqs >= 1, "max_num_seqs", args.max_num_seqs, "must be >= 1")
+    check_port_free(args.host, args.port)
+    if not is_loopback(args.host) and api_key is None:
+        print(f"kvforge serve: warning: {args.host} is reachable from other machines and no --api-key is set: "
+              "anyone who can reach it can use the model", file=sys.stderr)
+    llm = LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt,
+              dtype=args.dtype, kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, admission=args.admission,
+              step_timing=args.step_timing)
+    name = args.served_model_name or args.model
+    metrics = ServerMetrics(name)
+    engine = AsyncEngine(llm.engine, metrics.observe_step)
+    app = create_app(ServedModel(name, engine, llm.tokenizer), metrics, api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    print(f"kvforge serve: {name} ({llm.cache_spec}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    GracefulServer(config, engine).run()
+    return 0

@@ -3,7 +3,10 @@
 Off unless an engine turns it on (`EngineConfig(step_timing=True)`): the hot paths then
 pay one thread-local read per call. While a `StepTimer` is recording on a thread, the
 linear-layer helper (`kernels.cpu_linear.linear`) and the cache calls of the model
-(`write`, `attend`, `attend_rows`, through `TimedCache`) add their wall time to it.
+(`write`, `attend`, `attend_rows`, through `TimedCache`) add their wall time to the step
+being timed. Each finished step is filed under its kind: "decode" (every sequence adds
+one generated token) or "prefill" (the step computes prompt tokens, possibly beside
+decode tokens), since the two are bounded by different things.
 
 On CUDA every measured call synchronises the device first and last, so the figures are
 the device's time, at the price of those synchronisations (use it to study, not to serve
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 PARTS = ("linear", "attention", "sampling")
+STEP_KINDS = ("decode", "prefill")
 
 _local = threading.local()
 
@@ -28,25 +32,42 @@ _local = threading.local()
 class StepTimer:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
-        self.seconds: dict[str, float] = {part: 0.0 for part in PARTS}
-        self.seconds["step"] = 0.0  # whole engine steps (the parts above are inside them)
-        self.steps = 0
+        # kind -> part -> seconds; "step" is the whole step, the other parts lie inside it
+        self.seconds: dict[str, dict[str, float]] = {kind: dict.fromkeys((*PARTS, "step"), 0.0)
+                                                     for kind in STEP_KINDS}
+        self.steps: dict[str, int] = dict.fromkeys(STEP_KINDS, 0)
+        self._current: dict[str, float] = {}
 
     def measure(self, part: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `fn` and add its wall time to `part` of the step being timed."""
         if self.synchronize is not None:
             self.synchronize()
         start = time.perf_counter()
         out = fn(*args, **kwargs)
         if self.synchronize is not None:
             self.synchronize()
-        self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - start
+        self._current[part] = self._current.get(part, 0.0) + time.perf_counter() - start
         return out
 
-    def split(self) -> dict[str, float]:
-        """Seconds per part, with "other" = step time not in any part (embedding, norms,
-        RoPE, scheduling, batch building, detokenising, Python overhead)."""
-        parts = {part: self.seconds.get(part, 0.0) for part in PARTS}
-        parts["other"] = max(0.0, self.seconds["step"] - sum(parts.values()))
+    def time_step(self, fn: Callable[[], Any], kind_of: Callable[[], str]) -> Any:
+        """Run one step under this timer; file it under `kind_of()` (asked after it ran)."""
+        self._current = {}
+        with recording(self):
+            out = self.measure("step", fn)
+        kind = kind_of()
+        totals = self.seconds[kind]
+        for part, seconds in self._current.items():
+            totals[part] = totals.get(part, 0.0) + seconds
+        self.steps[kind] += 1
+        return out
+
+    def split(self, kind: str | None = None) -> dict[str, float]:
+        """Seconds per part of the steps of `kind` (None: all), with "other" = step time in
+        no part (embedding, norms, RoPE, scheduling, batch building, detokenising, Python)."""
+        kinds = STEP_KINDS if kind is None else (kind,)
+        parts = {part: sum(self.seconds[k][part] for k in kinds) for part in PARTS}
+        step = sum(self.seconds[k]["step"] for k in kinds)
+        parts["other"] = max(0.0, step - sum(parts.values()))
         return parts
 
 

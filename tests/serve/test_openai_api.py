@@ -197,7 +197,10 @@ def test_health_and_metrics_parse(client, server):
     assert samples["kvforge_kv_cache_bytes_capacity{tier=fast}"] == server.llm_engine.cache.memory_capacity()["fast"]
     assert samples["kvforge_kv_cache_bytes_used{tier=fast}"] == 0  # nothing in flight
     assert samples["kvforge_num_requests_running"] == 0
-    parts = {p: samples[f"kvforge_engine_step_part_seconds_total{{part={p}}}"]
-             for p in ("linear", "attention", "sampling", "other")}
+    parts = {(k, p): samples[f"kvforge_engine_step_part_seconds_total{{kind={k},part={p}}}"]
+             for k in ("decode", "prefill") for p in ("linear", "attention", "sampling", "other")}
     assert all(v > 0 for v in parts.values())
     assert sum(parts.values()) == pytest.approx(samples["kvforge_engine_step_seconds_total"], rel=0.2)
+    timed = sum(samples[f"kvforge_engine_timed_steps_total{{kind={k}}}"] for k in ("decode", "prefill"))
+    assert timed == samples["kvforge_engine_steps_total"]
+    assert samples["kvforge_engine_timed_steps_total{kind=decode}"] >= 2  # 3 tokens: 1 from prefill, 2 decode

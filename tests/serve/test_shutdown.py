@@ -23,7 +23,7 @@ from kvforge.serve.server import is_loopback
 def test_signal_aborts_streams_in_flight_and_exits_zero(sig):
     port = free_port()
     here = Path(__file__).parent
-    process = subprocess.Popen([sys.executable, str(here / "tiny_server_main.py"), str(port)], cwd=here,
+    process = subprocess.Popen([sys.executable, str(here / "tiny_server_main.py"), str(port)], cwd=here.parent,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

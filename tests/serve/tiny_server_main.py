@@ -1,12 +1,15 @@
-"""`python tiny_server_main.py PORT`: the tiny model served by kvforge's GracefulServer in the
+"""`python serve/tiny_server_main.py PORT` (run from tests/): the tiny model served by kvforge's GracefulServer in the
 main thread, as `kvforge serve` runs it (signals included)."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import uvicorn
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: server_helpers
 from server_helpers import MODEL_NAME, char_tokenizer, make_engine, tiny_model
 
 from kvforge.engine.async_engine import AsyncEngine

@@ -1,4 +1,4 @@
-"""Arguments of `kvforge bench <prefill|decode|throughput>` and their dispatch.
+"""Arguments of `kvforge bench <prefill|decode|throughput|serve>` and their dispatch.
 
 Kept free of heavy imports: a benchmark module is imported only when it runs.
 """
@@ -78,7 +78,44 @@ def add_bench_parser(verbs: Any) -> argparse.ArgumentParser:
                                  "running request fit the budget; no preemption)")
     throughput.add_argument("--hf-batch", type=_count(1), default=None,
                             help="transformers static batch size (default min(num_requests, 16))")
+    _add_serve(kinds)
     return bench
+
+
+def _add_serve(kinds: Any) -> None:
+    serve = kinds.add_parser("serve", help="TTFT/TPOT/ITL and throughput of servers under Poisson arrivals")
+    serve.add_argument("--model", default="smollm2-135m",
+                       help="model the started servers load; its tokenizer cuts the prompts (smollm2-135m)")
+    serve.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    serve.add_argument("--threads", type=_count(1), default=2, help="torch CPU threads of each server (2)")
+    serve.add_argument("--cache", default="full", help="cache method of the server under test")
+    serve.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
+                       help="option of the cache under test (repeatable)")
+    serve.add_argument("--kv-budget", default="4GiB", help="KV-cache budget of each started server (4GiB)")
+    serve.add_argument("--swiftkv", default=None, metavar="DIR", help="SwiftKV checkpoint laid over --model")
+    serve.add_argument("--compare", action="append", default=[], metavar="X[,Y...]",
+                       help="also measure: base (with --swiftkv: the base model) or cache specs, each a server")
+    serve.add_argument("--base-url", default=None,
+                       help="measure the OpenAI-compatible server at this URL as the system under test "
+                            "(vLLM, llama.cpp's server, ...) instead of starting one")
+    serve.add_argument("--served-model-name", default=None, help="model name for --base-url (default: its first)")
+    serve.add_argument("--api-key", default=None, help="bearer key for --base-url")
+    serve.add_argument("--request-rate", default="1,inf",
+                       help="comma-separated requests/s, Poisson arrivals; inf sends all at once (1,inf)")
+    serve.add_argument("--num-prompts", type=_count(1), default=16, help="requests per rate (16)")
+    serve.add_argument("--input-len", default="512", help="prompt tokens: N or A:B (512)")
+    serve.add_argument("--output-len", default="64", help="generated tokens: N or A:B (64)")
+    serve.add_argument("--prompt-format", choices=("token-ids", "text"), default="token-ids",
+                       help="send prompts as token ids (exact lengths) or as their text (token-ids)")
+    serve.add_argument("--text-file", default=None, help="text whose held-out part gives the prompts")
+    serve.add_argument("--slo", default=None, help="goodput bounds, e.g. ttft=2,tpot=100ms")
+    serve.add_argument("--max-num-batched-tokens", type=_count(1), default=2048, help="started servers (2048)")
+    serve.add_argument("--max-num-seqs", type=_count(1), default=256, help="started servers (256)")
+    serve.add_argument("--admission", choices=("optimistic", "reserve"), default="optimistic",
+                       help="admission policy of the started servers")
+    serve.add_argument("--request-timeout", type=float, default=1800.0, help="seconds before a request fails")
+    serve.add_argument("--seed", type=_count(0), default=0, help="seed of prompts, lengths and arrivals (0)")
+    serve.add_argument("--json", metavar="OUT", default=None, help="write JSON to OUT and a plot to OUT.png")
 
 
 def run_bench(args: argparse.Namespace) -> int:

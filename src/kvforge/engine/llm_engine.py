@@ -34,7 +34,7 @@ from kvforge.engine.sampling import (
 from kvforge.engine.scheduler import ScheduledChunk, Scheduler
 from kvforge.errors import ConfigError
 from kvforge.models.causal_lm import CausalLM
-from kvforge.step_timing import StepTimer, recording
+from kvforge.step_timing import StepTimer
 
 
 class LLMEngine:
@@ -62,6 +62,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.steps = 0
         self.step_timer = StepTimer(self.runner.device) if self.config.step_timing else None
+        self._last_step_kind = "prefill"  # of the latest step: every chunk past its prompt -> "decode"
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -126,13 +127,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, apply the stop rules; the outputs of every
         request that changed."""
-        timer = self.step_timer
-        if timer is None:
+        if self.step_timer is None:
             return self._step()
-        with recording(timer):
-            outputs = timer.measure("step", self._step)
-        timer.steps += 1
-        return outputs
+        return self.step_timer.time_step(self._step, lambda: self._last_step_kind)
 
     def _step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
@@ -144,6 +141,8 @@ class LLMEngine:
         if not scheduled.chunks:
             return list(outputs.values())
         self.steps += 1
+        decode = all(c.start >= c.request.num_prompt_tokens for c in scheduled.chunks)
+        self._last_step_kind = "decode" if decode else "prefill"
         items = [self._item(chunk) for chunk in scheduled.chunks]
         logits = self.runner.step(items)
         now = time.perf_counter()

@@ -54,10 +54,13 @@ class ServerMetrics:
         self.generation_tokens = counter("kvforge_generation_tokens", "Tokens generated").labels(**labels)
         self.finished = counter("kvforge_request_finished", "Requests finished, by finish reason", ["finished_reason"])
         self.steps = counter("kvforge_engine_steps", "Engine steps").labels(**labels)
+        self.timed_steps = counter("kvforge_engine_timed_steps", "Engine steps timed by part (with --step-timing), "
+                                   "by kind: decode (every sequence one generated token) or prefill", ["kind"])
         self.step_seconds = counter("kvforge_engine_step_seconds", "Wall seconds spent in engine steps"
                                     ).labels(**labels)
         self.step_part_seconds = counter("kvforge_engine_step_part_seconds",
-                                         "Seconds of engine steps by part (with --step-timing)", ["part"])
+                                         "Seconds of engine steps by kind and part (with --step-timing)",
+                                         ["kind", "part"])
         self.ttft = histogram("kvforge_time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS
                               ).labels(**labels)
         self.tpot = histogram("kvforge_time_per_output_token_seconds", "Mean time between a request's later tokens",
@@ -65,7 +68,7 @@ class ServerMetrics:
         self.e2e = histogram("kvforge_e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS
                              ).labels(**labels)
         self._preemptions_seen = 0
-        self._parts_seen: dict[str, float] = {}
+        self._seen: dict[tuple[str, str], float] = {}
 
     def observe_step(self, engine: LLMEngine, outputs: Sequence[RequestOutput], seconds: float | None) -> None:
         """Called by the engine thread after each round of commands and step (`seconds`
@@ -85,12 +88,20 @@ class ServerMetrics:
         if seconds is not None:
             self.steps.inc()
             self.step_seconds.inc(seconds)
-        if engine.step_timer is not None:
-            for part, total in engine.step_timer.split().items():
-                self.step_part_seconds.labels(part=part, **self._labels).inc(max(0.0, total - self._parts_seen.get(part, 0.0)))
-                self._parts_seen[part] = total
+        timer = engine.step_timer
+        if timer is not None:
+            for kind, count in timer.steps.items():
+                self._advance(self.timed_steps.labels(kind=kind, **self._labels), ("steps", kind), count)
+                for part, total in timer.split(kind).items():
+                    self._advance(self.step_part_seconds.labels(kind=kind, part=part, **self._labels),
+                                  (kind, part), total)
         for output in outputs:
             self._observe_output(output)
+
+    def _advance(self, counter: Counter, key: tuple[str, str], total: float) -> None:
+        """Bring a counter up to a cumulative `total` kept elsewhere."""
+        counter.inc(max(0.0, total - self._seen.get(key, 0.0)))
+        self._seen[key] = total
 
     def _observe_output(self, output: RequestOutput) -> None:
         self.generation_tokens.inc(len(output.new_token_ids))

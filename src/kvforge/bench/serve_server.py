@@ -1,0 +1,139 @@
+"""The servers `kvforge bench serve` measures: a `kvforge serve` process per system on a
+free loopback port (or a server the user already runs, by URL), and what their /metrics
+say during a run.
+
+A started server is stopped with SIGTERM (it aborts what is in flight and exits 0), then
+killed if it has not exited within 30 s. Its log goes to a temporary file that is shown
+when it fails to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvforge.errors import KVForgeError
+
+STARTUP_TIMEOUT_S = 600  # a first run may build the C++ kernels and convert a tokenizer
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    @classmethod
+    def start(cls, serve_args: list[str], label: str) -> ServerProcess:
+        """`kvforge serve SERVE_ARGS --host 127.0.0.1 --port <free>`, returned once /health is up."""
+        port = free_loopback_port()
+        log = tempfile.NamedTemporaryFile(prefix=f"kvforge-bench-serve-{port}-", suffix=".log", delete=False)
+        command = [sys.executable, "-m", "kvforge.cli", "serve", *serve_args, "--host", "127.0.0.1",
+                   "--port", str(port), "--log-level", "warning"]
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        server = cls(f"http://127.0.0.1:{port}", process, Path(log.name))
+        log.close()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise KVForgeError(f"the {label} server exited with code {process.returncode} before it was ready:\n"
+                                   + server.log_tail())
+            try:
+                if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                    return server
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                server.stop()
+                raise KVForgeError(f"the {label} server was not ready after {STARTUP_TIMEOUT_S} s:\n"
+                                   + server.log_tail())
+            time.sleep(0.25)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log_path.unlink(missing_ok=True)
+        return self.process.returncode
+
+
+def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """kvforge's serving metrics as flat keys ({} for a server without them):
+    running, waiting, preemptions, kv_used:<tier>, steps:<kind>, <kind>:<part>."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = httpx.get(f"{base_url}/metrics", timeout=10, headers=headers)
+    except httpx.HTTPError:
+        return {}
+    if response.status_code != 200:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "kvforge_num_requests_running":
+                out["running"] = sample.value
+            elif sample.name == "kvforge_num_requests_waiting":
+                out["waiting"] = sample.value
+            elif sample.name == "kvforge_num_preemptions_total":
+                out["preemptions"] = sample.value
+            elif sample.name == "kvforge_kv_cache_bytes_used":
+                out[f"kv_used:{labels['tier']}"] = sample.value
+            elif sample.name == "kvforge_engine_timed_steps_total":
+                out[f"steps:{labels['kind']}"] = sample.value
+            elif sample.name == "kvforge_engine_step_part_seconds_total":
+                out[f"{labels['kind']}:{labels['part']}"] = sample.value
+    return out
+
+
+@dataclass
+class ServerWatch:
+    """Polls a kvforge server's /metrics during a run: the most requests running at once,
+    their mean, and the most fast-tier KV bytes in use."""
+
+    base_url: str
+    interval_s: float = 1.0
+    headers: dict[str, str] | None = None
+    running: list[float] = field(default_factory=list)
+    kv_used_max: float = 0.0
+
+    async def watch(self) -> None:
+        while True:
+            sample = await asyncio.to_thread(scrape, self.base_url, self.headers)
+            if "running" in sample:
+                self.running.append(sample["running"])
+                self.kv_used_max = max(self.kv_used_max, sample.get("kv_used:fast", 0.0))
+            await asyncio.sleep(self.interval_s)
+
+    def summary(self) -> dict[str, float | None]:
+        if not self.running:
+            return {"server_running_max": None, "server_running_mean": None, "server_kv_bytes_max": None}
+        return {"server_running_max": max(self.running),
+                "server_running_mean": sum(self.running) / len(self.running),
+                "server_kv_bytes_max": self.kv_used_max}

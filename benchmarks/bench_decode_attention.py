@@ -15,7 +15,7 @@ import time
 import torch
 
 from kvforge.cache.attention import decode_attention
-from kvforge.kernels.cpu_paged_attention import cpu_kernels_available, paged_decode_attention_cpu
+from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
 
 
 def make_case(batch: int, context: int, kv_heads: int, heads: int, dim: int, block: int,

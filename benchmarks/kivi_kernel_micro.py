@@ -12,7 +12,7 @@ Lengths are `context + (37 b mod R)`, so the sequences hold residuals of differe
 
 The methods run in turn, call by call, so a load change on the shared machine hits all of
 them alike: the ratios kivi/full of one run are the figures to compare. `--baseline-source`
-also times another version of `cpu_kivi_attention.cpp` (e.g. `git show HEAD:...`), built
+also times another version of `cache/kivi/cpu_decode.cpp` (e.g. `git show HEAD:...`), built
 under a renamed operator namespace, for before/after numbers in the same run.
 
 On a machine shared with other work, run it with OMP_WAIT_POLICY=PASSIVE: OpenMP threads
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from kvforge.cache.kivi_attention import kivi_decode_attention
-from kvforge.cache.kivi_store import KIVILayerView
+from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
+from kvforge.cache.kivi.attention import kivi_decode_attention
+from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
+from kvforge.cache.kivi.store import KIVILayerView
 from kvforge.kernels.build import CppKernel
-from kvforge.kernels.cpu_kivi_attention import cpu_kivi_kernel_available, kivi_decode_attention_cpu
-from kvforge.kernels.cpu_paged_attention import cpu_kernels_available, paged_decode_attention_cpu
 
 FULL_BLOCK = 16  # FullCache's default block_size
 
@@ -79,7 +79,7 @@ def make_inputs(options: argparse.Namespace) -> dict:
 def baseline_op(path: Path) -> Callable:
     """The kernel of another version of the source, under the namespace kvforge_cpu_kivi_baseline."""
     text = re.sub(r"\bkvforge_cpu_kivi\b", "kvforge_cpu_kivi_baseline", path.read_text(encoding="utf-8"))
-    copy = Path(tempfile.mkdtemp()) / "cpu_kivi_attention_baseline.cpp"
+    copy = Path(tempfile.mkdtemp()) / "cpu_decode_baseline.cpp"
     copy.write_text(text, encoding="utf-8")
     kernel = CppKernel(name="kvforge_cpu_kivi_baseline", source=copy, namespace="kvforge_cpu_kivi_baseline",
                        op="kivi_decode_attention", what="baseline KIVI kernel", fallback="nothing")
@@ -156,7 +156,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--layers", type=int, default=16, help="layers per store (reads cycle through them)")
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--baseline-source", default=None, help="another cpu_kivi_attention.cpp to time too")
+    parser.add_argument("--baseline-source", default=None, help="another cache/kivi/cpu_decode.cpp to time too")
     options = parser.parse_args()
     assert cpu_kernels_available() and cpu_kivi_kernel_available(), "a CPU kernel did not build"
     torch.manual_seed(0)

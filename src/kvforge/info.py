@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kvforge.cache.full import STORAGE_DTYPES
+from kvforge.cache.full.method import STORAGE_DTYPES
 from kvforge.cache.registry import create_cache
 from kvforge.config import SLIDING_ATTENTION, ModelConfig
 from kvforge.errors import ConfigError

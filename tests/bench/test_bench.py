@@ -209,7 +209,7 @@ def test_every_cpu_kernel_is_built_before_the_first_system_runs(monkeypatch, cap
     compile): run_systems builds them all before measuring the peak or any system."""
     from types import SimpleNamespace
 
-    from kvforge.kernels import prebuild
+    from kvforge import prebuild
 
     events: list[str] = []
     monkeypatch.setattr(prebuild, "CPU_KERNELS", {"a": lambda: events.append("build a") or True,

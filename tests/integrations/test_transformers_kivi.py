@@ -1,5 +1,5 @@
 """kvforge.integrations.transformers.KIVICache on tiny random Llama models: it works inside
-`generate`, follows the residual rules, stores exactly what kvforge.cache.quant gives, and
+`generate`, follows the residual rules, stores exactly what kvforge.cache.kivi.quant gives, and
 with 8 bits stays close to transformers' DynamicCache."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from kvforge.cache.quant import dequantize, quantize
+from kvforge.cache.kivi.quant import dequantize, quantize
 from kvforge.errors import ConfigError
 from kvforge.integrations.transformers import KIVICache, KIVICacheConfig, KIVILayer
 

@@ -205,7 +205,7 @@ Runner = Callable[[BenchContext, System], dict[str, Any]]
 def run_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[str, Any]]:
     """Measure every system with the runner registered for its kind, freeing between systems."""
     from kvforge.bench.peak import measure_peak
-    from kvforge.kernels.prebuild import build_cpu_kernels
+    from kvforge.prebuild import build_cpu_kernels
 
     # Every kernel is built before the first timed region (a compile once cost 26 s of a
     # timed ShadowKV decode when --warmup 0 left nothing to build it earlier).

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,11 @@ def _entry(name: str) -> _Entry:
     return _METHODS[name]
 
 
+# One line per built-in method: its package registers it on import.
+BUILTIN_METHODS = ("kvforge.cache.full", "kvforge.cache.kivi", "kvforge.cache.shadowkv")
+
+
 def _import_builtin_methods() -> None:
-    # Imported here so each method module can import this registry without a cycle.
-    from kvforge.cache import full, kivi, shadowkv  # noqa: F401
+    # Imported here, not at the top, so each method can import this registry without a cycle.
+    for package in BUILTIN_METHODS:
+        importlib.import_module(package)

@@ -5,7 +5,7 @@
     model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
 
 The quantisation semantics are those of the engine's `kivi` cache method (KIVI, Liu et
-al. 2024), with the arithmetic of `kvforge.cache.quant` (fp16 zero = min, fp16 scale =
+al. 2024), with the arithmetic of `kvforge.cache.kivi.quant` (fp16 zero = min, fp16 scale =
 (max - min) / (2^bits - 1), round to nearest, codes bit-packed in bytes):
 - keys are quantised per channel over groups of `group` tokens. New keys accumulate in a
   full-precision residual; whenever it holds `residual` tokens or more, the oldest
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvforge.cache.quant import SUPPORTED_BITS, QuantizedGroups, dequantize, quantize
+from kvforge.cache.kivi.quant import SUPPORTED_BITS, QuantizedGroups, dequantize, quantize
 from kvforge.errors import ConfigError, require
 
 

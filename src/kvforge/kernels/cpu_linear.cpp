@@ -9,7 +9,7 @@
 // K steps of all the groups. Tiles are split over threads with at::parallel_for.
 //
 // Registers `torch.ops.kvforge_cpu_linear.small_m_linear` through TORCH_LIBRARY (no
-// pybind11/Python headers, like cpu_paged_attention.cpp).
+// pybind11/Python headers, like cache/full/cpu_decode.cpp).
 //
 // INVARIANT (M-invariance): every output y[m, n] is computed by exactly the same sequence of
 // floating point operations whatever M is, whichever other rows x holds, where row m sits in

@@ -1,0 +1,33 @@
+"""Options of the `full` cache method (`--cache full:key=value,...`), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.errors import require
+
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODE_KERNELS = ("auto", "torch")
+
+
+@dataclass(frozen=True)
+class FullCacheConfig:
+    # None stores K/V in the model's compute dtype.
+    storage_dtype: str | None = None
+    block_size: int = 16
+    # Stored tokens read per tile by batched decode attention (bounds temporaries).
+    decode_tile_tokens: int = 1024
+    # Batched decode attention: "auto" uses the compiled CPU kernel for CPU tensors when it
+    # builds (kvforge.kernels), else the PyTorch `decode_attention`; "torch" always the latter.
+    decode_kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        require(self.storage_dtype is None or self.storage_dtype in STORAGE_DTYPES, "storage_dtype",
+                self.storage_dtype, f"must be one of {sorted(STORAGE_DTYPES)}")
+        require(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
+        require(self.decode_tile_tokens >= self.block_size, "decode_tile_tokens", self.decode_tile_tokens,
+                "must be >= block_size")
+        require(self.decode_kernel in DECODE_KERNELS, "decode_kernel", self.decode_kernel,
+                f"must be one of {list(DECODE_KERNELS)}")

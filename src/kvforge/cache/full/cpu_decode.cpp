@@ -1,0 +1,584 @@
+// C++ source of the CPU paged decode attention kernel (see cpu_decode.py).
+//
+// Shipped as package data (pyproject: tool.setuptools.package-data). The source includes
+// only ATen/c10 core headers and registers
+// the operator `torch.ops.kvforge_cpu.paged_decode_attention` through TORCH_LIBRARY, so no
+// pybind11/Python headers are compiled (a faster first build).
+//
+// Invariants the kernel relies on (checked on entry, mostly made true by the Python wrapper):
+// - q, k_self, v_self are contiguous float32 [B, heads, D] / [B, kv_heads, D];
+// - k_pages/v_pages are [kv_heads, num_pages, block, D] of one dtype in {f32, bf16, f16},
+//   any strides for the first three dims but unit stride along D (a `store[layer]` view);
+// - page_table [B, P] and the three position vectors [B] are contiguous int64;
+// - heads is a multiple of kv_heads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// Stored rows handled per softmax update: one rescale of the accumulators per tile, and a
+// tile's scores and (for 16-bit storage) widened rows stay in L1/L2.
+constexpr int64_t kTile = 64;
+// A work unit (one slice of one (sequence, kv head) pair) covers at least this many rows,
+// so loading its queries and merging its partial state stay cheap.
+constexpr int64_t kMinUnitRows = 256;
+
+// ---- vectors --------------------------------------------------------------------------
+// A tiny SIMD abstraction so the kernel is written once. `NativeVec` uses the widest ISA
+// the compiler targets (-march=native); `ArrayVec<N>` is plain C++ that compilers
+// auto-vectorise (NEON, SSE) and, with N = 1, serves head dims of any size.
+template <int N>
+struct ArrayVec {
+  static constexpr int64_t kLanes = N;
+  float v[N];
+  static ArrayVec zero() { return broadcast(0.f); }
+  static ArrayVec broadcast(float x) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = x;
+    return r;
+  }
+  template <typename T>
+  static ArrayVec load(const T* p) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  void store(float* p) const {
+    for (int i = 0; i < N; ++i) p[i] = v[i];
+  }
+  static ArrayVec fmadd(const ArrayVec& a, const ArrayVec& b, const ArrayVec& c) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
+    return r;
+  }
+  static ArrayVec add(const ArrayVec& a, const ArrayVec& b) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] + b.v[i];
+    return r;
+  }
+  float sum() const {
+    float s = 0.f;
+    for (int i = 0; i < N; ++i) s += v[i];
+    return s;
+  }
+  // out[0..3] = sums of a, b, c, d.
+  static void sum4(const ArrayVec& a, const ArrayVec& b, const ArrayVec& c, const ArrayVec& d, float* out) {
+    out[0] = a.sum();
+    out[1] = b.sum();
+    out[2] = c.sum();
+    out[3] = d.sum();
+  }
+};
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+// Four horizontal sums at once: a tree of horizontal adds gives [a, b, c, d] per 128-bit
+// half, about three instructions per sum instead of seven.
+inline void sum4_avx(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+#endif
+
+#if defined(__AVX512F__)
+struct NativeVec {
+  static constexpr int64_t kLanes = 16;
+  __m512 v;
+  static NativeVec zero() { return {_mm512_setzero_ps()}; }
+  static NativeVec broadcast(float x) { return {_mm512_set1_ps(x)}; }
+  static NativeVec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static NativeVec load(const c10::BFloat16* p) {
+    // bf16 is the top half of a float32: widen to 32 bits and shift.
+    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+  }
+  static NativeVec load(const c10::Half* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static NativeVec fmadd(NativeVec a, NativeVec b, NativeVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static NativeVec add(NativeVec a, NativeVec b) { return {_mm512_add_ps(a.v, b.v)}; }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+  static __m256 fold(__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  }
+  static void sum4(NativeVec a, NativeVec b, NativeVec c, NativeVec d, float* out) {
+    sum4_avx(fold(a.v), fold(b.v), fold(c.v), fold(d.v), out);
+  }
+};
+#define KVFORGE_NATIVE_VEC 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct NativeVec {
+  static constexpr int64_t kLanes = 8;
+  __m256 v;
+  static NativeVec zero() { return {_mm256_setzero_ps()}; }
+  static NativeVec broadcast(float x) { return {_mm256_set1_ps(x)}; }
+  static NativeVec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static NativeVec load(const c10::BFloat16* p) {
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
+  }
+  static NativeVec load(const c10::Half* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  static NativeVec fmadd(NativeVec a, NativeVec b, NativeVec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static NativeVec add(NativeVec a, NativeVec b) { return {_mm256_add_ps(a.v, b.v)}; }
+  float sum() const {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+  }
+  static void sum4(NativeVec a, NativeVec b, NativeVec c, NativeVec d, float* out) {
+    sum4_avx(a.v, b.v, c.v, d.v, out);
+  }
+};
+#define KVFORGE_NATIVE_VEC 1
+#endif
+
+// Dot product of two float rows; dim is a multiple of V::kLanes. Four accumulators hide
+// the FMA latency.
+template <typename V>
+inline float dot(const float* a, const float* b, int64_t dim) {
+  constexpr int64_t L = V::kLanes;
+  V s0 = V::zero(), s1 = V::zero(), s2 = V::zero(), s3 = V::zero();
+  int64_t d = 0;
+  for (; d + 4 * L <= dim; d += 4 * L) {
+    s0 = V::fmadd(V::load(a + d), V::load(b + d), s0);
+    s1 = V::fmadd(V::load(a + d + L), V::load(b + d + L), s1);
+    s2 = V::fmadd(V::load(a + d + 2 * L), V::load(b + d + 2 * L), s2);
+    s3 = V::fmadd(V::load(a + d + 3 * L), V::load(b + d + 3 * L), s3);
+  }
+  for (; d < dim; d += L) s0 = V::fmadd(V::load(a + d), V::load(b + d), s0);
+  return V::add(V::add(s0, s1), V::add(s2, s3)).sum();
+}
+
+// out[i] = q . rows[i] for four rows: the query vector is loaded once for the four, and the
+// four horizontal sums are done together.
+template <typename V>
+inline void dot4(const float* q, const float* const* rows, int64_t dim, float* out) {
+  constexpr int64_t L = V::kLanes;
+  V s0 = V::zero(), s1 = V::zero(), s2 = V::zero(), s3 = V::zero();
+  for (int64_t d = 0; d < dim; d += L) {
+    const V x = V::load(q + d);
+    s0 = V::fmadd(x, V::load(rows[0] + d), s0);
+    s1 = V::fmadd(x, V::load(rows[1] + d), s1);
+    s2 = V::fmadd(x, V::load(rows[2] + d), s2);
+    s3 = V::fmadd(x, V::load(rows[3] + d), s3);
+  }
+  V::sum4(s0, s1, s2, s3, out);
+}
+
+// acc[:dim] += sum_t weights[t] * rows[t][:dim]. The accumulator stays in registers across
+// the rows (blocks of four vectors: independent FMA chains).
+template <typename V>
+inline void accumulate(float* acc, const float* weights, const float* const* rows, int64_t n,
+                       int64_t dim) {
+  constexpr int64_t L = V::kLanes;
+  int64_t d = 0;
+  for (; d + 4 * L <= dim; d += 4 * L) {
+    V a0 = V::load(acc + d), a1 = V::load(acc + d + L);
+    V a2 = V::load(acc + d + 2 * L), a3 = V::load(acc + d + 3 * L);
+    for (int64_t t = 0; t < n; ++t) {
+      const V w = V::broadcast(weights[t]);
+      const float* r = rows[t] + d;
+      a0 = V::fmadd(w, V::load(r), a0);
+      a1 = V::fmadd(w, V::load(r + L), a1);
+      a2 = V::fmadd(w, V::load(r + 2 * L), a2);
+      a3 = V::fmadd(w, V::load(r + 3 * L), a3);
+    }
+    a0.store(acc + d);
+    a1.store(acc + d + L);
+    a2.store(acc + d + 2 * L);
+    a3.store(acc + d + 3 * L);
+  }
+  for (; d < dim; d += L) {
+    V a = V::load(acc + d);
+    for (int64_t t = 0; t < n; ++t) a = V::fmadd(V::broadcast(weights[t]), V::load(rows[t] + d), a);
+    a.store(acc + d);
+  }
+}
+
+// exp(x) for x <= 0 (scores minus their running max), in place: Cephes-style range
+// reduction x = k ln2 + r and a degree-7 polynomial, within ~1e-7 relative. Written so that
+// the loop vectorises without -ffast-math: k is rounded with the 1.5 * 2^23 trick (the sum's
+// low mantissa bits hold k), since floor() and float-to-int conversions block GCC's
+// vectoriser under default trapping-math. Inputs below -87 give ~1e-38, far below what a
+// softmax whose largest term is 1 can resolve.
+inline void exp_nonpositive(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float v = x[i];
+    v = v < -87.0f ? -87.0f : v;
+    const float shifted = v * 1.44269504088896341f + 12582912.0f;
+    const float k = shifted - 12582912.0f;
+    int32_t k_bits;
+    std::memcpy(&k_bits, &shifted, sizeof(k_bits));
+    const float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (k_bits - 0x4B400000 + 127) << 23;  // 2^k as a float
+    float two_k;
+    std::memcpy(&two_k, &bits, sizeof(two_k));
+    x[i] = p * two_k;
+  }
+}
+
+inline float max_of(const float* x, int64_t n) {
+  float top = x[0];
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 1; i < n; ++i) top = top > x[i] ? top : x[i];
+  return top;
+}
+
+inline float sum_of(const float* x, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i];
+  return sum;
+}
+
+// Rows as float pointers: float32 rows are read in place, 16-bit rows are widened once per
+// tile into `buffer` so the inner loops (run `group` times per row) stay pure float.
+template <typename V, typename scalar_t>
+inline void tile_rows(const scalar_t* const* src, int64_t n, int64_t dim, float* buffer,
+                      const float** rows) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    for (int64_t t = 0; t < n; ++t) rows[t] = src[t];
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      float* out = buffer + t * dim;
+      for (int64_t d = 0; d < dim; d += V::kLanes) V::load(src[t] + d).store(out + d);
+      rows[t] = out;
+    }
+  }
+}
+
+// A slice [col_begin, col_end) of the flattened page-table row of one sequence, for one kv
+// head. with_self: this unit also accounts for the step's own token (exactly one unit of
+// each pair does, so the pair's softmax counts it once).
+struct Unit {
+  int64_t pair;  // b * kv_heads + kv_head
+  int64_t col_begin;
+  int64_t col_end;
+  bool with_self;
+};
+
+struct PageGeometry {
+  int64_t num_pages, block, stride_head, stride_page, stride_row;
+};
+
+struct Problem {
+  int64_t kv_heads, group, dim, table_width;
+  float scale;
+  const float *q, *k_self, *v_self;
+  const int64_t* page_table;
+  PageGeometry kg, vg;
+};
+
+// Streaming softmax of one unit. Writes the unnormalised partial state: running max m[g],
+// sum l[g] and accumulator acc[g][:] for the `group` queries sharing the kv head. Every K
+// and V row of the slice is loaded from storage exactly once and used by all of them.
+template <typename V, typename scalar_t>
+void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const scalar_t* v_pages,
+              float* m, float* l, float* acc, std::vector<float>& scratch) {
+  const int64_t group = p.group, dim = p.dim, block = p.kg.block;
+  const int64_t b = unit.pair / p.kv_heads;
+  const int64_t h = unit.pair % p.kv_heads;
+  // scratch: scaled queries [group, dim], scores [group, kTile], widened K and V tiles.
+  scratch.resize(group * dim + group * kTile + 2 * kTile * dim);
+  float* qs = scratch.data();
+  float* scores = qs + group * dim;
+  float* k_buffer = scores + group * kTile;
+  float* v_buffer = k_buffer + kTile * dim;
+
+  // Query heads h*group .. h*group+group-1 of sequence b share kv head h (GQA).
+  const float* q_rows = p.q + (b * p.kv_heads * group + h * group) * dim;
+  for (int64_t i = 0; i < group * dim; ++i) qs[i] = q_rows[i] * p.scale;
+
+  if (unit.with_self) {
+    // The own token is always visible: seeding with it keeps every row finite.
+    const float* ks = p.k_self + (b * p.kv_heads + h) * dim;
+    const float* vs = p.v_self + (b * p.kv_heads + h) * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      m[g] = dot<V>(qs + g * dim, ks, dim);
+      l[g] = 1.f;
+      std::memcpy(acc + g * dim, vs, dim * sizeof(float));
+    }
+  } else {
+    // Units without the own token have >= 1 row, so m turns finite on the first tile and
+    // the correction exp(-inf) = 0 only multiplies the zero accumulator.
+    for (int64_t g = 0; g < group; ++g) {
+      m[g] = -std::numeric_limits<float>::infinity();
+      l[g] = 0.f;
+      std::fill(acc + g * dim, acc + (g + 1) * dim, 0.f);
+    }
+  }
+
+  const int64_t* table_row = p.page_table + b * p.table_width;
+  const scalar_t* k_head = k_pages + h * p.kg.stride_head;
+  const scalar_t* v_head = v_pages + h * p.vg.stride_head;
+  // Row pointers of the current tile and of the next one, which is prefetched while the
+  // current one is computed: pages are scattered, so the hardware prefetcher, which follows
+  // streams within a page, cannot anticipate the jump to the next page.
+  const scalar_t* k_src[2][kTile];
+  const scalar_t* v_src[2][kTile];
+  const float* k_rows[kTile];
+  const float* v_rows[kTile];
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
+  auto page_at = [&](int64_t index) -> int64_t {
+    const int64_t page = table_row[index];
+    TORCH_CHECK(page >= 0 && page < p.kg.num_pages, "paged_decode_attention: page id ", page,
+                " out of range [0, ", p.kg.num_pages, ")");
+    return page;
+  };
+  // Fills slot `slot` with the rows of the tile starting at column `start`; returns its size.
+  auto locate = [&](int64_t start, int64_t slot) -> int64_t {
+    const int64_t n = std::min(kTile, unit.col_end - start);
+    int64_t index = start / block, row = start % block;
+    int64_t page = page_at(index);
+    for (int64_t t = 0; t < n; ++t, ++row) {
+      if (row == block) {
+        row = 0;
+        page = page_at(++index);
+      }
+      k_src[slot][t] = k_head + page * p.kg.stride_page + row * p.kg.stride_row;
+      v_src[slot][t] = v_head + page * p.vg.stride_page + row * p.vg.stride_row;
+    }
+    return n;
+  };
+  // Prefetches row t of the tile in `slot` (K and V) into L2 (locality hint 1). Issued one
+  // row per computed row, so the outstanding misses stay within what the core can track;
+  // prefetching into L1 (hint 3) measured ~1.5x slower, the L1 miss buffers being the limit.
+  auto prefetch_row = [&](int64_t slot, int64_t t) {
+    const char* k = reinterpret_cast<const char*>(k_src[slot][t]);
+    const char* v = reinterpret_cast<const char*>(v_src[slot][t]);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+      __builtin_prefetch(k + offset, 0, 1);
+      __builtin_prefetch(v + offset, 0, 1);
+    }
+  };
+
+  int64_t slot = 0;
+  int64_t n = unit.col_begin < unit.col_end ? locate(unit.col_begin, 0) : 0;
+  for (int64_t start = unit.col_begin; start < unit.col_end; start += kTile, slot ^= 1) {
+    const int64_t next = start + kTile;
+    const int64_t next_n = next < unit.col_end ? locate(next, slot ^ 1) : 0;
+    // Scores of the tile: each K row is loaded from storage once for the whole group.
+    tile_rows<V, scalar_t>(k_src[slot], n, dim, k_buffer, k_rows);
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+      for (int64_t i = t; i < std::min(t + 4, next_n); ++i) prefetch_row(slot ^ 1, i);
+      for (int64_t g = 0; g < group; ++g) dot4<V>(qs + g * dim, k_rows + t, dim, scores + g * kTile + t);
+    }
+    for (; t < n; ++t) {
+      if (t < next_n) prefetch_row(slot ^ 1, t);
+      for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot<V>(qs + g * dim, k_rows[t], dim);
+    }
+    // Online softmax update, then the weighted values (each V row loaded once).
+    tile_rows<V, scalar_t>(v_src[slot], n, dim, v_buffer, v_rows);
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores + g * kTile;
+      const float new_max = std::max(m[g], max_of(s, n));
+      const float correction = std::exp(m[g] - new_max);
+      for (int64_t t = 0; t < n; ++t) s[t] -= new_max;
+      exp_nonpositive(s, n);
+      const float sum = sum_of(s, n);
+      float* a = acc + g * dim;
+      if (correction != 1.f) {
+        for (int64_t d = 0; d < dim; ++d) a[d] *= correction;
+      }
+      l[g] = l[g] * correction + sum;
+      m[g] = new_max;
+      accumulate<V>(a, s, v_rows, n, dim);
+    }
+    n = next_n;
+  }
+}
+
+PageGeometry geometry(const at::Tensor& pages) {
+  return {pages.size(1), pages.size(2), pages.stride(0), pages.stride(1), pages.stride(2)};
+}
+
+// Runs every unit (in parallel) and writes their partial states [m (group), l (group),
+// acc (group * dim)] to `partial`.
+template <typename V, typename scalar_t>
+void run_units(const std::vector<Unit>& units, const Problem& problem, const at::Tensor& k_pages,
+               const at::Tensor& v_pages, float* partial) {
+  const scalar_t* kp = k_pages.data_ptr<scalar_t>();
+  const scalar_t* vp = v_pages.data_ptr<scalar_t>();
+  const int64_t group = problem.group;
+  const int64_t stride = group * (problem.dim + 2);
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t u = begin; u < end; ++u) {
+      float* state = partial + u * stride;
+      run_unit<V, scalar_t>(units[u], problem, kp, vp, state, state + group, state + 2 * group, scratch);
+    }
+  });
+}
+
+template <typename V>
+void dispatch_dtype(const std::vector<Unit>& units, const Problem& problem, const at::Tensor& k_pages,
+                    const at::Tensor& v_pages, float* partial) {
+  switch (k_pages.scalar_type()) {
+    case at::kFloat:
+      return run_units<V, float>(units, problem, k_pages, v_pages, partial);
+    case at::kBFloat16:
+      return run_units<V, c10::BFloat16>(units, problem, k_pages, v_pages, partial);
+    case at::kHalf:
+      return run_units<V, c10::Half>(units, problem, k_pages, v_pages, partial);
+    default:
+      TORCH_CHECK(false, "paged_decode_attention: storage dtype must be float32, bfloat16 or float16");
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
+                                  const at::Tensor& v_self, const at::Tensor& k_pages,
+                                  const at::Tensor& v_pages, const at::Tensor& page_table,
+                                  const at::Tensor& first_page_position,
+                                  const at::Tensor& visible_from, const at::Tensor& visible_to,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_self.dim() == 3 && v_self.dim() == 3,
+              "q, k_self, v_self must be [B, heads, D]");
+  TORCH_CHECK(k_pages.dim() == 4 && v_pages.dim() == 4,
+              "k_pages, v_pages must be [kv_heads, num_pages, block, D]");
+  for (const at::Tensor* t : {&q, &k_self, &v_self, &k_pages, &v_pages, &page_table,
+                              &first_page_position, &visible_from, &visible_to}) {
+    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  }
+  for (const at::Tensor* t : {&q, &k_self, &v_self}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "q, k_self, v_self must be contiguous float32");
+  }
+  for (const at::Tensor* t : {&page_table, &first_page_position, &visible_from, &visible_to}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "page table and positions must be contiguous int64");
+  }
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_self.size(1);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(k_self.size(0) == batch && k_self.size(2) == dim, "k_self shape mismatch");
+  TORCH_CHECK(v_self.sizes() == k_self.sizes(), "v_self shape mismatch");
+  TORCH_CHECK(k_pages.sizes() == v_pages.sizes() && k_pages.scalar_type() == v_pages.scalar_type(),
+              "k_pages and v_pages must have the same shape and dtype");
+  TORCH_CHECK(k_pages.size(0) == kv_heads && k_pages.size(3) == dim, "k_pages shape mismatch");
+  TORCH_CHECK(k_pages.stride(3) == 1 && v_pages.stride(3) == 1,
+              "k_pages, v_pages must have unit stride along head_dim");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch, "page_table must be [B, P]");
+  for (const at::Tensor* t : {&first_page_position, &visible_from, &visible_to}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == batch, "positions must be [B]");
+  }
+  const int64_t group = heads / kv_heads;
+  const int64_t block = k_pages.size(2);
+  const int64_t columns = page_table.size(1) * block;
+
+  // Visible columns of each sequence: column j holds position first + j, so positions
+  // [from, to) are columns [from - first, to - first), clipped to the table. Pages outside
+  // that range (padding, released window) are never touched.
+  const int64_t* first = first_page_position.data_ptr<int64_t>();
+  const int64_t* from = visible_from.data_ptr<int64_t>();
+  const int64_t* to = visible_to.data_ptr<int64_t>();
+  std::vector<int64_t> col_lo(batch), col_hi(batch);
+  int64_t total_rows = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    col_lo[b] = std::clamp<int64_t>(from[b] - first[b], 0, columns);
+    col_hi[b] = std::max(col_lo[b], std::clamp<int64_t>(to[b] - first[b], 0, columns));
+    total_rows += (col_hi[b] - col_lo[b]) * kv_heads;
+  }
+  // Split long pairs into slices (split-K) so that a small batch, or a single kv head,
+  // still keeps every thread busy; the slices' partial softmax states are merged below.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t target_units = 8 * threads;
+  const int64_t slice = std::max(kMinUnitRows, (total_rows + target_units - 1) / target_units);
+  std::vector<Unit> units;
+  std::vector<int64_t> first_unit(batch * kv_heads + 1);
+  for (int64_t pair = 0; pair < batch * kv_heads; ++pair) {
+    const int64_t b = pair / kv_heads;
+    first_unit[pair] = static_cast<int64_t>(units.size());
+    const int64_t length = col_hi[b] - col_lo[b];
+    const int64_t pieces = std::max<int64_t>(1, (length + slice - 1) / slice);
+    for (int64_t i = 0; i < pieces; ++i) {
+      units.push_back({pair, col_lo[b] + length * i / pieces, col_lo[b] + length * (i + 1) / pieces,
+                       i == 0});
+    }
+  }
+  first_unit[batch * kv_heads] = static_cast<int64_t>(units.size());
+
+  const Problem problem{kv_heads, group, dim, page_table.size(1), static_cast<float>(scale),
+                        q.data_ptr<float>(), k_self.data_ptr<float>(), v_self.data_ptr<float>(),
+                        page_table.data_ptr<int64_t>(), geometry(k_pages), geometry(v_pages)};
+  const int64_t stride = group * (dim + 2);
+  std::vector<float> partial(units.size() * stride);
+#ifdef KVFORGE_NATIVE_VEC
+  if (dim % NativeVec::kLanes == 0) {
+    dispatch_dtype<NativeVec>(units, problem, k_pages, v_pages, partial.data());
+  } else
+#endif
+  if (dim % 8 == 0) {
+    dispatch_dtype<ArrayVec<8>>(units, problem, k_pages, v_pages, partial.data());
+  } else {
+    dispatch_dtype<ArrayVec<1>>(units, problem, k_pages, v_pages, partial.data());
+  }
+
+  // Merge the slices of each pair: out = sum_u acc_u e^(m_u - M) / sum_u l_u e^(m_u - M).
+  at::Tensor out = at::empty({batch, heads, dim}, q.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, batch * kv_heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(dim);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t u0 = first_unit[pair], u1 = first_unit[pair + 1];
+      for (int64_t g = 0; g < group; ++g) {
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t u = u0; u < u1; ++u) top = std::max(top, partial[u * stride + g]);
+        float sum = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t u = u0; u < u1; ++u) {
+          const float* state = partial.data() + u * stride;
+          const float weight = std::exp(state[g] - top);
+          sum += state[group + g] * weight;
+          const float* part = state + 2 * group + g * dim;
+          for (int64_t d = 0; d < dim; ++d) acc[d] += weight * part[d];
+        }
+        // pair = b * kv_heads + h; its query heads h * group + g are contiguous in out.
+        float* dst = op + (pair * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = acc[d] / sum;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvforge_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_self, Tensor v_self, Tensor k_pages, "
+        "Tensor v_pages, Tensor page_table, Tensor first_page_position, Tensor visible_from, "
+        "Tensor visible_to, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

@@ -1,0 +1,261 @@
+"""The `full` cache method: post-RoPE K and V in fp32/bf16/fp16 on a paged block pool.
+
+Storage per side (K, V): [group_size, kv_heads, num_pages, block_size, head_dim], one
+page id valid for every layer of a group (see page_table.py). Head-major so that gathering
+a batch's pages gives [kv_heads, sequences, tokens, head_dim], ready for batched matmuls. The number of pages is fixed by
+the byte budget at construction; `torch.empty` reserves address space, and memory is
+touched only as pages are used.
+
+Attention of a step = the step's own exact K/V (causal) + what is stored for earlier
+tokens. Prefill chunks gather their visible past once per layer (compute is already
+chunk x context); decode tokens are batched and read pages tile by tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.batch import ForwardBatch, SequenceSpan
+from kvforge.cache.attention import chunk_attention, decode_attention
+from kvforge.cache.base import CacheMethod, PagedPoolMemory
+from kvforge.cache.block_pool import BlockPool
+from kvforge.cache.full.config import STORAGE_DTYPES, FullCacheConfig
+from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
+from kvforge.cache.layout import CacheLayout
+from kvforge.cache.page_table import LayerGroups, PageTable
+from kvforge.cache.registry import register_cache_method
+from kvforge.errors import ConfigError
+from kvforge.models.rope import PositionedRope
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    seq_ids: tuple[int, ...]
+    rows: torch.Tensor  # [B] rows of the batch with a single new token
+    page_table: torch.Tensor  # [B, P]
+    first_page_position: torch.Tensor  # [B]
+    visible_from: torch.Tensor  # [B]
+    visible_to: torch.Tensor  # [B] == cached_len
+
+
+@dataclass(frozen=True)
+class _PrefillPlan:
+    span: SequenceSpan
+    pages: torch.Tensor  # pages holding the visible past, in order
+    past_from: int  # first visible past position
+    first_page_position: int
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    write_rows: torch.Tensor | None  # rows stored in this group (None: all rows)
+    write_slots: torch.Tensor  # flat slot (page * block + offset) per stored row
+    decode: _DecodePlan | None
+    prefills: tuple[_PrefillPlan, ...]
+
+
+@register_cache_method("full", FullCacheConfig)
+class FullCache(PagedPoolMemory, CacheMethod):
+    def __init__(self, layout: CacheLayout, config: FullCacheConfig, budget_bytes: int,
+                 compute_dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(layout, compute_dtype, device)
+        self.config = config
+        self.storage_dtype = STORAGE_DTYPES[config.storage_dtype] if config.storage_dtype else compute_dtype
+        self.groups = LayerGroups.from_layout(layout)
+        self.block_size = config.block_size
+        element = torch.tensor([], dtype=self.storage_dtype).element_size()
+        self._token_layer_bytes = 2 * layout.num_kv_heads * layout.head_dim * element
+        self.page_bytes = self.groups.group_size * self.block_size * self._token_layer_bytes
+        num_pages = budget_bytes // self.page_bytes
+        minimum = self.groups.num_groups * self.page_bytes
+        if num_pages < self.groups.num_groups:
+            raise ConfigError(
+                "kv_budget", budget_bytes,
+                f"must hold at least one block per layer group: {self.groups.num_groups} group(s) x "
+                f"{self.page_bytes} bytes = {minimum} bytes (block_size={self.block_size})")
+        self.budget_bytes = budget_bytes
+        self.pages = PageTable(BlockPool(num_pages), self.block_size, self.groups)
+        shape = (self.groups.group_size, layout.num_kv_heads, num_pages, self.block_size, layout.head_dim)
+        self.k_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
+        self.v_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
+        self._plans: list[_GroupPlan] = []
+        self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # attend_rows: (rows tensor, seq -> (first row in q, count)) located once per step
+        self._row_queries: tuple[torch.Tensor, dict[int, tuple[int, int]] | None] | None = None
+
+    # -- memory accounting ------------------------------------------------------------
+    def bytes_per_token(self, cache_layer: int) -> float:
+        return float(self._token_layer_bytes)
+
+    def sequence_bytes(self, num_tokens: int) -> int:
+        return self.pages.max_pages_per_sequence(num_tokens) * self.page_bytes
+
+    def statistics(self) -> dict[str, float]:
+        pool = self.pages.pool
+        return {"pages_used": pool.num_used, "pages_total": pool.num_blocks,
+                "sequences": len(self.pages.sequences())}
+
+    # -- sequences --------------------------------------------------------------------
+    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
+        return self.pages.can_allocate(seq_id, num_tokens)
+
+    def allocate(self, seq_id: int, num_tokens: int) -> bool:
+        return self.pages.allocate(seq_id, num_tokens)
+
+    def free(self, seq_id: int) -> None:
+        self.pages.free(seq_id)
+
+    def num_cached_tokens(self, seq_id: int) -> int:
+        return self.pages.num_tokens(seq_id)
+
+    # -- step -------------------------------------------------------------------------
+    def begin_step(self, batch: ForwardBatch) -> None:
+        super().begin_step(batch)
+        self._plans = [self._plan_group(group, batch) for group in range(self.groups.num_groups)]
+        self._step_kv = {}
+        self._row_queries = None
+
+    def end_step(self, batch: ForwardBatch) -> None:
+        for span in batch.spans:
+            self.pages.commit(span.seq_id, span.total_len)
+        self._plans = []
+        self._step_kv = {}
+
+    def write(self, cache_layer: int, batch: ForwardBatch, k_pre: torch.Tensor, v: torch.Tensor,
+              rope: PositionedRope) -> None:
+        k = rope.apply(k_pre)
+        self._step_kv[cache_layer] = (k, v)
+        group, index = self.groups.slot_of[cache_layer]
+        plan = self._plans[group]
+        if plan.write_rows is not None:
+            k, v = k[plan.write_rows], v[plan.write_rows]
+        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        for store, values in ((self.k_store, k), (self.v_store, v)):
+            flat = store[index].view(heads, -1, dim)
+            flat.index_copy_(1, plan.write_slots, values.transpose(0, 1).to(self.storage_dtype))
+
+    def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
+               rope: PositionedRope) -> torch.Tensor:
+        queries = {span.seq_id: (span.query_start, span.query_len) for span in batch.spans}
+        return self._attend(cache_layer, q, queries, all_rows=True)
+
+    def attend_rows(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor, rope: PositionedRope,
+                    rows: torch.Tensor) -> torch.Tensor:
+        if self._row_queries is None:  # the same rows for every later layer: locate them once
+            counts = batch.trailing_counts(rows)
+            queries: dict[int, tuple[int, int]] = {}
+            offset = 0
+            for span, count in zip(batch.spans, counts or ()):
+                queries[span.seq_id] = (offset, count)
+                offset += count
+            self._row_queries = (rows, queries if counts is not None else None)
+        if self._row_queries[0] is not rows or self._row_queries[1] is None:
+            # other rows than planned, or not trailing runs per span: the generic path
+            return super().attend_rows(cache_layer, batch, q, rope, rows)
+        return self._attend(cache_layer, q, self._row_queries[1], all_rows=False)
+
+    def _attend(self, cache_layer: int, q: torch.Tensor, queries: dict[int, tuple[int, int]],
+                all_rows: bool) -> torch.Tensor:
+        """Attention for the query rows of each sequence: `queries[seq] = (first row in q,
+        count)`, the last `count` tokens of the sequence's span (all of them when all_rows)."""
+        spec = self.layout.specs[cache_layer]
+        group, index = self.groups.slot_of[cache_layer]
+        plan = self._plans[group]
+        k_new, v_new = self._step_kv[cache_layer]
+        k_pages, v_pages = self.k_store[index], self.v_store[index]
+        out = torch.empty_like(q)
+        for prefill in plan.prefills:
+            span = prefill.span
+            first, count = queries[span.seq_id]
+            if count == 0:
+                continue
+            own = slice(span.query_start, span.query_end)
+            k, v = k_new[own].transpose(0, 1), v_new[own].transpose(0, 1)  # head-major
+            past_from = prefill.past_from
+            if span.cached_len > past_from:
+                skip = past_from - prefill.first_page_position
+                length = span.cached_len - past_from
+                past_k = k_pages.index_select(1, prefill.pages).flatten(1, 2)[:, skip:skip + length]
+                past_v = v_pages.index_select(1, prefill.pages).flatten(1, 2)[:, skip:skip + length]
+                k = torch.cat((past_k.to(k.dtype), k), dim=1)
+                v = torch.cat((past_v.to(v.dtype), v), dim=1)
+            else:
+                past_from = span.cached_len
+            rows = slice(first, first + count)
+            out[rows] = chunk_attention(q[rows], k, v, span.total_len - count, past_from, spec.scale,
+                                        spec.sliding_window)
+        if plan.decode is not None:
+            d = plan.decode
+            if all_rows:
+                q_rows, keep = d.rows, None
+            else:  # a one-token span without a requested row gets a zero query, then is dropped
+                located = [queries[seq] for seq in d.seq_ids]
+                keep = torch.tensor([count == 1 for _, count in located], device=q.device)
+                q_rows = torch.tensor([first if count else 0 for first, count in located], device=q.device)
+            q_dec = q[q_rows] if keep is None else q[q_rows] * keep[:, None, None]
+            args = (q_dec, k_new[d.rows], v_new[d.rows], k_pages, v_pages, d.page_table,
+                    d.first_page_position, d.visible_from, d.visible_to, spec.scale)
+            if self.config.decode_kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
+                result = paged_decode_attention_cpu(*args)  # reads pages in place
+            else:
+                result = decode_attention(
+                    *args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size))
+            if keep is None:
+                out[q_rows] = result
+            else:
+                out[q_rows[keep]] = result[keep]
+        return out
+
+    # -- planning ---------------------------------------------------------------------
+    def _plan_group(self, group: int, batch: ForwardBatch) -> _GroupPlan:
+        """Per-step metadata of one layer group, shared by every layer in it."""
+        block = self.block_size
+        rows: list[int] = []
+        slots: list[int] = []
+        decode_spans: list[SequenceSpan] = []
+        prefills: list[_PrefillPlan] = []
+        for span in batch.spans:
+            stored_from = max(span.cached_len, self.pages.first_kept_token(group, span.total_len))
+            pages = self.pages.require_slots(span.seq_id, group, stored_from, span.total_len)
+            first_page = stored_from // block
+            for position in range(stored_from, span.total_len):
+                rows.append(span.query_start + position - span.cached_len)
+                slots.append(pages[position // block - first_page] * block + position % block)
+            if span.query_len == 1:
+                decode_spans.append(span)
+            else:
+                past_from = self.pages.first_kept_token(group, span.cached_len)
+                past = self.pages.require_slots(span.seq_id, group, past_from, span.cached_len)
+                prefills.append(_PrefillPlan(span, torch.tensor(past, dtype=torch.long, device=self.device),
+                                             past_from, (past_from // block) * block))
+        write_rows = None if len(rows) == batch.num_tokens else torch.tensor(rows, device=self.device)
+        return _GroupPlan(
+            write_rows=write_rows,
+            write_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+            decode=self._plan_decode(group, decode_spans) if decode_spans else None,
+            prefills=tuple(prefills),
+        )
+
+    def _plan_decode(self, group: int, spans: list[SequenceSpan]) -> _DecodePlan:
+        block = self.block_size
+        tables: list[list[int]] = []
+        first_positions: list[int] = []
+        visible_from: list[int] = []
+        for span in spans:
+            start = self.pages.first_kept_token(group, span.cached_len)
+            tables.append(self.pages.require_slots(span.seq_id, group, start, span.cached_len))
+            first_positions.append((start // block) * block)
+            visible_from.append(start)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]  # padding is masked by position
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        return _DecodePlan(
+            seq_ids=tuple(s.seq_id for s in spans),
+            rows=as_tensor([s.query_start for s in spans]),
+            page_table=as_tensor(padded).reshape(len(spans), width),
+            first_page_position=as_tensor(first_positions),
+            visible_from=as_tensor(visible_from),
+            visible_to=as_tensor([s.cached_len for s in spans]),
+        )

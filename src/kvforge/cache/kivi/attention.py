@@ -1,0 +1,175 @@
+"""Attention over KIVI storage in plain PyTorch: the reference every fast path matches.
+
+Both paths read the stored past tile by tile and merge tiles with an online softmax in
+float32, so no sequence's cache is ever dequantised whole:
+- `kivi_chunk_attention`: the queries of one prefill chunk over the chunk's own exact K/V
+  (causal) plus the stored past;
+- `kivi_decode_attention`: one query per sequence for a batch of sequences (the contract in
+  /work/notes/kivi_layout.md, shared with the C++ and Triton kernels).
+
+Stored token t of a sequence with n tokens (nk = (n // R) * R, nv = max(0, n - R)):
+key = dequantised page if t < nk else k_res[slot, :, t % R];
+value = dequantised page if t < nv else v_res[slot, :, t % R].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from kvforge.cache.kivi.store import KIVILayerView, dequantize_key_pages, dequantize_value_pages
+
+
+class OnlineSoftmax:
+    """Running max / sum / weighted values over key tiles, per (kv head, query row).
+
+    Seeded with a block where every row sees at least one key (the query's own token), so
+    the running max is finite from the start and fully hidden later tiles add nothing."""
+
+    def __init__(self, scores: torch.Tensor, values: torch.Tensor) -> None:
+        # scores [P, rows, m] (hidden = -inf), values [P, m, D], both float32
+        self.max = scores.amax(dim=-1, keepdim=True)
+        probs = torch.exp(scores - self.max)
+        self.sum = probs.sum(dim=-1, keepdim=True)
+        self.acc = torch.bmm(probs, values)
+
+    def add(self, scores: torch.Tensor, values: torch.Tensor) -> None:
+        new_max = torch.maximum(self.max, scores.amax(dim=-1, keepdim=True))
+        probs = torch.exp(scores - new_max)
+        correction = torch.exp(self.max - new_max)
+        self.sum = self.sum * correction + probs.sum(dim=-1, keepdim=True)
+        self.acc = self.acc * correction + torch.bmm(probs, values)
+        self.max = new_max
+
+    def result(self) -> torch.Tensor:
+        return self.acc / self.sum
+
+
+def _hide(scores: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask hidden keys. hidden [P, rows, m] or broadcastable; values of keys hidden from
+    every row are zeroed (never-written storage may hold NaN, and 0 * NaN = NaN)."""
+    scores = scores.masked_fill(hidden, float("-inf"))
+    unused = hidden.all(dim=-2)  # [P, m]
+    return scores, values.masked_fill(unused[..., None], 0.0)
+
+
+def stored_tiles(view: KIVILayerView, pages: torch.Tensor, first_page_position: int, past_from: int, nv: int,
+                 slot: int, tile_pages: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The quantised pages `pages` (tokens from first_page_position on, in order) of one
+    sequence, `tile_pages` at a time, as (positions [m], keys [H, m, D], values [H, m, D])
+    in float32; tiles wholly before `past_from` are skipped. Tokens >= nv still have their
+    exact values in the residual ring, which replace the (not yet written) quantised ones.
+    At most one tile is ever dequantised at once."""
+    g, residual = view.group, view.residual
+    v_ring = view.v_res[slot]  # [H, R, D]
+    for start in range(0, pages.shape[0], tile_pages):
+        ids = pages[start:start + tile_pages]
+        k_pos = first_page_position + start * g + torch.arange(ids.shape[0] * g, device=pages.device)
+        if int(k_pos[-1]) < past_from:
+            continue
+        keys = dequantize_key_pages(view, ids)
+        values = dequantize_value_pages(view, ids)
+        recent = k_pos >= nv
+        if bool(recent.any()):
+            values = torch.where(recent[None, :, None], v_ring[:, k_pos % residual].float(), values)
+        yield k_pos, keys, values
+
+
+def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, view: KIVILayerView,
+                         pages: torch.Tensor, first_page_position: int, past_from: int, cached_len: int,
+                         slot: int, scale: float, window: int | None, tile_pages: int) -> torch.Tensor:
+    """Queries q [L, heads, D] at positions [cached_len, cached_len + L) over their own exact
+    k_new/v_new [L, H, D] and the stored tokens [past_from, cached_len) of one sequence.
+    `pages` [m] holds tokens [first_page_position, nk) (nk = stored keys), in order."""
+    length, heads, dim = q.shape
+    kv_heads = k_new.shape[1]
+    group = heads // kv_heads
+    residual = view.residual
+    n = cached_len
+    nk, nv = (n // residual) * residual, max(0, n - residual)
+    device = q.device
+    # Rows of a kv head: its `group` query heads x L positions -> [H, group * L, D].
+    qh = (q.float() * scale).view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
+    q_pos = torch.arange(n, n + length, device=device).repeat(group)  # position of each row
+
+    def hidden_at(k_pos: torch.Tensor) -> torch.Tensor:
+        delta = q_pos[:, None] - k_pos[None, :]
+        hidden = (delta < 0) | (k_pos[None, :] < past_from)
+        if window is not None:
+            hidden |= delta >= window
+        return hidden[None]
+
+    own_k, own_v = k_new.float().transpose(0, 1), v_new.float().transpose(0, 1)
+    scores, values = _hide(torch.bmm(qh, own_k.transpose(1, 2)), own_v,
+                           hidden_at(torch.arange(n, n + length, device=device)))
+    state = OnlineSoftmax(scores, values)
+    v_ring = view.v_res[slot]  # [H, R, D]
+    for k_pos, keys, values in stored_tiles(view, pages, first_page_position, past_from, nv, slot, tile_pages):
+        scores, values = _hide(torch.bmm(qh, keys.transpose(1, 2)), values, hidden_at(k_pos))
+        state.add(scores, values)
+    res_from = max(nk, past_from)
+    if n > res_from:
+        k_pos = torch.arange(res_from, n, device=device)
+        offsets = k_pos % residual
+        keys = view.k_res[slot][:, offsets].float()
+        values = v_ring[:, offsets].float()
+        scores, values = _hide(torch.bmm(qh, keys.transpose(1, 2)), values, hidden_at(k_pos))
+        state.add(scores, values)
+    out = state.result().view(kv_heads, group, length, dim).permute(2, 0, 1, 3)
+    return out.reshape(length, heads, dim).to(q.dtype)
+
+
+def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
+                          page_table: torch.Tensor, first_page_position: torch.Tensor,
+                          visible_from: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                          scale: float, tile_pages: int) -> torch.Tensor:
+    """One query per sequence over its own exact K/V plus its stored tokens, float32.
+
+    q [B, heads, D]; k_self/v_self [B, H, D]; page_table [B, W] pages of tokens
+    [first_page_position, nk); stored tokens [visible_from, lengths) are visible; slots [B]
+    residual slot of each sequence. Work is batched over (kv head, sequence) pairs."""
+    batch, heads, dim = q.shape
+    kv_heads = k_self.shape[1]
+    group = heads // kv_heads
+    pairs = kv_heads * batch
+    residual, g = view.residual, view.group
+    nk = (lengths // residual) * residual
+    nv = (lengths - residual).clamp(min=0)
+    qh = (q.float() * scale).view(batch, kv_heads, group, dim).transpose(0, 1).reshape(pairs, group, dim)
+    own_k = k_self.float().transpose(0, 1).reshape(pairs, dim, 1)
+    own_v = v_self.float().transpose(0, 1).reshape(pairs, 1, dim)
+    state = OnlineSoftmax(torch.bmm(qh, own_k), own_v)
+
+    def add(keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> None:
+        # keys/values [H, B, m, D]; hidden [B, m]
+        hidden = hidden.repeat(kv_heads, 1)[:, None, :]  # [pairs, 1, m]
+        scores = torch.bmm(qh, keys.reshape(pairs, -1, dim).transpose(1, 2))
+        scores, values = _hide(scores, values.reshape(pairs, -1, dim), hidden)
+        state.add(scores, values)
+
+    ring = view.v_res.index_select(0, slots).transpose(0, 1)  # [H, B, R, D] (small: R tokens)
+    width = page_table.shape[1]
+    for start in range(0, width, tile_pages):
+        ids = page_table[:, start:start + tile_pages]
+        tile = ids.shape[1] * g
+        k_pos = first_page_position[:, None] + start * g + torch.arange(tile, device=q.device)[None]  # [B, m]
+        hidden = (k_pos < visible_from[:, None]) | (k_pos >= nk[:, None])
+        if bool(hidden.all()):
+            continue
+        flat = ids.reshape(-1)
+        keys = dequantize_key_pages(view, flat).view(kv_heads, batch, tile, dim)
+        values = dequantize_value_pages(view, flat).view(kv_heads, batch, tile, dim)
+        recent = (k_pos >= nv[:, None]) & ~hidden
+        if bool(recent.any()):
+            from_ring = torch.gather(ring, 2, (k_pos % residual)[None, :, :, None].expand(kv_heads, -1, -1, dim))
+            values = torch.where(recent[None, :, :, None], from_ring.float(), values)
+        add(keys, values, hidden)
+    # Residual keys: tokens [nk, n) at offsets 0 .. n - nk - 1 of both residuals.
+    k_pos = nk[:, None] + torch.arange(residual, device=q.device)[None]
+    hidden = (k_pos >= lengths[:, None]) | (k_pos < visible_from[:, None])
+    if not bool(hidden.all()):
+        keys = view.k_res.index_select(0, slots).transpose(0, 1).float()
+        add(keys, ring.float(), hidden)
+    out = state.result().view(kv_heads, batch, group, dim).transpose(0, 1)
+    return out.reshape(batch, heads, dim).to(q.dtype)

@@ -1,0 +1,56 @@
+"""Options of the `kivi` cache method (`--cache kivi:key=value,...`), validated on construction:
+the paper's setting by default (2 bits, G = 32, R = 128, a 16-bit residual)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.cache.kivi.quant import SUPPORTED_BITS
+from kvforge.errors import require
+
+RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DECODE_KERNELS = ("auto", "torch")
+# "blockwise": prefill.py (fused attention per part, log-sum-exp merge); "reference": the
+# plain PyTorch online-softmax path of attention.py.
+PREFILL_ATTENTION = ("blockwise", "reference")
+
+
+def default_residual_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The paper keeps its residual in the model's fp16; here 16 bits of the model's family."""
+    return torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float16
+
+
+@dataclass(frozen=True)
+class KIVICacheConfig:
+    bits: int = 2
+    group: int = 32  # G: tokens per key group (= page size), channels per value group
+    residual: int = 128  # R: full-precision tokens (key residual flush size, value window)
+    # None: 16-bit as in the paper (bfloat16 for a bfloat16 model, else float16), so the
+    # residual costs what a 16-bit full cache pays per token; "float32" keeps it exact.
+    residual_dtype: str | None = None
+    # Stored tokens dequantised at once by prefill chunks and by the PyTorch decode path.
+    prefill_tile_tokens: int = 512
+    decode_tile_tokens: int = 1024
+    # "auto": the compiled CPU kernel for CPU tensors when it builds; "torch": always PyTorch.
+    decode_kernel: str = "auto"
+    # Attention of multi-token spans (prefill chunks): one of PREFILL_ATTENTION.
+    prefill_attention: str = "blockwise"
+
+    def __post_init__(self) -> None:
+        require(self.bits in SUPPORTED_BITS, "bits", self.bits, f"must be one of {list(SUPPORTED_BITS)}")
+        require(self.group >= 1 and 8 % self.bits == 0 and (self.group * self.bits) % 8 == 0, "group",
+                self.group, f"must be >= 1 and fill whole bytes ({8 // self.bits} codes per byte)")
+        require(self.residual >= self.group, "residual", self.residual, f"must be >= group={self.group}")
+        require(self.residual % self.group == 0, "residual", self.residual,
+                f"must be a multiple of group={self.group}")
+        require(self.residual_dtype is None or self.residual_dtype in RESIDUAL_DTYPES, "residual_dtype",
+                self.residual_dtype, f"must be one of {sorted(RESIDUAL_DTYPES)}")
+        for name in ("prefill_tile_tokens", "decode_tile_tokens"):
+            value = getattr(self, name)
+            require(value >= self.group, name, value, f"must be >= group={self.group}")
+        require(self.decode_kernel in DECODE_KERNELS, "decode_kernel", self.decode_kernel,
+                f"must be one of {list(DECODE_KERNELS)}")
+        require(self.prefill_attention in PREFILL_ATTENTION, "prefill_attention", self.prefill_attention,
+                f"must be one of {list(PREFILL_ATTENTION)}")

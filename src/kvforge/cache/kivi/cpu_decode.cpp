@@ -1,0 +1,994 @@
+// C++ source of the CPU KIVI decode attention kernel (see cpu_decode.py).
+//
+// Registers `torch.ops.kvforge_cpu_kivi.kivi_decode_attention` through TORCH_LIBRARY; only
+// ATen/c10 core headers, no pybind11.
+//
+// Layout (one cache layer; /work/notes/kivi_layout.md): k_codes uint8 [H, P, D, G*b/8] keys
+// per channel over a page's G tokens; k_scale/k_zero fp16 [H, P, D]; v_codes uint8
+// [H, P, G, D*b/8] values per token over groups of G channels; v_scale/v_zero fp16
+// [H, P, G, D/G]; k_res/v_res [S, H, R, D] (f32/bf16/f16), token t at offset t % R of the
+// sequence's slot. Codes are packed low bits first, 8/b per byte.
+//
+// For a sequence holding n tokens: nk = (n / R) * R, nv = max(0, n - R); stored token t in
+// [visible_from, n) is visible; its key is quantised iff t < nk, its value iff t < nv.
+// page_table row b lists the pages of tokens [first_page_position[b], nk).
+//
+// How the work is shaped (the reasons behind the structure below):
+// - Codes are never unpacked into memory: a vector of L consecutive codes is unpacked in
+//   registers (broadcast a word, variable shift, then a 16-entry table lookup or mask and
+//   int->float) and fed straight to the FMAs of every query head of the kv group, so one
+//   unpack serves all of them. Keys are packed along tokens, so lanes are tokens of a
+//   page and the page's scores stay in registers across the channel loop; values are
+//   packed along channels, so lanes are channels and a block of the [heads, D]
+//   accumulator stays in registers across the page's tokens.
+// - Keys use the pre-scaling algebra: q.k_hat(t) = sum_c q_c zero_c + sum_c (q_c scale_c)
+//   code(t, c), q scaled once per page, so a key code costs one FMA per head. Values are
+//   dequantised in registers, once per vector for all heads: with the table lookup the
+//   table holds code * scale + zero of the (token, channel group) and costs nothing more;
+//   without it one FMA per vector.
+// - Pages are scattered in the pool, so the hardware prefetcher cannot follow them: the
+//   six small arrays of each page of the next tile, and the ring rows it will read, are
+//   prefetched while a tile runs (without it the kernel was ~1.8x slower on a store larger
+//   than the caches). What remains is bound by FMA throughput: per token and kv head,
+//   group * D FMAs for keys and about as many for values, as many as a full-precision
+//   kernel does, while reading 3/16 of its bytes (2-bit codes).
+// - Work units are slices of pages of one (sequence, kv head) pair (split-K, merged by
+//   log-sum-exp) so a small batch still keeps every thread busy; threads take units
+//   dynamically, so sequences of different lengths do not leave a thread idle.
+//
+// Invariants relied on (checked on entry): every tensor contiguous; q, k_self, v_self
+// float32; heads % H == 0; D % G == 0; bits in {2, 4, 8}.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// Tokens scored per softmax update (rounded to whole pages): one rescale of the
+// accumulators and one max/sum reduction per tile; the next tile's pages are prefetched
+// while one runs. 128 measured ~5% faster than 64 on the smollm2 geometry.
+constexpr int64_t kTileTokens = 128;
+// A work unit covers at least this many stored tokens, so loading its queries and merging
+// its partial state stay cheap next to the unit's work.
+constexpr int64_t kMinUnitTokens = 512;
+// Query heads handled in one pass over a page's codes; larger GQA groups take several
+// passes. Eight keeps the accumulators of a pass within the 32 AVX-512 registers.
+constexpr int kMaxHeadsPerPass = 8;
+
+// e^x for x <= 0, written so that loops calling it vectorise: x = k ln2 + r with
+// |r| <= ln2 / 2 (ln2 split in two parts for accuracy), e^r by a degree-6 polynomial, 2^k
+// assembled in the exponent bits. The integer k comes from the float magic-number trick
+// (adding 1.5 * 2^23 rounds to an integer in the low mantissa bits), avoiding float-to-int
+// conversions that block vectorisation. Below -87 the result would be denormal; clamping
+// gives ~1e-38, far below what a softmax whose largest term is 1 can resolve. Relative
+// error ~1e-7.
+__attribute__((always_inline)) inline float kvforge_exp_nonpositive(float x) {
+  const float v = x < -87.0f ? -87.0f : x;
+  const float magic = v * 1.44269504088896341f + 12582912.0f;
+  const float k = magic - 12582912.0f;
+  const float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
+  float poly = 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * r * r + r + 1.0f;
+  int32_t k_bits;
+  std::memcpy(&k_bits, &magic, sizeof(k_bits));
+  const int32_t exponent = (k_bits - 0x4B400000 + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &exponent, sizeof(two_k));
+  return poly * two_k;
+}
+
+// ---- vectors --------------------------------------------------------------------------
+// `ArrayVec<N>` is plain C++ that compilers auto-vectorise and, with N = 1, handles any
+// group size; `NativeVec` uses the widest ISA the compiler targets (-march=native).
+// `codes<BITS>(row, first)` returns codes [first, first + lanes) of a packed row as floats.
+template <int N>
+struct ArrayVec {
+  static constexpr int64_t kLanes = N;
+  template <int BITS>
+  static constexpr bool kLookup = false;
+  float v[N];
+  static ArrayVec zero() { return broadcast(0.f); }
+  static ArrayVec broadcast(float x) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = x;
+    return r;
+  }
+  template <typename T>
+  static ArrayVec load(const T* p) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  template <int BITS>
+  static ArrayVec codes(const uint8_t* row, int64_t first) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) {
+      const int64_t bit = (first + i) * BITS;
+      r.v[i] = static_cast<float>((row[bit >> 3] >> (bit & 7)) & ((1 << BITS) - 1));
+    }
+    return r;
+  }
+  void store(float* p) const {
+    for (int i = 0; i < N; ++i) p[i] = v[i];
+  }
+  static ArrayVec fmadd(const ArrayVec& a, const ArrayVec& b, const ArrayVec& c) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
+    return r;
+  }
+  static ArrayVec mul(const ArrayVec& a, const ArrayVec& b) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] * b.v[i];
+    return r;
+  }
+  static ArrayVec add(const ArrayVec& a, const ArrayVec& b) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] + b.v[i];
+    return r;
+  }
+  static ArrayVec sub(const ArrayVec& a, const ArrayVec& b) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] - b.v[i];
+    return r;
+  }
+  static ArrayVec max(const ArrayVec& a, const ArrayVec& b) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+    return r;
+  }
+  static ArrayVec exp_nonpositive(const ArrayVec& x) {
+    ArrayVec r;
+    for (int i = 0; i < N; ++i) r.v[i] = kvforge_exp_nonpositive(x.v[i]);
+    return r;
+  }
+  float sum() const {
+    float s = 0.f;
+    for (int i = 0; i < N; ++i) s += v[i];
+    return s;
+  }
+  float hmax() const {
+    float m = v[0];
+    for (int i = 1; i < N; ++i) m = m > v[i] ? m : v[i];
+    return m;
+  }
+};
+
+// The first `bytes` (<= 4) bytes at p as a little-endian word.
+inline uint32_t word_of(const uint8_t* p, int bytes) {
+  uint32_t w = 0;
+  std::memcpy(&w, p, bytes);  // exact size: a row's last bytes may end the allocation
+  return w;
+}
+
+#if defined(__AVX512F__)
+struct NativeVec {
+  static constexpr int64_t kLanes = 16;
+  __m512 v;
+  static NativeVec zero() { return {_mm512_setzero_ps()}; }
+  static NativeVec broadcast(float x) { return {_mm512_set1_ps(x)}; }
+  static NativeVec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static NativeVec load(const c10::BFloat16* p) {
+    // bf16 is the top half of a float32: widen to 32 bits and shift.
+    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+  }
+  static NativeVec load(const c10::Half* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  // 16 codes = 32 bits (b=2), 64 bits (b=4) or 128 bits (b=8) starting at a byte boundary.
+  // For b < 8, lane i gets the word holding code i shifted so that the code is in its low
+  // bits, and a 16-entry table lookup (vpermps reads the low 4 bits of each lane) maps
+  // those bits to a float: table[j] = j mod 2^b gives the code itself (no masking, no
+  // int->float conversion), table[j] = (j mod 2^b) * scale + zero the dequantised value.
+  template <int BITS>
+  static constexpr bool kLookup = BITS != 8;
+  template <int BITS>
+  static __m512i code_bits(const uint8_t* row, int64_t first) {
+    const uint8_t* p = row + first * BITS / 8;
+    if constexpr (BITS == 2) {
+      return _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word_of(p, 4))),
+                               _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0));
+    } else {
+      uint64_t w;
+      std::memcpy(&w, p, 8);
+      // Lanes 0-7 take the low word, lanes 8-15 the high word.
+      const __m512i words = _mm512_permutexvar_epi32(
+          _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+          _mm512_castsi128_si512(_mm_cvtsi64_si128(static_cast<long long>(w))));
+      return _mm512_srlv_epi32(words, _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0));
+    }
+  }
+  template <int BITS>
+  static NativeVec code_table() {
+    return {BITS == 2 ? _mm512_set_ps(3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0, 3, 2, 1, 0)
+                      : _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)};
+  }
+  template <int BITS>
+  static NativeVec lookup(const uint8_t* row, int64_t first, NativeVec table) {
+    return {_mm512_permutexvar_ps(code_bits<BITS>(row, first), table.v)};
+  }
+  template <int BITS>
+  static NativeVec codes(const uint8_t* row, int64_t first) {
+    if constexpr (BITS == 8) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + first));
+      return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes))};
+    } else {
+      return lookup<BITS>(row, first, code_table<BITS>());
+    }
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static NativeVec fmadd(NativeVec a, NativeVec b, NativeVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static NativeVec mul(NativeVec a, NativeVec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static NativeVec add(NativeVec a, NativeVec b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static NativeVec sub(NativeVec a, NativeVec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  static NativeVec max(NativeVec a, NativeVec b) { return {_mm512_max_ps(a.v, b.v)}; }
+  // kvforge_exp_nonpositive, lane-wise.
+  static NativeVec exp_nonpositive(NativeVec x) {
+    const __m512 v = _mm512_max_ps(x.v, _mm512_set1_ps(-87.0f));
+    const __m512 magic = _mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f));
+    const __m512 k = _mm512_sub_ps(magic, _mm512_set1_ps(12582912.0f));
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
+    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
+    poly = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(poly, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i exponent = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_castps_si512(magic), _mm512_set1_epi32(127 - 0x4B400000)), 23);
+    return {_mm512_mul_ps(poly, _mm512_castsi512_ps(exponent))};
+  }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+  float hmax() const { return _mm512_reduce_max_ps(v); }
+};
+#define KVFORGE_NATIVE_VEC 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct NativeVec {
+  static constexpr int64_t kLanes = 8;
+  template <int BITS>
+  static constexpr bool kLookup = false;
+  __m256 v;
+  static NativeVec zero() { return {_mm256_setzero_ps()}; }
+  static NativeVec broadcast(float x) { return {_mm256_set1_ps(x)}; }
+  static NativeVec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static NativeVec load(const c10::BFloat16* p) {
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
+  }
+  static NativeVec load(const c10::Half* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  // 8 codes = 16 bits (b=2), 32 bits (b=4) or 64 bits (b=8) starting at a byte boundary.
+  template <int BITS>
+  static NativeVec codes(const uint8_t* row, int64_t first) {
+    const uint8_t* p = row + first * BITS / 8;
+    if constexpr (BITS == 8) {
+      uint64_t w;
+      std::memcpy(&w, p, 8);
+      return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(w))))};
+    } else {
+      const __m256i words = _mm256_set1_epi32(static_cast<int>(word_of(p, BITS)));  // 8 * BITS / 8 bytes
+      const __m256i shifts = BITS == 2 ? _mm256_set_epi32(14, 12, 10, 8, 6, 4, 2, 0)
+                                       : _mm256_set_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+      const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(words, shifts), _mm256_set1_epi32((1 << BITS) - 1));
+      return {_mm256_cvtepi32_ps(codes)};
+    }
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  static NativeVec fmadd(NativeVec a, NativeVec b, NativeVec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static NativeVec mul(NativeVec a, NativeVec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  static NativeVec add(NativeVec a, NativeVec b) { return {_mm256_add_ps(a.v, b.v)}; }
+  static NativeVec sub(NativeVec a, NativeVec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  static NativeVec max(NativeVec a, NativeVec b) { return {_mm256_max_ps(a.v, b.v)}; }
+  // kvforge_exp_nonpositive, lane-wise.
+  static NativeVec exp_nonpositive(NativeVec x) {
+    const __m256 v = _mm256_max_ps(x.v, _mm256_set1_ps(-87.0f));
+    const __m256 magic = _mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(12582912.0f));
+    const __m256 k = _mm256_sub_ps(magic, _mm256_set1_ps(12582912.0f));
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
+    r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 poly = _mm256_set1_ps(1.9875691500e-4f);
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.3981999507e-3f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(8.3334519073e-3f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(4.1665795894e-2f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.6666665459e-1f));
+    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(5.0000001201e-1f));
+    poly = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(poly, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i exponent = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_castps_si256(magic), _mm256_set1_epi32(127 - 0x4B400000)), 23);
+    return {_mm256_mul_ps(poly, _mm256_castsi256_ps(exponent))};
+  }
+  float hmax() const {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+  }
+  float sum() const {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+    return _mm_cvtss_f32(x);
+  }
+};
+#define KVFORGE_NATIVE_VEC 1
+#endif
+
+struct Problem {
+  int64_t batch, kv_heads, group, dim, g, residual, pages, table_width, slots;
+  float scale;
+  const float *q, *k_self, *v_self;
+  const uint8_t *k_codes, *v_codes;
+  const c10::Half *k_scale, *k_zero, *v_scale, *v_zero;
+  const void *k_res, *v_res;
+  at::ScalarType res_dtype;
+  int64_t res_row_bytes;  // D * element size of the residual dtype
+  const int64_t *page_table, *first, *from, *lengths, *slot_of;
+};
+
+// Page columns [col_begin, col_end) of one (sequence, kv head) pair. with_self: this unit
+// also takes the step's own token and the residual tokens [max(nk, lo), n) (exactly one
+// unit of each pair does, so the pair's softmax counts them once).
+struct Unit {
+  int64_t pair, col_begin, col_end;
+  bool with_self;
+};
+
+// What a pair reads, derived from its sequence's length and visibility.
+struct Span {
+  int64_t n, nk, nv, lo, first, slot;
+};
+
+Span span_of(const Problem& p, int64_t b) {
+  const int64_t n = p.lengths[b], R = p.residual;
+  const int64_t first = p.first[b];
+  return {n, (n / R) * R, std::max<int64_t>(0, n - R), std::max(std::max<int64_t>(0, p.from[b]), first), first,
+          p.slot_of[b]};
+}
+
+// Per-thread buffers, sized once per thread for the problem.
+struct Scratch {
+  std::vector<float> qs, qsc, zk, scores, sv, zv, rows;
+  std::vector<const float*> row_ptrs;
+  explicit Scratch(const Problem& p, int64_t tile) {
+    const int64_t nh = std::min<int64_t>(p.group, kMaxHeadsPerPass), dim = p.dim;
+    qs.resize(nh * dim);
+    qsc.resize(nh * dim);
+    zk.resize(nh);
+    scores.resize(nh * tile);
+    sv.resize(dim);
+    zv.resize(dim);
+    rows.resize(tile * dim);
+    row_ptrs.resize(tile);
+  }
+};
+
+// A float view of a residual row: float32 rows in place, 16-bit rows widened into `buffer`.
+template <typename V>
+const float* residual_row(const Problem& p, const void* base, int64_t index, float* buffer) {
+  const int64_t dim = p.dim;
+  switch (p.res_dtype) {
+    case at::kFloat:
+      return static_cast<const float*>(base) + index * dim;
+    case at::kHalf: {
+      const c10::Half* src = static_cast<const c10::Half*>(base) + index * dim;
+      for (int64_t d = 0; d < dim; d += V::kLanes) V::load(src + d).store(buffer + d);
+      return buffer;
+    }
+    default: {
+      const c10::BFloat16* src = static_cast<const c10::BFloat16*>(base) + index * dim;
+      for (int64_t d = 0; d < dim; d += V::kLanes) V::load(src + d).store(buffer + d);
+      return buffer;
+    }
+  }
+}
+
+// Float views of the residual rows of tokens [t_first, t_first + count) (ring offsets
+// t % R from row index `ring`): ptrs[i] for token t_first + i, 16-bit rows widened into
+// `buffer` [count, D].
+template <typename V>
+void residual_rows(const Problem& p, const void* base, int64_t ring, int64_t t_first, int64_t count, float* buffer,
+                   const float** ptrs) {
+  for (int64_t i = 0; i < count; ++i) {
+    ptrs[i] = residual_row<V>(p, base, ring + (t_first + i) % p.residual, buffer + i * p.dim);
+  }
+}
+
+// acc[g * D + c] += sum_{i in [i0, i1)} prob[g * stride + i] * rows[i][c]: like
+// value_accumulate for full-precision rows, a block of NH * KB accumulators in registers
+// across the rows (each row read once per block for all heads).
+template <typename V, int NH, int KB>
+inline void rows_accumulate(const float* prob, int64_t stride, const float* const* rows, int64_t i0, int64_t i1,
+                            int64_t dim, float* acc) {
+  constexpr int64_t L = V::kLanes;
+  for (int64_t j = 0; j < dim; j += KB * L) {
+    V a[NH][KB];
+    for (int g = 0; g < NH; ++g) {
+      for (int k = 0; k < KB; ++k) a[g][k] = V::load(acc + g * dim + j + k * L);
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+      V y[KB];
+      for (int k = 0; k < KB; ++k) y[k] = V::load(rows[i] + j + k * L);
+      for (int g = 0; g < NH; ++g) {
+        const V w = V::broadcast(prob[g * stride + i]);
+        for (int k = 0; k < KB; ++k) a[g][k] = V::fmadd(w, y[k], a[g][k]);
+      }
+    }
+    for (int g = 0; g < NH; ++g) {
+      for (int k = 0; k < KB; ++k) a[g][k].store(acc + g * dim + j + k * L);
+    }
+  }
+}
+
+template <typename V, int NH>
+inline void rows_accumulate(const float* prob, int64_t stride, const float* const* rows, int64_t i0, int64_t i1,
+                            int64_t dim, float* acc) {
+  if ((dim / V::kLanes) % 2 == 0) {
+    rows_accumulate<V, NH, 2>(prob, stride, rows, i0, i1, dim, acc);
+  } else {
+    rows_accumulate<V, NH, 1>(prob, stride, rows, i0, i1, dim, acc);
+  }
+}
+
+template <typename V>
+inline float dot(const float* a, const float* b, int64_t dim) {
+  constexpr int64_t L = V::kLanes;
+  V s0 = V::zero(), s1 = V::zero();
+  int64_t d = 0;
+  for (; d + 2 * L <= dim; d += 2 * L) {
+    s0 = V::fmadd(V::load(a + d), V::load(b + d), s0);
+    s1 = V::fmadd(V::load(a + d + L), V::load(b + d + L), s1);
+  }
+  for (; d < dim; d += L) s0 = V::fmadd(V::load(a + d), V::load(b + d), s0);
+  return V::add(s0, s1).sum();
+}
+
+// Running softmax state of the NH query heads of one pass (pointers into the unit's
+// partial state: m [NH], l [NH], acc [NH * D]).
+struct State {
+  float *m, *l, *acc;
+};
+
+// Softmax update for a tile: scores[g * stride + i], i < n, become probabilities relative
+// to the new running max; the first `hidden` entries (tokens before visible_from) become
+// exactly 0. Accumulators are rescaled when the max moves. n is a multiple of the vector
+// width for quantised tiles (whole pages), so those take the vector loops; residual tiles
+// of any length take the scalar ones.
+template <typename V>
+void update(State& s, float* scores, int64_t stride, int64_t n, int64_t hidden, int nh, int64_t dim) {
+  constexpr int64_t L = V::kLanes;
+  const bool vector = n % L == 0;
+  for (int g = 0; g < nh; ++g) {
+    float* row = scores + g * stride;
+    for (int64_t i = 0; i < hidden; ++i) row[i] = -std::numeric_limits<float>::infinity();
+    float top = s.m[g], sum = 0.f;
+    if (vector) {
+      V mx = V::broadcast(top);
+      for (int64_t i = 0; i < n; i += L) mx = V::max(mx, V::load(row + i));
+      top = mx.hmax();
+      const V t = V::broadcast(top);
+      V total = V::zero();
+      for (int64_t i = 0; i < n; i += L) {
+        const V e = V::exp_nonpositive(V::sub(V::load(row + i), t));
+        e.store(row + i);
+        total = V::add(total, e);
+      }
+      sum = total.sum();
+    } else {
+      for (int64_t i = 0; i < n; ++i) top = top > row[i] ? top : row[i];
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < n; ++i) {
+        row[i] = kvforge_exp_nonpositive(row[i] - top);
+        sum += row[i];
+      }
+    }
+    // Hidden entries came out as e^-87 ~ 1e-38: make them exact zeros.
+    for (int64_t i = 0; i < hidden; ++i) {
+      sum -= row[i];
+      row[i] = 0.f;
+    }
+    const float correction = std::exp(s.m[g] - top);
+    s.l[g] = s.l[g] * correction + sum;
+    s.m[g] = top;
+    if (correction != 1.f) {
+      float* a = s.acc + g * dim;
+      const V c = V::broadcast(correction);
+      for (int64_t d = 0; d < dim; d += L) V::mul(V::load(a + d), c).store(a + d);
+    }
+  }
+}
+
+// Scores of the G tokens of one page for NH query heads: out[g * stride + i] =
+// zk[g] + sum_c qsc[g * D + c] * code(i, c), codes [D, G*b/8]. Lanes are tokens, so each
+// unpacked vector of codes feeds the FMAs of all NH heads. With few heads, two accumulator
+// sets (even and odd channels) keep enough independent FMA chains in flight.
+template <typename V, int BITS, int NH>
+inline void key_scores(const float* qsc, const float* zk, const uint8_t* codes, int64_t dim, int64_t G, float* out,
+                       int64_t stride) {
+  constexpr int64_t L = V::kLanes;
+  constexpr int SETS = NH >= 4 ? 1 : 2;
+  const int64_t row_bytes = G * BITS / 8;
+  for (int64_t j = 0; j < G; j += L) {
+    V a[SETS][NH];
+    for (int g = 0; g < NH; ++g) {
+      a[0][g] = V::broadcast(zk[g]);
+      if constexpr (SETS == 2) a[1][g] = V::zero();
+    }
+    int64_t c = 0;
+    for (; c + SETS <= dim; c += SETS) {
+      for (int k = 0; k < SETS; ++k) {
+        const V x = V::template codes<BITS>(codes + (c + k) * row_bytes, j);
+        for (int g = 0; g < NH; ++g) a[k][g] = V::fmadd(V::broadcast(qsc[g * dim + c + k]), x, a[k][g]);
+      }
+    }
+    for (; c < dim; ++c) {
+      const V x = V::template codes<BITS>(codes + c * row_bytes, j);
+      for (int g = 0; g < NH; ++g) a[0][g] = V::fmadd(V::broadcast(qsc[g * dim + c]), x, a[0][g]);
+    }
+    for (int g = 0; g < NH; ++g) {
+      if constexpr (SETS == 2) a[0][g] = V::add(a[0][g], a[1][g]);
+      a[0][g].store(out + g * stride + j);
+    }
+  }
+}
+
+// Dequantisation of the codes of one (token, channel group): code * scale + zero, by a
+// table lookup where the vector type has one (the table built once per token and group),
+// else by an FMA per vector.
+template <typename V, int BITS>
+struct ValueDequant {
+  V a, b;  // lookup: a = the table; else a = scale, b = zero (broadcast)
+  ValueDequant(float scale, float zero) {
+    if constexpr (V::template kLookup<BITS>) {
+      a = V::fmadd(V::template code_table<BITS>(), V::broadcast(scale), V::broadcast(zero));
+    } else {
+      a = V::broadcast(scale);
+      b = V::broadcast(zero);
+    }
+  }
+  V operator()(const uint8_t* row, int64_t first) const {
+    if constexpr (V::template kLookup<BITS>) {
+      return V::template lookup<BITS>(row, first, a);
+    } else {
+      return V::fmadd(V::template codes<BITS>(row, first), a, b);
+    }
+  }
+};
+
+// acc[g * D + c] += sum_{t in [t0, t1)} prob[g * stride + t] * v_hat(t, c) for the page's
+// value codes [G, D*b/8], v_hat(t, c) = code(t, c) scale(t, cg) + zero(t, cg) (sv, zv: the
+// page's scales and zeros as floats, [G, D/G]). Lanes are channels; a block of KB vectors
+// lies inside one channel group (G % (KB * L) == 0), so each token's dequantiser is set up
+// once per block and each dequantised vector feeds the FMAs of all NH heads. The block's
+// NH * KB accumulators stay in registers across the tokens (two sets, even and odd
+// tokens, when that alone gives too few independent FMA chains).
+template <typename V, int BITS, int NH, int KB>
+inline void value_accumulate(const float* prob, int64_t stride, const float* sv, const float* zv,
+                             const uint8_t* codes, int64_t t0, int64_t t1, int64_t dim, int64_t G, float* acc) {
+  constexpr int64_t L = V::kLanes;
+  constexpr int SETS = NH * KB >= 4 ? 1 : 2;
+  const int64_t row_bytes = dim * BITS / 8, cgs = dim / G;
+  for (int64_t j = 0; j < dim; j += KB * L) {
+    const int64_t cg = j / G;
+    V a[SETS][NH][KB];
+    for (int g = 0; g < NH; ++g) {
+      for (int k = 0; k < KB; ++k) {
+        a[0][g][k] = V::load(acc + g * dim + j + k * L);
+        if constexpr (SETS == 2) a[1][g][k] = V::zero();
+      }
+    }
+    auto token = [&](int set, int64_t t) __attribute__((always_inline)) {
+      const ValueDequant<V, BITS> dequant(sv[t * cgs + cg], zv[t * cgs + cg]);
+      V y[KB];
+      for (int k = 0; k < KB; ++k) y[k] = dequant(codes + t * row_bytes, j + k * L);
+      for (int g = 0; g < NH; ++g) {
+        const V w = V::broadcast(prob[g * stride + t]);
+        for (int k = 0; k < KB; ++k) a[set][g][k] = V::fmadd(w, y[k], a[set][g][k]);
+      }
+    };
+    int64_t t = t0;
+    for (; t + SETS <= t1; t += SETS) {
+      for (int set = 0; set < SETS; ++set) token(set, t + set);
+    }
+    for (; t < t1; ++t) token(0, t);
+    for (int g = 0; g < NH; ++g) {
+      for (int k = 0; k < KB; ++k) {
+        if constexpr (SETS == 2) a[0][g][k] = V::add(a[0][g][k], a[1][g][k]);
+        a[0][g][k].store(acc + g * dim + j + k * L);
+      }
+    }
+  }
+}
+
+// Pages are scattered in the pool, so the hardware prefetcher cannot anticipate the jump
+// to the next page: its six arrays are requested (into L2) while the current tile runs.
+// always_inline: a separate function made only of prefetches is seen by GCC as free of
+// side effects ("const"), and its calls are deleted.
+__attribute__((always_inline)) inline void prefetch(const void* base, int64_t bytes) {
+  const char* p = static_cast<const char*>(base);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
+}
+
+// One unit for query heads [h0, h0 + NH) of its kv group. m, l, acc: the unit's partial
+// state for those heads (acc [NH * D]).
+template <typename V, int BITS, int NH>
+void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, float* m, float* l, float* acc) {
+  const int64_t b = u.pair / p.kv_heads, h = u.pair % p.kv_heads;
+  const int64_t dim = p.dim, G = p.g, R = p.residual;
+  const int64_t k_row_bytes = G * BITS / 8, v_row_bytes = dim * BITS / 8;
+  const int64_t tile_pages = std::max<int64_t>(1, kTileTokens / G), stride = tile_pages * G;
+  const Span sp = span_of(p, b);
+  float* qs = scratch.qs.data();
+  float* qsc = scratch.qsc.data();
+  float* scores = scratch.scores.data();
+  const float* q_rows = p.q + ((b * p.kv_heads + h) * p.group + h0) * dim;
+  for (int64_t i = 0; i < NH * dim; ++i) qs[i] = q_rows[i] * p.scale;
+  State s{m, l, acc};
+  if (u.with_self) {
+    // The own token is always visible: seeding with it keeps the running max finite.
+    const float* ks = p.k_self + (b * p.kv_heads + h) * dim;
+    const float* vs = p.v_self + (b * p.kv_heads + h) * dim;
+    for (int g = 0; g < NH; ++g) {
+      m[g] = dot<V>(qs + g * dim, ks, dim);
+      l[g] = 1.f;
+      std::memcpy(acc + g * dim, vs, dim * sizeof(float));
+    }
+  } else {
+    // A unit without the own token has a visible token in its first tile, so m turns
+    // finite there and the correction e^-inf = 0 multiplies a zero accumulator.
+    for (int g = 0; g < NH; ++g) {
+      m[g] = -std::numeric_limits<float>::infinity();
+      l[g] = 0.f;
+      std::fill(acc + g * dim, acc + (g + 1) * dim, 0.f);
+    }
+  }
+  TORCH_CHECK(sp.n == 0 || (sp.slot >= 0 && sp.slot < p.slots), "kivi_decode_attention: slot ", sp.slot,
+              " out of range");
+  const int64_t ring = (sp.slot * p.kv_heads + h) * R;  // row index of the pair's ring in k_res/v_res
+  const int64_t* table = p.page_table + b * p.table_width;
+  auto page_at = [&](int64_t column) {
+    TORCH_CHECK(column < p.table_width, "kivi_decode_attention: page table too short");
+    const int64_t page = table[column];
+    TORCH_CHECK(page >= 0 && page < p.pages, "kivi_decode_attention: page id ", page, " out of range");
+    return h * p.pages + page;
+  };
+  auto prefetch_page = [&](int64_t base) __attribute__((always_inline)) {
+    prefetch(p.k_codes + base * dim * k_row_bytes, dim * k_row_bytes);
+    prefetch(p.k_scale + base * dim, dim * 2);
+    prefetch(p.k_zero + base * dim, dim * 2);
+    prefetch(p.v_codes + base * G * v_row_bytes, G * v_row_bytes);
+    prefetch(p.v_scale + base * dim, dim * 2);
+    prefetch(p.v_zero + base * dim, dim * 2);
+  };
+  auto prefetch_ring = [&](const void* base, int64_t t_begin, int64_t t_end) __attribute__((always_inline)) {
+    const char* rows = static_cast<const char*>(base);
+    for (int64_t t = t_begin; t < t_end; ++t) prefetch(rows + (ring + t % R) * p.res_row_bytes, p.res_row_bytes);
+  };
+  const int64_t res_begin = std::max(sp.nk, sp.lo);  // first residual token
+  // Requests what the tile of page columns from `col` reads: its pages and the ring rows of
+  // its tokens in [nv, nk); past the unit's last column, the first residual tile.
+  auto prefetch_tile = [&](int64_t col) __attribute__((always_inline)) {
+    if (col < u.col_end) {
+      const int64_t end = std::min(col + tile_pages, u.col_end);
+      for (int64_t k = col; k < end; ++k) prefetch_page(page_at(k));
+      const int64_t t_begin = sp.first + col * G, t_end = sp.first + end * G;
+      prefetch_ring(p.v_res, std::max(t_begin, std::max(sp.nv, sp.lo)), t_end);
+    } else if (u.with_self) {
+      const int64_t t_end = std::min(sp.n, res_begin + stride);
+      prefetch_ring(p.k_res, res_begin, t_end);
+      prefetch_ring(p.v_res, res_begin, t_end);
+    }
+  };
+  prefetch_tile(u.col_begin);
+
+  // Quantised keys: the unit's page columns, a tile of pages per softmax update.
+  int64_t bases[kTileTokens];  // tile_pages <= kTileTokens
+  for (int64_t col = u.col_begin; col < u.col_end; col += tile_pages) {
+    const int64_t count = std::min(tile_pages, u.col_end - col);
+    for (int64_t k = 0; k < count; ++k) bases[k] = page_at(col + k);
+    prefetch_tile(col + count);
+    const int64_t t_first = sp.first + col * G;
+    const int64_t hidden = std::max<int64_t>(0, sp.lo - t_first);  // only the pair's first page has any
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t base = bases[k];
+      const c10::Half* kscale = p.k_scale + base * dim;
+      const c10::Half* kzero = p.k_zero + base * dim;
+      // q . k_hat(t) = sum_c q_c zero_c + sum_c (q_c scale_c) code(t, c)
+      for (int g = 0; g < NH; ++g) {
+        V z = V::zero();
+        for (int64_t c = 0; c < dim; c += V::kLanes) {
+          const V qv = V::load(qs + g * dim + c);
+          V::mul(qv, V::load(kscale + c)).store(qsc + g * dim + c);
+          z = V::fmadd(qv, V::load(kzero + c), z);
+        }
+        scratch.zk[g] = z.sum();
+      }
+      key_scores<V, BITS, NH>(qsc, scratch.zk.data(), p.k_codes + base * dim * k_row_bytes, dim, G, scores + k * G,
+                              stride);
+    }
+    update<V>(s, scores, stride, count * G, hidden, NH, dim);
+    // Values: token t is quantised iff t < nv, else it is still in the ring.
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t base = bases[k], t0 = t_first + k * G;
+      const int64_t q_begin = std::max<int64_t>(0, sp.lo - t0);
+      const int64_t q_end = std::clamp<int64_t>(sp.nv - t0, q_begin, G);
+      const float* prob = scores + k * G;
+      if (q_end > q_begin) {
+        float* sv = scratch.sv.data();
+        float* zv = scratch.zv.data();
+        for (int64_t c = 0; c < dim; c += V::kLanes) {
+          V::load(p.v_scale + base * dim + c).store(sv + c);
+          V::load(p.v_zero + base * dim + c).store(zv + c);
+        }
+        const uint8_t* vc = p.v_codes + base * G * v_row_bytes;
+        if ((G / V::kLanes) % 2 == 0) {
+          value_accumulate<V, BITS, NH, 2>(prob, stride, sv, zv, vc, q_begin, q_end, dim, G, acc);
+        } else {
+          value_accumulate<V, BITS, NH, 1>(prob, stride, sv, zv, vc, q_begin, q_end, dim, G, acc);
+        }
+      }
+      // Tokens [nv, nk) have their values still in the ring.
+      const int64_t r_begin = std::max(q_begin, q_end);
+      if (r_begin < G) {
+        const float** rows = scratch.row_ptrs.data();
+        residual_rows<V>(p, p.v_res, ring, t0 + r_begin, G - r_begin, scratch.rows.data(), rows);
+        rows_accumulate<V, NH>(prob + r_begin, stride, rows, 0, G - r_begin, dim, acc);
+      }
+    }
+  }
+
+  // Residual tokens [max(nk, lo), n): keys and values at ring offset t % R.
+  if (u.with_self) {
+    for (int64_t start = res_begin; start < sp.n; start += stride) {
+      const int64_t count = std::min(stride, sp.n - start);
+      const int64_t next_end = std::min(sp.n, start + count + stride);
+      prefetch_ring(p.k_res, start + count, next_end);
+      prefetch_ring(p.v_res, start + count, next_end);
+      const float** rows = scratch.row_ptrs.data();
+      residual_rows<V>(p, p.k_res, ring, start, count, scratch.rows.data(), rows);
+      for (int64_t i = 0; i < count; ++i) {
+        for (int g = 0; g < NH; ++g) scores[g * stride + i] = dot<V>(qs + g * dim, rows[i], dim);
+      }
+      update<V>(s, scores, stride, count, 0, NH, dim);
+      residual_rows<V>(p, p.v_res, ring, start, count, scratch.rows.data(), rows);
+      rows_accumulate<V, NH>(scores, stride, rows, 0, count, dim, acc);
+    }
+  }
+}
+
+using PassFn = void (*)(const Unit&, int64_t, const Problem&, Scratch&, float*, float*, float*);
+
+// Heads per pass instantiated for a vector type: all up to kMaxHeadsPerPass for the main
+// one; fewer for the fallbacks (G not a multiple of the native width), which only bounds
+// the build time.
+template <typename V>
+constexpr int max_heads_per_pass() {
+#ifdef KVFORGE_NATIVE_VEC
+  if constexpr (std::is_same_v<V, NativeVec>) return kMaxHeadsPerPass;
+  return V::kLanes == 1 ? 1 : 4;
+#else
+  return V::kLanes == 1 ? 1 : kMaxHeadsPerPass;
+#endif
+}
+
+template <typename V, int BITS>
+PassFn pass_for(int nh) {
+  constexpr int kMax = max_heads_per_pass<V>();
+  if constexpr (kMax == 1) {
+    return &run_pass<V, BITS, 1>;
+  } else if constexpr (kMax == 4) {
+    switch (nh) {
+      case 1: return &run_pass<V, BITS, 1>;
+      case 2: return &run_pass<V, BITS, 2>;
+      case 3: return &run_pass<V, BITS, 3>;
+      default: return &run_pass<V, BITS, 4>;
+    }
+  } else {
+    switch (nh) {
+      case 1: return &run_pass<V, BITS, 1>;
+      case 2: return &run_pass<V, BITS, 2>;
+      case 3: return &run_pass<V, BITS, 3>;
+      case 4: return &run_pass<V, BITS, 4>;
+      case 5: return &run_pass<V, BITS, 5>;
+      case 6: return &run_pass<V, BITS, 6>;
+      case 7: return &run_pass<V, BITS, 7>;
+      default: return &run_pass<V, BITS, 8>;
+    }
+  }
+}
+
+// Runs every unit (threads take units dynamically) and writes each unit's partial state
+// [m (group), l (group), acc (group * D)] to `partial`.
+template <typename V, int BITS>
+void run_units(const std::vector<Unit>& units, const Problem& p, float* partial) {
+  const int64_t group = p.group, dim = p.dim, state = group * (dim + 2);
+  const int64_t tile = std::max<int64_t>(1, kTileTokens / p.g) * p.g;
+  // Head passes of at most max_heads_per_pass heads, sizes as even as possible.
+  constexpr int64_t kMax = max_heads_per_pass<V>();
+  const int64_t passes = (group + kMax - 1) / kMax;
+  std::vector<int64_t> pass_begin(passes + 1);
+  for (int64_t i = 0; i <= passes; ++i) pass_begin[i] = group * i / passes;
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(units.size());
+  const int64_t workers = std::min<int64_t>(std::max<int64_t>(1, at::get_num_threads()), total);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch(p, tile);
+    for (int64_t u = next.fetch_add(1); u < total; u = next.fetch_add(1)) {
+      float* st = partial + u * state;
+      for (int64_t i = 0; i < passes; ++i) {
+        const int64_t h0 = pass_begin[i], nh = pass_begin[i + 1] - h0;
+        pass_for<V, BITS>(static_cast<int>(nh))(units[u], h0, p, scratch, st + h0, st + group + h0,
+                                                st + 2 * group + h0 * dim);
+      }
+    }
+  });
+}
+
+template <typename V>
+void dispatch_bits(int64_t bits, const std::vector<Unit>& units, const Problem& p, float* partial) {
+  switch (bits) {
+    case 2:
+      return run_units<V, 2>(units, p, partial);
+    case 4:
+      return run_units<V, 4>(units, p, partial);
+    default:
+      return run_units<V, 8>(units, p, partial);
+  }
+}
+
+at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, const at::Tensor& v_self,
+                                 const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& k_zero,
+                                 const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& v_zero,
+                                 const at::Tensor& k_res, const at::Tensor& v_res, const at::Tensor& page_table,
+                                 const at::Tensor& first_page_position, const at::Tensor& visible_from,
+                                 const at::Tensor& lengths, const at::Tensor& slots, double scale, int64_t bits) {
+  for (const at::Tensor* t : {&q, &k_self, &v_self, &k_codes, &k_scale, &k_zero, &v_codes, &v_scale, &v_zero,
+                              &k_res, &v_res, &page_table, &first_page_position, &visible_from, &lengths,
+                              &slots}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "kivi_decode_attention: contiguous CPU tensors only");
+  }
+  for (const at::Tensor* t : {&q, &k_self, &v_self}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3, "q, k_self, v_self must be float32 [B, *, D]");
+  }
+  for (const at::Tensor* t : {&page_table, &first_page_position, &visible_from, &lengths, &slots}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong, "page table, positions and slots must be int64");
+  }
+  TORCH_CHECK(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte, "codes must be uint8");
+  for (const at::Tensor* t : {&k_scale, &k_zero, &v_scale, &v_zero}) {
+    TORCH_CHECK(t->scalar_type() == at::kHalf, "scales and zero points must be float16");
+  }
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
+  TORCH_CHECK(k_res.sizes() == v_res.sizes() && k_res.scalar_type() == v_res.scalar_type() && k_res.dim() == 4,
+              "k_res, v_res must be [S, H, R, D] of one dtype");
+  const at::ScalarType res_dtype = k_res.scalar_type();
+  TORCH_CHECK(res_dtype == at::kFloat || res_dtype == at::kHalf || res_dtype == at::kBFloat16,
+              "kivi_decode_attention: residual dtype must be float32, float16 or bfloat16");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_self.size(1);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  TORCH_CHECK(k_self.size(0) == batch && k_self.size(2) == dim && v_self.sizes() == k_self.sizes(),
+              "k_self, v_self must be [B, H, D]");
+  TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(0) == kv_heads && k_codes.size(2) == dim, "k_codes shape");
+  const int64_t pages = k_codes.size(1);
+  const int64_t g = v_codes.size(2);
+  TORCH_CHECK(g > 0 && dim % g == 0 && k_codes.size(3) == g * bits / 8 && (g * bits) % 8 == 0,
+              "k_codes must be [H, P, D, G*b/8]");
+  TORCH_CHECK(v_codes.dim() == 4 && v_codes.size(1) == pages && v_codes.size(3) == dim * bits / 8,
+              "v_codes must be [H, P, G, D*b/8]");
+  TORCH_CHECK(k_scale.numel() == kv_heads * pages * dim && k_zero.numel() == k_scale.numel(), "k_scale shape");
+  TORCH_CHECK(v_scale.numel() == kv_heads * pages * dim && v_zero.numel() == v_scale.numel(), "v_scale shape");
+  TORCH_CHECK(k_res.size(1) == kv_heads && k_res.size(3) == dim, "residual shape");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch, "page_table must be [B, W]");
+  for (const at::Tensor* t : {&first_page_position, &visible_from, &lengths, &slots}) {
+    TORCH_CHECK(t->numel() == batch, "positions and slots must be [B]");
+  }
+  const int64_t group = heads / kv_heads;
+  const Problem p{batch, kv_heads, group, dim, g, k_res.size(2), pages, page_table.size(1), k_res.size(0),
+                  static_cast<float>(scale), q.data_ptr<float>(), k_self.data_ptr<float>(),
+                  v_self.data_ptr<float>(), k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
+                  k_scale.data_ptr<c10::Half>(), k_zero.data_ptr<c10::Half>(), v_scale.data_ptr<c10::Half>(),
+                  v_zero.data_ptr<c10::Half>(), k_res.data_ptr(), v_res.data_ptr(), res_dtype,
+                  dim * static_cast<int64_t>(k_res.element_size()),
+                  page_table.data_ptr<int64_t>(), first_page_position.data_ptr<int64_t>(),
+                  visible_from.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), slots.data_ptr<int64_t>()};
+
+  // Units: each pair's visible quantised pages [col_lo, col_hi), cut into slices when the
+  // batch alone would not give every thread several units (split-K).
+  std::vector<int64_t> col_lo(batch), col_hi(batch);
+  int64_t total_tokens = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const Span sp = span_of(p, b);
+    col_lo[b] = (sp.lo - sp.first) / g;
+    col_hi[b] = std::max(col_lo[b], (sp.nk - sp.first) / g);
+    total_tokens += ((col_hi[b] - col_lo[b]) * g + (sp.n - std::min(sp.n, std::max(sp.nk, sp.lo)))) * kv_heads;
+  }
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t target_units = 4 * threads;
+  const int64_t slice_pages = std::max<int64_t>(1, std::max(kMinUnitTokens, total_tokens / target_units) / g);
+  std::vector<Unit> units;
+  std::vector<int64_t> first_unit(batch * kv_heads + 1);
+  for (int64_t pair = 0; pair < batch * kv_heads; ++pair) {
+    const int64_t b = pair / kv_heads;
+    first_unit[pair] = static_cast<int64_t>(units.size());
+    const int64_t length = col_hi[b] - col_lo[b];
+    const int64_t pieces = std::max<int64_t>(1, (length + slice_pages - 1) / slice_pages);
+    for (int64_t i = 0; i < pieces; ++i) {
+      units.push_back({pair, col_lo[b] + length * i / pieces, col_lo[b] + length * (i + 1) / pieces, i == 0});
+    }
+  }
+  first_unit[batch * kv_heads] = static_cast<int64_t>(units.size());
+
+  const int64_t state = group * (dim + 2);
+  std::vector<float> partial(units.size() * state);
+#ifdef KVFORGE_NATIVE_VEC
+  if (g % NativeVec::kLanes == 0) {
+    dispatch_bits<NativeVec>(bits, units, p, partial.data());
+  } else
+#endif
+  if (g % 8 == 0) {
+    dispatch_bits<ArrayVec<8>>(bits, units, p, partial.data());
+  } else {
+    dispatch_bits<ArrayVec<1>>(bits, units, p, partial.data());
+  }
+
+  // Merge the slices of each pair: out = sum_u acc_u e^(m_u - M) / sum_u l_u e^(m_u - M).
+  at::Tensor out = at::empty({batch, heads, dim}, q.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t pair = 0; pair < batch * kv_heads; ++pair) {
+    const int64_t u0 = first_unit[pair], u1 = first_unit[pair + 1];
+    for (int64_t hg = 0; hg < group; ++hg) {
+      // pair = b * kv_heads + h; its query heads h * group + hg are contiguous in out.
+      float* dst = op + (pair * group + hg) * dim;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t u = u0; u < u1; ++u) top = std::max(top, partial[u * state + hg]);
+      float sum = 0.f;
+      std::fill(dst, dst + dim, 0.f);
+      for (int64_t u = u0; u < u1; ++u) {
+        const float* st = partial.data() + u * state;
+        const float weight = u1 - u0 == 1 ? 1.f : std::exp(st[hg] - top);
+        sum += st[group + hg] * weight;
+        const float* part = st + 2 * group + hg * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] += weight * part[d];
+      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvforge_cpu_kivi, m) {
+  m.def("kivi_decode_attention(Tensor q, Tensor k_self, Tensor v_self, Tensor k_codes, Tensor k_scale, "
+        "Tensor k_zero, Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor k_res, Tensor v_res, "
+        "Tensor page_table, Tensor first_page_position, Tensor visible_from, Tensor lengths, Tensor slots, "
+        "float scale, int bits) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpu_kivi, CPU, m) {
+  m.impl("kivi_decode_attention", &kivi_decode_attention);
+}

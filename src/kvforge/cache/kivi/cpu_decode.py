@@ -1,0 +1,73 @@
+"""KIVI decode attention on CPU, as a C++ kernel compiled at first use.
+
+`kivi_decode_attention_cpu` has exactly the semantics of
+`kvforge.cache.kivi.attention.kivi_decode_attention` (without `tile_pages`) but reads the
+quantised pages in place and never dequantises a tile into memory. Codes are unpacked in
+vector registers (shift + 16-entry table lookup on AVX-512, shift + mask + convert
+elsewhere) and each unpacked vector feeds the FMAs of every query head of the kv group:
+keys with the pre-scaling algebra of the layout (/work/notes/kivi_layout.md),
+q . k_hat(t) = sum_c q_c zero_c + sum_c (q_c scale_c) code(t, c), q scaled once per page
+and the page's scores held in registers across its channels; values dequantised in
+registers (the lookup table holds code * scale + zero) into a [heads, D] accumulator held
+in registers across the page's tokens. The next tile's scattered pages and ring rows are
+prefetched while a tile runs. Work units are page slices of (sequence, kv head) pairs,
+taken dynamically by the threads and merged by log-sum-exp (split-K), so a small batch of
+long sequences still uses every thread; float32 accumulation, online softmax per tile.
+
+Measured on the smollm2-135m geometry (`benchmarks/kivi_kernel_micro.py`): ~0.6x the time
+per (token, kv head) of the fp16 full-precision paged kernel for 2-bit codes, ~0.7x for
+4-bit, on one thread of an AVX-512 CPU.
+
+Built lazily by `cpu_kivi_kernel_available()` through `kernels.build.CppKernel` (warn-once
+fallback to the PyTorch path; `KVFORGE_DISABLE_CPU_KERNELS=1` disables it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvforge.cache.kivi.store import KIVILayerView
+from kvforge.kernels.build import DISABLE_ENV, CppKernel
+
+__all__ = ["cpu_kivi_kernel_available", "kivi_decode_attention_cpu"]
+
+# torch.ops.kvforge_cpu_kivi.kivi_decode_attention (TORCH_LIBRARY in the source).
+_KERNEL = CppKernel(name="kvforge_cpu_kivi_attention", source=Path(__file__).with_name("cpu_decode.cpp"),
+                    namespace="kvforge_cpu_kivi", op="kivi_decode_attention", what="KIVI attention kernel",
+                    fallback="the PyTorch KIVI decode attention")
+
+
+def cpu_kivi_kernel_available() -> bool:
+    """True when the compiled kernel can be used (builds it on the first call)."""
+    return _KERNEL.available()
+
+
+def kivi_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
+                              page_table: torch.Tensor, first_page_position: torch.Tensor,
+                              visible_from: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """Arguments as `kivi_decode_attention`; returns [B, heads, D] in q's dtype.
+    Raises RuntimeError when the kernel is unavailable; check `cpu_kivi_kernel_available()`."""
+    if not cpu_kivi_kernel_available():
+        raise RuntimeError(f"the CPU KIVI attention kernel is not available (build failed or {DISABLE_ENV} is set)")
+    tensors = (q, view.k_codes, view.v_codes, view.k_res, view.v_res)
+    if not all(t.is_cpu for t in tensors):
+        raise ValueError("kivi_decode_attention_cpu takes CPU tensors only")
+    # The store views are contiguous already (`.contiguous()` is then free); only the small
+    # per-step tensors may need a conversion.
+    out = torch.ops.kvforge_cpu_kivi.kivi_decode_attention(
+        _as(q, torch.float32), _as(k_self, torch.float32), _as(v_self, torch.float32),
+        view.k_codes.contiguous(), view.k_scale.contiguous(), view.k_zero.contiguous(),
+        view.v_codes.contiguous(), view.v_scale.contiguous(), view.v_zero.contiguous(),
+        view.k_res.contiguous(), view.v_res.contiguous(), _as(page_table, torch.int64),
+        _as(first_page_position, torch.int64), _as(visible_from, torch.int64), _as(lengths, torch.int64),
+        _as(slots, torch.int64), float(scale), int(view.bits))
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return t.to(dtype).contiguous()

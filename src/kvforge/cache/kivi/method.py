@@ -1,0 +1,396 @@
+"""The `kivi` cache method (Liu et al., ICML 2024): 2/4/8-bit asymmetric K/V quantisation.
+
+Keys are quantised per channel over groups of G tokens, values per token over groups of G
+channels (arithmetic in quant.py, tensors in store.py). The newest tokens stay in full
+precision: the key residual collects up to R - 1 tokens and is quantised as R / G pages when
+it reaches R; the value residual is a sliding window of the last R tokens, the oldest
+leaving it quantised per token. With n tokens held, keys of [0, nk) and values of [0, nv)
+are quantised, nk = (n // R) * R, nv = max(0, n - R).
+
+Pages (block_size = G) come from a PageTable over one BlockPool, as in `full`, and are held
+only for tokens [0, nk) (whole pages, since R % G == 0). Sliding-window layer groups release
+pages that no later query can see. Each sequence also owns one residual slot (K and V, R
+tokens, every cache layer, in residual_dtype), paid for with `slot_pages` pages taken from
+the same pool when the sequence is first allocated and returned by `free`: one budget
+covers quantised pages and residuals, so the scheduler admits exactly what the bytes allow.
+
+Multi-token spans (prefill chunks) are attended by prefill.kivi_chunk_attention_fast
+(fused attention per part, merged by log-sum-exp; `prefill_attention=reference` selects the
+plain PyTorch path of attention.py); single tokens by the CPU decode kernel when it builds.
+
+Step protocol: `write` keeps the step's post-RoPE K/V; `attend` reads the state as it was
+before the step plus the step's own exact K/V; `end_step` first quantises the tokens that
+leave the residuals in this step into their (new) pages, reading the old residuals (one
+call per layer group, every layer at once), then writes the step's tokens that stay in the
+residuals (only then can ring slots be overwritten) and commits the lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.batch import ForwardBatch, SequenceSpan
+from kvforge.cache.base import CacheMethod, PagedPoolMemory
+from kvforge.cache.block_pool import BlockPool
+from kvforge.cache.kivi.attention import kivi_chunk_attention, kivi_decode_attention
+from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig, default_residual_dtype
+from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
+from kvforge.cache.kivi.prefill import kivi_chunk_attention_fast
+from kvforge.cache.kivi.store import KIVIStore, page_bytes, store_key_pages, store_value_tokens
+from kvforge.cache.layout import CacheLayout
+from kvforge.cache.page_table import RELEASED, LayerGroups, PageTable
+from kvforge.cache.registry import register_cache_method
+from kvforge.errors import ConfigError
+from kvforge.models.rope import PositionedRope
+
+
+@dataclass
+class _Sequence:
+    slot: int  # residual slot
+    reserved: list[int]  # pool pages that pay for the residual slot
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class _Flush:
+    """Tokens of a step that leave the residuals, for one layer group. Sources are either
+    residual offsets (slot, t % R) or rows of the step; `*_order` puts the concatenation
+    [from residual, from rows] back in token order."""
+
+    key_res: tuple[torch.Tensor, torch.Tensor]  # (slots, offsets) of keys read from k_res
+    key_rows: torch.Tensor
+    key_order: torch.Tensor
+    key_pages: torch.Tensor  # destination page per G keys
+    value_res: tuple[torch.Tensor, torch.Tensor]
+    value_rows: torch.Tensor
+    value_order: torch.Tensor
+    value_slots: torch.Tensor  # destination page * G + offset per value
+
+
+@dataclass(frozen=True)
+class _Decode:
+    rows: torch.Tensor
+    page_table: torch.Tensor
+    first_page_position: torch.Tensor
+    visible_from: torch.Tensor
+    lengths: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    span: SequenceSpan
+    pages: torch.Tensor
+    first_page_position: int
+    past_from: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    flush: _Flush
+    decode: _Decode | None
+    prefills: tuple[_Prefill, ...]
+
+
+@dataclass(frozen=True)
+class _ResidualWrites:
+    """Step rows that stay in the residuals, written at end_step (same for every layer)."""
+
+    key: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, slots, offsets)
+    value: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@register_cache_method("kivi", KIVICacheConfig)
+class KIVICache(PagedPoolMemory, CacheMethod):
+    def __init__(self, layout: CacheLayout, config: KIVICacheConfig, budget_bytes: int,
+                 compute_dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(layout, compute_dtype, device)
+        self.config = config
+        g, r, bits = config.group, config.residual, config.bits
+        heads, dim = layout.num_kv_heads, layout.head_dim
+        if dim % g:
+            raise ConfigError("group", g, f"must divide head_dim={dim} (values are grouped over channels)")
+        self.residual_dtype = RESIDUAL_DTYPES[config.residual_dtype] if config.residual_dtype \
+            else default_residual_dtype(compute_dtype)
+        self.groups = LayerGroups.from_layout(layout)
+        self.page_bytes = page_bytes(self.groups.group_size, heads, dim, bits, g)
+        element = torch.tensor([], dtype=self.residual_dtype).element_size()
+        self.residual_bytes = 2 * layout.num_cache_layers * heads * r * dim * element
+        self.slot_pages = math.ceil(self.residual_bytes / self.page_bytes)
+        num_pages = budget_bytes // self.page_bytes
+        minimum = (self.slot_pages + self.groups.num_groups * r // g) * self.page_bytes
+        if num_pages * self.page_bytes < minimum:
+            raise ConfigError("kv_budget", budget_bytes,
+                              f"must hold one sequence's residual ({self.residual_bytes} bytes) plus one "
+                              f"residual's worth of quantised pages: at least {minimum} bytes")
+        self.budget_bytes = budget_bytes
+        self.pages = PageTable(BlockPool(num_pages), g, self.groups)
+        num_slots = num_pages // self.slot_pages
+        self.store = KIVIStore(self.groups.group_size, layout.num_cache_layers, heads, dim, num_pages, num_slots,
+                               bits, g, r, self.residual_dtype, self.device)
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._seqs: dict[int, _Sequence] = {}
+        self._plans: list[_GroupPlan] = []
+        self._residual_writes: _ResidualWrites | None = None
+        self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- token counts -------------------------------------------------------------------
+    def quantized_keys(self, num_tokens: int) -> int:
+        """nk: tokens whose keys are quantised when a sequence holds `num_tokens`."""
+        return (num_tokens // self.config.residual) * self.config.residual
+
+    def quantized_values(self, num_tokens: int) -> int:
+        """nv: tokens whose values are quantised when a sequence holds `num_tokens`."""
+        return max(0, num_tokens - self.config.residual)
+
+    # -- memory accounting ------------------------------------------------------------
+    def bytes_per_token(self, cache_layer: int) -> float:
+        """Quantised bytes per stored token and cache layer (codes + float16 scale/zero)."""
+        return self.page_bytes / (self.config.group * self.groups.group_size)
+
+    def sequence_bytes(self, num_tokens: int) -> int:
+        return (self.pages.max_pages_per_sequence(self.quantized_keys(num_tokens)) + self.slot_pages) \
+            * self.page_bytes
+
+    def statistics(self) -> dict[str, float]:
+        pool = self.pages.pool
+        reserved = self.slot_pages * len(self._seqs)
+        return {"pages_used": pool.num_used, "pages_total": pool.num_blocks, "residual_pages": reserved,
+                "sequences": len(self._seqs), "bytes_per_token_ratio_vs_fp16":
+                    self.kv_bytes_per_token() / (4 * self.layout.num_cache_layers * self.layout.num_kv_heads
+                                                 * self.layout.head_dim)}
+
+    # -- sequences --------------------------------------------------------------------
+    def _pages_needed(self, seq_id: int, num_tokens: int) -> int:
+        fresh = 0 if seq_id in self._seqs else self.slot_pages
+        return fresh + self.pages.pages_for_growth(seq_id, self.quantized_keys(num_tokens))
+
+    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
+        return self.pages.pool.can_allocate(self._pages_needed(seq_id, num_tokens))
+
+    def allocate(self, seq_id: int, num_tokens: int) -> bool:
+        if not self.can_allocate(seq_id, num_tokens):
+            return False
+        if seq_id not in self._seqs:
+            # Pages never run out before slots do: each slot in use holds slot_pages pages.
+            self._seqs[seq_id] = _Sequence(self._free_slots.pop(), self.pages.pool.allocate(self.slot_pages))
+        allocated = self.pages.allocate(seq_id, self.quantized_keys(num_tokens))
+        assert allocated, "checked by can_allocate"
+        return True
+
+    def free(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        self.pages.free(seq_id)
+        self.pages.pool.free(seq.reserved)
+        self._free_slots.append(seq.slot)
+
+    def num_cached_tokens(self, seq_id: int) -> int:
+        seq = self._seqs.get(seq_id)
+        return seq.num_tokens if seq else 0
+
+    def residual_slot(self, seq_id: int) -> int:
+        return self._seqs[seq_id].slot
+
+    # -- step -------------------------------------------------------------------------
+    def begin_step(self, batch: ForwardBatch) -> None:
+        super().begin_step(batch)
+        missing = [span.seq_id for span in batch.spans if span.seq_id not in self._seqs]
+        if missing:
+            raise ConfigError("seq_id", missing[0], "call allocate() for the step before running it")
+        self._plans = [self._plan_group(group, batch) for group in range(self.groups.num_groups)]
+        self._residual_writes = self._plan_residual_writes(batch)
+        self._step_kv = {}
+
+    def write(self, cache_layer: int, batch: ForwardBatch, k_pre: torch.Tensor, v: torch.Tensor,
+              rope: PositionedRope) -> None:
+        # Tokens leaving the residuals are quantised at end_step, all layers of a group in one
+        # call: attend never reads them from pages in this step (it reads the state before it).
+        self._step_kv[cache_layer] = (rope.apply(k_pre), v)
+
+    def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
+               rope: PositionedRope) -> torch.Tensor:
+        spec = self.layout.specs[cache_layer]
+        group, index = self.groups.slot_of[cache_layer]
+        plan = self._plans[group]
+        view = self.store.layer(index, cache_layer)
+        k_new, v_new = self._step_kv[cache_layer]
+        out = torch.empty_like(q)
+        tile = max(1, self.config.prefill_tile_tokens // self.config.group)
+        chunk_attention = kivi_chunk_attention_fast if self.config.prefill_attention == "blockwise" \
+            else kivi_chunk_attention
+        for p in plan.prefills:
+            rows = slice(p.span.query_start, p.span.query_end)
+            out[rows] = chunk_attention(q[rows], k_new[rows], v_new[rows], view, p.pages,
+                                        p.first_page_position, p.past_from, p.span.cached_len, p.slot,
+                                        spec.scale, spec.sliding_window, tile)
+        if plan.decode is not None:
+            d = plan.decode
+            args = (q[d.rows], k_new[d.rows], v_new[d.rows], view, d.page_table, d.first_page_position,
+                    d.visible_from, d.lengths, d.slots, spec.scale)
+            if self.config.decode_kernel == "auto" and q.device.type == "cpu" and cpu_kivi_kernel_available():
+                out[d.rows] = kivi_decode_attention_cpu(*args)
+            else:
+                out[d.rows] = kivi_decode_attention(
+                    *args, tile_pages=max(1, self.config.decode_tile_tokens // self.config.group))
+        return out
+
+    def end_step(self, batch: ForwardBatch) -> None:
+        writes = self._residual_writes
+        assert writes is not None
+        for group in range(self.groups.num_groups):  # before the residual writes overwrite the rings
+            self._flush(group)
+        for cache_layer, (k, v) in self._step_kv.items():
+            for store, values, (rows, slots, offsets) in ((self.store.k_res, k, writes.key),
+                                                          (self.store.v_res, v, writes.value)):
+                if rows.numel():
+                    store[cache_layer][slots, :, offsets] = values[rows].to(self.residual_dtype)
+        for span in batch.spans:
+            self._seqs[span.seq_id].num_tokens = span.total_len
+            self.pages.commit(span.seq_id, self.quantized_keys(span.total_len))
+        self._plans = []
+        self._residual_writes = None
+        self._step_kv = {}
+
+    def _flush(self, group: int) -> None:
+        """Quantise the tokens of this step that leave the residuals (the plan's `_Flush`) into
+        their pages: one call for the whole layer group when every layer of it was written."""
+        flush = self._plans[group].flush
+        if not flush.key_pages.numel() and not flush.value_slots.numel():
+            return
+        layers = self.groups.layers[group]
+        if all(layer in self._step_kv for layer in layers):
+            parts = [(list(layers), self.store.all_layers(), True)]
+        else:  # some layer not written this step (not done by the engine): layer by layer
+            parts = [([layer], self.store.layer(index, layer), False)
+                     for index, layer in enumerate(layers) if layer in self._step_kv]
+        for written, view, whole_group in parts:
+            index = torch.tensor(written, device=self.device)
+
+            def leaving(res: torch.Tensor, which: int, source: tuple[torch.Tensor, torch.Tensor],
+                        rows: torch.Tensor, order: torch.Tensor, written: list[int] = written,
+                        index: torch.Tensor = index, whole_group: bool = whole_group) -> torch.Tensor:
+                """[layers, tokens, H, D] (no layer dim for one layer): residual reads, then
+                rows of the step, put back in token order, in residual_dtype."""
+                slots, offsets = source
+                old = res[index[:, None], slots, :, offsets]
+                new = torch.stack([self._step_kv[layer][which][rows] for layer in written]).to(self.residual_dtype)
+                tokens = torch.cat((old, new), dim=1)[:, order]
+                return tokens if whole_group else tokens[0]
+
+            if flush.key_pages.numel():
+                keys = leaving(self.store.k_res, 0, flush.key_res, flush.key_rows, flush.key_order)
+                store_key_pages(view, keys, flush.key_pages)
+            if flush.value_slots.numel():
+                values = leaving(self.store.v_res, 1, flush.value_res, flush.value_rows, flush.value_order)
+                store_value_tokens(view, values, flush.value_slots)
+
+    # -- planning ---------------------------------------------------------------------
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _plan_residual_writes(self, batch: ForwardBatch) -> _ResidualWrites:
+        r = self.config.residual
+        key: tuple[list[int], list[int], list[int]] = ([], [], [])
+        value: tuple[list[int], list[int], list[int]] = ([], [], [])
+        for span in batch.spans:
+            slot, n, end = self._seqs[span.seq_id].slot, span.cached_len, span.total_len
+            for lists, first in ((key, self.quantized_keys(end)), (value, self.quantized_values(end))):
+                for t in range(max(n, first), end):
+                    lists[0].append(span.query_start + t - n)
+                    lists[1].append(slot)
+                    lists[2].append(t % r)
+        as_tensors = lambda lists: tuple(self._tensor(x) for x in lists)  # noqa: E731
+        return _ResidualWrites(as_tensors(key), as_tensors(value))
+
+    def _kept_page(self, seq_id: int, group: int, logical: int) -> int:
+        """Page id of a logical page, or RELEASED if the window dropped (or skipped) it."""
+        table = self.pages.pages(seq_id, group)
+        return table[logical] if logical < len(table) else RELEASED
+
+    def _plan_group(self, group: int, batch: ForwardBatch) -> _GroupPlan:
+        g, r = self.config.group, self.config.residual
+        key_sources: list[tuple[int, int, int, int]] = []  # (token order, kind, a, b)
+        key_pages: list[int] = []
+        value_sources: list[tuple[int, int, int, int]] = []
+        value_slots: list[int] = []
+        decode_spans: list[SequenceSpan] = []
+        prefills: list[_Prefill] = []
+        for span in batch.spans:
+            seq = self._seqs[span.seq_id]
+            n, end = span.cached_len, span.total_len
+
+            def source(t: int, slot: int = seq.slot, n: int = n, first_row: int = span.query_start
+                       ) -> tuple[int, int, int]:
+                # (0, slot, offset): still in the residual; (1, row, 0): a row of this step
+                return (0, slot, t % r) if t < n else (1, first_row + t - n, 0)
+
+            for logical in range(self.quantized_keys(n) // g, self.quantized_keys(end) // g):
+                page = self._kept_page(span.seq_id, group, logical)
+                if page == RELEASED:
+                    continue  # outside the window of this group: never read again
+                key_pages.append(page)
+                for t in range(logical * g, (logical + 1) * g):
+                    key_sources.append((len(key_sources), *source(t)))
+            for t in range(self.quantized_values(n), self.quantized_values(end)):
+                page = self._kept_page(span.seq_id, group, t // g)
+                if page == RELEASED:
+                    continue
+                value_slots.append(page * g + t % g)
+                value_sources.append((len(value_sources), *source(t)))
+            if span.query_len == 1:
+                decode_spans.append(span)
+            else:
+                past_from, pages, first = self._past_pages(span, group)
+                prefills.append(_Prefill(span, self._tensor(pages), first, past_from, seq.slot))
+        key_res, key_rows, key_order = self._sources(key_sources)
+        value_res, value_rows, value_order = self._sources(value_sources)
+        flush = _Flush(key_res, key_rows, key_order, self._tensor(key_pages),
+                       value_res, value_rows, value_order, self._tensor(value_slots))
+        return _GroupPlan(flush, self._plan_decode(group, decode_spans) if decode_spans else None,
+                          tuple(prefills))
+
+    def _sources(self, sources: list[tuple[int, int, int, int]]
+                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Split token sources into residual reads and row reads; the permutation that
+        restores token order after concatenating [residual reads, row reads]."""
+        from_res = [s for s in sources if s[1] == 0]
+        from_rows = [s for s in sources if s[1] == 1]
+        order = [0] * len(sources)
+        for position, s in enumerate(from_res + from_rows):
+            order[s[0]] = position
+        return ((self._tensor([s[2] for s in from_res]), self._tensor([s[3] for s in from_res])),
+                self._tensor([s[2] for s in from_rows]), self._tensor(order))
+
+    def _past_pages(self, span: SequenceSpan, group: int) -> tuple[int, list[int], int]:
+        """(first visible past token, pages of quantised keys from it, position of the first page)."""
+        g = self.config.group
+        past_from = self.pages.first_kept_token(group, span.cached_len)
+        nk = self.quantized_keys(span.cached_len)
+        pages = self.pages.require_slots(span.seq_id, group, past_from, nk) if nk > past_from else []
+        return past_from, pages, (past_from // g) * g
+
+    def _plan_decode(self, group: int, spans: list[SequenceSpan]) -> _Decode:
+        tables: list[list[int]] = []
+        firsts: list[int] = []
+        visible: list[int] = []
+        for span in spans:
+            past_from, pages, first = self._past_pages(span, group)
+            tables.append(pages)
+            firsts.append(first)
+            visible.append(past_from)
+        width = max(1, max(len(t) for t in tables))
+        padded = [t + [0] * (width - len(t)) for t in tables]  # padding is masked by position
+        return _Decode(
+            rows=self._tensor([s.query_start for s in spans]),
+            page_table=self._tensor(padded).reshape(len(spans), width),
+            first_page_position=self._tensor(firsts),
+            visible_from=self._tensor(visible),
+            lengths=self._tensor([s.cached_len for s in spans]),
+            slots=self._tensor([self._seqs[s.seq_id].slot for s in spans]),
+        )

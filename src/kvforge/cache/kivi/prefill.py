@@ -1,0 +1,140 @@
+"""Fast attention of one prefill chunk over KIVI storage, matching `kivi_chunk_attention`.
+
+The chunk's queries see three parts, each attended separately and merged by log-sum-exp:
+1. the chunk's own exact K/V, causally, through one fused scaled-dot-product attention;
+2. the stored quantised pages, tile by tile: a tile of `tile_pages` pages is dequantised
+   into float32 (its values from the residual ring for tokens in [nv, nk)) and attended by
+   every query row at once, so the dequantisation is paid once per tile, not once per row,
+   and the attention is a matrix product over all rows;
+3. the key residual's tokens [max(nk, past_from), n) (keys and values from the residuals).
+Stored tokens all precede the chunk, so parts 2 and 3 need no causal mask: without a
+sliding window or a partly released first page they are attended with no mask at all. The
+query heads of a kv head are folded into rows ([H, group * L, D]), so grouped-query
+attention needs no copy of the dequantised K/V.
+
+No sequence's cache is ever dequantised whole: at most one tile plus the residual.
+
+`attention_with_lse` uses ATen's CPU flash-attention operator, which returns the
+log-sum-exp beside the output; elsewhere (other devices or dtypes) a plain float32 path
+computes the same. Both are float32 throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.cache.attention import visibility_mask
+from kvforge.cache.kivi.attention import stored_tiles
+from kvforge.cache.kivi.store import KIVILayerView
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
+                       visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention and its log-sum-exp, float32.
+
+    q [h, n, D], k/v [h, m, D] (same heads); `causal` (n == m, query i sees keys <= i) or a
+    bool mask `visible` [n, m] shared by the heads, or neither. Returns out [h, n, D] and
+    lse [h, n]; a row that sees no key gets out 0 and lse -inf (a neutral element of the merge).
+    Keys hidden from every row must hold finite numbers (callers zero unwritten storage)."""
+    q, k, v = q.float(), k.float(), v.float()
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        mask = None
+        if visible is not None:
+            mask = torch.zeros(visible.shape, dtype=torch.float32, device=q.device)
+            mask.masked_fill_(~visible, float("-inf"))
+        # The operator misreads inputs whose last dimension is strided (seen with torch 2.13,
+        # e.g. the keys of a single dequantised page): hand it contiguous tensors.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = _FLASH_CPU(q[None], k[None], v[None], 0.0, causal, attn_mask=mask, scale=scale)
+        out, lse = out[0], lse[0]
+    else:
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if causal:
+            visible = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        out = torch.matmul(torch.exp(scores - finite[..., None]), v)
+    if visible is not None and not causal:
+        # The fused operator answers out 0, lse 0 for a row with no visible key; make it -inf.
+        seen = visible.any(dim=-1)
+        if not bool(seen.all()):
+            lse = lse.masked_fill(~seen, float("-inf"))
+            out = out.masked_fill(~seen[:, None], 0.0)
+    return out, lse
+
+
+class LseMerge:
+    """Running merge of partial attentions over disjoint key sets: out = sum_i w_i out_i with
+    w_i = exp(lse_i - lse), lse = log sum_i exp(lse_i). Seeded with a part in which every row
+    sees at least one key, so the running lse is finite and later -inf rows add nothing."""
+
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        self.out, self.lse = out, lse
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        total = torch.logaddexp(self.lse, lse)
+        self.out = self.out * torch.exp(self.lse - total)[..., None] + out * torch.exp(lse - total)[..., None]
+        self.lse = total
+
+
+def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, view: KIVILayerView,
+                              pages: torch.Tensor, first_page_position: int, past_from: int, cached_len: int,
+                              slot: int, scale: float, window: int | None, tile_pages: int) -> torch.Tensor:
+    """Arguments and result as `attention.kivi_chunk_attention`: queries q [L, heads, D]
+    at positions [cached_len, cached_len + L) over their own exact k_new/v_new [L, H, D] and
+    the stored tokens [past_from, cached_len) of one sequence; `pages` [m] holds tokens
+    [first_page_position, nk) in order."""
+    length, heads, dim = q.shape
+    kv_heads = k_new.shape[1]
+    group = heads // kv_heads
+    residual = view.residual
+    n = cached_len
+    nk, nv = (n // residual) * residual, max(0, n - residual)
+    device = q.device
+    q_pos = torch.arange(n, n + length, device=device)
+
+    # 1. Own chunk: heads-major [heads, L, D]; GQA by expanding the chunk's K/V (small).
+    qh = q.float().transpose(0, 1)
+    own_k = k_new.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    own_v = v_new.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    if window is None or window >= length:
+        out, lse = attention_with_lse(qh, own_k, own_v, scale, causal=True)
+    else:
+        out, lse = attention_with_lse(qh, own_k, own_v, scale, visible=visibility_mask(q_pos, q_pos, window))
+    # Fold the query heads of each kv head into rows: [heads, L, D] -> [H, group * L, D]
+    # (row j * L + i is query head h * group + j at position n + i).
+    merge = LseMerge(out.reshape(kv_heads, group * length, dim), lse.reshape(kv_heads, group * length))
+    rows = qh.reshape(kv_heads, group * length, dim)
+    row_pos = q_pos.repeat(group)
+
+    def attend(k_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Stored tokens at positions k_pos [m] (all before the chunk); keys/values [H, m, D]."""
+        visible = None
+        if window is not None or int(k_pos[0]) < past_from:
+            visible = visibility_mask(row_pos, k_pos, window) & (k_pos >= past_from)[None, :]
+            used = visible.any(dim=0)
+            if not bool(used.any()):
+                return
+            if not bool(used.all()):  # unread slots may hold NaN bits: zero them
+                keys = keys.masked_fill(~used[None, :, None], 0.0)
+                values = values.masked_fill(~used[None, :, None], 0.0)
+            if bool(visible.all()):
+                visible = None
+        merge.add(*attention_with_lse(rows, keys, values, scale, visible=visible))
+
+    # 2. Quantised pages, a tile at a time.
+    for k_pos, keys, values in stored_tiles(view, pages, first_page_position, past_from, nv, slot, tile_pages):
+        attend(k_pos, keys, values)
+    # 3. The key residual: tokens [nk, n) (never more than R), keys and values from the residuals.
+    v_ring = view.v_res[slot]  # [H, R, D]
+    res_from = max(nk, past_from)
+    if n > res_from:
+        k_pos = torch.arange(res_from, n, device=device)
+        offsets = k_pos % residual
+        attend(k_pos, view.k_res[slot][:, offsets].float(), v_ring[:, offsets].float())
+    out = merge.out.view(kv_heads, group, length, dim).permute(2, 0, 1, 3)
+    return out.reshape(length, heads, dim).to(q.dtype)

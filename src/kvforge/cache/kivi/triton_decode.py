@@ -1,0 +1,197 @@
+"""Decode attention over the paged KIVI store as one fused Triton kernel (CUDA).
+
+`kivi_decode_attention_triton` has exactly the arguments and semantics of
+`decode_reference.kivi_decode_attention_reference` (see its docstring for the
+layout) and is parity-tested against it. One program handles one (sequence, kv head)
+pair: the `heads // kv_heads` queries of the group are loaded once (padded to 16 rows so
+`tl.dot` applies) and walk the visible tokens [visible_from, n) in tiles of `BLOCK_T`.
+For every token of a tile the kernel loads the packed bytes from the token's page,
+unpacks the code with a shift and a mask, dequantises it with the fp16 scale and zero
+(key: per channel of the page; value: per token and channel group), or reads the
+full-precision residual instead (t >= nk for keys, t >= nv for values: ring row t % R of
+the sequence's slot), and feeds both into an online softmax in float32. Nothing is dequantised beyond the current tile.
+
+Tiles are token ranges, not pages: every token looks up its own page, so `BLOCK_T` is free
+of the quantisation group (which may be smaller than the 16 tokens `tl.dot` needs).
+Dot products run in float32 with IEEE precision (no TF32), which is what makes the kernel
+match the reference to ~1e-6; a tensor-core (fp16/bf16 operand) variant and split-K over
+pages for small batches are not written.
+
+Importing this module never fails: without the `triton` package `triton_available()` is
+False and the launcher raises. Tensors on CUDA run the compiled kernel (compiled at the
+first launch of each configuration). With TRITON_INTERPRET=1 in the environment before
+triton is first imported (Triton decides at import and decoration time), the same kernel
+runs in Triton's interpreter on CPU tensors: that is how it is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.cache.kivi.quant import SUPPORTED_BITS, codes_per_byte
+from kvforge.errors import require
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional dependency: `pip install kvforge[triton]`
+    triton = None
+    tl = None
+
+__all__ = ["kivi_decode_attention_triton", "triton_available"]
+
+BLOCK_T = 32  # tokens per tile
+MIN_DOT = 16  # smallest dimension tl.dot accepts
+
+
+def triton_available() -> bool:
+    """True when the `triton` package is importable (the kernel still needs CUDA tensors,
+    or TRITON_INTERPRET=1 for CPU tensors)."""
+    return triton is not None
+
+
+# Without triton the body stays a plain (never called) function, so the module imports.
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+
+@_jit
+def _kivi_decode_kernel(
+        q_ptr, k_self_ptr, v_self_ptr,
+        k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+        k_res_ptr, v_res_ptr, slot_ptr, table_ptr, first_ptr, nk_ptr, nv_ptr, from_ptr, n_ptr, out_ptr,
+        sq_b, sq_h, sks_b, sks_h, svs_b, svs_h,
+        skc_h, skc_p, skc_d, skc_c, sks_hh, sks_p, sks_d,
+        svc_h, svc_p, svc_t, svc_c, svp_h, svp_p, svp_t, svp_g,
+        skr_s, skr_h, skr_r, k_ring, svr_s, svr_h, svr_r, v_ring, stab_b, table_width, scale,
+        QUERY_GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
+    # Unit stride along D is required of q/k_self/v_self/residuals/out (the launcher
+    # ensures it); the quantised store may have any strides.
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    PER_BYTE: tl.constexpr = 8 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    rows = tl.arange(0, BLOCK_Q)
+    dims = tl.arange(0, BLOCK_D)
+    toks = tl.arange(0, BLOCK_T)
+    row_ok = rows < QUERY_GROUP
+    dim_ok = dims < HEAD_DIM
+    heads = kv_head * QUERY_GROUP + rows
+    q = tl.load(q_ptr + seq * sq_b + heads[:, None] * sq_h + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32) * scale
+    k_own = tl.load(k_self_ptr + seq * sks_b + kv_head * sks_h + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    v_own = tl.load(v_self_ptr + seq * svs_b + kv_head * svs_h + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    # The own token is always visible: it seeds max and sum, so rows stay finite.
+    running_max = tl.sum(q * k_own[None, :], axis=1)
+    running_sum = tl.full([BLOCK_Q], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32) + v_own[None, :]
+    nk = tl.load(nk_ptr + seq)
+    nv = tl.load(nv_ptr + seq)
+    end = tl.load(n_ptr + seq)
+    first_column = tl.load(first_ptr + seq) // GROUP  # logical page of table column 0
+    k_res_base = k_res_ptr + tl.load(slot_ptr + seq) * skr_s + kv_head * skr_h
+    v_res_base = v_res_ptr + tl.load(slot_ptr + seq) * svr_s + kv_head * svr_h
+    for start in range(tl.load(from_ptr + seq), end, BLOCK_T):
+        t = start + toks
+        visible = t < end
+        key_quantised = visible & (t < nk)
+        value_quantised = visible & (t < nv)
+        column = t // GROUP - first_column
+        offset = t % GROUP
+        # Page ids are read only for tokens that use a page (released entries may be -1).
+        page = tl.load(table_ptr + seq * stab_b + column, mask=(key_quantised | value_quantised)
+                       & (column >= 0) & (column < table_width), other=0).to(tl.int64)
+        # Keys: byte offset // PER_BYTE of channel d's packed token axis, code at bit
+        # (offset % PER_BYTE) * BITS; scale/zero per (page, channel).
+        k_mask = key_quantised[:, None] & dim_ok[None, :]
+        k_param = kv_head * sks_hh + page[:, None] * sks_p + dims[None, :] * sks_d
+        k_bytes = tl.load(k_codes_ptr + kv_head * skc_h + page[:, None] * skc_p + dims[None, :] * skc_d
+                          + (offset // PER_BYTE)[:, None] * skc_c, mask=k_mask, other=0).to(tl.int32)
+        k_code = ((k_bytes >> ((offset % PER_BYTE) * BITS)[:, None]) & MASK).to(tl.float32)
+        k_hat = (tl.load(k_zero_ptr + k_param, mask=k_mask, other=0.0).to(tl.float32)
+                 + k_code * tl.load(k_scale_ptr + k_param, mask=k_mask, other=0.0).to(tl.float32))
+        k_res = tl.load(k_res_base + (t % k_ring)[:, None] * skr_r + dims[None, :],
+                        mask=(visible & (t >= nk))[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+        k = tl.where(key_quantised[:, None], k_hat, k_res)  # 0 for hidden tokens
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        # Values: byte d // PER_BYTE of the token's packed channel axis, code at bit
+        # (d % PER_BYTE) * BITS; scale/zero per (page, token, channel group d // GROUP).
+        v_mask = value_quantised[:, None] & dim_ok[None, :]
+        v_param = kv_head * svp_h + page[:, None] * svp_p + offset[:, None] * svp_t + (dims // GROUP)[None, :] * svp_g
+        v_bytes = tl.load(v_codes_ptr + kv_head * svc_h + page[:, None] * svc_p + offset[:, None] * svc_t
+                          + (dims // PER_BYTE)[None, :] * svc_c, mask=v_mask, other=0).to(tl.int32)
+        v_code = ((v_bytes >> ((dims % PER_BYTE) * BITS)[None, :]) & MASK).to(tl.float32)
+        v_hat = (tl.load(v_zero_ptr + v_param, mask=v_mask, other=0.0).to(tl.float32)
+                 + v_code * tl.load(v_scale_ptr + v_param, mask=v_mask, other=0.0).to(tl.float32))
+        v_res = tl.load(v_res_base + (t % v_ring)[:, None] * svr_r + dims[None, :],
+                        mask=(visible & (t >= nv))[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+        v = tl.where(value_quantised[:, None], v_hat, v_res)  # 0 for hidden tokens (masked loads)
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        probs = tl.exp(scores - new_max[:, None])
+        correction = tl.exp(running_max - new_max)
+        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + tl.dot(probs, v, input_precision="ieee")
+        running_max = new_max
+    out = acc / running_sum[:, None]
+    tl.store(out_ptr + (seq * QUERY_GROUP * tl.num_programs(1) + heads[:, None]) * HEAD_DIM + dims[None, :], out,
+             mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def kivi_decode_attention_triton(
+        q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor,
+        k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+        v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+        k_residual: torch.Tensor, v_residual: torch.Tensor, slots: torch.Tensor,
+        page_table: torch.Tensor, first_page_position: torch.Tensor,
+        nk: torch.Tensor, nv: torch.Tensor, visible_from: torch.Tensor, n: torch.Tensor,
+        scale: float, bits: int, group: int) -> torch.Tensor:
+    """Fused KIVI decode attention; arguments and result as
+    `kivi_decode_attention_reference`. All tensors on one CUDA device (or on CPU with
+    TRITON_INTERPRET=1). Raises RuntimeError without triton."""
+    if triton is None:
+        raise RuntimeError("the Triton KIVI attention kernel needs the `triton` package "
+                           "(pip install 'kvforge[triton]')")
+    if not (q.is_cuda or triton.knobs.runtime.interpret):
+        raise ValueError("kivi_decode_attention_triton runs on CUDA tensors (or on CPU tensors "
+                         "when TRITON_INTERPRET=1 was set before triton was imported)")
+    require(bits in SUPPORTED_BITS, "bits", bits, f"must be one of {list(SUPPORTED_BITS)}")
+    batch, heads, dim = q.shape
+    kv_heads = k_self.shape[1]
+    require(heads % kv_heads == 0, "heads", heads, f"must be a multiple of kv_heads={kv_heads}")
+    require(dim % group == 0, "group", group, f"must divide head_dim={dim}")
+    require(tuple(k_codes.shape[2:]) == (dim, group * bits // 8), "k_codes", tuple(k_codes.shape),
+            f"must be [kv_heads, pages, {dim}, {group * bits // 8}] for {bits}-bit codes, group {group}")
+    require(tuple(v_codes.shape[2:]) == (group, dim // codes_per_byte(bits)), "v_codes", tuple(v_codes.shape),
+            f"must be [kv_heads, pages, {group}, {dim * bits // 8}] for {bits}-bit codes, group {group}")
+    require(k_scale.stride() == k_zero.stride() and v_scale.stride() == v_zero.stride(), "scale strides",
+            (k_scale.stride(), k_zero.stride()), "scale and zero of keys (and of values) must share strides")
+    query_group = heads // kv_heads
+    q, k_self, v_self, k_residual, v_residual = (_unit_last(t) for t in (q, k_self, v_self, k_residual, v_residual))
+    page_table = _as(page_table, torch.int64)
+    slots, first_page_position, nk, nv, visible_from, n = (
+        _as(t, torch.int64) for t in (slots, first_page_position, nk, nv, visible_from, n))
+    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
+    if batch == 0:
+        return out.to(q.dtype)
+    _kivi_decode_kernel[(batch, kv_heads)](
+        q, k_self, v_self, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+        k_residual, v_residual, slots, page_table, first_page_position, nk, nv, visible_from, n, out,
+        q.stride(0), q.stride(1), k_self.stride(0), k_self.stride(1), v_self.stride(0), v_self.stride(1),
+        *k_codes.stride(), *k_scale.stride(), *v_codes.stride(), *v_scale.stride(),
+        *k_residual.stride()[:3], k_residual.shape[2], *v_residual.stride()[:3], v_residual.shape[2],
+        page_table.stride(0), page_table.shape[1],
+        float(scale),
+        QUERY_GROUP=query_group, BLOCK_Q=max(MIN_DOT, triton.next_power_of_2(query_group)), HEAD_DIM=dim,
+        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), BITS=bits, GROUP=group, BLOCK_T=BLOCK_T)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return t.to(dtype).contiguous()

@@ -1,0 +1,101 @@
+"""Configuration of the `shadowkv` cache method (`--cache shadowkv --cache-opt k=v`).
+
+Defaults follow the paper's setting for Llama-3-8B, scaled to the model: rank 160 of
+kv_heads x head_dim = 1024 (about 1/6), chunks of 8 tokens, 48 outlier chunks, a sparse
+budget of 1.56% of the context. Sequences shorter than `min_context` tokens are never
+compressed (exact attention, like `full`).
+Compression happens at the end of the step that completes a prompt (see shadowkv.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvforge.errors import require
+from kvforge.sizes import parse_bytes
+
+SLOW_STORES = ("memory", "mmap")
+
+
+@dataclass(frozen=True)
+class ShadowKVConfig:
+    # Rank r of the pre-RoPE keys over all KV heads; None: round(kv_heads * head_dim / 6).
+    rank: int | None = None
+    chunk: int = 8  # tokens per landmark chunk
+    outliers: int = 48  # chunks per KV head and layer kept exact on the fast tier
+    # Sparse budget in tokens (a multiple of `chunk`); None: max(budget_floor,
+    # budget_fraction x the sequence length at compression), rounded up to whole chunks.
+    budget: int | None = None
+    budget_fraction: float = 0.0156
+    budget_floor: int = 128
+    local: int = 32  # most recent tokens kept exact at compression (a multiple of `chunk`)
+    # Exact window for tokens written after compression: when the exact tail (local +
+    # generated) exceeds local + generated_window, just enough of its oldest whole chunks
+    # are folded into the low-rank store (ShadowKV+) to bring it back under that bound, so
+    # generation length is not capped and the most recent tokens always stay exact.
+    generated_window: int = 256
+    # A sequence is compressed at the end of the first step that leaves it with at least
+    # this many tokens and asks logits for its last token (a prompt's last chunk, a decode
+    # token); shorter sequences stay exact.
+    min_context: int = 2048
+    reuse: bool = True  # keep the previous step's selected chunks (temporal locality)
+    block_size: int = 16  # page size of the exact (not yet compressed) storage
+    # Slow tier for the values of compressed chunks: "memory" (a tensor in RAM; pinned
+    # when computing on CUDA) or "mmap" (a temporary file, so a context can exceed RAM).
+    slow_store: str = "memory"
+    slow_budget: str | None = None  # bytes of the slow tier, e.g. 16GiB; None: the kv budget
+    slow_dir: str | None = None  # directory of the mmap file (None: the system temp dir)
+    # CPU threads of ShadowKV's own PyTorch phases (compression, folding, the PyTorch decode
+    # path: many small operations, see threads.py); 0: torch's current setting.
+    # The fused decode kernel always splits its (sequence, KV head) pairs over torch's threads.
+    threads: int = 1
+    # Decode steps through the fused C++ CPU kernel (cpu_decode.py) when it applies
+    # (float32 on CPU) and builds; False: always the PyTorch path (the reference).
+    kernel: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.chunk >= 1, "chunk", self.chunk, "must be >= 1")
+        require(self.rank is None or self.rank >= 1, "rank", self.rank, "must be >= 1 (or none for the default)")
+        require(self.outliers >= 0, "outliers", self.outliers, "must be >= 0")
+        require(self.budget is None or self.budget >= self.chunk, "budget", self.budget,
+                f"must be at least one chunk (chunk={self.chunk})")
+        require(self.budget is None or self.budget % self.chunk == 0, "budget", self.budget,
+                f"must be a multiple of chunk={self.chunk}")
+        require(0 < self.budget_fraction <= 1, "budget_fraction", self.budget_fraction, "must be in (0, 1]")
+        require(self.budget_floor >= self.chunk, "budget_floor", self.budget_floor,
+                f"must be at least one chunk (chunk={self.chunk})")
+        require(self.local >= 0 and self.local % self.chunk == 0, "local", self.local,
+                f"must be a multiple of chunk={self.chunk} (>= 0)")
+        require(self.generated_window >= self.chunk, "generated_window", self.generated_window,
+                f"must be >= chunk={self.chunk} (at least one chunk is folded at a time)")
+        require(self.min_context >= self.local + self.chunk, "min_context", self.min_context,
+                f"must be >= local + chunk = {self.local + self.chunk} (something to compress)")
+        require(self.threads >= 0, "threads", self.threads, "must be >= 0 (0: torch's setting)")
+        require(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
+        require(self.slow_store in SLOW_STORES, "slow_store", self.slow_store, f"must be one of {list(SLOW_STORES)}")
+        if self.slow_budget is not None:
+            parse_bytes(self.slow_budget, "slow_budget")  # raises ConfigError naming slow_budget
+        require(self.slow_dir is None or self.slow_store == "mmap", "slow_dir", self.slow_dir,
+                "only applies with slow_store=mmap")
+
+    def resolved_rank(self, kv_width: int) -> int:
+        """The rank used for keys of width kv_heads x head_dim."""
+        rank = self.rank if self.rank is not None else max(1, round(kv_width / 6))
+        require(rank <= kv_width, "rank", rank, f"must be <= kv_heads x head_dim = {kv_width}")
+        return rank
+
+    def budget_tokens(self, num_tokens: int) -> int:
+        """Sparse budget (tokens, whole chunks) of a sequence compressed at `num_tokens`."""
+        if self.budget is not None:
+            return self.budget
+        wanted = max(self.budget_floor, math.ceil(self.budget_fraction * num_tokens))
+        return math.ceil(wanted / self.chunk) * self.chunk
+
+    def slow_bytes(self, kv_budget: int) -> int:
+        return parse_bytes(self.slow_budget, "slow_budget") if self.slow_budget is not None else kv_budget
+
+    @property
+    def window_capacity(self) -> int:
+        """Exact tail tokens a compressed sequence holds at most after a step."""
+        return self.local + self.generated_window

@@ -1,0 +1,49 @@
+"""Low-rank pre-RoPE keys (ShadowKV): K [n, W] ~= A @ B with A [n, r] per token and
+B [r, W] per sequence and layer (W = kv_heads x head_dim, all heads together).
+
+B holds the top-r right singular vectors of K (orthonormal rows) and A = K @ B^T, so
+A @ B is the best rank-r approximation of K (Eckart-Young). The paper stores U and S V^T;
+we store U S and V^T, the same product and the same bytes, because new keys then project
+onto the basis with a plain matmul (A_new = K_new @ B^T, no division by singular values),
+which is how generated tokens are folded in (ShadowKV+).
+
+The right singular vectors come from the eigenvectors of the Gram matrix K^T K [W, W]:
+one GEMM over the n tokens plus a small symmetric eigensolve, much cheaper than an SVD of
+the tall matrix at long context. The eigensolve runs in float64 on one thread (a W x W
+problem is too small to share; with two threads on a busy machine MKL's solver was seen to
+take a second instead of milliseconds). At full rank B is square and orthogonal, so
+A @ B reproduces K to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.cache.shadowkv.threads import cpu_threads
+
+
+def key_basis(keys: torch.Tensor, rank: int) -> torch.Tensor:
+    """Orthonormal rows B [rank, W] spanning the top singular directions of keys [n, W]."""
+    k = keys.float()
+    gram = (k.T @ k).double()
+    with cpu_threads(1, gram.device):
+        _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues, orthonormal columns
+    top = vectors[:, -rank:].flip(-1)  # largest first
+    return top.T.to(keys.dtype).contiguous()
+
+
+def project(keys: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Coefficients A [n, r] of keys [n, W] on the basis rows [r, W]."""
+    return keys.to(basis.dtype) @ basis.T
+
+
+def reconstruct(coefficients: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    return coefficients @ basis
+
+
+def relative_error(keys: torch.Tensor, rank: int) -> float:
+    """||K - A B||_F / ||K||_F of the rank-r approximation of keys [n, W]."""
+    k = keys.float()
+    basis = key_basis(k, rank)
+    approx = reconstruct(project(k, basis), basis)
+    return float(torch.linalg.norm(k - approx) / torch.linalg.norm(k).clamp_min(1e-30))

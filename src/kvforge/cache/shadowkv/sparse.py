@@ -1,0 +1,319 @@
+"""Sparse attention of compressed sequences for one layer (ShadowKV Algorithm 2).
+
+For a group of compressed sequences in a step (every single-token span together, or one
+multi-token span alone), per global layer:
+1. selection: landmarks of each sequence's chunks (read in place when its chunk pages are
+   one run of ids, as after compression; gathered otherwise), scores against the step's
+   queries, top-k chunks per KV head (k = budget / chunk of each sequence); outlier
+   chunks are not candidates (they are attended exactly);
+2. chunk reuse: each (sequence, layer, KV head) has k reuse slots in its exact buffer
+   (state.py) holding the chunks the previous step selected. A selected chunk
+   already in a slot is a hit and stays where it is; the misses of the whole group are
+   rebuilt (coefficients x the head's basis slice, then RoPE at the chunk's positions)
+   and fetched (values from the slow tier) at once, then written into slots whose chunk
+   was not selected again. On CUDA the fetch runs on a side stream while keys are
+   rebuilt (not yet run on a GPU);
+3. attention, sequence by sequence, over the buffer rows in use: outlier chunks, selected
+   slots, exact window (one softmax; slots not holding a chunk of this step are masked,
+   which only happens when a sequence has fewer candidates than k). A decode token was
+   written into the window by `write` and is part of the buffer; a multi-token span's own
+   tokens are a separate, causal part.
+The RoPE tables of rebuilt chunks (cos/sin per position, grown to the longest sequence)
+are computed once per rotary embedding: scratch, not KV, and not in the byte accounting.
+
+Decode groups (one query token each) in float32 on CPU go through the fused C++ kernel
+(cpu_decode.py) when it builds and the `kernel` option is on: the same three
+steps per (sequence, KV head) in one call per layer, with the same picks, slot ids and
+outputs. The PyTorch code below is the reference, and it serves multi-token spans, other
+dtypes and CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvforge.cache.shadowkv.attention import Part, masked_attention, sparse_attention
+from kvforge.cache.shadowkv.cpu_decode import cpu_shadowkv_kernel_available, shadowkv_decode_cpu
+from kvforge.cache.shadowkv.select import chunk_scores, top_chunks
+from kvforge.cache.shadowkv.state import CompressedSequence, LayerState
+from kvforge.cache.shadowkv.stats import ShadowKVStats
+from kvforge.cache.shadowkv.store import ChunkStore
+from kvforge.models.rope import PositionedRope, rotate_half
+
+
+@dataclass
+class SparseGroup:
+    """Compressed sequences attended together: B sequences with Q query tokens each. With
+    `own_in_buffer` (decode, Q = 1) the step's token is the last window row of each buffer."""
+
+    states: tuple[CompressedSequence, ...]
+    rows: torch.Tensor  # [B * Q] rows of the batch, sequence-major
+    queries: int  # Q
+    own_in_buffer: bool
+    table: torch.Tensor  # [B, Cmax] page ids (padding: page 0, never a candidate)
+    chunks_per_step: torch.Tensor  # [B] k of each sequence
+    slots_start: torch.Tensor  # [B] first reuse-slot row of each sequence's buffers
+    rows_used: list[int]  # [B] buffer rows attention reads: [0, window end)
+    row_list: list[int]  # `rows` as Python ints
+    first_page: int | None  # the table is pages first_page.. in order (landmarks in place)
+    # Every (sequence, head) has at least k candidates, so after a step every reuse slot
+    # holds a chunk selected in it: attention needs no mask.
+    slots_full: bool
+    meta: torch.Tensor  # [B, 3] slots_start, window_start, rows_used of each buffer (int64)
+    # Decode group served by the fused kernel, decided once per step (it also writes the
+    # step's token into the buffers, so `write` leaves that to it).
+    kernel: bool = False
+    _candidates: dict[int, torch.Tensor] = field(default_factory=dict)
+    _bases: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, states: list[CompressedSequence], rows: list[int], queries: int, own_in_buffer: bool,
+              chunk: int, device: torch.device, kernel: bool = False) -> SparseGroup:
+        width = max(s.num_chunks for s in states)
+        table = torch.zeros((len(states), width), dtype=torch.long, device=device)
+        for b, state in enumerate(states):
+            table[b, :state.num_chunks] = state.page_table
+        used = [s.window_start(chunk) + s.window + int(own_in_buffer) for s in states]
+        first = states[0].run_start
+        if first is None or any(s.num_chunks != width or s.run_start != first + b * width
+                                for b, s in enumerate(states)):
+            first = None
+        full = all(s.num_chunks - s.num_outliers >= s.chunks_per_step for s in states)
+        meta = torch.tensor([[s.slots_start, s.window_start(chunk), u] for s, u in zip(states, used)],
+                            dtype=torch.long)
+        return cls(tuple(states), torch.tensor(rows, dtype=torch.long, device=device), queries, own_in_buffer,
+                   table, torch.tensor([s.chunks_per_step for s in states], device=device),
+                   torch.tensor([s.slots_start for s in states], device=device), used, list(rows), first, full,
+                   meta, kernel and own_in_buffer)
+
+    @property
+    def size(self) -> int:
+        return len(self.states)
+
+    @property
+    def k_max(self) -> int:
+        return max(s.chunks_per_step for s in self.states)
+
+    def layer(self, b: int, layer: int) -> LayerState:
+        state = self.states[b].layers[layer]
+        assert state is not None
+        return state
+
+    def candidates(self, layer: int) -> torch.Tensor:
+        """[B, H, Cmax] selectable chunks: present and not an outlier of that head."""
+        if layer not in self._candidates:
+            masks = [self.layer(b, layer).candidates for b in range(self.size)]
+            width = self.table.shape[1]
+            if all(m.shape[1] == width for m in masks):
+                self._candidates[layer] = torch.stack(masks)
+            else:
+                padded = masks[0].new_zeros((self.size, masks[0].shape[0], width))
+                for b, m in enumerate(masks):
+                    padded[b, :, :m.shape[1]] = m
+                self._candidates[layer] = padded
+        return self._candidates[layer]
+
+    def bases(self, layer: int) -> torch.Tensor:
+        """[B, r, W] low-rank bases of the group's sequences."""
+        if layer not in self._bases:
+            self._bases[layer] = torch.stack([self.layer(b, layer).basis for b in range(self.size)])
+        return self._bases[layer]
+
+    def slot_ids(self, layer: int, slots: int) -> torch.Tensor:
+        """[B, H, slots] chunk id of every reuse slot (-2 beyond a sequence's own k)."""
+        ids = [self.layer(b, layer).slot_ids for b in range(self.size)]
+        if all(i.shape[1] == slots for i in ids):
+            return torch.stack(ids)
+        out = torch.full((self.size, ids[0].shape[0], slots), -2, dtype=torch.long, device=ids[0].device)
+        for b, i in enumerate(ids):
+            out[b, :, :i.shape[1]] = i
+        return out
+
+
+class ChunkRope:
+    """RoPE of whole chunks from cos/sin tables [chunks, chunk, D] computed once per rotary
+    embedding (grown on demand) instead of per rebuilt row and step."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self._tables: dict[int, tuple[object, torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, rope: PositionedRope, num_chunks: int, dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [S, chunk, D] of positions 0 .. S x chunk - 1, S >= num_chunks."""
+        rotary = rope.rotary
+        entry = self._tables.get(id(rotary))
+        if entry is None or entry[1].shape[0] < num_chunks or entry[1].dtype != dtype:
+            size = max(num_chunks, 2 * entry[1].shape[0]) if entry is not None else num_chunks
+            positions = torch.arange(size * self.chunk, device=device)
+            cos, sin = rotary.cos_sin(positions, dtype)
+            # the rotary is kept in the entry, so its id cannot be reused while cached
+            entry = (rotary, cos.view(size, self.chunk, -1), sin.view(size, self.chunk, -1))
+            self._tables[id(rotary)] = entry
+        return entry[1], entry[2]
+
+    def apply(self, keys: torch.Tensor, chunks: torch.Tensor, rope: PositionedRope, num_chunks: int) -> torch.Tensor:
+        """keys [M, chunk, D] of chunk ids [M] (all < num_chunks), rotated at their positions."""
+        cos, sin = self.tables(rope, num_chunks, keys.dtype, keys.device)
+        cos, sin = cos.index_select(0, chunks), sin.index_select(0, chunks)
+        return keys * cos + rotate_half(keys) * sin
+
+
+class SparseAttention:
+    def __init__(self, store: ChunkStore, chunk: int, stats: ShadowKVStats, reuse: bool,
+                 device: torch.device, kernel: bool = True) -> None:
+        self.store = store
+        self.chunk = chunk
+        self.stats = stats
+        self.reuse = reuse
+        self.device = device
+        # The fused C++ decode kernel serves decode groups when it applies (float32 on CPU)
+        # and builds; everything else runs the PyTorch path below, the reference.
+        self.kernel = kernel and device.type == "cpu" and store.landmarks.dtype == torch.float32
+        self.rope = ChunkRope(chunk)
+        self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def attend(self, layer: int, group: SparseGroup, q: torch.Tensor, own_keys: torch.Tensor,
+               own_values: torch.Tensor, rope: PositionedRope, scale: float) -> torch.Tensor:
+        """q [B, Q, heads, D] (RoPE applied); own_keys/own_values [B, Q, H, D] (post-RoPE)
+        -> [B, Q, heads, D]."""
+        if group.kernel:
+            return self._attend_kernel(layer, group, q, own_keys[:, 0], own_values[:, 0], rope, scale)
+        with self.stats.timed("selection"):
+            if group.first_page is not None:  # one run of pages: a view of the store
+                landmarks: torch.Tensor | list[torch.Tensor] = self.store.gather_landmarks(
+                    layer, group.table, group.first_page)
+            else:  # per sequence: a view where its pages are a run, else a gather
+                landmarks = [self.store.sequence_landmarks(layer, s.page_table, s.run_start) for s in group.states]
+            scores = chunk_scores(q, landmarks, group.candidates(layer), scale, surely_candidates=group.slots_full)
+            picks, valid = top_chunks(scores, group.k_max)
+            positions = torch.arange(picks.shape[-1], device=picks.device)
+            valid &= (positions[None, :] < group.chunks_per_step[:, None])[:, None, :]
+        slot_valid = self._fill_slots(layer, group, picks, valid, rope)
+        with self.stats.timed("attention"):
+            out = torch.empty_like(q)
+            heads, chunk = own_keys.shape[2], self.chunk
+            slot_rows: torch.Tensor | None = None  # [B, H, slots * chunk], built when a mask is needed
+            for b, state in enumerate(group.states):
+                st = group.layer(b, layer)
+                used = group.rows_used[b]
+                keys, values = st.keys[:, :used], st.values[:, :used]
+                if group.own_in_buffer and group.slots_full:
+                    out[b, 0] = masked_attention(q[b, 0], keys, values, None, scale)
+                    continue
+                if slot_rows is None:
+                    slot_rows = slot_valid.repeat_interleave(chunk, dim=-1)
+                mask = torch.ones((heads, used), dtype=torch.bool, device=self.device)
+                mask[:, state.slots_start:state.window_start(chunk)] = slot_rows[b, :, :state.chunks_per_step * chunk]
+                if group.own_in_buffer:
+                    out[b, 0] = masked_attention(q[b, 0], keys, values, mask, scale)
+                else:
+                    out[b] = sparse_attention(q[b], [Part(keys, values, mask)], own_keys[b].transpose(0, 1),
+                                              own_values[b].transpose(0, 1), scale)
+        return out
+
+    def uses_kernel(self, dtype: torch.dtype) -> bool:
+        """Whether decode groups of queries in `dtype` go through the fused kernel."""
+        return self.kernel and dtype == torch.float32 and cpu_shadowkv_kernel_available()
+
+    def _attend_kernel(self, layer: int, group: SparseGroup, q: torch.Tensor, own_keys: torch.Tensor,
+                       own_values: torch.Tensor, rope: PositionedRope, scale: float) -> torch.Tensor:
+        """Decode group (Q = 1) through the fused kernel, which also writes the step's token
+        (own_keys/own_values [B, H, D]) into the last window row: same picks, slot ids and
+        outputs as the PyTorch path."""
+        states = [group.layer(b, layer) for b in range(group.size)]
+        for st in states:
+            if not st.slot_ids.is_contiguous():  # a view left by the PyTorch path
+                st.slot_ids = st.slot_ids.contiguous()
+        dim = q.shape[-1]
+        cos, sin = self.rope.tables(rope, group.table.shape[1], torch.float32, self.device)
+        out, counters = shadowkv_decode_cpu(
+            q[:, 0].contiguous(), self.store.landmarks[layer], self.store.coefficients[layer],
+            self.store.values[layer], cos.view(-1, dim), sin.view(-1, dim), [s.page_table for s in group.states],
+            [st.candidates for st in states], [st.basis for st in states], [st.keys for st in states],
+            [st.values for st in states], [st.slot_ids for st in states], own_keys, own_values, group.meta, scale,
+            self.reuse)
+        self.stats.chunk_hits += counters.hits
+        self.stats.chunk_misses += counters.misses
+        for phase in ("selection", "rebuild", "fetch", "attention"):
+            self.stats.seconds[phase] += getattr(counters, phase)
+        return out[:, None]
+
+    def _fill_slots(self, layer: int, group: SparseGroup, picks: torch.Tensor, valid: torch.Tensor,
+                    rope: PositionedRope) -> torch.Tensor:
+        """Make every valid pick [B, H, k'] present in a reuse slot; returns [B, H, slots]
+        True for slots holding a chunk selected in this step."""
+        chunk, dim = self.chunk, self.store.landmarks.shape[-1]
+        with self.stats.timed("rebuild"):
+            slots = group.k_max
+            held = group.slot_ids(layer, slots)  # [B, H, slots]
+            if not self.reuse:
+                held = held.clamp(max=-1)  # forget everything: every pick is a miss
+            same = (picks[..., :, None] == held[..., None, :]) & valid[..., :, None]  # [B, H, k', slots]
+            hit = same.any(dim=-1)
+            kept = same.any(dim=-2)  # slots holding a chunk picked again
+            miss = valid & ~hit
+            # Misses go to the free slots (not kept, within the sequence's k) in order:
+            # the r-th miss of a (sequence, head) takes its r-th free slot.
+            free = ~kept & (held > -2)
+            free_order = torch.argsort((~free).to(torch.int8), dim=-1, stable=True)
+            rank = (miss.cumsum(dim=-1) - 1).clamp(min=0)
+            target = free_order.gather(-1, rank)  # [B, H, k'] slot of each miss
+            new_ids = held.masked_fill(~kept, -1)
+            bb, hh, jj = miss.nonzero(as_tuple=True)
+            chosen_slots = target[bb, hh, jj]
+            chunks = picks[bb, hh, jj]
+            new_ids[bb, hh, chosen_slots] = chunks
+            pages = group.table[bb, chunks]
+        misses = int(chunks.numel())
+        self.stats.chunk_misses += misses
+        self.stats.chunk_hits += int(hit.sum())
+        for b in range(group.size):  # the slot ids of this step (views into new_ids)
+            st = group.layer(b, layer)
+            st.slot_ids = new_ids[b, :, :st.slot_ids.shape[1]]
+        if not misses:
+            return new_ids >= 0
+        side = self._side_stream
+        if side is not None:  # CUDA: fetch beside the rebuild (not yet run on a GPU)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with self.stats.timed("fetch"), torch.cuda.stream(side):
+                fetched = self.store.fetch_values(layer, hh, pages)
+        else:
+            with self.stats.timed("fetch"):
+                fetched = self.store.fetch_values(layer, hh, pages)
+        with self.stats.timed("rebuild"):
+            coefficients = self.store.gather_coefficients(layer, pages)  # [M, chunk, r]
+            basis = group.bases(layer)
+            heads = basis.shape[2] // dim
+            basis = basis.view(group.size, basis.shape[1], heads, dim)
+            # Misses come sorted by (sequence, head): one matmul per run with that head's
+            # slice of the sequence's basis [r, D] (no per-miss copy of the basis).
+            runs = miss.sum(dim=-1).flatten().tolist()
+            pieces, start = [], 0
+            for pair, count in enumerate(runs):
+                if count:
+                    b, h = divmod(pair, heads)
+                    pieces.append(torch.matmul(coefficients[start:start + count], basis[b, :, h]))
+                    start += count
+            rebuilt = self.rope.apply(torch.cat(pieces), chunks, rope, group.table.shape[1])
+            offsets = torch.arange(chunk, device=self.device)
+            # flat row (head * R + row) of every rebuilt token in its sequence's buffers
+            rows = group.slots_start[bb, None] + chosen_slots[:, None] * chunk + offsets  # [M, chunk]
+            counts = miss.sum(dim=(1, 2)).tolist()
+        if side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            fetched.record_stream(torch.cuda.current_stream(self.device))
+        with self.stats.timed("rebuild"):
+            start = 0
+            for b, count in enumerate(counts):
+                if not count:
+                    continue
+                st = group.layer(b, layer)
+                part = slice(start, start + count)
+                flat = (hh[part, None] * st.keys.shape[1] + rows[part]).reshape(-1)
+                st.keys.view(-1, dim).index_copy_(0, flat, rebuilt[part].reshape(-1, dim).to(st.keys.dtype))
+                st.values.view(-1, dim).index_copy_(0, flat, fetched[part].reshape(-1, dim).to(st.values.dtype))
+                start += count
+        return new_ids >= 0

@@ -1,0 +1,35 @@
+"""Build every C++ CPU kernel before a measurement, so that no compile is ever timed.
+
+Each kernel builds lazily at its first use (`kvforge.kernels.build.CppKernel`). In a
+benchmark that first use can fall inside a timed region: with `--warmup 0`, ShadowKV's
+first decode step once spent 26 s compiling. `build_cpu_kernels` triggers all the builds
+up front; a kernel that cannot be built is reported unavailable exactly as at first use
+(its PyTorch fallback is what the measurement then runs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvforge.cache.full.cpu_decode import cpu_kernels_available
+from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available
+from kvforge.cache.shadowkv.cpu_decode import cpu_shadowkv_kernel_available
+from kvforge.kernels.cpu_linear import small_m_linear_available
+
+__all__ = ["CPU_KERNELS", "build_cpu_kernels"]
+
+# Display name -> availability check (which builds on its first call and caches the result).
+CPU_KERNELS: dict[str, Callable[[], bool]] = {
+    "paged attention": cpu_kernels_available,
+    "KIVI attention": cpu_kivi_kernel_available,
+    "ShadowKV decode": cpu_shadowkv_kernel_available,
+    "small-M linear": small_m_linear_available,
+}
+
+
+def build_cpu_kernels() -> tuple[dict[str, bool], float]:
+    """Build (or load the cached build of) every CPU kernel; return availability and seconds."""
+    start = time.perf_counter()
+    available = {name: check() for name, check in CPU_KERNELS.items()}
+    return available, time.perf_counter() - start

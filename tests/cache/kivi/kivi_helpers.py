@@ -1,0 +1,62 @@
+"""Drive a KIVI cache directly (no model) and read back what it stores, for the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.batch import ForwardBatch
+from kvforge.cache.kivi.method import KIVICache
+from kvforge.cache.kivi.store import dequantize_key_pages, dequantize_value_pages
+from kvforge.models.rope import PositionedRope
+
+
+def identity_rope(rows: int, dim: int) -> PositionedRope:
+    return PositionedRope(cos=torch.ones(rows, dim), sin=torch.zeros(rows, dim), rotary=None)
+
+
+def stored_kv(cache: KIVICache, seq_id: int, cache_layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(keys, values [m, H, D] float32, first position) as the cache holds them now: dequantised
+    pages for quantised tokens, residual rows for the rest, from the first visible token."""
+    n = cache.num_cached_tokens(seq_id)
+    g, r = cache.config.group, cache.config.residual
+    group, index = cache.groups.slot_of[cache_layer]
+    view = cache.store.layer(index, cache_layer)
+    start = cache.pages.first_kept_token(group, n)
+    nk, nv = cache.quantized_keys(n), cache.quantized_values(n)
+    slot = cache.residual_slot(seq_id)
+    first_page = start // g
+    pages = torch.tensor(cache.pages.pages(seq_id, group)[first_page:nk // g], dtype=torch.long)
+    keys = torch.empty(n, *view.k_res.shape[1:2], view.k_res.shape[-1])
+    values = torch.empty_like(keys)
+    if pages.numel():
+        base = first_page * g
+        keys[base:nk] = dequantize_key_pages(view, pages).transpose(0, 1)
+        values[base:nk] = dequantize_value_pages(view, pages).transpose(0, 1)
+    for t in range(max(nk, start), n):
+        keys[t] = view.k_res[slot, :, t % r].float()
+    for t in range(max(nv, start), n):
+        values[t] = view.v_res[slot, :, t % r].float()
+    return keys[start:], values[start:], start
+
+
+def run_step(cache: KIVICache, work: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+             layers: list[int]) -> dict[int, torch.Tensor]:
+    """One step: work[seq] = (q [L, heads, D], k [L, H, D], v [L, H, D]) written to and read
+    from every cache layer in `layers` (same K/V in each). Returns the outputs of the last layer."""
+    ids = list(work)
+    cached = [cache.num_cached_tokens(s) for s in ids]
+    for seq, have in zip(ids, cached):
+        assert cache.allocate(seq, have + work[seq][1].shape[0])
+    batch = ForwardBatch.build(ids, [[0] * work[s][1].shape[0] for s in ids], cached)
+    q = torch.cat([work[s][0] for s in ids])
+    k = torch.cat([work[s][1] for s in ids])
+    v = torch.cat([work[s][2] for s in ids])
+    rope = identity_rope(k.shape[0], k.shape[-1])
+    cache.begin_step(batch)
+    out = None
+    for layer in layers:
+        cache.write(layer, batch, k, v, rope)
+        out = cache.attend(layer, batch, q, rope)
+    cache.end_step(batch)
+    assert out is not None
+    return {s: out[span.query_start:span.query_end] for s, span in zip(ids, batch.spans)}

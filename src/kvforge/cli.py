@@ -1,4 +1,4 @@
-"""Command line: `kvforge generate | chat | serve | bench | eval | swiftkv | analyze | verify | info`."""
+"""Command line: `kvforge generate | chat | serve | bench | eval | swiftkv | analyze | demo | report | verify | info`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import torch
 
 from kvforge.analysis.cli import add_analyze_parser, run_analyze
 from kvforge.bench.cli import add_bench_parser, run_bench
-from kvforge.errors import KVForgeError
+from kvforge.demo import add_demo_parser, cmd_demo
+from kvforge.errors import KVForgeError, require
 from kvforge.eval.cli import add_eval_parser, run_eval
+from kvforge.report.cli import add_report_parser, run_report
+from kvforge.report.provenance import command_line, provenance
 from kvforge.serve.server import add_serve_args, run_serve
 from kvforge.swiftkv.cli import add_swiftkv_parser, run_swiftkv
 
@@ -70,8 +73,9 @@ def _add_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT", default=None, help="also write the result as JSON")
 
 
-def _write_json(path: str | None, payload: dict[str, Any]) -> None:
+def _write_json(path: str | None, payload: dict[str, Any], args: argparse.Namespace | None = None) -> None:
     if path:
+        payload = {**payload, "provenance": provenance(args)}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {path}", file=sys.stderr)
@@ -118,14 +122,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(verbs)  # kvforge eval ppl | niah (kvforge.eval.cli)
     add_swiftkv_parser(verbs)  # kvforge swiftkv init | flops (kvforge.swiftkv.cli)
     add_analyze_parser(verbs)  # kvforge analyze layer-similarity | key-spectra | kv-channels | all
+    add_demo_parser(verbs)  # kvforge demo: five systems on one long prompt (make demo)
+    add_report_parser(verbs)  # kvforge report: docs/results.md and README's table from result JSON
     # `kvforge lm-eval ARGS...` is dispatched in main() before parsing: ARGS are lm_eval's own.
     verbs.add_parser("lm-eval", add_help=False,
                      help="lm-evaluation-harness with --model kvforge registered (arguments as lm_eval's)")
     return parser
 
 
+def _check_before_loading(args: argparse.Namespace) -> None:
+    """What generate and chat can check from the config alone: max_tokens within the context."""
+    from kvforge.preflight import model_context
+
+    context = model_context(args.model, args.swiftkv)
+    require(args.max_tokens < context, "max_tokens", args.max_tokens,
+            f"must be < {context}: {args.model}'s context is {context} tokens, prompt included")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvforge.preflight import require_prompts
+
     params = _sampling_params(args)  # validated before the model loads
+    require_prompts(args.prompts)  # empty is refused with and without the chat template
+    _check_before_loading(args)
     llm = _make_llm(args)
     chat = not args.raw and llm.is_chat_model
     prompts = [[{"role": "user", "content": text}] if chat else text for text in args.prompts]
@@ -143,7 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     errors = [o.error for o in outputs if o.error]
     for error in errors:
         print(f"kvforge generate: error: {error}", file=sys.stderr)
-    _write_json(args.json, {"outputs": [_output_record(text, o) for text, o in zip(args.prompts, outputs)]})
+    _write_json(args.json, {"outputs": [_output_record(text, o) for text, o in zip(args.prompts, outputs)]}, args)
     return 2 if errors else 0
 
 
@@ -155,6 +174,7 @@ def _output_record(prompt: str, output: Any) -> dict[str, Any]:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
+    _check_before_loading(args)
     llm = _make_llm(args)
     if not llm.is_chat_model:
         print(f"kvforge chat: error: {args.model} has no chat template; use `kvforge generate --raw`",
@@ -199,7 +219,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
           f"(prefill {report.prefill_max_abs_logit_diff:.3e}, decode {report.decode_max_abs_logit_diff:.3e})")
     print(f"argmax_agreement           {report.argmax_agreement:.4f}")
     print(f"greedy_match               {str(report.greedy_match).lower()}")
-    _write_json(args.json, report.as_dict())
+    _write_json(args.json, report.as_dict(), args)
     return 0
 
 
@@ -208,13 +228,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     info = model_info(args.model, swiftkv=args.swiftkv)
     print(format_info(info))
-    _write_json(args.json, info)
+    _write_json(args.json, info, args)
     return 0
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": run_serve, "verify": cmd_verify, "info": cmd_info,
             "bench": run_bench, "eval": run_eval, "swiftkv": run_swiftkv,
-            "analyze": run_analyze}
+            "analyze": run_analyze, "demo": cmd_demo, "report": run_report}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return lm_eval_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.command_line = command_line(argv)  # recorded in the JSON of measuring commands
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:

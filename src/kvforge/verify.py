@@ -86,6 +86,13 @@ def _passage_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
 
 def run_verify(model_name: str, text_file: str | Path | None = None,
                passage_tokens: int = PASSAGE_TOKENS, kv_budget: int = 256 * 2**20) -> VerifyReport:
+    from kvforge.preflight import check_within_context, model_context
+    from kvforge.text_data import read_text
+
+    if passage_tokens <= DECODED_TOKENS:  # checked before anything loads
+        raise ConfigError("passage_tokens", passage_tokens, f"must be > {DECODED_TOKENS}")
+    check_within_context("passage_tokens", [passage_tokens], model_context(model_name), model_name)
+    read_text(text_file)
     times: dict[str, float] = {}
     start = time.perf_counter()
     model, source = load_model(model_name, dtype="float32")
@@ -99,8 +106,6 @@ def run_verify(model_name: str, text_file: str | Path | None = None,
     cache = create_cache("full", model.cache_layout(), kv_budget, torch.float32)
     runner = ModelRunner(model, cache)
 
-    if passage_tokens <= DECODED_TOKENS:
-        raise ConfigError("passage_tokens", passage_tokens, f"must be > {DECODED_TOKENS}")
     passage = tokenizer.encode(heldout_text(text_file))[:passage_tokens]
     start = time.perf_counter()
     ours = _passage_logits(runner, passage)

@@ -48,8 +48,24 @@ def test_greedy_batch_equals_each_alone():
     _, model = make_pair("gemma3_hybrid")
     runner = make_runner(model)
     prompts = [list(range(1, 30)), [7], list(range(40, 52))]
-    together = greedy_generate(runner, prompts, max_new_tokens=12, prefill_chunk=8)
-    alone = [greedy_generate(runner, [p], max_new_tokens=12)[0] for p in prompts]
+    together = greedy_generate(runner, prompts, max_new_tokens=12, stop_token_ids=(), prefill_chunk=8)
+    alone = [greedy_generate(runner, [p], max_new_tokens=12, stop_token_ids=())[0] for p in prompts]
     assert together == alone
     assert all(len(out) == 12 for out in together)
     assert runner.cache.memory_usage()["fast"] == 0
+
+
+def test_greedy_refuses_sequence_ids_in_use_and_stops_at_the_model_eos():
+    import dataclasses
+
+    _, model = make_pair("llama_gqa")
+    runner = make_runner(model)
+    runner.step([StepItem(1, [5, 6, 7])])  # the caller's own sequence 1
+    with pytest.raises(ConfigError, match="seq_id=1.*in use"):
+        greedy_generate(runner, [[1, 2], [3, 4]], max_new_tokens=4)
+    assert runner.cache.num_cached_tokens(1) == 3  # untouched, not freed
+    runner.release(1)
+    free_run = greedy_generate(runner, [[1, 2, 3]], max_new_tokens=6, stop_token_ids=())[0]
+    model.config = dataclasses.replace(model.config, eos_token_ids=(free_run[2],))
+    stopped = greedy_generate(runner, [[1, 2, 3]], max_new_tokens=6)[0]  # default: the model's EOS ids
+    assert stopped == free_run[:free_run.index(free_run[2]) + 1]

@@ -246,3 +246,18 @@ def test_find_stop():
     # a match wholly inside already-searched text is not reported again
     assert find_stop("END then more", ["END"], 8) is None
     assert find_stop("", ["a"], 0) is None and find_stop("abc", [], 0) is None
+
+
+def test_the_nucleus_is_taken_after_the_temperature():
+    """probs [0.5, 0.3, 0.2] keep two tokens at top_p 0.75; a high temperature flattens
+    them so the nucleus holds all three, a low one sharpens them to the best alone."""
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+
+    def draws(temperature: float) -> set[int]:
+        params = SamplingParams(temperature=temperature, top_p=0.75, seed=0)
+        generator = make_generator(0)
+        return {sample(logits, [params], [generator]).token_ids[0] for _ in range(400)}
+
+    assert draws(1.0) == {0, 1}
+    assert draws(5.0) == {0, 1, 2}
+    assert draws(0.2) == {0}

@@ -140,3 +140,19 @@ def test_abort_frees_storage():
     aborted = scheduler.abort(["1", "unknown"])
     assert [r.request_id for r in aborted] == ["1"] and aborted[0].finish_reason is FinishReason.ABORT
     assert cache.held.keys() == {0}
+
+
+def test_no_admission_in_a_step_that_preempted():
+    """A step that had to preempt admits nobody, even a waiting request that would fit in
+    the pages the preemption freed (it would likely be preempted next)."""
+    cache = FakeCache(pages=4)  # 16 tokens
+    scheduler = Scheduler(cache, max_num_batched_tokens=100, max_num_seqs=8)
+    old, new, small = make_request(0, 8, max_tokens=8), make_request(1, 8, max_tokens=8), make_request(2, 1)
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)  # both prompts: 4 pages, the pool is full
+    scheduler.add(small)
+    out = scheduler.schedule()  # old grows to 9 tokens: a third page, so new is preempted
+    assert out.preempted == [new]
+    assert [c.request for c in out.chunks] == [old]
+    assert small.status is RequestStatus.WAITING and cache.free_pages == 1  # small would have fit

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -109,7 +108,7 @@ class BenchContext:
     config: ModelConfig
     source: ModelSource
     peak: Any = None  # MachinePeak, measured once before the systems run
-    load_before: list[float] | None = None  # load averages when the measurements start
+    probe: Any = None  # LoadProbe started when the measurements start (machine_load.py)
     _loaded: dict[bool, tuple[Any, Any]] = field(default_factory=dict, repr=False)
 
     @property
@@ -204,6 +203,7 @@ Runner = Callable[[BenchContext, System], dict[str, Any]]
 
 def run_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[str, Any]]:
     """Measure every system with the runner registered for its kind, freeing between systems."""
+    from kvforge.bench.machine_load import LoadProbe
     from kvforge.bench.peak import measure_peak
     from kvforge.prebuild import build_cpu_kernels
 
@@ -214,7 +214,7 @@ def run_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[s
     missing = [name for name, ok in kernels.items() if not ok]
     log(f"C++ kernels ready in {seconds:.1f} s: {', '.join(ready) or 'none'}"
         + (f"; PyTorch fallback for: {', '.join(missing)}" if missing else ""))
-    ctx.load_before = load_average()
+    ctx.probe = LoadProbe()
     ctx.peak = measure_peak(ctx.dtype)
     log(f"matmul peak {ctx.peak.matmul_gflops:.1f} GFLOP/s ({ctx.peak.matmul_dtype}, n={ctx.peak.matmul_size}), "
         f"read bandwidth {ctx.peak.read_gbps:.1f} GB/s, {ctx.peak.threads} threads")
@@ -247,11 +247,3 @@ def repeat_runs(label: str, once: Callable[[], dict[str, Any]], warmup: int, rep
 
 def rate(amount: float, seconds: float) -> float:
     return amount / seconds if seconds > 0 else float("inf")
-
-
-def load_average() -> list[float] | None:
-    """1/5/15-minute load averages: a busy machine makes every number here noisy."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None

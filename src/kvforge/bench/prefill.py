@@ -81,4 +81,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                Column("achieved_gflops", "GFLOP/s"), Column("fraction_of_matmul_peak", "of peak", "{:.2f}"),
                Column("engine_steps", "steps", "{}")]
     panel = Panel("achieved_gflops", "achieved GFLOP/s", ctx.peak.matmul_gflops, "matmul peak")
-    return finish(ctx, "prefill", settings, HEADLINE, systems, columns, panel)
+    return finish(ctx, "prefill", settings, HEADLINE, systems, columns, panel, flop_bounds(systems))
+
+
+def flop_bounds(systems: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system under test's speed-up over another kvforge system that does more FLOPs
+    per prompt (SwiftKV against its base model) cannot honestly exceed the FLOP ratio: the
+    same engine runs the same kind of matmuls, only fewer of them."""
+    ours = systems[0]
+    out = []
+    for other in systems[1:]:
+        if "flops_total" in ours and "flops_total" in other and ours["flops_total"] != other["flops_total"]:
+            out.append({"what": f"{HEADLINE} {ours['name']} / {other['name']}",
+                        "ratio": ours[HEADLINE] / other[HEADLINE] if other[HEADLINE] else None,
+                        "bound": other["flops_total"] / ours["flops_total"],
+                        "why": "FLOPs of the prefill: the other system's over the system under test's"})
+    return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +20,10 @@ from typing import Any
 
 import torch
 
-from kvforge.bench.common import BenchContext, load_average, log
+from kvforge.bench.common import BenchContext, log
+from kvforge.bench.machine_load import LoadProbe, flags
+from kvforge.report.provenance import provenance
 from kvforge.sizes import format_bytes
-
-NOISY_SPREAD = 1.15  # slowest / fastest timed repeat above which the table warns
 
 
 @dataclass(frozen=True)
@@ -54,11 +53,15 @@ def ratios(headline: str, systems: Sequence[dict[str, Any]]) -> tuple[float | No
 
 
 def finish(ctx: BenchContext, benchmark: str, settings: dict[str, Any], headline: str,
-           systems: list[dict[str, Any]], columns: Sequence[Column], panel: Panel | None = None) -> dict[str, Any]:
+           systems: list[dict[str, Any]], columns: Sequence[Column], panel: Panel | None = None,
+           bounds: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`bounds`: [{"what", "ratio", "bound", "why"}] that no honest measurement exceeds."""
     for system in systems:  # max/min of the timed repeats: > ~1.1 on this kind of machine means noise
         times = system.get("seconds_all") or [system["seconds"]]
         system["repeat_spread"] = max(times) / min(times) if min(times) > 0 else math.inf
     ratio, all_ratios = ratios(headline, systems)
+    load = (ctx.probe or LoadProbe()).report()
+    warnings = flags(load, ctx.args.repeats, max(s["repeat_spread"] for s in systems), bounds)
     result = {
         "benchmark": benchmark,
         "model": ctx.args.model,
@@ -70,8 +73,11 @@ def finish(ctx: BenchContext, benchmark: str, settings: dict[str, Any], headline
         "ratio": ratio,
         "ratios": all_ratios,
         "peak": ctx.peak.as_dict() if ctx.peak is not None else None,
-        "environment": {"torch": torch.__version__, "cpu_count": os.cpu_count(),
-                        "load_average_before": ctx.load_before, "load_average_after": load_average()},
+        "environment": {"torch": torch.__version__, **load},
+        "bounds": bounds or [],
+        "flags": warnings,
+        "trustworthy": not warnings,
+        "provenance": provenance(ctx.args),
     }
     print(format_table(result, columns))
     if ctx.args.json:
@@ -100,12 +106,17 @@ def format_table(result: dict[str, Any], columns: Sequence[Column]) -> str:
     lines.extend(cache_lines(result["systems"]))
     for name, value in result["ratios"].items():
         lines.append(f"{result['headline_metric']}: {names[0]} / {name} = {value:.3f}x")
-    spread = max(s["repeat_spread"] for s in result["systems"])
-    if spread > NOISY_SPREAD:
-        env = result["environment"]
-        lines.append(f"note: repeat times differ by up to {spread:.2f}x: the machine looks busy (load average "
-                     f"{env['load_average_before']} before, {env['load_average_after']} after); medians reported")
+    lines.append(machine_line(result["environment"], result["systems"]))
+    lines.extend(f"WARNING: {flag['message']}" for flag in result.get("flags", []))
     return "\n".join(lines)
+
+
+def machine_line(env: dict[str, Any], systems: Sequence[dict[str, Any]]) -> str:
+    foreign = env.get("foreign_cores")
+    spreads = ", ".join(f"{s['name']} {s['repeat_spread']:.2f}x" for s in systems if "repeat_spread" in s)
+    return (f"machine: load average {env.get('load_average_before')} before, {env.get('load_average_after')} after; "
+            f"other programs used {'?' if foreign is None else f'{foreign:.2f}'} of {env.get('cpu_count')} cores"
+            + (f"; repeat spread (slowest/fastest): {spreads}" if spreads else ""))
 
 
 def cache_lines(systems: Sequence[dict[str, Any]]) -> list[str]:

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import dataclasses
 import math
-import os
 import random
 import sys
 from pathlib import Path
@@ -31,13 +30,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvforge.bench.common import System, load_average, log, parse_compare
+from kvforge.bench.common import System, log, parse_compare
+from kvforge.bench.machine_load import LoadProbe, flags
 from kvforge.bench.serve_client import RequestRecord, poisson_schedule, run_schedule
 from kvforge.bench.serve_server import ServerProcess, ServerWatch, scrape
 from kvforge.bench.serve_stats import SLO, step_split, summarize
 from kvforge.cache.registry import parse_cache_spec
 from kvforge.errors import ConfigError, require
 from kvforge.models.loader import load_model_config, resolve_model_source
+from kvforge.report.provenance import provenance
 from kvforge.text_data import heldout_text
 
 SERVED_NAME = "bench"  # the model name the started servers answer to
@@ -198,7 +199,7 @@ def _fmt(value: float | None, pattern: str = "{:.1f}") -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = _plan(args)  # every option checked before a server starts
     torch.set_num_threads(args.threads)
-    load_before = load_average()
+    probe = LoadProbe()
     results = []
     for system in plan.systems:
         if system.kind == "external":
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results.append(_measure(args, plan, system, server.base_url))
         finally:
             server.stop()
-    result = _result(args, plan, results, load_before)
+    result = _result(args, plan, results, probe.report())
     from kvforge.bench.serve_report import format_serve_table, write_serve_outputs
 
     print(format_serve_table(result))
@@ -220,7 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _result(args: argparse.Namespace, plan: Plan, systems: list[dict[str, Any]],
-            load_before: list[float] | None) -> dict[str, Any]:
+            load: dict[str, Any]) -> dict[str, Any]:
     def at(system: dict[str, Any], rate: float) -> dict[str, Any]:
         return next(r for r in system["rates"] if r["request_rate"] == rate)
 
@@ -252,6 +253,8 @@ def _result(args: argparse.Namespace, plan: Plan, systems: list[dict[str, Any]],
         "ratios": ratios,
         "throughput_ratios_at_highest_rate": throughput_ratios,
         "systems": systems,
-        "environment": {"torch": torch.__version__, "cpu_count": os.cpu_count(),
-                        "load_average_before": load_before, "load_average_after": load_average()},
+        "environment": {"torch": torch.__version__, **load},
+        "flags": (warnings := flags(load)),
+        "trustworthy": not warnings,
+        "provenance": provenance(args),
     }

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.bench.common import log
+from kvforge.bench.report import machine_line
 
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 
@@ -61,9 +62,8 @@ def format_serve_table(result: dict[str, Any]) -> str:
         if value is not None:
             lines.append(f"request throughput at {_rate_label(result['systems'][0]['rates'][-1]['request_rate'])} "
                          f"req/s: {result['systems'][0]['name']} / {name} = {value:.2f}x")
-    env = result["environment"]
-    lines.append(f"load average {env['load_average_before']} before, {env['load_average_after']} after "
-                 f"({env['cpu_count']} CPUs)")
+    lines.append(machine_line(result["environment"], []))
+    lines.extend(f"WARNING: {flag['message']}" for flag in result.get("flags", []))
     return "\n".join(lines)
 
 

@@ -138,6 +138,18 @@ def parse_systems(cache: str, cache_opt: list[str] | None, compare: list[str] | 
     return out
 
 
+def check_backends(systems: list[EvalSystem], compare: list[str] | str | None) -> None:
+    """Refuse, before anything loads, a system whose optional backend is not installed (it
+    would otherwise fail after every system before it had run)."""
+    from kvforge.preflight import require_backend
+
+    entries = split_entries(compare)
+    for system in systems:
+        if system.hf_cache in ("quanto", "hqq"):
+            entry = next((e for e in entries if e.startswith(f"hf-{system.hf_cache}")), system.name)
+            require_backend(system.hf_cache, "compare", entry)
+
+
 def baseline_index(systems: list[EvalSystem], requested: str | None = None) -> int:
     """Index of the baseline (see the module docstring); `requested` names one explicitly."""
     if requested:

@@ -32,6 +32,11 @@ def load_kvforge(model: str, dtype: torch.dtype, swiftkv: str | None = None) -> 
     return net, load_tokenizer(source), source
 
 
+def load_tokenizer_only(model: str) -> Any:
+    """The model's tokenizer without its weights (tests replace this too)."""
+    return load_tokenizer(resolve_model_source(model))
+
+
 def load_hf(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
     """The transformers model on the same weights (tests replace this too)."""
     from kvforge.bench.hf_peer import load_hf_peer
@@ -47,6 +52,7 @@ class EvalContext:
     swiftkv: str | None = None  # SwiftKV checkpoint laid over the model for kvforge systems
     _kvforge: dict[bool, tuple[Any, Any, ModelSource]] = field(default_factory=dict, repr=False)
     _hf: torch.nn.Module | None = field(default=None, repr=False)
+    _tokenizer: Any = field(default=None, repr=False)
 
     def kvforge(self, swiftkv: bool = True) -> tuple[Any, Any]:
         """(model, tokenizer), loaded on first use: the --swiftkv model unless `swiftkv` is
@@ -61,7 +67,19 @@ class EvalContext:
 
     @property
     def tokenizer(self) -> Any:
-        return self.kvforge()[1]
+        """The tokenizer; loaded alone (no weights) when no model is loaded yet, so prompts
+        can be built and checked before minutes of loading."""
+        if self._kvforge:
+            return next(iter(self._kvforge.values()))[1]
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer_only(self.model_name)
+        return self._tokenizer
+
+    def context_length(self) -> int:
+        """The model's context in tokens, from its config alone."""
+        from kvforge.preflight import model_context
+
+        return model_context(self.model_name, self.swiftkv)
 
     @property
     def source(self) -> ModelSource:

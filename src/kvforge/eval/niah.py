@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from kvforge.engine.greedy import greedy_converse, greedy_generate
 from kvforge.errors import require
-from kvforge.eval.compare import EvalSystem, baseline_index, parse_systems
+from kvforge.eval.compare import EvalSystem, baseline_index, check_backends, parse_systems
 from kvforge.eval.context import EvalContext, describe_system, log, make_hf_cache
 from kvforge.eval.multiturn import Conversation, accuracy_by_turn, build_conversations, turn_records
 from kvforge.eval.passkey import (
@@ -37,9 +37,11 @@ from kvforge.eval.passkey import (
     score_output,
     split_sentences,
 )
-from kvforge.eval.report import environment, markdown_table, write_json
+from kvforge.eval.report import environment, evaluate_systems, markdown_table, write_json
 from kvforge.models.loader import parse_dtype
 from kvforge.models.tokenizer import has_chat_template
+from kvforge.preflight import check_within_context
+from kvforge.report.provenance import provenance
 from kvforge.sizes import parse_bytes
 from kvforge.text_data import read_text
 
@@ -246,8 +248,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     require(args.batch >= 1, "batch", args.batch, "must be >= 1")
     require(args.max_new_tokens >= 1, "max_new_tokens", args.max_new_tokens, "must be >= 1")
     systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
+    check_backends(systems, args.compare)
     base = baseline_index(systems, args.baseline)
     ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv)
+    check_within_context("lengths", lengths, ctx.context_length(), args.model, args.max_new_tokens,
+                         "generated tokens (--max-new-tokens)")
     tokenizer = ctx.tokenizer
     chat = bool(args.chat) and has_chat_template(tokenizer)
     if args.chat and not chat:
@@ -260,18 +265,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         conversations = build_conversations(tokenizer, lengths, multi_turn, args.seed, sentences,
                                             samples=args.samples, key_digits=args.key_digits)
         log(f"{len(conversations)} conversations of {multi_turn} turns: lengths {lengths}, {args.samples} per length")
-        results = [evaluate_conversations(ctx, system, conversations, args, lengths, depths) for system in systems]
+        results = evaluate_systems(
+            systems, lambda system: evaluate_conversations(ctx, system, conversations, args, lengths, depths),
+            args.json, {"eval": "niah", "model": args.model, "dtype": args.dtype})
     else:
         samples = build_grid(tokenizer, lengths, args.depths, args.seed, sentences,
                              chat=chat, samples=args.samples, key_digits=args.key_digits)
         log(f"{len(samples)} prompts: lengths {lengths}, {len(depths)} depths, {args.samples} per cell, chat={chat}")
-        results = [evaluate_system(ctx, system, samples, args, lengths, depths) for system in systems]
+        results = evaluate_systems(systems, lambda system: evaluate_system(ctx, system, samples, args, lengths, depths),
+                                   args.json, {"eval": "niah", "model": args.model, "dtype": args.dtype})
     payload = {"eval": "niah", "model": args.model, "dtype": args.dtype,
                "settings": {"lengths": lengths, "depths": depths, "multi_turn": multi_turn, "samples_per_cell": args.samples,
                             "seed": args.seed, "chat": chat, "key_digits": args.key_digits,
                             "max_new_tokens": args.max_new_tokens, "prefill_chunk": args.prefill_chunk,
                             "haystack_file": args.haystack_file},
-               "baseline": results[base]["name"], "systems": results, "environment": environment()}
+               "baseline": results[base]["name"], "systems": results, "environment": environment(), "provenance": provenance(args)}
     shape = f"{multi_turn}-turn conversations" if multi_turn else f"{len(depths)} depths"
     print(f"niah: {args.model}, lengths {lengths} x {shape} x {args.samples} samples")
     print(format_niah_table(results, lengths, base))

@@ -26,12 +26,14 @@ from tqdm.auto import tqdm
 
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.errors import require
-from kvforge.eval.compare import EvalSystem, baseline_index, parse_systems
+from kvforge.eval.compare import EvalSystem, baseline_index, check_backends, parse_systems
 from kvforge.eval.context import EvalContext, describe_system, log, make_hf_cache
-from kvforge.eval.report import environment, markdown_table, relative_delta_pct, write_json
+from kvforge.eval.report import environment, evaluate_systems, markdown_table, relative_delta_pct, write_json
 from kvforge.models.loader import parse_dtype
+from kvforge.preflight import check_within_context
+from kvforge.report.provenance import provenance
 from kvforge.sizes import parse_bytes
-from kvforge.text_data import default_text_file, heldout_text
+from kvforge.text_data import default_text_file, heldout_text, read_text
 
 Mode = Literal["prefill", "decode"]
 WindowScore = tuple[float, int]  # (sum of NLL in nats, tokens scored)
@@ -187,21 +189,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = PplSettings(context=args.context, mode=args.mode, prefill_len=args.prefill_len, batch=batch,
                            max_windows=args.max_windows)
     systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
+    check_backends(systems, args.compare)
     base = baseline_index(systems, args.baseline)
     ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv)
-    tokenizer = ctx.tokenizer
+    check_within_context("context", [settings.context], ctx.context_length(), args.model)
     text_file = args.text_file or str(default_text_file())
+    read_text(text_file)  # exists and is text, before any load
+    tokenizer = ctx.tokenizer
     ids = tokenizer.encode(heldout_text(text_file), add_special_tokens=False)
     bos = tokenizer.bos_token_id if starts_with_bos(tokenizer) else None
     windows = make_windows(ids, settings.context, settings.max_windows, bos)
     require(len(windows) > 0, "context", settings.context, f"the text has only {len(ids)} tokens")
     log(f"{len(windows)} windows of {settings.context} tokens, mode {settings.mode}, batch {settings.batch}")
-    results = [evaluate_system(ctx, system, windows, settings) for system in systems]
+    header = {"eval": "ppl", "model": args.model, "dtype": args.dtype, "text_file": text_file,
+              "settings": {**vars(settings), "windows": len(windows)}}
+    results = evaluate_systems(systems, lambda system: evaluate_system(ctx, system, windows, settings), args.json,
+                               header)
     for result in results:
         result["delta_pct"] = relative_delta_pct(result["ppl"], results[base]["ppl"])
-    payload = {"eval": "ppl", "model": args.model, "dtype": args.dtype, "text_file": text_file,
-               "settings": {**vars(settings), "windows": len(windows)}, "baseline": results[base]["name"],
-               "systems": results, "environment": environment()}
+    payload = {**header, "baseline": results[base]["name"], "systems": results, "environment": environment(), "provenance": provenance(args)}
     print(f"ppl: {args.model}, {len(windows)} windows x {settings.context} tokens, mode {settings.mode}"
           + (f" (prefill {settings.prefill_len})" if settings.mode == "decode" else ""))
     print(format_ppl_table(results, base))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,23 @@ def environment() -> dict[str, Any]:
         load = None
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "load_average": load}
+
+
+def evaluate_systems(systems: Sequence[Any], evaluate: Callable[[Any], dict[str, Any]], json_path: str | None,
+                     header: dict[str, Any]) -> list[dict[str, Any]]:
+    """`evaluate` each system in turn. If one fails, the results of the systems already done
+    are written to `json_path` first (marked incomplete, naming the failed system), so
+    minutes of work are not lost; then the error propagates."""
+    results: list[dict[str, Any]] = []
+    for system in systems:
+        try:
+            results.append(evaluate(system))
+        except Exception as exc:
+            if json_path and results:
+                write_json(json_path, {**header, "systems": results, "incomplete": True, "failed_system": system.name,
+                                       "error": f"{type(exc).__name__}: {exc}", "environment": environment()})
+            raise
+    return results
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> Path:

@@ -15,13 +15,15 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvforge.errors import require
-from kvforge.eval.compare import EvalSystem, baseline_index, parse_systems
+from kvforge.eval.compare import EvalSystem, baseline_index, check_backends, parse_systems
 from kvforge.eval.context import EvalContext, describe_system, log
 from kvforge.eval.niah import generate_hf, generate_kvforge
-from kvforge.eval.report import environment, markdown_table, write_json
+from kvforge.eval.report import environment, evaluate_systems, markdown_table, write_json
 from kvforge.eval.ruler_tasks import TASKS, RulerSample, build_sample, make_sources, parse_tasks, score
 from kvforge.models.loader import parse_dtype
 from kvforge.models.tokenizer import has_chat_template
+from kvforge.preflight import check_within_context
+from kvforge.report.provenance import provenance
 from kvforge.sizes import parse_bytes
 from kvforge.text_data import read_text
 
@@ -103,18 +105,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     require(len(lengths) > 0 and all(n > 0 for n in lengths), "lengths", args.lengths, "must be positive integers")
     tasks = parse_tasks(args.tasks)
     systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
+    check_backends(systems, args.compare)
     base = baseline_index(systems, args.baseline)
     ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv)
+    check_within_context("lengths", lengths, ctx.context_length(), args.model)
     chat = bool(args.chat) and has_chat_template(ctx.tokenizer)
     if args.chat and not chat:
         log("--chat ignored: the model has no chat template")
     samples = build_samples(ctx, tasks, lengths, args.samples, args.seed, args.haystack_file, chat)
     log(f"{len(samples)} prompts: {len(tasks)} tasks x lengths {lengths} x {args.samples} samples, chat={chat}")
-    results = [evaluate_system(ctx, system, samples, args) for system in systems]
+    results = evaluate_systems(systems, lambda system: evaluate_system(ctx, system, samples, args), args.json,
+                               {"eval": "ruler", "model": args.model, "dtype": args.dtype})
     payload = {"eval": "ruler", "model": args.model, "dtype": args.dtype,
                "settings": {"lengths": lengths, "tasks": tasks, "samples_per_task": args.samples, "seed": args.seed,
                             "chat": chat, "haystack_file": args.haystack_file},
-               "baseline": results[base]["name"], "systems": results, "environment": environment()}
+               "baseline": results[base]["name"], "systems": results, "environment": environment(), "provenance": provenance(args)}
     print(f"ruler: {args.model}, {len(tasks)} tasks, lengths {lengths}, {args.samples} samples per task")
     print(format_ruler_table(results, base))
     if args.json:

@@ -10,6 +10,8 @@ Invariants:
   ("kvforge CPU kernels disabled: ...") and callers use their PyTorch fallback.
 - `KVFORGE_DISABLE_CPU_KERNELS` (anything but "" or "0") makes every kernel unavailable;
   it is read on every call, so it can be toggled at run time (tests do).
+- A build holds `build_lock` (build_lock.py): a build killed midway never blocks a later
+  process, and a live one is waited for only up to a timeout.
 - The build directory name hashes the source, the flags, torch, Python and a CPU
   fingerprint, so `-march=native` binaries are never loaded on a different CPU and an
   edited source never loads a stale binary.
@@ -27,6 +29,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kvforge.kernels.build_lock import BuildLockTimeout, build_lock
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,10 @@ class CppKernel:
                  flag_sets: tuple[tuple[str, ...], ...] = DEFAULT_FLAG_SETS) -> None:
         self.name = name
         self.source = source.read_text(encoding="utf-8")
+        # The shared headers (cpu_checks.h) are found on this include path and hashed into
+        # the fingerprint, so an edited header rebuilds every kernel that includes it.
+        self.include_dir = str(Path(__file__).parent)
+        self.headers = "".join(p.read_text(encoding="utf-8") for p in sorted(Path(self.include_dir).glob("*.h")))
         self.namespace = namespace
         self.op = op
         self.what = what
@@ -97,6 +105,9 @@ class CppKernel:
             try:
                 self._load(cpp_extension, flags)
                 return True
+            except BuildLockTimeout as error:  # another flag set would wait just the same
+                logger.warning("kvforge CPU kernels disabled: %s; using %s", error, self.fallback)
+                return False
             except Exception as error:  # noqa: BLE001 - compiler failures come as many types
                 errors.append(f"flags {' '.join(flags)}: {_tail(str(error))}")
         logger.warning("kvforge CPU kernels disabled: building the %s failed; using %s.\n%s", self.what,
@@ -107,14 +118,15 @@ class CppKernel:
         name = f"{self.name}_{self._fingerprint(flags)}"
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
         build_dir = os.path.join(root, name)
-        os.makedirs(build_dir, exist_ok=True)
         source = os.path.join(build_dir, f"{name}.cpp")
-        _write_if_changed(source, self.source)
-        cached = os.path.exists(os.path.join(build_dir, f"{name}.so"))
         start = time.perf_counter()
         openmp = ["-fopenmp"] if "-fopenmp" in flags else []
-        cpp_extension.load(name=name, sources=[source], extra_cflags=list(flags), extra_ldflags=openmp,
-                           build_directory=build_dir, is_python_module=False, verbose=False)
+        with build_lock(build_dir):  # never waits forever on a killed build (build_lock.py)
+            _write_if_changed(source, self.source)
+            cached = os.path.exists(os.path.join(build_dir, f"{name}.so"))
+            cpp_extension.load(name=name, sources=[source], extra_cflags=list(flags), extra_ldflags=openmp,
+                               extra_include_paths=[self.include_dir], build_directory=build_dir,
+                               is_python_module=False, verbose=False)
         getattr(getattr(torch.ops, self.namespace), self.op)  # raises if not registered
         self.build_seconds = time.perf_counter() - start
         action = "loaded cached build of" if cached else "compiled"
@@ -123,7 +135,7 @@ class CppKernel:
 
     def _fingerprint(self, flags: tuple[str, ...]) -> str:
         """Hash of everything the binary depends on: source, flags, torch, Python and the CPU."""
-        parts = [self.source, " ".join(flags), torch.__version__, platform.python_version(), platform.machine(),
+        parts = [self.source, self.headers, " ".join(flags), torch.__version__, platform.python_version(), platform.machine(),
                  _cpu_description()]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 

@@ -79,6 +79,12 @@ def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     require(args.max_num_seqs >= 1, "max_num_seqs", args.max_num_seqs, "must be >= 1")
     check_port_free(args.host, args.port)
+    if args.max_model_len is not None:
+        from kvforge.preflight import model_context
+
+        context = model_context(args.model, args.swiftkv)
+        require(2 <= args.max_model_len <= context, "max_model_len", args.max_model_len,
+                f"must be in [2, {context}] ({args.model}'s context)")
     if not is_loopback(args.host) and api_key is None:
         print(f"kvforge serve: warning: {args.host} is reachable from other machines and no --api-key is set: "
               "anyone who can reach it can use the model", file=sys.stderr)

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvforge.config import ModelConfig, SwiftKVConfig
 from kvforge.errors import ConfigError, ModelLoadError, require
+from kvforge.report.provenance import provenance
 
 
 def _int_list(text: str) -> list[int]:
@@ -141,8 +142,8 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     rows = list(zip(map(str, args.swiftkv), compare_all(teacher, students, windows)))
     print(format_quality(rows, settings))
     if args.json:
-        payload = {"model": model, "context": settings.context, "windows": len(windows),
-                   "students": {name: quality.to_dict() for name, quality in rows}}
+        payload = {"swiftkv_evaluate": True, "model": model, "context": settings.context, "windows": len(windows),
+                   "students": {name: quality.to_dict() for name, quality in rows}, "provenance": provenance(args)}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
@@ -209,7 +210,8 @@ def _run_flops(args: argparse.Namespace) -> int:
     print(format_flops_table(rows, context))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"context": context, "rows": rows}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"context": context, "rows": rows, "provenance": provenance(args)},
+                                              indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
 

@@ -161,3 +161,102 @@ def test_sparse_attention_equals_reference(queries):
         mask = torch.cat((torch.ones(kv_heads, 11, dtype=torch.bool), parts[1].mask,
                           torch.ones(kv_heads, 1, dtype=torch.bool)), dim=1)
         torch.testing.assert_close(masked_attention(q[0], buffer_k, buffer_v, mask, 0.3), got[0], atol=1e-6, rtol=1e-6)
+
+
+def test_compress_layer_at_low_rank_follows_its_definition():
+    """Lossy settings pinned to the paper's definition: the basis spans the top-r right
+    singular vectors of the *pre*-RoPE keys (so its reconstruction error is the
+    Eckart-Young optimum), landmarks are chunk means of the *post*-RoPE keys, and the
+    outliers are the chunks with the lowest min cosine to their landmark."""
+    torch.manual_seed(5)
+    heads, n, dim, chunk, rank, outliers = 2, 48, 8, 4, 3, 2
+    rope = _rope(dim)
+    width = heads * dim
+    keys_pre = (torch.randn(n, rank) @ torch.randn(rank, width) + 0.05 * torch.randn(n, width)).view(n, heads, dim)
+    keys_post = rope.apply_at(keys_pre, torch.arange(n)).transpose(0, 1)  # [H, n, D]
+    values = torch.randn(heads, n, dim)
+    prefix = 40
+    layer, data = compress_layer(keys_post, values, rope, prefix, rank, chunk, outliers, window_capacity=12,
+                                 chunks_per_step=2)
+    # basis: the projector onto the top-r right singular vectors of the pre-RoPE keys
+    flat_pre = keys_pre.reshape(n, width).double()
+    _, _, vh = torch.linalg.svd(flat_pre, full_matrices=False)
+    expected = vh[:rank].T @ vh[:rank]
+    torch.testing.assert_close((layer.basis.T @ layer.basis).double(), expected, atol=1e-4, rtol=0)
+    # its reconstruction of the prefix is the optimal rank-r one
+    rebuilt = data.coefficients.reshape(prefix, rank).double() @ layer.basis.double()
+    optimal = flat_pre[:prefix] @ expected
+    torch.testing.assert_close(rebuilt, optimal, atol=1e-4, rtol=0)
+    # a basis taken from the post-RoPE keys would be far worse (RoPE spreads the rank)
+    post_basis = key_basis(keys_post.transpose(0, 1).reshape(n, width), rank).double()
+    post_error = (flat_pre - flat_pre @ post_basis.T @ post_basis).norm()
+    assert (flat_pre - flat_pre @ expected).norm() < 0.3 * post_error
+    # landmarks: chunk means of the post-RoPE prefix keys
+    torch.testing.assert_close(data.landmarks, keys_post[:, :prefix].reshape(heads, prefix // chunk, chunk, dim)
+                               .mean(dim=2))
+    # outliers: per head, the chunks whose keys point furthest from their landmark
+    for h in range(heads):
+        scores = []
+        for c in range(prefix // chunk):
+            block = keys_post[h, c * chunk:(c + 1) * chunk]
+            mean = block.mean(dim=0)
+            scores.append(min(float(torch.dot(k, mean) / (k.norm() * mean.norm())) for k in block))
+        lowest = sorted(range(len(scores)), key=scores.__getitem__)[:outliers]
+        assert layer.outliers[h].tolist() == sorted(lowest)
+
+
+def _cache_step(cache, seq: int, cached: int, k_pre, v, q_pre, rope_table, num_logits: int):
+    """One step of one sequence straight on the cache (one layer): returns the attention output."""
+    from kvforge.batch import ForwardBatch
+
+    count = k_pre.shape[0]
+    assert cache.allocate(seq, cached + count)
+    batch = ForwardBatch.build([seq], [[0] * count], [cached], [num_logits])
+    rope = rope_table.at(batch.positions, torch.float32)
+    cache.begin_step(batch)
+    cache.write(0, batch, k_pre, v, rope)
+    out = cache.attend(0, batch, rope.apply(q_pre), rope)
+    cache.end_step(batch)
+    return out
+
+
+def test_a_planted_chunk_is_selected_and_rebuilt_at_low_rank():
+    """Lossy ShadowKV end to end (rank 2 of 16, one chunk selected per step): pre-RoPE keys
+    of rank 2; one chunk of keys aligned with the query carries the attention. Decode
+    must find that chunk through its landmark, rebuild its keys from the rank-2 basis and
+    match exact attention; without that chunk the output would be far off."""
+    from kvforge.cache.layout import CacheLayerSpec, CacheLayout
+    from kvforge.cache.registry import create_cache
+
+    torch.manual_seed(7)
+    dim, n, chunk, planted = 16, 64, 4, 6  # planted chunk: positions 24..27
+    layout = CacheLayout.one_per_layer([CacheLayerSpec(1, dim, dim ** -0.5)])
+    spec = "shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=8,rank=2,budget=4,reuse=false"
+    cache = create_cache(spec, layout, 1 << 22, torch.float32)
+    rope_table = RotaryEmbedding(dim, RopeConfig(theta=10000.0))
+    # two directions in the slowly rotating half of the dimensions (pairs 4..7 and 12..15)
+    directions = torch.zeros(2, dim)
+    directions[0, [4, 5, 12, 13]] = torch.tensor([0.6, 0.5, 0.4, 0.5])
+    directions[1, [6, 7, 14, 15]] = torch.tensor([0.5, -0.5, 0.5, 0.5])
+    mix = 0.3 * torch.randn(n, 2)
+    mix[planted * chunk:(planted + 1) * chunk] = torch.tensor([[5.0, 0.0], [5.2, 0.0], [5.4, 0.0], [5.6, 0.0]])
+    k_pre = (mix @ directions).view(n, 1, dim)
+    values = torch.randn(n, 1, dim)
+    _cache_step(cache, 0, 0, k_pre, values, torch.zeros(n, 1, dim), rope_table, num_logits=1)
+    assert cache.is_compressed(0)
+    q_pre = (8.0 * directions[0]).view(1, 1, dim)
+    k_new, v_new = torch.zeros(1, 1, dim), torch.randn(1, 1, dim)
+    out = _cache_step(cache, 0, n, k_new, v_new, q_pre, rope_table, num_logits=1)
+
+    positions = torch.arange(n + 1)
+    rope_all = rope_table.at(positions, torch.float32)
+    keys_post = rope_all.apply(torch.cat([k_pre, k_new]))
+    vals = torch.cat([values, v_new])
+    q_post = rope_table.at(positions[-1:], torch.float32).apply(q_pre)
+    exact = reference_attention(q_post, keys_post, vals, positions[-1:], positions, dim ** -0.5, None)
+    torch.testing.assert_close(out, exact, atol=5e-3, rtol=0)
+    keep = torch.ones(n + 1, dtype=torch.bool)
+    keep[planted * chunk:(planted + 1) * chunk] = False
+    without = reference_attention(q_post, keys_post[keep], vals[keep], positions[-1:], positions[keep], dim ** -0.5,
+                                  None)
+    assert (without - exact).abs().max() > 0.3  # the planted chunk is what matters

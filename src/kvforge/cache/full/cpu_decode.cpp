@@ -18,6 +18,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_checks.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -465,21 +467,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
               "q, k_self, v_self must be [B, heads, D]");
   TORCH_CHECK(k_pages.dim() == 4 && v_pages.dim() == 4,
               "k_pages, v_pages must be [kv_heads, num_pages, block, D]");
-  for (const at::Tensor* t : {&q, &k_self, &v_self, &k_pages, &v_pages, &page_table,
-                              &first_page_position, &visible_from, &visible_to}) {
-    TORCH_CHECK(t->device().is_cpu(), "paged_decode_attention: CPU tensors only");
-  }
-  for (const at::Tensor* t : {&q, &k_self, &v_self}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "q, k_self, v_self must be contiguous float32");
-  }
-  for (const at::Tensor* t : {&page_table, &first_page_position, &visible_from, &visible_to}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
-                "page table and positions must be contiguous int64");
-  }
+  constexpr const char* kOpName = "paged_decode_attention";
+  kvforge_checks::cpu(kOpName, {&q, &k_self, &v_self, &k_pages, &v_pages, &page_table, &first_page_position,
+                           &visible_from, &visible_to});
+  kvforge_checks::contiguous_of(kOpName, "q, k_self, v_self", at::kFloat, {&q, &k_self, &v_self});
+  kvforge_checks::contiguous_of(kOpName, "page table and positions", at::kLong,
+                                {&page_table, &first_page_position, &visible_from, &visible_to});
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_self.size(1);
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  kvforge_checks::gqa(kOpName, heads, kv_heads);
   TORCH_CHECK(k_self.size(0) == batch && k_self.size(2) == dim, "k_self shape mismatch");
   TORCH_CHECK(v_self.sizes() == k_self.sizes(), "v_self shape mismatch");
   TORCH_CHECK(k_pages.sizes() == v_pages.sizes() && k_pages.scalar_type() == v_pages.scalar_type(),
@@ -488,9 +484,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
   TORCH_CHECK(k_pages.stride(3) == 1 && v_pages.stride(3) == 1,
               "k_pages, v_pages must have unit stride along head_dim");
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch, "page_table must be [B, P]");
-  for (const at::Tensor* t : {&first_page_position, &visible_from, &visible_to}) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == batch, "positions must be [B]");
-  }
+  kvforge_checks::per_sequence(kOpName, "positions", batch, {&first_page_position, &visible_from, &visible_to});
   const int64_t group = heads / kv_heads;
   const int64_t block = k_pages.size(2);
   const int64_t columns = page_table.size(1) * block;

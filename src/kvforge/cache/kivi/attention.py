@@ -76,6 +76,22 @@ def stored_tiles(view: KIVILayerView, pages: torch.Tensor, first_page_position: 
         yield k_pos, keys, values
 
 
+def stored_parts(view: KIVILayerView, pages: torch.Tensor, first_page_position: int, past_from: int,
+                 cached_len: int, slot: int, tile_pages: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Everything one sequence stores before a chunk, as float32 (positions [m], keys
+    [H, m, D], values [H, m, D]) parts in position order: the quantised pages a tile at a
+    time (`stored_tiles`), then the key residual [max(nk, past_from), n), whose keys and
+    values both come from the residual rings (never more than R tokens)."""
+    n, residual = cached_len, view.residual
+    nk, nv = (n // residual) * residual, max(0, n - residual)
+    yield from stored_tiles(view, pages, first_page_position, past_from, nv, slot, tile_pages)
+    res_from = max(nk, past_from)
+    if n > res_from:
+        k_pos = torch.arange(res_from, n, device=pages.device)
+        offsets = k_pos % residual
+        yield k_pos, view.k_res[slot][:, offsets].float(), view.v_res[slot][:, offsets].float()
+
+
 def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, view: KIVILayerView,
                          pages: torch.Tensor, first_page_position: int, past_from: int, cached_len: int,
                          slot: int, scale: float, window: int | None, tile_pages: int) -> torch.Tensor:
@@ -85,9 +101,7 @@ def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     length, heads, dim = q.shape
     kv_heads = k_new.shape[1]
     group = heads // kv_heads
-    residual = view.residual
     n = cached_len
-    nk, nv = (n // residual) * residual, max(0, n - residual)
     device = q.device
     # Rows of a kv head: its `group` query heads x L positions -> [H, group * L, D].
     qh = (q.float() * scale).view(length, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
@@ -104,16 +118,7 @@ def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     scores, values = _hide(torch.bmm(qh, own_k.transpose(1, 2)), own_v,
                            hidden_at(torch.arange(n, n + length, device=device)))
     state = OnlineSoftmax(scores, values)
-    v_ring = view.v_res[slot]  # [H, R, D]
-    for k_pos, keys, values in stored_tiles(view, pages, first_page_position, past_from, nv, slot, tile_pages):
-        scores, values = _hide(torch.bmm(qh, keys.transpose(1, 2)), values, hidden_at(k_pos))
-        state.add(scores, values)
-    res_from = max(nk, past_from)
-    if n > res_from:
-        k_pos = torch.arange(res_from, n, device=device)
-        offsets = k_pos % residual
-        keys = view.k_res[slot][:, offsets].float()
-        values = v_ring[:, offsets].float()
+    for k_pos, keys, values in stored_parts(view, pages, first_page_position, past_from, n, slot, tile_pages):
         scores, values = _hide(torch.bmm(qh, keys.transpose(1, 2)), values, hidden_at(k_pos))
         state.add(scores, values)
     out = state.result().view(kv_heads, group, length, dim).permute(2, 0, 1, 3)

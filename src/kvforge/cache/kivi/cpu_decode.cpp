@@ -45,6 +45,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_checks.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -865,21 +867,16 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
                                  const at::Tensor& k_res, const at::Tensor& v_res, const at::Tensor& page_table,
                                  const at::Tensor& first_page_position, const at::Tensor& visible_from,
                                  const at::Tensor& lengths, const at::Tensor& slots, double scale, int64_t bits) {
-  for (const at::Tensor* t : {&q, &k_self, &v_self, &k_codes, &k_scale, &k_zero, &v_codes, &v_scale, &v_zero,
-                              &k_res, &v_res, &page_table, &first_page_position, &visible_from, &lengths,
-                              &slots}) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "kivi_decode_attention: contiguous CPU tensors only");
-  }
-  for (const at::Tensor* t : {&q, &k_self, &v_self}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3, "q, k_self, v_self must be float32 [B, *, D]");
-  }
-  for (const at::Tensor* t : {&page_table, &first_page_position, &visible_from, &lengths, &slots}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong, "page table, positions and slots must be int64");
-  }
-  TORCH_CHECK(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte, "codes must be uint8");
-  for (const at::Tensor* t : {&k_scale, &k_zero, &v_scale, &v_zero}) {
-    TORCH_CHECK(t->scalar_type() == at::kHalf, "scales and zero points must be float16");
-  }
+  constexpr const char* kOpName = "kivi_decode_attention";
+  kvforge_checks::cpu(kOpName, {&q, &k_self, &v_self, &k_codes, &k_scale, &k_zero, &v_codes, &v_scale, &v_zero, &k_res,
+                           &v_res, &page_table, &first_page_position, &visible_from, &lengths, &slots});
+  kvforge_checks::contiguous_of(kOpName, "q, k_self, v_self", at::kFloat, {&q, &k_self, &v_self});
+  for (const at::Tensor* t : {&q, &k_self, &v_self}) TORCH_CHECK(t->dim() == 3, "q, k_self, v_self must be [B, *, D]");
+  kvforge_checks::contiguous_of(kOpName, "page table, positions and slots", at::kLong,
+                                {&page_table, &first_page_position, &visible_from, &lengths, &slots});
+  kvforge_checks::contiguous_of(kOpName, "codes", at::kByte, {&k_codes, &v_codes});
+  kvforge_checks::contiguous_of(kOpName, "scales and zero points", at::kHalf, {&k_scale, &k_zero, &v_scale, &v_zero});
+  TORCH_CHECK(k_res.is_contiguous() && v_res.is_contiguous(), kOpName, ": residuals must be contiguous");
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
   TORCH_CHECK(k_res.sizes() == v_res.sizes() && k_res.scalar_type() == v_res.scalar_type() && k_res.dim() == 4,
               "k_res, v_res must be [S, H, R, D] of one dtype");
@@ -888,7 +885,7 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
               "kivi_decode_attention: residual dtype must be float32, float16 or bfloat16");
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_self.size(1);
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+  kvforge_checks::gqa(kOpName, heads, kv_heads);
   TORCH_CHECK(k_self.size(0) == batch && k_self.size(2) == dim && v_self.sizes() == k_self.sizes(),
               "k_self, v_self must be [B, H, D]");
   TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(0) == kv_heads && k_codes.size(2) == dim, "k_codes shape");
@@ -902,9 +899,7 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   TORCH_CHECK(v_scale.numel() == kv_heads * pages * dim && v_zero.numel() == v_scale.numel(), "v_scale shape");
   TORCH_CHECK(k_res.size(1) == kv_heads && k_res.size(3) == dim, "residual shape");
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch, "page_table must be [B, W]");
-  for (const at::Tensor* t : {&first_page_position, &visible_from, &lengths, &slots}) {
-    TORCH_CHECK(t->numel() == batch, "positions and slots must be [B]");
-  }
+  kvforge_checks::per_sequence(kOpName, "positions and slots", batch, {&first_page_position, &visible_from, &lengths, &slots});
   const int64_t group = heads / kv_heads;
   const Problem p{batch, kv_heads, group, dim, g, k_res.size(2), pages, page_table.size(1), k_res.size(0),
                   static_cast<float>(scale), q.data_ptr<float>(), k_self.data_ptr<float>(),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.cache.attention import visibility_mask
-from kvforge.cache.kivi.attention import stored_tiles
+from kvforge.cache.kivi.attention import stored_parts
 from kvforge.cache.kivi.store import KIVILayerView
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -91,11 +91,7 @@ def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
     length, heads, dim = q.shape
     kv_heads = k_new.shape[1]
     group = heads // kv_heads
-    residual = view.residual
-    n = cached_len
-    nk, nv = (n // residual) * residual, max(0, n - residual)
-    device = q.device
-    q_pos = torch.arange(n, n + length, device=device)
+    q_pos = torch.arange(cached_len, cached_len + length, device=q.device)
 
     # 1. Own chunk: heads-major [heads, L, D]; GQA by expanding the chunk's K/V (small).
     qh = q.float().transpose(0, 1)
@@ -126,15 +122,9 @@ def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
                 visible = None
         merge.add(*attention_with_lse(rows, keys, values, scale, visible=visible))
 
-    # 2. Quantised pages, a tile at a time.
-    for k_pos, keys, values in stored_tiles(view, pages, first_page_position, past_from, nv, slot, tile_pages):
+    # 2. What the sequence stores: quantised pages a tile at a time, then the key residual.
+    for k_pos, keys, values in stored_parts(view, pages, first_page_position, past_from, cached_len, slot,
+                                            tile_pages):
         attend(k_pos, keys, values)
-    # 3. The key residual: tokens [nk, n) (never more than R), keys and values from the residuals.
-    v_ring = view.v_res[slot]  # [H, R, D]
-    res_from = max(nk, past_from)
-    if n > res_from:
-        k_pos = torch.arange(res_from, n, device=device)
-        offsets = k_pos % residual
-        attend(k_pos, view.k_res[slot][:, offsets].float(), v_ring[:, offsets].float())
     out = merge.out.view(kv_heads, group, length, dim).permute(2, 0, 1, 3)
     return out.reshape(length, heads, dim).to(q.dtype)

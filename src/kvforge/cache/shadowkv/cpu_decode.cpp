@@ -31,6 +31,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "cpu_checks.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -422,13 +424,6 @@ void attend(const Layer& L, const Sequence& s, int64_t h, Scratch& w) {
   weighted_rows(w.logits.data(), G, n, w.vrows.data(), n, D, s.out + h * G * D);
 }
 
-void check_f32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name, " must be contiguous float32");
-}
-
-void check_i64(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(), name, " must be contiguous int64");
-}
 
 std::tuple<at::Tensor, at::Tensor> shadowkv_decode(const at::Tensor& q, const at::Tensor& landmarks,
                                                    const at::Tensor& coefficients, const at::Tensor& slow_values,
@@ -438,18 +433,17 @@ std::tuple<at::Tensor, at::Tensor> shadowkv_decode(const at::Tensor& q, const at
                                                    at::TensorList slot_ids, const at::Tensor& own_k,
                                                    const at::Tensor& own_v, const at::Tensor& meta, double scale,
                                                    bool reuse) {
-  check_f32(q, "q");
-  check_f32(landmarks, "landmarks");
-  check_f32(coefficients, "coefficients");
-  check_f32(slow_values, "slow values");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
-  check_i64(meta, "meta");
+  constexpr const char* kOpName = "shadowkv_decode";
+  kvforge_checks::cpu(kOpName, {&q, &landmarks, &coefficients, &slow_values, &cos, &sin, &own_k, &own_v, &meta});
+  kvforge_checks::contiguous_of(kOpName, "q, landmarks, coefficients, slow values, cos and sin", at::kFloat,
+                                {&q, &landmarks, &coefficients, &slow_values, &cos, &sin});
+  kvforge_checks::contiguous_of(kOpName, "meta", at::kLong, {&meta});
   TORCH_CHECK(q.dim() == 3 && landmarks.dim() == 3 && coefficients.dim() == 3 && slow_values.dim() == 4,
               "q [B, heads, D], landmarks [H, P, D], coefficients [P, chunk, r], values [H, P, chunk, D]");
   const int64_t B = q.size(0), heads = q.size(1), D = q.size(2);
   const int64_t H = landmarks.size(0), P = landmarks.size(1);
-  TORCH_CHECK(landmarks.size(2) == D && heads % H == 0, "head geometry mismatch");
+  TORCH_CHECK(landmarks.size(2) == D, "head geometry mismatch");
+  kvforge_checks::gqa(kOpName, heads, H);
   TORCH_CHECK(coefficients.size(0) == P && slow_values.size(0) == H && slow_values.size(1) == P &&
                   slow_values.size(2) == coefficients.size(1) && slow_values.size(3) == D,
               "store geometry mismatch");
@@ -461,8 +455,7 @@ std::tuple<at::Tensor, at::Tensor> shadowkv_decode(const at::Tensor& q, const at
   TORCH_CHECK(meta.dim() == 2 && meta.size(0) == B && meta.size(1) == 3, "meta must be [B, 3]");
   const bool own = own_k.numel() > 0;
   if (own) {
-    check_f32(own_k, "own_k");
-    check_f32(own_v, "own_v");
+    kvforge_checks::contiguous_of(kOpName, "own_k and own_v", at::kFloat, {&own_k, &own_v});
     TORCH_CHECK(own_k.dim() == 3 && own_k.size(0) == B && own_k.size(1) == H && own_k.size(2) == D &&
                     own_v.sizes() == own_k.sizes(),
                 "own_k/own_v must be [B, H, D]");
@@ -475,13 +468,10 @@ std::tuple<at::Tensor, at::Tensor> shadowkv_decode(const at::Tensor& q, const at
   const int64_t* m = meta.data_ptr<int64_t>();
   std::vector<Sequence> seqs(B);
   for (int64_t b = 0; b < B; ++b) {
-    check_i64(tables[b], "table");
-    check_f32(bases[b], "basis");
-    check_f32(keys[b], "keys buffer");
-    check_f32(values[b], "values buffer");
-    check_i64(slot_ids[b], "slot ids");
-    TORCH_CHECK(candidates[b].scalar_type() == at::kBool && candidates[b].is_contiguous(),
-                "candidates must be contiguous bool");
+    kvforge_checks::cpu(kOpName, {&tables[b], &bases[b], &keys[b], &values[b], &slot_ids[b], &candidates[b]});
+    kvforge_checks::contiguous_of(kOpName, "table and slot ids", at::kLong, {&tables[b], &slot_ids[b]});
+    kvforge_checks::contiguous_of(kOpName, "basis and buffers", at::kFloat, {&bases[b], &keys[b], &values[b]});
+    kvforge_checks::contiguous_of(kOpName, "candidates", at::kBool, {&candidates[b]});
     const int64_t C = tables[b].numel(), R = keys[b].size(1), k = slot_ids[b].size(1);
     TORCH_CHECK(candidates[b].dim() == 2 && candidates[b].size(0) == H && candidates[b].size(1) == C,
                 "candidates must be [H, C]");

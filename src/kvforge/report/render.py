@@ -1,0 +1,196 @@
+"""Markdown for one result file: a table of its systems and a line saying where it came from.
+
+Every measuring command writes JSON (bench, eval, swiftkv evaluate, the demo); this module
+turns each kind into a section of docs/results.md. Values are formatted, never edited: a
+section always matches its file, which is what `kvforge report --check` and the report test
+compare. Files written before results recorded their command say so instead of guessing it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+Document = dict[str, Any]
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in row] for row in rows]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def fmt(value: Any, pattern: str = "{:.1f}") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return pattern.format(value)
+
+
+def kind_of(doc: Document) -> str:
+    if "benchmark" in doc:
+        return f"bench {doc['benchmark']}"
+    if "eval" in doc:
+        return f"eval {doc['eval']}"
+    if doc.get("swiftkv_evaluate") or "students" in doc:
+        return "swiftkv evaluate"
+    if doc.get("demo"):
+        return "demo"
+    raise ValueError("not a kvforge result file (no benchmark, eval, students or demo key)")
+
+
+def provenance_line(path: str, doc: Document) -> str:
+    prov = doc.get("provenance") or {}
+    command = prov.get("command") or doc.get("command")
+    parts = [f"file `{path}`", f"`{command}`" if command else "command not recorded (written before results "
+                                                                  "recorded their command)"]
+    if prov.get("date"):
+        parts.append(prov["date"])
+    if prov.get("machine"):
+        parts.append(prov["machine"])
+    env = doc.get("environment") or {}
+    if env.get("foreign_cores") is not None:
+        parts.append(f"other programs used {env['foreign_cores']:.2f} cores")
+    elif env.get("load_average_before") or env.get("load_average"):
+        parts.append(f"load average {env.get('load_average_before') or env.get('load_average')}")
+    line = "Source: " + "; ".join(parts) + "."
+    for flag in doc.get("flags", []):
+        line += f"\n\n> **Not trustworthy:** {flag['message']}"
+    if doc.get("incomplete"):
+        line += f"\n\n> **Incomplete:** {doc.get('failed_system')} failed: {doc.get('error')}"
+    return line
+
+
+def _ratios(doc: Document, label: str) -> str:
+    ratios = doc.get("ratios") or {}
+    first = doc["systems"][0]["name"]
+    return "".join(f"\n\n{label}: {first} / {name} = **{fmt(value, '{:.2f}')}x**" for name, value in ratios.items()
+                   if value is not None)
+
+
+def _bench(doc: Document) -> str:
+    kind = doc["benchmark"]
+    columns: dict[str, list[tuple[str, str, str]]] = {
+        "prefill": [("prompt_tokens_per_s", "prompt tok/s", "{:.0f}"), ("ms_to_first_token", "ms to first token", "{:.0f}"),
+                    ("achieved_gflops", "GFLOP/s", "{:.1f}")],
+        "decode": [("generated_tokens_per_s", "gen tok/s", "{:.1f}"), ("ms_per_step", "ms/step", "{:.1f}"),
+                   ("achieved_gbps", "GB/s", "{:.2f}"), ("fraction_of_read_bandwidth", "of read BW", "{:.2f}")],
+        "throughput": [("total_tokens_per_s", "total tok/s", "{:.0f}"), ("generated_tokens_per_s", "gen tok/s", "{:.1f}"),
+                       ("peak_concurrent_sequences", "peak seqs", "{}"), ("preemptions", "preempt", "{}")],
+    }[kind]
+    rows = []
+    for system in doc["systems"]:
+        held = system.get("cache_bytes_after_prefill") or {}
+        extra = [fmt(held.get("fast", 0) / 2**20, "{:.0f}") + " MiB" if held else "-"]
+        rows.append([system["name"], *(fmt(system.get(key), pattern) for key, _, pattern in columns), *extra,
+                     fmt(system.get("repeat_spread"), "{:.2f}")])
+    settings = doc.get("settings", {})
+    shown = ", ".join(f"{k} {v}" for k, v in settings.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    head = f"{doc['model']} {doc['dtype']}, {doc['threads']} threads; {shown}\n\n"
+    body = table(["system", *(label for _, label, _ in columns), "KV fast tier after prefill", "repeat spread"], rows)
+    return head + body + _ratios(doc, doc["headline_metric"])
+
+
+def _serve(doc: Document) -> str:
+    rows = []
+    for system in doc["systems"]:
+        for rate in system["rates"]:
+            r = rate["request_rate"]
+            rows.append([system["name"], "inf" if r == "inf" or (isinstance(r, float) and math.isinf(r)) else f"{r:g}",
+                         f"{rate['completed']}/{rate['completed'] + rate['failed']}",
+                         fmt(rate["request_throughput"], "{:.3f}"), fmt(rate["output_token_throughput"]),
+                         fmt(rate["ttft_ms"]["median"], "{:.0f}"), fmt(rate["ttft_ms"]["p99"], "{:.0f}"),
+                         fmt(rate["tpot_ms"]["median"], "{:.0f}"), fmt(rate["itl_ms"]["median"], "{:.0f}"),
+                         fmt(rate.get("server_running_mean")) + " / " + fmt(rate.get("server_running_max"), "{:.0f}")])
+    s = doc["settings"]
+    head = (f"{doc['model']}{' + SwiftKV ' + doc['swiftkv'] if doc.get('swiftkv') else ''} {doc['dtype']}, "
+            f"{doc['threads']} threads; {s['num_prompts']} requests per rate, input {s['input_len']}, output "
+            f"{s['output_len']} tokens, KV budget {s['kv_budget']}\n\n")
+    body = table(["system", "req/s offered", "done", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms",
+                  "TPOT p50 ms", "ITL p50 ms", "running mean / max"], rows)
+    lines = [head + body]
+    for system in doc["systems"]:
+        for rate in system["rates"]:
+            split = (rate.get("step_split") or {}).get("decode")
+            if split:
+                parts = ", ".join(f"{k} {v:.1f}" for k, v in split["ms_by_part"].items())
+                lines.append(f"- {system['name']} at {rate['request_rate']}: a decode step takes "
+                             f"{split['ms_per_step']:.1f} ms ({parts}; ms over {split['steps']} steps)")
+    first = doc["systems"][0]["name"]
+    for name, value in doc["ratios"].items():
+        if value is not None:
+            lines.append(f"\nMedian TTFT at the lowest rate: {name} / {first} = **{value:.2f}x**")
+    for name, value in doc.get("throughput_ratios_at_highest_rate", {}).items():
+        if value is not None:
+            lines.append(f"\nRequest throughput at the highest rate: {first} / {name} = **{value:.2f}x**")
+    return "\n".join(lines)
+
+
+def _eval(doc: Document) -> str:
+    kind = doc["eval"]
+    base = doc.get("baseline")
+    if kind == "ppl":
+        s = doc["settings"]
+        head = (f"{doc['model']}, {s['windows']} windows of {s['context']} tokens, mode {s['mode']}"
+                + (f" (prefill {s['prefill_len']})" if s["mode"] == "decode" else "") + "\n\n")
+        rows = [[x["name"], fmt(x["ppl"], "{:.3f}"), fmt(x.get("delta_pct"), "{:+.2f}%"), x.get("tokens", "-")]
+                for x in doc["systems"]]
+        return head + table(["system", "perplexity", f"vs {base}", "tokens"], rows)
+    if kind == "niah":
+        lengths = doc["settings"]["lengths"]
+        rows = [[x["name"], *(fmt(100 * x["accuracy_by_length"][str(n)] if isinstance(x["accuracy_by_length"], dict)
+                                   and str(n) in x["accuracy_by_length"] else None) for n in lengths),
+                 fmt(100 * x["accuracy"])] for x in doc["systems"]]
+        head = f"{doc['model']}, pass key at {len(doc['settings']['depths'])} depths, accuracy in %\n\n"
+        return head + table(["system", *(f"{n} tokens" for n in lengths), "all"], rows)
+    if kind == "ruler":
+        s = doc["settings"]
+        rows = [[x["name"], fmt(x["average"], "{:.1f}"), *(fmt(x["scores"].get(t) if isinstance(x["scores"].get(t),
+                (int, float)) else _mean_score(x["scores"].get(t)), "{:.0f}") for t in s["tasks"])]
+                for x in doc["systems"]]
+        head = (f"{doc['model']}, lengths {s['lengths']}, {s['samples_per_task']} samples per task, seed "
+                f"{s['seed']}; scores in %\n\n")
+        return head + table(["system", "average", *s["tasks"]], rows)
+    raise ValueError(f"unknown eval kind {kind}")
+
+
+def _mean_score(value: Any) -> float | None:
+    """A task's score: a number, or a mapping length -> score (averaged)."""
+    if isinstance(value, dict) and value:
+        numbers = [v for v in value.values() if isinstance(v, (int, float))]
+        return sum(numbers) / len(numbers) if numbers else None
+    return None
+
+
+def _swiftkv_evaluate(doc: Document) -> str:
+    students = doc["students"]
+    teacher = next(iter(students.values()))["teacher_ppl"]
+    rows = [[name, fmt(q["student_ppl"], "{:.2f}"), fmt(q["kl"], "{:.3f}"), fmt(100 * q["top1_agreement"], "{:.1f}%")]
+            for name, q in students.items()]
+    head = (f"{doc['model']} (teacher perplexity {teacher:.2f}), {doc['windows']} held-out windows of "
+            f"{doc['context']} tokens\n\n")
+    return head + table(["student", "perplexity", "KL(teacher || student)", "top-1 agreement"], rows)
+
+
+def _demo(doc: Document) -> str:
+    rows = [[r["system"], fmt(r["kv_bytes_per_sequence"] / 2**20, "{:.1f}"), fmt(r["prefill_seconds"], "{:.2f}"),
+             fmt(r["decode_tokens_per_s"], "{:.1f}"), r["answer_start"].replace("|", "\\|")] for r in doc["rows"]]
+    head = f"{doc['model']}, one held-out prompt of {doc['prompt_tokens']} tokens, {doc['max_tokens']} greedy tokens\n\n"
+    return head + table(["system", "KV MiB per sequence", "prefill s", "decode tok/s", "answer begins"], rows)
+
+
+RENDERERS: dict[str, Callable[[Document], str]] = {
+    "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench serve": _serve,
+    "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "swiftkv evaluate": _swiftkv_evaluate,
+    "demo": _demo,
+}
+
+
+def render_document(path: str, doc: Document) -> str:
+    kind = kind_of(doc)
+    title = Path(path).stem.replace("_", " ")
+    return f"### {title} ({kind})\n\n{RENDERERS[kind](doc)}\n\n{provenance_line(path, doc)}\n"

@@ -1,0 +1,84 @@
+"""The rows of README.md's results table: which committed file each figure comes from and
+how it is read. The paper column quotes the papers (their hardware and models), for scale.
+"""
+
+from __future__ import annotations
+
+from kvforge.report.headline import Document, Row, at_rate
+from kvforge.report.render import fmt
+
+
+def _prefill(doc: Document) -> str:
+    return f"prefill **{fmt(doc['ratio'], '{:.2f}')}x** prompt tokens/s ({doc['settings']['prompt_len']}-token prompts)"
+
+
+def _serve_swiftkv(doc: Document) -> str:
+    ttft = next(iter(doc["ratios"].values()))
+    rate = doc["settings"]["request_rates"][0]
+    throughput = next(iter(doc["throughput_ratios_at_highest_rate"].values()))
+    return (f"median TTFT **{fmt(ttft, '{:.2f}')}x** lower at {rate} req/s; **{fmt(throughput, '{:.2f}')}x** "
+            f"requests/s with all requests at once")
+
+
+def _quality(doc: Document) -> str:
+    students = doc["students"]
+    initial = next(q for name, q in students.items() if name.startswith("initialised"))
+    final = next(q for name, q in students.items() if name.startswith("distilled"))
+    return (f"held-out KL **{final['kl']:.3f}** (initialised {initial['kl']:.3f}); perplexity {final['student_ppl']:.1f} "
+            f"(base {final['teacher_ppl']:.1f})")
+
+
+def _serve_kivi(doc: Document) -> str:
+    ours, full = doc["systems"][0], doc["systems"][1]
+    mine, theirs = at_rate(ours, ours["rates"][-1]["request_rate"]), at_rate(full, full["rates"][-1]["request_rate"])
+    concurrency = mine["server_running_max"] / theirs["server_running_max"] if theirs["server_running_max"] else None
+    return (f"**{fmt(concurrency, '{:.1f}')}x** sequences at once, **"
+            f"{fmt(mine['output_token_throughput'] / theirs['output_token_throughput'], '{:.2f}')}x** output tokens/s "
+            f"({doc['settings']['kv_budget']} budget)")
+
+
+def _ppl(doc: Document) -> str:
+    parts = [f"{s['name'].removeprefix('kvforge[').rstrip(']')} **{fmt(s['delta_pct'], '{:+.1f}')}%**"
+             for s in doc["systems"] if s["name"] != doc["baseline"]]
+    return "decode perplexity " + ", ".join(parts)
+
+
+def _decode(doc: Document) -> str:
+    ours, full = doc["systems"][0], doc["systems"][1]
+    fast = full["cache_bytes_after_prefill"]["fast"] / ours["cache_bytes_after_prefill"]["fast"]
+    s = doc["settings"]
+    return (f"decode **{fmt(doc['ratio'], '{:.2f}')}x** tokens/s, fast tier **{fast:.1f}x** smaller "
+            f"(batch {s['batch']}, {s['context'] // 1024}K context)")
+
+
+def _niah(doc: Document) -> str:
+    ours, full = doc["systems"][0], doc["systems"][1]
+    length = doc["settings"]["lengths"][0]
+    return f"pass key at {length // 1024}K: **{100 * ours['accuracy']:.0f}%** (full {100 * full['accuracy']:.0f}%)"
+
+
+def _demo(doc: Document) -> str:
+    rows = {r["system"]: r for r in doc["rows"]}
+    base, both = rows["base"], rows["SwiftKV + KIVI-2"]
+    return (f"KV bytes per sequence **{base['kv_bytes_per_sequence'] / both['kv_bytes_per_sequence']:.1f}x** smaller, "
+            f"prefill **{base['prefill_seconds'] / both['prefill_seconds']:.2f}x** faster (one {doc['prompt_tokens']}"
+            "-token prompt, one run)")
+
+
+ROWS = [
+    Row("SwiftKV, l = 15 of 30", "prompt tokens skip the later layers", "bench/prefill_swiftkv_l15_vs_base.json",
+        _prefill, "base model", "prefill FLOPs halved at 50% (Llama-3.1-70B: 302 -> 154 GFLOP per token)"),
+    Row("SwiftKV under load", "time to first token, throughput", "serve/swiftkv_l15_vs_base_A.json", _serve_swiftkv,
+        "base model, same server", "TTFT -50%, TPOT -60%; 1.2-1.9x throughput (H100)"),
+    Row("SwiftKV distillation", "recovers the quality", "swiftkv/l15_evaluate_24x1024.json", _quality,
+        "base model (teacher)", "T = 2 KL distillation on < 1B tokens"),
+    Row("KIVI-2", "KV memory (2-bit, 16-bit residual)", "serve/kivi_vs_full_fp16_256MB.json", _serve_kivi,
+        "full cache, fp16", "2.6x less peak memory, 4x batch, 2.35-3.47x throughput (A100)"),
+    Row("KIVI quality", "", "eval/ppl_smollm2-135m_kivi_vs_full.json", _ppl, "full cache, fp32",
+        "<= 2% accuracy drop at 2 bits (7B models)"),
+    Row("ShadowKV", "fast-tier KV memory, decode reads", "bench/decode_smollm2-135m_16k_batch4_shadowkv_vs_full.json",
+        _decode, "full cache, fp32", "up to 3.04x throughput, 6x batch (A100)"),
+    Row("ShadowKV quality", "", "eval/niah_gemma3-270m_16384_shadowkv_vs_full.json", _niah, "full cache",
+        "accuracy kept at a 1.56% sparse budget"),
+    Row("SwiftKV + KIVI-2", "both", "demo/demo.json", _demo, "base model, full cache", "(composition: not in the papers)"),
+]

@@ -1,0 +1,65 @@
+"""`kvforge report`: the committed docs match the committed result JSON (a table that drifts
+from its file fails here), each kind of result renders, and --check notices a change."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from kvforge.report.cli import END, START, load_results, render_results, run_report
+from kvforge.report.headline import headline_table
+from kvforge.report.render import render_document
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results"
+
+
+def test_docs_results_md_and_readme_table_match_the_committed_json():
+    results = load_results(RESULTS)
+    assert results, "no committed result files"
+    assert (ROOT / "docs" / "results.md").read_text() == render_results(results)
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split(START, 1)[1].split(END, 1)[0].strip()
+    assert block == headline_table(results).strip()
+
+
+def test_every_committed_result_names_its_source():
+    for path, doc in load_results(RESULTS).items():
+        section = render_document(f"docs/results/{path}", doc)
+        assert f"file `docs/results/{path}`" in section
+        assert "|" in section  # a table
+
+
+def test_check_notices_a_changed_figure(tmp_path):
+    shutil.copytree(RESULTS, tmp_path / "results")
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    args = Namespace(directory=str(tmp_path / "results"), out=str(tmp_path / "results.md"),
+                     readme=str(tmp_path / "README.md"), check=False, plots=False)
+    assert run_report(args) == 0  # render into the copy
+    assert run_report(Namespace(**{**vars(args), "check": True})) == 0
+    target = next((tmp_path / "results").rglob("*.json"))
+    doc = json.loads(target.read_text())
+    doc["model"] = doc.get("model", "") + "-edited"
+    target.write_text(json.dumps(doc))
+    assert run_report(Namespace(**{**vars(args), "check": True})) == 1
+
+
+def test_a_flagged_result_says_it_is_not_trustworthy():
+    doc = {"benchmark": "prefill", "model": "m", "dtype": "float32", "threads": 2, "settings": {"prompt_len": 8},
+           "headline_metric": "prompt_tokens_per_s", "ratios": {},
+           "systems": [{"name": "kvforge[full]", "prompt_tokens_per_s": 10.0, "repeat_spread": 1.0}],
+           "flags": [{"kind": "loaded_machine", "message": "other programs kept 1.00 of 2 cores busy"}],
+           "provenance": {"command": "kvforge bench prefill", "date": "2026-11-25 06:00 UTC", "machine": "a CPU"}}
+    section = render_document("docs/results/x.json", doc)
+    assert "**Not trustworthy:** other programs kept 1.00 of 2 cores busy" in section
+    assert "`kvforge bench prefill`; 2026-11-25 06:00 UTC; a CPU" in section
+
+
+def test_a_results_file_that_is_not_a_result_is_refused(tmp_path):
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a kvforge result"):
+        render_results(load_results(tmp_path))

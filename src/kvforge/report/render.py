@@ -52,6 +52,8 @@ def provenance_line(path: str, doc: Document) -> str:
         parts.append(prov["date"])
     if prov.get("machine"):
         parts.append(prov["machine"])
+    if prov.get("note"):
+        parts.append(prov["note"])
     env = doc.get("environment") or {}
     if env.get("foreign_cores") is not None:
         parts.append(f"other programs used {env['foreign_cores']:.2f} cores")
@@ -60,6 +62,8 @@ def provenance_line(path: str, doc: Document) -> str:
     line = "Source: " + "; ".join(parts) + "."
     for flag in doc.get("flags", []):
         line += f"\n\n> **Not trustworthy:** {flag['message']}"
+    if "flags" not in doc and (doc.get("settings") or {}).get("repeats") == 1:  # written before the flags existed
+        line += "\n\n> **Note:** one timed repeat, so no spread to judge the noise by."
     if doc.get("incomplete"):
         line += f"\n\n> **Incomplete:** {doc.get('failed_system')} failed: {doc.get('error')}"
     return line

@@ -38,7 +38,7 @@ def _serve_kivi(doc: Document) -> str:
 
 
 def _ppl(doc: Document) -> str:
-    parts = [f"{s['name'].removeprefix('kvforge[').rstrip(']')} **{fmt(s['delta_pct'], '{:+.1f}')}%**"
+    parts = [f"{s['name'].removeprefix('kvforge[').rstrip(']')} **{fmt(s['delta_pct'], '{:+.2f}')}%**"
              for s in doc["systems"] if s["name"] != doc["baseline"]]
     return "decode perplexity " + ", ".join(parts)
 

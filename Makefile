@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvforge-installed
 THREADS ?= 2
 
-.PHONY: setup demo test test-slow lint clean
+.PHONY: setup demo test test-slow lint mutants report clean
 
 setup: $(STAMP)
 
@@ -21,17 +21,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m kvforge.prebuild  # compile the C++ kernels now, not in a user's first command
 	touch $(STAMP)
 
-# l = 15: prompt tokens skip half of the 30 layers (the SwiftKV issue's speed-check model);
-# models/swiftkv-smollm2-135m-l22 skips fewer and stays closer to the base model.
+# l = 15: prompt tokens skip half of the 30 layers; models/swiftkv-smollm2-135m-l22 skips
+# fewer and stays closer to the base model.
 SWIFTKV_MODEL := models/swiftkv-smollm2-135m-l15
 
-# The base model answers a question; then the distilled SwiftKV model (committed, SwiftKV
-# tensors only) and the base model continue the same held-out passage side by side.
+# The base model answers a question; then one ~3K-token held-out prompt is served by base,
+# SwiftKV, KIVI-2, ShadowKV and SwiftKV + KIVI-2 side by side (kvforge demo).
 demo: setup
 	$(BIN)/kvforge generate --model smollm2-135m --threads $(THREADS) --max-tokens 48 \
 		"What is the capital of France? Answer in one sentence."
-	$(BIN)/kvforge swiftkv compare --swiftkv $(SWIFTKV_MODEL) --threads $(THREADS) \
-		--prompt-tokens 1024 --max-tokens 32
+	$(BIN)/kvforge demo --swiftkv $(SWIFTKV_MODEL) --threads $(THREADS)
 
 test: setup
 	$(BIN)/python -m pytest -q
@@ -41,6 +40,14 @@ test-slow: setup
 
 lint: setup
 	$(BIN)/ruff check src tests
+
+# The mutation check (mutants/mutations.py): every mutation must make its tests fail.
+mutants: setup
+	$(BIN)/python mutants/run.py
+
+# docs/results.md and README's results table from the JSON under docs/results/.
+report: setup
+	$(BIN)/kvforge report
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from kvforge.cache.kivi.quant import dequantize, quantize
 from kvforge.errors import ConfigError
-from kvforge.integrations.transformers import KIVICache, KIVICacheConfig, KIVILayer
+from kvforge.integrations.transformers import KIVICache, KIVICacheConfig, KIVILayer, cache_argument
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +36,7 @@ def test_generate_runs_with_kivi_cache():
     ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
     cache = KIVICache(bits=2, group=16, residual=32, config=model.config)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=50,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_argument(cache), max_new_tokens=50,
                              min_new_tokens=50, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 90)
     # the last generated token is never fed back: 40 + 49 tokens stored
@@ -50,9 +50,9 @@ def test_generate_runs_with_kivi_cache():
 def _step_logits(model, ids: torch.Tensor, cache, prefill: int) -> torch.Tensor:
     """Logits of every position: a prefill of `prefill` tokens, then one token per call."""
     with torch.inference_mode():
-        rows = [model(input_ids=ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+        rows = [model(input_ids=ids[:, :prefill], **cache_argument(cache), use_cache=True).logits]
         for t in range(prefill, ids.shape[1]):
-            rows.append(model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            rows.append(model(input_ids=ids[:, t:t + 1], **cache_argument(cache), use_cache=True).logits)
     return torch.cat(rows, dim=1)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvforge.errors import KVForgeError
+from kvforge.integrations.transformers import cache_argument
 from kvforge.models.loader import ModelSource
 
 
@@ -46,11 +47,11 @@ def decode(model: torch.nn.Module, prompts: Sequence[Sequence[int]], gen: int) -
     ids = torch.tensor(prompts, dtype=torch.long)
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
         next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
         start = time.perf_counter()
         for _ in range(gen - 1):
-            out = model(input_ids=next_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=next_ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
             next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
         seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens": len(prompts) * (gen - 1), "steps": gen - 1}

@@ -38,6 +38,7 @@ from kvforge.eval.passkey import (
     split_sentences,
 )
 from kvforge.eval.report import environment, evaluate_systems, markdown_table, write_json
+from kvforge.integrations.transformers import cache_argument
 from kvforge.models.loader import parse_dtype
 from kvforge.models.tokenizer import has_chat_template
 from kvforge.preflight import check_within_context
@@ -75,7 +76,7 @@ def generate_hf(ctx: EvalContext, system: EvalSystem, samples: list[PasskeySampl
         ids = torch.tensor([sample.token_ids], dtype=torch.long)
         cache = make_hf_cache(system, model)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_argument(cache),
                                  do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
                                  eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0)
         outputs.append(out[0, ids.shape[1]:].tolist())  # a batch of one: never padded
@@ -122,7 +123,7 @@ def converse_hf(ctx: EvalContext, system: EvalSystem, conversations: list[Conver
             ids += (replies[-1] if replies else []) + list(segment)
             tensor = torch.tensor([ids], dtype=torch.long)
             with torch.inference_mode():
-                out = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), past_key_values=cache,
+                out = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), **cache_argument(cache),
                                      do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
                                      eos_token_id=stops or None, pad_token_id=stops[0] if stops else 0)
             replies.append(out[0, len(ids):].tolist())

@@ -29,6 +29,7 @@ from kvforge.errors import require
 from kvforge.eval.compare import EvalSystem, baseline_index, check_backends, parse_systems
 from kvforge.eval.context import EvalContext, describe_system, log, make_hf_cache
 from kvforge.eval.report import environment, evaluate_systems, markdown_table, relative_delta_pct, write_json
+from kvforge.integrations.transformers import cache_argument
 from kvforge.models.loader import parse_dtype
 from kvforge.preflight import check_within_context
 from kvforge.report.provenance import provenance
@@ -136,11 +137,11 @@ def score_hf(model: torch.nn.Module, make_cache: Callable[[], Any], windows: lis
         head = batch.shape[1] - 1 if settings.mode == "prefill" else settings.prefill_len
         with torch.inference_mode():
             cache = make_cache() if settings.mode == "decode" else None
-            out = model(input_ids=batch[:, :head], past_key_values=cache, use_cache=cache is not None)
+            out = model(input_ids=batch[:, :head], **cache_argument(cache), use_cache=cache is not None)
             nll += _batch_nll(out.logits, batch[:, 1:head + 1])
             advance(1)
             for t in range(head, batch.shape[1] - 1):
-                out = model(input_ids=batch[:, t:t + 1], past_key_values=cache, use_cache=True)
+                out = model(input_ids=batch[:, t:t + 1], **cache_argument(cache), use_cache=True)
                 nll += _batch_nll(out.logits, batch[:, t + 1:t + 2])
                 advance(1)
         scores += [(float(value), batch.shape[1] - 1) for value in nll]

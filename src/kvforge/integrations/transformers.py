@@ -1,8 +1,9 @@
-"""KIVI for users who stay in `transformers`: a `Cache` to pass as `past_key_values=`.
+"""KIVI for users who stay in `transformers`: a `Cache` to pass as `cache=` (`past_key_values=`
+before transformers 5).
 
     from kvforge.integrations.transformers import KIVICache
     cache = KIVICache(bits=2, group=32, residual=128, config=model.config)
-    model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    model.generate(input_ids, cache=cache, max_new_tokens=64)
 
 The quantisation semantics are those of the engine's `kivi` cache method (KIVI, Liu et
 al. 2024), with the arithmetic of `kvforge.cache.kivi.quant` (fp16 zero = min, fp16 scale =
@@ -198,7 +199,7 @@ class KIVILayer(CacheLayerMixin):
 
 
 class KIVICache(Cache):
-    """KIVI-quantised KV cache for `model.generate(..., past_key_values=KIVICache(...))`.
+    """KIVI-quantised KV cache for `model.generate(..., cache=KIVICache(...))`.
 
     Args: bits (2, 4 or 8), group (tokens per key group and channels per value group),
     residual (exact key buffer flushed every `residual` tokens; exact value window of
@@ -222,3 +223,12 @@ class KIVICache(Cache):
 
     def stored_bytes(self) -> int:
         return sum(layer.stored_bytes() for layer in self.layers)
+
+
+def cache_argument(cache: Any) -> dict[str, Any]:
+    """The keyword by which transformers' `generate` and `forward` take a cache: `cache` in
+    the versions that deprecate `past_key_values` (they warn on the old name), else
+    `past_key_values`."""
+    from transformers.generation import utils
+
+    return {"cache": cache} if hasattr(utils, "ALL_CACHE_NAMES") else {"past_key_values": cache}

@@ -141,7 +141,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/serve/test_load.py",), "a client that goes away frees its cache within a step"),
     Mutation("server_max_tokens_beyond_context", S + "serve/served_model.py",
              "if requested > room:", "if requested > room + 1:",
-             ("tests/serve/test_load.py",), "prompt + max_tokens must fit the context (400 otherwise)"),
+             ("tests/serve/test_openai_api.py", "tests/serve/test_load.py"), "prompt + max_tokens must fit the context (400 otherwise)"),
     Mutation("server_api_key_prefix_accepted", S + "serve/app.py",
              "not secrets.compare_digest(token.strip().encode(), api_key.encode())",
              "not api_key.startswith(token.strip())",

@@ -185,3 +185,19 @@ def test_uncomputed_prompt_tokens_count_down_with_chunked_prefill():
     # decode token takes one of the 16, then only decode steps remain.
     assert seen[:5] == [50, 34, 18, 3, 0]
     assert all(later == 0 for later in seen[4:])
+
+
+def test_ignore_eos_generates_past_the_eos_token():
+    import dataclasses
+
+    engine = make_engine()
+    prompt = prompts_of([9])[0]
+    (free_run,), _ = run_all(engine, [(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))])
+    eos = free_run.token_ids[2]
+    engine.model.config = dataclasses.replace(engine.model.config, eos_token_ids=(eos,))
+    stopped_engine = LLMEngine(engine.model, engine.cache, None, engine.config)
+    (stopped,), _ = run_all(stopped_engine, [(prompt, SamplingParams(temperature=0, max_tokens=8))])
+    assert stopped.token_ids == free_run.token_ids[:free_run.token_ids.index(eos) + 1]
+    assert stopped.finish_reason == "stop"
+    (ignored,), _ = run_all(stopped_engine, [(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))])
+    assert ignored.token_ids == free_run.token_ids and ignored.finish_reason == "length"

@@ -30,6 +30,7 @@ def test_prompt_logprobs_match_the_definition_for_any_chunking(batched_tokens):
     for prompt, out in zip(prompts, outs):
         expected, logprobs = _definition(prompt)
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        assert len(out.prompt_top_logprobs) == len(prompt) and out.prompt_top_logprobs[0] == []
         assert out.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-5)
         for position in range(1, len(prompt)):
             top = out.prompt_top_logprobs[position]

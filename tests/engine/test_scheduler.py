@@ -143,16 +143,32 @@ def test_abort_frees_storage():
 
 
 def test_no_admission_in_a_step_that_preempted():
-    """A step that had to preempt admits nobody, even a waiting request that would fit in
-    the pages the preemption freed (it would likely be preempted next)."""
-    cache = FakeCache(pages=4)  # 16 tokens
-    scheduler = Scheduler(cache, max_num_batched_tokens=100, max_num_seqs=8)
+    """A step that had to preempt admits nobody, not even the request it just preempted,
+    although the cache would now take it (it would likely be preempted again)."""
+
+    class PressureOnce(FakeCache):
+        """Refuses the first growth of sequence 0 (memory pressure), then has room for all."""
+
+        def __init__(self) -> None:
+            super().__init__(pages=1000)
+            self.refused = False
+
+        def allocate(self, seq_id: int, num_tokens: int) -> bool:
+            if seq_id == 0 and num_tokens > 8 and not self.refused:
+                self.refused = True
+                return False
+            return super().allocate(seq_id, num_tokens)
+
+    scheduler = Scheduler(PressureOnce(), max_num_batched_tokens=100, max_num_seqs=8)
     old, new, small = make_request(0, 8, max_tokens=8), make_request(1, 8, max_tokens=8), make_request(2, 1)
     scheduler.add(old)
     scheduler.add(new)
-    run_step(scheduler)  # both prompts: 4 pages, the pool is full
+    run_step(scheduler)
     scheduler.add(small)
-    out = scheduler.schedule()  # old grows to 9 tokens: a third page, so new is preempted
+    out = scheduler.schedule()  # old's growth is refused once: new is preempted
     assert out.preempted == [new]
-    assert [c.request for c in out.chunks] == [old]
-    assert small.status is RequestStatus.WAITING and cache.free_pages == 1  # small would have fit
+    assert [c.request for c in out.chunks] == [old]  # neither new nor small, though both would fit now
+    assert new.status is RequestStatus.WAITING and small.status is RequestStatus.WAITING
+    for chunk in out.chunks:
+        chunk.request.num_computed_tokens = chunk.end
+    assert [c.request for c in scheduler.schedule().chunks] == [old, new, small]  # the next step admits them

@@ -172,6 +172,8 @@ def test_api_key_is_required_when_set(model, tokenizer):
         assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
         wrong = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}, timeout=30)
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        for near in ("Bearer sesam", "Bearer sesame!", "Bearer s", "Basic sesame"):  # only the exact key
+            assert httpx.get(f"{url}/v1/models", headers={"Authorization": near}, timeout=30).status_code == 401
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0)
         assert good.completions.create(model=MODEL_NAME, prompt="a", max_tokens=2).usage.prompt_tokens == 1
@@ -204,3 +206,13 @@ def test_health_and_metrics_parse(client, server):
     timed = sum(samples[f"kvforge_engine_timed_steps_total{{kind={k}}}"] for k in ("decode", "prefill"))
     assert timed == samples["kvforge_engine_steps_total"]
     assert samples["kvforge_engine_timed_steps_total{kind=decode}"] >= 2  # 3 tokens: 1 from prefill, 2 decode
+
+
+def test_max_tokens_may_fill_the_context_exactly(client):
+    from server_helpers import CONTEXT
+
+    room = CONTEXT - 1  # a one-token prompt
+    assert client.completions.create(model=MODEL_NAME, prompt="a", max_tokens=room, temperature=0).choices
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL_NAME, prompt="a", max_tokens=room + 1)
+    assert error.value.body["param"] == "max_tokens" and f"must be <= {room}" in error.value.body["message"]

@@ -41,6 +41,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="SwiftKV checkpoint directory laid over --model (see `kvforge swiftkv init`)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="tokens computed per engine step (prefill chunk size)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="recompute every prompt in full (default: reuse the K/V of cached prefixes)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +68,8 @@ def _make_llm(args: argparse.Namespace):
     from kvforge.engine.llm import LLM
 
     return LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt, dtype=args.dtype,
-               kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens)
+               kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
+               prefix_caching=args.prefix_caching)
 
 
 def _add_json_arg(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--stats", action="store_true", help="after each reply: prompt tokens, those reused, TTFT")
 
     serve = verbs.add_parser("serve", help="OpenAI-compatible HTTP server (127.0.0.1:8000 by default)")
     _add_model_args(serve)
@@ -180,33 +184,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"kvforge chat: error: {args.model} has no chat template; use `kvforge generate --raw`",
               file=sys.stderr)
         return 2
-    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            print("you> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/exit":
-            return 0
-        if line.strip() == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line.strip()})
-        reply = ""
-        print("assistant> ", end="", flush=True)
-        # Each turn re-sends the whole conversation (no prefix caching yet).
-        for output in llm.stream([history], params):
-            print(output.new_text, end="", flush=True)
-            reply = output.text
-            if output.error:
-                print(f"\nkvforge chat: error: {output.error}", file=sys.stderr)
-                history.pop()
-                break
-        else:
-            history.append({"role": "assistant", "content": reply})
-        print()
+    from kvforge.chat import run_chat
+
+    return run_chat(args, llm, params)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -37,6 +37,9 @@ def _run(spec: str, arch: str, budget: int, admission: str = "optimistic") -> LL
         steps += 1
         for tier, used in cache.memory_usage().items():
             assert used <= capacity[tier], f"step {steps}: {tier} tier {used} bytes > budget {capacity[tier]}"
+    if engine.prefix is not None:  # finished sequences stay, for a continuation, until evicted
+        assert engine.prefix.kept_sequences <= 6
+        engine.clear_prefix_cache()
     assert all(used == 0 for used in cache.memory_usage().values())
     return engine
 

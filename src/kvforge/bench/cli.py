@@ -1,4 +1,4 @@
-"""Arguments of `kvforge bench <prefill|decode|throughput|serve>` and their dispatch.
+"""Arguments of `kvforge bench <prefill|decode|throughput|prefix|serve>` and their dispatch.
 
 Kept free of heavy imports: a benchmark module is imported only when it runs.
 """
@@ -36,8 +36,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swiftkv", default=None, metavar="DIR",
                         help="SwiftKV checkpoint laid over --model; kvforge systems run it (see --compare base)")
     parser.add_argument("--compare", action="append", default=[], metavar="X[,Y...]",
-                        help="also measure: hf (transformers, same weights), base (with --swiftkv: the base "
+                        help="also measure: hf (transformers, same weights), no-prefix-caching, base (with --swiftkv: the base "
                              "model, same cache) or a cache spec such as full or full:storage_dtype=bfloat16")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="kvforge systems reuse cached prompt prefixes (off by default: repeats would hit the "
+                             "previous repeat); --compare no-prefix-caching adds the system under test without it")
     parser.add_argument("--json", metavar="OUT", default=None, help="write JSON to OUT and a plot to OUT.png")
     parser.add_argument("--repeats", type=_count(1), default=3, help="timed runs per system; median reported (3)")
     parser.add_argument("--warmup", type=_count(0), default=1, help="untimed runs per system first (1)")
@@ -69,6 +72,8 @@ def add_bench_parser(verbs: Any) -> argparse.ArgumentParser:
     throughput.add_argument("--num-requests", type=_count(1), default=16, help="requests (16)")
     throughput.add_argument("--input-len", type=_count(1), default=512, help="prompt tokens per request (512)")
     throughput.add_argument("--output-len", type=_count(1), default=64, help="generated tokens per request (64)")
+    throughput.add_argument("--shared-prefix", type=_count(0), default=0,
+                            help="tokens of a system prompt every request starts with (0); see --prefix-caching")
     throughput.add_argument("--max-num-batched-tokens", type=_count(1), default=2048,
                             help="kvforge tokens per engine step (2048)")
     throughput.add_argument("--max-num-seqs", type=_count(1), default=256, help="kvforge running sequences (256)")
@@ -78,6 +83,14 @@ def add_bench_parser(verbs: Any) -> argparse.ArgumentParser:
                                  "running request fit the budget; no preemption)")
     throughput.add_argument("--hf-batch", type=_count(1), default=None,
                             help="transformers static batch size (default min(num_requests, 16))")
+    prefix = kinds.add_parser("prefix", help="a conversation over a shared document, with and without prefix caching")
+    _add_common(prefix)
+    prefix.add_argument("--shared-prefix", type=_count(1), default=2048, help="tokens of the shared document (2048)")
+    prefix.add_argument("--turns", type=_count(2), default=8, help="turns of the conversation (8)")
+    prefix.add_argument("--question-len", type=_count(1), default=32, help="tokens of each turn's question (32)")
+    prefix.add_argument("--output-len", type=_count(1), default=32, help="tokens of each reply (32)")
+    prefix.add_argument("--max-num-batched-tokens", type=_count(1), default=2048, help="tokens per engine step (2048)")
+    prefix.add_argument("--text-file", default=None, help="text whose held-out part gives the document and questions")
     _add_serve(kinds)
     return bench
 

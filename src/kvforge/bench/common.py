@@ -45,6 +45,9 @@ class System:
     cache: CacheSpec | None = None
     # kvforge systems: run the --swiftkv model when one is given (False: SwiftKV's base model).
     swiftkv: bool = True
+    # kvforge systems: the engine's prefix caching (None: as --prefix-caching says; benchmarks
+    # repeat their prompts, so it is off unless asked for)
+    prefix_caching: bool | None = None
 
 
 def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None = None,
@@ -53,11 +56,15 @@ def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None 
     (the --swiftkv model's base model with the cache under test) or cache specs; a spec's own
     `k=v` options may continue after commas (`full:storage_dtype=bfloat16,block_size=32`).
     With --swiftkv, cache-spec systems run the SwiftKV model too."""
-    items = split_spec_list(entries, bare=("hf", "base"))
+    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING))
     systems = []
     for item in items:
         if item == "hf":
             systems.append(System("hf", "hf"))
+        elif item == NO_PREFIX_CACHING:
+            spec = under_test or parse_cache_spec("full")
+            systems.append(System(f"{_kvforge_name(spec, swiftkv)}, no prefix caching", "kvforge", spec,
+                                  prefix_caching=False))
         elif item == "base":
             if swiftkv is None:
                 raise ConfigError("compare", item, "'base' is SwiftKV's base model and needs --swiftkv DIR")
@@ -72,6 +79,9 @@ def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None 
     return systems
 
 
+NO_PREFIX_CACHING = "no-prefix-caching"  # --compare: the system under test without prefix caching
+
+
 def _kvforge_name(spec: CacheSpec, swiftkv: str | None) -> str:
     return f"swiftkv[{spec}]" if swiftkv else f"kvforge[{spec}]"
 
@@ -83,7 +93,7 @@ def unique_names(systems: list[System]) -> list[System]:
     for system in systems:
         seen[system.name] = seen.get(system.name, 0) + 1
         name = system.name if seen[system.name] == 1 else f"{system.name}#{seen[system.name]}"
-        out.append(System(name, system.kind, system.cache, system.swiftkv))
+        out.append(dataclasses.replace(system, name=name))
     return out
 
 
@@ -134,11 +144,14 @@ class BenchContext:
 
     def make_engine(self, system: System, max_num_batched_tokens: int, max_num_seqs: int = 256,
                     admission: str = "optimistic") -> LLMEngine:
-        """A fresh engine on the shared weights, with its own cache of `--kv-budget` bytes."""
+        """A fresh engine on the shared weights, with its own cache of `--kv-budget` bytes.
+        Prefix caching only where the system asks for it: benchmarks repeat the same
+        prompts, which a cache would otherwise serve from the previous repeat."""
         model, tokenizer = self.kvforge_model(system.swiftkv)
         cache = create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype)
         config = EngineConfig(kv_budget_bytes=self.kv_budget, max_num_batched_tokens=max_num_batched_tokens,
-                              max_num_seqs=max_num_seqs, admission=admission)
+                              max_num_seqs=max_num_seqs, admission=admission,
+                              prefix_caching=bool(system.prefix_caching))
         return LLMEngine(model, cache, tokenizer, config)
 
     def hf_model(self) -> Any:
@@ -151,11 +164,13 @@ class BenchContext:
         log(f"transformers model loaded ({time.perf_counter() - start:.1f} s)")
         return model
 
-    def prompts(self, count: int, length: int) -> list[list[int]]:
-        """Random token ids from a generator seeded by --seed: the same ids for every system."""
+    def prompts(self, count: int, length: int, shared: int = 0) -> list[list[int]]:
+        """Random token ids from a generator seeded by --seed: the same ids for every system;
+        with `shared`, every prompt starts with the same `shared` ids (a system prompt)."""
         generator = torch.Generator().manual_seed(self.args.seed)
-        ids = torch.randint(0, self.config.vocab_size, (count, length), generator=generator)
-        return ids.tolist()
+        ids = torch.randint(0, self.config.vocab_size, (count, length), generator=generator).tolist()
+        head = torch.randint(0, self.config.vocab_size, (shared,), generator=generator).tolist()
+        return [head + row for row in ids]
 
 
 def drain(engine: LLMEngine, prompts: list[list[int]], params: Any,
@@ -180,8 +195,10 @@ def prepare(args: argparse.Namespace, tokens_per_sequence: int) -> BenchContext:
     dtype = parse_dtype(args.dtype)
     under_test = parse_cache_spec(args.cache, list(args.cache_opt))
     swiftkv = getattr(args, "swiftkv", None)
-    systems = unique_names([System(_kvforge_name(under_test, swiftkv), "kvforge", under_test),
-                            *parse_compare(args.compare, under_test, swiftkv)])
+    prefix = bool(getattr(args, "prefix_caching", False))
+    systems = unique_names([dataclasses.replace(s, prefix_caching=prefix if s.prefix_caching is None else s.prefix_caching)
+                            for s in (System(_kvforge_name(under_test, swiftkv), "kvforge", under_test),
+                                      *parse_compare(args.compare, under_test, swiftkv))])
     budget = parse_bytes(args.kv_budget)
     torch.set_num_threads(args.threads)  # before any measurement, including the peak
     source = resolve_model_source(args.model)

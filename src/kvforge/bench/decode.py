@@ -57,6 +57,7 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
         return outputs
 
     def once() -> dict[str, Any]:
+        engine.clear_prefix_cache()  # with --prefix-caching, the last repeat must not serve this one
         for prompt in prompts:
             engine.add_request(prompt, params)
         started: set[str] = set()

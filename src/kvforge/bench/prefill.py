@@ -37,6 +37,7 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     params = SamplingParams.greedy_params(max_tokens=1, ignore_eos=True)
 
     def once() -> dict[str, Any]:
+        engine.clear_prefix_cache()  # with --prefix-caching, the last repeat must not serve this one
         steps_before = engine.steps
         start = time.perf_counter()
         drain(engine, prompts, params)

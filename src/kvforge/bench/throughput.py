@@ -1,6 +1,7 @@
 """`kvforge bench throughput`: many requests submitted at once, served to completion.
 
-kvforge: all `num_requests` prompts (random ids, `input_len` tokens each) are added to the
+kvforge: all `num_requests` prompts (random ids, `input_len` tokens each, after a shared
+system prompt of `--shared-prefix` tokens) are added to the
 engine at once (max_tokens=output_len, greedy, ignore_eos), and the engine is stepped until
 every request finishes, as `LLM.generate` does (detokenising included). The continuous-
 batching scheduler mixes prefill chunks and decode tokens under max_num_batched_tokens;
@@ -35,7 +36,7 @@ HEADLINE = "total_tokens_per_s"
 
 def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     args = ctx.args
-    prompts = ctx.prompts(args.num_requests, args.input_len)
+    prompts = ctx.prompts(args.num_requests, args.input_len, args.shared_prefix)
     assert system.cache is not None
     engine = ctx.make_engine(system, args.max_num_batched_tokens, args.max_num_seqs,
                              getattr(args, "admission", "optimistic"))
@@ -46,6 +47,8 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
         scheduler.peak_running = 0  # the engine is reused across repeats: count this run only
         preemptions_before, steps_before = scheduler.num_preemptions, engine.steps
         counters = {"peak_kv": 0, "generated": 0}
+        engine.clear_prefix_cache()  # every repeat starts cold: nothing cached from the last one
+        prefix_before = engine.prefix_statistics().get("prefix_hit_tokens", 0)
 
         def count(outputs: list[Any]) -> None:
             counters["generated"] += sum(len(o.new_token_ids) for o in outputs)
@@ -61,6 +64,7 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
         if generated != args.num_requests * args.output_len:
             raise KVForgeError(f"generated {generated} tokens, expected {args.num_requests * args.output_len}")
         return {"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_concurrent_sequences": scheduler.peak_running,
+                "prefix_hit_tokens": engine.prefix_statistics().get("prefix_hit_tokens", 0) - prefix_before,
                 "preemptions": scheduler.num_preemptions - preemptions_before,
                 "engine_steps": engine.steps - steps_before, "kv_bytes_peak": peak_kv}
 
@@ -68,13 +72,14 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     run["kv_bytes_capacity"] = cache.memory_capacity()["fast"]
     run["kv_budget_fraction_used"] = run["kv_bytes_peak"] / run["kv_bytes_capacity"]
     # Whole sequences (prompt + output) the budget holds by the cache's own accounting.
-    run["admissible_sequences"] = run["kv_bytes_capacity"] // cache.sequence_bytes(args.input_len + args.output_len)
+    run["admissible_sequences"] = run["kv_bytes_capacity"] // cache.sequence_bytes(
+        args.shared_prefix + args.input_len + args.output_len)
     return run
 
 
 def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
     args = ctx.args
-    prompts = ctx.prompts(args.num_requests, args.input_len)
+    prompts = ctx.prompts(args.num_requests, args.input_len, args.shared_prefix)
     batch = args.hf_batch or min(args.num_requests, 16)
     model = ctx.hf_model()
     run = repeat_runs(system.name, lambda: {"seconds": hf_peer.generate(model, prompts, args.output_len, batch)},
@@ -87,9 +92,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("num_requests", "input_len", "output_len", "max_num_batched_tokens", "max_num_seqs"):
         require(getattr(args, name) >= 1, name, getattr(args, name), "must be >= 1")
     require(args.hf_batch is None or args.hf_batch >= 1, "hf_batch", args.hf_batch, "must be >= 1")
-    ctx = prepare(args, tokens_per_sequence=args.input_len + args.output_len)
+    require(args.shared_prefix >= 0, "shared_prefix", args.shared_prefix, "must be >= 0")
+    ctx = prepare(args, tokens_per_sequence=args.shared_prefix + args.input_len + args.output_len)
     systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf})
-    total = args.num_requests * (args.input_len + args.output_len)
+    total = args.num_requests * (args.shared_prefix + args.input_len + args.output_len)
     for system in systems:
         system[HEADLINE] = rate(total, system["seconds"])
         system["generated_tokens_per_s"] = rate(args.num_requests * args.output_len, system["seconds"])
@@ -100,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             system[ratio_key] = ours / theirs if ours is not None and theirs else None
     settings = {
         "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+        "shared_prefix": args.shared_prefix,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "admission": getattr(args, "admission", "optimistic"),
         "hf_batch": args.hf_batch or min(args.num_requests, 16), "repeats": args.repeats,
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                Column("seconds", "seconds", "{:.2f}"), Column("cpu_seconds", "cpu s", "{:.1f}"),
                Column("peak_concurrent_sequences", "peak seqs", "{}"),
                Column("preemptions", "preempt", "{}"), Column("kv_budget_fraction_used", "KV used", "{:.1%}"),
+               Column("prefix_hit_tokens", "prefix hits", "{}"),
                Column("admissible_sequences", "admissible", "{}"),
                Column("peak_sequences_ratio", "peak ratio", "{:.2f}x"),
                Column("admissible_sequences_ratio", "adm. ratio", "{:.2f}x")]

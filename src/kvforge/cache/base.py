@@ -19,6 +19,7 @@ for the step that brings `seq` to `n` tokens (all-or-nothing, False if it does n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -115,6 +116,27 @@ class CacheMethod(ABC):
     @abstractmethod
     def end_step(self, batch: ForwardBatch) -> None:
         """Commit the step: sequences now hold `span.total_len` tokens."""
+
+    # -- prefix caching (engine.prefix_cache drives it) ----------------------------------
+    # Page sharing: methods whose stored pages are final once full set `prefix_block_size`
+    # (tokens per page) and implement match_prefix / publish_prefix. Other methods keep
+    # it None; the engine can still continue a finished sequence (a conversation's next
+    # turn) because every method can keep a sequence alive after its request ends.
+    prefix_block_size: int | None = None
+
+    def match_prefix(self, seq_id: int, page_keys: Sequence[bytes], max_tokens: int) -> int:
+        """Start the new sequence `seq_id` with the longest run of cached pages under
+        `page_keys` (page j: tokens [j x block, (j + 1) x block)) covering at most
+        `max_tokens` tokens; returns the tokens it now holds (0: none)."""
+        return 0
+
+    def publish_prefix(self, seq_id: int, page_keys: Sequence[bytes]) -> None:
+        """Offer the sequence's full, committed pages for reuse under their keys."""
+        del seq_id, page_keys  # a method without page sharing has nothing to offer
+
+    def forget_prefixes(self) -> None:
+        """Drop every cached page no sequence uses (benchmarks start each repeat cold)."""
+        return None  # a method without page sharing caches no page
 
 
 class PagedPoolMemory:

@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvforge.cache.block_pool import BlockPool
@@ -66,6 +67,7 @@ class LayerGroups:
 class _SequencePages:
     pages: list[list[int]]  # per group: page id per logical page, RELEASED once dropped
     num_tokens: int = 0  # tokens committed (stored or deliberately dropped by a window)
+    published: int = 0  # logical pages offered for prefix reuse so far
 
 
 class PageTable:
@@ -147,6 +149,56 @@ class PageTable:
             for j in range(first_kept_page):
                 table[j] = RELEASED
             self.pool.free(dropped)
+
+    # -- prefix sharing -----------------------------------------------------------------
+    def find_prefix(self, keys: Sequence[Hashable], max_pages: int) -> tuple[int, list[list[int]]] | None:
+        """The longest run of the first k <= max_pages pages whose content is cached under
+        `keys` (key j: page j; a group's own key is (group, keys[j])), as (k, page ids per
+        group, RELEASED where a sliding window needs no page), or None. A sliding group needs
+        only the pages a query at position k x block_size can still see."""
+        pool, groups = self.pool, self.groups
+        limit = min(len(keys), max_pages)
+        hits = 0  # leading pages cached in every global group
+        while hits < limit and all(pool.lookup((g, keys[hits])) is not None
+                                   for g in range(groups.num_groups) if groups.windows[g] is None):
+            hits += 1
+        for k in range(hits, 0, -1):
+            tables = []
+            for g in range(groups.num_groups):
+                first = self.first_kept_token(g, k * self.block_size) // self.block_size
+                table = [RELEASED] * first + [pool.lookup((g, keys[j])) for j in range(first, k)]
+                if any(page is None for page in table):
+                    break
+                tables.append(table)
+            else:
+                return k, tables
+        return None
+
+    def attach(self, seq_id: int, num_tokens: int, tables: list[list[int]]) -> None:
+        """Start `seq_id` as holding `num_tokens` tokens in cached pages (`find_prefix`'s
+        tables); each page gains a reference, so it is freed like the sequence's own."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already holds storage")
+        for table in tables:
+            for page in table:
+                if page != RELEASED:
+                    self.pool.share(page)
+        pages = len(tables[0]) if tables else 0
+        self._seqs[seq_id] = _SequencePages([list(t) for t in tables], num_tokens, published=pages)
+
+    def publish(self, seq_id: int, keys: Sequence[Hashable]) -> None:
+        """Register the sequence's full pages not published yet under `keys` (page j under
+        (group, keys[j])); only pages every token of which is committed, in every group that
+        still holds them."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return
+        full = min(seq.num_tokens // self.block_size, len(keys))
+        for j in range(seq.published, full):
+            for g, table in enumerate(seq.pages):
+                if j < len(table) and table[j] != RELEASED:
+                    self.pool.register(table[j], (g, keys[j]))
+        seq.published = max(seq.published, full)
 
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)

@@ -25,6 +25,8 @@ class EngineConfig:
     # Time every step split into linear layers, attention, sampling and the rest
     # (`LLMEngine.step_timer`, kvforge.step_timing); costs little on CPU, syncs on CUDA.
     step_timing: bool = False
+    # Reuse the K/V of earlier requests' token prefixes (engine/prefix_cache.py).
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         require(self.kv_budget_bytes > 0, "kv_budget", self.kv_budget_bytes, "must be > 0 bytes")

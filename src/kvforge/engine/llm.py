@@ -43,13 +43,14 @@ class LLM:
                  kv_budget: str | int = "1GiB", max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  cache_options: Sequence[str] | None = None, device: str = "cpu",
-                 swiftkv: str | None = None, admission: str = "optimistic", step_timing: bool = False) -> None:
+                 swiftkv: str | None = None, admission: str = "optimistic", step_timing: bool = False,
+                 prefix_caching: bool = True) -> None:
         # Everything that can be wrong with the arguments fails before weights load.
         spec = parse_cache_spec(cache, list(cache_options or []))
         torch_dtype = parse_dtype(dtype)
         config = EngineConfig(kv_budget_bytes=parse_bytes(kv_budget), max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, admission=admission,
-                              step_timing=step_timing)
+                              step_timing=step_timing, prefix_caching=prefix_caching)
         self.model, self.source = load_model(model, dtype=torch_dtype, device=device, swiftkv=swiftkv)
         self.tokenizer = load_tokenizer(self.source)
         kv_cache = create_cache(spec, self.model.cache_layout(), config.kv_budget_bytes, torch_dtype, device)

@@ -20,6 +20,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.prefix_cache import PrefixCache
 from kvforge.engine.request import FinishReason, Request
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.engine.sampling import (
@@ -52,8 +53,9 @@ class LLMEngine:
             def lifetime(request: Request) -> int:
                 total = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
                 return cache.sequence_bytes(total)
+        self.prefix = PrefixCache(cache) if self.config.prefix_caching else None
         self.scheduler = Scheduler(cache, self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                                   lifetime, cache.memory_capacity()["fast"])
+                                   lifetime, cache.memory_capacity()["fast"], self.prefix)
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -96,6 +98,19 @@ class LLMEngine:
         for request in aborted:
             self._requests.pop(request.request_id, None)
         return [RequestOutput.of(r, [], "") for r in aborted]
+
+    def prefix_statistics(self) -> dict[str, float]:
+        """Prefix-cache counters (empty with prefix caching off)."""
+        if self.prefix is None:
+            return {}
+        return {**self.prefix.stats.as_dict(), "prefix_kept_sequences": self.prefix.kept_sequences}
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix: free the sequences kept for continuation and the
+        cached pages (a benchmark repeat then starts cold)."""
+        if self.prefix is not None:
+            self.prefix.clear()
+            self.cache.forget_prefixes()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -160,6 +175,8 @@ class LLMEngine:
             if chunk.needs_logits:
                 sampling.append(request)
                 sample_rows.append(row - 1)
+            if self.prefix is not None:
+                self.prefix.published(request)
         if sampling:
             rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
             chosen = self._sample(rows, sampling)

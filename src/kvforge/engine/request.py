@@ -69,6 +69,9 @@ class Request:
     detokenizer: Any = None  # IncrementalDetokenizer (set by the engine when it has a tokenizer)
     # Position in the output text from which stop strings are searched next.
     stop_search_from: int = 0
+    # Names of the request's full pages for prefix caching (engine/prefix_cache.py), kept
+    # as they are computed.
+    page_keys: list[bytes] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

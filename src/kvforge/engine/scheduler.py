@@ -10,6 +10,10 @@ hold after the step (`cache.allocate`). When a running request cannot grow, the 
 running request is preempted: its storage is freed and it goes back to the front of the
 queue to be recomputed later (prompt and generated tokens alike).
 
+Prefix caching (`prefix`, engine/prefix_cache.py): a request that (re)starts from zero
+computed tokens first takes what the cache holds of its tokens; when memory runs out, kept
+sequences of finished requests are evicted before any running request is preempted.
+
 Invariants:
 - the sum of scheduled tokens never exceeds max_num_batched_tokens;
 - a request appears at most once per step;
@@ -24,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvforge.engine.prefix_cache import PrefixCache
 from kvforge.engine.request import FinishReason, Request, RequestStatus
 from kvforge.errors import require
 
@@ -64,7 +69,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: CacheAllocator, max_num_batched_tokens: int, max_num_seqs: int,
-                 lifetime_bytes: Callable[[Request], int] | None = None, budget_bytes: int = 0) -> None:
+                 lifetime_bytes: Callable[[Request], int] | None = None, budget_bytes: int = 0,
+                 prefix: PrefixCache | None = None) -> None:
         """`lifetime_bytes` (with `budget_bytes`) turns on reserving admission: a waiting
         request is admitted only if the lifetime bytes of the running requests and its own
         fit the budget (a request admitted alone always is, so none waits forever)."""
@@ -79,6 +85,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.peak_running = 0
         self.num_preemptions = 0
+        self.prefix = prefix
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -96,10 +103,14 @@ class Scheduler:
         return aborted
 
     def finish(self, request: Request, reason: FinishReason) -> None:
-        """Remove a request from the queues, release its storage and mark it finished."""
+        """Remove a request from the queues, release its storage and mark it finished. With
+        prefix caching a request that ended normally may leave its sequence to the cache."""
         if request in self.running:
             self.running.remove(request)
-            self.cache.free(request.seq_id)
+            if self.prefix is not None:
+                self.prefix.release(request, keep=reason in (FinishReason.STOP, FinishReason.LENGTH))
+            else:
+                self.cache.free(request.seq_id)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.finish(reason)
@@ -118,10 +129,13 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                take = min(request.num_tokens - request.num_computed_tokens, budget)
                 if not self._reservation_fits(request):
                     break
-                if not self.cache.allocate(request.seq_id, request.num_computed_tokens + take):
+                started = self._attach_prefix(request)
+                take = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not self._allocate(request, request.num_computed_tokens + take):
+                    if started is not None:
+                        self.prefix.cancel(request, started)
                     break
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
@@ -137,10 +151,29 @@ class Scheduler:
         reserved = sum(self.lifetime_bytes(r) for r in self.running)
         return reserved + self.lifetime_bytes(request) <= self.budget_bytes
 
+    def _attach_prefix(self, request: Request) -> int | None:
+        """A request starting from scratch takes the cached part of its tokens; returns its
+        seq id before that (to undo it), or None when nothing was attached."""
+        if self.prefix is None or request.num_computed_tokens or request.params.prompt_logprobs is not None:
+            return None  # prompt logprobs need every prompt row computed
+        before = request.seq_id
+        hit = self.prefix.admit(request)
+        if not hit:
+            return None
+        request.num_computed_tokens = hit
+        return before
+
+    def _allocate(self, request: Request, num_tokens: int) -> bool:
+        """cache.allocate, evicting kept prefix sequences while that makes it succeed."""
+        while not self.cache.allocate(request.seq_id, num_tokens):
+            if self.prefix is None or not self.prefix.evict_one():
+                return False
+        return True
+
     def _make_room(self, request: Request, take: int, index: int, out: SchedulerOutput) -> bool:
         """Allocate for `request`, preempting newer requests as needed. False if the request
         itself had to go (preempted, or dropped when even alone it cannot fit)."""
-        while not self.cache.allocate(request.seq_id, request.num_computed_tokens + take):
+        while not self._allocate(request, request.num_computed_tokens + take):
             victim = self.running[-1]
             if victim is request and index == 0:
                 # Alone (every newer request is gone, none older) and still no room.

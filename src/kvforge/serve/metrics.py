@@ -47,6 +47,8 @@ class ServerMetrics:
         self.kv_used = gauge("kvforge_kv_cache_bytes_used", "KV-cache bytes in use per tier", ["tier"])
         self.kv_capacity = gauge("kvforge_kv_cache_bytes_capacity", "KV-cache bytes available per tier", ["tier"])
         self.cache_statistic = gauge("kvforge_cache_statistic", "Statistics of the cache method", ["name"])
+        self.prefix_statistic = gauge("kvforge_prefix_cache", "Prefix-cache counters (queries, hits, hit tokens, "
+                                      "hit rate, kept sequences)", ["name"])
         self.preemptions = counter("kvforge_num_preemptions", "Requests preempted (freed, recomputed later)"
                                    ).labels(**labels)
         self.prompt_tokens = counter("kvforge_prompt_tokens", "Prompt tokens of requests that produced a token"
@@ -83,6 +85,8 @@ class ServerMetrics:
         for name, value in cache.statistics().items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.cache_statistic.labels(name=name, **self._labels).set(value)
+        for name, value in engine.prefix_statistics().items():
+            self.prefix_statistic.labels(name=name.removeprefix("prefix_"), **self._labels).set(value)
         self.preemptions.inc(scheduler.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = scheduler.num_preemptions
         if seconds is not None:

@@ -13,6 +13,7 @@ chunk x context); decode tokens are batched and read pages tile by tile.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,8 +95,27 @@ class FullCache(PagedPoolMemory, CacheMethod):
 
     def statistics(self) -> dict[str, float]:
         pool = self.pages.pool
-        return {"pages_used": pool.num_used, "pages_total": pool.num_blocks,
-                "sequences": len(self.pages.sequences())}
+        return {"pages_used": pool.num_used, "pages_total": pool.num_blocks, "pages_cached": pool.num_cached,
+                "pages_evicted": pool.evictions, "sequences": len(self.pages.sequences())}
+
+    # -- prefix caching: pages are final once full (exact K/V of fixed tokens and positions)
+    @property
+    def prefix_block_size(self) -> int:  # type: ignore[override]
+        return self.block_size
+
+    def match_prefix(self, seq_id: int, page_keys: Sequence[bytes], max_tokens: int) -> int:
+        found = self.pages.find_prefix(page_keys, max_tokens // self.block_size)
+        if found is None:
+            return 0
+        pages, tables = found
+        self.pages.attach(seq_id, pages * self.block_size, tables)
+        return pages * self.block_size
+
+    def publish_prefix(self, seq_id: int, page_keys: Sequence[bytes]) -> None:
+        self.pages.publish(seq_id, page_keys)
+
+    def forget_prefixes(self) -> None:
+        self.pages.pool.forget_cached()
 
     # -- sequences --------------------------------------------------------------------
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:

@@ -30,8 +30,14 @@ CPU_KERNELS: dict[str, Callable[[], bool]] = {
 
 def build_cpu_kernels() -> tuple[dict[str, bool], float]:
     """Build (or load the cached build of) every CPU kernel; return availability and seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
     start = time.perf_counter()
-    available = {name: check() for name, check in CPU_KERNELS.items()}
+    # Each build is a compiler subprocess: two at a time use two cores (each kernel has its
+    # own build directory and lock, so they do not wait for each other).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(check) for name, check in CPU_KERNELS.items()}
+    available = {name: future.result() for name, future in futures.items()}
     return available, time.perf_counter() - start
 
 

@@ -71,9 +71,12 @@ def test_page_keys_chain_over_the_whole_prefix():
     assert page_keys([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], 4, a) == page_keys(list(range(1, 13)), 4, [])
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "gemma3_hybrid", "mistral_window"])
-def test_shared_pages_give_the_outputs_of_computing_from_scratch(arch):
-    _, model = make_pair(arch)
+@pytest.mark.parametrize("arch, seed", [("llama_gqa", 0), ("gemma3_hybrid", 0), ("gemma3_hybrid", 3),
+                                        ("gemma3_hybrid", 6), ("mistral_window", 0), ("mistral_window", 4)])
+def test_shared_pages_give_the_outputs_of_computing_from_scratch(arch, seed):
+    """Sliding-window layers included: a long chunk never stores the tokens already out of
+    its window, so only pages wholly inside a window are shared."""
+    _, model = make_pair(arch, seed=seed)
     prompts = _shared_prompts()
     reference = _run(_engine(model, prefix=False), prompts)
     engine = _engine(model)
@@ -81,7 +84,10 @@ def test_shared_pages_give_the_outputs_of_computing_from_scratch(arch):
     rest = _run(engine, prompts[1:])  # a mixed batch, chunked prefill, all hitting them
     _assert_same_greedy(first + rest, reference)
     stats = engine.prefix_statistics()
-    assert stats["prefix_hits"] == 4 and stats["prefix_hit_tokens"] >= 4 * 24  # windows may need fewer pages
+    if arch == "llama_gqa":
+        assert stats["prefix_hits"] == 4 and stats["prefix_hit_tokens"] >= 4 * 36
+    else:  # a window's pages are shareable only where a step ended near them
+        assert stats["prefix_hits"] >= 1 and stats["prefix_hit_tokens"] >= 8
     assert engine.cache.memory_usage()["fast"] == 0  # every reference came back
     assert engine.cache.pages.pool.num_cached > 0  # the pages stay cached, unreferenced
 

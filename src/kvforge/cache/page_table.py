@@ -188,15 +188,19 @@ class PageTable:
 
     def publish(self, seq_id: int, keys: Sequence[Hashable]) -> None:
         """Register the sequence's full pages not published yet under `keys` (page j under
-        (group, keys[j])); only pages every token of which is committed, in every group that
-        still holds them."""
+        (group, keys[j])); only pages every token of which is committed and stored."""
         seq = self._seqs.get(seq_id)
         if seq is None:
             return
         full = min(seq.num_tokens // self.block_size, len(keys))
+        # A sliding group stores only what a later query can see: a long chunk skips the
+        # tokens that are already out of the window at its end, so a page holds all its
+        # tokens only if it lies wholly inside the window now (the window only moves on).
+        first_whole = [0 if window is None else -(-self.first_kept_token(g, seq.num_tokens) // self.block_size)
+                       for g, window in enumerate(self.groups.windows)]
         for j in range(seq.published, full):
             for g, table in enumerate(seq.pages):
-                if j < len(table) and table[j] != RELEASED:
+                if j >= first_whole[g] and j < len(table) and table[j] != RELEASED:
                     self.pool.register(table[j], (g, keys[j]))
         seq.published = max(seq.published, full)
 

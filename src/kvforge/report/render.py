@@ -84,7 +84,10 @@ def _bench(doc: Document) -> str:
         "decode": [("generated_tokens_per_s", "gen tok/s", "{:.1f}"), ("ms_per_step", "ms/step", "{:.1f}"),
                    ("achieved_gbps", "GB/s", "{:.2f}"), ("fraction_of_read_bandwidth", "of read BW", "{:.2f}")],
         "throughput": [("total_tokens_per_s", "total tok/s", "{:.0f}"), ("generated_tokens_per_s", "gen tok/s", "{:.1f}"),
-                       ("peak_concurrent_sequences", "peak seqs", "{}"), ("preemptions", "preempt", "{}")],
+                       ("peak_concurrent_sequences", "peak seqs", "{}"), ("preemptions", "preempt", "{}"),
+                       ("prefix_hit_tokens", "prefix hit tokens", "{}")],
+        "prefix": [("turn1_ttft", "turn 1 TTFT s", "{:.3f}"), ("mean_ttft_turns_2_n", "turns 2-N TTFT s", "{:.3f}"),
+                   ("prefix_hit_rate", "hit rate", "{:.2f}")],
     }[kind]
     rows = []
     for system in doc["systems"]:
@@ -96,7 +99,10 @@ def _bench(doc: Document) -> str:
     shown = ", ".join(f"{k} {v}" for k, v in settings.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
     head = f"{doc['model']} {doc['dtype']}, {doc['threads']} threads; {shown}\n\n"
     body = table(["system", *(label for _, label, _ in columns), "KV fast tier after prefill", "repeat spread"], rows)
-    return head + body + _ratios(doc, doc["headline_metric"])
+    extra = ""
+    if kind == "prefix":
+        extra = f"\n\nReplies identical with and without prefix caching: **{str(doc['outputs_identical']).lower()}**"
+    return head + body + _ratios(doc, doc["headline_metric"]) + extra
 
 
 def _serve(doc: Document) -> str:
@@ -188,7 +194,8 @@ def _demo(doc: Document) -> str:
 
 
 RENDERERS: dict[str, Callable[[Document], str]] = {
-    "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench serve": _serve,
+    "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench prefix": _bench,
+    "bench serve": _serve,
     "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "swiftkv evaluate": _swiftkv_evaluate,
     "demo": _demo,
 }

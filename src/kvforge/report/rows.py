@@ -57,6 +57,12 @@ def _niah(doc: Document) -> str:
     return f"pass key at {length // 1024}K: **{100 * ours['accuracy']:.0f}%** (full {100 * full['accuracy']:.0f}%)"
 
 
+def _prefix(doc: Document) -> str:
+    s = doc["settings"]
+    return (f"turns 2-{s['turns']} time to first token **{fmt(doc['ratio'], '{:.1f}')}x** lower "
+            f"({s['shared_prefix']}-token document), replies identical: {str(doc['outputs_identical']).lower()}")
+
+
 def _demo(doc: Document) -> str:
     rows = {r["system"]: r for r in doc["rows"]}
     base, both = rows["base"], rows["SwiftKV + KIVI-2"]
@@ -80,5 +86,10 @@ ROWS = [
         _decode, "full cache, fp32", "up to 3.04x throughput, 6x batch (A100)"),
     Row("ShadowKV quality", "", "eval/niah_gemma3-270m_16384_shadowkv_vs_full.json", _niah, "full cache",
         "accuracy kept at a 1.56% sparse budget"),
+    Row("Prefix caching, full", "recomputing a conversation's earlier turns",
+        "bench/prefix_smollm2-135m_2048x8_full.json", _prefix, "the same without prefix caching",
+        "(engine feature, as in vLLM and SGLang)"),
+    Row("Prefix caching, KIVI-2", "", "bench/prefix_smollm2-135m_2048x8_kivi.json", _prefix,
+        "the same without prefix caching", ""),
     Row("SwiftKV + KIVI-2", "both", "demo/demo.json", _demo, "base model, full cache", "(composition: not in the papers)"),
 ]

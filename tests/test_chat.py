@@ -1,6 +1,6 @@
 """`kvforge chat` keeps its conversation on the engine: each turn's prompt begins with the
 previous turn's tokens as the engine produced them, so earlier turns come from the prefix
-cache (whole pages for `full`, the whole kept sequence for `kivi`)."""
+cache (whole pages for `full`, the whole kept sequence for `kivi` with prefix_reuse=continue)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _llm(cache: str) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("cache", ["full:block_size=8", "kivi:bits=4,group=8,residual=16"])
+@pytest.mark.parametrize("cache", ["full:block_size=8", "kivi:bits=4,group=8,residual=16,prefix_reuse=continue"])
 def test_later_turns_reuse_earlier_turns(cache):
     llm = _llm(cache)
     session = ChatSession(llm, system="be brief")

@@ -144,8 +144,60 @@ def test_references_return_after_preemption_and_abort_and_eviction_keeps_the_bud
     assert pool.num_used == 0
 
 
+def _converse(engine, turns: list[list[int]], params=GREEDY) -> list[list[int]]:
+    """One conversation, a request per turn carrying the whole history; the replies."""
+    history: list[int] = []
+    replies = []
+    for turn in turns:
+        history += turn
+        (out,) = _run(engine, [history], params)
+        replies.append(out.token_ids)
+        history += out.token_ids
+    return replies
+
+
 @pytest.mark.parametrize("spec", ["kivi:bits=2,group=4,residual=8", "kivi:bits=4,group=4,residual=8",
-                                  "shadowkv:chunk=4,local=8,outliers=2,min_context=24,generated_window=8,rank=4,"
+                                  "kivi:bits=2,group=4,residual=12"])
+@pytest.mark.parametrize("swiftkv", [False, True])
+def test_kivi_turns_start_from_snapshots_and_equal_no_prefix_caching(spec, swiftkv):
+    """Each turn starts from a fork of the state at the start of an earlier prompt's last
+    prefill chunk, where the run without prefix caching begins a chunk too: alone on the
+    engine, every turn's tokens equal prefix caching off, lossy 2-bit KIVI included."""
+    _, base = make_pair("llama_gqa")
+    model = swiftkv_model(base, first_later=1, group=2) if swiftkv else base
+    gen = torch.Generator().manual_seed(7)
+    turns = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (30, 7, 12, 5)]
+    params = SamplingParams.greedy_params(max_tokens=6, ignore_eos=True)
+    on = _engine(model, spec, batched=16)
+    assert _converse(on, turns, params) == _converse(_engine(model, spec, batched=16, prefix=False), turns, params)
+    stats = on.prefix_statistics()
+    # turn 1 (30 tokens) is chunked [0, 16) [16, 30): the snapshot at 16 serves turn 2, whose
+    # history (43) is chunked from there [16, 32) [32, 43), leaving a snapshot at 32, ...
+    assert stats["prefix_hits"] == 3 and stats["prefix_snapshots"] == 4
+    assert stats["prefix_hit_tokens"] == 16 + 32 + 48
+    on.clear_prefix_cache()
+    assert on.cache.memory_usage()["fast"] == 0
+
+
+def test_a_kivi_snapshot_is_a_fork_not_a_move():
+    """Two requests extending the same snapshot both start from it (each from its own fork)
+    and get what they get without prefix caching; the pages they share are freed once."""
+    _, model = make_pair("llama_gqa")
+    spec = "kivi:bits=2,group=4,residual=8"
+    gen = torch.Generator().manual_seed(8)
+    first = torch.randint(3, 90, (30,), generator=gen).tolist()
+    later = [first + torch.randint(3, 90, (n,), generator=gen).tolist() for n in (9, 21)]
+    params = SamplingParams.greedy_params(max_tokens=5, ignore_eos=True)
+    on, off = _engine(model, spec, batched=16), _engine(model, spec, batched=16, prefix=False)
+    for prompt in [first, *later]:
+        assert _run(on, [prompt], params)[0].token_ids == _run(off, [prompt], params)[0].token_ids
+    assert on.prefix_statistics()["prefix_hit_tokens"] == 2 * 16
+    on.clear_prefix_cache()
+    pool = on.cache.pages.pool
+    assert pool.num_used == 0 and all(pool.refs(b) == 0 for b in range(pool.num_blocks))
+
+
+@pytest.mark.parametrize("spec", ["shadowkv:chunk=4,local=8,outliers=2,min_context=24,generated_window=8,rank=4,"
                                   "budget=8"])
 def test_a_conversation_continues_its_sequence_exactly(spec):
     """Turn 2 = turn 1's prompt + reply + a new message: it continues turn 1's sequence and
@@ -180,9 +232,9 @@ def test_kept_sequences_are_evicted_before_anyone_is_preempted():
     _, model = make_pair("llama_gqa")
     spec = "kivi:bits=2,group=4,residual=8"
     per_sequence = create_cache(spec, model.cache_layout(), 1 << 22, torch.float32).sequence_bytes(40)
-    engine = _engine(model, spec, budget=int(2.5 * per_sequence), batched=64)
+    engine = _engine(model, spec, budget=int(2.5 * per_sequence), batched=16)
     prompts = [torch.randint(3, 90, (30,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
-    for prompt in prompts:  # one at a time: each finished one is kept, then evicted for the next
+    for prompt in prompts:  # one at a time: each keeps a snapshot, evicted later for the next
         _run(engine, [prompt])
     stats = engine.prefix_statistics()
     assert stats["prefix_evicted_sequences"] >= 1 and engine.scheduler.num_preemptions == 0

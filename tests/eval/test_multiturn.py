@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 import torch
 from conftest import make_pair, make_runner
 from tiny_eval import CharTokenizer, tiny_models  # noqa: F401 (fixture)
 
 from kvforge.cli import main
+from kvforge.engine.conversations import converse_on_engine
+from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.greedy import greedy_converse, greedy_generate
+from kvforge.engine.llm_engine import LLMEngine
 from kvforge.eval.multiturn import accuracy_by_turn, build_conversation, turn_records
 from kvforge.eval.niah import format_turn_table
 from kvforge.eval.passkey import NOISE_SENTENCES, score_output
@@ -69,6 +73,39 @@ def test_greedy_converse_equals_recomputing_the_history():
             expected = greedy_generate(runner, [history], max_new_tokens=4)[0]
             assert reply == expected
             history += reply
+
+
+@pytest.mark.parametrize("spec", ["full:block_size=4", "kivi:bits=2,group=4,residual=8"])
+def test_engine_conversation_reuses_earlier_turns_and_equals_recomputing_them(spec):
+    """Each turn is a new request with the whole history; prefix caching finds the earlier
+    turns (whole pages for full; for lossy KIVI the snapshot at the start of the previous
+    prompt's last 16-token chunk), and every reply equals recomputing the history."""
+    torch.manual_seed(0)
+    _, model = make_pair("llama_gqa")
+    gen = torch.Generator().manual_seed(2)
+    conversation = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (41, 6, 11)]
+    runner = make_runner(model, spec)
+    engine = LLMEngine(model, runner.cache, None, EngineConfig(kv_budget_bytes=1 << 22, max_num_batched_tokens=16))
+    finished = []
+    got = converse_on_engine(engine, [conversation], max_new_tokens=5, on_finished=finished.append)
+    assert finished == [0]
+    fresh = make_runner(model, spec)
+    history: list[int] = []
+    prompts = []
+    for turn, reply in zip(conversation, got[0]):
+        history += turn
+        prompts.append(len(history))
+        assert reply == greedy_generate(fresh, [history], max_new_tokens=5, prefill_chunk=16)[0]
+        history += reply
+    stats = engine.prefix_statistics()
+    assert stats["prefix_hits"] == 2  # turns 2 and 3 found the turn before
+    if spec.startswith("kivi"):  # where the previous prompt's last chunk began
+        expected = [(n - 1) // 16 * 16 for n in prompts[:-1]]
+    else:  # the previous turn's computed tokens (all but its last reply token), whole pages
+        expected = [(n + len(reply) - 1) // 4 * 4 for n, reply in zip(prompts[:-1], got[0])]
+    assert stats["prefix_hit_tokens"] == sum(expected)
+    engine.clear_prefix_cache()
+    assert runner.cache.memory_usage()["fast"] == 0
 
 
 def test_cli_multi_turn_matches_transformers(tiny_models, tmp_path, capsys):  # noqa: F811

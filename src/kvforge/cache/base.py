@@ -138,6 +138,18 @@ class CacheMethod(ABC):
         """Drop every cached page no sequence uses (benchmarks start each repeat cold)."""
         return None  # a method without page sharing caches no page
 
+    # Snapshots: a method whose stored state depends on where prefill chunks began (KIVI:
+    # a chunk attends earlier chunks through their quantised pages) sets `can_fork` and
+    # implements `fork`. The engine then keeps a snapshot of a prompt's state at the start
+    # of its last prefill chunk, and a later prompt that extends those tokens starts from a
+    # fork of it: the same state the no-cache run reaches at that chunk boundary.
+    can_fork: bool = False
+
+    def fork(self, source: int, target: int) -> bool:
+        """Start the new sequence `target` in the state of `source` (which goes on
+        unchanged); False, changing nothing, if memory for it cannot be had now."""
+        raise NotImplementedError(f"{type(self).__name__} cannot fork sequences")
+
 
 class PagedPoolMemory:
     """Memory accounting of methods whose whole storage is pages of one block pool on the

@@ -4,8 +4,8 @@ counts and a cache of freed blocks that still hold a known prefix.
 Pure Python, no torch: the cache method owns the tensors, the pool only decides which
 block ids are free. A block's life cycle (prefix caching):
 
-    free --allocate--> in use (refs >= 1) --free (refs -> 0)--> free, or cached if
-    registered under a key --share--> in use again;  cached --evicted by allocate--> in use
+    free --allocate--> in use (refs >= 1, more by share) --free (refs -> 0)--> free, or
+    cached if registered under a key --share--> in use again;  cached --evicted by allocate--> in use
     by someone else (its key forgotten)
 
 - A block in use has refs >= 1; `share` adds a reference, `free` removes one.
@@ -116,9 +116,10 @@ class BlockPool:
         return self._block_of.get(key)
 
     def share(self, block: int) -> None:
-        """Add a reference to a registered block (in use or cached)."""
-        if block not in self._key_of:
-            raise ValueError(f"block {block} holds no registered prefix")
+        """Add a reference to a block in use (a fork of a sequence shares its pages) or to a
+        cached one (a prefix hit); a free block holds nothing to share."""
+        if self._refs[block] == 0 and block not in self._key_of:
+            raise ValueError(f"block {block} is free: only blocks in use or cached can be shared")
         if self._refs[block] == 0:
             del self._cached[block]
         self._refs[block] += 1

@@ -159,6 +159,8 @@ class LLMEngine:
         decode = all(c.start >= c.request.num_prompt_tokens for c in scheduled.chunks)
         self._last_step_kind = "decode" if decode else "prefill"
         items = [self._item(chunk) for chunk in scheduled.chunks]
+        if self.prefix is not None:
+            self.prefix.before_step(scheduled.chunks)
         logits = self.runner.step(items)
         now = time.perf_counter()
         sampling: list[Request] = []

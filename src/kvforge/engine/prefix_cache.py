@@ -11,13 +11,23 @@ Two mechanisms, chosen by what the cache method can do:
   is published; a new request takes the longest run of published pages that begins its
   tokens (reference counts in the block pool) and computes from there. Freed pages stay
   cached, least recently used first, and are reclaimed only when the pool needs them.
-- Sequence continuation (every other method: `kivi`, `shadowkv`). Their stored state is
-  not a function of whole pages alone (KIVI's full-precision residual is a sliding window;
-  ShadowKV compresses the whole prompt at once), so a finished request's sequence is kept
-  as it is, tokens and all, and the next request whose tokens extend it exactly (the next
-  turn of a conversation: prompt + reply + new message) adopts that sequence and appends
-  its new tokens, as if they were generated. Kept sequences are evicted, oldest first,
-  whenever an allocation would fail, so they never block admission.
+- Snapshots (`cache.can_fork`: `kivi`). A KIVI prefill chunk attends earlier chunks
+  through their quantised pages, so its state depends on where chunks began, and a hit must
+  begin where the run without prefix caching would begin a chunk too. Before a prompt's
+  last prefill chunk runs, the engine forks the sequence (a snapshot of its state at the
+  chunk's start, sharing its quantised pages); a later prompt that extends those tokens
+  starts from a fork of the snapshot and computes the rest. A prompt prefilled alone is cut
+  at multiples of the step's token budget, with or without a hit, so a conversation alone
+  on the engine gets exactly the tokens it gets without prefix caching.
+- Sequence continuation (every other method: `shadowkv`). Its stored state is not a
+  function of whole pages (ShadowKV compresses the whole prompt at once), so a finished
+  request's sequence is kept as it is, tokens and all, and the next request whose tokens
+  extend it exactly (the next turn of a conversation: prompt + reply + new message) adopts
+  that sequence and appends its new tokens, as if they were generated: cheaper than a
+  recompression, but not what recomputing the whole prompt would store.
+
+Kept sequences (snapshots and continuations) are evicted, oldest first, whenever an
+allocation would fail, so they never block admission.
 
 Invariants: at least the last token of a request is always computed (its logits choose
 the next token), so a hit is at most num_tokens - 1 tokens; a hit changes nothing about
@@ -28,6 +38,7 @@ request finishes, is preempted or is aborted (`cache.free`).
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -56,13 +67,14 @@ class PrefixStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
     continued_sequences: int = 0  # hits by continuation
+    snapshots: int = 0  # snapshots taken (forks of a prompt at its last chunk's start)
     evicted_sequences: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return {"prefix_queries": self.queries, "prefix_hits": self.hits, "prefix_queried_tokens": self.queried_tokens,
                 "prefix_hit_tokens": self.hit_tokens,
                 "prefix_hit_rate": self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
-                "prefix_continued_sequences": self.continued_sequences,
+                "prefix_continued_sequences": self.continued_sequences, "prefix_snapshots": self.snapshots,
                 "prefix_evicted_sequences": self.evicted_sequences}
 
 
@@ -71,7 +83,11 @@ class PrefixCache:
         self.cache = cache
         self.block_size: int | None = cache.prefix_block_size
         self.stats = PrefixStats()
-        self._kept: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # seq id -> its tokens, oldest first
+        self.snapshots = not self.shares_pages and bool(getattr(cache, "can_fork", False))
+        # seq id -> its tokens, least recently used first; snapshots take negative ids, which
+        # requests (numbered from 0) never use.
+        self._kept: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._snapshot_ids = itertools.count(-1, -1)
 
     @property
     def shares_pages(self) -> bool:
@@ -88,6 +104,8 @@ class PrefixCache:
         if self.shares_pages:
             request.page_keys = page_keys(tokens, self.block_size, request.page_keys)
             hit = self.cache.match_prefix(request.seq_id, request.page_keys, limit)
+        elif self.snapshots:
+            hit = self._fork_snapshot(request, tokens, limit)
         else:
             hit = self._continue(request, tokens, limit)
         if hit:
@@ -98,7 +116,7 @@ class PrefixCache:
     def cancel(self, request: Request, seq_id: int) -> None:
         """Undo an `admit` whose first allocation failed: the request waits again holding
         nothing (a continued sequence is kept again, attached pages are released)."""
-        if self.shares_pages:
+        if self.shares_pages or self.snapshots:
             self.cache.free(request.seq_id)
         else:
             self._kept[request.seq_id] = tuple(request.tokens(0, request.num_computed_tokens))
@@ -117,12 +135,32 @@ class PrefixCache:
                                           request.page_keys)
         self.cache.publish_prefix(request.seq_id, request.page_keys)
 
+    def before_step(self, chunks: list[Any]) -> None:
+        """Snapshots: before a prompt's last prefill chunk runs, keep a fork of the sequence
+        as it stands (tokens [0, chunk start)) unless one is kept already. Best effort: no
+        snapshot when memory for it cannot be had now."""
+        if not self.snapshots:
+            return
+        for chunk in chunks:
+            request = chunk.request
+            if chunk.start == 0 or chunk.end != request.num_prompt_tokens or request.num_output_tokens:
+                continue
+            tokens = tuple(request.tokens(0, chunk.start))
+            same = next((seq_id for seq_id, kept in self._kept.items() if kept == tokens), None)
+            if same is not None:
+                self._kept.move_to_end(same)
+                continue
+            snapshot = next(self._snapshot_ids)
+            if self.cache.fork(request.seq_id, snapshot):
+                self._kept[snapshot] = tokens
+                self.stats.snapshots += 1
+
     def release(self, request: Request, keep: bool) -> None:
         """A request leaves the cache. Page sharing: its pages go back to the pool (the
         published ones stay cached). Continuation: a finished request's sequence is kept
         (`keep`) for a request that extends it; otherwise it is freed."""
         finished_generating = 0 < request.num_computed_tokens == request.num_tokens - 1
-        if keep and finished_generating and not self.shares_pages:
+        if keep and finished_generating and not self.shares_pages and not self.snapshots:
             self._kept[request.seq_id] = tuple(request.tokens(0, request.num_computed_tokens))
         else:
             self.cache.free(request.seq_id)
@@ -144,14 +182,27 @@ class PrefixCache:
     def kept_sequences(self) -> int:
         return len(self._kept)
 
-    # -- continuation -----------------------------------------------------------------
-    def _continue(self, request: Request, tokens: list[int], limit: int) -> int:
-        """Adopt the longest kept sequence whose tokens begin `tokens` (at most `limit`)."""
+    # -- adoption -----------------------------------------------------------------------
+    def _longest_kept(self, tokens: list[int], limit: int) -> tuple[int | None, int]:
+        """The kept sequence with the most tokens (at most `limit`) that begin `tokens`."""
         best, best_len = None, 0
         for seq_id, kept in self._kept.items():
             n = len(kept)
             if best_len < n <= limit and tuple(tokens[:n]) == kept:
                 best, best_len = seq_id, n
+        return best, best_len
+
+    def _fork_snapshot(self, request: Request, tokens: list[int], limit: int) -> int:
+        """Start the request from a fork of the longest snapshot that begins its tokens."""
+        best, best_len = self._longest_kept(tokens, limit)
+        if best is None or not self.cache.fork(best, request.seq_id):
+            return 0
+        self._kept.move_to_end(best)
+        return best_len
+
+    def _continue(self, request: Request, tokens: list[int], limit: int) -> int:
+        """Adopt the longest kept sequence whose tokens begin `tokens` (at most `limit`)."""
+        best, best_len = self._longest_kept(tokens, limit)
         if best is None:
             return 0
         del self._kept[best]

@@ -9,7 +9,9 @@ compressing cache method also sees its own stored (compressed) K/V during a long
 `hf` runs `model.generate` on each prompt alone (no padding).
 
 `--multi-turn K` hides K named needles in one haystack and asks for them in K successive
-turns of one conversation that keeps its cache (multiturn.py); the heatmap rows are then the
+turns of one conversation (multiturn.py); kvforge systems send each turn to the engine as
+a new request carrying the whole conversation, and prefix caching continues the previous
+turn's sequence instead of recomputing it; the heatmap rows are then the
 needles' depths, and a second table gives accuracy by turn.
 """
 
@@ -24,7 +26,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvforge.engine.greedy import greedy_converse, greedy_generate
+from kvforge.engine.conversations import converse_on_engine
+from kvforge.engine.engine_config import EngineConfig
+from kvforge.engine.greedy import greedy_generate
+from kvforge.engine.llm_engine import LLMEngine
 from kvforge.errors import require
 from kvforge.eval.compare import EvalSystem, baseline_index, check_backends, parse_systems
 from kvforge.eval.context import EvalContext, describe_system, log, make_hf_cache
@@ -98,13 +103,18 @@ def accuracy_grid(records: list[dict[str, Any]], lengths: list[int], depths: lis
 
 def converse_kvforge(ctx: EvalContext, system: EvalSystem, conversations: list[Conversation], max_new_tokens: int,
                      batch: int, prefill_chunk: int, bar: Any) -> list[list[list[int]]]:
+    """Each turn is a new engine request carrying the whole conversation so far; prefix
+    caching finds the previous turn's sequence, so earlier turns are never recomputed."""
     runner = ctx.runner(system)
-    stops = stop_ids(ctx)
+    model, tokenizer = ctx.kvforge(system.swiftkv)
+    config = EngineConfig(kv_budget_bytes=ctx.kv_budget, max_num_batched_tokens=prefill_chunk, max_num_seqs=batch,
+                          prefix_caching=True)
+    engine = LLMEngine(model, runner.cache, tokenizer, config)
     outputs: list[list[list[int]]] = []
     for first in range(0, len(conversations), batch):
         group = [c.turns for c in conversations[first:first + batch]]
-        outputs += greedy_converse(runner, group, max_new_tokens, stop_token_ids=stops, prefill_chunk=prefill_chunk)
-        bar.update(len(group))
+        outputs += converse_on_engine(engine, group, max_new_tokens, stop_ids(ctx), on_finished=lambda _: bar.update(1))
+        engine.clear_prefix_cache()  # the next group shares nothing with this one
     return outputs
 
 

@@ -15,6 +15,12 @@ DECODE_KERNELS = ("auto", "torch")
 # "blockwise": prefill.py (fused attention per part, log-sum-exp merge); "reference": the
 # plain PyTorch online-softmax path of attention.py.
 PREFILL_ATTENTION = ("blockwise", "reference")
+# How prefix caching reuses an earlier prompt (engine/prefix_cache.py): "snapshot" starts
+# from the state at a chunk boundary the run without a hit has too (same tokens as without
+# prefix caching, but a prompt that fits one step has no such boundary); "continue" adopts
+# a finished request's whole sequence (a chat's earlier turns are never recomputed, but the
+# reply was stored as decoded, not as a prefill would store it, so tokens may differ).
+PREFIX_REUSE = ("snapshot", "continue")
 
 
 def default_residual_dtype(compute_dtype: torch.dtype) -> torch.dtype:
@@ -37,6 +43,8 @@ class KIVICacheConfig:
     decode_kernel: str = "auto"
     # Attention of multi-token spans (prefill chunks): one of PREFILL_ATTENTION.
     prefill_attention: str = "blockwise"
+    # With prefix caching on: one of PREFIX_REUSE.
+    prefix_reuse: str = "snapshot"
 
     def __post_init__(self) -> None:
         require(self.bits in SUPPORTED_BITS, "bits", self.bits, f"must be one of {list(SUPPORTED_BITS)}")
@@ -52,5 +60,7 @@ class KIVICacheConfig:
             require(value >= self.group, name, value, f"must be >= group={self.group}")
         require(self.decode_kernel in DECODE_KERNELS, "decode_kernel", self.decode_kernel,
                 f"must be one of {list(DECODE_KERNELS)}")
+        require(self.prefix_reuse in PREFIX_REUSE, "prefix_reuse", self.prefix_reuse,
+                f"must be one of {list(PREFIX_REUSE)}")
         require(self.prefill_attention in PREFILL_ATTENTION, "prefill_attention", self.prefill_attention,
                 f"must be one of {list(PREFILL_ATTENTION)}")

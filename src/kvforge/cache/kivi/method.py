@@ -110,6 +110,7 @@ class KIVICache(PagedPoolMemory, CacheMethod):
                  compute_dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(layout, compute_dtype, device)
         self.config = config
+        self.can_fork = config.prefix_reuse == "snapshot"
         g, r, bits = config.group, config.residual, config.bits
         heads, dim = layout.num_kv_heads, layout.head_dim
         if dim % g:
@@ -189,6 +190,28 @@ class KIVICache(PagedPoolMemory, CacheMethod):
         self.pages.free(seq_id)
         self.pages.pool.free(seq.reserved)
         self._free_slots.append(seq.slot)
+
+    # Quantised pages are final for tokens below nk: their keys are written once, and a
+    # value slot is written once, when its token leaves the value residual, with bytes that
+    # depend on that token's value alone. So a fork shares those pages (reference counts)
+    # and copies only the residual rings; whichever sequence later writes a shared page's
+    # value slot writes the same bytes. (`can_fork` is False with prefix_reuse=continue.)
+
+    def fork(self, source: int, target: int) -> bool:
+        if target in self._seqs:
+            raise ConfigError("seq_id", target, "must not hold storage yet to be forked into")
+        seq = self._seqs[source]
+        if not self._free_slots or not self.pages.pool.can_allocate(self.slot_pages):
+            return False
+        stored = self.quantized_keys(seq.num_tokens)
+        logical = stored // self.config.group
+        tables = [self.pages.pages(source, g)[:logical] for g in range(self.groups.num_groups)]
+        self.pages.attach(target, stored, tables)
+        fork = _Sequence(self._free_slots.pop(), self.pages.pool.allocate(self.slot_pages), seq.num_tokens)
+        self._seqs[target] = fork
+        self.store.k_res[:, fork.slot] = self.store.k_res[:, seq.slot]
+        self.store.v_res[:, fork.slot] = self.store.v_res[:, seq.slot]
+        return True
 
     def num_cached_tokens(self, seq_id: int) -> int:
         seq = self._seqs.get(seq_id)

@@ -3,7 +3,6 @@ template, served by `kvforge serve`'s app on a free loopback port in a backgroun
 
 from __future__ import annotations
 
-import socket
 import string
 import threading
 import time
@@ -16,6 +15,7 @@ import transformers
 import uvicorn
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from kvforge.bench.serve_server import free_loopback_port as free_port  # noqa: F401 (re-exported)
 from kvforge.cache.registry import create_cache
 from kvforge.config import ModelConfig
 from kvforge.engine.async_engine import AsyncEngine
@@ -66,12 +66,6 @@ def make_engine(model: torch.nn.Module, tokenizer, budget: int = 1 << 22, cache:
     config = EngineConfig(budget, max_num_batched_tokens=batched_tokens, max_num_seqs=max_num_seqs,
                           step_timing=step_timing)
     return LLMEngine(model, kv, tokenizer, config)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass

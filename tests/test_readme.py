@@ -16,7 +16,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from kvforge.bench.serve_server import free_loopback_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -59,12 +60,6 @@ def shell_commands() -> list[str]:
     return commands
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _reduce(words: list[str], scratch: Path) -> list[str]:
     out = list(words)
     for index, word in enumerate(out[:-1]):
@@ -83,7 +78,7 @@ def _reduce(words: list[str], scratch: Path) -> list[str]:
 @needs_models
 @needs_text
 def test_every_readme_example_runs(tmp_path):
-    port = _free_port()
+    port = free_loopback_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server = None
     try:

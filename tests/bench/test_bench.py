@@ -222,3 +222,21 @@ def test_every_cpu_kernel_is_built_before_the_first_system_runs(monkeypatch, cap
     assert results == [{"name": "s", "kind": "kvforge", "x": 1}]
     err = capsys.readouterr().err
     assert "C++ kernels ready" in err and "a;" in err and "PyTorch fallback for: b" in err
+
+
+@needs_model
+def test_prefix_end_to_end_kivi_hits_and_keeps_the_tokens(fast_bench, tmp_path):
+    """A 3-turn conversation over a 64-token document, steps of 32 tokens: KIVI's turns
+    start from the snapshot at the document's last chunk boundary and reply as without
+    prefix caching; the hit rate is this conversation's own."""
+    out = tmp_path / "x.json"
+    assert main(["bench", "prefix", "--cache", "kivi", "--shared-prefix", "64", "--turns", "3", "--question-len", "8",
+                 "--output-len", "4", "--max-num-batched-tokens", "32", *COMMON, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "prefix" and result["outputs_identical"] is True
+    cached, recomputed = result["systems"]
+    stats = cached["prefix"]
+    assert stats["prefix_hits"] == 2 and stats["prefix_snapshots"] >= 1
+    assert cached["prefix_hit_rate"] == stats["prefix_hit_tokens"] / stats["prefix_queried_tokens"] > 0
+    assert recomputed["prefix_hit_rate"] is None and len(cached["ttft_per_turn"]) == 3
+    assert result["ratio"] > 0 and math.isfinite(result["ratio"])

@@ -179,6 +179,26 @@ def test_kivi_turns_start_from_snapshots_and_equal_no_prefix_caching(spec, swift
     assert on.cache.memory_usage()["fast"] == 0
 
 
+def test_a_kivi_hit_in_a_mixed_batch_with_chunked_prefill_equals_no_prefix_caching():
+    """Turn 2 (starting from the snapshot at 16) shares 16-token steps with a new request;
+    first come, first served, the newcomer's chunks start where they start without the hit
+    (after turn 2's last chunk), so both requests give the no-cache tokens."""
+    _, model = make_pair("llama_gqa")
+    spec = "kivi:bits=2,group=4,residual=8"
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, 90, (30,), generator=gen).tolist()
+    message, other = (torch.randint(3, 90, (n,), generator=gen).tolist() for n in (13, 20))
+    params = SamplingParams.greedy_params(max_tokens=6, ignore_eos=True)
+    outputs = []
+    for prefix in (True, False):
+        engine = _engine(model, spec, batched=16, prefix=prefix)
+        (turn1,) = _run(engine, [prompt], params)
+        outputs.append([o.token_ids for o in _run(engine, [prompt + turn1.token_ids + message, other], params)])
+        if prefix:
+            assert engine.prefix_statistics()["prefix_hit_tokens"] == 16
+    assert outputs[0] == outputs[1]
+
+
 def test_a_kivi_snapshot_is_a_fork_not_a_move():
     """Two requests extending the same snapshot both start from it (each from its own fork)
     and get what they get without prefix caching; the pages they share are freed once."""

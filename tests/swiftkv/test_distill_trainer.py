@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 
 import pytest
 import torch
 from distill_helpers import one_thread, random_data, tiny_distill_model, tiny_recipe  # noqa: F401
 
+from kvforge.bench.serve_server import free_loopback_port
 from kvforge.errors import ConfigError
 from kvforge.swiftkv.parallel import DataParallel
 from kvforge.swiftkv.trainer import METRICS_FILE, Trainer, lr_factor, state_dirs
@@ -95,12 +95,6 @@ def test_too_little_data_for_one_step_fails_before_training(tmp_path):
         Trainer(tiny_distill_model(), random_data(rows_wanted=3), tiny_recipe(tmp_path), tmp_path, progress=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     """One process of a gloo data-parallel run (spawned)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -121,7 +115,7 @@ def test_two_gloo_processes_equal_one_process_with_double_accumulation(tmp_path)
     single, records = run(tiny_recipe(tmp_path / "one", grad_accum=2, max_steps=4, save_every=100))
     out = tmp_path / "two"
     out.mkdir()
-    torch.multiprocessing.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_worker, args=(2, free_loopback_port(), str(out)), nprocs=2, join=True)
     result = torch.load(out / "result.pt")
     assert result["losses"] == pytest.approx([r["loss"] for r in records], abs=1e-6, rel=1e-6)
     for name, p in single.model.trainable().items():

@@ -68,7 +68,13 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
             replies.append(final.token_ids)
             history = prompt + final.token_ids
         after = engine.prefix_statistics()
-        return ttfts, replies, {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
+        stats = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
+        # counters subtract; a rate does not: this conversation's own
+        queried = stats.get("prefix_queried_tokens", 0)
+        if "prefix_hit_rate" in stats:
+            stats["prefix_hit_rate"] = stats["prefix_hit_tokens"] / queried if queried else 0.0
+        stats["prefix_kept_sequences"] = after.get("prefix_kept_sequences", 0)
+        return ttfts, replies, stats
 
     for index in range(args.warmup):
         conversation()

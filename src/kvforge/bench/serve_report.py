@@ -23,6 +23,14 @@ def _cell(value: Any, pattern: str = "{:.1f}") -> str:
     return "-" if value is None else pattern.format(value)
 
 
+def decode_step_split(rate: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """The decode-step split of one rate's run, with its parts as "name ms, ...", if measured."""
+    split = (rate.get("step_split") or {}).get("decode")
+    if not split:
+        return []
+    return [(split, ", ".join(f"{k} {v:.1f}" for k, v in split["ms_by_part"].items()))]
+
+
 def format_serve_table(result: dict[str, Any]) -> str:
     settings = result["settings"]
     lines = [f"serve: {result['model']}{' + SwiftKV ' + result['swiftkv'] if result.get('swiftkv') else ''} "
@@ -47,9 +55,7 @@ def format_serve_table(result: dict[str, Any]) -> str:
     lines.append("latencies in ms (client clock); running = server requests running, mean/max; goodput in req/s")
     for system in result["systems"]:
         for rate in system["rates"]:
-            split = (rate.get("step_split") or {}).get("decode")
-            if split:
-                parts = ", ".join(f"{k} {v:.1f}" for k, v in split["ms_by_part"].items())
+            for split, parts in decode_step_split(rate):
                 lines.append(f"{system['name']} @ {_rate_label(rate['request_rate'])}: decode step "
                              f"{split['ms_per_step']:.1f} ms over {split['steps']} steps ({parts})")
             for error in rate.get("errors", []):

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvforge.bench.serve_report import decode_step_split
+
 Document = dict[str, Any]
 
 
@@ -125,9 +127,7 @@ def _serve(doc: Document) -> str:
     lines = [head + body]
     for system in doc["systems"]:
         for rate in system["rates"]:
-            split = (rate.get("step_split") or {}).get("decode")
-            if split:
-                parts = ", ".join(f"{k} {v:.1f}" for k, v in split["ms_by_part"].items())
+            for split, parts in decode_step_split(rate):
                 lines.append(f"- {system['name']} at {rate['request_rate']}: a decode step takes "
                              f"{split['ms_per_step']:.1f} ms ({parts}; ms over {split['steps']} steps)")
     first = doc["systems"][0]["name"]

@@ -59,7 +59,34 @@ def test_a_flagged_result_says_it_is_not_trustworthy():
     assert "`kvforge bench prefill`; 2026-11-25 06:00 UTC; a CPU" in section
 
 
+def test_prefix_hit_rate_is_rendered_from_the_conversation_counters():
+    """The rate shown is hit tokens / queried tokens, not a stored rate (older files hold a
+    rate that was subtracted across conversations)."""
+    counters = {"prefix_queried_tokens": 400, "prefix_hit_tokens": 300, "prefix_hit_rate": 0.0}
+    doc = {"benchmark": "prefix", "model": "m", "dtype": "float32", "threads": 2, "settings": {"turns": 3},
+           "headline_metric": "first_tokens_per_s_turns_2_n", "ratios": {}, "outputs_identical": True,
+           "systems": [{"name": "cached", "prefix_caching": True, "prefix": counters, "prefix_hit_rate": 0.0},
+                       {"name": "recomputed", "prefix_caching": False, "prefix": {}}],
+           "provenance": {"command": "kvforge bench prefix", "date": "2026-11-25 06:00 UTC", "machine": "a CPU"}}
+    rows = [line for line in render_document("docs/results/x.json", doc).splitlines() if line.startswith("| ")]
+    assert rows[1].split("|")[4].strip() == "0.75"
+    assert rows[2].split("|")[4].strip() == "-"
+
+
 def test_a_results_file_that_is_not_a_result_is_refused(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a kvforge result"):
         render_results(load_results(tmp_path))
+
+
+def test_a_flagged_file_carries_its_flags_into_the_readme_row():
+    from kvforge.report.headline import _caveat
+
+    assert _caveat({"flags": []}) == ""
+    flagged = {"flags": [{"kind": "loaded_machine", "message": "..."}, {"kind": "noisy_repeats", "message": "..."}]}
+    assert _caveat(flagged) == " (flagged: machine loaded, noisy repeats)"
+    readme = (ROOT / "README.md").read_text()
+    for path, doc in load_results(RESULTS).items():
+        if doc.get("flags") and path in readme:
+            row = next(line for line in readme.splitlines() if path in line)
+            assert "(flagged:" in row, path

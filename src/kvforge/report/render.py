@@ -93,6 +93,8 @@ def _bench(doc: Document) -> str:
     }[kind]
     rows = []
     for system in doc["systems"]:
+        if kind == "prefix":
+            system = {**system, "prefix_hit_rate": _hit_rate(system)}
         held = system.get("cache_bytes_after_prefill") or {}
         extra = [fmt(held.get("fast", 0) / 2**20, "{:.0f}") + " MiB" if held else "-"]
         rows.append([system["name"], *(fmt(system.get(key), pattern) for key, _, pattern in columns), *extra,
@@ -105,6 +107,16 @@ def _bench(doc: Document) -> str:
     if kind == "prefix":
         extra = f"\n\nReplies identical with and without prefix caching: **{str(doc['outputs_identical']).lower()}**"
     return head + body + _ratios(doc, doc["headline_metric"]) + extra
+
+
+def _hit_rate(system: dict[str, Any]) -> float | None:
+    """Hit tokens over queried tokens of the conversation, from the counters (files written
+    before `bench prefix` computed its own rate per conversation hold a wrong rate)."""
+    counters = system.get("prefix") or {}
+    queried = counters.get("prefix_queried_tokens")
+    if not system.get("prefix_caching") or not queried:
+        return None
+    return counters.get("prefix_hit_tokens", 0) / queried
 
 
 def _serve(doc: Document) -> str:

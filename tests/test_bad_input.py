@@ -69,6 +69,7 @@ CASES = [
     (["eval", "ppl", "--baseline", "nope"], ["baseline", "nope", "must be one of"]),
     (["eval", "ruler", "--tasks", "nope"], ["tasks", "nope", "known tasks"]),
     (["eval", "ruler", "--lengths", "999999"], ["lengths", "999999", "32768"]),
+    (["eval", "ruler", "--lengths", "16", "--tasks", "vt"], ["lengths", "16", "vt's 30 answer tokens"]),
     # swiftkv
     (["swiftkv", "init", "--num-key-value-layers", "99", "--out", "never"], ["num_key_value_layers", "99", "[1,"]),
     (["swiftkv", "flops", "--model", "smollm2-135m", "--num-key-value-layers", "15", "--group-size", "4"],

@@ -19,7 +19,15 @@ from kvforge.eval.compare import EvalSystem, baseline_index, check_backends, par
 from kvforge.eval.context import EvalContext, describe_system, log
 from kvforge.eval.niah import generate_hf, generate_kvforge
 from kvforge.eval.report import environment, evaluate_systems, markdown_table, write_json
-from kvforge.eval.ruler_tasks import TASKS, RulerSample, build_sample, make_sources, parse_tasks, score
+from kvforge.eval.ruler_tasks import (
+    TASKS,
+    RulerSample,
+    build_sample,
+    check_lengths,
+    make_sources,
+    parse_tasks,
+    score,
+)
 from kvforge.models.loader import parse_dtype
 from kvforge.models.tokenizer import has_chat_template
 from kvforge.preflight import check_within_context
@@ -104,6 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
     require(len(lengths) > 0 and all(n > 0 for n in lengths), "lengths", args.lengths, "must be positive integers")
     tasks = parse_tasks(args.tasks)
+    check_lengths(tasks, lengths)
     systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
     check_backends(systems, args.compare)
     base = baseline_index(systems, args.baseline)

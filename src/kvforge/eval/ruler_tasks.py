@@ -289,6 +289,14 @@ def parse_tasks(text: str) -> list[str]:
     return names
 
 
+def check_lengths(tasks: list[str], lengths: list[int]) -> None:
+    """Every length leaves room for each task's answer: checked before any model or tokenizer loads."""
+    for task in tasks:
+        for length in lengths:
+            require(length > TASKS[task].max_new_tokens, "lengths", length,
+                    f"must exceed {task}'s {TASKS[task].max_new_tokens} answer tokens")
+
+
 def build_sample(task: str, length: int, index: int, seed: int, tokenizer: Any, sources: Sources,
                  chat: bool = False) -> RulerSample:
     """One sample of `task`, filled to `length` tokens including its generation budget."""

@@ -76,7 +76,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/cache/test_block_pool.py", "tests/cache/full/test_full_cache.py"),
              "sliding-window pages are released once no query can see them"),
     Mutation("block_pool_free_leaks", S + "cache/block_pool.py",
-             "            self._free.append(block)\n", "",
+             "                else:\n                    self._free.append(block)\n", "",
              ("tests/cache/test_block_pool.py", "tests/cache/full/test_full_cache.py") + BUDGET,
              "freed pages return to the pool"),
     Mutation("full_budget_undercounts_a_page", S + "cache/full/method.py",

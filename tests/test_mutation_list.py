@@ -1,0 +1,28 @@
+"""The mutation list stays applicable: every mutation's snippet occurs exactly once in its
+file, and its tests exist. A refactor that moves the code under a mutation fails here, in
+`make test`, rather than only when someone runs `make mutants`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "mutants"))
+from mutations import MUTATIONS  # noqa: E402
+
+
+def test_there_are_at_least_25_mutations_with_unique_names():
+    names = [m.name for m in MUTATIONS]
+    assert len(names) >= 25 and len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
+def test_each_snippet_occurs_once_and_its_tests_exist(mutation):
+    text = (ROOT / mutation.file).read_text()
+    assert text.count(mutation.original) == 1, f"{mutation.name}: snippet found {text.count(mutation.original)} times"
+    assert mutation.replacement != mutation.original
+    for target in mutation.tests:
+        assert (ROOT / target.split("::")[0]).exists(), f"{mutation.name}: no {target}"

@@ -3,6 +3,10 @@ transformers (the reference) and in kvforge with the same weights."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+
 import pytest
 import torch
 import transformers
@@ -13,6 +17,19 @@ from kvforge.engine.runner import ModelRunner
 from kvforge.models.registry import build_model
 
 torch.set_num_threads(2)
+
+# Without a GPU the Triton kernel runs in Triton's CPU interpreter, so `make test` checks it.
+# `triton.jit` reads TRITON_INTERPRET when kvforge.cache.kivi.triton_decode is imported, and
+# kvforge imports that module only when a cache may use the kernel (decode_kernels.py), never
+# at import: setting the variable here, before any test, is in time (asserted). It stays set
+# for the session, as Triton expects (it reads it again while interpreting), and subprocesses
+# inherit it; nothing else reads it: only the Triton kernel does, and only caches with
+# decode_kernel=triton (or auto on CUDA) import it. With CUDA the kernel tests run compiled;
+# without triton they skip. setdefault keeps a value the caller chose (0 turns them off).
+if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    assert "kvforge.cache.kivi.triton_decode" not in sys.modules, \
+        "the Triton kernel was imported before TRITON_INTERPRET was set: it will not run interpreted"
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4,
             max_position_embeddings=1024)

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvforge.batch import ForwardBatch
 from kvforge.cache.kivi.method import KIVICache
 from kvforge.cache.kivi.store import dequantize_key_pages, dequantize_value_pages
 from kvforge.models.rope import PositionedRope
+
+
+def triton_test_device() -> str:
+    """Where the Triton kernel tests run: "cuda", or "cpu" in Triton's interpreter (which
+    tests/conftest.py turns on without a GPU); skips the test, saying why, otherwise."""
+    from kvforge.cache.kivi.triton_decode import triton_available, triton_interpreted
+
+    if not triton_available():
+        pytest.skip("the `triton` package is not installed (pip install 'kvforge[triton]')")
+    if torch.cuda.is_available():
+        return "cuda"
+    if triton_interpreted():
+        return "cpu"
+    pytest.skip("no CUDA, and Triton's interpreter is off (TRITON_INTERPRET was set to 0)")
 
 
 def identity_rope(rows: int, dim: int) -> PositionedRope:

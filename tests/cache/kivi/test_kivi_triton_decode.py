@@ -1,21 +1,25 @@
 """KIVI decode attention: the PyTorch reference against `reference_attention` over explicitly
 dequantised K/V (always), and the Triton kernel against the reference (on CUDA, or in
-Triton's CPU interpreter when only the `triton` package is there; skipped otherwise)."""
+Triton's CPU interpreter, which tests/conftest.py turns on without a GPU; skipped, with the
+reason, without the `triton` package)."""
 
 from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from kivi_helpers import triton_test_device
 
 from kvforge.cache.attention import reference_attention
 from kvforge.cache.kivi.decode_reference import kivi_decode_attention_reference
 from kvforge.cache.kivi.quant import dequantize, quantize
-from kvforge.cache.kivi.triton_decode import kivi_decode_attention_triton, triton_available
+from kvforge.cache.kivi.triton_decode import (
+    kivi_decode_attention_triton,
+    triton_available,
+    triton_interpreted,
+)
 from kvforge.errors import ConfigError
 
 GROUP, RESIDUAL, KV_HEADS, QUERY_GROUP, DIM = 16, 32, 2, 3, 32
@@ -150,21 +154,9 @@ def test_reference_is_not_the_exact_attention() -> None:
     assert (outputs[2] - outputs[8]).abs().max() > 1e-2
 
 
-def interpreting() -> bool:
-    """Triton's interpreter is on (TRITON_INTERPRET=1 before triton was imported)."""
-    import triton
-    return bool(triton.knobs.runtime.interpret)
-
-
 @pytest.fixture
 def triton_device() -> str:
-    if not triton_available():
-        pytest.skip("the `triton` package is not installed")
-    if torch.cuda.is_available():
-        return "cuda"
-    if interpreting():
-        return "cpu"
-    pytest.skip("no CUDA: run with TRITON_INTERPRET=1 (Triton's interpreter), or `make test-slow`")
+    return triton_test_device()
 
 
 def on(case: dict, device: str) -> dict:
@@ -221,25 +213,18 @@ def test_triton_launcher_rejects_bad_arguments(triton_device: str) -> None:
         kivi_decode_attention_triton(**on({**case, "bits": 4}, triton_device))
 
 
+@pytest.mark.skipif(not triton_available() or torch.cuda.is_available(),
+                    reason="needs the `triton` package and no CUDA (with CUDA the tests above run compiled)")
+def test_without_a_gpu_the_kernel_tests_run_interpreted() -> None:
+    """tests/conftest.py loads the kernel in Triton's interpreter, so the tests above run in
+    `make test` instead of skipping (unless the caller turned it off with TRITON_INTERPRET=0)."""
+    if os.environ.get("TRITON_INTERPRET") == "0":
+        pytest.skip("TRITON_INTERPRET=0 was set: the interpreter is off on purpose")
+    assert triton_interpreted()
+
+
 @pytest.mark.skipif(triton_available(), reason="checks the behaviour without the `triton` package")
 def test_triton_launcher_without_triton_raises() -> None:
     case, _ = make_case([40], 2)
     with pytest.raises(RuntimeError, match="triton"):
         kivi_decode_attention_triton(**case)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not triton_available() or torch.cuda.is_available(),
-                    reason="needs the `triton` package and no CUDA (with CUDA the kernel tests run directly)")
-def test_triton_kernel_in_interpreter() -> None:
-    """Without a GPU, the kernel tests above run in Triton's interpreter in a fresh process
-    (the interpreter must be on before triton is first imported). About 20 s on 2 cores,
-    hence slow; `TRITON_INTERPRET=1 pytest <this file>` runs them directly instead."""
-    if interpreting():
-        pytest.skip("already running in the interpreter: the kernel tests above ran directly")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider",
-                             "-k", "triton and not interpreter and not without_triton", __file__],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]

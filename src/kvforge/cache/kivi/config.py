@@ -11,7 +11,10 @@ from kvforge.cache.kivi.quant import SUPPORTED_BITS
 from kvforge.errors import require
 
 RESIDUAL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DECODE_KERNELS = ("auto", "torch")
+# Decode attention (one query token per sequence), resolved per cache by decode_kernels.py:
+# "auto" picks "triton" on CUDA (when installed), "cpp" on CPU, "torch" otherwise; the others
+# force one kernel ("torch" is the PyTorch reference path of attention.py).
+DECODE_KERNELS = ("auto", "triton", "torch", "cpp")
 # "blockwise": prefill.py (fused attention per part, log-sum-exp merge); "reference": the
 # plain PyTorch online-softmax path of attention.py.
 PREFILL_ATTENTION = ("blockwise", "reference")
@@ -39,7 +42,8 @@ class KIVICacheConfig:
     # Stored tokens dequantised at once by prefill chunks and by the PyTorch decode path.
     prefill_tile_tokens: int = 512
     decode_tile_tokens: int = 1024
-    # "auto": the compiled CPU kernel for CPU tensors when it builds; "torch": always PyTorch.
+    # One of DECODE_KERNELS; what a forced kernel needs (device, package, build) is checked
+    # when the cache is built.
     decode_kernel: str = "auto"
     # Attention of multi-token spans (prefill chunks): one of PREFILL_ATTENTION.
     prefill_attention: str = "blockwise"

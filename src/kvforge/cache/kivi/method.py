@@ -16,7 +16,8 @@ covers quantised pages and residuals, so the scheduler admits exactly what the b
 
 Multi-token spans (prefill chunks) are attended by prefill.kivi_chunk_attention_fast
 (fused attention per part, merged by log-sum-exp; `prefill_attention=reference` selects the
-plain PyTorch path of attention.py); single tokens by the CPU decode kernel when it builds.
+plain PyTorch path of attention.py); single tokens by the kernel `decode_kernel` resolves to
+when the cache is built (decode_kernels.py: Triton on CUDA, C++ on CPU, or PyTorch).
 
 Step protocol: `write` keeps the step's post-RoPE K/V; `attend` reads the state as it was
 before the step plus the step's own exact K/V; `end_step` first quantises the tokens that
@@ -35,9 +36,9 @@ import torch
 from kvforge.batch import ForwardBatch, SequenceSpan
 from kvforge.cache.base import CacheMethod, PagedPoolMemory
 from kvforge.cache.block_pool import BlockPool
-from kvforge.cache.kivi.attention import kivi_chunk_attention, kivi_decode_attention
+from kvforge.cache.kivi.attention import kivi_chunk_attention
 from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig, default_residual_dtype
-from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
+from kvforge.cache.kivi.decode_kernels import kivi_decode, resolve_decode_kernel
 from kvforge.cache.kivi.prefill import kivi_chunk_attention_fast
 from kvforge.cache.kivi.store import KIVIStore, page_bytes, store_key_pages, store_value_tokens
 from kvforge.cache.layout import CacheLayout
@@ -111,6 +112,7 @@ class KIVICache(PagedPoolMemory, CacheMethod):
         super().__init__(layout, compute_dtype, device)
         self.config = config
         self.can_fork = config.prefix_reuse == "snapshot"
+        self.decode_kernel = resolve_decode_kernel(config.decode_kernel, self.device)
         g, r, bits = config.group, config.residual, config.bits
         heads, dim = layout.num_kv_heads, layout.head_dim
         if dim % g:
@@ -256,11 +258,8 @@ class KIVICache(PagedPoolMemory, CacheMethod):
             d = plan.decode
             args = (q[d.rows], k_new[d.rows], v_new[d.rows], view, d.page_table, d.first_page_position,
                     d.visible_from, d.lengths, d.slots, spec.scale)
-            if self.config.decode_kernel == "auto" and q.device.type == "cpu" and cpu_kivi_kernel_available():
-                out[d.rows] = kivi_decode_attention_cpu(*args)
-            else:
-                out[d.rows] = kivi_decode_attention(
-                    *args, tile_pages=max(1, self.config.decode_tile_tokens // self.config.group))
+            out[d.rows] = kivi_decode(self.decode_kernel, *args,
+                                      tile_pages=max(1, self.config.decode_tile_tokens // self.config.group))
         return out
 
     def end_step(self, batch: ForwardBatch) -> None:

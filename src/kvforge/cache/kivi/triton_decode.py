@@ -19,12 +19,15 @@ pages for small batches are not written.
 
 Importing this module never fails: without the `triton` package `triton_available()` is
 False and the launcher raises. Tensors on CUDA run the compiled kernel (compiled at the
-first launch of each configuration). With TRITON_INTERPRET=1 in the environment before
-triton is first imported (Triton decides at import and decoration time), the same kernel
-runs in Triton's interpreter on CPU tensors: that is how it is tested without a GPU.
+first launch of each configuration), on the device of `q`. With TRITON_INTERPRET=1 in the
+environment when this module is imported (`triton.jit` decides at decoration time), the
+same kernel runs in Triton's interpreter on CPU tensors (`triton_interpreted()`): that is
+how it is tested without a GPU (tests/conftest.py sets it).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -38,7 +41,7 @@ except ImportError:  # optional dependency: `pip install kvforge[triton]`
     triton = None
     tl = None
 
-__all__ = ["kivi_decode_attention_triton", "triton_available"]
+__all__ = ["kivi_decode_attention_triton", "triton_available", "triton_interpreted"]
 
 BLOCK_T = 32  # tokens per tile
 MIN_DOT = 16  # smallest dimension tl.dot accepts
@@ -48,6 +51,16 @@ def triton_available() -> bool:
     """True when the `triton` package is importable (the kernel still needs CUDA tensors,
     or TRITON_INTERPRET=1 for CPU tensors)."""
     return triton is not None
+
+
+# TRITON_INTERPRET, read when the kernel below is decorated: setting it later changes nothing.
+_INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def triton_interpreted() -> bool:
+    """True when the kernel below was decorated for Triton's interpreter, so it runs on CPU
+    tensors (TRITON_INTERPRET=1 was set when this module was imported)."""
+    return _INTERPRETED
 
 
 # Without triton the body stays a plain (never called) function, so the module imports.
@@ -152,9 +165,9 @@ def kivi_decode_attention_triton(
     if triton is None:
         raise RuntimeError("the Triton KIVI attention kernel needs the `triton` package "
                            "(pip install 'kvforge[triton]')")
-    if not (q.is_cuda or triton.knobs.runtime.interpret):
+    if not (q.is_cuda or _INTERPRETED):
         raise ValueError("kivi_decode_attention_triton runs on CUDA tensors (or on CPU tensors "
-                         "when TRITON_INTERPRET=1 was set before triton was imported)")
+                         "when TRITON_INTERPRET=1 was set before this module was imported)")
     require(bits in SUPPORTED_BITS, "bits", bits, f"must be one of {list(SUPPORTED_BITS)}")
     batch, heads, dim = q.shape
     kv_heads = k_self.shape[1]
@@ -174,16 +187,18 @@ def kivi_decode_attention_triton(
     out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
     if batch == 0:
         return out.to(q.dtype)
-    _kivi_decode_kernel[(batch, kv_heads)](
-        q, k_self, v_self, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-        k_residual, v_residual, slots, page_table, first_page_position, nk, nv, visible_from, n, out,
-        q.stride(0), q.stride(1), k_self.stride(0), k_self.stride(1), v_self.stride(0), v_self.stride(1),
-        *k_codes.stride(), *k_scale.stride(), *v_codes.stride(), *v_scale.stride(),
-        *k_residual.stride()[:3], k_residual.shape[2], *v_residual.stride()[:3], v_residual.shape[2],
-        page_table.stride(0), page_table.shape[1],
-        float(scale),
-        QUERY_GROUP=query_group, BLOCK_Q=max(MIN_DOT, triton.next_power_of_2(query_group)), HEAD_DIM=dim,
-        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), BITS=bits, GROUP=group, BLOCK_T=BLOCK_T)
+    # Triton launches on the current CUDA device, which need not be q's.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _kivi_decode_kernel[(batch, kv_heads)](
+            q, k_self, v_self, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+            k_residual, v_residual, slots, page_table, first_page_position, nk, nv, visible_from, n, out,
+            q.stride(0), q.stride(1), k_self.stride(0), k_self.stride(1), v_self.stride(0), v_self.stride(1),
+            *k_codes.stride(), *k_scale.stride(), *v_codes.stride(), *v_scale.stride(),
+            *k_residual.stride()[:3], k_residual.shape[2], *v_residual.stride()[:3], v_residual.shape[2],
+            page_table.stride(0), page_table.shape[1],
+            float(scale),
+            QUERY_GROUP=query_group, BLOCK_Q=max(MIN_DOT, triton.next_power_of_2(query_group)), HEAD_DIM=dim,
+            BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), BITS=bits, GROUP=group, BLOCK_T=BLOCK_T)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

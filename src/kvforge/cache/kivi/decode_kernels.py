@@ -1,0 +1,92 @@
+"""Which kernel attends KIVI decode tokens (`kivi:decode_kernel=`), chosen once per cache.
+
+- "triton": the fused Triton kernel (triton_decode.py), on CUDA; on CPU tensors only when
+  it was loaded in Triton's interpreter (TRITON_INTERPRET=1, how the tests run it).
+- "cpp": the compiled CPU kernel (cpu_decode.py).
+- "torch": the PyTorch tile loop `attention.kivi_decode_attention`, the reference path.
+- "auto": "triton" on CUDA when the `triton` package is installed, "cpp" on CPU, "torch"
+  otherwise. Under "auto" a CPU kernel that fails to build falls back to "torch" (the build
+  warns once), as it always has.
+
+A forced kernel never falls back: `resolve_decode_kernel` checks what it needs (device,
+package, build) when the cache is built and raises a ConfigError naming the rule. Every
+kernel takes the same arguments and returns the same attention (parity-tested).
+
+triton_decode.py is imported only when a cache may use it, so CPU runs never import
+triton, and importing kvforge does not fix whether the kernel is interpreted.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from kvforge.cache.kivi.attention import kivi_decode_attention
+from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
+from kvforge.cache.kivi.store import KIVILayerView
+from kvforge.errors import ConfigError
+from kvforge.kernels.build import DISABLE_ENV
+
+__all__ = ["kivi_decode", "resolve_decode_kernel"]
+
+INSTALL_TRITON = "pip install 'kvforge[triton]'"
+
+
+def _triton_module() -> ModuleType:
+    from kvforge.cache.kivi import triton_decode
+
+    return triton_decode
+
+
+def resolve_decode_kernel(requested: str, device: torch.device) -> str:
+    """The kernel ("triton", "cpp" or "torch") that `requested` (a DECODE_KERNELS value)
+    means for a cache on `device`; ConfigError when a forced kernel cannot run there."""
+    if requested == "auto":
+        if device.type == "cuda":
+            return "triton" if _triton_module().triton_available() else "torch"
+        return "cpp" if device.type == "cpu" else "torch"
+    if requested == "triton":
+        triton_decode = _triton_module()
+        if not triton_decode.triton_available():
+            raise ConfigError("decode_kernel", requested,
+                              f"needs the `triton` package, which is not installed: {INSTALL_TRITON}")
+        if device.type == "cpu" and not triton_decode.triton_interpreted():
+            raise ConfigError("decode_kernel", requested,
+                              "runs on CUDA; on CPU only in Triton's interpreter, which needs "
+                              "TRITON_INTERPRET=1 in the environment before the process starts")
+        if device.type not in ("cuda", "cpu"):
+            raise ConfigError("decode_kernel", requested, f"runs on CUDA (or CPU, interpreted), not {device.type}")
+    if requested == "cpp":
+        if device.type != "cpu":
+            raise ConfigError("decode_kernel", requested, f"is the CPU kernel; the cache is on {device}")
+        if not cpu_kivi_kernel_available():
+            raise ConfigError("decode_kernel", requested,
+                              f"needs the compiled CPU KIVI kernel, which did not build or is disabled "
+                              f"({DISABLE_ENV}); use decode_kernel=torch or auto")
+    return requested
+
+
+def kivi_decode(kernel: str, q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
+                page_table: torch.Tensor, first_page_position: torch.Tensor, visible_from: torch.Tensor,
+                lengths: torch.Tensor, slots: torch.Tensor, scale: float, tile_pages: int) -> torch.Tensor:
+    """Decode attention with the resolved `kernel`; arguments as
+    `attention.kivi_decode_attention` (`tile_pages` is used by the PyTorch path only)."""
+    args = (q, k_self, v_self, view, page_table, first_page_position, visible_from, lengths, slots, scale)
+    if kernel == "triton":
+        return _triton_over_view(*args)
+    if kernel == "cpp" and cpu_kivi_kernel_available():  # False only under "auto" (checked when forced)
+        return kivi_decode_attention_cpu(*args)
+    return kivi_decode_attention(*args, tile_pages=tile_pages)
+
+
+def _triton_over_view(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
+                      page_table: torch.Tensor, first_page_position: torch.Tensor, visible_from: torch.Tensor,
+                      lengths: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    # The kernel takes nk and nv per sequence; for the cache they follow the residual rules
+    # (keys flushed R at a time, values a window of the last R tokens).
+    r = view.residual
+    return _triton_module().kivi_decode_attention_triton(
+        q, k_self, v_self, view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero,
+        view.k_res, view.v_res, slots, page_table, first_page_position,
+        (lengths // r) * r, (lengths - r).clamp(min=0), visible_from, lengths, scale, view.bits, view.group)

@@ -4,11 +4,15 @@ be seen). Counted per region: each cache layer's `write` / `attend`, `begin_step
 host-built plan and its one copy), `end_step`, and the model around them.
 
 - `full` and `kivi` (decode_kernel=torch: the PyTorch paths, which are what CUDA runs;
-  KIVICache.attend has no Triton routing yet): no synchronisation anywhere in a decode step.
+  KIVICache.attend has no Triton routing yet): no synchronisation anywhere in a decode
+  step, also through `attend_rows` (SwiftKV's later layers, `full`).
 - `shadowkv` (kernel=0: the PyTorch sparse path; compressed sequences): exactly one per
   global layer, the copy of the missed chunks' pages to the host, which gathers their
   values from the slow tier (host memory); none elsewhere, except that a step that folds
   chunks writes their values to the slow tier (`ChunkStore.write`, at `end_step`).
+
+The CUDA code paths give the CPU path's logits, and the counter is shown to see the reads
+the CPU path makes on purpose.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_pair, make_runner
+from conftest import decode_logits, make_pair, make_runner
 from sync_counter import SyncCounter
 
 from kvforge.cache import host_sync
@@ -103,6 +107,22 @@ def test_shadowkv_sparse_decode_synchronises_once_per_global_layer():
     assert stats["folded_chunks"] > 0 and len(folds) == 2 * layers * stats["folded_chunks"]
     assert {(s.op, s.where.split(":")[0]) for s in folds} == {
         ("Tensor.cpu", "kvforge/cache/shadowkv/store.py"), ("Tensor.to", "kvforge/cache/shadowkv/store.py")}
+
+
+@pytest.mark.parametrize("spec", [
+    "full:block_size=4,decode_kernel=torch",
+    # one page per tile: sequences of different lengths leave whole tiles hidden
+    "kivi:bits=2,group=4,residual=8,decode_kernel=torch,decode_tile_tokens=4",
+    SHADOWKV])
+def test_device_code_paths_give_the_cpu_logits(spec):
+    """Masks instead of early-outs (KIVI's hidden tiles and ring merges, the quantiser's
+    rounding fix) and plans packed into one buffer give the logits of the CPU's own path."""
+    _, model = make_pair("gemma3_hybrid")
+    prompts = [list(range(3, 43)), list(range(5, 30)), list(range(1, 27))]
+    cpu = decode_logits(make_runner(model, cache=spec), prompts, 10)
+    with host_sync.device_code_paths():
+        device = decode_logits(make_runner(model, cache=spec), prompts, 10)
+    torch.testing.assert_close(device, cpu, atol=1e-6, rtol=0)
 
 
 def test_the_counter_sees_the_cpu_early_outs():

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.cache.step_plan import upload
 from kvforge.errors import ConfigError
 
 
@@ -44,6 +45,8 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     spans: tuple[SequenceSpan, ...]
     logit_rows: torch.Tensor  # [R] int64, rows of T that need logits
+    # `logit_rows` as Python ints when known (`build` keeps them): read without a device sync
+    logit_row_list: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +55,8 @@ class ForwardBatch:
     def trailing_counts(self, rows: torch.Tensor) -> list[int] | None:
         """If `rows` is, span by span in order, a run of trailing rows of each span (as
         `logit_rows` built by `build` always is), the run length per span; else None."""
-        wanted = rows.tolist()
+        known = rows is self.logit_rows and self.logit_row_list is not None
+        wanted = list(self.logit_row_list) if known else rows.tolist()  # type: ignore[arg-type]
         counts: list[int] = []
         index = 0
         for span in self.spans:
@@ -98,9 +102,9 @@ class ForwardBatch:
             flat.extend(int(t) for t in tokens)
             positions.extend(range(cached, cached + len(tokens)))
             logit_rows.extend(range(len(flat) - count, len(flat)))
-        return cls(
-            token_ids=torch.tensor(flat, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            spans=tuple(spans),
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
-        )
+        # Built on the host, then one non-blocking copy (step_plan.upload): no blocking transfer.
+        token_tensor, position_tensor, logit_tensor = upload(
+            tuple(torch.tensor(values, dtype=torch.long) for values in (flat, positions, logit_rows)),
+            torch.device(device))
+        return cls(token_ids=token_tensor, positions=position_tensor, spans=tuple(spans), logit_rows=logit_tensor,
+                   logit_row_list=tuple(logit_rows))

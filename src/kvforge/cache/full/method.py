@@ -27,6 +27,7 @@ from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_at
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
+from kvforge.cache.step_plan import upload
 from kvforge.errors import ConfigError
 from kvforge.models.rope import PositionedRope
 
@@ -47,6 +48,16 @@ class _PrefillPlan:
     pages: torch.Tensor  # pages holding the visible past, in order
     past_from: int  # first visible past position
     first_page_position: int
+
+
+@dataclass(frozen=True)
+class _RowQueries:
+    """attend_rows of a step: where each sequence's queries are among the requested rows,
+    and for the decode plan's sequences the row each reads and writes, and whether it has one."""
+    queries: dict[int, tuple[int, int]]  # seq -> (first row in q, count)
+    read: torch.Tensor  # [B]
+    write: torch.Tensor  # [B] (rows requested: the spare row past them)
+    keep: torch.Tensor  # [B, 1, 1] bool
 
 
 @dataclass(frozen=True)
@@ -83,8 +94,9 @@ class FullCache(PagedPoolMemory, CacheMethod):
         self.v_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
         self._plans: list[_GroupPlan] = []
         self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # attend_rows: (rows tensor, seq -> (first row in q, count)) located once per step
-        self._row_queries: tuple[torch.Tensor, dict[int, tuple[int, int]] | None] | None = None
+        # attend_rows: the rows, and where each sequence's queries are (None: not trailing
+        # runs), located once per step
+        self._row_queries: tuple[torch.Tensor, _RowQueries | None] | None = None
 
     # -- memory accounting ------------------------------------------------------------
     def bytes_per_token(self, cache_layer: int) -> float:
@@ -133,7 +145,9 @@ class FullCache(PagedPoolMemory, CacheMethod):
     # -- step -------------------------------------------------------------------------
     def begin_step(self, batch: ForwardBatch) -> None:
         super().begin_step(batch)
-        self._plans = [self._plan_group(group, batch) for group in range(self.groups.num_groups)]
+        # Planned on the host, then one copy to the device: no transfer inside the layer loop.
+        self._plans = upload([self._plan_group(group, batch) for group in range(self.groups.num_groups)],
+                             self.device)
         self._step_kv = {}
         self._row_queries = None
 
@@ -159,33 +173,47 @@ class FullCache(PagedPoolMemory, CacheMethod):
     def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
                rope: PositionedRope) -> torch.Tensor:
         queries = {span.seq_id: (span.query_start, span.query_len) for span in batch.spans}
-        return self._attend(cache_layer, q, queries, all_rows=True)
+        return self._attend(cache_layer, q, queries)
 
     def attend_rows(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor, rope: PositionedRope,
                     rows: torch.Tensor) -> torch.Tensor:
         if self._row_queries is None:  # the same rows for every later layer: locate them once
-            counts = batch.trailing_counts(rows)
-            queries: dict[int, tuple[int, int]] = {}
-            offset = 0
-            for span, count in zip(batch.spans, counts or ()):
-                queries[span.seq_id] = (offset, count)
-                offset += count
-            self._row_queries = (rows, queries if counts is not None else None)
+            self._row_queries = (rows, self._locate_rows(batch, rows))
         if self._row_queries[0] is not rows or self._row_queries[1] is None:
             # other rows than planned, or not trailing runs per span: the generic path
             return super().attend_rows(cache_layer, batch, q, rope, rows)
-        return self._attend(cache_layer, q, self._row_queries[1], all_rows=False)
+        return self._attend(cache_layer, q, self._row_queries[1].queries, self._row_queries[1])
+
+    def _locate_rows(self, batch: ForwardBatch, rows: torch.Tensor) -> _RowQueries | None:
+        counts = batch.trailing_counts(rows)
+        if counts is None:
+            return None
+        queries: dict[int, tuple[int, int]] = {}
+        offset = 0
+        for span, count in zip(batch.spans, counts):
+            queries[span.seq_id] = (offset, count)
+            offset += count
+        decode = self._plans[0].decode if self._plans else None
+        located = [queries[seq] for seq in decode.seq_ids] if decode is not None else []
+        # A one-token span without a requested row reads row 0 (zeroed by `keep`) and
+        # writes the spare row past the rows requested.
+        read = torch.tensor([first if count else 0 for first, count in located], dtype=torch.long)
+        write = torch.tensor([first if count else offset for first, count in located], dtype=torch.long)
+        read, write = upload((read, write), self.device)
+        return _RowQueries(queries, read, write, (write < offset)[:, None, None])
 
     def _attend(self, cache_layer: int, q: torch.Tensor, queries: dict[int, tuple[int, int]],
-                all_rows: bool) -> torch.Tensor:
+                located: _RowQueries | None = None) -> torch.Tensor:
         """Attention for the query rows of each sequence: `queries[seq] = (first row in q,
-        count)`, the last `count` tokens of the sequence's span (all of them when all_rows)."""
+        count)`, the last `count` tokens of the sequence's span (every token unless `located`
+        places the decode queries among fewer rows)."""
         spec = self.layout.specs[cache_layer]
         group, index = self.groups.slot_of[cache_layer]
         plan = self._plans[group]
         k_new, v_new = self._step_kv[cache_layer]
         k_pages, v_pages = self.k_store[index], self.v_store[index]
-        out = torch.empty_like(q)
+        # With `located`, one spare row past the end receives the dropped decode results.
+        out = q.new_empty((q.shape[0] + (located is not None), *q.shape[1:]))
         for prefill in plan.prefills:
             span = prefill.span
             first, count = queries[span.seq_id]
@@ -208,13 +236,10 @@ class FullCache(PagedPoolMemory, CacheMethod):
                                         spec.sliding_window)
         if plan.decode is not None:
             d = plan.decode
-            if all_rows:
-                q_rows, keep = d.rows, None
+            if located is None:
+                q_dec, write = q[d.rows], d.rows
             else:  # a one-token span without a requested row gets a zero query, then is dropped
-                located = [queries[seq] for seq in d.seq_ids]
-                keep = torch.tensor([count == 1 for _, count in located], device=q.device)
-                q_rows = torch.tensor([first if count else 0 for first, count in located], device=q.device)
-            q_dec = q[q_rows] if keep is None else q[q_rows] * keep[:, None, None]
+                q_dec, write = q[located.read] * located.keep, located.write
             args = (q_dec, k_new[d.rows], v_new[d.rows], k_pages, v_pages, d.page_table,
                     d.first_page_position, d.visible_from, d.visible_to, spec.scale)
             if self.config.decode_kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
@@ -222,11 +247,8 @@ class FullCache(PagedPoolMemory, CacheMethod):
             else:
                 result = decode_attention(
                     *args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size))
-            if keep is None:
-                out[q_rows] = result
-            else:
-                out[q_rows[keep]] = result[keep]
-        return out
+            out[write] = result
+        return out if located is None else out[:-1]
 
     # -- planning ---------------------------------------------------------------------
     def _plan_group(self, group: int, batch: ForwardBatch) -> _GroupPlan:
@@ -248,12 +270,12 @@ class FullCache(PagedPoolMemory, CacheMethod):
             else:
                 past_from = self.pages.first_kept_token(group, span.cached_len)
                 past = self.pages.require_slots(span.seq_id, group, past_from, span.cached_len)
-                prefills.append(_PrefillPlan(span, torch.tensor(past, dtype=torch.long, device=self.device),
-                                             past_from, (past_from // block) * block))
-        write_rows = None if len(rows) == batch.num_tokens else torch.tensor(rows, device=self.device)
+                prefills.append(_PrefillPlan(span, torch.tensor(past, dtype=torch.long), past_from,
+                                             (past_from // block) * block))
+        write_rows = None if len(rows) == batch.num_tokens else torch.tensor(rows, dtype=torch.long)
         return _GroupPlan(
             write_rows=write_rows,
-            write_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+            write_slots=torch.tensor(slots, dtype=torch.long),
             decode=self._plan_decode(group, decode_spans) if decode_spans else None,
             prefills=tuple(prefills),
         )
@@ -270,7 +292,7 @@ class FullCache(PagedPoolMemory, CacheMethod):
             visible_from.append(start)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]  # padding is masked by position
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731 (host: see upload)
         return _DecodePlan(
             seq_ids=tuple(s.seq_id for s in spans),
             rows=as_tensor([s.query_start for s in spans]),

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
+from kvforge.cache.host_sync import host_memory
 from kvforge.cache.kivi.store import KIVILayerView, dequantize_key_pages, dequantize_value_pages
 
 
@@ -153,6 +154,10 @@ def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.T
         scores, values = _hide(scores, values.reshape(pairs, -1, dim), hidden)
         state.add(scores, values)
 
+    # The skips below read device values: taken on the CPU only (host_sync). Elsewhere a
+    # tile nobody sees adds exp(-inf) = 0 to every sum, and ring values replace nothing
+    # where no token is recent: the same result without a synchronisation.
+    skips = host_memory(q.device)
     ring = view.v_res.index_select(0, slots).transpose(0, 1)  # [H, B, R, D] (small: R tokens)
     width = page_table.shape[1]
     for start in range(0, width, tile_pages):
@@ -160,20 +165,20 @@ def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.T
         tile = ids.shape[1] * g
         k_pos = first_page_position[:, None] + start * g + torch.arange(tile, device=q.device)[None]  # [B, m]
         hidden = (k_pos < visible_from[:, None]) | (k_pos >= nk[:, None])
-        if bool(hidden.all()):
+        if skips and bool(hidden.all()):
             continue
         flat = ids.reshape(-1)
         keys = dequantize_key_pages(view, flat).view(kv_heads, batch, tile, dim)
         values = dequantize_value_pages(view, flat).view(kv_heads, batch, tile, dim)
         recent = (k_pos >= nv[:, None]) & ~hidden
-        if bool(recent.any()):
+        if not skips or bool(recent.any()):
             from_ring = torch.gather(ring, 2, (k_pos % residual)[None, :, :, None].expand(kv_heads, -1, -1, dim))
             values = torch.where(recent[None, :, :, None], from_ring.float(), values)
         add(keys, values, hidden)
     # Residual keys: tokens [nk, n) at offsets 0 .. n - nk - 1 of both residuals.
     k_pos = nk[:, None] + torch.arange(residual, device=q.device)[None]
     hidden = (k_pos >= lengths[:, None]) | (k_pos < visible_from[:, None])
-    if not bool(hidden.all()):
+    if not skips or not bool(hidden.all()):
         keys = view.k_res.index_select(0, slots).transpose(0, 1).float()
         add(keys, ring.float(), hidden)
     out = state.result().view(kv_heads, batch, group, dim).transpose(0, 1)

@@ -44,6 +44,7 @@ from kvforge.cache.kivi.store import KIVIStore, page_bytes, store_key_pages, sto
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import RELEASED, LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
+from kvforge.cache.step_plan import upload
 from kvforge.errors import ConfigError
 from kvforge.models.rope import PositionedRope
 
@@ -228,8 +229,10 @@ class KIVICache(PagedPoolMemory, CacheMethod):
         missing = [span.seq_id for span in batch.spans if span.seq_id not in self._seqs]
         if missing:
             raise ConfigError("seq_id", missing[0], "call allocate() for the step before running it")
-        self._plans = [self._plan_group(group, batch) for group in range(self.groups.num_groups)]
-        self._residual_writes = self._plan_residual_writes(batch)
+        # Planned on the host, then one copy to the device (step_plan): none in the layer loop.
+        self._plans, self._residual_writes = upload(
+            ([self._plan_group(group, batch) for group in range(self.groups.num_groups)],
+             self._plan_residual_writes(batch)), self.device)
         self._step_kv = {}
 
     def write(self, cache_layer: int, batch: ForwardBatch, k_pre: torch.Tensor, v: torch.Tensor,
@@ -292,7 +295,7 @@ class KIVICache(PagedPoolMemory, CacheMethod):
             parts = [([layer], self.store.layer(index, layer), False)
                      for index, layer in enumerate(layers) if layer in self._step_kv]
         for written, view, whole_group in parts:
-            index = torch.tensor(written, device=self.device)
+            index = upload(torch.tensor(written, dtype=torch.long), self.device)
 
             def leaving(res: torch.Tensor, which: int, source: tuple[torch.Tensor, torch.Tensor],
                         rows: torch.Tensor, order: torch.Tensor, written: list[int] = written,
@@ -314,7 +317,8 @@ class KIVICache(PagedPoolMemory, CacheMethod):
 
     # -- planning ---------------------------------------------------------------------
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        """A plan tensor on the host (begin_step uploads the whole plan at once)."""
+        return torch.tensor(values, dtype=torch.long)
 
     def _plan_residual_writes(self, batch: ForwardBatch) -> _ResidualWrites:
         r = self.config.residual

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.cache.host_sync import host_memory
 from kvforge.errors import require
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -88,7 +89,8 @@ def _round_toward(target: torch.Tensor, direction: float) -> torch.Tensor:
     """float16 of `target` that is <= target (direction -inf) or >= target (+inf)."""
     rounded = target.to(PARAM_DTYPE)
     wrong = rounded.float() > target if direction < 0 else rounded.float() < target
-    if bool(wrong.any()):
+    # Skipping the fix when nothing is wrong reads the device: on host memory only (host_sync).
+    if not host_memory(target.device) or bool(wrong.any()):
         towards = torch.full_like(rounded, direction)
         rounded = torch.where(wrong, torch.nextafter(rounded, towards), rounded)
     return rounded

@@ -43,6 +43,7 @@ from kvforge.cache.shadowkv.state import CompressedSequence, buffer_rows
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.store import ChunkStore
 from kvforge.cache.shadowkv.threads import cpu_threads
+from kvforge.cache.step_plan import upload
 from kvforge.errors import ConfigError
 from kvforge.models.rope import PositionedRope
 
@@ -87,7 +88,7 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         self.fast_chunk_bytes, self.slow_chunk_bytes = chunk_page_bytes(num_global, heads, dim, chunk, self.rank,
                                                                         self.element)
         self.slow_budget = config.slow_bytes(budget_bytes)
-        self.stats = ShadowKVStats()
+        self.stats = ShadowKVStats(device_type=self.device.type)
         self.store: ChunkStore | None = None
         self.sparse: SparseAttention | None = None
         if num_global:
@@ -153,7 +154,9 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         compressing: list[SequenceSpan] = []
         decoding: list[SequenceSpan] = []
         multi: list[SequenceSpan] = []
-        logit_rows = set(batch.logit_rows.tolist()) if self.exact is not None else set()
+        known = batch.logit_row_list  # host ints: no device read (a decode step reads nothing)
+        logit_rows = set(known if known is not None else batch.logit_rows.tolist()) if self.exact is not None \
+            else set()
         for span in batch.spans:
             seq = self._seqs.get(span.seq_id)
             if seq is None or seq.reservation is None or seq.reservation.target != span.total_len:
@@ -198,9 +201,9 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         for span in spans:
             renumbered.append(SequenceSpan(span.seq_id, len(rows), span.query_len, span.cached_len))
             rows.extend(range(span.query_start, span.query_end))
-        index = torch.tensor(rows, dtype=torch.long, device=batch.token_ids.device)
+        index = upload(torch.tensor(rows, dtype=torch.long), batch.token_ids.device)
         sub = ForwardBatch(token_ids=batch.token_ids[index], positions=batch.positions[index],
-                           spans=tuple(renumbered), logit_rows=index.new_empty(0))
+                           spans=tuple(renumbered), logit_rows=index.new_empty(0), logit_row_list=())
         return sub, index
 
     def _exact_rope(self, rope: PositionedRope) -> PositionedRope:
@@ -367,7 +370,7 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         taken = self._take_pages(reservation, folds)
         start = state.window_start(chunk)
         rows = slice(span.query_start, span.query_end)
-        new_pages = torch.tensor(taken, dtype=torch.long, device=self.device)
+        new_pages = upload(torch.tensor(taken, dtype=torch.long), self.device)
         moved = folds * chunk
         for cache_layer, index in ((c, self._inner_index[c]) for c in self.global_layers):
             layer = state.layers[index]

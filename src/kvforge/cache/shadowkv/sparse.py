@@ -11,8 +11,12 @@ multi-token span alone), per global layer:
    already in a slot is a hit and stays where it is; the misses of the whole group are
    rebuilt (coefficients x the head's basis slice, then RoPE at the chunk's positions)
    and fetched (values from the slow tier) at once, then written into slots whose chunk
-   was not selected again. On CUDA the fetch runs on a side stream while keys are
-   rebuilt (not yet run on a GPU);
+   was not selected again. Device tensors keep shapes fixed by the group, so the only
+   host synchronisation of a layer is the copy of the misses' pages to the host, which
+   gathers their values from the slow tier (host memory; see host_sync.py). Keys are
+   rebuilt for every slot in one bmm over (sequence, head) pairs, queued before the host
+   waits for that copy, and written where a miss landed. On CUDA the values go to the
+   device on a side stream while keys are rebuilt (not yet run on a GPU);
 3. attention, sequence by sequence, over the buffer rows in use: outlier chunks, selected
    slots, exact window (one softmax; slots not holding a chunk of this step are masked,
    which only happens when a sequence has fewer candidates than k). A decode token was
@@ -34,12 +38,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvforge.cache.host_sync import HostCopy
 from kvforge.cache.shadowkv.attention import Part, masked_attention, sparse_attention
 from kvforge.cache.shadowkv.cpu_decode import cpu_shadowkv_kernel_available, shadowkv_decode_cpu
 from kvforge.cache.shadowkv.select import chunk_scores, top_chunks
 from kvforge.cache.shadowkv.state import CompressedSequence, LayerState
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.store import ChunkStore
+from kvforge.cache.step_plan import upload
 from kvforge.models.rope import PositionedRope, rotate_half
 
 
@@ -72,9 +78,12 @@ class SparseGroup:
     def build(cls, states: list[CompressedSequence], rows: list[int], queries: int, own_in_buffer: bool,
               chunk: int, device: torch.device, kernel: bool = False) -> SparseGroup:
         width = max(s.num_chunks for s in states)
-        table = torch.zeros((len(states), width), dtype=torch.long, device=device)
-        for b, state in enumerate(states):
-            table[b, :state.num_chunks] = state.page_table
+        # Built on the host from the page lists, then one copy to the device (step_plan).
+        table_host = torch.tensor([s.pages + [0] * (width - s.num_chunks) for s in states], dtype=torch.long)
+        table, row_tensor, chunks_per_step, slots_start = upload(
+            (table_host, torch.tensor(rows, dtype=torch.long),
+             torch.tensor([s.chunks_per_step for s in states], dtype=torch.long),
+             torch.tensor([s.slots_start for s in states], dtype=torch.long)), device)
         used = [s.window_start(chunk) + s.window + int(own_in_buffer) for s in states]
         first = states[0].run_start
         if first is None or any(s.num_chunks != width or s.run_start != first + b * width
@@ -83,10 +92,8 @@ class SparseGroup:
         full = all(s.num_chunks - s.num_outliers >= s.chunks_per_step for s in states)
         meta = torch.tensor([[s.slots_start, s.window_start(chunk), u] for s, u in zip(states, used)],
                             dtype=torch.long)
-        return cls(tuple(states), torch.tensor(rows, dtype=torch.long, device=device), queries, own_in_buffer,
-                   table, torch.tensor([s.chunks_per_step for s in states], device=device),
-                   torch.tensor([s.slots_start for s in states], device=device), used, list(rows), first, full,
-                   meta, kernel and own_in_buffer)
+        return cls(tuple(states), row_tensor, queries, own_in_buffer, table, chunks_per_step, slots_start, used,
+                   list(rows), first, full, meta, kernel and own_in_buffer)
 
     @property
     def size(self) -> int:
@@ -115,10 +122,14 @@ class SparseGroup:
                 self._candidates[layer] = padded
         return self._candidates[layer]
 
-    def bases(self, layer: int) -> torch.Tensor:
-        """[B, r, W] low-rank bases of the group's sequences."""
+    def head_bases(self, layer: int) -> torch.Tensor:
+        """[B * H, r, D]: the basis slice [r, D] of every (sequence, KV head) pair."""
         if layer not in self._bases:
-            self._bases[layer] = torch.stack([self.layer(b, layer).basis for b in range(self.size)])
+            bases = torch.stack([self.layer(b, layer).basis for b in range(self.size)])  # [B, r, W]
+            heads = self.layer(0, layer).keys.shape[0]
+            rank, width = bases.shape[1:]
+            split = bases.view(self.size, rank, heads, width // heads).transpose(1, 2)
+            self._bases[layer] = split.reshape(self.size * heads, rank, width // heads)
         return self._bases[layer]
 
     def slot_ids(self, layer: int, slots: int) -> torch.Tensor:
@@ -244,8 +255,16 @@ class SparseAttention:
     def _fill_slots(self, layer: int, group: SparseGroup, picks: torch.Tensor, valid: torch.Tensor,
                     rope: PositionedRope) -> torch.Tensor:
         """Make every valid pick [B, H, k'] present in a reuse slot; returns [B, H, slots]
-        True for slots holding a chunk selected in this step."""
+        True for slots holding a chunk selected in this step.
+
+        Every tensor on the device has a shape fixed by the group (B, H, slots), so nothing
+        waits for the device but one copy to the host: the slow-tier pages of the misses,
+        which the host gathers (host_sync). Keys are rebuilt for every slot of every
+        (sequence, head) at once, one batched matmul with that head's basis slice, and
+        written only where a miss landed; on the GPU that costs less than waiting for the
+        miss count."""
         chunk, dim = self.chunk, self.store.landmarks.shape[-1]
+        batch, heads = picks.shape[:2]
         with self.stats.timed("rebuild"):
             slots = group.k_max
             held = group.slot_ids(layer, slots)  # [B, H, slots]
@@ -256,64 +275,73 @@ class SparseAttention:
             kept = same.any(dim=-2)  # slots holding a chunk picked again
             miss = valid & ~hit
             # Misses go to the free slots (not kept, within the sequence's k) in order:
-            # the r-th miss of a (sequence, head) takes its r-th free slot.
+            # the r-th miss of a (sequence, head) takes its r-th free slot. Other picks
+            # write into a spare column past the slots, which is dropped.
             free = ~kept & (held > -2)
             free_order = torch.argsort((~free).to(torch.int8), dim=-1, stable=True)
             rank = (miss.cumsum(dim=-1) - 1).clamp(min=0)
-            target = free_order.gather(-1, rank)  # [B, H, k'] slot of each miss
-            new_ids = held.masked_fill(~kept, -1)
-            bb, hh, jj = miss.nonzero(as_tuple=True)
-            chosen_slots = target[bb, hh, jj]
-            chunks = picks[bb, hh, jj]
-            new_ids[bb, hh, chosen_slots] = chunks
-            pages = group.table[bb, chunks]
-        misses = int(chunks.numel())
-        self.stats.chunk_misses += misses
-        self.stats.chunk_hits += int(hit.sum())
+            target = torch.where(miss, free_order.gather(-1, rank), slots)  # [B, H, k']
+            spare = held.new_full((batch, heads, 1), -1)
+            new_ids = torch.cat((held.masked_fill(~kept, -1), spare), dim=-1).scatter_(-1, target, picks)
+            new_ids = new_ids[..., :slots]
+            filled = new_ids.new_zeros((batch, heads, slots + 1), dtype=torch.bool)
+            filled = filled.scatter_(-1, target, miss)[..., :slots]  # slots that receive a miss
+            chunks = new_ids.clamp(min=0)  # chunk of every slot (0 where nothing is written)
+            pages = group.table.gather(1, chunks.reshape(batch, -1)).view(batch, heads, slots)
+            # The one copy to the host (fixed size): miss and hit counts, then the head and
+            # the page of every slot, slots receiving a miss first, in (sequence, head, slot) order.
+            order = torch.argsort((~filled).reshape(-1).to(torch.int8), stable=True)
+            head_of = torch.arange(heads, device=picks.device)[None, :, None].expand(batch, heads, slots)
+            counts = torch.stack((miss.sum(), hit.sum()))
+            to_host = HostCopy(torch.cat((counts, head_of.reshape(-1)[order], pages.view(-1)[order])))
+            rebuilt = self._rebuild(layer, group, chunks, pages, rope)  # queued while the copy is on its way
         for b in range(group.size):  # the slot ids of this step (views into new_ids)
             st = group.layer(b, layer)
             st.slot_ids = new_ids[b, :, :st.slot_ids.shape[1]]
-        if not misses:
+        host = to_host.tolist()
+        misses, hits, total = host[0], host[1], chunks.numel()
+        self.stats.chunk_misses += misses
+        self.stats.chunk_hits += hits
+        if not misses:  # known on the host now: nothing to write
             return new_ids >= 0
         side = self._side_stream
-        if side is not None:  # CUDA: fetch beside the rebuild (not yet run on a GPU)
-            side.wait_stream(torch.cuda.current_stream(self.device))
+        if side is not None:  # CUDA: copy to the device beside the rebuild (not yet run on a GPU)
             with self.stats.timed("fetch"), torch.cuda.stream(side):
-                fetched = self.store.fetch_values(layer, hh, pages)
-        else:
-            with self.stats.timed("fetch"):
-                fetched = self.store.fetch_values(layer, hh, pages)
-        with self.stats.timed("rebuild"):
-            coefficients = self.store.gather_coefficients(layer, pages)  # [M, chunk, r]
-            basis = group.bases(layer)
-            heads = basis.shape[2] // dim
-            basis = basis.view(group.size, basis.shape[1], heads, dim)
-            # Misses come sorted by (sequence, head): one matmul per run with that head's
-            # slice of the sequence's basis [r, D] (no per-miss copy of the basis).
-            runs = miss.sum(dim=-1).flatten().tolist()
-            pieces, start = [], 0
-            for pair, count in enumerate(runs):
-                if count:
-                    b, h = divmod(pair, heads)
-                    pieces.append(torch.matmul(coefficients[start:start + count], basis[b, :, h]))
-                    start += count
-            rebuilt = self.rope.apply(torch.cat(pieces), chunks, rope, group.table.shape[1])
-            offsets = torch.arange(chunk, device=self.device)
-            # flat row (head * R + row) of every rebuilt token in its sequence's buffers
-            rows = group.slots_start[bb, None] + chosen_slots[:, None] * chunk + offsets  # [M, chunk]
-            counts = miss.sum(dim=(1, 2)).tolist()
-        if side is not None:
+                fetched = self.store.fetch_values(layer, *self._host_pairs(host, misses, total))
             torch.cuda.current_stream(self.device).wait_stream(side)
             fetched.record_stream(torch.cuda.current_stream(self.device))
+        else:
+            with self.stats.timed("fetch"):
+                fetched = self.store.fetch_values(layer, *self._host_pairs(host, misses, total))
         with self.stats.timed("rebuild"):
-            start = 0
-            for b, count in enumerate(counts):
-                if not count:
-                    continue
+            values = rebuilt.new_empty((batch * heads * slots, chunk, dim))
+            values.index_copy_(0, order[:misses], fetched.to(values.dtype))
+            values = values.view(batch, heads, slots * chunk, dim)
+            rebuilt = rebuilt.view(batch, heads, slots * chunk, dim)
+            written = filled.repeat_interleave(chunk, dim=-1)[..., None]  # [B, H, slots * chunk, 1]
+            for b, state in enumerate(group.states):
                 st = group.layer(b, layer)
-                part = slice(start, start + count)
-                flat = (hh[part, None] * st.keys.shape[1] + rows[part]).reshape(-1)
-                st.keys.view(-1, dim).index_copy_(0, flat, rebuilt[part].reshape(-1, dim).to(st.keys.dtype))
-                st.values.view(-1, dim).index_copy_(0, flat, fetched[part].reshape(-1, dim).to(st.values.dtype))
-                start += count
+                rows = slice(state.slots_start, state.window_start(chunk))
+                width = state.chunks_per_step * chunk
+                for buffer, new in ((st.keys, rebuilt), (st.values, values)):
+                    region = buffer[:, rows]
+                    region.copy_(torch.where(written[b, :, :width], new[b, :, :width].to(buffer.dtype), region))
         return new_ids >= 0
+
+    @staticmethod
+    def _host_pairs(host: list[int], misses: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(heads, pages) of the misses from the host copy of `_fill_slots`, as host tensors."""
+        return torch.tensor(host[2:2 + misses]), torch.tensor(host[2 + total:2 + total + misses])
+
+    def _rebuild(self, layer: int, group: SparseGroup, chunks: torch.Tensor, pages: torch.Tensor,
+                 rope: PositionedRope) -> torch.Tensor:
+        """Keys [B, H, slots, chunk, D] (post-RoPE) of chunk `chunks` [B, H, slots] in pages
+        `pages`: coefficients [chunk, r] x the (sequence, head)'s basis slice [r, D], one
+        bmm over every (sequence, head) pair."""
+        batch, heads, slots = chunks.shape
+        chunk, dim = self.chunk, self.store.landmarks.shape[-1]
+        coefficients = self.store.gather_coefficients(layer, pages.view(-1))  # [B * H * slots, chunk, r]
+        basis = group.head_bases(layer)  # [B * H, r, D]
+        keys = torch.bmm(coefficients.view(batch * heads, slots * chunk, -1), basis)
+        keys = self.rope.apply(keys.view(-1, chunk, dim), chunks.view(-1), rope, group.table.shape[1])
+        return keys.view(batch, heads, slots, chunk, dim)

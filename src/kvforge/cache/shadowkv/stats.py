@@ -5,7 +5,11 @@ scores + top-k), rebuild (matching picks to reuse slots, keys of missed chunks f
 low-rank store + RoPE, writing them into the slots), fetch (values of missed chunks from
 the slow tier), attention (the sparse attention itself),
 compress (Algorithm 1 at a sequence's first decode step), fold (generated chunks into the
-store). On CUDA the timers measure the host side only (kernels run asynchronously).
+store). On the CPU every phase is timed. On CUDA kernels run asynchronously, so a host
+clock alone would time their launches: there phases are timed only while engine step
+timing records (`EngineConfig(step_timing=True)`, kvforge.step_timing), each
+synchronising the device first and last, so the seconds are the device's work. Otherwise
+they stay 0 and the decode path never synchronises for them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import torch
+
+from kvforge.step_timing import current_timer
 
 PHASES = ("selection", "rebuild", "fetch", "attention", "compress", "fold")
 
@@ -25,6 +33,7 @@ class ShadowKVStats:
     compressions: int = 0  # sequences compressed
     folded_chunks: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    device_type: str = "cpu"  # of the compute device: "cuda" times phases only under step timing
 
     def reset(self) -> None:
         self.chunk_hits = self.chunk_misses = self.compressions = self.folded_chunks = 0
@@ -32,10 +41,18 @@ class ShadowKVStats:
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
+        cuda = self.device_type == "cuda"
+        if cuda and current_timer() is None:
+            yield
+            return
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
+            if cuda:
+                torch.cuda.synchronize()
             self.seconds[phase] += time.perf_counter() - start
 
     @property

@@ -37,27 +37,36 @@ def test_the_shares_are_the_budget():
         assert cache.store.num_pages <= split.chunk_pages  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("budget", [30_000, 100_000])
-def test_a_lone_sequence_fits_as_far_as_its_bytes_do(budget):
-    """Default split: every length whose bytes fit the budget (less one chunk page set
-    aside) fits, and can be allocated in a fresh cache; no length fits whose bytes do not."""
-    cache = make(budget)
-    lengths = range(1, 2000)
-    assert any(not cache.fits_together([n]) for n in lengths)
-    for n in lengths:
-        fits = cache.fits_together([n])
-        if cache.sequence_bytes(n) <= budget - cache.fast_chunk_bytes:
-            assert fits, n
-        if fits:
-            assert cache.sequence_bytes(n) <= budget and cache.can_allocate(0, n), n
+def test_a_budget_too_small_to_compress_holds_one_sequence_as_far_as_its_bytes_do():
+    """When not even a min_context sequence fits, the split follows the longest that does:
+    every length whose bytes fit the budget (less one chunk page set aside) fits and can be
+    allocated in a fresh cache; no length fits whose bytes do not."""
+    probe = make(1 << 22)
+    for tokens in (5, 12, 20):
+        budget = probe.sequence_bytes(tokens) + probe.fast_chunk_bytes + 100
+        cache = make(budget)
+        for n in range(1, 60):
+            fits = cache.fits_together([n])
+            if cache.sequence_bytes(n) <= budget - cache.fast_chunk_bytes:
+                assert fits, (tokens, n)
+            if fits:
+                assert cache.sequence_bytes(n) <= budget and cache.can_allocate(0, n), (tokens, n)
+        assert cache.fits_together([tokens]) and not cache.fits_together([40])
 
 
-def test_split_context_makes_room_for_many_compressed_sequences():
-    budget = 200_000
-    default, split = make(budget), make(budget, ",split_context=48")
-    k = budget // split.sequence_bytes(48)
-    assert k >= 2
-    assert split.fits_together([48] * k) and not default.fits_together([48] * k)
+@pytest.mark.parametrize("budget", [200_000, 1 << 22])
+def test_the_default_split_holds_a_long_sequence_or_many_short_ones(budget):
+    """Half the budget for the longest lone sequence, half for min_context sequences: every
+    length whose bytes fit half the budget fits alone, and half the budget's bytes of
+    min_context sequences fit at once (which split_context=200 does not give)."""
+    cache, long = make(budget), make(budget, ",split_context=200")
+    half = (budget - cache.fast_chunk_bytes) // 2
+    for n in range(1, 400, 7):
+        if cache.sequence_bytes(n) <= half:
+            assert cache.fits_together([n]) and cache.can_allocate(0, n), n
+    k = half // cache.sequence_bytes(24)
+    assert k >= 1 and cache.fits_together([24] * k)
+    assert not long.fits_together([24] * (budget // cache.sequence_bytes(24)))
 
 
 def test_allocate_keeps_each_store_within_its_share():
@@ -87,8 +96,10 @@ def test_reserved_state_stays_within_its_share(length):
 
 
 def test_a_budget_too_small_for_its_split_is_refused():
-    with pytest.raises(ConfigError, match="kv_budget.*30000.*split_context=48: at least"):
-        make(30_000, ",split_context=48")
+    with pytest.raises(ConfigError, match="kv_budget.*12000.*split_context=48: at least"):
+        make(12_000, ",split_context=48")
+    with pytest.raises(ConfigError, match="kv_budget.*5000.*one compressed chunk"):
+        make(5000)
 
 
 def test_split_context_below_min_context_is_refused():

@@ -55,9 +55,9 @@ class ShadowKVConfig:
     # (float32 on CPU) and builds; False: always the PyTorch path (the reference).
     kernel: bool = True
     # How kv_budget is split between the exact, sliding and chunk stores and the per-sequence
-    # state (split.py): in the proportions of one sequence of this many tokens; None: the
-    # longest sequence the budget holds alone (a lone request fits as far as the bytes allow;
-    # a shorter value leaves more room for many compressed sequences).
+    # state (split.py): in the proportions of one sequence of this many tokens; None:
+    # min_context (or the longest sequence the budget holds, if shorter). Longer values give
+    # the exact store more, for longer prompts, and leave room for fewer compressed sequences.
     split_context: int | None = None
 
     def __post_init__(self) -> None:

@@ -36,13 +36,14 @@ from kvforge.cache.shadowkv.store import ChunkStore
 
 
 def paged_sequence_bytes(layout: CacheLayout | None, block_size: int, element: int, num_tokens: int) -> int:
-    """`FullCache.sequence_bytes` of an inner cache over `layout` (0 without one), known before
-    the cache is built (its budget depends on it)."""
+    """Bytes an inner `full` cache over `layout` (0 without one) holds for one sequence at
+    most, during a step too (`max_pages_during_step`: its share must hold the sliding
+    windows' transient pages); known before the cache is built (its budget depends on it)."""
     if layout is None:
         return 0
     groups = LayerGroups.from_layout(layout)
     page = groups.group_size * block_size * 2 * layout.num_kv_heads * layout.head_dim * element
-    return PageTable(BlockPool(1), block_size, groups).max_pages_per_sequence(num_tokens) * page
+    return PageTable(BlockPool(1), block_size, groups).max_pages_during_step(num_tokens) * page
 
 
 def chunk_page_bytes(num_global: int, kv_heads: int, head_dim: int, chunk: int, rank: int,

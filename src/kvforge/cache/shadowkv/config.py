@@ -55,9 +55,9 @@ class ShadowKVConfig:
     # (float32 on CPU) and builds; False: always the PyTorch path (the reference).
     kernel: bool = True
     # How kv_budget is split between the exact, sliding and chunk stores and the per-sequence
-    # state (split.py): in the proportions of one sequence of this many tokens; None:
-    # min_context (or the longest sequence the budget holds, if shorter). Longer values give
-    # the exact store more, for longer prompts, and leave room for fewer compressed sequences.
+    # state (split.py): in the proportions of one sequence of this many tokens; None: half for
+    # the longest sequence that half holds alone, half in the proportions of min_context.
+    # Longer values give the exact store more (longer prompts), fewer compressed sequences fit.
     split_context: int | None = None
 
     def __post_init__(self) -> None:

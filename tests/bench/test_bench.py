@@ -240,3 +240,17 @@ def test_prefix_end_to_end_kivi_hits_and_keeps_the_tokens(fast_bench, tmp_path):
     assert cached["prefix_hit_rate"] == stats["prefix_hit_tokens"] / stats["prefix_queried_tokens"] > 0
     assert recomputed["prefix_hit_rate"] is None and len(cached["ttft_per_turn"]) == 3
     assert result["ratio"] > 0 and math.isfinite(result["ratio"])
+
+
+def test_admissible_sequences_counts_every_store_of_a_split_budget():
+    """KIVI with 2 residual slots: the bytes would admit many short sequences, the slots 2."""
+    from kvforge.bench.throughput import admissible_sequences
+    from kvforge.cache.layout import CacheLayerSpec, CacheLayout
+    from kvforge.cache.registry import create_cache
+
+    layout = CacheLayout.one_per_layer([CacheLayerSpec(2, 32, 0.2)] * 2)
+    full = create_cache("full", layout, 1 << 22, torch.float32)
+    assert admissible_sequences(full, 100) == (1 << 22) // full.sequence_bytes(100)
+    kivi = create_cache("kivi:max_sequences=2", layout, 1 << 22, torch.float32)
+    assert kivi.memory_capacity()["fast"] // kivi.sequence_bytes(100) > 2
+    assert admissible_sequences(kivi, 100) == 2

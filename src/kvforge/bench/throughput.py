@@ -28,6 +28,7 @@ from typing import Any
 from kvforge.bench import hf_peer
 from kvforge.bench.common import BenchContext, System, drain, prepare, rate, repeat_runs, run_systems
 from kvforge.bench.report import Column, Panel, finish
+from kvforge.cache.base import CacheMethod
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import KVForgeError, require
 
@@ -72,9 +73,18 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     run["kv_bytes_capacity"] = cache.memory_capacity()["fast"]
     run["kv_budget_fraction_used"] = run["kv_bytes_peak"] / run["kv_bytes_capacity"]
     # Whole sequences (prompt + output) the budget holds by the cache's own accounting.
-    run["admissible_sequences"] = run["kv_bytes_capacity"] // cache.sequence_bytes(
-        args.shared_prefix + args.input_len + args.output_len)
+    run["admissible_sequences"] = admissible_sequences(cache, args.shared_prefix + args.input_len + args.output_len)
     return run
+
+
+def admissible_sequences(cache: CacheMethod, num_tokens: int) -> int:
+    """The most sequences of `num_tokens` tokens the cache holds at once (`fits_together`,
+    every store of a split budget checked; at most what the bytes alone allow)."""
+    lo, hi = 0, cache.memory_capacity()["fast"] // cache.sequence_bytes(num_tokens)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cache.fits_together([num_tokens] * mid) else (lo, mid - 1)
+    return lo
 
 
 def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:

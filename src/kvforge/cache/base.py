@@ -51,6 +51,12 @@ class CacheMethod(ABC):
     def sequence_bytes(self, num_tokens: int) -> int:
         """Bytes a sequence of `num_tokens` tokens holds at most (windows bound it)."""
 
+    def fits_together(self, token_counts: Sequence[int]) -> bool:
+        """Whether sequences of these lengths fit the cache at once, each holding at most what
+        `sequence_bytes` says (reserving admission; a prompt that fits nowhere is refused).
+        Methods whose budget is split between stores check every store."""
+        return sum(self.sequence_bytes(n) for n in token_counts) <= self.memory_capacity()["fast"]
+
     @abstractmethod
     def memory_usage(self) -> dict[str, int]:
         """Bytes in use per storage tier, e.g. {"fast": ..., "slow": ...}."""
@@ -153,7 +159,7 @@ class CacheMethod(ABC):
 
 class PagedPoolMemory:
     """Memory accounting of methods whose whole storage is pages of one block pool on the
-    fast tier (`full`, `kivi`): usage and capacity are page counts times `page_bytes`."""
+    fast tier (`full`): usage and capacity are page counts times `page_bytes`."""
 
     pages: Any  # kvforge.cache.page_table.PageTable
     page_bytes: int

@@ -115,6 +115,17 @@ class PageTable:
             total += math.ceil(kept / self.block_size) + (0 if window is None else 1)
         return total
 
+    def max_pages_during_step(self, num_tokens: int) -> int:
+        """Pages one sequence holds at most while a step brings it to `num_tokens` tokens: a
+        sliding group still holds the pages of its previous window (released at `commit`)
+        beside those of the new one, each window at most ceil((w - 1) / block) + 1 pages."""
+        total = 0
+        for group in range(self.groups.num_groups):
+            window = self.groups.windows[group]
+            pages = math.ceil(num_tokens / self.block_size)
+            total += pages if window is None else min(pages, 2 * (math.ceil((window - 1) / self.block_size) + 1))
+        return total
+
     # -- lifecycle --------------------------------------------------------------------
     def allocate(self, seq_id: int, num_tokens: int) -> bool:
         """Make room for the step that brings `seq_id` to `num_tokens` tokens.

@@ -48,14 +48,14 @@ class LLMEngine:
         limit = model.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.runner = ModelRunner(model, cache)
-        lifetime = None
+        lifetimes_fit = None
         if self.config.admission == "reserve":
-            def lifetime(request: Request) -> int:
-                total = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
-                return cache.sequence_bytes(total)
+            def lifetimes_fit(requests: list[Request]) -> bool:
+                return cache.fits_together([min(r.num_prompt_tokens + r.params.max_tokens, self.max_model_len)
+                                            for r in requests])
         self.prefix = PrefixCache(cache) if self.config.prefix_caching else None
         self.scheduler = Scheduler(cache, self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                                   lifetime, cache.memory_capacity()["fast"], self.prefix)
+                                   lifetimes_fit, self.prefix)
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -134,7 +134,7 @@ class LLMEngine:
                               "generated token)")
         needed = self.cache.sequence_bytes(len(prompt) + 1)
         capacity = self.cache.memory_capacity()["fast"]
-        if needed > capacity:
+        if not self.cache.fits_together([len(prompt) + 1]):
             raise ConfigError("kv_budget", capacity,
                               f"must hold this prompt of {len(prompt)} tokens ({needed} bytes needed)")
 

@@ -69,18 +69,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: CacheAllocator, max_num_batched_tokens: int, max_num_seqs: int,
-                 lifetime_bytes: Callable[[Request], int] | None = None, budget_bytes: int = 0,
+                 lifetimes_fit: Callable[[list[Request]], bool] | None = None,
                  prefix: PrefixCache | None = None) -> None:
-        """`lifetime_bytes` (with `budget_bytes`) turns on reserving admission: a waiting
-        request is admitted only if the lifetime bytes of the running requests and its own
-        fit the budget (a request admitted alone always is, so none waits forever)."""
+        """`lifetimes_fit` turns on reserving admission: a waiting request is admitted only if
+        the cache holds the running requests and it, each at its whole lifetime, at once (a
+        request admitted alone always is, so none waits forever)."""
         require(max_num_batched_tokens >= 1, "max_num_batched_tokens", max_num_batched_tokens, "must be >= 1")
         require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, "must be >= 1")
         self.cache = cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.lifetime_bytes = lifetime_bytes
-        self.budget_bytes = budget_bytes
+        self.lifetimes_fit = lifetimes_fit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.peak_running = 0
@@ -146,10 +145,9 @@ class Scheduler:
         return out
 
     def _reservation_fits(self, request: Request) -> bool:
-        if self.lifetime_bytes is None or not self.running:
+        if self.lifetimes_fit is None or not self.running:
             return True
-        reserved = sum(self.lifetime_bytes(r) for r in self.running)
-        return reserved + self.lifetime_bytes(request) <= self.budget_bytes
+        return self.lifetimes_fit([*self.running, request])
 
     def _attach_prefix(self, request: Request) -> int | None:
         """A request starting from scratch takes the cached part of its tokens; returns its

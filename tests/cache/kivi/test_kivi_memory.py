@@ -13,6 +13,7 @@ from kvforge.cache.kivi.method import KIVICache
 from kvforge.cache.kivi.quant import quantized_bits_per_element
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.cache.registry import create_cache
+from kvforge.errors import ConfigError
 
 LAYERS, KV_HEADS, DIM = 30, 3, 64
 
@@ -47,3 +48,43 @@ def test_sequence_bytes_match_the_analytic_value(residual_dtype):
         analytic = quantised + residual
         assert analytic <= cache.sequence_bytes(tokens) <= analytic + cache.page_bytes * (1 + math.ceil(128 / 32))
     assert abs(cache.sequence_bytes(2048) / (2048 * per_token + residual) - 1) < 0.05
+
+
+# -- the budget split between residual slots and quantised pages ---------------------------
+def test_slots_and_pages_split_the_budget():
+    """By default half the budget's pages pay for residual slots; slots and pages together are
+    the capacity, within the budget; one sequence more than there are slots is refused while
+    pages remain, and admitted once a slot is free."""
+    cache = smollm2_like("kivi")
+    budget_pages = 512_000_000 // cache.page_bytes
+    assert cache.num_slots == (budget_pages // 2) // cache.slot_pages
+    assert cache.store.k_res.shape[1] == cache.num_slots
+    assert cache.pages.pool.num_blocks == budget_pages - cache.num_slots * cache.slot_pages
+    assert cache.memory_capacity()["fast"] <= 512_000_000
+    for seq in range(cache.num_slots):
+        assert cache.allocate(seq, 10)
+    assert cache.pages.pool.num_free > 0 and not cache.can_allocate(cache.num_slots, 10)
+    assert cache.memory_usage()["fast"] == cache.num_slots * cache.slot_pages * cache.page_bytes
+    cache.free(0)
+    assert cache.allocate(cache.num_slots, 10)
+
+
+def test_max_sequences_sets_the_slots():
+    cache = smollm2_like("kivi:max_sequences=3")
+    assert cache.num_slots == 3 == cache.store.v_res.shape[1]
+    assert all(cache.allocate(seq, 300) for seq in range(3)) and not cache.can_allocate(3, 1)
+    with pytest.raises(ConfigError, match="max_sequences.*100000.*must be <="):
+        smollm2_like("kivi:max_sequences=100000")
+    with pytest.raises(ConfigError, match="max_sequences.*0"):
+        smollm2_like("kivi:max_sequences=0")
+
+
+def test_fits_together_checks_slots_and_pages():
+    """Reserving admission and prompt validation ask `fits_together`: it holds exactly when
+    the slots and the quantised pages each suffice, which the byte sum alone does not tell."""
+    cache = smollm2_like("kivi:max_sequences=2")
+    pages = cache.pages.pool.num_blocks
+    longest = pages * cache.config.group  # quantised keys filling every page (one layer group)
+    assert cache.fits_together([longest]) and not cache.fits_together([longest + cache.config.residual])
+    assert cache.fits_together([1, 1]) and not cache.fits_together([1, 1, 1])
+    assert cache.sequence_bytes(1) * 3 <= cache.memory_capacity()["fast"]  # the bytes would fit

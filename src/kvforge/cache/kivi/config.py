@@ -49,6 +49,10 @@ class KIVICacheConfig:
     prefill_attention: str = "blockwise"
     # With prefix caching on: one of PREFIX_REUSE.
     prefix_reuse: str = "snapshot"
+    # Residual slots: the most sequences held at once (running requests, kept sequences and
+    # prefix snapshots alike). Their rings are allocated up front out of kv_budget, the rest
+    # of which holds quantised pages; None: as many slots as half the budget pays for.
+    max_sequences: int | None = None
 
     def __post_init__(self) -> None:
         require(self.bits in SUPPORTED_BITS, "bits", self.bits, f"must be one of {list(SUPPORTED_BITS)}")
@@ -66,5 +70,7 @@ class KIVICacheConfig:
                 f"must be one of {list(DECODE_KERNELS)}")
         require(self.prefix_reuse in PREFIX_REUSE, "prefix_reuse", self.prefix_reuse,
                 f"must be one of {list(PREFIX_REUSE)}")
+        require(self.max_sequences is None or self.max_sequences >= 1, "max_sequences", self.max_sequences,
+                "must be None or >= 1")
         require(self.prefill_attention in PREFILL_ATTENTION, "prefill_attention", self.prefill_attention,
                 f"must be one of {list(PREFILL_ATTENTION)}")

@@ -10,9 +10,14 @@ are quantised, nk = (n // R) * R, nv = max(0, n - R).
 Pages (block_size = G) come from a PageTable over one BlockPool, as in `full`, and are held
 only for tokens [0, nk) (whole pages, since R % G == 0). Sliding-window layer groups release
 pages that no later query can see. Each sequence also owns one residual slot (K and V, R
-tokens, every cache layer, in residual_dtype), paid for with `slot_pages` pages taken from
-the same pool when the sequence is first allocated and returned by `free`: one budget
-covers quantised pages and residuals, so the scheduler admits exactly what the bytes allow.
+tokens, every cache layer, in residual_dtype), costing `slot_pages` pages of the budget.
+The budget is split once, at construction, between the two (device memory is the budget:
+on CUDA every `torch.empty` costs its whole size, so residual rings and pages cannot both be
+sized from the whole budget): `num_slots` rings (`max_sequences`; by default as many as
+half the budget's pages pay for) and the quantised pages the rest holds. A sequence takes
+a free slot when first allocated and returns it in `free`; usage and capacity count a slot
+as `slot_pages` pages, so `kv_budget` bounds pages and residuals together and the device
+holds at most the budget (no overhead: a ring is at most `slot_pages` pages' bytes).
 
 Multi-token spans (prefill chunks) are attended by prefill.kivi_chunk_attention_fast
 (fused attention per part, merged by log-sum-exp; `prefill_attention=reference` selects the
@@ -29,12 +34,13 @@ residuals (only then can ring slots be overwritten) and commits the lengths.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvforge.batch import ForwardBatch, SequenceSpan
-from kvforge.cache.base import CacheMethod, PagedPoolMemory
+from kvforge.cache.base import CacheMethod
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.kivi.attention import kivi_chunk_attention
 from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig, default_residual_dtype
@@ -52,7 +58,6 @@ from kvforge.models.rope import PositionedRope
 @dataclass
 class _Sequence:
     slot: int  # residual slot
-    reserved: list[int]  # pool pages that pay for the residual slot
     num_tokens: int = 0
 
 
@@ -107,7 +112,7 @@ class _ResidualWrites:
 
 
 @register_cache_method("kivi", KIVICacheConfig)
-class KIVICache(PagedPoolMemory, CacheMethod):
+class KIVICache(CacheMethod):
     def __init__(self, layout: CacheLayout, config: KIVICacheConfig, budget_bytes: int,
                  compute_dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(layout, compute_dtype, device)
@@ -125,15 +130,27 @@ class KIVICache(PagedPoolMemory, CacheMethod):
         element = torch.tensor([], dtype=self.residual_dtype).element_size()
         self.residual_bytes = 2 * layout.num_cache_layers * heads * r * dim * element
         self.slot_pages = math.ceil(self.residual_bytes / self.page_bytes)
-        num_pages = budget_bytes // self.page_bytes
-        minimum = (self.slot_pages + self.groups.num_groups * r // g) * self.page_bytes
-        if num_pages * self.page_bytes < minimum:
+        budget_pages = budget_bytes // self.page_bytes
+        least_pages = self.groups.num_groups * r // g  # one residual's worth of quantised keys
+        minimum = (self.slot_pages + least_pages) * self.page_bytes
+        if budget_pages * self.page_bytes < minimum:
             raise ConfigError("kv_budget", budget_bytes,
                               f"must hold one sequence's residual ({self.residual_bytes} bytes) plus one "
                               f"residual's worth of quantised pages: at least {minimum} bytes")
+        if config.max_sequences is None:
+            num_slots = max(1, min(budget_pages // 2, budget_pages - least_pages) // self.slot_pages)
+        else:
+            num_slots = config.max_sequences
+            most = (budget_pages - least_pages) // self.slot_pages
+            if num_slots > most:
+                raise ConfigError("max_sequences", num_slots,
+                                  f"must be <= {most}: each residual slot costs {self.slot_pages} pages of "
+                                  f"{self.page_bytes} bytes and kv_budget={budget_bytes} must also hold "
+                                  f"{least_pages} quantised pages")
+        self.num_slots = num_slots
+        num_pages = budget_pages - num_slots * self.slot_pages
         self.budget_bytes = budget_bytes
         self.pages = PageTable(BlockPool(num_pages), g, self.groups)
-        num_slots = num_pages // self.slot_pages
         self.store = KIVIStore(self.groups.group_size, layout.num_cache_layers, heads, dim, num_pages, num_slots,
                                bits, g, r, self.residual_dtype, self.device)
         self._free_slots = list(range(num_slots - 1, -1, -1))
@@ -160,28 +177,38 @@ class KIVICache(PagedPoolMemory, CacheMethod):
         return (self.pages.max_pages_per_sequence(self.quantized_keys(num_tokens)) + self.slot_pages) \
             * self.page_bytes
 
+    def fits_together(self, token_counts: Sequence[int]) -> bool:
+        pages = sum(self.pages.max_pages_per_sequence(self.quantized_keys(n)) for n in token_counts)
+        return len(token_counts) <= self.num_slots and pages <= self.pages.pool.num_blocks
+
+    def memory_usage(self) -> dict[str, int]:
+        used = self.pages.pool.num_used + self.slot_pages * len(self._seqs)
+        return {"fast": used * self.page_bytes, "slow": 0}
+
+    def memory_capacity(self) -> dict[str, int]:
+        return {"fast": (self.pages.pool.num_blocks + self.slot_pages * self.num_slots) * self.page_bytes,
+                "slow": 0}
+
     def statistics(self) -> dict[str, float]:
         pool = self.pages.pool
         reserved = self.slot_pages * len(self._seqs)
         return {"pages_used": pool.num_used, "pages_total": pool.num_blocks, "residual_pages": reserved,
+                "residual_slots": self.num_slots,
                 "sequences": len(self._seqs), "bytes_per_token_ratio_vs_fp16":
                     self.kv_bytes_per_token() / (4 * self.layout.num_cache_layers * self.layout.num_kv_heads
                                                  * self.layout.head_dim)}
 
     # -- sequences --------------------------------------------------------------------
-    def _pages_needed(self, seq_id: int, num_tokens: int) -> int:
-        fresh = 0 if seq_id in self._seqs else self.slot_pages
-        return fresh + self.pages.pages_for_growth(seq_id, self.quantized_keys(num_tokens))
-
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
-        return self.pages.pool.can_allocate(self._pages_needed(seq_id, num_tokens))
+        if seq_id not in self._seqs and not self._free_slots:
+            return False
+        return self.pages.can_allocate(seq_id, self.quantized_keys(num_tokens))
 
     def allocate(self, seq_id: int, num_tokens: int) -> bool:
         if not self.can_allocate(seq_id, num_tokens):
             return False
         if seq_id not in self._seqs:
-            # Pages never run out before slots do: each slot in use holds slot_pages pages.
-            self._seqs[seq_id] = _Sequence(self._free_slots.pop(), self.pages.pool.allocate(self.slot_pages))
+            self._seqs[seq_id] = _Sequence(self._free_slots.pop())
         allocated = self.pages.allocate(seq_id, self.quantized_keys(num_tokens))
         assert allocated, "checked by can_allocate"
         return True
@@ -191,7 +218,6 @@ class KIVICache(PagedPoolMemory, CacheMethod):
         if seq is None:
             return
         self.pages.free(seq_id)
-        self.pages.pool.free(seq.reserved)
         self._free_slots.append(seq.slot)
 
     # Quantised pages are final for tokens below nk: their keys are written once, and a
@@ -204,13 +230,13 @@ class KIVICache(PagedPoolMemory, CacheMethod):
         if target in self._seqs:
             raise ConfigError("seq_id", target, "must not hold storage yet to be forked into")
         seq = self._seqs[source]
-        if not self._free_slots or not self.pages.pool.can_allocate(self.slot_pages):
+        if not self._free_slots:
             return False
         stored = self.quantized_keys(seq.num_tokens)
         logical = stored // self.config.group
         tables = [self.pages.pages(source, g)[:logical] for g in range(self.groups.num_groups)]
         self.pages.attach(target, stored, tables)
-        fork = _Sequence(self._free_slots.pop(), self.pages.pool.allocate(self.slot_pages), seq.num_tokens)
+        fork = _Sequence(self._free_slots.pop(), seq.num_tokens)
         self._seqs[target] = fork
         self.store.k_res[:, fork.slot] = self.store.k_res[:, seq.slot]
         self.store.v_res[:, fork.slot] = self.store.v_res[:, seq.slot]

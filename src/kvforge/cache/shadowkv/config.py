@@ -41,8 +41,9 @@ class ShadowKVConfig:
     min_context: int = 2048
     reuse: bool = True  # keep the previous step's selected chunks (temporal locality)
     block_size: int = 16  # page size of the exact (not yet compressed) storage
-    # Slow tier for the values of compressed chunks: "memory" (a tensor in RAM; pinned
-    # when computing on CUDA) or "mmap" (a temporary file, so a context can exceed RAM).
+    # Slow tier for the values of compressed chunks: "memory" (a pageable tensor in RAM; on
+    # CUDA only a staging buffer of each fetch is pinned) or "mmap" (a temporary file, so a
+    # context can exceed RAM).
     slow_store: str = "memory"
     slow_budget: str | None = None  # bytes of the slow tier, e.g. 16GiB; None: the kv budget
     slow_dir: str | None = None  # directory of the mmap file (None: the system temp dir)
@@ -53,6 +54,11 @@ class ShadowKVConfig:
     # Decode steps through the fused C++ CPU kernel (cpu_decode.py) when it applies
     # (float32 on CPU) and builds; False: always the PyTorch path (the reference).
     kernel: bool = True
+    # How kv_budget is split between the exact, sliding and chunk stores and the per-sequence
+    # state (split.py): in the proportions of one sequence of this many tokens; None: half for
+    # the longest sequence that half holds alone, half in the proportions of min_context.
+    # Longer values give the exact store more (longer prompts), fewer compressed sequences fit.
+    split_context: int | None = None
 
     def __post_init__(self) -> None:
         require(self.chunk >= 1, "chunk", self.chunk, "must be >= 1")
@@ -73,6 +79,8 @@ class ShadowKVConfig:
                 f"must be >= local + chunk = {self.local + self.chunk} (something to compress)")
         require(self.threads >= 0, "threads", self.threads, "must be >= 0 (0: torch's setting)")
         require(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
+        require(self.split_context is None or self.split_context >= self.min_context, "split_context",
+                self.split_context, f"must be None or >= min_context={self.min_context} (a compressed sequence)")
         require(self.slow_store in SLOW_STORES, "slow_store", self.slow_store, f"must be one of {list(SLOW_STORES)}")
         if self.slow_budget is not None:
             parse_bytes(self.slow_budget, "slow_budget")  # raises ConfigError naming slow_budget

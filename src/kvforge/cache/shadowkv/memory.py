@@ -5,7 +5,9 @@ What `allocate` checks, all-or-nothing:
   fast = inner exact pages + inner sliding pages + chunk pages x fast chunk bytes
          + per-sequence fixed state (bases, exact buffers, reuse caches) of compressed
          sequences and of those reserved to compress in the coming step <= kv budget;
-  slow = chunk pages x slow chunk bytes <= slow budget (a fixed number of chunk pages).
+  slow = chunk pages x slow chunk bytes <= slow budget (a fixed number of chunk pages);
+and each store within its share of the budget (split.py): exact and sliding pages within
+their inner caches' pools, chunk pages within the store, fixed state within its share.
 The step that compresses a sequence holds its exact pages and its compressed state at
 once (the exact pages are freed at the end of it). `allocate` cannot know whether a step
 will compress (it does not see the logit rows), so every step that leaves an exact
@@ -20,13 +22,28 @@ reads: the inner exact/sliding `full` caches, the chunk store and the sequence t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.full.method import FullCache
 from kvforge.cache.layout import CacheLayout
+from kvforge.cache.page_table import LayerGroups, PageTable
 from kvforge.cache.shadowkv.config import ShadowKVConfig
+from kvforge.cache.shadowkv.split import PARTS, BudgetSplit
 from kvforge.cache.shadowkv.state import CompressedSequence, fixed_state_bytes
 from kvforge.cache.shadowkv.store import ChunkStore
+
+
+def paged_sequence_bytes(layout: CacheLayout | None, block_size: int, element: int, num_tokens: int) -> int:
+    """Bytes an inner `full` cache over `layout` (0 without one) holds for one sequence at
+    most, during a step too (`max_pages_during_step`: its share must hold the sliding
+    windows' transient pages); known before the cache is built (its budget depends on it)."""
+    if layout is None:
+        return 0
+    groups = LayerGroups.from_layout(layout)
+    page = groups.group_size * block_size * 2 * layout.num_kv_heads * layout.head_dim * element
+    return PageTable(BlockPool(1), block_size, groups).max_pages_during_step(num_tokens) * page
 
 
 def chunk_page_bytes(num_global: int, kv_heads: int, head_dim: int, chunk: int, rank: int,
@@ -71,6 +88,9 @@ class ShadowKVMemory:
     sliding_layers: list[int]
     exact: FullCache | None  # global layers of sequences not yet compressed
     sliding: FullCache | None  # sliding-window layers
+    exact_layout: CacheLayout | None  # their layouts (None: no such layers)
+    sliding_layout: CacheLayout | None
+    split: BudgetSplit
     store: ChunkStore | None
     fast_chunk_bytes: int
     slow_chunk_bytes: int
@@ -86,11 +106,20 @@ class ShadowKVMemory:
         return self.fast_chunk_bytes / len(self.global_layers) / self.config.chunk
 
     def sequence_bytes(self, num_tokens: int) -> int:
-        total = self._exact_sequence_bytes(num_tokens)
-        if self.exact is not None and num_tokens >= self.config.min_context:
-            total += math.ceil(num_tokens / self.config.chunk) * self.fast_chunk_bytes
-            total += self._fixed_state_bytes(num_tokens, math.ceil(num_tokens / self.config.chunk))
-        return total
+        return sum(self._sequence_parts(num_tokens).values())
+
+    def _sequence_parts(self, num_tokens: int) -> dict[str, int]:
+        """What a sequence of `num_tokens` tokens holds at most in each store (split.PARTS):
+        exact and sliding pages, and once it may compress, its chunk pages and fixed state."""
+        config, block = self.config, self.config.block_size
+        parts = {"exact": paged_sequence_bytes(self.exact_layout, block, self.element, num_tokens),
+                 "sliding": paged_sequence_bytes(self.sliding_layout, block, self.element, num_tokens),
+                 "chunks": 0, "fixed": 0}
+        if self.exact_layout is not None and num_tokens >= config.min_context:
+            chunks = math.ceil(num_tokens / config.chunk)
+            parts["chunks"] = chunks * self.fast_chunk_bytes
+            parts["fixed"] = self._fixed_state_bytes(num_tokens, chunks)
+        return parts
 
     def _exact_sequence_bytes(self, num_tokens: int) -> int:
         return sum(c.sequence_bytes(num_tokens) for c in (self.exact, self.sliding) if c is not None)
@@ -109,6 +138,14 @@ class ShadowKVMemory:
         if self.store is not None:
             used += (self.store.pool.num_used + self._reserved_pages) * self.fast_chunk_bytes
         return used
+
+    def fits_together(self, token_counts: Sequence[int]) -> bool:
+        parts = [self._sequence_parts(n) for n in token_counts]
+        capacity = {"exact": self.exact.memory_capacity()["fast"] if self.exact is not None else 0,
+                    "sliding": self.sliding.memory_capacity()["fast"] if self.sliding is not None else 0,
+                    "chunks": self.store.num_pages * self.fast_chunk_bytes if self.store is not None else 0,
+                    "fixed": self.split.fixed}
+        return all(sum(p[name] for p in parts) <= capacity[name] for name in PARTS)
 
     def memory_usage(self) -> dict[str, int]:
         slow = (self.store.pool.num_used + self._reserved_pages) * self.slow_chunk_bytes if self.store is not None else 0
@@ -176,6 +213,12 @@ class ShadowKVMemory:
         needed = inner_bytes + chunk_pages * self.fast_chunk_bytes + fixed
         if self._fast_used() - old_bytes + needed > self.budget_bytes:
             return False
+        # Each store holds only its share of the budget (split.py).
+        if not all(inner.can_allocate(seq_id, num_tokens) for inner in self._growing(seq)):
+            return False
+        old_fixed = seq.reservation.fixed_bytes if seq is not None and seq.reservation is not None else 0
+        if self._fixed_bytes - old_fixed + fixed > self.split.fixed:
+            return False
         if chunk_pages == 0:
             return True
         free = self.store.pool.num_free - self._reserved_pages + old_pages if self.store is not None else 0
@@ -189,15 +232,18 @@ class ShadowKVMemory:
             return True
         _, chunk_pages, compress, fixed = self._plan(seq_id, num_tokens)
         self._release_reservation(seq)
-        # The byte check above covers the inner caches: their own pools hold the whole budget.
-        for inner in (self.sliding, None if seq.compressed is not None else self.exact):
-            if inner is not None:
-                grown = inner.allocate(seq_id, num_tokens)
-                assert grown, "bounded by the byte check"
+        for inner in self._growing(seq):
+            grown = inner.allocate(seq_id, num_tokens)
+            assert grown, "checked by can_allocate"
         seq.reservation = Reservation(num_tokens, compress, chunk_pages, fixed)
         self._reserved_pages += chunk_pages
         self._fixed_bytes += fixed
         return True
+
+    def _growing(self, seq: SequenceEntry | None) -> list[FullCache]:
+        """The inner caches a step of this sequence stores tokens in."""
+        compressed = seq is not None and seq.compressed is not None
+        return [inner for inner in (self.sliding, None if compressed else self.exact) if inner is not None]
 
     def _release_reservation(self, seq: SequenceEntry) -> None:
         if seq.reservation is None:

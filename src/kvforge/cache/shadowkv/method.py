@@ -39,6 +39,7 @@ from kvforge.cache.shadowkv.compress import compress_layer, fold_chunks
 from kvforge.cache.shadowkv.config import ShadowKVConfig
 from kvforge.cache.shadowkv.memory import SequenceEntry, ShadowKVMemory, chunk_page_bytes
 from kvforge.cache.shadowkv.sparse import SparseAttention, SparseGroup
+from kvforge.cache.shadowkv.split import BudgetSplit
 from kvforge.cache.shadowkv.state import CompressedSequence, buffer_rows
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.store import ChunkStore
@@ -76,30 +77,33 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         self.sliding_layers = [c for c, s in enumerate(layout.specs) if s.sliding_window is not None]
         self._inner_index = {c: i for i, c in enumerate(self.global_layers)}
         self._inner_index.update({c: i for i, c in enumerate(self.sliding_layers)})
-        exact_config = FullCacheConfig(block_size=config.block_size)
-        # Both inner caches may use the whole budget: the sum is bounded by `allocate` here.
-        self.exact = FullCache(_sub_layout(layout, self.global_layers), exact_config, budget_bytes, compute_dtype,
-                               device) if self.global_layers else None
-        self.sliding = FullCache(_sub_layout(layout, self.sliding_layers), exact_config, budget_bytes,
-                                 compute_dtype, device) if self.sliding_layers else None
         self.element = torch.tensor([], dtype=compute_dtype).element_size()
+        self.exact_layout = _sub_layout(layout, self.global_layers) if self.global_layers else None
+        self.sliding_layout = _sub_layout(layout, self.sliding_layers) if self.sliding_layers else None
         num_global = len(self.global_layers)
         chunk = config.chunk
         self.fast_chunk_bytes, self.slow_chunk_bytes = chunk_page_bytes(num_global, heads, dim, chunk, self.rank,
                                                                         self.element)
         self.slow_budget = config.slow_bytes(budget_bytes)
+        if num_global and self.slow_budget < self.slow_chunk_bytes:
+            raise ConfigError("slow_budget", self.slow_budget,
+                              f"must hold at least one chunk of values ({self.slow_chunk_bytes} bytes)")
+        if num_global:  # one split of the budget between the stores (split.py)
+            self.split = BudgetSplit.of(budget_bytes, self._sequence_parts, config.split_context,
+                                        config.min_context, self.fast_chunk_bytes)
+        else:  # sliding layers only: nothing is ever compressed
+            self.split = BudgetSplit(exact=0, sliding=budget_bytes, chunk_pages=0, fixed=0)
+        exact_config = FullCacheConfig(block_size=config.block_size)
+        self.exact = FullCache(self.exact_layout, exact_config, self.split.exact, compute_dtype, device) \
+            if self.exact_layout is not None else None
+        self.sliding = FullCache(self.sliding_layout, exact_config, self.split.sliding, compute_dtype, device) \
+            if self.sliding_layout is not None else None
         self.stats = ShadowKVStats(device_type=self.device.type)
         self.store: ChunkStore | None = None
         self.sparse: SparseAttention | None = None
         if num_global:
-            if budget_bytes < self.fast_chunk_bytes:
-                raise ConfigError("kv_budget", budget_bytes,
-                                  f"must hold at least one compressed chunk ({self.fast_chunk_bytes} bytes)")
-            if self.slow_budget < self.slow_chunk_bytes:
-                raise ConfigError("slow_budget", self.slow_budget,
-                                  f"must hold at least one chunk of values ({self.slow_chunk_bytes} bytes)")
             # One page id indexes both tiers: as many pages as the smaller tier holds.
-            pages = min(budget_bytes // self.fast_chunk_bytes, self.slow_budget // self.slow_chunk_bytes)
+            pages = min(self.split.chunk_pages, self.slow_budget // self.slow_chunk_bytes)
             self.store = ChunkStore(num_global, heads, dim, chunk, self.rank, pages, compute_dtype, self.device,
                                     config.slow_store, config.slow_dir)
             self.sparse = SparseAttention(self.store, chunk, self.stats, config.reuse, self.device,

@@ -12,9 +12,14 @@ with one index operation.
 Tensors (P pages, Lg global cache layers):
   coefficients [Lg, P, chunk, r]     fast (compute device)
   landmarks    [Lg, H, P, D]         fast, head-major: index_select over pages gives [H, ..]
-  values       [Lg, H, P, chunk, D]  slow: a CPU tensor ("memory"; pinned when computing on
-               CUDA) or a memory-mapped temporary file ("mmap", so values can exceed RAM)
-All are allocated once with `torch.empty` (or a sparse file): untouched pages cost no memory.
+  values       [Lg, H, P, chunk, D]  slow: a pageable CPU tensor ("memory") or a memory-mapped
+               temporary file ("mmap", so values can exceed RAM)
+All are allocated once with `torch.empty` (or a sparse file). On the CPU untouched pages cost
+no memory; on CUDA the fast tensors cost their whole size, so their pages are the chunk share
+of the budget split (split.py). The slow tier is never pinned: pinned memory is allocated
+whole (and rounded up to a power of two), so pinning it would lock the whole slow budget in
+RAM. On CUDA a fetch gathers its values into a pinned staging buffer instead, the only pinned
+memory: as large as the largest single fetch (the misses of one layer of one decode group).
 """
 
 from __future__ import annotations
@@ -28,9 +33,8 @@ import torch
 from kvforge.cache.block_pool import BlockPool
 
 
-def slow_tensor(shape: tuple[int, ...], dtype: torch.dtype, kind: str, compute_device: torch.device,
-                directory: str | None = None) -> torch.Tensor:
-    """Storage of the slow tier (always on the CPU)."""
+def slow_tensor(shape: tuple[int, ...], dtype: torch.dtype, kind: str, directory: str | None = None) -> torch.Tensor:
+    """Storage of the slow tier (always on the CPU, pageable)."""
     if kind == "mmap":
         element = torch.tensor([], dtype=dtype).element_size()
         numel = int(np.prod(shape))
@@ -43,8 +47,7 @@ def slow_tensor(shape: tuple[int, ...], dtype: torch.dtype, kind: str, compute_d
         finally:
             os.unlink(path)
         return torch.from_numpy(raw)[:numel * element].view(dtype).view(shape)
-    pin = compute_device.type == "cuda"
-    return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    return torch.empty(shape, dtype=dtype)
 
 
 class ChunkStore:
@@ -56,8 +59,7 @@ class ChunkStore:
         self.pool = BlockPool(num_pages)
         self.coefficients = torch.empty((num_layers, num_pages, chunk, rank), dtype=dtype, device=device)
         self.landmarks = torch.empty((num_layers, kv_heads, num_pages, head_dim), dtype=dtype, device=device)
-        self.values = slow_tensor((num_layers, kv_heads, num_pages, chunk, head_dim), dtype, slow_kind, device,
-                                  slow_dir)
+        self.values = slow_tensor((num_layers, kv_heads, num_pages, chunk, head_dim), dtype, slow_kind, slow_dir)
         self._staging: torch.Tensor | None = None  # pinned buffer of fetched values (CUDA)
         self._copied: torch.cuda.Event | None = None
 

@@ -1,0 +1,90 @@
+"""One split of ShadowKV's fast-tier budget between its stores.
+
+Device memory is the budget: on CUDA every `torch.empty` costs its whole size at once, so the
+stores cannot each be sized from the whole budget (the inner exact cache, the sliding inner
+cache and the chunk pages would together ask for up to 2.3x the budget). The budget is split
+once, at construction, between the terms of a sequence's `sequence_bytes` (what it holds at
+the step that compresses it):
+  exact   the inner `full` cache of the global layers (sequences not compressed yet),
+  sliding the inner `full` cache of the sliding-window layers,
+  chunks  the chunk pages' fast part (coefficients, landmarks),
+  fixed   the per-sequence state of compressed sequences (bases, exact buffers, ids),
+          allocated when a sequence is compressed, never up front.
+After one chunk page is set aside (compression needs one), the budget is split by default
+in two halves: one holds the parts of the longest sequence that fits in it alone (long
+prompts, and requests recomputed from scratch after a preemption, up to half the budget's
+bytes), the other the parts of min_context-token sequences (the shortest that compress) in
+their proportions, so about half the budget's bytes of such sequences fit at once. If the
+budget cannot hold even one min_context sequence, nothing ever compresses and the whole
+budget goes to the longest sequence it holds. With `split_context` the whole budget is
+split in the proportions of a sequence of that many tokens instead. Each share is a hard
+bound that `allocate` checks, so together (the budget) they bound the device bytes.
+Outside the budget stay only a compressed sequence's page table (8 bytes per chunk, next to
+the chunk's hundreds to thousands of fast bytes) and per-step workspace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvforge.errors import ConfigError
+
+PARTS = ("exact", "sliding", "chunks", "fixed")
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    exact: int  # bytes
+    sliding: int  # bytes
+    chunk_pages: int  # pages of `fast_chunk_bytes`
+    fixed: int  # bytes
+
+    @classmethod
+    def of(cls, budget: int, parts: Callable[[int], dict[str, int]], reference: int | None, min_context: int,
+           fast_chunk_bytes: int) -> BudgetSplit:
+        """`parts(n)`: bytes of each of PARTS that one sequence of n tokens holds at most
+        (`parts(1)`: the least a store in use must hold)."""
+        room = max(0, budget - fast_chunk_bytes)
+        if reference is None:
+            longest = _longest(parts, room)
+            if longest == 0:
+                raise ConfigError("kv_budget", budget, "must hold one token of one sequence plus one compressed "
+                                                       f"chunk ({fast_chunk_bytes} bytes)")
+            if longest < min_context:  # nothing ever compresses: all of it for that sequence
+                shares = parts(longest)
+            else:
+                lone = parts(_longest(parts, room // 2))
+                shares = _add(lone, _proportional(room - sum(lone.values()), parts(min_context)))
+        else:
+            wanted = parts(reference)
+            shares = _proportional(room, wanted)
+            total, least = sum(wanted.values()), parts(1)
+            for name in ("exact", "sliding"):
+                if shares[name] < least[name]:
+                    raise ConfigError("kv_budget", budget,
+                                      f"must give the {name} store {least[name]} bytes in its split by "
+                                      f"split_context={reference}: at least "
+                                      f"{-(-least[name] * total // wanted[name]) + fast_chunk_bytes} bytes")
+        pages = shares["chunks"] // fast_chunk_bytes + 1  # with the page set aside
+        # What rounding leaves goes to the per-sequence state.
+        return cls(shares["exact"], shares["sliding"], pages,
+                   budget - shares["exact"] - shares["sliding"] - pages * fast_chunk_bytes)
+
+
+def _longest(parts: Callable[[int], dict[str, int]], room: int) -> int:
+    """The longest n whose parts add up to at most `room` (0: none); sums only grow with n."""
+    lo, hi = 0, room
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if sum(parts(mid).values()) <= room else (lo, mid - 1)
+    return lo
+
+
+def _proportional(budget: int, wanted: dict[str, int]) -> dict[str, int]:
+    total = sum(wanted.values())
+    return {name: budget * wanted[name] // total for name in PARTS}
+
+
+def _add(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {name: a[name] + b[name] for name in PARTS}

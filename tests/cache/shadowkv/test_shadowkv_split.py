@@ -1,0 +1,107 @@
+"""ShadowKV's one split of the budget between its stores (split.py): the shares are the
+budget, a lone sequence fits as far as its bytes do (default), `split_context` trades that
+for room for many compressed sequences, and `allocate` keeps each store within its share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.cache.layout import CacheLayerSpec, CacheLayout
+from kvforge.cache.registry import create_cache
+from kvforge.cache.shadowkv.method import ShadowKVCache
+from kvforge.errors import ConfigError
+
+SPEC = "shadowkv:chunk=4,local=8,outliers=2,min_context=24,generated_window=8,rank=4,budget=8"
+
+
+def hybrid_layout() -> CacheLayout:
+    """Two global and two sliding-window layers."""
+    return CacheLayout.one_per_layer([CacheLayerSpec(2, 16, 0.25, None if i % 2 else 12) for i in range(4)])
+
+
+def make(budget: int, options: str = "") -> ShadowKVCache:
+    cache = create_cache(SPEC + options, hybrid_layout(), budget, torch.float32)
+    assert isinstance(cache, ShadowKVCache)
+    return cache
+
+
+def test_the_shares_are_the_budget():
+    for budget, options in ((30_000, ""), (100_000, ""), (100_000, ",split_context=48"),
+                            (1 << 22, ",split_context=48")):
+        cache = make(budget, options)
+        split = cache.split
+        assert split.exact + split.sliding + split.chunk_pages * cache.fast_chunk_bytes + split.fixed == budget
+        assert cache.exact.memory_capacity()["fast"] <= split.exact  # type: ignore[union-attr]
+        assert cache.sliding.memory_capacity()["fast"] <= split.sliding  # type: ignore[union-attr]
+        assert cache.store.num_pages <= split.chunk_pages  # type: ignore[union-attr]
+
+
+def test_a_budget_too_small_to_compress_holds_one_sequence_as_far_as_its_bytes_do():
+    """When not even a min_context sequence fits, the split follows the longest that does:
+    every length whose bytes fit the budget (less one chunk page set aside) fits and can be
+    allocated in a fresh cache; no length fits whose bytes do not."""
+    probe = make(1 << 22)
+    for tokens in (5, 12, 20):
+        budget = probe.sequence_bytes(tokens) + probe.fast_chunk_bytes + 100
+        cache = make(budget)
+        for n in range(1, 60):
+            fits = cache.fits_together([n])
+            if cache.sequence_bytes(n) <= budget - cache.fast_chunk_bytes:
+                assert fits, (tokens, n)
+            if fits:
+                assert cache.sequence_bytes(n) <= budget and cache.can_allocate(0, n), (tokens, n)
+        assert cache.fits_together([tokens]) and not cache.fits_together([40])
+
+
+@pytest.mark.parametrize("budget", [200_000, 1 << 22])
+def test_the_default_split_holds_a_long_sequence_or_many_short_ones(budget):
+    """Half the budget for the longest lone sequence, half for min_context sequences: every
+    length whose bytes fit half the budget fits alone, and half the budget's bytes of
+    min_context sequences fit at once (which split_context=200 does not give)."""
+    cache, long = make(budget), make(budget, ",split_context=200")
+    half = (budget - cache.fast_chunk_bytes) // 2
+    for n in range(1, 400, 7):
+        if cache.sequence_bytes(n) <= half:
+            assert cache.fits_together([n]) and cache.can_allocate(0, n), n
+    k = half // cache.sequence_bytes(24)
+    assert k >= 1 and cache.fits_together([24] * k)
+    assert not long.fits_together([24] * (budget // cache.sequence_bytes(24)))
+
+
+def test_allocate_keeps_each_store_within_its_share():
+    """Sequences that would fit the budget by their bytes are refused once one store's share
+    is used up (an inner cache's pages)."""
+    cache = make(200_000, ",split_context=48")
+    admitted = 0
+    while admitted < 100 and cache.allocate(admitted, 20):  # exact sequences (below min_context)
+        admitted += 1
+    assert 0 < admitted < 100
+    assert cache.memory_usage()["fast"] + cache.sequence_bytes(20) <= cache.memory_capacity()["fast"]
+    inner = [c for c in (cache.exact, cache.sliding) if c is not None]
+    assert any(c.pages.pool.num_free < c.pages.pages_for_growth(admitted, 20) for c in inner)
+
+
+@pytest.mark.parametrize("length", [30, 60, 100])
+def test_reserved_state_stays_within_its_share(length):
+    """Steps that may compress reserve chunk pages and per-sequence state: admitted until a
+    share runs out, never beyond any share."""
+    cache = make(200_000, ",split_context=48")
+    admitted = 0
+    while admitted < 100 and cache.allocate(admitted, length):
+        admitted += 1
+        assert cache._fixed_bytes <= cache.split.fixed
+        assert cache._reserved_pages <= cache.store.num_pages  # type: ignore[union-attr]
+    assert 0 < admitted < 100
+
+
+def test_a_budget_too_small_for_its_split_is_refused():
+    with pytest.raises(ConfigError, match="kv_budget.*12000.*split_context=48: at least"):
+        make(12_000, ",split_context=48")
+    with pytest.raises(ConfigError, match="kv_budget.*5000.*one compressed chunk"):
+        make(5000)
+
+
+def test_split_context_below_min_context_is_refused():
+    with pytest.raises(ConfigError, match="split_context.*10.*min_context=24"):
+        make(1 << 20, ",split_context=10")

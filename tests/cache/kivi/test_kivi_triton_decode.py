@@ -13,9 +13,14 @@ import pytest
 import torch
 
 from kvforge.cache.attention import reference_attention
+from kvforge.cache.kivi import triton_decode
 from kvforge.cache.kivi.decode_reference import kivi_decode_attention_reference
 from kvforge.cache.kivi.quant import dequantize, quantize
-from kvforge.cache.kivi.triton_decode import kivi_decode_attention_triton, triton_available
+from kvforge.cache.kivi.triton_decode import (
+    kivi_decode_attention_triton,
+    triton_available,
+    triton_interpreting,
+)
 from kvforge.errors import ConfigError
 
 GROUP, RESIDUAL, KV_HEADS, QUERY_GROUP, DIM = 16, 32, 2, 3, 32
@@ -152,8 +157,7 @@ def test_reference_is_not_the_exact_attention() -> None:
 
 def interpreting() -> bool:
     """Triton's interpreter is on (TRITON_INTERPRET=1 before triton was imported)."""
-    import triton
-    return bool(triton.knobs.runtime.interpret)
+    return triton_interpreting()
 
 
 @pytest.fixture
@@ -219,6 +223,33 @@ def test_triton_launcher_rejects_bad_arguments(triton_device: str) -> None:
         kivi_decode_attention_triton(**on({**case, "bits": 3}, triton_device))
     with pytest.raises(ConfigError, match="k_codes"):
         kivi_decode_attention_triton(**on({**case, "bits": 4}, triton_device))
+
+
+def test_interpreter_check_works_with_and_without_triton_knobs(monkeypatch) -> None:
+    """`triton.knobs` is recent; an older Triton is asked through TRITON_INTERPRET instead."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(triton_decode, "triton", SimpleNamespace())  # a Triton without knobs
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not triton_interpreting()
+    runtime = SimpleNamespace(interpret=True)
+    monkeypatch.setattr(triton_decode, "triton", SimpleNamespace(knobs=SimpleNamespace(runtime=runtime)))
+    assert triton_interpreting()  # the knob wins over the environment when it exists
+    monkeypatch.setattr(triton_decode, "triton", None)
+    assert not triton_interpreting()
+
+
+@pytest.mark.skipif(not triton_available() or torch.cuda.device_count() < 2, reason="needs triton and two GPUs")
+def test_triton_kernel_runs_on_the_device_of_its_tensors() -> None:
+    """Tensors on cuda:1 while cuda:0 is current: the launch follows the tensors."""
+    case, _ = make_case(LENGTHS, 4)
+    expected = kivi_decode_attention_reference(**case)
+    with torch.cuda.device(0):
+        out = kivi_decode_attention_triton(**on(case, "cuda:1"))
+    assert out.device == torch.device("cuda:1")
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(triton_available(), reason="checks the behaviour without the `triton` package")

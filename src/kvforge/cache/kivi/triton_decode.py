@@ -26,6 +26,8 @@ runs in Triton's interpreter on CPU tensors: that is how it is tested without a 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvforge.cache.kivi.quant import SUPPORTED_BITS, codes_per_byte
@@ -48,6 +50,17 @@ def triton_available() -> bool:
     """True when the `triton` package is importable (the kernel still needs CUDA tensors,
     or TRITON_INTERPRET=1 for CPU tensors)."""
     return triton is not None
+
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter. `triton.knobs` exists only in
+    recent Triton releases; older ones read TRITON_INTERPRET=1 from the environment."""
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # Without triton the body stays a plain (never called) function, so the module imports.
@@ -152,7 +165,7 @@ def kivi_decode_attention_triton(
     if triton is None:
         raise RuntimeError("the Triton KIVI attention kernel needs the `triton` package "
                            "(pip install 'kvforge[triton]')")
-    if not (q.is_cuda or triton.knobs.runtime.interpret):
+    if not (q.is_cuda or triton_interpreting()):
         raise ValueError("kivi_decode_attention_triton runs on CUDA tensors (or on CPU tensors "
                          "when TRITON_INTERPRET=1 was set before triton was imported)")
     require(bits in SUPPORTED_BITS, "bits", bits, f"must be one of {list(SUPPORTED_BITS)}")
@@ -174,16 +187,19 @@ def kivi_decode_attention_triton(
     out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
     if batch == 0:
         return out.to(q.dtype)
-    _kivi_decode_kernel[(batch, kv_heads)](
-        q, k_self, v_self, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-        k_residual, v_residual, slots, page_table, first_page_position, nk, nv, visible_from, n, out,
-        q.stride(0), q.stride(1), k_self.stride(0), k_self.stride(1), v_self.stride(0), v_self.stride(1),
-        *k_codes.stride(), *k_scale.stride(), *v_codes.stride(), *v_scale.stride(),
-        *k_residual.stride()[:3], k_residual.shape[2], *v_residual.stride()[:3], v_residual.shape[2],
-        page_table.stride(0), page_table.shape[1],
-        float(scale),
-        QUERY_GROUP=query_group, BLOCK_Q=max(MIN_DOT, triton.next_power_of_2(query_group)), HEAD_DIM=dim,
-        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), BITS=bits, GROUP=group, BLOCK_T=BLOCK_T)
+    # Triton launches on the current CUDA device, which need not be q's (cuda:1 while cuda:0
+    # is current); device_of(q) is a no-op for CPU tensors (the interpreter).
+    with torch.cuda.device_of(q):
+        _kivi_decode_kernel[(batch, kv_heads)](
+            q, k_self, v_self, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+            k_residual, v_residual, slots, page_table, first_page_position, nk, nv, visible_from, n, out,
+            q.stride(0), q.stride(1), k_self.stride(0), k_self.stride(1), v_self.stride(0), v_self.stride(1),
+            *k_codes.stride(), *k_scale.stride(), *v_codes.stride(), *v_scale.stride(),
+            *k_residual.stride()[:3], k_residual.shape[2], *v_residual.stride()[:3], v_residual.shape[2],
+            page_table.stride(0), page_table.shape[1],
+            float(scale),
+            QUERY_GROUP=query_group, BLOCK_Q=max(MIN_DOT, triton.next_power_of_2(query_group)), HEAD_DIM=dim,
+            BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), BITS=bits, GROUP=group, BLOCK_T=BLOCK_T)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

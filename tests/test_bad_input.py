@@ -74,6 +74,24 @@ CASES = [
     (["swiftkv", "init", "--num-key-value-layers", "99", "--out", "never"], ["num_key_value_layers", "99", "[1,"]),
     (["swiftkv", "flops", "--model", "smollm2-135m", "--num-key-value-layers", "15", "--group-size", "4"],
      ["key_value_group_size", "4", "divide"]),
+    # --device, on every command that runs a model (this torch has no CUDA)
+    (["generate", "--device", "cuda", "hi"], ["device", "'cuda'", "needs a CUDA GPU"]),
+    (["generate", "--device", "cuda:7", "hi"], ["device", "'cuda:7'", "needs a CUDA GPU"]),
+    (["generate", "--device", "tpu", "hi"], ["device", "'tpu'", "must be cpu, cuda or cuda:N"]),
+    (["chat", "--device", "cuda"], ["device", "'cuda'", "needs a CUDA GPU"]),
+    (["serve", "--device", "cuda:7"], ["device", "'cuda:7'", "needs a CUDA GPU"]),
+    (["verify", "--device", "tpu"], ["device", "'tpu'", "must be cpu, cuda or cuda:N"]),
+    (["bench", "prefill", "--device", "cuda"], ["device", "'cuda'", "needs a CUDA GPU"]),
+    (["bench", "decode", "--device", "cuda:7", "--compare", "hf"], ["device", "'cuda:7'", "needs a CUDA GPU"]),
+    (["bench", "serve", "--device", "tpu"], ["device", "'tpu'", "must be cpu, cuda or cuda:N"]),
+    (["eval", "ppl", "--device", "cuda", "--compare", "hf"], ["device", "'cuda'", "needs a CUDA GPU"]),
+    (["eval", "niah", "--device", "cuda:7"], ["device", "'cuda:7'", "needs a CUDA GPU"]),
+    (["eval", "ruler", "--device", "tpu"], ["device", "'tpu'", "must be cpu, cuda or cuda:N"]),
+    (["analyze", "all", "--device", "cuda"], ["device", "'cuda'", "needs a CUDA GPU"]),
+    (["demo", "--device", "cuda:7"], ["device", "'cuda:7'", "needs a CUDA GPU"]),
+    (["swiftkv", "evaluate", "--swiftkv", "ckpt", "--device", "cuda"], ["device", "'cuda'", "needs a CUDA GPU"]),
+    (["swiftkv", "compare", "--swiftkv", "ckpt", "--device", "tpu"], ["device", "'tpu'", "must be cpu, cuda"]),
+    (["swiftkv", "distill", "--device", "cuda:7", "--out", "never"], ["device", "'cuda:7'", "needs a CUDA GPU"]),
 ]
 
 

@@ -13,6 +13,7 @@ import torch
 from kvforge.analysis.cli import add_analyze_parser, run_analyze
 from kvforge.bench.cli import add_bench_parser, run_bench
 from kvforge.demo import add_demo_parser, cmd_demo
+from kvforge.devices import add_device_arg, resolve_device
 from kvforge.errors import KVForgeError, require
 from kvforge.eval.cli import add_eval_parser, run_eval
 from kvforge.report.cli import add_report_parser, run_report
@@ -24,11 +25,14 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_KV_BUDGET = "1GiB"
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def _add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None:
+    """--model and --threads; --device too unless the command builds no model (info)."""
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help=f"named model (smollm2-135m, gemma3-270m), a .gguf file or a Hugging Face "
                              f"checkpoint directory (default {DEFAULT_MODEL})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    if device:
+        add_device_arg(parser)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +73,7 @@ def _make_llm(args: argparse.Namespace):
 
     return LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt, dtype=args.dtype,
                kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
-               prefix_caching=args.prefix_caching)
+               prefix_caching=args.prefix_caching, device=args.device)
 
 
 def _add_json_arg(parser: argparse.ArgumentParser) -> None:
@@ -118,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json_arg(ver)
 
     info = verbs.add_parser("info", help="architecture, parameters and KV bytes per token")
-    _add_model_args(info)
+    _add_model_args(info, device=False)  # config and byte counts only: no model is built
     info.add_argument("--swiftkv", default=None, metavar="DIR", help="SwiftKV checkpoint laid over --model")
     _add_json_arg(info)
 
@@ -192,7 +196,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from kvforge.verify import run_verify
 
-    report = run_verify(args.model, text_file=args.text_file, passage_tokens=args.passage_tokens)
+    report = run_verify(args.model, text_file=args.text_file, passage_tokens=args.passage_tokens,
+                        device=args.device)
     print(f"model                      {report.model}")
     print(f"passage tokens             {report.passage_tokens}")
     print(f"max_abs_logit_diff         {report.max_abs_logit_diff:.3e}  "
@@ -231,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
+        if getattr(args, "device", None) is not None:  # before the command loads or writes anything
+            resolve_device(args.device)
         return COMMANDS[args.verb](args)
     except KVForgeError as exc:
         print(f"kvforge {args.verb}: error: {exc}", file=sys.stderr)

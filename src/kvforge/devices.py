@@ -7,6 +7,8 @@ with a `ConfigError` that names the parameter, the value and the rule, instead o
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from kvforge.errors import ConfigError
@@ -33,3 +35,10 @@ def resolve_device(value: str | torch.device, parameter: str = "device") -> torc
     if not 0 <= index < count:
         raise ConfigError(parameter, value, f"must name one of the {count} visible CUDA devices (cuda:0..cuda:{count - 1})")
     return torch.device("cuda", index)
+
+
+def add_device_arg(parser: argparse.ArgumentParser) -> None:
+    """`--device` of every command that runs a model. `kvforge.cli.main` checks it with
+    `resolve_device` right after parsing, before the command does anything."""
+    parser.add_argument("--device", default="cpu", metavar="DEVICE",
+                        help="where the model runs: cpu, cuda or cuda:N (cpu)")

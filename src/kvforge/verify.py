@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvforge.cache.registry import create_cache
+from kvforge.devices import resolve_device
 from kvforge.engine.greedy import greedy_generate
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.errors import ConfigError
@@ -59,7 +60,8 @@ def _log(message: str) -> None:
     print(f"[verify] {message}", file=sys.stderr, flush=True)
 
 
-def load_transformers_model(source: ModelSource) -> torch.nn.Module:
+def load_transformers_model(source: ModelSource, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The transformers model on the same file, in float32, on `device`."""
     from transformers import AutoModelForCausalLM
 
     if source.kind == "gguf":
@@ -68,7 +70,7 @@ def load_transformers_model(source: ModelSource) -> torch.nn.Module:
     else:
         model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32,
                                                      local_files_only=True)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _passage_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
@@ -85,32 +87,34 @@ def _passage_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
 
 
 def run_verify(model_name: str, text_file: str | Path | None = None,
-               passage_tokens: int = PASSAGE_TOKENS, kv_budget: int = 256 * 2**20) -> VerifyReport:
+               passage_tokens: int = PASSAGE_TOKENS, kv_budget: int = 256 * 2**20,
+               device: str | torch.device = "cpu") -> VerifyReport:
     from kvforge.preflight import check_within_context, model_context
     from kvforge.text_data import read_text
 
-    if passage_tokens <= DECODED_TOKENS:  # checked before anything loads
+    device = resolve_device(device)  # checked before anything loads, like the rest
+    if passage_tokens <= DECODED_TOKENS:
         raise ConfigError("passage_tokens", passage_tokens, f"must be > {DECODED_TOKENS}")
     check_within_context("passage_tokens", [passage_tokens], model_context(model_name), model_name)
     read_text(text_file)
     times: dict[str, float] = {}
     start = time.perf_counter()
-    model, source = load_model(model_name, dtype="float32")
+    model, source = load_model(model_name, dtype="float32", device=device)
     tokenizer = load_tokenizer(source)
     times["load_kvforge"] = time.perf_counter() - start
     _log(f"kvforge model loaded from {source.path} ({times['load_kvforge']:.1f}s)")
     start = time.perf_counter()
-    reference = load_transformers_model(source)
+    reference = load_transformers_model(source, device)
     times["load_transformers"] = time.perf_counter() - start
     _log(f"transformers model loaded ({times['load_transformers']:.1f}s)")
-    cache = create_cache("full", model.cache_layout(), kv_budget, torch.float32)
+    cache = create_cache("full", model.cache_layout(), kv_budget, torch.float32, device)
     runner = ModelRunner(model, cache)
 
     passage = tokenizer.encode(heldout_text(text_file))[:passage_tokens]
     start = time.perf_counter()
     ours = _passage_logits(runner, passage)
     with torch.inference_mode():
-        theirs = reference(torch.tensor([passage])).logits[0].float()
+        theirs = reference(torch.tensor([passage], device=device)).logits[0].float()
     times["passage"] = time.perf_counter() - start
     split = len(passage) - DECODED_TOKENS
     diff = (ours - theirs).abs().amax(dim=-1)
@@ -127,7 +131,7 @@ def run_verify(model_name: str, text_file: str | Path | None = None,
     records = []
     for text, prompt, generated in zip(VERIFY_PROMPTS, prompts, ours_generated):
         with torch.inference_mode():
-            output = reference.generate(torch.tensor([prompt]), max_new_tokens=GENERATED_TOKENS,
+            output = reference.generate(torch.tensor([prompt], device=device), max_new_tokens=GENERATED_TOKENS,
                                         do_sample=False, eos_token_id=stops,
                                         pad_token_id=stops[0] if stops else None)
         expected = output[0, len(prompt):].tolist()

@@ -22,7 +22,8 @@ class CharTokenizer:
 @pytest.fixture
 def tiny_setup(monkeypatch, tmp_path):
     _, model = make_pair("gemma3_hybrid")  # QK-norm and mixed sliding/global layers
-    monkeypatch.setattr(analysis_cli, "load_model_and_tokenizer", lambda name, dtype: (model, CharTokenizer(), "tiny"))
+    monkeypatch.setattr(analysis_cli, "load_model_and_tokenizer",
+                        lambda name, dtype, device: (model, CharTokenizer(), "tiny"))
     # Articles with title lines, so the held-out split (after 80% at an article start) is non-empty.
     text = "".join(f" = Article {i} = \n\n The word {i} follows the words before it, again and again.\n\n"
                    for i in range(40))

@@ -122,7 +122,7 @@ def fast_bench(monkeypatch):
     (the tests run with --threads 1: on a shared 2-core machine, 2 OpenMP threads wait for
     each other at every op whenever another job holds a core)."""
 
-    def load(model, dtype, swiftkv=None):
+    def load(model, dtype, swiftkv=None, device="cpu"):
         net, source = _cached_load(model, dtype, swiftkv)
         return net, _tokenizer(source), source
 

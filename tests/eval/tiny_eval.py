@@ -42,8 +42,8 @@ def tiny_models(monkeypatch):
     hf, ours = make_pair("llama_gqa")
     tokenizer = CharTokenizer()
     source = ModelSource("hf_dir", __import__("pathlib").Path("tiny"), "tiny")
-    monkeypatch.setattr(context, "load_kvforge", lambda name, dtype: (ours, tokenizer, source))
-    monkeypatch.setattr(context, "load_hf", lambda source, dtype: hf)
+    monkeypatch.setattr(context, "load_kvforge", lambda name, dtype, device: (ours, tokenizer, source))
+    monkeypatch.setattr(context, "load_hf", lambda source, dtype, device: hf)
     monkeypatch.setattr(context, "load_tokenizer_only", lambda name: tokenizer)
     monkeypatch.setattr(context.EvalContext, "context_length", lambda self: ours.config.max_position_embeddings)
     yield hf, ours, tokenizer

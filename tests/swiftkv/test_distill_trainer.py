@@ -84,6 +84,29 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert resumed.tokens_trained == full.tokens_trained
 
 
+def test_resume_loads_the_state_on_the_cpu_and_restores_the_rng_states(tmp_path, monkeypatch):
+    """A run on a GPU resumes with its RNG states as CPU byte tensors (what
+    torch.cuda.set_rng_state_all accepts) whatever the training device. The meta device
+    stands in for the GPU: a state mapped onto it holds no RNG bytes to restore."""
+    run(tiny_recipe(tmp_path, max_steps=2))
+    path = state_dirs(tmp_path)[-1] / "state.pt"
+    state = torch.load(path, weights_only=False)
+    cuda_states = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
+    state["rng"]["cuda"] = cuda_states
+    torch.save(state, path)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    torch.manual_seed(12345)  # not the saved state
+    trainer = Trainer(tiny_distill_model(), random_data(), tiny_recipe(tmp_path, max_steps=2, resume="auto"),
+                      tmp_path, DataParallel(0, 1, torch.device("meta")), progress=False)
+    assert trainer.start() == 2
+    assert torch.equal(torch.get_rng_state(), state["rng"]["torch"])
+    assert len(restored) == 2
+    for got, saved in zip(restored, cuda_states):
+        assert got.device.type == "cpu" and got.dtype == torch.uint8 and torch.equal(got, saved)
+
+
 def test_resume_refuses_a_different_recipe(tmp_path):
     run(tiny_recipe(tmp_path, max_steps=2))
     with pytest.raises(ConfigError, match="learning-rate"):

@@ -32,7 +32,8 @@ from kvforge.models.rope import PositionedRope
 
 @dataclass(frozen=True)
 class Activations:
-    """Float32 copies of one passage's activations; T = passage tokens.
+    """Float32 copies of one passage's activations, on the CPU whatever the model's device
+    (the analyses run there); T = passage tokens.
 
     `hidden[l]` is the input of layer l [T, hidden] for l < L, and `hidden[L]` the last
     layer's output (before the final norm). `attention_inputs[l]` [T, hidden] is layer l's
@@ -72,9 +73,9 @@ def _recording_writes(cache: CacheMethod) -> Iterator[_KVRecord]:
         if cache_layer in record.keys_pre:
             raise ConfigError("cache_layer", cache_layer, "analysis expects one write per cache layer "
                               "(one prefill step of a model with one cache layer per layer)")
-        record.keys_pre[cache_layer] = k_pre.detach().float().clone()
-        record.keys_post[cache_layer] = rope.apply(k_pre).detach().float().clone()
-        record.values[cache_layer] = v.detach().float().clone()
+        record.keys_pre[cache_layer] = k_pre.detach().float().to("cpu", copy=True)
+        record.keys_post[cache_layer] = rope.apply(k_pre).detach().float().to("cpu", copy=True)
+        record.values[cache_layer] = v.detach().float().to("cpu", copy=True)
         original(cache_layer, batch, k_pre, v, rope)
 
     cache.write = write  # type: ignore[method-assign]
@@ -106,7 +107,7 @@ def capture_activations(model: CausalLM, token_ids: Sequence[int]) -> Activation
         handles.append(layer.self_attn.register_forward_pre_hook(_keeper(attention_inputs, index)))
 
     def keep_output(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        hidden[num_layers] = output.detach().float().clone()
+        hidden[num_layers] = output.detach().float().to("cpu", copy=True)
     handles.append(model.model.layers[num_layers - 1].register_forward_hook(keep_output))
     try:
         with _recording_writes(cache) as record:
@@ -125,9 +126,9 @@ def capture_activations(model: CausalLM, token_ids: Sequence[int]) -> Activation
 
 
 def _keeper(store: list[torch.Tensor | None], index: int) -> Callable[[torch.nn.Module, tuple], None]:
-    """Forward pre-hook storing a float32 copy of the module's first argument at `index`."""
+    """Forward pre-hook storing a float32 CPU copy of the module's first argument at `index`."""
     def keep(module: torch.nn.Module, args: tuple) -> None:
-        store[index] = args[0].detach().float().clone()
+        store[index] = args[0].detach().float().to("cpu", copy=True)
     return keep
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvforge.analysis import KINDS
 from kvforge.bench.cli import _count
+from kvforge.devices import add_device_arg
 
 CHARS_PER_TOKEN_BOUND = 8  # text prefix encoded first; real text averages ~4 chars per token
 
@@ -26,6 +27,7 @@ def add_analyze_parser(verbs: Any) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     parser.add_argument("--threads", type=_count(1), default=2, help="torch CPU threads (2)")
+    add_device_arg(parser)
     parser.add_argument("--text-file", default=None,
                         help="text whose held-out part supplies the passage (default: "
                              "../shared/data/wikitext-2-raw-test.txt)")
@@ -36,12 +38,12 @@ def add_analyze_parser(verbs: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def load_model_and_tokenizer(model: str, dtype: str) -> tuple[Any, Any, str]:
+def load_model_and_tokenizer(model: str, dtype: str, device: str = "cpu") -> tuple[Any, Any, str]:
     """(kvforge model, tokenizer, model name); tests replace this with a tiny model."""
     from kvforge.models.loader import load_model
     from kvforge.models.tokenizer import load_tokenizer
 
-    net, source = load_model(model, dtype=dtype)
+    net, source = load_model(model, dtype=dtype, device=device)
     return net, load_tokenizer(source), source.name
 
 
@@ -65,7 +67,7 @@ def run_analyze(args: argparse.Namespace) -> int:
 
     settings = AnalysisSettings(kinds=KINDS if args.kind == "all" else (args.kind,), layer=args.layer)
     start = time.perf_counter()
-    model, tokenizer, name = load_model_and_tokenizer(args.model, args.dtype)
+    model, tokenizer, name = load_model_and_tokenizer(args.model, args.dtype, args.device)
     token_ids = passage_tokens(tokenizer, args.text_file, args.tokens)
     print(f"[analyze] {name}: {len(token_ids)} tokens, loaded in {time.perf_counter() - start:.1f} s",
           file=sys.stderr)

@@ -9,6 +9,8 @@ import argparse
 import importlib
 from typing import Any
 
+from kvforge.devices import add_device_arg
+
 
 def _count(minimum: int):
     def parse(text: str) -> int:
@@ -28,6 +30,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (weights and compute)")
     parser.add_argument("--threads", type=_count(1), default=2, help="torch CPU threads for every system (2)")
+    add_device_arg(parser)  # every system, the transformers peer included
     parser.add_argument("--cache", default="full", help="cache method under test, optionally name:key=value,...")
     parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="option of the cache under test (repeatable)")
@@ -101,6 +104,7 @@ def _add_serve(kinds: Any) -> None:
                        help="model the started servers load; its tokenizer cuts the prompts (smollm2-135m)")
     serve.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     serve.add_argument("--threads", type=_count(1), default=2, help="torch CPU threads of each server (2)")
+    add_device_arg(serve)  # of each started server
     serve.add_argument("--cache", default="full", help="cache method of the server under test")
     serve.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                        help="option of the cache under test (repeatable)")

@@ -101,9 +101,10 @@ def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def load_kvforge(model: str, dtype: torch.dtype, swiftkv: str | None = None) -> tuple[torch.nn.Module, Any, ModelSource]:
+def load_kvforge(model: str, dtype: torch.dtype, swiftkv: str | None = None,
+                 device: str = "cpu") -> tuple[torch.nn.Module, Any, ModelSource]:
     """kvforge model and tokenizer (tests replace this with a cached loader)."""
-    net, source = load_model(model, dtype=dtype, swiftkv=swiftkv)
+    net, source = load_model(model, dtype=dtype, swiftkv=swiftkv, device=device)
     return net, load_tokenizer(source), source
 
 
@@ -125,6 +126,11 @@ class BenchContext:
     def swiftkv(self) -> str | None:
         return getattr(self.args, "swiftkv", None)
 
+    @property
+    def device(self) -> str:
+        """Where every system runs, kvforge and transformers alike (--device)."""
+        return self.args.device
+
     def kvforge_model(self, swiftkv: bool = True) -> tuple[Any, Any]:
         """(model, tokenizer), loaded on first use and shared by every kvforge system; the
         --swiftkv model unless `swiftkv` is False or none was given (then the base model)."""
@@ -132,7 +138,7 @@ class BenchContext:
         key = overlay is not None
         if key not in self._loaded:
             start = time.perf_counter()
-            model, tokenizer, source = load_kvforge(self.args.model, self.dtype, swiftkv=overlay)
+            model, tokenizer, source = load_kvforge(self.args.model, self.dtype, swiftkv=overlay, device=self.device)
             if getattr(self.args, "max_position_embeddings", None):  # speed runs past the trained context
                 model.config = dataclasses.replace(model.config,
                                                    max_position_embeddings=self.args.max_position_embeddings)
@@ -148,7 +154,7 @@ class BenchContext:
         Prefix caching only where the system asks for it: benchmarks repeat the same
         prompts, which a cache would otherwise serve from the previous repeat."""
         model, tokenizer = self.kvforge_model(system.swiftkv)
-        cache = create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype)
+        cache = create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype, self.device)
         config = EngineConfig(kv_budget_bytes=self.kv_budget, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, admission=admission,
                               prefix_caching=bool(system.prefix_caching))
@@ -160,7 +166,7 @@ class BenchContext:
         from kvforge.bench.hf_peer import load_hf_peer
 
         start = time.perf_counter()
-        model = load_hf_peer(self.source, self.dtype)
+        model = load_hf_peer(self.source, self.dtype, self.device)
         log(f"transformers model loaded ({time.perf_counter() - start:.1f} s)")
         return model
 

@@ -23,20 +23,22 @@ from kvforge.integrations.transformers import cache_argument
 from kvforge.models.loader import ModelSource
 
 
-def load_hf_peer(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
+def load_hf_peer(source: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The peer on `device` (the kvforge systems' device), in `dtype`."""
     from kvforge.verify import load_transformers_model  # float32 load, then cast
 
-    model = load_transformers_model(source)
+    model = load_transformers_model(source, device)
     return model.to(dtype) if dtype != torch.float32 else model
 
 
 def prefill(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> float:
     """Seconds of one batched prompt forward with logits for the last position only."""
-    ids = torch.tensor(prompts, dtype=torch.long)
+    ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
     with torch.inference_mode():
         start = time.perf_counter()
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         out.logits[:, -1].argmax(dim=-1)
+        _wait(model)
         return time.perf_counter() - start
 
 
@@ -44,17 +46,25 @@ def decode(model: torch.nn.Module, prompts: Sequence[Sequence[int]], gen: int) -
     """Prefill (untimed) then gen-1 timed greedy decode calls; returns seconds and tokens."""
     from transformers import DynamicCache
 
-    ids = torch.tensor(prompts, dtype=torch.long)
+    ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         out = model(input_ids=ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
         next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+        _wait(model)
         start = time.perf_counter()
         for _ in range(gen - 1):
             out = model(input_ids=next_ids, **cache_argument(cache), use_cache=True, logits_to_keep=1)
             next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+        _wait(model)
         seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens": len(prompts) * (gen - 1), "steps": gen - 1}
+
+
+def _wait(model: torch.nn.Module) -> None:
+    """On a GPU, wait for the queued kernels, so that a timed region ends with its work."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
 
 
 def pad_token_id(model: torch.nn.Module) -> int:
@@ -74,7 +84,7 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], output_le
     start = time.perf_counter()
     with torch.inference_mode():
         for first in range(0, len(prompts), batch):
-            ids = torch.tensor(prompts[first:first + batch], dtype=torch.long)
+            ids = torch.tensor(prompts[first:first + batch], dtype=torch.long, device=model.device)
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  num_beams=1, max_new_tokens=output_len, min_new_tokens=output_len,
                                  pad_token_id=pad)

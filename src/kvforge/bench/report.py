@@ -66,6 +66,7 @@ def finish(ctx: BenchContext, benchmark: str, settings: dict[str, Any], headline
         "benchmark": benchmark,
         "model": ctx.args.model,
         "dtype": str(ctx.dtype).removeprefix("torch."),
+        "device": ctx.device,
         "threads": ctx.args.threads,
         "settings": settings,
         "headline_metric": headline,

@@ -135,7 +135,7 @@ def _serve_args(args: argparse.Namespace, system: System) -> list[str]:
     out = ["--model", args.model, "--cache", str(system.cache), "--kv-budget", args.kv_budget, "--dtype", args.dtype,
            "--threads", str(args.threads), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-num-seqs", str(args.max_num_seqs), "--admission", args.admission, "--step-timing",
-           "--served-model-name", SERVED_NAME]
+           "--served-model-name", SERVED_NAME, "--device", args.device]
     if args.swiftkv and system.swiftkv:
         out += ["--swiftkv", args.swiftkv]
     return out
@@ -239,6 +239,7 @@ def _result(args: argparse.Namespace, plan: Plan, systems: list[dict[str, Any]],
         "model": args.model,
         "swiftkv": args.swiftkv,
         "dtype": args.dtype,
+        "device": args.device,
         "threads": args.threads,
         "settings": {
             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,

@@ -12,9 +12,11 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from kvforge.cache.registry import create_cache, parse_cache_spec
+from kvforge.devices import resolve_device
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
@@ -42,18 +44,19 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", cache: str = "full", dtype: str = "float32",
                  kv_budget: str | int = "1GiB", max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
-                 cache_options: Sequence[str] | None = None, device: str = "cpu",
+                 cache_options: Sequence[str] | None = None, device: str | torch.device = "cpu",
                  swiftkv: str | None = None, admission: str = "optimistic", step_timing: bool = False,
                  prefix_caching: bool = True) -> None:
         # Everything that can be wrong with the arguments fails before weights load.
+        where = resolve_device(device)  # ConfigError, not torch's assertion, on a torch without CUDA
         spec = parse_cache_spec(cache, list(cache_options or []))
         torch_dtype = parse_dtype(dtype)
         config = EngineConfig(kv_budget_bytes=parse_bytes(kv_budget), max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, admission=admission,
                               step_timing=step_timing, prefix_caching=prefix_caching)
-        self.model, self.source = load_model(model, dtype=torch_dtype, device=device, swiftkv=swiftkv)
+        self.model, self.source = load_model(model, dtype=torch_dtype, device=where, swiftkv=swiftkv)
         self.tokenizer = load_tokenizer(self.source)
-        kv_cache = create_cache(spec, self.model.cache_layout(), config.kv_budget_bytes, torch_dtype, device)
+        kv_cache = create_cache(spec, self.model.cache_layout(), config.kv_budget_bytes, torch_dtype, where)
         self.cache_spec = spec
         self.engine = LLMEngine(self.model, kv_cache, self.tokenizer, config)
 

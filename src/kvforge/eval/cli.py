@@ -11,6 +11,7 @@ import importlib
 from typing import Any
 
 from kvforge.bench.cli import _count
+from kvforge.devices import add_device_arg
 
 MODULES = {"ppl": "perplexity", "niah": "niah", "ruler": "ruler"}
 
@@ -19,6 +20,7 @@ def _add_common(parser: argparse.ArgumentParser, default_model: str) -> None:
     parser.add_argument("--model", default=default_model, help="named model, .gguf file or HF directory")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (weights and compute)")
     parser.add_argument("--threads", type=_count(1), default=2, help="torch CPU threads (2)")
+    add_device_arg(parser)  # every system, the transformers ones included
     parser.add_argument("--cache", default="full", help="cache method under test, optionally name:key=value,...")
     parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="option of the cache under test (repeatable)")

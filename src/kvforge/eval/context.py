@@ -3,7 +3,7 @@ system, and transformers caches for the `hf*` systems.
 
 kvforge systems share one kvforge model; each gets a new cache of `--kv-budget` bytes
 (untouched pages cost no RAM). `hf*` systems share one transformers model on the same
-weights, loaded only when such a system runs.
+weights, loaded only when such a system runs. Every model and cache is on `device`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ def log(message: str) -> None:
     print(f"[eval] {message}", file=sys.stderr, flush=True)
 
 
-def load_kvforge(model: str, dtype: torch.dtype, swiftkv: str | None = None) -> tuple[torch.nn.Module, Any, ModelSource]:
+def load_kvforge(model: str, dtype: torch.dtype, swiftkv: str | None = None,
+                 device: str = "cpu") -> tuple[torch.nn.Module, Any, ModelSource]:
     """kvforge model, tokenizer and source (tests replace this with tiny models)."""
-    net, source = load_model(model, dtype=dtype, swiftkv=swiftkv)
+    net, source = load_model(model, dtype=dtype, swiftkv=swiftkv, device=device)
     return net, load_tokenizer(source), source
 
 
@@ -37,11 +38,11 @@ def load_tokenizer_only(model: str) -> Any:
     return load_tokenizer(resolve_model_source(model))
 
 
-def load_hf(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
+def load_hf(source: ModelSource, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
     """The transformers model on the same weights (tests replace this too)."""
     from kvforge.bench.hf_peer import load_hf_peer
 
-    return load_hf_peer(source, dtype)
+    return load_hf_peer(source, dtype, device)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class EvalContext:
     dtype: torch.dtype
     kv_budget: int
     swiftkv: str | None = None  # SwiftKV checkpoint laid over the model for kvforge systems
+    device: str = "cpu"  # of every model and cache, transformers' included
     _kvforge: dict[bool, tuple[Any, Any, ModelSource]] = field(default_factory=dict, repr=False)
     _hf: torch.nn.Module | None = field(default=None, repr=False)
     _tokenizer: Any = field(default=None, repr=False)
@@ -61,7 +63,7 @@ class EvalContext:
         if key not in self._kvforge:
             start = time.perf_counter()
             extra = {"swiftkv": self.swiftkv} if key else {}
-            self._kvforge[key] = load_kvforge(self.model_name, self.dtype, **extra)
+            self._kvforge[key] = load_kvforge(self.model_name, self.dtype, device=self.device, **extra)
             log(f"kvforge {'SwiftKV ' if key else ''}model loaded ({time.perf_counter() - start:.1f} s)")
         return self._kvforge[key][0], self._kvforge[key][1]
 
@@ -90,12 +92,13 @@ class EvalContext:
     def runner(self, system: EvalSystem) -> ModelRunner:
         """A runner with a fresh cache for a kvforge system."""
         model, _ = self.kvforge(system.swiftkv)
-        return ModelRunner(model, create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype))
+        return ModelRunner(model, create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype,
+                                               self.device))
 
     def hf_model(self) -> torch.nn.Module:
         if self._hf is None:
             start = time.perf_counter()
-            self._hf = load_hf(self.source, self.dtype)
+            self._hf = load_hf(self.source, self.dtype, self.device)
             log(f"transformers model loaded ({time.perf_counter() - start:.1f} s)")
         return self._hf
 

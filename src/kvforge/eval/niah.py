@@ -78,7 +78,7 @@ def generate_hf(ctx: EvalContext, system: EvalSystem, samples: list[PasskeySampl
     stops = stop_ids(ctx)
     outputs = []
     for sample in samples:
-        ids = torch.tensor([sample.token_ids], dtype=torch.long)
+        ids = torch.tensor([sample.token_ids], dtype=torch.long, device=model.device)
         cache = make_hf_cache(system, model)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_argument(cache),
@@ -131,7 +131,7 @@ def converse_hf(ctx: EvalContext, system: EvalSystem, conversations: list[Conver
         replies: list[list[int]] = []
         for segment in conversation.turns:
             ids += (replies[-1] if replies else []) + list(segment)
-            tensor = torch.tensor([ids], dtype=torch.long)
+            tensor = torch.tensor([ids], dtype=torch.long, device=model.device)
             with torch.inference_mode():
                 out = model.generate(input_ids=tensor, attention_mask=torch.ones_like(tensor), **cache_argument(cache),
                                      do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
     check_backends(systems, args.compare)
     base = baseline_index(systems, args.baseline)
-    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv)
+    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv, args.device)
     check_within_context("lengths", lengths, ctx.context_length(), args.model, args.max_new_tokens,
                          "generated tokens (--max-new-tokens)")
     tokenizer = ctx.tokenizer

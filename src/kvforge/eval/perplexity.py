@@ -132,8 +132,8 @@ def score_hf(model: torch.nn.Module, make_cache: Callable[[], Any], windows: lis
     at a time with past_key_values, as generate does)."""
     scores: list[WindowScore] = []
     for first in range(0, len(windows), settings.batch):
-        batch = torch.tensor(windows[first:first + settings.batch], dtype=torch.long)
-        nll = torch.zeros(batch.shape[0], dtype=torch.float64)
+        batch = torch.tensor(windows[first:first + settings.batch], dtype=torch.long, device=model.device)
+        nll = torch.zeros(batch.shape[0], dtype=torch.float64, device=model.device)
         head = batch.shape[1] - 1 if settings.mode == "prefill" else settings.prefill_len
         with torch.inference_mode():
             cache = make_cache() if settings.mode == "decode" else None
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
     check_backends(systems, args.compare)
     base = baseline_index(systems, args.baseline)
-    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv)
+    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv, args.device)
     check_within_context("context", [settings.context], ctx.context_length(), args.model)
     text_file = args.text_file or str(default_text_file())
     read_text(text_file)  # exists and is text, before any load

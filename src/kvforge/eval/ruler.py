@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
     check_backends(systems, args.compare)
     base = baseline_index(systems, args.baseline)
-    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv)
+    ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv, args.device)
     check_within_context("lengths", lengths, ctx.context_length(), args.model)
     chat = bool(args.chat) and has_chat_template(ctx.tokenizer)
     if args.chat and not chat:

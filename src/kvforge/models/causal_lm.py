@@ -38,7 +38,6 @@ class CausalLM(nn.Module):
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = config
-        self.dtype = dtype
         kw = dict(dtype=dtype, device=device)
         embed = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
         layers = [self.make_layer(i, dtype, device) for i in range(config.num_layers)]
@@ -54,7 +53,13 @@ class CausalLM(nn.Module):
             if rope not in ropes:
                 ropes.append(rope)
             self.rope_index.append(ropes.index(rope))
-        self.rotaries = [RotaryEmbedding(config.head_dim, rope, device) for rope in ropes]
+        # A module list, so the tables follow `.to()` like the weights (they hold no state-dict key).
+        self.rotaries = nn.ModuleList(RotaryEmbedding(config.head_dim, rope, device) for rope in ropes)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype, read from them so that it follows `.to(dtype)`."""
+        return self.lm_head.weight.dtype
 
     # -- architecture hooks -----------------------------------------------------------
     @abstractmethod

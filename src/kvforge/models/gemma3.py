@@ -48,7 +48,8 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(config, dtype, device)
         # Stored in float32 and cast to the weight dtype at use, as the reference does
         # (in bf16, sqrt(640) = 25.30 rounds to 25.25).
-        self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
+        scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32, device=device)
+        self.register_buffer("embed_scale", scale, persistent=False)
 
     def make_layer(self, layer: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
         return Gemma3DecoderLayer(self.config, layer, dtype, device)

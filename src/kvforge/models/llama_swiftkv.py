@@ -17,6 +17,8 @@ layer of the step attends to it, and later layers attend only for `batch.logit_r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -79,6 +81,12 @@ class LlamaSwiftKVForCausalLM(LlamaForCausalLM):
         super().__init__(config, dtype=dtype, device=device)
         self.model.norm_swiftkv = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self._fused_kv: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LlamaSwiftKVForCausalLM:
+        # The fused K/V weight is a copy of the leaders' projections: a move or cast makes it
+        # stale (and a freed weight's address may be reused, fooling the version key), so drop it.
+        self._fused_kv = None
+        return super()._apply(fn, recurse)
 
     @property
     def swiftkv(self) -> SwiftKVConfig:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from kvforge.config import ModelConfig
+from kvforge.devices import resolve_device
 from kvforge.errors import ConfigError, ModelLoadError
 from kvforge.models.gguf_checkpoint import read_gguf_config, read_gguf_state_dict
 from kvforge.models.hf_checkpoint import CONFIG_FILE, read_hf_config, read_hf_state_dict
@@ -113,6 +114,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32",
     from kvforge.swiftkv import checkpoint as swiftkv_ckpt
 
     torch_dtype = parse_dtype(dtype)
+    device = resolve_device(device)  # before any file is read
     source = resolve_model_source(name_or_path)
     if swiftkv is None and source.kind == "hf_dir":
         base = swiftkv_ckpt.base_model_of(source.path)

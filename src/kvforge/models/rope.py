@@ -7,9 +7,11 @@ undoes that so every model here uses rotate-half.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from kvforge.config import RopeConfig
 
@@ -45,13 +47,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class RotaryEmbedding:
-    """Frequencies of one attention kind; `at(positions)` gives tables for a step."""
+class RotaryEmbedding(nn.Module):
+    """Frequencies of one attention kind; `at(positions)` gives tables for a step.
+
+    `inv_freq` is a non-persistent buffer: it follows `.to()` / `.cuda()` of the model (so
+    the tables are built on the device of the step's positions) and adds no state-dict key
+    (checkpoints name no RoPE tensor). It stays float32 whatever the model's dtype: the
+    angles are computed in float32, and bfloat16 frequencies would shift distant positions.
+    """
 
     def __init__(self, head_dim: int, rope: RopeConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
         self.head_dim = head_dim
         self.config = rope
-        self.inv_freq = rope_inverse_frequencies(head_dim, rope).to(device)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, rope).to(device), persistent=False)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RotaryEmbedding:
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            # A cast (model.to(torch.bfloat16)) rounded them: rebuild exactly, on the new device.
+            self.inv_freq = rope_inverse_frequencies(self.head_dim, self.config).to(self.inv_freq.device)
+        return self
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables [N, head_dim] for integer positions, computed in float32."""

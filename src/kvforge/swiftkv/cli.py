@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.devices import add_device_arg
 from kvforge.errors import ConfigError, ModelLoadError, require
 from kvforge.report.provenance import provenance
 
@@ -70,6 +71,7 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
     evaluate.add_argument("--max-windows", type=int, default=6, help="windows evaluated (6)")
     evaluate.add_argument("--text-file", default=None, help="text whose last 20%% is held out (default WikiText)")
     evaluate.add_argument("--threads", type=int, default=None, help="torch threads")
+    add_device_arg(evaluate)  # of the teacher and every student
     evaluate.add_argument("--json", metavar="OUT", default=None, help="also write the figures as JSON")
 
     compare = kinds.add_parser("compare", help="one held-out prompt through the base model and a SwiftKV "
@@ -82,6 +84,7 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
     compare.add_argument("--repeats", type=int, default=3, help="timed prefills per system; the best counts (3)")
     compare.add_argument("--text-file", default=None, help="text whose held-out part gives the prompt")
     compare.add_argument("--threads", type=int, default=None, help="torch threads")
+    add_device_arg(compare)  # of both systems
     return swift
 
 
@@ -136,9 +139,9 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = _base_model(args.model, args.swiftkv)
-    teacher, source = load_model(model)
+    teacher, source = load_model(model, device=args.device)
     windows = heldout_windows(load_tokenizer(source), settings, args.text_file)
-    students = [load_model(model, swiftkv=directory)[0] for directory in args.swiftkv]
+    students = [load_model(model, swiftkv=directory, device=args.device)[0] for directory in args.swiftkv]
     rows = list(zip(map(str, args.swiftkv), compare_all(teacher, students, windows)))
     print(format_quality(rows, settings))
     if args.json:
@@ -155,7 +158,8 @@ def _run_compare(args: argparse.Namespace) -> int:
 
     from kvforge.swiftkv.side_by_side import SideBySideSettings, compare_side_by_side, format_side_by_side
 
-    settings = SideBySideSettings(args.prompt_tokens, args.max_tokens, args.repeats)  # fails before loading
+    settings = SideBySideSettings(args.prompt_tokens, args.max_tokens, args.repeats,
+                                  device=args.device)  # fails before loading
     model = _base_model(args.model, [args.swiftkv])
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.devices import resolve_device
 from kvforge.errors import ConfigError, ModelLoadError, require
 from kvforge.eval.perplexity import starts_with_bos
 from kvforge.swiftkv.data import (
@@ -101,6 +102,7 @@ def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
     from kvforge.models.tokenizer import load_tokenizer
 
     started = time.perf_counter()
+    resolve_device(recipe.device)  # a recipe's `device: cuda` on a machine without one fails here
     data_file = check_data_source(recipe.data)
     source = resolve_model_source(recipe.model)
     config = check_recipe_against_model(recipe, load_model_config(source))

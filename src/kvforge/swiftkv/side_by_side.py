@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from kvforge.devices import resolve_device
 from kvforge.engine.llm import LLM
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import require
@@ -26,8 +27,10 @@ class SideBySideSettings:
     max_tokens: int = 32
     repeats: int = 3
     kv_budget: str = "256MiB"
+    device: str = "cpu"  # of both systems
 
     def __post_init__(self) -> None:
+        resolve_device(self.device)
         require(self.prompt_tokens >= 1, "prompt-tokens", self.prompt_tokens, "must be >= 1")
         require(self.max_tokens >= 1, "max-tokens", self.max_tokens, "must be >= 1")
         require(self.repeats >= 1, "repeats", self.repeats, "must be >= 1")
@@ -65,11 +68,11 @@ def run_system(name: str, llm: LLM, prompt: list[int], settings: SideBySideSetti
 def compare_side_by_side(model: str, swiftkv: str, settings: SideBySideSettings,
                          text_file: str | None = None) -> tuple[list[int], list[SystemRun]]:
     """Base first, then SwiftKV; one model in memory at a time."""
-    base = LLM(model=model, kv_budget=settings.kv_budget)
+    base = LLM(model=model, kv_budget=settings.kv_budget, device=settings.device)
     prompt = heldout_prompt(base, settings.prompt_tokens, text_file)
     runs = [run_system("base", base, prompt, settings)]
     del base
-    student = LLM(model=model, swiftkv=swiftkv, kv_budget=settings.kv_budget)
+    student = LLM(model=model, swiftkv=swiftkv, kv_budget=settings.kv_budget, device=settings.device)
     runs.append(run_system("swiftkv", student, prompt, settings))
     return prompt, runs
 

@@ -233,7 +233,10 @@ class Trainer:
         plot_loss(self.records, self.out / LOSS_PLOT_FILE)
 
     def load_state(self, directory: Path) -> None:
-        state = torch.load(directory / STATE_FILE, map_location=self.parallel.device, weights_only=False)
+        # Loaded on the CPU: the RNG states must be CPU byte tensors (torch.cuda.set_rng_state_all
+        # rejects CUDA ones), and the parameters and optimizer state are copied to their
+        # parameters' device below.
+        state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
         theirs, mine = state["trajectory"], self.recipe.trajectory()
         changed = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
         if changed:
@@ -243,7 +246,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         rng = state["rng"]
-        torch.set_rng_state(rng["torch"].cpu())
+        torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])

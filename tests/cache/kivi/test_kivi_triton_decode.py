@@ -13,12 +13,14 @@ import torch
 from kivi_helpers import triton_test_device
 
 from kvforge.cache.attention import reference_attention
+from kvforge.cache.kivi import triton_decode
 from kvforge.cache.kivi.decode_reference import kivi_decode_attention_reference
 from kvforge.cache.kivi.quant import dequantize, quantize
 from kvforge.cache.kivi.triton_decode import (
     kivi_decode_attention_triton,
     triton_available,
     triton_interpreted,
+    triton_interpreting,
 )
 from kvforge.errors import ConfigError
 
@@ -221,6 +223,33 @@ def test_without_a_gpu_the_kernel_tests_run_interpreted() -> None:
     if os.environ.get("TRITON_INTERPRET") == "0":
         pytest.skip("TRITON_INTERPRET=0 was set: the interpreter is off on purpose")
     assert triton_interpreted()
+
+
+def test_interpreter_check_works_with_and_without_triton_knobs(monkeypatch) -> None:
+    """`triton.knobs` is recent; an older Triton is asked through TRITON_INTERPRET instead."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(triton_decode, "triton", SimpleNamespace())  # a Triton without knobs
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not triton_interpreting()
+    runtime = SimpleNamespace(interpret=True)
+    monkeypatch.setattr(triton_decode, "triton", SimpleNamespace(knobs=SimpleNamespace(runtime=runtime)))
+    assert triton_interpreting()  # the knob wins over the environment when it exists
+    monkeypatch.setattr(triton_decode, "triton", None)
+    assert not triton_interpreting()
+
+
+@pytest.mark.skipif(not triton_available() or torch.cuda.device_count() < 2, reason="needs triton and two GPUs")
+def test_triton_kernel_runs_on_the_device_of_its_tensors() -> None:
+    """Tensors on cuda:1 while cuda:0 is current: the launch follows the tensors."""
+    case, _ = make_case(LENGTHS, 4)
+    expected = kivi_decode_attention_reference(**case)
+    with torch.cuda.device(0):
+        out = kivi_decode_attention_triton(**on(case, "cuda:1"))
+    assert out.device == torch.device("cuda:1")
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(triton_available(), reason="checks the behaviour without the `triton` package")

@@ -27,7 +27,7 @@ how it is tested without a GPU (tests/conftest.py sets it).
 
 from __future__ import annotations
 
-import contextlib
+import os
 
 import torch
 
@@ -53,8 +53,19 @@ def triton_available() -> bool:
     return triton is not None
 
 
+def triton_interpreting() -> bool:
+    """True when Triton is set to run kernels in its CPU interpreter. `triton.knobs` exists only
+    in recent Triton releases; older ones read TRITON_INTERPRET=1 from the environment."""
+    if triton is None:
+        return False
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 # TRITON_INTERPRET, read when the kernel below is decorated: setting it later changes nothing.
-_INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)
+_INTERPRETED = triton_interpreting()
 
 
 def triton_interpreted() -> bool:
@@ -187,8 +198,9 @@ def kivi_decode_attention_triton(
     out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
     if batch == 0:
         return out.to(q.dtype)
-    # Triton launches on the current CUDA device, which need not be q's.
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    # Triton launches on the current CUDA device, which need not be q's (cuda:1 while cuda:0
+    # is current); device_of(q) is a no-op for CPU tensors (the interpreter).
+    with torch.cuda.device_of(q):
         _kivi_decode_kernel[(batch, kv_heads)](
             q, k_self, v_self, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
             k_residual, v_residual, slots, page_table, first_page_position, nk, nv, visible_from, n, out,

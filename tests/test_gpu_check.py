@@ -8,6 +8,7 @@ import importlib.util
 import itertools
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -171,3 +172,24 @@ def test_reference_runs_with_the_cpu_kernels_off_and_the_setting_is_restored(mon
     with pytest.raises(RuntimeError), pytorch_paths():
         raise RuntimeError("a failing reference run")
     assert DISABLE_ENV not in os.environ
+
+
+def test_speed_runs_each_bench_and_a_failing_one_is_recorded(monkeypatch):
+    seen = []
+
+    def bench_module(name):
+        def run(args):
+            seen.append((name, args.bench_verb, args.compare, args.command_line))
+            if args.bench_verb == "decode":
+                raise RuntimeError("bench broke")
+            return {"headline_metric": "tok_s", "systems": [{"name": "swiftkv[full]", "tok_s": 2.0},
+                                                            {"name": "hf", "tok_s": 1.0}], "ratios": {"hf": 2.0}}
+        return types.SimpleNamespace(run=run)
+
+    monkeypatch.setattr(speed.importlib, "import_module", bench_module)
+    out = speed.run_speed(torch.device("cpu"), "smollm2-135m", "models/x", "256MiB", lambda message: None)
+    assert [s[:3] for s in seen] == [(f"kvforge.bench.{verb}", verb, ["base,hf"]) for verb in speed.SPEED_RUNS]
+    assert seen[0][3].startswith("kvforge bench prefill --model smollm2-135m --swiftkv models/x")
+    assert "bench broke" in out["decode"]["error"]
+    for verb in ("prefill", "throughput"):
+        assert out[verb]["systems"] == {"swiftkv[full]": 2.0, "hf": 1.0} and out[verb]["ratios"] == {"hf": 2.0}

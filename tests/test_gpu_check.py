@@ -230,11 +230,13 @@ def test_table_names_each_speed_outcome():
     doc = report.document(torch.device("cpu"), ["tiny"], 1 << 20, [row], {}, {
         "prefill": {"headline_metric": "prompt_tokens_per_s", "systems": {"swiftkv[full]": 900.0, "hf": 450.0}},
         "decode": {"error": "Traceback ...\nRuntimeError: bench broke"},
-        "throughput": {"skipped": "no --device"}}, {"command": "kvforge gpu-check"})
+        "throughput": {"skipped": "no --device"},
+        "flagged": {"headline_metric": "x", "systems": {"hf": 1.0}, "trustworthy": False}}, {"command": "kvforge gpu-check"})
     table = report.format_table(doc)
     assert "speed prefill (prompt_tokens_per_s): swiftkv[full] 900.0, hf 450.0" in table
     assert "speed decode: RuntimeError: bench broke" in table
     assert "speed throughput: no --device" in table
+    assert "speed flagged (x): hf 1.0 (bench flags the run" in table and "flags" not in table.split("prefill")[1].split("\n")[0]
     assert "correctness: 1/1 rows passed" in table and doc["passed"]
     skipped = report.format_table(report.document(torch.device("cpu"), ["tiny"], 1, [row], {}, None, {}))
     assert "speed: skipped (--skip-speed)" in skipped

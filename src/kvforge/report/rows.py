@@ -78,7 +78,7 @@ ROWS = [
         "base model, same server", "TTFT -50%, TPOT -60%; 1.2-1.9x throughput (H100)"),
     Row("SwiftKV distillation", "recovers the quality", "swiftkv/l15_evaluate_24x1024.json", _quality,
         "base model (teacher)", "T = 2 KL distillation on < 1B tokens"),
-    Row("KIVI-2", "KV memory (2-bit, 16-bit residual)", "serve/kivi_vs_full_fp16_256MB.json", _serve_kivi,
+    Row("KIVI-2", "KV memory (2-bit, 16-bit residual)", "serve/kivi_vs_full_fp16_256MB_split_budget.json", _serve_kivi,
         "full cache, fp16", "2.6x less peak memory, 4x batch, 2.35-3.47x throughput (A100)"),
     Row("KIVI quality", "", "eval/ppl_smollm2-135m_kivi_vs_full.json", _ppl, "full cache, fp32",
         "<= 2% accuracy drop at 2 bits (7B models)"),

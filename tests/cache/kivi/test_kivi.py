@@ -181,9 +181,9 @@ def test_residual_counts_against_the_budget():
 def test_bad_configs_fail_with_clear_messages():
     with pytest.raises(ConfigError, match="bits.*3.*must be one of"):
         parse_cache_spec("kivi:bits=3")
-    with pytest.raises(ConfigError, match="residual.*100.*multiple of group=32"):
+    with pytest.raises(ConfigError, match="residual.*100.*multiple of key_group=32"):
         parse_cache_spec("kivi:residual=100")
-    with pytest.raises(ConfigError, match="residual.*16.*>= group=32"):
+    with pytest.raises(ConfigError, match="residual.*16.*>= key_group=32"):
         parse_cache_spec("kivi:residual=16")
     layout = CacheLayout.one_per_layer([CacheLayerSpec(2, 48, 0.1)])
     with pytest.raises(ConfigError, match="group.*32.*divide head_dim=48"):

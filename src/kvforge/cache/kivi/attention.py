@@ -8,8 +8,9 @@ float32, so no sequence's cache is ever dequantised whole:
   /work/notes/kivi_layout.md, shared with the C++ and Triton kernels).
 
 Stored token t of a sequence with n tokens (nk = (n // R) * R, nv = max(0, n - R)):
-key = dequantised page if t < nk else k_res[slot, :, t % R];
-value = dequantised page if t < nv else v_res[slot, :, t % R].
+key = k_sink[slot, :, t] if t < sinks, else dequantised page if t < nk, else k_res[slot, :, t % R];
+value = v_sink[slot, :, t] if t < sinks, else dequantised page if t < nv, else v_res[slot, :, t % R];
+then `key_transform` (key_space.py; None: keys are stored as attention reads them).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from kvforge.cache.host_sync import host_memory
+from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView, dequantize_key_pages, dequantize_value_pages
 
 
@@ -55,13 +57,36 @@ def _hide(scores: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> t
     return scores, values.masked_fill(unused[..., None], 0.0)
 
 
+def with_sinks(view: KIVILayerView, slots: torch.Tensor | int, k_pos: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values [H, *lead, m, D] of tokens at k_pos [*lead, m] with the tokens below
+    `view.sinks` taken from the sink buffers of `slots` (an int, or [*lead] per row)."""
+    n_sinks = view.sinks
+    if not n_sinks or view.k_sink is None or view.v_sink is None:
+        return keys, values
+    sink = k_pos < n_sinks
+    if host_memory(k_pos.device) and not bool(sink.any()):
+        return keys, values
+    index = k_pos.clamp(max=n_sinks - 1)
+    if isinstance(slots, int):
+        exact_k, exact_v = view.k_sink[slots][:, index], view.v_sink[slots][:, index]
+    else:  # per row: [H, B, m, D]
+        heads, dim = keys.shape[0], keys.shape[-1]
+        gather = index[None, :, :, None].expand(heads, -1, -1, dim)
+        exact_k = torch.gather(view.k_sink.index_select(0, slots).transpose(0, 1), 2, gather)
+        exact_v = torch.gather(view.v_sink.index_select(0, slots).transpose(0, 1), 2, gather)
+    mask = sink[None, ..., None]
+    return torch.where(mask, exact_k.float(), keys), torch.where(mask, exact_v.float(), values)
+
+
 def stored_tiles(view: KIVILayerView, pages: torch.Tensor, first_page_position: int, past_from: int, nv: int,
-                 slot: int, tile_pages: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                 slot: int, tile_pages: int, key_transform: KeyTransform = None
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The quantised pages `pages` (tokens from first_page_position on, in order) of one
     sequence, `tile_pages` at a time, as (positions [m], keys [H, m, D], values [H, m, D])
     in float32; tiles wholly before `past_from` are skipped. Tokens >= nv still have their
-    exact values in the residual ring, which replace the (not yet written) quantised ones.
-    At most one tile is ever dequantised at once."""
+    exact values in the residual ring, which replace the (not yet written) quantised ones;
+    sink tokens come from the sink buffers. At most one tile is ever dequantised at once."""
     g, residual = view.group, view.residual
     v_ring = view.v_res[slot]  # [H, R, D]
     for start in range(0, pages.shape[0], tile_pages):
@@ -74,31 +99,36 @@ def stored_tiles(view: KIVILayerView, pages: torch.Tensor, first_page_position: 
         recent = k_pos >= nv
         if bool(recent.any()):
             values = torch.where(recent[None, :, None], v_ring[:, k_pos % residual].float(), values)
-        yield k_pos, keys, values
+        keys, values = with_sinks(view, slot, k_pos, keys, values)
+        yield k_pos, keys if key_transform is None else key_transform(keys, k_pos), values
 
 
 def stored_parts(view: KIVILayerView, pages: torch.Tensor, first_page_position: int, past_from: int,
-                 cached_len: int, slot: int, tile_pages: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                 cached_len: int, slot: int, tile_pages: int, key_transform: KeyTransform = None
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Everything one sequence stores before a chunk, as float32 (positions [m], keys
     [H, m, D], values [H, m, D]) parts in position order: the quantised pages a tile at a
     time (`stored_tiles`), then the key residual [max(nk, past_from), n), whose keys and
-    values both come from the residual rings (never more than R tokens)."""
+    values both come from the residual rings (never more than R tokens; sink tokens there
+    are exact already)."""
     n, residual = cached_len, view.residual
     nk, nv = (n // residual) * residual, max(0, n - residual)
-    yield from stored_tiles(view, pages, first_page_position, past_from, nv, slot, tile_pages)
+    yield from stored_tiles(view, pages, first_page_position, past_from, nv, slot, tile_pages, key_transform)
     res_from = max(nk, past_from)
     if n > res_from:
         k_pos = torch.arange(res_from, n, device=pages.device)
         offsets = k_pos % residual
-        yield k_pos, view.k_res[slot][:, offsets].float(), view.v_res[slot][:, offsets].float()
+        keys = view.k_res[slot][:, offsets].float()
+        yield k_pos, keys if key_transform is None else key_transform(keys, k_pos), view.v_res[slot][:, offsets].float()
 
 
 def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, view: KIVILayerView,
                          pages: torch.Tensor, first_page_position: int, past_from: int, cached_len: int,
-                         slot: int, scale: float, window: int | None, tile_pages: int) -> torch.Tensor:
+                         slot: int, scale: float, window: int | None, tile_pages: int,
+                         key_transform: KeyTransform = None) -> torch.Tensor:
     """Queries q [L, heads, D] at positions [cached_len, cached_len + L) over their own exact
-    k_new/v_new [L, H, D] and the stored tokens [past_from, cached_len) of one sequence.
-    `pages` [m] holds tokens [first_page_position, nk) (nk = stored keys), in order."""
+    k_new/v_new [L, H, D] (attention keys) and the stored tokens [past_from, cached_len) of
+    one sequence. `pages` [m] holds tokens [first_page_position, nk) (nk = stored keys), in order."""
     length, heads, dim = q.shape
     kv_heads = k_new.shape[1]
     group = heads // kv_heads
@@ -119,7 +149,8 @@ def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     scores, values = _hide(torch.bmm(qh, own_k.transpose(1, 2)), own_v,
                            hidden_at(torch.arange(n, n + length, device=device)))
     state = OnlineSoftmax(scores, values)
-    for k_pos, keys, values in stored_parts(view, pages, first_page_position, past_from, n, slot, tile_pages):
+    for k_pos, keys, values in stored_parts(view, pages, first_page_position, past_from, n, slot, tile_pages,
+                                            key_transform):
         scores, values = _hide(torch.bmm(qh, keys.transpose(1, 2)), values, hidden_at(k_pos))
         state.add(scores, values)
     out = state.result().view(kv_heads, group, length, dim).permute(2, 0, 1, 3)
@@ -129,7 +160,7 @@ def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
 def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
                           page_table: torch.Tensor, first_page_position: torch.Tensor,
                           visible_from: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-                          scale: float, tile_pages: int) -> torch.Tensor:
+                          scale: float, tile_pages: int, key_transform: KeyTransform = None) -> torch.Tensor:
     """One query per sequence over its own exact K/V plus its stored tokens, float32.
 
     q [B, heads, D]; k_self/v_self [B, H, D]; page_table [B, W] pages of tokens
@@ -174,12 +205,13 @@ def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.T
         if not skips or bool(recent.any()):
             from_ring = torch.gather(ring, 2, (k_pos % residual)[None, :, :, None].expand(kv_heads, -1, -1, dim))
             values = torch.where(recent[None, :, :, None], from_ring.float(), values)
-        add(keys, values, hidden)
+        keys, values = with_sinks(view, slots, k_pos, keys, values)
+        add(keys if key_transform is None else key_transform(keys, k_pos), values, hidden)
     # Residual keys: tokens [nk, n) at offsets 0 .. n - nk - 1 of both residuals.
     k_pos = nk[:, None] + torch.arange(residual, device=q.device)[None]
     hidden = (k_pos >= lengths[:, None]) | (k_pos < visible_from[:, None])
     if not skips or not bool(hidden.all()):
         keys = view.k_res.index_select(0, slots).transpose(0, 1).float()
-        add(keys, ring.float(), hidden)
+        add(keys if key_transform is None else key_transform(keys, k_pos), ring.float(), hidden)
     out = state.result().view(kv_heads, batch, group, dim).transpose(0, 1)
     return out.reshape(batch, heads, dim).to(q.dtype)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.cache.kivi.presets import apply_preset
 from kvforge.cache.kivi.quant import SUPPORTED_BITS
 from kvforge.errors import require
 
@@ -24,6 +25,13 @@ PREFILL_ATTENTION = ("blockwise", "reference")
 # a finished request's whole sequence (a chat's earlier turns are never recomputed, but the
 # reply was stored as decoded, not as a prefill would store it, so tokens may differ).
 PREFIX_REUSE = ("snapshot", "continue")
+# Which keys are quantised: "post_rope" (the paper: keys as attention reads them) or
+# "pre_rope" (KVQuant: keys before RoPE, whose outlier channels sit still across tokens;
+# RoPE is applied after dequantisation, at each stored token's position).
+KEY_SPACES = ("post_rope", "pre_rope")
+# An orthonormal Hadamard rotation of the head dimension before quantisation (rotation.py):
+# "hadamard" rotates keys and values, "hadamard_keys" / "hadamard_values" one of them.
+ROTATIONS = ("none", "hadamard", "hadamard_keys", "hadamard_values")
 
 
 def default_residual_dtype(compute_dtype: torch.dtype) -> torch.dtype:
@@ -53,19 +61,58 @@ class KIVICacheConfig:
     # prefix snapshots alike). Their rings are allocated up front out of kv_budget, the rest
     # of which holds quantised pages; None: as many slots as half the budget pays for.
     max_sequences: int | None = None
+    # Beyond the paper (defaults keep the paper's setting). key_group: tokens per key group,
+    # which is also the page size; value_group: channels per value group; None: `group`.
+    key_group: int | None = None
+    value_group: int | None = None
+    # The first `sinks` tokens of every sequence stay exact (residual_dtype), never read
+    # from the quantised pages, and are left out of the range of the key group they share.
+    sinks: int = 0
+    key_space: str = "post_rope"  # one of KEY_SPACES
+    rotation: str = "none"  # one of ROTATIONS
+    # A named setting (PRESETS, presets.py) filling the fields above; the fields it sets must
+    # be left at their defaults.
+    preset: str | None = None
+
+    @property
+    def key_tokens(self) -> int:
+        """Tokens per key group (= tokens per page)."""
+        return self.key_group if self.key_group is not None else self.group
+
+    @property
+    def value_channels(self) -> int:
+        """Channels per value group."""
+        return self.value_group if self.value_group is not None else self.group
+
+    @property
+    def rotates_keys(self) -> bool:
+        return self.rotation in ("hadamard", "hadamard_keys")
+
+    @property
+    def rotates_values(self) -> bool:
+        return self.rotation in ("hadamard", "hadamard_values")
 
     def __post_init__(self) -> None:
+        if self.preset is not None:
+            apply_preset(self)
         require(self.bits in SUPPORTED_BITS, "bits", self.bits, f"must be one of {list(SUPPORTED_BITS)}")
         require(self.group >= 1 and 8 % self.bits == 0 and (self.group * self.bits) % 8 == 0, "group",
                 self.group, f"must be >= 1 and fill whole bytes ({8 // self.bits} codes per byte)")
-        require(self.residual >= self.group, "residual", self.residual, f"must be >= group={self.group}")
-        require(self.residual % self.group == 0, "residual", self.residual,
-                f"must be a multiple of group={self.group}")
+        for name in ("key_group", "value_group"):
+            value = getattr(self, name)
+            require(value is None or (value >= 1 and (value * self.bits) % 8 == 0), name, value,
+                    f"must be None or >= 1 and fill whole bytes ({8 // self.bits} codes per byte)")
+        kg = self.key_tokens
+        require(self.residual >= kg, "residual", self.residual, f"must be >= key_group={kg}")
+        require(self.residual % kg == 0, "residual", self.residual, f"must be a multiple of key_group={kg}")
+        require(self.sinks >= 0, "sinks", self.sinks, "must be >= 0")
+        require(self.key_space in KEY_SPACES, "key_space", self.key_space, f"must be one of {list(KEY_SPACES)}")
+        require(self.rotation in ROTATIONS, "rotation", self.rotation, f"must be one of {list(ROTATIONS)}")
         require(self.residual_dtype is None or self.residual_dtype in RESIDUAL_DTYPES, "residual_dtype",
                 self.residual_dtype, f"must be one of {sorted(RESIDUAL_DTYPES)}")
         for name in ("prefill_tile_tokens", "decode_tile_tokens"):
             value = getattr(self, name)
-            require(value >= self.group, name, value, f"must be >= group={self.group}")
+            require(value >= kg, name, value, f"must be >= key_group={kg}")
         require(self.decode_kernel in DECODE_KERNELS, "decode_kernel", self.decode_kernel,
                 f"must be one of {list(DECODE_KERNELS)}")
         require(self.prefix_reuse in PREFIX_REUSE, "prefix_reuse", self.prefix_reuse,

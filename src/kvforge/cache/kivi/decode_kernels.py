@@ -8,6 +8,10 @@
   otherwise. Under "auto" a CPU kernel that fails to build falls back to "torch" (the build
   warns once), as it always has.
 
+Options beyond the paper that a compiled kernel does not read yet (`unsupported_options`)
+make "auto" pick "torch" and a forced compiled kernel a ConfigError. Rotations need no
+kernel support (method.py rotates q, k and v around the kernel).
+
 A forced kernel never falls back: `resolve_decode_kernel` checks what it needs (device,
 package, build) when the cache is built and raises a ConfigError naming the rule. Every
 kernel takes the same arguments and returns the same attention (parity-tested).
@@ -23,6 +27,8 @@ from types import ModuleType
 import torch
 
 from kvforge.cache.kivi.attention import kivi_decode_attention
+from kvforge.cache.kivi.config import KIVICacheConfig
+from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
 from kvforge.cache.kivi.store import KIVILayerView
 from kvforge.errors import ConfigError
@@ -39,13 +45,42 @@ def _triton_module() -> ModuleType:
     return triton_decode
 
 
-def resolve_decode_kernel(requested: str, device: torch.device) -> str:
+# What each compiled kernel reads beyond the paper's layout.
+KERNEL_OPTIONS: dict[str, frozenset[str]] = {"cpp": frozenset(), "triton": frozenset()}
+
+
+def requested_options(config: KIVICacheConfig | None) -> list[str]:
+    """The options of `config` that change what a decode kernel must read."""
+    if config is None:
+        return []
+    wanted = []
+    if config.sinks:
+        wanted.append("sinks")
+    if config.key_space == "pre_rope":
+        wanted.append("key_space=pre_rope")
+    if config.value_channels != config.key_tokens:
+        wanted.append("value_group")
+    return wanted
+
+
+def unsupported_options(kernel: str, config: KIVICacheConfig | None) -> list[str]:
+    if kernel == "torch":
+        return []
+    return [o for o in requested_options(config) if o not in KERNEL_OPTIONS[kernel]]
+
+
+def resolve_decode_kernel(requested: str, device: torch.device, config: KIVICacheConfig | None = None) -> str:
     """The kernel ("triton", "cpp" or "torch") that `requested` (a DECODE_KERNELS value)
-    means for a cache on `device`; ConfigError when a forced kernel cannot run there."""
+    means for a cache on `device` with `config`'s options; ConfigError when a forced kernel
+    cannot run there or cannot read those options."""
     if requested == "auto":
-        if device.type == "cuda":
+        if device.type == "cuda" and not unsupported_options("triton", config):
             return "triton" if _triton_module().triton_available() else "torch"
-        return "cpp" if device.type == "cpu" else "torch"
+        return "cpp" if device.type == "cpu" and not unsupported_options("cpp", config) else "torch"
+    missing = unsupported_options(requested, config)
+    if missing:
+        raise ConfigError("decode_kernel", requested, f"does not read {', '.join(missing)} (a PyTorch-path "
+                          f"option so far); use decode_kernel=torch or auto")
     if requested == "triton":
         triton_decode = _triton_module()
         if not triton_decode.triton_available():
@@ -69,15 +104,17 @@ def resolve_decode_kernel(requested: str, device: torch.device) -> str:
 
 def kivi_decode(kernel: str, q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
                 page_table: torch.Tensor, first_page_position: torch.Tensor, visible_from: torch.Tensor,
-                lengths: torch.Tensor, slots: torch.Tensor, scale: float, tile_pages: int) -> torch.Tensor:
+                lengths: torch.Tensor, slots: torch.Tensor, scale: float, tile_pages: int,
+                key_transform: KeyTransform = None) -> torch.Tensor:
     """Decode attention with the resolved `kernel`; arguments as
-    `attention.kivi_decode_attention` (`tile_pages` is used by the PyTorch path only)."""
+    `attention.kivi_decode_attention` (`tile_pages` is used by the PyTorch path only; a
+    compiled kernel was resolved only where it reads every option in use)."""
     args = (q, k_self, v_self, view, page_table, first_page_position, visible_from, lengths, slots, scale)
     if kernel == "triton":
         return _triton_over_view(*args)
     if kernel == "cpp" and cpu_kivi_kernel_available():  # False only under "auto" (checked when forced)
         return kivi_decode_attention_cpu(*args)
-    return kivi_decode_attention(*args, tile_pages=tile_pages)
+    return kivi_decode_attention(*args, tile_pages=tile_pages, key_transform=key_transform)
 
 
 def _triton_over_view(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,

@@ -24,7 +24,16 @@ Multi-token spans (prefill chunks) are attended by prefill.kivi_chunk_attention_
 plain PyTorch path of attention.py); single tokens by the kernel `decode_kernel` resolves to
 when the cache is built (decode_kernels.py: Triton on CUDA, C++ on CPU, or PyTorch).
 
-Step protocol: `write` keeps the step's post-RoPE K/V; `attend` reads the state as it was
+Beyond the paper (kivi options, defaults off): separate key/value group sizes (the page
+size is key_group); `sinks` (the first N tokens of a sequence kept exact in per-slot sink
+buffers, part of the slot's cost, and left out of the range of the key page they share);
+`key_space=pre_rope` (pages and rings hold pre-RoPE keys, readers apply RoPE after
+dequantisation: key_space.py); `rotation` (rotation.py: keys/values stored rotated by an
+orthonormal Hadamard matrix H; post-RoPE rotated keys are matched by attending with q H,
+rotated values by multiplying the attention output by H^T).
+
+Step protocol: `write` keeps the step's K/V as stored (and the attention keys when they
+differ); `attend` reads the state as it was
 before the step plus the step's own exact K/V; `end_step` first quantises the tokens that
 leave the residuals in this step into their (new) pages, reading the old residuals (one
 call per layer group, every layer at once), then writes the step's tokens that stay in the
@@ -45,7 +54,9 @@ from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.kivi.attention import kivi_chunk_attention
 from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig, default_residual_dtype
 from kvforge.cache.kivi.decode_kernels import kivi_decode, resolve_decode_kernel
+from kvforge.cache.kivi.key_space import StoredKeys
 from kvforge.cache.kivi.prefill import kivi_chunk_attention_fast
+from kvforge.cache.kivi.rotation import hadamard_matrix, rotate, unrotate
 from kvforge.cache.kivi.store import KIVIStore, page_bytes, store_key_pages, store_value_tokens
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import RELEASED, LayerGroups, PageTable
@@ -71,6 +82,9 @@ class _Flush:
     key_rows: torch.Tensor
     key_order: torch.Tensor
     key_pages: torch.Tensor  # destination page per G keys
+    # (destinations, sources) in the flushed keys' order: sink tokens of a page that also
+    # holds later tokens take a later token's key, so sinks do not set the page's ranges.
+    key_fill: tuple[torch.Tensor, torch.Tensor]
     value_res: tuple[torch.Tensor, torch.Tensor]
     value_rows: torch.Tensor
     value_order: torch.Tensor
@@ -109,6 +123,7 @@ class _ResidualWrites:
 
     key: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, slots, offsets)
     value: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    sink: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, slots, token index < sinks)
 
 
 @register_cache_method("kivi", KIVICacheConfig)
@@ -118,17 +133,20 @@ class KIVICache(CacheMethod):
         super().__init__(layout, compute_dtype, device)
         self.config = config
         self.can_fork = config.prefix_reuse == "snapshot"
-        self.decode_kernel = resolve_decode_kernel(config.decode_kernel, self.device)
-        g, r, bits = config.group, config.residual, config.bits
+        self.decode_kernel = resolve_decode_kernel(config.decode_kernel, self.device, config)
+        g, vg, r, bits = config.key_tokens, config.value_channels, config.residual, config.bits
         heads, dim = layout.num_kv_heads, layout.head_dim
-        if dim % g:
-            raise ConfigError("group", g, f"must divide head_dim={dim} (values are grouped over channels)")
+        if dim % vg:
+            name = "value_group" if config.value_group is not None else "group"
+            raise ConfigError(name, vg, f"must divide head_dim={dim} (values are grouped over channels)")
+        self.rotation = hadamard_matrix(dim, self.device) if config.rotation != "none" else None
         self.residual_dtype = RESIDUAL_DTYPES[config.residual_dtype] if config.residual_dtype \
             else default_residual_dtype(compute_dtype)
         self.groups = LayerGroups.from_layout(layout)
-        self.page_bytes = page_bytes(self.groups.group_size, heads, dim, bits, g)
+        self.page_bytes = page_bytes(self.groups.group_size, heads, dim, bits, g, vg)
         element = torch.tensor([], dtype=self.residual_dtype).element_size()
-        self.residual_bytes = 2 * layout.num_cache_layers * heads * r * dim * element
+        # A slot: the K/V residual rings (R tokens) and the sink buffers (sinks tokens).
+        self.residual_bytes = 2 * layout.num_cache_layers * heads * (r + config.sinks) * dim * element
         self.slot_pages = math.ceil(self.residual_bytes / self.page_bytes)
         budget_pages = budget_bytes // self.page_bytes
         least_pages = self.groups.num_groups * r // g  # one residual's worth of quantised keys
@@ -152,12 +170,15 @@ class KIVICache(CacheMethod):
         self.budget_bytes = budget_bytes
         self.pages = PageTable(BlockPool(num_pages), g, self.groups)
         self.store = KIVIStore(self.groups.group_size, layout.num_cache_layers, heads, dim, num_pages, num_slots,
-                               bits, g, r, self.residual_dtype, self.device)
+                               bits, g, r, self.residual_dtype, self.device, value_group=vg, sinks=config.sinks)
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._seqs: dict[int, _Sequence] = {}
         self._plans: list[_GroupPlan] = []
         self._residual_writes: _ResidualWrites | None = None
+        # Per cache layer of the step: (keys, values) as stored; attention keys where they
+        # differ from the stored ones (key_space=pre_rope: post-RoPE, not rotated).
         self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._step_attention_keys: dict[int, torch.Tensor] = {}
 
     # -- token counts -------------------------------------------------------------------
     def quantized_keys(self, num_tokens: int) -> int:
@@ -171,7 +192,7 @@ class KIVICache(CacheMethod):
     # -- memory accounting ------------------------------------------------------------
     def bytes_per_token(self, cache_layer: int) -> float:
         """Quantised bytes per stored token and cache layer (codes + float16 scale/zero)."""
-        return self.page_bytes / (self.config.group * self.groups.group_size)
+        return self.page_bytes / (self.config.key_tokens * self.groups.group_size)
 
     def sequence_bytes(self, num_tokens: int) -> int:
         return (self.pages.max_pages_per_sequence(self.quantized_keys(num_tokens)) + self.slot_pages) \
@@ -233,13 +254,14 @@ class KIVICache(CacheMethod):
         if not self._free_slots:
             return False
         stored = self.quantized_keys(seq.num_tokens)
-        logical = stored // self.config.group
+        logical = stored // self.config.key_tokens
         tables = [self.pages.pages(source, g)[:logical] for g in range(self.groups.num_groups)]
         self.pages.attach(target, stored, tables)
         fork = _Sequence(self._free_slots.pop(), seq.num_tokens)
         self._seqs[target] = fork
-        self.store.k_res[:, fork.slot] = self.store.k_res[:, seq.slot]
-        self.store.v_res[:, fork.slot] = self.store.v_res[:, seq.slot]
+        for buffer in (self.store.k_res, self.store.v_res, self.store.k_sink, self.store.v_sink):
+            if buffer is not None:
+                buffer[:, fork.slot] = buffer[:, seq.slot]
         return True
 
     def num_cached_tokens(self, seq_id: int) -> int:
@@ -260,12 +282,22 @@ class KIVICache(CacheMethod):
             ([self._plan_group(group, batch) for group in range(self.groups.num_groups)],
              self._plan_residual_writes(batch)), self.device)
         self._step_kv = {}
+        self._step_attention_keys = {}
 
     def write(self, cache_layer: int, batch: ForwardBatch, k_pre: torch.Tensor, v: torch.Tensor,
               rope: PositionedRope) -> None:
         # Tokens leaving the residuals are quantised at end_step, all layers of a group in one
         # call: attend never reads them from pages in this step (it reads the state before it).
-        self._step_kv[cache_layer] = (rope.apply(k_pre), v)
+        k_post = rope.apply(k_pre)
+        pre = self.config.key_space == "pre_rope"
+        keys = k_pre if pre else k_post
+        if self.rotation is not None and self.config.rotates_keys:
+            keys = rotate(keys, self.rotation)
+        if self.rotation is not None and self.config.rotates_values:
+            v = rotate(v, self.rotation)
+        self._step_kv[cache_layer] = (keys, v)
+        if pre:
+            self._step_attention_keys[cache_layer] = k_post
 
     def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
                rope: PositionedRope) -> torch.Tensor:
@@ -274,21 +306,30 @@ class KIVICache(CacheMethod):
         plan = self._plans[group]
         view = self.store.layer(index, cache_layer)
         k_new, v_new = self._step_kv[cache_layer]
+        k_new = self._step_attention_keys.get(cache_layer, k_new)
+        key_transform = None
+        if self.config.key_space == "pre_rope":
+            key_transform = StoredKeys(rope.rotary, self.rotation if self.config.rotates_keys else None)
+        elif self.rotation is not None and self.config.rotates_keys:
+            q = rotate(q, self.rotation)  # q H . k H = q . k
         out = torch.empty_like(q)
-        tile = max(1, self.config.prefill_tile_tokens // self.config.group)
+        tile = max(1, self.config.prefill_tile_tokens // self.config.key_tokens)
         chunk_attention = kivi_chunk_attention_fast if self.config.prefill_attention == "blockwise" \
             else kivi_chunk_attention
         for p in plan.prefills:
             rows = slice(p.span.query_start, p.span.query_end)
             out[rows] = chunk_attention(q[rows], k_new[rows], v_new[rows], view, p.pages,
                                         p.first_page_position, p.past_from, p.span.cached_len, p.slot,
-                                        spec.scale, spec.sliding_window, tile)
+                                        spec.scale, spec.sliding_window, tile, key_transform)
         if plan.decode is not None:
             d = plan.decode
             args = (q[d.rows], k_new[d.rows], v_new[d.rows], view, d.page_table, d.first_page_position,
                     d.visible_from, d.lengths, d.slots, spec.scale)
             out[d.rows] = kivi_decode(self.decode_kernel, *args,
-                                      tile_pages=max(1, self.config.decode_tile_tokens // self.config.group))
+                                      tile_pages=max(1, self.config.decode_tile_tokens // self.config.key_tokens),
+                                      key_transform=key_transform)
+        if self.rotation is not None and self.config.rotates_values:
+            out = unrotate(out, self.rotation)  # (P V H) H^T = P V
         return out
 
     def end_step(self, batch: ForwardBatch) -> None:
@@ -301,12 +342,17 @@ class KIVICache(CacheMethod):
                                                           (self.store.v_res, v, writes.value)):
                 if rows.numel():
                     store[cache_layer][slots, :, offsets] = values[rows].to(self.residual_dtype)
+            rows, slots, tokens = writes.sink
+            if rows.numel() and self.store.k_sink is not None and self.store.v_sink is not None:
+                self.store.k_sink[cache_layer][slots, :, tokens] = k[rows].to(self.residual_dtype)
+                self.store.v_sink[cache_layer][slots, :, tokens] = v[rows].to(self.residual_dtype)
         for span in batch.spans:
             self._seqs[span.seq_id].num_tokens = span.total_len
             self.pages.commit(span.seq_id, self.quantized_keys(span.total_len))
         self._plans = []
         self._residual_writes = None
         self._step_kv = {}
+        self._step_attention_keys = {}
 
     def _flush(self, group: int) -> None:
         """Quantise the tokens of this step that leave the residuals (the plan's `_Flush`) into
@@ -336,6 +382,9 @@ class KIVICache(CacheMethod):
 
             if flush.key_pages.numel():
                 keys = leaving(self.store.k_res, 0, flush.key_res, flush.key_rows, flush.key_order)
+                fill_to, fill_from = flush.key_fill
+                if fill_to.numel():
+                    keys = keys.index_copy(-3, fill_to, keys.index_select(-3, fill_from))
                 store_key_pages(view, keys, flush.key_pages)
             if flush.value_slots.numel():
                 values = leaving(self.store.v_res, 1, flush.value_res, flush.value_rows, flush.value_order)
@@ -350,6 +399,7 @@ class KIVICache(CacheMethod):
         r = self.config.residual
         key: tuple[list[int], list[int], list[int]] = ([], [], [])
         value: tuple[list[int], list[int], list[int]] = ([], [], [])
+        sink: tuple[list[int], list[int], list[int]] = ([], [], [])
         for span in batch.spans:
             slot, n, end = self._seqs[span.seq_id].slot, span.cached_len, span.total_len
             for lists, first in ((key, self.quantized_keys(end)), (value, self.quantized_values(end))):
@@ -357,8 +407,12 @@ class KIVICache(CacheMethod):
                     lists[0].append(span.query_start + t - n)
                     lists[1].append(slot)
                     lists[2].append(t % r)
+            for t in range(n, min(end, self.config.sinks)):
+                sink[0].append(span.query_start + t - n)
+                sink[1].append(slot)
+                sink[2].append(t)
         as_tensors = lambda lists: tuple(self._tensor(x) for x in lists)  # noqa: E731
-        return _ResidualWrites(as_tensors(key), as_tensors(value))
+        return _ResidualWrites(as_tensors(key), as_tensors(value), as_tensors(sink))
 
     def _kept_page(self, seq_id: int, group: int, logical: int) -> int:
         """Page id of a logical page, or RELEASED if the window dropped (or skipped) it."""
@@ -366,9 +420,11 @@ class KIVICache(CacheMethod):
         return table[logical] if logical < len(table) else RELEASED
 
     def _plan_group(self, group: int, batch: ForwardBatch) -> _GroupPlan:
-        g, r = self.config.group, self.config.residual
+        g, r, sinks = self.config.key_tokens, self.config.residual, self.config.sinks
         key_sources: list[tuple[int, int, int, int]] = []  # (token order, kind, a, b)
         key_pages: list[int] = []
+        fill_to: list[int] = []
+        fill_from: list[int] = []
         value_sources: list[tuple[int, int, int, int]] = []
         value_slots: list[int] = []
         decode_spans: list[SequenceSpan] = []
@@ -387,6 +443,10 @@ class KIVICache(CacheMethod):
                 if page == RELEASED:
                     continue  # outside the window of this group: never read again
                 key_pages.append(page)
+                first = len(key_sources)
+                if logical * g < sinks < (logical + 1) * g:  # the page mixes sinks and later tokens
+                    fill_to.extend(range(first, first + sinks - logical * g))
+                    fill_from.extend([first + sinks - logical * g] * (sinks - logical * g))
                 for t in range(logical * g, (logical + 1) * g):
                     key_sources.append((len(key_sources), *source(t)))
             for t in range(self.quantized_values(n), self.quantized_values(end)):
@@ -403,7 +463,7 @@ class KIVICache(CacheMethod):
         key_res, key_rows, key_order = self._sources(key_sources)
         value_res, value_rows, value_order = self._sources(value_sources)
         flush = _Flush(key_res, key_rows, key_order, self._tensor(key_pages),
-                       value_res, value_rows, value_order, self._tensor(value_slots))
+                       (self._tensor(fill_to), self._tensor(fill_from)), value_res, value_rows, value_order, self._tensor(value_slots))
         return _GroupPlan(flush, self._plan_decode(group, decode_spans) if decode_spans else None,
                           tuple(prefills))
 
@@ -421,7 +481,7 @@ class KIVICache(CacheMethod):
 
     def _past_pages(self, span: SequenceSpan, group: int) -> tuple[int, list[int], int]:
         """(first visible past token, pages of quantised keys from it, position of the first page)."""
-        g = self.config.group
+        g = self.config.key_tokens
         past_from = self.pages.first_kept_token(group, span.cached_len)
         nk = self.quantized_keys(span.cached_len)
         pages = self.pages.require_slots(span.seq_id, group, past_from, nk) if nk > past_from else []

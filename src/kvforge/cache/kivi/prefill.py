@@ -25,6 +25,7 @@ import torch
 
 from kvforge.cache.attention import visibility_mask
 from kvforge.cache.kivi.attention import stored_parts
+from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -83,7 +84,8 @@ class LseMerge:
 
 def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, view: KIVILayerView,
                               pages: torch.Tensor, first_page_position: int, past_from: int, cached_len: int,
-                              slot: int, scale: float, window: int | None, tile_pages: int) -> torch.Tensor:
+                              slot: int, scale: float, window: int | None, tile_pages: int,
+                              key_transform: KeyTransform = None) -> torch.Tensor:
     """Arguments and result as `attention.kivi_chunk_attention`: queries q [L, heads, D]
     at positions [cached_len, cached_len + L) over their own exact k_new/v_new [L, H, D] and
     the stored tokens [past_from, cached_len) of one sequence; `pages` [m] holds tokens
@@ -124,7 +126,7 @@ def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
 
     # 2. What the sequence stores: quantised pages a tile at a time, then the key residual.
     for k_pos, keys, values in stored_parts(view, pages, first_page_position, past_from, cached_len, slot,
-                                            tile_pages):
+                                            tile_pages, key_transform):
         attend(k_pos, keys, values)
     out = merge.out.view(kv_heads, group, length, dim).permute(2, 0, 1, 3)
     return out.reshape(length, heads, dim).to(q.dtype)

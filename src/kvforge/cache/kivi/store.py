@@ -1,13 +1,19 @@
 """KIVI storage: quantised pages plus per-sequence full-precision residuals (layout in
 /work/notes/kivi_layout.md, summarised here).
 
-Pages (block_size = G tokens, one page id valid for every layer of a layer group):
+Pages (block_size = G tokens, G = key_group; one page id valid for every layer of a layer
+group; Gv = value_group channels, G and Gv both `group` in the paper's setting):
   k_codes  uint8   [group_size, H, P, D, G*b/8]  keys per channel over the page's G tokens
   k_scale, k_zero  [group_size, H, P, D]          float16
-  v_codes  uint8   [group_size, H, P, G, D*b/8]  values per token over groups of G channels
-  v_scale, v_zero  [group_size, H, P, G, D/G]     float16
+  v_codes  uint8   [group_size, H, P, G, D*b/8]  values per token over groups of Gv channels
+  v_scale, v_zero  [group_size, H, P, G, D/Gv]    float16
 Residuals (residual_dtype): k_res, v_res [num_cache_layers, S, H, R, D]; token t of a
 sequence sits at offset t % R of its slot in both.
+Sinks (residual_dtype, `sinks` = N > 0 only): k_sink, v_sink [num_cache_layers, S, H, N, D],
+token t < N of a sequence at index t of its slot; readers take those tokens from here, never
+from the pages (whose codes for them exist but are not read).
+Keys are stored in the configured key space (post- or pre-RoPE, possibly rotated), values
+possibly rotated: this module does not know; the readers apply `KeyTransform`.
 
 Invariants for a sequence holding n tokens (nk = (n // R) * R, nv = max(0, n - R)):
 - keys of tokens [0, nk) are in k_codes, keys of [nk, n) in k_res;
@@ -41,22 +47,37 @@ class KIVILayerView:
     k_res: torch.Tensor  # [S, H, R, D]
     v_res: torch.Tensor  # [S, H, R, D]
     bits: int
+    k_sink: torch.Tensor | None = None  # [S, H, N, D], None without sinks
+    v_sink: torch.Tensor | None = None
 
     @property
     def group(self) -> int:
+        """Tokens per page (= key_group)."""
         return self.v_codes.shape[-2]
+
+    @property
+    def value_group(self) -> int:
+        """Channels per value group."""
+        return self.k_codes.shape[-2] // self.v_scale.shape[-1]
+
+    @property
+    def sinks(self) -> int:
+        return 0 if self.k_sink is None else self.k_sink.shape[-2]
 
     @property
     def residual(self) -> int:
         return self.k_res.shape[-2]
 
 
-def page_bytes(group_size: int, kv_heads: int, head_dim: int, bits: int, group: int) -> int:
-    """Bytes of one page: G tokens of K and V codes plus float16 scale/zero, every layer of a group."""
+def page_bytes(group_size: int, kv_heads: int, head_dim: int, bits: int, group: int,
+               value_group: int | None = None) -> int:
+    """Bytes of one page: G tokens of K and V codes plus float16 scale/zero, every layer of a
+    group (G = `group` tokens per key group, values in groups of `value_group` channels)."""
+    value_group = group if value_group is None else value_group
     param = torch.tensor([], dtype=PARAM_DTYPE).element_size()
     codes = 2 * group * head_dim * bits // 8  # K and V codes of G tokens, one head
     k_params = 2 * head_dim * param  # one scale and zero per channel per page
-    v_params = 2 * group * (head_dim // group) * param  # per token per channel group
+    v_params = 2 * group * (head_dim // value_group) * param  # per token per channel group
     return group_size * kv_heads * (codes + k_params + v_params)
 
 
@@ -65,31 +86,36 @@ class KIVIStore:
 
     def __init__(self, group_size: int, num_cache_layers: int, kv_heads: int, head_dim: int, num_pages: int,
                  num_slots: int, bits: int, group: int, residual: int, residual_dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, value_group: int | None = None, sinks: int = 0) -> None:
         self.bits, self.group, self.residual = bits, group, residual
+        value_group = group if value_group is None else value_group
         h, d, g, p = kv_heads, head_dim, group, num_pages
         empty = lambda *shape, dtype: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
         self.k_codes = empty(group_size, h, p, d, g * bits // 8, dtype=torch.uint8)
         self.k_scale = empty(group_size, h, p, d, dtype=PARAM_DTYPE)
         self.k_zero = empty(group_size, h, p, d, dtype=PARAM_DTYPE)
         self.v_codes = empty(group_size, h, p, g, d * bits // 8, dtype=torch.uint8)
-        self.v_scale = empty(group_size, h, p, g, d // g, dtype=PARAM_DTYPE)
-        self.v_zero = empty(group_size, h, p, g, d // g, dtype=PARAM_DTYPE)
+        self.v_scale = empty(group_size, h, p, g, d // value_group, dtype=PARAM_DTYPE)
+        self.v_zero = empty(group_size, h, p, g, d // value_group, dtype=PARAM_DTYPE)
         self.k_res = empty(num_cache_layers, num_slots, h, residual, d, dtype=residual_dtype)
         self.v_res = empty(num_cache_layers, num_slots, h, residual, d, dtype=residual_dtype)
+        self.k_sink = empty(num_cache_layers, num_slots, h, sinks, d, dtype=residual_dtype) if sinks else None
+        self.v_sink = empty(num_cache_layers, num_slots, h, sinks, d, dtype=residual_dtype) if sinks else None
 
     def all_layers(self) -> KIVILayerView:
         """Every layer at once: pages [group_size, ...] (slot index within a layer group),
         residuals [num_cache_layers, ...]; for the writers, which then quantise a layer group's
         flushed tokens in one call."""
         return KIVILayerView(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
-                             self.k_res, self.v_res, self.bits)
+                             self.k_res, self.v_res, self.bits, self.k_sink, self.v_sink)
 
     def layer(self, index: int, cache_layer: int) -> KIVILayerView:
         """`index`: the layer's slot within its layer group (pages); `cache_layer`: residuals."""
+        sinks = (None, None) if self.k_sink is None or self.v_sink is None \
+            else (self.k_sink[cache_layer], self.v_sink[cache_layer])
         return KIVILayerView(self.k_codes[index], self.k_scale[index], self.k_zero[index], self.v_codes[index],
                              self.v_scale[index], self.v_zero[index], self.k_res[cache_layer],
-                             self.v_res[cache_layer], self.bits)
+                             self.v_res[cache_layer], self.bits, *sinks)
 
 
 # -- writing --------------------------------------------------------------------------
@@ -109,15 +135,15 @@ def store_key_pages(view: KIVILayerView, keys: torch.Tensor, page_ids: torch.Ten
 
 
 def store_value_tokens(view: KIVILayerView, values: torch.Tensor, flat_slots: torch.Tensor) -> None:
-    """Quantise values [*lead, n, H, D] per token over groups of G channels and write token i
+    """Quantise values [*lead, n, H, D] per token over groups of Gv channels and write token i
     to the page slot flat_slots[i] = page * G + offset."""
-    heads, dim, g = values.shape[-2], values.shape[-1], view.group
+    heads, dim, g, gv = values.shape[-2], values.shape[-1], view.group, view.value_group
     lead = values.shape[:-3]
-    q = quantize(values.transpose(-3, -2), view.bits, g)  # [*lead, H, n, ...]
+    q = quantize(values.transpose(-3, -2), view.bits, gv)  # [*lead, H, n, ...]
     pages = view.v_codes.shape[-3]
     view.v_codes.view(*lead, heads, pages * g, -1).index_copy_(-2, flat_slots, q.packed)
-    view.v_scale.view(*lead, heads, pages * g, dim // g).index_copy_(-2, flat_slots, q.scale)
-    view.v_zero.view(*lead, heads, pages * g, dim // g).index_copy_(-2, flat_slots, q.zero)
+    view.v_scale.view(*lead, heads, pages * g, dim // gv).index_copy_(-2, flat_slots, q.scale)
+    view.v_zero.view(*lead, heads, pages * g, dim // gv).index_copy_(-2, flat_slots, q.zero)
 
 
 # -- reading --------------------------------------------------------------------------
@@ -134,7 +160,8 @@ def dequantize_value_pages(view: KIVILayerView, page_ids: torch.Tensor) -> torch
     """Values of `page_ids` [n] as float32 [H, n * G, D] (slots never written are garbage)."""
     codes = unpack_codes(view.v_codes.index_select(1, page_ids), view.bits).float()  # [H, n, G, D]
     heads, n, g, dim = codes.shape
-    grouped = codes.view(heads, n, g, dim // g, g)
+    gv = view.value_group
+    grouped = codes.view(heads, n, g, dim // gv, gv)
     values = grouped * view.v_scale.index_select(1, page_ids).float()[..., None] \
         + view.v_zero.index_select(1, page_ids).float()[..., None]
     return values.reshape(heads, n * g, dim)

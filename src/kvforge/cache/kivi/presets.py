@@ -1,0 +1,34 @@
+"""Named KIVI settings (`--cache kivi:preset=NAME`): option sets chosen by measurement.
+
+A preset fills fields of KIVICacheConfig; a field it sets must be left at its default by
+the user (ConfigError otherwise), so `kivi:preset=quality2,bits=4` is refused rather than
+silently meaning one or the other. Options a preset does not set stay free
+(`kivi:preset=quality2,max_sequences=32`). Why each preset is what it is: the Pareto table
+in README.md and docs/cache-methods.md (measured in docs/results/eval/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvforge.errors import ConfigError
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The paper's setting, by name.
+    "paper2": {"bits": 2},
+    "paper4": {"bits": 4},
+}
+
+
+def apply_preset(config: Any) -> None:
+    """Fill `config` (a frozen KIVICacheConfig, in its __post_init__) from its preset."""
+    name = config.preset
+    if name not in PRESETS:
+        raise ConfigError("preset", name, f"must be one of {sorted(PRESETS)}")
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for field, value in PRESETS[name].items():
+        current = getattr(config, field)
+        if current != defaults[field] and current != value:
+            raise ConfigError(field, current, f"is set by preset={name} (to {value}); leave it out or drop the preset")
+        object.__setattr__(config, field, value)

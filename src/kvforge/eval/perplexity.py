@@ -29,6 +29,7 @@ from kvforge.errors import require
 from kvforge.eval.compare import EvalSystem, baseline_index, check_backends, parse_systems
 from kvforge.eval.context import EvalContext, describe_system, log, make_hf_cache
 from kvforge.eval.report import environment, evaluate_systems, markdown_table, relative_delta_pct, write_json
+from kvforge.eval.storage import hf_quantized_storage, kvforge_storage
 from kvforge.integrations.transformers import cache_argument
 from kvforge.models.loader import parse_dtype
 from kvforge.preflight import check_within_context
@@ -161,16 +162,22 @@ def evaluate_system(ctx: EvalContext, system: EvalSystem, windows: list[list[int
                     settings: PplSettings) -> dict[str, Any]:
     total = math.ceil(len(windows) / settings.batch) * steps_per_batch(settings)
     start = time.perf_counter()
+    storage: dict[str, Any] = {}
     with tqdm(total=total, desc=system.name, unit="step", leave=False) as bar:
         if system.kind == "kvforge":
-            scores = score_kvforge(ctx.runner(system), windows, settings, bar.update)
+            runner = ctx.runner(system)
+            storage = kvforge_storage(runner.cache, settings.context)
+            scores = score_kvforge(runner, windows, settings, bar.update)
         else:
+            if system.hf_cache in ("quanto", "hqq") and system.hf_options is not None:
+                options = system.hf_options
+                storage = hf_quantized_storage(options.bits, options.group, options.residual, ctx.dtype)
             model = ctx.hf_model()
             scores = score_hf(model, lambda: make_hf_cache(system, model), windows, settings, bar.update)
     seconds = time.perf_counter() - start
     ppl = perplexity(scores)
     log(f"{system.name}: ppl {ppl:.4f} over {sum(c for _, c in scores)} tokens ({seconds:.1f} s)")
-    return {**describe_system(system), "ppl": ppl, "nll_sum": sum(n for n, _ in scores),
+    return {**describe_system(system), **storage, "ppl": ppl, "nll_sum": sum(n for n, _ in scores),
             "tokens": sum(c for _, c in scores), "seconds": seconds,
             "windows": [{"index": i, "nll": n, "tokens": c, "ppl": math.exp(n / c)}
                         for i, (n, c) in enumerate(scores)]}
@@ -181,8 +188,11 @@ def format_ppl_table(systems: list[dict[str, Any]], baseline: int) -> str:
     rows = []
     for index, system in enumerate(systems):
         delta = "baseline" if index == baseline else f"{relative_delta_pct(system['ppl'], base):+.2f}%"
-        rows.append([system["name"], f"{system['ppl']:.4f}", delta, system["tokens"]])
-    return markdown_table(["system", "ppl", f"delta vs {systems[baseline]['name']}", "tokens"], rows)
+        bits = system.get("stored_bits_per_element")
+        rows.append([system["name"], f"{system['ppl']:.4f}", delta, "" if bits is None else f"{bits:.2f}",
+                     system["tokens"]])
+    return markdown_table(["system", "ppl", f"delta vs {systems[baseline]['name']}", "bits/element", "tokens"],
+                          rows)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -3,7 +3,9 @@ committed result files under DIR (docs/results by default).
 
 - docs/results.md: one section per JSON file (render.py), in path order.
 - README.md: the block between `<!-- results:start -->` and `<!-- results:end -->` is the
-  headline table (headline.py), each figure read from a named file.
+  headline table (headline.py), each figure read from a named file; the block between
+  `<!-- kivi-pareto:start -->` and `<!-- kivi-pareto:end -->` is KIVI's quality/memory
+  table (pareto.py).
 - `--check`: render in memory and exit 1 if either file differs from what is on disk (the
   report test does the same), so a table can never drift from its JSON.
 - `--plots`: redraw the PNG next to each bench JSON from the JSON alone.
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.errors import ConfigError
+from kvforge.report import pareto
 from kvforge.report.headline import headline_table
 from kvforge.report.render import render_document
 
@@ -58,12 +61,12 @@ def render_results(results: dict[str, dict[str, Any]], label: str = "docs/result
     return RESULTS_HEADER + "\n" + "\n".join(sections)
 
 
-def replace_block(text: str, block: str, where: str) -> str:
-    if START not in text or END not in text:
-        raise ConfigError("readme", where, f"must contain the markers {START} and {END}")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{block.rstrip()}\n{END}{tail}"
+def replace_block(text: str, block: str, where: str, start: str = START, end: str = END) -> str:
+    if start not in text or end not in text:
+        raise ConfigError("readme", where, f"must contain the markers {start} and {end}")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{block.rstrip()}\n{end}{tail}"
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -71,7 +74,8 @@ def run_report(args: argparse.Namespace) -> int:
     results = load_results(directory)
     rendered = {Path(args.out): render_results(results, directory.as_posix().rstrip("/"))}
     readme = Path(args.readme)
-    rendered[readme] = replace_block(readme.read_text(), headline_table(results), str(readme))
+    text = replace_block(readme.read_text(), headline_table(results), str(readme))
+    rendered[readme] = replace_block(text, pareto.pareto_block(results), str(readme), pareto.START, pareto.END)
     stale = [path for path, text in rendered.items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:

@@ -159,9 +159,9 @@ def _eval(doc: Document) -> str:
         s = doc["settings"]
         head = (f"{doc['model']}, {s['windows']} windows of {s['context']} tokens, mode {s['mode']}"
                 + (f" (prefill {s['prefill_len']})" if s["mode"] == "decode" else "") + "\n\n")
-        rows = [[x["name"], fmt(x["ppl"], "{:.3f}"), fmt(x.get("delta_pct"), "{:+.2f}%"), x.get("tokens", "-")]
-                for x in doc["systems"]]
-        return head + table(["system", "perplexity", f"vs {base}", "tokens"], rows)
+        rows = [[x["name"], fmt(x["ppl"], "{:.3f}"), fmt(x.get("delta_pct"), "{:+.2f}%"),
+                 fmt(x.get("stored_bits_per_element"), "{:.2f}"), x.get("tokens", "-")] for x in doc["systems"]]
+        return head + table(["system", "perplexity", f"vs {base}", "bits/element", "tokens"], rows)
     if kind == "niah":
         lengths = doc["settings"]["lengths"]
         rows = [[x["name"], *(fmt(100 * x["accuracy_by_length"][str(n)] if isinstance(x["accuracy_by_length"], dict)

@@ -5,9 +5,12 @@
 //
 // Layout (one cache layer; /work/notes/kivi_layout.md): k_codes uint8 [H, P, D, G*b/8] keys
 // per channel over a page's G tokens; k_scale/k_zero fp16 [H, P, D]; v_codes uint8
-// [H, P, G, D*b/8] values per token over groups of G channels; v_scale/v_zero fp16
-// [H, P, G, D/G]; k_res/v_res [S, H, R, D] (f32/bf16/f16), token t at offset t % R of the
-// sequence's slot. Codes are packed low bits first, 8/b per byte.
+// [H, P, G, D*b/8] values per token over groups of GV channels (GV = G in the paper's
+// setting); v_scale/v_zero fp16 [H, P, G, D/GV]; k_res/v_res [S, H, R, D] (f32/bf16/f16),
+// token t at offset t % R of the sequence's slot. Codes are packed low bits first, 8/b per
+// byte. Optional sinks (`kivi:sinks=N`): k_sink/v_sink [S, H, N, D] in the residual dtype,
+// token t < N at index t of its slot; those tokens are read from there only (hidden from
+// the pages, the ring and the residual).
 //
 // For a sequence holding n tokens: nk = (n / R) * R, nv = max(0, n - R); stored token t in
 // [visible_from, n) is visible; its key is quantised iff t < nk, its value iff t < nv.
@@ -341,6 +344,9 @@ struct NativeVec {
 
 struct Problem {
   int64_t batch, kv_heads, group, dim, g, residual, pages, table_width, slots;
+  int64_t gv;     // channels per value group
+  int64_t sinks;  // N (0: none)
+  const void *k_sink, *v_sink;
   float scale;
   const float *q, *k_self, *v_self;
   const uint8_t *k_codes, *v_codes;
@@ -359,16 +365,18 @@ struct Unit {
   bool with_self;
 };
 
-// What a pair reads, derived from its sequence's length and visibility.
+// What a pair reads, derived from its sequence's length and visibility. lo: the first
+// token read from the pages, the ring or the residual (sink tokens are below it);
+// sinks [sink_lo, sink_hi): the visible tokens read from the sink buffers.
 struct Span {
-  int64_t n, nk, nv, lo, first, slot;
+  int64_t n, nk, nv, lo, first, slot, sink_lo, sink_hi;
 };
 
 Span span_of(const Problem& p, int64_t b) {
   const int64_t n = p.lengths[b], R = p.residual;
-  const int64_t first = p.first[b];
-  return {n, (n / R) * R, std::max<int64_t>(0, n - R), std::max(std::max<int64_t>(0, p.from[b]), first), first,
-          p.slot_of[b]};
+  const int64_t first = p.first[b], from = std::max<int64_t>(0, p.from[b]);
+  return {n, (n / R) * R, std::max<int64_t>(0, n - R), std::max(std::max(from, first), p.sinks), first,
+          p.slot_of[b], from, std::min(n, p.sinks)};
 }
 
 // Per-thread buffers, sized once per thread for the problem.
@@ -381,8 +389,8 @@ struct Scratch {
     qsc.resize(nh * dim);
     zk.resize(nh);
     scores.resize(nh * tile);
-    sv.resize(dim);
-    zv.resize(dim);
+    sv.resize(p.g * (dim / p.gv));  // a page's value scales: G tokens x D/GV groups
+    zv.resize(p.g * (dim / p.gv));
     rows.resize(tile * dim);
     row_ptrs.resize(tile);
   }
@@ -582,19 +590,19 @@ struct ValueDequant {
 
 // acc[g * D + c] += sum_{t in [t0, t1)} prob[g * stride + t] * v_hat(t, c) for the page's
 // value codes [G, D*b/8], v_hat(t, c) = code(t, c) scale(t, cg) + zero(t, cg) (sv, zv: the
-// page's scales and zeros as floats, [G, D/G]). Lanes are channels; a block of KB vectors
-// lies inside one channel group (G % (KB * L) == 0), so each token's dequantiser is set up
+// page's scales and zeros as floats, [G, D/GV]). Lanes are channels; a block of KB vectors
+// lies inside one channel group (GV % (KB * L) == 0), so each token's dequantiser is set up
 // once per block and each dequantised vector feeds the FMAs of all NH heads. The block's
 // NH * KB accumulators stay in registers across the tokens (two sets, even and odd
 // tokens, when that alone gives too few independent FMA chains).
 template <typename V, int BITS, int NH, int KB>
 inline void value_accumulate(const float* prob, int64_t stride, const float* sv, const float* zv,
-                             const uint8_t* codes, int64_t t0, int64_t t1, int64_t dim, int64_t G, float* acc) {
+                             const uint8_t* codes, int64_t t0, int64_t t1, int64_t dim, int64_t GV, float* acc) {
   constexpr int64_t L = V::kLanes;
   constexpr int SETS = NH * KB >= 4 ? 1 : 2;
-  const int64_t row_bytes = dim * BITS / 8, cgs = dim / G;
+  const int64_t row_bytes = dim * BITS / 8, cgs = dim / GV;
   for (int64_t j = 0; j < dim; j += KB * L) {
-    const int64_t cg = j / G;
+    const int64_t cg = j / GV;
     V a[SETS][NH][KB];
     for (int g = 0; g < NH; ++g) {
       for (int k = 0; k < KB; ++k) {
@@ -640,6 +648,7 @@ template <typename V, int BITS, int NH>
 void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, float* m, float* l, float* acc) {
   const int64_t b = u.pair / p.kv_heads, h = u.pair % p.kv_heads;
   const int64_t dim = p.dim, G = p.g, R = p.residual;
+  const int64_t v_params = G * (dim / p.gv);  // value scales (and zeros) per page
   const int64_t k_row_bytes = G * BITS / 8, v_row_bytes = dim * BITS / 8;
   const int64_t tile_pages = std::max<int64_t>(1, kTileTokens / G), stride = tile_pages * G;
   const Span sp = span_of(p, b);
@@ -682,8 +691,8 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
     prefetch(p.k_scale + base * dim, dim * 2);
     prefetch(p.k_zero + base * dim, dim * 2);
     prefetch(p.v_codes + base * G * v_row_bytes, G * v_row_bytes);
-    prefetch(p.v_scale + base * dim, dim * 2);
-    prefetch(p.v_zero + base * dim, dim * 2);
+    prefetch(p.v_scale + base * v_params, v_params * 2);
+    prefetch(p.v_zero + base * v_params, v_params * 2);
   };
   auto prefetch_ring = [&](const void* base, int64_t t_begin, int64_t t_end) __attribute__((always_inline)) {
     const char* rows = static_cast<const char*>(base);
@@ -741,15 +750,17 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
       if (q_end > q_begin) {
         float* sv = scratch.sv.data();
         float* zv = scratch.zv.data();
-        for (int64_t c = 0; c < dim; c += V::kLanes) {
-          V::load(p.v_scale + base * dim + c).store(sv + c);
-          V::load(p.v_zero + base * dim + c).store(zv + c);
+        const c10::Half* vs = p.v_scale + base * v_params;
+        const c10::Half* vz = p.v_zero + base * v_params;
+        for (int64_t i = 0; i < v_params; ++i) {
+          sv[i] = static_cast<float>(vs[i]);
+          zv[i] = static_cast<float>(vz[i]);
         }
         const uint8_t* vc = p.v_codes + base * G * v_row_bytes;
-        if ((G / V::kLanes) % 2 == 0) {
-          value_accumulate<V, BITS, NH, 2>(prob, stride, sv, zv, vc, q_begin, q_end, dim, G, acc);
+        if ((p.gv / V::kLanes) % 2 == 0) {
+          value_accumulate<V, BITS, NH, 2>(prob, stride, sv, zv, vc, q_begin, q_end, dim, p.gv, acc);
         } else {
-          value_accumulate<V, BITS, NH, 1>(prob, stride, sv, zv, vc, q_begin, q_end, dim, G, acc);
+          value_accumulate<V, BITS, NH, 1>(prob, stride, sv, zv, vc, q_begin, q_end, dim, p.gv, acc);
         }
       }
       // Tokens [nv, nk) have their values still in the ring.
@@ -759,6 +770,26 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
         residual_rows<V>(p, p.v_res, ring, t0 + r_begin, G - r_begin, scratch.rows.data(), rows);
         rows_accumulate<V, NH>(prob + r_begin, stride, rows, 0, G - r_begin, dim, acc);
       }
+    }
+  }
+
+  // Sink tokens [sink_lo, sink_hi): exact keys and values from the sink buffers.
+  if (u.with_self) {
+    const int64_t sink_row = (sp.slot * p.kv_heads + h) * p.sinks;  // row index of token 0
+    for (int64_t start = sp.sink_lo; start < sp.sink_hi; start += stride) {
+      const int64_t count = std::min(stride, sp.sink_hi - start);
+      const float** rows = scratch.row_ptrs.data();
+      for (int64_t i = 0; i < count; ++i) {
+        rows[i] = residual_row<V>(p, p.k_sink, sink_row + start + i, scratch.rows.data() + i * dim);
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        for (int g = 0; g < NH; ++g) scores[g * stride + i] = dot<V>(qs + g * dim, rows[i], dim);
+      }
+      update<V>(s, scores, stride, count, 0, NH, dim);
+      for (int64_t i = 0; i < count; ++i) {
+        rows[i] = residual_row<V>(p, p.v_sink, sink_row + start + i, scratch.rows.data() + i * dim);
+      }
+      rows_accumulate<V, NH>(scores, stride, rows, 0, count, dim, acc);
     }
   }
 
@@ -866,7 +897,8 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
                                  const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& v_zero,
                                  const at::Tensor& k_res, const at::Tensor& v_res, const at::Tensor& page_table,
                                  const at::Tensor& first_page_position, const at::Tensor& visible_from,
-                                 const at::Tensor& lengths, const at::Tensor& slots, double scale, int64_t bits) {
+                                 const at::Tensor& lengths, const at::Tensor& slots, double scale, int64_t bits,
+                                 const c10::optional<at::Tensor>& k_sink, const c10::optional<at::Tensor>& v_sink) {
   constexpr const char* kOpName = "kivi_decode_attention";
   kvforge_checks::cpu(kOpName, {&q, &k_self, &v_self, &k_codes, &k_scale, &k_zero, &v_codes, &v_scale, &v_zero, &k_res,
                            &v_res, &page_table, &first_page_position, &visible_from, &lengths, &slots});
@@ -891,17 +923,30 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   TORCH_CHECK(k_codes.dim() == 4 && k_codes.size(0) == kv_heads && k_codes.size(2) == dim, "k_codes shape");
   const int64_t pages = k_codes.size(1);
   const int64_t g = v_codes.size(2);
-  TORCH_CHECK(g > 0 && dim % g == 0 && k_codes.size(3) == g * bits / 8 && (g * bits) % 8 == 0,
-              "k_codes must be [H, P, D, G*b/8]");
+  TORCH_CHECK(g > 0 && k_codes.size(3) == g * bits / 8 && (g * bits) % 8 == 0, "k_codes must be [H, P, D, G*b/8]");
   TORCH_CHECK(v_codes.dim() == 4 && v_codes.size(1) == pages && v_codes.size(3) == dim * bits / 8,
               "v_codes must be [H, P, G, D*b/8]");
   TORCH_CHECK(k_scale.numel() == kv_heads * pages * dim && k_zero.numel() == k_scale.numel(), "k_scale shape");
-  TORCH_CHECK(v_scale.numel() == kv_heads * pages * dim && v_zero.numel() == v_scale.numel(), "v_scale shape");
+  TORCH_CHECK(v_scale.dim() == 4 && v_scale.size(0) == kv_heads && v_scale.size(1) == pages && v_scale.size(2) == g &&
+                  v_scale.size(3) > 0 && dim % v_scale.size(3) == 0 && v_zero.sizes() == v_scale.sizes(),
+              "v_scale, v_zero must be [H, P, G, D/GV]");
+  const int64_t gv = dim / v_scale.size(3);
+  TORCH_CHECK(k_sink.has_value() == v_sink.has_value(), "k_sink and v_sink come together");
+  int64_t sinks = 0;
+  if (k_sink.has_value()) {
+    TORCH_CHECK(k_sink->is_cpu() && v_sink->is_cpu() && k_sink->is_contiguous() && v_sink->is_contiguous() &&
+                    k_sink->dim() == 4 && k_sink->sizes() == v_sink->sizes() && k_sink->size(0) == k_res.size(0) &&
+                    k_sink->size(1) == kv_heads && k_sink->size(3) == dim &&
+                    k_sink->scalar_type() == res_dtype && v_sink->scalar_type() == res_dtype,
+                "k_sink, v_sink must be contiguous CPU [S, H, N, D] in the residual dtype");
+    sinks = k_sink->size(2);
+  }
   TORCH_CHECK(k_res.size(1) == kv_heads && k_res.size(3) == dim, "residual shape");
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch, "page_table must be [B, W]");
   kvforge_checks::per_sequence(kOpName, "positions and slots", batch, {&first_page_position, &visible_from, &lengths, &slots});
   const int64_t group = heads / kv_heads;
-  const Problem p{batch, kv_heads, group, dim, g, k_res.size(2), pages, page_table.size(1), k_res.size(0),
+  const Problem p{batch, kv_heads, group, dim, g, k_res.size(2), pages, page_table.size(1), k_res.size(0), gv,
+                  sinks, sinks ? k_sink->data_ptr() : nullptr, sinks ? v_sink->data_ptr() : nullptr,
                   static_cast<float>(scale), q.data_ptr<float>(), k_self.data_ptr<float>(),
                   v_self.data_ptr<float>(), k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
                   k_scale.data_ptr<c10::Half>(), k_zero.data_ptr<c10::Half>(), v_scale.data_ptr<c10::Half>(),
@@ -918,7 +963,8 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
     const Span sp = span_of(p, b);
     col_lo[b] = (sp.lo - sp.first) / g;
     col_hi[b] = std::max(col_lo[b], (sp.nk - sp.first) / g);
-    total_tokens += ((col_hi[b] - col_lo[b]) * g + (sp.n - std::min(sp.n, std::max(sp.nk, sp.lo)))) * kv_heads;
+    total_tokens += ((col_hi[b] - col_lo[b]) * g + (sp.n - std::min(sp.n, std::max(sp.nk, sp.lo))) +
+                     (sp.sink_hi - std::min(sp.sink_hi, sp.sink_lo))) * kv_heads;
   }
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t target_units = 4 * threads;
@@ -939,11 +985,11 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   const int64_t state = group * (dim + 2);
   std::vector<float> partial(units.size() * state);
 #ifdef KVFORGE_NATIVE_VEC
-  if (g % NativeVec::kLanes == 0) {
+  if (g % NativeVec::kLanes == 0 && gv % NativeVec::kLanes == 0) {
     dispatch_bits<NativeVec>(bits, units, p, partial.data());
   } else
 #endif
-  if (g % 8 == 0) {
+  if (g % 8 == 0 && gv % 8 == 0) {
     dispatch_bits<ArrayVec<8>>(bits, units, p, partial.data());
   } else {
     dispatch_bits<ArrayVec<1>>(bits, units, p, partial.data());
@@ -981,7 +1027,7 @@ TORCH_LIBRARY(kvforge_cpu_kivi, m) {
   m.def("kivi_decode_attention(Tensor q, Tensor k_self, Tensor v_self, Tensor k_codes, Tensor k_scale, "
         "Tensor k_zero, Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor k_res, Tensor v_res, "
         "Tensor page_table, Tensor first_page_position, Tensor visible_from, Tensor lengths, Tensor slots, "
-        "float scale, int bits) -> Tensor");
+        "float scale, int bits, Tensor? k_sink=None, Tensor? v_sink=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_kivi, CPU, m) {

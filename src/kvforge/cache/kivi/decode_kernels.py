@@ -46,7 +46,7 @@ def _triton_module() -> ModuleType:
 
 
 # What each compiled kernel reads beyond the paper's layout.
-KERNEL_OPTIONS: dict[str, frozenset[str]] = {"cpp": frozenset(), "triton": frozenset()}
+KERNEL_OPTIONS: dict[str, frozenset[str]] = {"cpp": frozenset({"sinks", "value_group"}), "triton": frozenset()}
 
 
 def requested_options(config: KIVICacheConfig | None) -> list[str]:

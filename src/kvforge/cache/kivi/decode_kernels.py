@@ -28,8 +28,8 @@ import torch
 
 from kvforge.cache.kivi.attention import kivi_decode_attention
 from kvforge.cache.kivi.config import KIVICacheConfig
-from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
+from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView
 from kvforge.errors import ConfigError
 from kvforge.kernels.build import DISABLE_ENV

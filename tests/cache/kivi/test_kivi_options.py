@@ -40,7 +40,7 @@ class Definition:
 
     def __init__(self, cache: KIVICache) -> None:
         c = cache.config
-        self.bits, self.kg, self.vg, self.sinks = c.bits, c.key_tokens, c.value_channels, c.sinks
+        self.kbits, self.vbits, self.kg, self.vg, self.sinks = c.kbits, c.vbits, c.key_tokens, c.value_channels, c.sinks
         self.pre = c.key_space == "pre_rope"
         h = hadamard_matrix(DIM)
         self.k_rot = h if c.rotates_keys else torch.eye(DIM)
@@ -60,10 +60,10 @@ class Definition:
             if self.sinks % self.kg and first_page_end <= nk:  # sinks share a page with later tokens
                 ranged[self.sinks // self.kg * self.kg:self.sinks] = stored_k[self.sinks]
             pages = ranged.reshape(nk // self.kg, self.kg, KV_HEADS, DIM).permute(0, 2, 3, 1)
-            deq = dequantize(quantize(pages, self.bits, self.kg)).permute(0, 3, 1, 2).reshape(nk, KV_HEADS, DIM)
+            deq = dequantize(quantize(pages, self.kbits, self.kg)).permute(0, 3, 1, 2).reshape(nk, KV_HEADS, DIM)
             k_hat[:nk] = deq
         if nv:
-            v_hat[:nv] = dequantize(quantize(stored_v[:nv], self.bits, self.vg))
+            v_hat[:nv] = dequantize(quantize(stored_v[:nv], self.vbits, self.vg))
         s = min(self.sinks, n)
         k_hat[:s], v_hat[:s] = stored_k[:s], stored_v[:s]  # exact
         keys = k_hat @ self.k_rot.T
@@ -125,6 +125,8 @@ OPTIONS = [
     "rotation=hadamard_keys",
     "rotation=hadamard_values",
     "key_group=16,value_group=4",
+    "key_bits=4,value_bits=2",
+    "key_bits=2,value_bits=8",
     "key_space=pre_rope,rotation=hadamard,sinks=4,key_group=16,value_group=4,bits=4",
 ]
 
@@ -138,7 +140,8 @@ def test_options_equal_attention_over_their_own_dequantised_storage(options, win
 
 
 @pytest.mark.parametrize("options", ["rotation=hadamard", "rotation=hadamard_values", "sinks=4", "sinks=12",
-                                     "key_group=16,value_group=4,sinks=3,rotation=hadamard,bits=4"])
+                                     "key_group=16,value_group=4,sinks=3,rotation=hadamard,bits=4",
+                                     "key_bits=4,value_bits=2,sinks=4,value_group=16"])
 @pytest.mark.parametrize("window", [None, 20])
 def test_options_on_the_compiled_cpu_kernel(options, window):
     """The C++ decode kernel reads sinks and separate value groups itself; rotations live in
@@ -204,6 +207,9 @@ def test_bytes_count_sinks_and_value_groups():
     # per page and layer and head: codes 2 * G * D * 2 / 8, key params 2 * D * 2, value params 2 * G * D/4 * 2
     assert fine.page_bytes == 3 * KV_HEADS * (2 * G * DIM * 2 // 8 + 2 * DIM * 2 + 2 * G * (DIM // 4) * 2)
     assert fine.page_bytes > base.page_bytes
+    mixed = create_cache(f"kivi:group={G},residual={R},key_bits=4,value_bits=2", layout, 1 << 22, torch.float32)
+    assert isinstance(mixed, KIVICache)
+    assert mixed.page_bytes == 3 * KV_HEADS * (G * DIM * (4 + 2) // 8 + 2 * DIM * 2 + 2 * G * (DIM // G) * 2)
     assert sinks.memory_capacity()["fast"] <= 1 << 22
 
 
@@ -216,6 +222,8 @@ def test_bytes_count_sinks_and_value_groups():
     ("kivi:preset=best", "preset.*best.*one of"),
     ("kivi:preset=paper2,bits=4", "bits.*4.*set by preset=paper2"),
     ("kivi:decode_kernel=triton,sinks=4", "decode_kernel.*triton.*does not read sinks"),
+    ("kivi:decode_kernel=cpp,key_bits=2,value_bits=4", "decode_kernel.*cpp.*key_bits=2,value_bits=4"),
+    ("kivi:key_bits=3", "key_bits.*3.*one of"),
     ("kivi:decode_kernel=cpp,key_space=pre_rope", "decode_kernel.*cpp.*key_space=pre_rope"),
 ])
 def test_bad_option_combinations_fail_clearly(spec, message):

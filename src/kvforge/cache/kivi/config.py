@@ -70,6 +70,9 @@ class KIVICacheConfig:
     sinks: int = 0
     key_space: str = "post_rope"  # one of KEY_SPACES
     rotation: str = "none"  # one of ROTATIONS
+    # Bits of key codes and of value codes; None: `bits`.
+    key_bits: int | None = None
+    value_bits: int | None = None
     # A named setting (PRESETS, presets.py) filling the fields above; the fields it sets must
     # be left at their defaults.
     preset: str | None = None
@@ -85,6 +88,14 @@ class KIVICacheConfig:
         return self.value_group if self.value_group is not None else self.group
 
     @property
+    def kbits(self) -> int:
+        return self.bits if self.key_bits is None else self.key_bits
+
+    @property
+    def vbits(self) -> int:
+        return self.bits if self.value_bits is None else self.value_bits
+
+    @property
     def rotates_keys(self) -> bool:
         return self.rotation in ("hadamard", "hadamard_keys")
 
@@ -98,10 +109,15 @@ class KIVICacheConfig:
         require(self.bits in SUPPORTED_BITS, "bits", self.bits, f"must be one of {list(SUPPORTED_BITS)}")
         require(self.group >= 1 and 8 % self.bits == 0 and (self.group * self.bits) % 8 == 0, "group",
                 self.group, f"must be >= 1 and fill whole bytes ({8 // self.bits} codes per byte)")
-        for name in ("key_group", "value_group"):
+        for name in ("key_bits", "value_bits"):
             value = getattr(self, name)
-            require(value is None or (value >= 1 and (value * self.bits) % 8 == 0), name, value,
-                    f"must be None or >= 1 and fill whole bytes ({8 // self.bits} codes per byte)")
+            require(value is None or value in SUPPORTED_BITS, name, value, f"must be None or one of {list(SUPPORTED_BITS)}")
+        for name, bits in (("key_group", self.kbits), ("value_group", self.vbits)):
+            value = getattr(self, name)
+            require(value is None or (value >= 1 and (value * bits) % 8 == 0), name, value,
+                    f"must be None or >= 1 and fill whole bytes ({8 // bits} codes per byte)")
+        require((self.key_tokens * self.kbits) % 8 == 0, "group", self.group,
+                f"must fill whole bytes with {self.kbits}-bit key codes")
         kg = self.key_tokens
         require(self.residual >= kg, "residual", self.residual, f"must be >= key_group={kg}")
         require(self.residual % kg == 0, "residual", self.residual, f"must be a multiple of key_group={kg}")

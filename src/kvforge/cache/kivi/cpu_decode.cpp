@@ -644,12 +644,12 @@ __attribute__((always_inline)) inline void prefetch(const void* base, int64_t by
 
 // One unit for query heads [h0, h0 + NH) of its kv group. m, l, acc: the unit's partial
 // state for those heads (acc [NH * D]).
-template <typename V, int BITS, int NH>
+template <typename V, int KBITS, int VBITS, int NH>
 void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, float* m, float* l, float* acc) {
   const int64_t b = u.pair / p.kv_heads, h = u.pair % p.kv_heads;
   const int64_t dim = p.dim, G = p.g, R = p.residual;
   const int64_t v_params = G * (dim / p.gv);  // value scales (and zeros) per page
-  const int64_t k_row_bytes = G * BITS / 8, v_row_bytes = dim * BITS / 8;
+  const int64_t k_row_bytes = G * KBITS / 8, v_row_bytes = dim * VBITS / 8;
   const int64_t tile_pages = std::max<int64_t>(1, kTileTokens / G), stride = tile_pages * G;
   const Span sp = span_of(p, b);
   float* qs = scratch.qs.data();
@@ -737,7 +737,7 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
         }
         scratch.zk[g] = z.sum();
       }
-      key_scores<V, BITS, NH>(qsc, scratch.zk.data(), p.k_codes + base * dim * k_row_bytes, dim, G, scores + k * G,
+      key_scores<V, KBITS, NH>(qsc, scratch.zk.data(), p.k_codes + base * dim * k_row_bytes, dim, G, scores + k * G,
                               stride);
     }
     update<V>(s, scores, stride, count * G, hidden, NH, dim);
@@ -758,9 +758,9 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
         }
         const uint8_t* vc = p.v_codes + base * G * v_row_bytes;
         if ((p.gv / V::kLanes) % 2 == 0) {
-          value_accumulate<V, BITS, NH, 2>(prob, stride, sv, zv, vc, q_begin, q_end, dim, p.gv, acc);
+          value_accumulate<V, VBITS, NH, 2>(prob, stride, sv, zv, vc, q_begin, q_end, dim, p.gv, acc);
         } else {
-          value_accumulate<V, BITS, NH, 1>(prob, stride, sv, zv, vc, q_begin, q_end, dim, p.gv, acc);
+          value_accumulate<V, VBITS, NH, 1>(prob, stride, sv, zv, vc, q_begin, q_end, dim, p.gv, acc);
         }
       }
       // Tokens [nv, nk) have their values still in the ring.
@@ -827,35 +827,35 @@ constexpr int max_heads_per_pass() {
 #endif
 }
 
-template <typename V, int BITS>
+template <typename V, int KBITS, int VBITS>
 PassFn pass_for(int nh) {
   constexpr int kMax = max_heads_per_pass<V>();
   if constexpr (kMax == 1) {
-    return &run_pass<V, BITS, 1>;
+    return &run_pass<V, KBITS, VBITS, 1>;
   } else if constexpr (kMax == 4) {
     switch (nh) {
-      case 1: return &run_pass<V, BITS, 1>;
-      case 2: return &run_pass<V, BITS, 2>;
-      case 3: return &run_pass<V, BITS, 3>;
-      default: return &run_pass<V, BITS, 4>;
+      case 1: return &run_pass<V, KBITS, VBITS, 1>;
+      case 2: return &run_pass<V, KBITS, VBITS, 2>;
+      case 3: return &run_pass<V, KBITS, VBITS, 3>;
+      default: return &run_pass<V, KBITS, VBITS, 4>;
     }
   } else {
     switch (nh) {
-      case 1: return &run_pass<V, BITS, 1>;
-      case 2: return &run_pass<V, BITS, 2>;
-      case 3: return &run_pass<V, BITS, 3>;
-      case 4: return &run_pass<V, BITS, 4>;
-      case 5: return &run_pass<V, BITS, 5>;
-      case 6: return &run_pass<V, BITS, 6>;
-      case 7: return &run_pass<V, BITS, 7>;
-      default: return &run_pass<V, BITS, 8>;
+      case 1: return &run_pass<V, KBITS, VBITS, 1>;
+      case 2: return &run_pass<V, KBITS, VBITS, 2>;
+      case 3: return &run_pass<V, KBITS, VBITS, 3>;
+      case 4: return &run_pass<V, KBITS, VBITS, 4>;
+      case 5: return &run_pass<V, KBITS, VBITS, 5>;
+      case 6: return &run_pass<V, KBITS, VBITS, 6>;
+      case 7: return &run_pass<V, KBITS, VBITS, 7>;
+      default: return &run_pass<V, KBITS, VBITS, 8>;
     }
   }
 }
 
 // Runs every unit (threads take units dynamically) and writes each unit's partial state
 // [m (group), l (group), acc (group * D)] to `partial`.
-template <typename V, int BITS>
+template <typename V, int KBITS, int VBITS>
 void run_units(const std::vector<Unit>& units, const Problem& p, float* partial) {
   const int64_t group = p.group, dim = p.dim, state = group * (dim + 2);
   const int64_t tile = std::max<int64_t>(1, kTileTokens / p.g) * p.g;
@@ -873,22 +873,27 @@ void run_units(const std::vector<Unit>& units, const Problem& p, float* partial)
       float* st = partial + u * state;
       for (int64_t i = 0; i < passes; ++i) {
         const int64_t h0 = pass_begin[i], nh = pass_begin[i + 1] - h0;
-        pass_for<V, BITS>(static_cast<int>(nh))(units[u], h0, p, scratch, st + h0, st + group + h0,
+        pass_for<V, KBITS, VBITS>(static_cast<int>(nh))(units[u], h0, p, scratch, st + h0, st + group + h0,
                                                 st + 2 * group + h0 * dim);
       }
     }
   });
 }
 
+// Key and value bits: the paper's equal pairs, and 4-bit keys with 2-bit values (keys
+// carry most of the 2-bit error on small models: README's KIVI table). Other pairs are
+// refused on entry (the PyTorch path reads them).
 template <typename V>
-void dispatch_bits(int64_t bits, const std::vector<Unit>& units, const Problem& p, float* partial) {
+void dispatch_bits(int64_t bits, int64_t value_bits, const std::vector<Unit>& units, const Problem& p,
+                   float* partial) {
+  if (bits == 4 && value_bits == 2) return run_units<V, 4, 2>(units, p, partial);
   switch (bits) {
     case 2:
-      return run_units<V, 2>(units, p, partial);
+      return run_units<V, 2, 2>(units, p, partial);
     case 4:
-      return run_units<V, 4>(units, p, partial);
+      return run_units<V, 4, 4>(units, p, partial);
     default:
-      return run_units<V, 8>(units, p, partial);
+      return run_units<V, 8, 8>(units, p, partial);
   }
 }
 
@@ -898,7 +903,8 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
                                  const at::Tensor& k_res, const at::Tensor& v_res, const at::Tensor& page_table,
                                  const at::Tensor& first_page_position, const at::Tensor& visible_from,
                                  const at::Tensor& lengths, const at::Tensor& slots, double scale, int64_t bits,
-                                 const c10::optional<at::Tensor>& k_sink, const c10::optional<at::Tensor>& v_sink) {
+                                 const c10::optional<at::Tensor>& k_sink, const c10::optional<at::Tensor>& v_sink,
+                                 int64_t value_bits) {
   constexpr const char* kOpName = "kivi_decode_attention";
   kvforge_checks::cpu(kOpName, {&q, &k_self, &v_self, &k_codes, &k_scale, &k_zero, &v_codes, &v_scale, &v_zero, &k_res,
                            &v_res, &page_table, &first_page_position, &visible_from, &lengths, &slots});
@@ -910,6 +916,9 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   kvforge_checks::contiguous_of(kOpName, "scales and zero points", at::kHalf, {&k_scale, &k_zero, &v_scale, &v_zero});
   TORCH_CHECK(k_res.is_contiguous() && v_res.is_contiguous(), kOpName, ": residuals must be contiguous");
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
+  if (value_bits == 0) value_bits = bits;
+  TORCH_CHECK(value_bits == bits || (bits == 4 && value_bits == 2),
+              "key/value bits must be equal, or 4-bit keys with 2-bit values");
   TORCH_CHECK(k_res.sizes() == v_res.sizes() && k_res.scalar_type() == v_res.scalar_type() && k_res.dim() == 4,
               "k_res, v_res must be [S, H, R, D] of one dtype");
   const at::ScalarType res_dtype = k_res.scalar_type();
@@ -924,7 +933,7 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   const int64_t pages = k_codes.size(1);
   const int64_t g = v_codes.size(2);
   TORCH_CHECK(g > 0 && k_codes.size(3) == g * bits / 8 && (g * bits) % 8 == 0, "k_codes must be [H, P, D, G*b/8]");
-  TORCH_CHECK(v_codes.dim() == 4 && v_codes.size(1) == pages && v_codes.size(3) == dim * bits / 8,
+  TORCH_CHECK(v_codes.dim() == 4 && v_codes.size(1) == pages && v_codes.size(3) == dim * value_bits / 8,
               "v_codes must be [H, P, G, D*b/8]");
   TORCH_CHECK(k_scale.numel() == kv_heads * pages * dim && k_zero.numel() == k_scale.numel(), "k_scale shape");
   TORCH_CHECK(v_scale.dim() == 4 && v_scale.size(0) == kv_heads && v_scale.size(1) == pages && v_scale.size(2) == g &&
@@ -986,13 +995,13 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   std::vector<float> partial(units.size() * state);
 #ifdef KVFORGE_NATIVE_VEC
   if (g % NativeVec::kLanes == 0 && gv % NativeVec::kLanes == 0) {
-    dispatch_bits<NativeVec>(bits, units, p, partial.data());
+    dispatch_bits<NativeVec>(bits, value_bits, units, p, partial.data());
   } else
 #endif
   if (g % 8 == 0 && gv % 8 == 0) {
-    dispatch_bits<ArrayVec<8>>(bits, units, p, partial.data());
+    dispatch_bits<ArrayVec<8>>(bits, value_bits, units, p, partial.data());
   } else {
-    dispatch_bits<ArrayVec<1>>(bits, units, p, partial.data());
+    dispatch_bits<ArrayVec<1>>(bits, value_bits, units, p, partial.data());
   }
 
   // Merge the slices of each pair: out = sum_u acc_u e^(m_u - M) / sum_u l_u e^(m_u - M).
@@ -1027,7 +1036,7 @@ TORCH_LIBRARY(kvforge_cpu_kivi, m) {
   m.def("kivi_decode_attention(Tensor q, Tensor k_self, Tensor v_self, Tensor k_codes, Tensor k_scale, "
         "Tensor k_zero, Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor k_res, Tensor v_res, "
         "Tensor page_table, Tensor first_page_position, Tensor visible_from, Tensor lengths, Tensor slots, "
-        "float scale, int bits, Tensor? k_sink=None, Tensor? v_sink=None) -> Tensor");
+        "float scale, int bits, Tensor? k_sink=None, Tensor? v_sink=None, int value_bits=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_kivi, CPU, m) {

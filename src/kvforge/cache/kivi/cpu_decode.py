@@ -63,7 +63,7 @@ def kivi_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: tor
         view.v_codes.contiguous(), view.v_scale.contiguous(), view.v_zero.contiguous(),
         view.k_res.contiguous(), view.v_res.contiguous(), _as(page_table, torch.int64),
         _as(first_page_position, torch.int64), _as(visible_from, torch.int64), _as(lengths, torch.int64),
-        _as(slots, torch.int64), float(scale), int(view.bits), view.k_sink, view.v_sink)
+        _as(slots, torch.int64), float(scale), int(view.bits), view.k_sink, view.v_sink, int(view.vbits))
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

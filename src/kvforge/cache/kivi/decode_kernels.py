@@ -46,7 +46,8 @@ def _triton_module() -> ModuleType:
 
 
 # What each compiled kernel reads beyond the paper's layout.
-KERNEL_OPTIONS: dict[str, frozenset[str]] = {"cpp": frozenset({"sinks", "value_group"}), "triton": frozenset()}
+KERNEL_OPTIONS: dict[str, frozenset[str]] = {
+    "cpp": frozenset({"sinks", "value_group", "key_bits=4,value_bits=2"}), "triton": frozenset()}
 
 
 def requested_options(config: KIVICacheConfig | None) -> list[str]:
@@ -60,6 +61,10 @@ def requested_options(config: KIVICacheConfig | None) -> list[str]:
         wanted.append("key_space=pre_rope")
     if config.value_channels != config.key_tokens:
         wanted.append("value_group")
+    if (config.kbits, config.vbits) == (4, 2):
+        wanted.append("key_bits=4,value_bits=2")
+    elif config.kbits != config.vbits:
+        wanted.append(f"key_bits={config.kbits},value_bits={config.vbits}")
     return wanted
 
 

@@ -143,7 +143,8 @@ class KIVICache(CacheMethod):
         self.residual_dtype = RESIDUAL_DTYPES[config.residual_dtype] if config.residual_dtype \
             else default_residual_dtype(compute_dtype)
         self.groups = LayerGroups.from_layout(layout)
-        self.page_bytes = page_bytes(self.groups.group_size, heads, dim, bits, g, vg)
+        bits, value_bits = config.kbits, config.vbits
+        self.page_bytes = page_bytes(self.groups.group_size, heads, dim, bits, g, vg, value_bits)
         element = torch.tensor([], dtype=self.residual_dtype).element_size()
         # A slot: the K/V residual rings (R tokens) and the sink buffers (sinks tokens).
         self.residual_bytes = 2 * layout.num_cache_layers * heads * (r + config.sinks) * dim * element
@@ -170,7 +171,8 @@ class KIVICache(CacheMethod):
         self.budget_bytes = budget_bytes
         self.pages = PageTable(BlockPool(num_pages), g, self.groups)
         self.store = KIVIStore(self.groups.group_size, layout.num_cache_layers, heads, dim, num_pages, num_slots,
-                               bits, g, r, self.residual_dtype, self.device, value_group=vg, sinks=config.sinks)
+                               bits, g, r, self.residual_dtype, self.device, value_group=vg, sinks=config.sinks,
+                               value_bits=value_bits)
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._seqs: dict[int, _Sequence] = {}
         self._plans: list[_GroupPlan] = []

@@ -46,9 +46,14 @@ class KIVILayerView:
     v_zero: torch.Tensor  # [H, P, G, D/G]
     k_res: torch.Tensor  # [S, H, R, D]
     v_res: torch.Tensor  # [S, H, R, D]
-    bits: int
+    bits: int  # of the key codes
     k_sink: torch.Tensor | None = None  # [S, H, N, D], None without sinks
     v_sink: torch.Tensor | None = None
+    value_bits: int | None = None  # of the value codes; None: `bits`
+
+    @property
+    def vbits(self) -> int:
+        return self.bits if self.value_bits is None else self.value_bits
 
     @property
     def group(self) -> int:
@@ -70,12 +75,14 @@ class KIVILayerView:
 
 
 def page_bytes(group_size: int, kv_heads: int, head_dim: int, bits: int, group: int,
-               value_group: int | None = None) -> int:
+               value_group: int | None = None, value_bits: int | None = None) -> int:
     """Bytes of one page: G tokens of K and V codes plus float16 scale/zero, every layer of a
-    group (G = `group` tokens per key group, values in groups of `value_group` channels)."""
+    group (G = `group` tokens per key group, values in groups of `value_group` channels;
+    `bits` per key code, `value_bits` (default `bits`) per value code)."""
     value_group = group if value_group is None else value_group
+    value_bits = bits if value_bits is None else value_bits
     param = torch.tensor([], dtype=PARAM_DTYPE).element_size()
-    codes = 2 * group * head_dim * bits // 8  # K and V codes of G tokens, one head
+    codes = group * head_dim * (bits + value_bits) // 8  # K and V codes of G tokens, one head
     k_params = 2 * head_dim * param  # one scale and zero per channel per page
     v_params = 2 * group * (head_dim // value_group) * param  # per token per channel group
     return group_size * kv_heads * (codes + k_params + v_params)
@@ -86,15 +93,17 @@ class KIVIStore:
 
     def __init__(self, group_size: int, num_cache_layers: int, kv_heads: int, head_dim: int, num_pages: int,
                  num_slots: int, bits: int, group: int, residual: int, residual_dtype: torch.dtype,
-                 device: torch.device, value_group: int | None = None, sinks: int = 0) -> None:
+                 device: torch.device, value_group: int | None = None, sinks: int = 0,
+                 value_bits: int | None = None) -> None:
         self.bits, self.group, self.residual = bits, group, residual
+        self.value_bits = bits if value_bits is None else value_bits
         value_group = group if value_group is None else value_group
         h, d, g, p = kv_heads, head_dim, group, num_pages
         empty = lambda *shape, dtype: torch.empty(shape, dtype=dtype, device=device)  # noqa: E731
         self.k_codes = empty(group_size, h, p, d, g * bits // 8, dtype=torch.uint8)
         self.k_scale = empty(group_size, h, p, d, dtype=PARAM_DTYPE)
         self.k_zero = empty(group_size, h, p, d, dtype=PARAM_DTYPE)
-        self.v_codes = empty(group_size, h, p, g, d * bits // 8, dtype=torch.uint8)
+        self.v_codes = empty(group_size, h, p, g, d * self.value_bits // 8, dtype=torch.uint8)
         self.v_scale = empty(group_size, h, p, g, d // value_group, dtype=PARAM_DTYPE)
         self.v_zero = empty(group_size, h, p, g, d // value_group, dtype=PARAM_DTYPE)
         self.k_res = empty(num_cache_layers, num_slots, h, residual, d, dtype=residual_dtype)
@@ -107,7 +116,7 @@ class KIVIStore:
         residuals [num_cache_layers, ...]; for the writers, which then quantise a layer group's
         flushed tokens in one call."""
         return KIVILayerView(self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero,
-                             self.k_res, self.v_res, self.bits, self.k_sink, self.v_sink)
+                             self.k_res, self.v_res, self.bits, self.k_sink, self.v_sink, self.value_bits)
 
     def layer(self, index: int, cache_layer: int) -> KIVILayerView:
         """`index`: the layer's slot within its layer group (pages); `cache_layer`: residuals."""
@@ -115,7 +124,7 @@ class KIVIStore:
             else (self.k_sink[cache_layer], self.v_sink[cache_layer])
         return KIVILayerView(self.k_codes[index], self.k_scale[index], self.k_zero[index], self.v_codes[index],
                              self.v_scale[index], self.v_zero[index], self.k_res[cache_layer],
-                             self.v_res[cache_layer], self.bits, *sinks)
+                             self.v_res[cache_layer], self.bits, *sinks, self.value_bits)
 
 
 # -- writing --------------------------------------------------------------------------
@@ -139,7 +148,7 @@ def store_value_tokens(view: KIVILayerView, values: torch.Tensor, flat_slots: to
     to the page slot flat_slots[i] = page * G + offset."""
     heads, dim, g, gv = values.shape[-2], values.shape[-1], view.group, view.value_group
     lead = values.shape[:-3]
-    q = quantize(values.transpose(-3, -2), view.bits, gv)  # [*lead, H, n, ...]
+    q = quantize(values.transpose(-3, -2), view.vbits, gv)  # [*lead, H, n, ...]
     pages = view.v_codes.shape[-3]
     view.v_codes.view(*lead, heads, pages * g, -1).index_copy_(-2, flat_slots, q.packed)
     view.v_scale.view(*lead, heads, pages * g, dim // gv).index_copy_(-2, flat_slots, q.scale)
@@ -158,7 +167,7 @@ def dequantize_key_pages(view: KIVILayerView, page_ids: torch.Tensor) -> torch.T
 
 def dequantize_value_pages(view: KIVILayerView, page_ids: torch.Tensor) -> torch.Tensor:
     """Values of `page_ids` [n] as float32 [H, n * G, D] (slots never written are garbage)."""
-    codes = unpack_codes(view.v_codes.index_select(1, page_ids), view.bits).float()  # [H, n, G, D]
+    codes = unpack_codes(view.v_codes.index_select(1, page_ids), view.vbits).float()  # [H, n, G, D]
     heads, n, g, dim = codes.shape
     gv = view.value_group
     grouped = codes.view(heads, n, g, dim // gv, gv)

@@ -254,3 +254,118 @@ def test_admissible_sequences_counts_every_store_of_a_split_budget():
     kivi = create_cache("kivi:max_sequences=2", layout, 1 << 22, torch.float32)
     assert kivi.memory_capacity()["fast"] // kivi.sequence_bytes(100) > 2
     assert admissible_sequences(kivi, 100) == 2
+
+
+# -- bench throughput's step split and attention rates --------------------------------------
+
+def test_step_split_takes_the_timed_difference_and_rest_closes_the_sum():
+    """Two snapshots of a cumulative timer: only what happened between them counts (the
+    warmup before does not), rest = step - parts, and the parts sum to ms per step."""
+    from kvforge.bench.throughput import step_split, timer_totals
+    from kvforge.step_timing import StepTimer
+
+    timer = StepTimer()
+    timer.steps["decode"], timer.seconds["decode"] = 5, {"linear": 9.0, "attention": 9.0, "sampling": 9.0, "step": 99.0}
+    before = timer_totals(timer)  # a warmup's 5 steps
+    timer.steps["decode"] += 4
+    for part, seconds in {"linear": 0.2, "attention": 0.1, "sampling": 0.02, "step": 0.4}.items():
+        timer.seconds["decode"][part] += seconds
+    split = step_split(before, timer_totals(timer))
+    assert split["decode_steps"] == 4 and split["decode_seconds"] == pytest.approx(0.4)
+    assert split["decode_linear_ms"] == pytest.approx(50.0) and split["decode_attention_ms"] == pytest.approx(25.0)
+    assert split["decode_sampling_ms"] == pytest.approx(5.0) and split["decode_rest_ms"] == pytest.approx(20.0)
+    assert split["decode_ms_per_step"] == pytest.approx(100.0)
+    assert split["prefill_steps"] == 0 and split["prefill_ms_per_step"] is None and split["prefill_rest_ms"] is None
+    # parts a rounding error above the step: rest is 0, never negative, and the sum still closes
+    timer.steps["prefill"] = 1
+    timer.seconds["prefill"].update(linear=0.3, attention=0.1 + 1e-15, step=0.4)
+    split = step_split(before, timer_totals(timer))
+    assert split["prefill_rest_ms"] == 0.0
+    assert split["prefill_ms_per_step"] == sum(split[f"prefill_{p}_ms"] for p in ("linear", "attention", "sampling",
+                                                                                   "rest"))
+
+
+def test_decode_attention_work_matches_hand_computation():
+    """Bytes: the cache's sequence_bytes per decode token; FLOPs: 4 * heads * head_dim per
+    visible key and layer, the sliding layer seeing at most its window."""
+    from kvforge.bench.throughput import attention_rates, decode_attention_work
+    from kvforge.cache.layout import CacheLayerSpec, CacheLayout
+    from kvforge.cache.registry import create_cache
+
+    config = tiny_config(layer_types=(SLIDING_ATTENTION, FULL_ATTENTION), sliding_window=3)
+    layout = CacheLayout.one_per_layer([CacheLayerSpec(2, 4, 0.5, sliding_window=3), CacheLayerSpec(2, 4, 0.5)])
+    cache = create_cache("full:block_size=2", layout, 1 << 16, torch.float32)
+    # one layer per page group; a page = 2 tokens x (K, V) x 2 heads x 4 dims x 4 bytes = 128 bytes.
+    # 5 tokens: global layer ceil(5/2) = 3 pages, sliding layer window - 1 = 2 kept tokens in
+    # 1 page + 1 page of slack = 2 pages; 2 tokens: 1 + (1 + 1) pages
+    assert cache.sequence_bytes(5) == 5 * 128 and cache.sequence_bytes(2) == 3 * 128
+    num_bytes, flops = decode_attention_work(cache, config, {5: 2, 2: 1})
+    assert num_bytes == 2 * 5 * 128 + 3 * 128
+    # 64 FLOPs per (key, layer): 5 keys see 3 (sliding) + 5 (global); 2 keys see 2 + 2
+    assert flops == 2 * 64 * (3 + 5) + 64 * (2 + 2)
+    rates = attention_rates(num_bytes, flops, seconds=2e-6, steps=2)
+    assert rates["attention_bytes_per_decode_step"] == num_bytes / 2
+    assert rates["attention_flops_per_decode_step"] == flops / 2
+    assert rates["attention_gbps"] == pytest.approx(num_bytes / 2e-6 / 1e9)
+    assert rates["attention_gflops"] == pytest.approx(flops / 2e-6 / 1e9)
+    assert attention_rates(0, 0, seconds=0.0, steps=0)["attention_gbps"] is None
+
+
+@pytest.fixture
+def tiny_bench(monkeypatch):
+    """The bench on the tiny random Llama of server_helpers (2 layers, 4 heads x 16 dims,
+    2 KV heads) and its character tokenizer: nothing to download; small peak probes."""
+    from server_helpers import char_tokenizer, tiny_model
+
+    model, tokenizer = tiny_model(), char_tokenizer()
+    monkeypatch.setattr(common, "load_kvforge", lambda name, dtype, swiftkv=None, device="cpu": (model, tokenizer, name))
+    monkeypatch.setattr(common, "resolve_model_source", lambda name: name)
+    monkeypatch.setattr(common, "load_model_config", lambda source: model.config)
+    monkeypatch.setattr(peak, "MATMUL_SIZE", 256)
+    monkeypatch.setattr(peak, "READ_BYTES", 8 * 2**20)
+    threads = torch.get_num_threads()
+    yield model
+    torch.set_num_threads(threads)
+
+
+def test_throughput_splits_each_kvforge_decode_step(tiny_bench, tmp_path, capsys):
+    """3 requests of 16 prompt tokens and 4 outputs: 1 prefill step, then 3 decode steps in
+    which the sequences attend 17, 18, 19 keys. The warmup's steps are not counted; the
+    split's parts are non-negative and sum to the step; the attention bytes and FLOPs are
+    the definition's (timing values themselves decide nothing)."""
+    from kvforge.bench.throughput import decode_attention_work
+    from kvforge.cache.registry import create_cache
+
+    out = tmp_path / "t.json"
+    assert main(["bench", "throughput", "--model", "tiny", "--cache", "full:block_size=8", "--compare", "kivi:group=8",
+                 "--num-requests", "3", "--input-len", "16", "--output-len", "4", "--kv-budget", "4MiB",
+                 "--threads", "1", "--warmup", "1", "--repeats", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    layout = tiny_bench.cache_layout()
+    for system in result["systems"]:
+        assert system["decode_steps"] == 3 and system["prefill_steps"] == 1  # the warmup excluded
+        for kind in ("decode", "prefill"):
+            parts = [system[f"{kind}_{part}_ms"] for part in ("linear", "attention", "sampling", "rest")]
+            assert all(part >= 0 for part in parts)
+            assert sum(parts) == pytest.approx(system[f"{kind}_ms_per_step"], rel=1e-9)
+            assert system[f"{kind}_ms_per_step"] == pytest.approx(system[f"{kind}_seconds"] / system[f"{kind}_steps"] * 1e3)
+            assert system[f"{kind}_linear_ms"] > 0 and system[f"{kind}_attention_ms"] > 0  # the timer records
+        cache = create_cache(system["name"].removeprefix("kvforge[").removesuffix("]"), layout, 4 << 20, torch.float32)
+        assert system["attention_bytes_per_decode_step"] == sum(cache.sequence_bytes(n) for n in (17, 18, 19))
+        # 2 layers x 4 heads x 16 dims x 4 FLOPs per key; 3 sequences once at 17, 18 and 19 keys
+        assert system["attention_flops_per_decode_step"] == 2 * 4 * 16 * 4 * (17 + 18 + 19)
+        assert decode_attention_work(cache, tiny_bench.config, {17: 3, 18: 3, 19: 3}) == (
+            3 * system["attention_bytes_per_decode_step"], 3 * system["attention_flops_per_decode_step"])
+        attention_seconds = system["decode_attention_ms"] * 3 / 1e3
+        assert system["attention_gbps"] == pytest.approx(3 * system["attention_bytes_per_decode_step"]
+                                                         / attention_seconds / 1e9)
+        assert system["attention_fraction_of_read_bandwidth"] == pytest.approx(system["attention_gbps"]
+                                                                               / result["peak"]["read_gbps"])
+        assert system["attention_fraction_of_matmul_peak"] == pytest.approx(system["attention_gflops"]
+                                                                            / result["peak"]["matmul_gflops"])
+        assert f"{system['name']}: decode step {system['decode_ms_per_step']:.1f} ms = linear " in printed
+        assert f"{system['name']}: attention: {system['attention_gbps']:.2f} GB/s (" in printed
+    # full: 3 pages of 8 tokens x 2 layers x (K, V) x 2 heads x 16 dims x 4 bytes per sequence
+    assert result["systems"][0]["attention_bytes_per_decode_step"] == 3 * 3 * 8 * 2 * 2 * 2 * 16 * 4
+    assert "approximation" in result["settings"]["attention_work"]

@@ -149,15 +149,16 @@ class BenchContext:
         return self._loaded[key]
 
     def make_engine(self, system: System, max_num_batched_tokens: int, max_num_seqs: int = 256,
-                    admission: str = "optimistic") -> LLMEngine:
+                    admission: str = "optimistic", step_timing: bool = False) -> LLMEngine:
         """A fresh engine on the shared weights, with its own cache of `--kv-budget` bytes.
         Prefix caching only where the system asks for it: benchmarks repeat the same
-        prompts, which a cache would otherwise serve from the previous repeat."""
+        prompts, which a cache would otherwise serve from the previous repeat. `step_timing`:
+        the engine's `step_timer` records where each step's time goes (kvforge.step_timing)."""
         model, tokenizer = self.kvforge_model(system.swiftkv)
         cache = create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype, self.device)
         config = EngineConfig(kv_budget_bytes=self.kv_budget, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, admission=admission,
-                              prefix_caching=bool(system.prefix_caching))
+                              prefix_caching=bool(system.prefix_caching), step_timing=step_timing)
         return LLMEngine(model, cache, tokenizer, config)
 
     def hf_model(self) -> Any:

@@ -105,6 +105,7 @@ def format_table(result: dict[str, Any], columns: Sequence[Column]) -> str:
             cells.append(("-" if value is None else column.fmt.format(value)).rjust(w))
         lines.append(system["name"].ljust(width) + "".join(cells))
     lines.extend(cache_lines(result["systems"]))
+    lines.extend(step_split_lines(result["systems"]))
     for name, value in result["ratios"].items():
         lines.append(f"{result['headline_metric']}: {names[0]} / {name} = {value:.3f}x")
     lines.append(machine_line(result["environment"], result["systems"]))
@@ -136,6 +137,33 @@ def cache_lines(systems: Sequence[dict[str, Any]]) -> list[str]:
         if seconds:
             parts.append("s: " + " ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
         lines.append(f"{system['name']}: " + "; ".join(parts))
+    return lines
+
+
+def step_split_lines(systems: Sequence[dict[str, Any]]) -> list[str]:
+    """Per system with a step split (`bench throughput`'s kvforge systems): where a decode
+    step's time goes, the same for prefill-containing steps, and the attention's achieved
+    GB/s and GFLOP/s beside the peaks measured in the run."""
+    lines = []
+    for system in systems:
+        name = system["name"]
+        for kind, label in (("decode", "decode step"), ("prefill", "prefill-containing step")):
+            if system.get(f"{kind}_ms_per_step") is None:
+                continue
+            parts = " + ".join(f"{part} {system[f'{kind}_{part}_ms']:.1f}"
+                               for part in ("linear", "attention", "sampling", "rest"))
+            line = f"{name}: {label} {system[f'{kind}_ms_per_step']:.1f} ms = {parts}"
+            if kind == "decode":
+                line += f"; {system.get('generated_tokens_per_s', 0.0):.1f} generated tok/s"
+            lines.append(line + f" ({system[f'{kind}_steps']} steps)")
+        if system.get("attention_gbps") is not None:
+            read = system.get("attention_fraction_of_read_bandwidth")
+            matmul = system.get("attention_fraction_of_matmul_peak")
+            lines.append(f"{name}: attention: {system['attention_gbps']:.2f} GB/s"
+                         f" ({'?' if read is None else f'{read:.1%}'} of measured read BW), "
+                         f"{system['attention_gflops']:.2f} GFLOP/s"
+                         f" ({'?' if matmul is None else f'{matmul:.1%}'} of matmul peak); "
+                         f"{format_bytes(round(system['attention_bytes_per_decode_step']))} KV per decode step")
     return lines
 
 

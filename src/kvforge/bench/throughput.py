@@ -17,20 +17,49 @@ concurrent sequences, preemptions, the peak KV bytes in use, the whole sequences
 admits by the cache's accounting, and both counts relative to the system under test.
 --admission reserve admits a request only when every running request's prompt + max_tokens
 fits the budget (applied to every kvforge system alike; no preemption).
+
+Step split (kvforge systems; their engines run with step timing, kvforge.step_timing):
+for the timed runs only (warmups excluded), the steps of each kind ("decode": every
+sequence adds one generated token; "prefill": the step computes prompt tokens, possibly
+beside decode tokens), the mean ms per step and its parts: linear layers, attention (the
+cache's `write` and `attend` calls, so storing K/V, quantising included), sampling, and
+rest = step - those parts (embedding, norms, RoPE, scheduling, batch building,
+detokenising, Python). On CUDA the timer synchronises around every timed call, which
+lowers the headline there; on CPU it costs little.
+
+Attention rates of the decode steps (an approximation, stated in the JSON's settings):
+  bytes = for each decode token, `cache.sequence_bytes(n)` of its sequence, n = the keys
+          it attends (every token of the sequence after the step): what the cache method's
+          own accounting says such a sequence holds (page-rounded, sliding windows bound it,
+          KIVI's full-precision residual slot included). It is the KV read per layer when
+          each model layer reads its cache layer once and attention is dense; it overstates
+          what sparse attention reads (shadowkv) and understates it where several model
+          layers read one cache layer (AcrossKV);
+  FLOPs = for each decode token, 4 * num_heads * head_dim per visible key (QK^T and PV,
+          2 FLOPs per multiply-add), summed over model layers, a sliding-window layer
+          seeing at most its window (flops.attention_flops);
+  achieved GB/s and GFLOP/s = these over the decode steps' attention seconds, beside the
+  read bandwidth and matmul peak measured in the same run. A decode step that recomputes
+  several generated tokens of a preempted sequence counts only its last token.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from kvforge.bench import hf_peer
 from kvforge.bench.common import BenchContext, System, drain, prepare, rate, repeat_runs, run_systems
+from kvforge.bench.flops import attention_flops
 from kvforge.bench.report import Column, Panel, finish
 from kvforge.cache.base import CacheMethod
+from kvforge.config import ModelConfig
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import KVForgeError, require
+from kvforge.step_timing import PARTS, STEP_KINDS, StepTimer
 
 HEADLINE = "total_tokens_per_s"
 
@@ -40,20 +69,28 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     prompts = ctx.prompts(args.num_requests, args.input_len, args.shared_prefix)
     assert system.cache is not None
     engine = ctx.make_engine(system, args.max_num_batched_tokens, args.max_num_seqs,
-                             getattr(args, "admission", "optimistic"))
+                             getattr(args, "admission", "optimistic"), step_timing=True)
     params = SamplingParams.greedy_params(max_tokens=args.output_len, ignore_eos=True)
-    scheduler, cache = engine.scheduler, engine.cache
+    scheduler, cache, timer = engine.scheduler, engine.cache, engine.step_timer
+    assert timer is not None  # step_timing=True
 
     def once() -> dict[str, Any]:
         scheduler.peak_running = 0  # the engine is reused across repeats: count this run only
         preemptions_before, steps_before = scheduler.num_preemptions, engine.steps
-        counters = {"peak_kv": 0, "generated": 0}
+        counters = {"peak_kv": 0, "generated": 0, "decode_steps": timer.steps["decode"]}
         engine.clear_prefix_cache()  # every repeat starts cold: nothing cached from the last one
         prefix_before = engine.prefix_statistics().get("prefix_hit_tokens", 0)
+        timed_before = timer_totals(timer)  # the timer is cumulative: this run is the difference
+        decode_keys: Counter[int] = Counter()  # keys attended -> decode tokens that attended that many
 
         def count(outputs: list[Any]) -> None:
             counters["generated"] += sum(len(o.new_token_ids) for o in outputs)
             counters["peak_kv"] = max(counters["peak_kv"], cache.memory_usage()["fast"])
+            if timer.steps["decode"] != counters["decode_steps"]:  # the step just run was a decode step
+                counters["decode_steps"] = timer.steps["decode"]
+                # Every sequence of a decode step sampled a token, so each has an output here; it
+                # attended all its tokens but the one just sampled (prompt + outputs - 1).
+                decode_keys.update(len(o.prompt_token_ids) + len(o.token_ids) - 1 for o in outputs)
 
         start, cpu_start = time.perf_counter(), time.process_time()
         drain(engine, prompts, params, count)
@@ -64,10 +101,16 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
         cpu_seconds = time.process_time() - cpu_start
         if generated != args.num_requests * args.output_len:
             raise KVForgeError(f"generated {generated} tokens, expected {args.num_requests * args.output_len}")
+        timed_after = timer_totals(timer)
+        num_bytes, flops = decode_attention_work(cache, engine.model.config, decode_keys)
+        decode_steps = round(timed_after["decode"]["steps"] - timed_before["decode"]["steps"])
+        attention_seconds = timed_after["decode"]["attention"] - timed_before["decode"]["attention"]
         return {"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_concurrent_sequences": scheduler.peak_running,
                 "prefix_hit_tokens": engine.prefix_statistics().get("prefix_hit_tokens", 0) - prefix_before,
                 "preemptions": scheduler.num_preemptions - preemptions_before,
-                "engine_steps": engine.steps - steps_before, "kv_bytes_peak": peak_kv}
+                "engine_steps": engine.steps - steps_before, "kv_bytes_peak": peak_kv,
+                **step_split(timed_before, timed_after),
+                **attention_rates(num_bytes, flops, attention_seconds, decode_steps)}
 
     run = repeat_runs(system.name, once, args.warmup, args.repeats)
     run["kv_bytes_capacity"] = cache.memory_capacity()["fast"]
@@ -75,6 +118,54 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     # Whole sequences (prompt + output) the budget holds by the cache's own accounting.
     run["admissible_sequences"] = admissible_sequences(cache, args.shared_prefix + args.input_len + args.output_len)
     return run
+
+
+def timer_totals(timer: StepTimer) -> dict[str, dict[str, float]]:
+    """A copy of the timer's cumulative figures per step kind: seconds of each part and of
+    the whole "step", and the count of steps under "steps"."""
+    return {kind: {**timer.seconds[kind], "steps": float(timer.steps[kind])} for kind in STEP_KINDS}
+
+
+def step_split(before: Mapping[str, Mapping[str, float]],
+               after: Mapping[str, Mapping[str, float]]) -> dict[str, float | int | None]:
+    """The steps timed between two `timer_totals`, per kind K ("decode", "prefill"):
+    K_steps, K_seconds (their whole time), K_ms_per_step and its parts K_linear_ms,
+    K_attention_ms, K_sampling_ms, K_rest_ms (ms per step; None with no step of kind K).
+
+    Invariant: the four parts sum to K_ms_per_step. rest = step - the timed parts; the
+    timer measures its parts inside the step and never one inside another, so rest >= 0
+    but for float rounding, which the clamp at 0 absorbs."""
+    out: dict[str, float | int | None] = {}
+    for kind in STEP_KINDS:
+        steps = round(after[kind]["steps"] - before[kind]["steps"])
+        step_seconds = after[kind]["step"] - before[kind]["step"]
+        parts = {part: after[kind][part] - before[kind][part] for part in PARTS}
+        parts["rest"] = max(0.0, step_seconds - sum(parts.values()))
+        out[f"{kind}_steps"] = steps
+        out[f"{kind}_seconds"] = step_seconds
+        out[f"{kind}_ms_per_step"] = sum(parts.values()) / steps * 1e3 if steps else None
+        for part, seconds in parts.items():
+            out[f"{kind}_{part}_ms"] = seconds / steps * 1e3 if steps else None
+    return out
+
+
+def decode_attention_work(cache: CacheMethod, config: ModelConfig, decode_keys: Mapping[int, int]) -> tuple[int, int]:
+    """(bytes, FLOPs) of the attention of decode tokens, `decode_keys[n]` of which attended
+    n keys (their sequence holds n tokens after the step). Per token: bytes =
+    `cache.sequence_bytes(n)`, FLOPs = `attention_flops(config, 1, n - 1)` (module docstring)."""
+    num_bytes = sum(count * cache.sequence_bytes(n) for n, count in decode_keys.items())
+    flops = sum(count * attention_flops(config, 1, cached=n - 1) for n, count in decode_keys.items())
+    return num_bytes, flops
+
+
+def attention_rates(num_bytes: int, flops: int, seconds: float, steps: int) -> dict[str, float | None]:
+    """Per decode step bytes and FLOPs, and achieved GB/s and GFLOP/s over `seconds` of
+    attention (None without a timed decode step)."""
+    timed = steps > 0 and seconds > 0
+    return {"attention_bytes_per_decode_step": num_bytes / steps if steps > 0 else None,
+            "attention_flops_per_decode_step": flops / steps if steps > 0 else None,
+            "attention_gbps": num_bytes / seconds / 1e9 if timed else None,
+            "attention_gflops": flops / seconds / 1e9 if timed else None}
 
 
 def admissible_sequences(cache: CacheMethod, num_tokens: int) -> int:
@@ -109,6 +200,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for system in systems:
         system[HEADLINE] = rate(total, system["seconds"])
         system["generated_tokens_per_s"] = rate(args.num_requests * args.output_len, system["seconds"])
+    for system in systems:  # the attention's rates beside the peaks measured in this run
+        if system.get("attention_gbps") is not None:
+            system["attention_fraction_of_read_bandwidth"] = system["attention_gbps"] / ctx.peak.read_gbps
+            system["attention_fraction_of_matmul_peak"] = system["attention_gflops"] / ctx.peak.matmul_gflops
     for key, ratio_key in (("peak_concurrent_sequences", "peak_sequences_ratio"),
                            ("admissible_sequences", "admissible_sequences_ratio")):
         for system in systems:  # the system under test relative to each system (1.0 for itself)
@@ -123,6 +218,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warmup": args.warmup, "seed": args.seed, "kv_budget": ctx.kv_budget,
         "kvforge_timing": "all requests added at once, engine stepped to completion (detokenising included)",
         "hf_timing": "model.generate on static batches of hf_batch, min_new_tokens = max_new_tokens",
+        "step_split": "kvforge engines time their steps (timed runs only): ms per decode / prefill-containing "
+                      "step = linear + attention (cache write + attend) + sampling + rest",
+        "attention_work": "approximation: bytes = cache.sequence_bytes(n) per decode token attending n keys "
+                          "(what the cache's accounting says the sequence holds); FLOPs = 4 * heads * head_dim "
+                          "per visible key and layer (sliding windows respected); rates over attention seconds",
     }
     columns = [Column(HEADLINE, "total tok/s"), Column("generated_tokens_per_s", "gen tok/s"),
                Column("seconds", "seconds", "{:.2f}"), Column("cpu_seconds", "cpu s", "{:.1f}"),
@@ -131,6 +231,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                Column("prefix_hit_tokens", "prefix hits", "{}"),
                Column("admissible_sequences", "admissible", "{}"),
                Column("peak_sequences_ratio", "peak ratio", "{:.2f}x"),
-               Column("admissible_sequences_ratio", "adm. ratio", "{:.2f}x")]
+               Column("admissible_sequences_ratio", "adm. ratio", "{:.2f}x"),
+               Column("decode_steps", "dec steps", "{}"), Column("decode_ms_per_step", "ms/dec step"),
+               Column("decode_linear_ms", "linear ms"), Column("decode_attention_ms", "attn ms"),
+               Column("decode_sampling_ms", "sampling ms"), Column("decode_rest_ms", "rest ms")]
     panel = Panel("generated_tokens_per_s", "generated tokens/s")
     return finish(ctx, "throughput", settings, HEADLINE, systems, columns, panel)

@@ -52,12 +52,12 @@ def test_sequence_bytes_match_the_analytic_value(residual_dtype):
 
 # -- the budget split between residual slots and quantised pages ---------------------------
 def test_slots_and_pages_split_the_budget():
-    """By default half the budget's pages pay for residual slots; slots and pages together are
+    """By default a quarter of the budget's pages pay for residual slots; slots and pages together are
     the capacity, within the budget; one sequence more than there are slots is refused while
     pages remain, and admitted once a slot is free."""
     cache = smollm2_like("kivi")
     budget_pages = 512_000_000 // cache.page_bytes
-    assert cache.num_slots == (budget_pages // 2) // cache.slot_pages
+    assert cache.num_slots == (budget_pages // 4) // cache.slot_pages
     assert cache.store.k_res.shape[1] == cache.num_slots
     assert cache.pages.pool.num_blocks == budget_pages - cache.num_slots * cache.slot_pages
     assert cache.memory_capacity()["fast"] <= 512_000_000

@@ -59,7 +59,7 @@ class KIVICacheConfig:
     prefix_reuse: str = "snapshot"
     # Residual slots: the most sequences held at once (running requests, kept sequences and
     # prefix snapshots alike). Their rings are allocated up front out of kv_budget, the rest
-    # of which holds quantised pages; None: as many slots as half the budget pays for.
+    # of which holds quantised pages; None: as many slots as a quarter of the budget pays for.
     max_sequences: int | None = None
     # Beyond the paper (defaults keep the paper's setting). key_group: tokens per key group,
     # which is also the page size; value_group: channels per value group; None: `group`.

@@ -14,7 +14,7 @@ tokens, every cache layer, in residual_dtype), costing `slot_pages` pages of the
 The budget is split once, at construction, between the two (device memory is the budget:
 on CUDA every `torch.empty` costs its whole size, so residual rings and pages cannot both be
 sized from the whole budget): `num_slots` rings (`max_sequences`; by default as many as
-half the budget's pages pay for) and the quantised pages the rest holds. A sequence takes
+a quarter of the budget's pages pay for: SLOT_SHARE) and the quantised pages the rest holds. A sequence takes
 a free slot when first allocated and returns it in `free`; usage and capacity count a slot
 as `slot_pages` pages, so `kv_budget` bounds pages and residuals together and the device
 holds at most the budget (no overhead: a ring is at most `slot_pages` pages' bytes).
@@ -64,6 +64,15 @@ from kvforge.cache.registry import register_cache_method
 from kvforge.cache.step_plan import upload
 from kvforge.errors import ConfigError
 from kvforge.models.rope import PositionedRope
+
+
+# Default split of the budget (max_sequences=None): 1 / SLOT_SHARE of it pays for residual
+# slots. A 2-bit sequence of n tokens costs one slot (R tokens at 16 bits, about 5.3 R
+# tokens' worth of pages) plus n tokens of pages, so a quarter balances slots and pages for
+# sequences of about 16 R = 2,048 tokens, the long contexts KIVI is for (half balanced them
+# at ~700 tokens and held 12 instead of 18 sequences of 3,072 tokens in 300MB on smollm2).
+# Shorter workloads set max_sequences.
+SLOT_SHARE = 4
 
 
 @dataclass
@@ -157,7 +166,7 @@ class KIVICache(CacheMethod):
                               f"must hold one sequence's residual ({self.residual_bytes} bytes) plus one "
                               f"residual's worth of quantised pages: at least {minimum} bytes")
         if config.max_sequences is None:
-            num_slots = max(1, min(budget_pages // 2, budget_pages - least_pages) // self.slot_pages)
+            num_slots = max(1, min(budget_pages // SLOT_SHARE, budget_pages - least_pages) // self.slot_pages)
         else:
             num_slots = config.max_sequences
             most = (budget_pages - least_pages) // self.slot_pages

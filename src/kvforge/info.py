@@ -29,6 +29,7 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
     # kivi rows: quantised bytes per token; per sequence adds the float16 residual (R tokens).
     specs = {name: f"full:storage_dtype={name}" for name in STORAGE_DTYPES}
     specs.update({f"kivi-{bits}bit": f"kivi:bits={bits},residual_dtype=float16" for bits in (2, 4)})
+    specs["kivi-quality2"] = "kivi:preset=quality2,residual_dtype=float16"  # 4-bit keys, 2-bit values
     specs["shadowkv"] = "shadowkv"  # default rank/budget, fp32; fast tier (values on the slow tier)
     for name, spec in specs.items():
         # One page per group is enough to ask the method for its accounting.

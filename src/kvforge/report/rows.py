@@ -43,6 +43,24 @@ def _ppl(doc: Document) -> str:
     return "decode perplexity " + ", ".join(parts)
 
 
+def _kivi_front(doc: Document) -> str:
+    """Decode perplexity change and stored bits of the paper's 2-bit, the preset and 4-bit."""
+    named = {s.get("cache"): s for s in doc["systems"]}
+    parts = [f"{cache.removeprefix('kivi:')} **{fmt(named[cache]['delta_pct'], '{:+.1f}')}%** at "
+             f"{fmt(named[cache].get('stored_bits_per_element'), '{:.1f}')} bits"
+             for cache in ("kivi:bits=2", "kivi:preset=quality2", "kivi:bits=4") if cache in named]
+    return f"decode perplexity ({doc['settings']['windows']} windows of {doc['settings']['context']}): " + \
+        ", ".join(parts)
+
+
+def _long_context(doc: Document) -> str:
+    ours, full = doc["systems"][0], doc["systems"][1]
+    s = doc["settings"]
+    return (f"**{fmt(ours['generated_tokens_per_s'] / full['generated_tokens_per_s'], '{:.2f}')}x** generated "
+            f"tokens/s at **{fmt(ours['peak_concurrent_sequences'] / full['peak_concurrent_sequences'], '{:.1f}')}x** "
+            f"sequences at once ({s['input_len']} + {s['output_len']} tokens, {s['kv_budget'] // 2**20}MiB budget)")
+
+
 def _decode(doc: Document) -> str:
     ours, full = doc["systems"][0], doc["systems"][1]
     fast = full["cache_bytes_after_prefill"]["fast"] / ours["cache_bytes_after_prefill"]["fast"]

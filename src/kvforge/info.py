@@ -99,11 +99,11 @@ def format_info(info: dict[str, Any]) -> str:
     for dtype, entry in info["kv_cache"].items():
         per_seq = ", ".join(f"{int(n) // 1024}K ctx {b / 2**20:.1f} MiB"
                             for n, b in entry["bytes_per_sequence"].items())
-        lines.append(f"  {dtype:<9} {entry['bytes_per_token']:>9.0f} bytes/token; per sequence: {per_seq}")
+        lines.append(f"  {dtype:<13} {entry['bytes_per_token']:>9.0f} bytes/token; per sequence: {per_seq}")
         if "slow_bytes_per_sequence" in entry:
             slow = ", ".join(f"{int(n) // 1024}K ctx {b / 2**20:.1f} MiB"
                              for n, b in entry["slow_bytes_per_sequence"].items())
-            lines.append(f"  {'':<9} (fast tier once compressed: rank-r key coefficients, landmarks, exact "
+            lines.append(f"  {'':<13} (fast tier once compressed: rank-r key coefficients, landmarks, exact "
                          f"buffers; slow tier: {slow})")
     if info["sliding_window_layers"]:
         lines.append("  (bytes/token counts every layer; sliding-window layers stop growing at their "

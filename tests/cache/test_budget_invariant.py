@@ -17,8 +17,11 @@ SHADOWKV_SMALL = "shadowkv:chunk=4,local=8,outliers=2,min_context=24,generated_w
 # more per-sequence fixed state (outliers, exact buffers, reuse slots) than pages: its
 # admission must count that state too
 SHADOWKV_STATEFUL = "shadowkv:chunk=4,local=8,outliers=8,min_context=24,generated_window=32,rank=16,budget=32"
-METHODS = ["full:block_size=4", "full:block_size=4,storage_dtype=bfloat16", "kivi:bits=2,group=4,residual=8",
-           "kivi:bits=4,group=4,residual=8", SHADOWKV_SMALL, SHADOWKV_STATEFUL]
+# KIVI with four residual slots: more than two sequences' pages hold, so the pages run out
+# (and preemption happens) rather than the slots.
+METHODS = ["full:block_size=4", "full:block_size=4,storage_dtype=bfloat16",
+           "kivi:bits=2,group=4,residual=8,max_sequences=4", "kivi:bits=4,group=4,residual=8,max_sequences=4",
+           SHADOWKV_SMALL, SHADOWKV_STATEFUL]
 
 
 def _run(spec: str, arch: str, budget: int, admission: str = "optimistic") -> LLMEngine:

@@ -171,7 +171,11 @@ def test_residual_counts_against_the_budget():
         assert cache.allocate(admitted, tokens)
         admitted += 1
     capacity = cache.memory_capacity()["fast"]
-    assert admitted == capacity // cache.sequence_bytes(tokens)
+    # The budget is split once between residual slots and pages: whichever runs out first
+    # bounds the admitted sequences, never more than the bytes alone allow.
+    pages_each = cache.pages.max_pages_per_sequence(cache.quantized_keys(tokens))
+    assert admitted == min(cache.num_slots, cache.pages.pool.num_blocks // pages_each) >= 2
+    assert admitted <= capacity // cache.sequence_bytes(tokens)
     assert cache.memory_usage()["fast"] == admitted * cache.sequence_bytes(tokens)
     for seq in range(admitted):
         cache.free(seq)
@@ -181,9 +185,9 @@ def test_residual_counts_against_the_budget():
 def test_bad_configs_fail_with_clear_messages():
     with pytest.raises(ConfigError, match="bits.*3.*must be one of"):
         parse_cache_spec("kivi:bits=3")
-    with pytest.raises(ConfigError, match="residual.*100.*multiple of key_group=32"):
+    with pytest.raises(ConfigError, match="residual.*100.*multiple of group=32"):
         parse_cache_spec("kivi:residual=100")
-    with pytest.raises(ConfigError, match="residual.*16.*>= key_group=32"):
+    with pytest.raises(ConfigError, match="residual.*16.*>= group=32"):
         parse_cache_spec("kivi:residual=16")
     layout = CacheLayout.one_per_layer([CacheLayerSpec(2, 48, 0.1)])
     with pytest.raises(ConfigError, match="group.*32.*divide head_dim=48"):
@@ -235,7 +239,7 @@ def test_engine_generates_under_a_tight_budget():
     assert cache.memory_usage()["fast"] == 0
 
 
-@pytest.mark.parametrize("cache_spec", ["full:block_size=8", KIVI8])
+@pytest.mark.parametrize("cache_spec", ["full:block_size=8", KIVI8 + ",max_sequences=9"])  # pages bind first
 def test_reserve_admission_never_preempts(cache_spec):
     """EngineConfig(admission="reserve") admits a request only when the lifetime bytes of the
     running ones and its own fit: under the same tight budget the optimistic policy preempts

@@ -119,8 +119,9 @@ class KIVICacheConfig:
         require((self.key_tokens * self.kbits) % 8 == 0, "group", self.group,
                 f"must fill whole bytes with {self.kbits}-bit key codes")
         kg = self.key_tokens
-        require(self.residual >= kg, "residual", self.residual, f"must be >= key_group={kg}")
-        require(self.residual % kg == 0, "residual", self.residual, f"must be a multiple of key_group={kg}")
+        key_group = f"{'key_group' if self.key_group is not None else 'group'}={kg}"  # the option the user set
+        require(self.residual >= kg, "residual", self.residual, f"must be >= {key_group}")
+        require(self.residual % kg == 0, "residual", self.residual, f"must be a multiple of {key_group}")
         require(self.sinks >= 0, "sinks", self.sinks, "must be >= 0")
         require(self.key_space in KEY_SPACES, "key_space", self.key_space, f"must be one of {list(KEY_SPACES)}")
         require(self.rotation in ROTATIONS, "rotation", self.rotation, f"must be one of {list(ROTATIONS)}")
@@ -128,7 +129,7 @@ class KIVICacheConfig:
                 self.residual_dtype, f"must be one of {sorted(RESIDUAL_DTYPES)}")
         for name in ("prefill_tile_tokens", "decode_tile_tokens"):
             value = getattr(self, name)
-            require(value >= kg, name, value, f"must be >= key_group={kg}")
+            require(value >= kg, name, value, f"must be >= {key_group}")
         require(self.decode_kernel in DECODE_KERNELS, "decode_kernel", self.decode_kernel,
                 f"must be one of {list(DECODE_KERNELS)}")
         require(self.prefix_reuse in PREFIX_REUSE, "prefix_reuse", self.prefix_reuse,

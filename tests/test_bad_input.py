@@ -63,6 +63,8 @@ CASES = [
     (["eval", "niah", "--lengths", "999999"], ["lengths", "999999", "32768"]),
     (["eval", "niah", "--lengths", "0"], ["lengths", "0", "positive"]),
     (["eval", "ppl", "--compare", "hf-hqq:bits=2"], ["compare", "hf-hqq:bits=2", "hqq"]),  # not installed
+    (["eval", "ppl", "--model", "gemma3-270m", "--compare", "hf-quanto:bits=2"],
+     ["compare", "hf-quanto:bits=2", "sliding-window"]),
     (["eval", "ppl", "--compare", "hf-hqq"], ["compare", "hf-hqq", "pip install hqq"]),
     (["eval", "ppl", "--context", "99999"], ["context", "99999", "8192"]),
     (["eval", "ppl", "--text-file", "/no/such/text.txt"], ["text_file", "/no/such/text.txt", "existing text file"]),

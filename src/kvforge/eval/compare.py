@@ -138,16 +138,26 @@ def parse_systems(cache: str, cache_opt: list[str] | None, compare: list[str] | 
     return out
 
 
-def check_backends(systems: list[EvalSystem], compare: list[str] | str | None) -> None:
-    """Refuse, before anything loads, a system whose optional backend is not installed (it
-    would otherwise fail after every system before it had run)."""
+def check_backends(systems: list[EvalSystem], compare: list[str] | str | None, model: str | None = None) -> None:
+    """Refuse, before anything loads, a system whose optional backend is not installed, or
+    (given the `model`) that transformers refuses for that model: it would otherwise fail
+    after every system before it had run."""
     from kvforge.preflight import require_backend
 
     entries = split_entries(compare)
-    for system in systems:
-        if system.hf_cache in ("quanto", "hqq"):
-            entry = next((e for e in entries if e.startswith(f"hf-{system.hf_cache}")), system.name)
-            require_backend(system.hf_cache, "compare", entry)
+    quantized = [s for s in systems if s.hf_cache in ("quanto", "hqq")]
+    for system in quantized:
+        entry = next((e for e in entries if e.startswith(f"hf-{system.hf_cache}")), system.name)
+        require_backend(system.hf_cache, "compare", entry)
+    if quantized and model is not None:
+        from kvforge.config import SLIDING_ATTENTION
+        from kvforge.models.loader import load_model_config, resolve_model_source
+
+        if SLIDING_ATTENTION in load_model_config(resolve_model_source(model)).layer_types:
+            entry = next((e for e in entries if e.startswith("hf-quanto") or e.startswith("hf-hqq")),
+                         quantized[0].name)
+            raise ConfigError("compare", entry, f"needs a model whose layers are all full attention: transformers' "
+                              f"QuantizedCache refuses sliding-window layers, which {model} has")
 
 
 def baseline_index(systems: list[EvalSystem], requested: str | None = None) -> int:

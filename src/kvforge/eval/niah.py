@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     require(args.batch >= 1, "batch", args.batch, "must be >= 1")
     require(args.max_new_tokens >= 1, "max_new_tokens", args.max_new_tokens, "must be >= 1")
     systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
-    check_backends(systems, args.compare)
+    check_backends(systems, args.compare, args.model)
     base = baseline_index(systems, args.baseline)
     ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv, args.device)
     check_within_context("lengths", lengths, ctx.context_length(), args.model, args.max_new_tokens,

@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = PplSettings(context=args.context, mode=args.mode, prefill_len=args.prefill_len, batch=batch,
                            max_windows=args.max_windows)
     systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
-    check_backends(systems, args.compare)
+    check_backends(systems, args.compare, args.model)
     base = baseline_index(systems, args.baseline)
     ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv, args.device)
     check_within_context("context", [settings.context], ctx.context_length(), args.model)

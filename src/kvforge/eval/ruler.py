@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tasks = parse_tasks(args.tasks)
     check_lengths(tasks, lengths)
     systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)
-    check_backends(systems, args.compare)
+    check_backends(systems, args.compare, args.model)
     base = baseline_index(systems, args.baseline)
     ctx = EvalContext(args.model, parse_dtype(args.dtype), parse_bytes(args.kv_budget), args.swiftkv, args.device)
     check_within_context("lengths", lengths, ctx.context_length(), args.model)

@@ -37,12 +37,6 @@ def _serve_kivi(doc: Document) -> str:
             f"({doc['settings']['kv_budget']} budget)")
 
 
-def _ppl(doc: Document) -> str:
-    parts = [f"{s['name'].removeprefix('kvforge[').rstrip(']')} **{fmt(s['delta_pct'], '{:+.2f}')}%**"
-             for s in doc["systems"] if s["name"] != doc["baseline"]]
-    return "decode perplexity " + ", ".join(parts)
-
-
 def _kivi_front(doc: Document) -> str:
     """Decode perplexity change and stored bits of the paper's 2-bit, the preset and 4-bit."""
     named = {s.get("cache"): s for s in doc["systems"]}
@@ -51,14 +45,6 @@ def _kivi_front(doc: Document) -> str:
              for cache in ("kivi:bits=2", "kivi:preset=quality2", "kivi:bits=4") if cache in named]
     return f"decode perplexity ({doc['settings']['windows']} windows of {doc['settings']['context']}): " + \
         ", ".join(parts)
-
-
-def _long_context(doc: Document) -> str:
-    ours, full = doc["systems"][0], doc["systems"][1]
-    s = doc["settings"]
-    return (f"**{fmt(ours['generated_tokens_per_s'] / full['generated_tokens_per_s'], '{:.2f}')}x** generated "
-            f"tokens/s at **{fmt(ours['peak_concurrent_sequences'] / full['peak_concurrent_sequences'], '{:.1f}')}x** "
-            f"sequences at once ({s['input_len']} + {s['output_len']} tokens, {s['kv_budget'] // 2**20}MiB budget)")
 
 
 def _decode(doc: Document) -> str:
@@ -98,7 +84,7 @@ ROWS = [
         "base model (teacher)", "T = 2 KL distillation on < 1B tokens"),
     Row("KIVI-2", "KV memory (2-bit, 16-bit residual)", "serve/kivi_vs_full_fp16_256MB_split_budget.json", _serve_kivi,
         "full cache, fp16", "2.6x less peak memory, 4x batch, 2.35-3.47x throughput (A100)"),
-    Row("KIVI quality", "", "eval/ppl_smollm2-135m_kivi_vs_full.json", _ppl, "full cache, fp32",
+    Row("KIVI quality", "", "eval/pareto_kivi_smollm2-135m.json", _kivi_front, "full cache, fp32",
         "<= 2% accuracy drop at 2 bits (7B models)"),
     Row("ShadowKV", "fast-tier KV memory, decode reads", "bench/decode_smollm2-135m_16k_batch4_shadowkv_vs_full.json",
         _decode, "full cache, fp32", "up to 3.04x throughput, 6x batch (A100)"),

@@ -21,9 +21,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 2-bit-class memory with the quality of 4 bits where it matters: on smollm2-135m the
     # 2-bit error is almost all in the keys (rotating or pre-RoPE-quantising the values
     # changed nothing; every key-side option helped), so keys get 4 bits and values keep
-    # 2: 3.5 stored bits per element (2-bit: 3.0, 4-bit: 5.0) for +2.7% decode perplexity
-    # where 2-bit costs +26% (2-window screen; the full runs are in README). The C++ decode
-    # kernel reads it, so it keeps KIVI's CPU decode speed.
+    # 2: 4.0 stored bits per element (2-bit: 3.0, 4-bit: 5.0, each with fp16 scale and zero
+    # per group of 32) for +3.7% decode perplexity on smollm2-135m where 2-bit costs +25.6%,
+    # +2.9% on gemma3-270m (README's KIVI table). The C++ decode kernel reads it, so it keeps
+    # KIVI's CPU decode speed.
     "quality2": {"key_bits": 4, "value_bits": 2},
 }
 

@@ -44,14 +44,14 @@ def environment() -> dict[str, Any]:
 
 def evaluate_systems(systems: Sequence[Any], evaluate: Callable[[Any], dict[str, Any]], json_path: str | None,
                      header: dict[str, Any]) -> list[dict[str, Any]]:
-    """`evaluate` each system in turn. If one fails, the results of the systems already done
-    are written to `json_path` first (marked incomplete, naming the failed system), so
-    minutes of work are not lost; then the error propagates."""
+    """`evaluate` each system in turn. If one fails or is interrupted (Ctrl-C), the results of
+    the systems already done are written to `json_path` first (marked incomplete, naming the
+    failed system), so minutes of work are not lost; then the error propagates."""
     results: list[dict[str, Any]] = []
     for system in systems:
         try:
             results.append(evaluate(system))
-        except Exception as exc:
+        except BaseException as exc:  # KeyboardInterrupt too: keep what finished
             if json_path and results:
                 write_json(json_path, {**header, "systems": results, "incomplete": True, "failed_system": system.name,
                                        "error": f"{type(exc).__name__}: {exc}", "environment": environment()})

@@ -18,7 +18,8 @@ from kvforge.report.render import fmt, table
 
 START, END = "<!-- kivi-pareto:start -->", "<!-- kivi-pareto:end -->"
 PARETO_FILES = {
-    "smollm2-135m": ("eval/pareto_kivi_smollm2-135m.json", "eval/pareto_kivi_smollm2-135m_k4v2_g64.json"),
+    "smollm2-135m": ("eval/pareto_kivi_smollm2-135m.json", "eval/pareto_kivi_smollm2-135m_beyond_paper.json",
+                     "eval/pareto_kivi_smollm2-135m_k4v2_g64.json"),
     "gemma3-270m": ("eval/pareto_kivi_gemma3-270m.json", "eval/pareto_kivi_gemma3-270m_k4v2_g64.json",
                     "eval/pareto_kivi_gemma3-270m_2bit_keyside.json"),
 }

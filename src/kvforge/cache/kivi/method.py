@@ -65,7 +65,6 @@ from kvforge.cache.step_plan import upload
 from kvforge.errors import ConfigError
 from kvforge.models.rope import PositionedRope
 
-
 # Default split of the budget (max_sequences=None): 1 / SLOT_SHARE of it pays for residual
 # slots. A 2-bit sequence of n tokens costs one slot (R tokens at 16 bits, about 5.3 R
 # tokens' worth of pages) plus n tokens of pages, so a quarter balances slots and pages for

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -55,6 +54,7 @@ from kvforge.cache.kivi.attention import kivi_chunk_attention
 from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig, default_residual_dtype
 from kvforge.cache.kivi.decode_kernels import kivi_decode, resolve_decode_kernel
 from kvforge.cache.kivi.key_space import StoredKeys
+from kvforge.cache.kivi.plan import Decode, Flush, GroupPlan, Prefill, ResidualWrites, SequenceState
 from kvforge.cache.kivi.prefill import kivi_chunk_attention_fast
 from kvforge.cache.kivi.rotation import hadamard_matrix, rotate, unrotate
 from kvforge.cache.kivi.store import KIVIStore, page_bytes, store_key_pages, store_value_tokens
@@ -72,66 +72,6 @@ from kvforge.models.rope import PositionedRope
 # at ~700 tokens and held 12 instead of 18 sequences of 3,072 tokens in 300MB on smollm2).
 # Shorter workloads set max_sequences.
 SLOT_SHARE = 4
-
-
-@dataclass
-class _Sequence:
-    slot: int  # residual slot
-    num_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class _Flush:
-    """Tokens of a step that leave the residuals, for one layer group. Sources are either
-    residual offsets (slot, t % R) or rows of the step; `*_order` puts the concatenation
-    [from residual, from rows] back in token order."""
-
-    key_res: tuple[torch.Tensor, torch.Tensor]  # (slots, offsets) of keys read from k_res
-    key_rows: torch.Tensor
-    key_order: torch.Tensor
-    key_pages: torch.Tensor  # destination page per G keys
-    # (destinations, sources) in the flushed keys' order: sink tokens of a page that also
-    # holds later tokens take a later token's key, so sinks do not set the page's ranges.
-    key_fill: tuple[torch.Tensor, torch.Tensor]
-    value_res: tuple[torch.Tensor, torch.Tensor]
-    value_rows: torch.Tensor
-    value_order: torch.Tensor
-    value_slots: torch.Tensor  # destination page * G + offset per value
-
-
-@dataclass(frozen=True)
-class _Decode:
-    rows: torch.Tensor
-    page_table: torch.Tensor
-    first_page_position: torch.Tensor
-    visible_from: torch.Tensor
-    lengths: torch.Tensor
-    slots: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _Prefill:
-    span: SequenceSpan
-    pages: torch.Tensor
-    first_page_position: int
-    past_from: int
-    slot: int
-
-
-@dataclass(frozen=True)
-class _GroupPlan:
-    flush: _Flush
-    decode: _Decode | None
-    prefills: tuple[_Prefill, ...]
-
-
-@dataclass(frozen=True)
-class _ResidualWrites:
-    """Step rows that stay in the residuals, written at end_step (same for every layer)."""
-
-    key: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, slots, offsets)
-    value: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    sink: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, slots, token index < sinks)
 
 
 @register_cache_method("kivi", KIVICacheConfig)
@@ -182,9 +122,9 @@ class KIVICache(CacheMethod):
                                bits, g, r, self.residual_dtype, self.device, value_group=vg, sinks=config.sinks,
                                value_bits=value_bits)
         self._free_slots = list(range(num_slots - 1, -1, -1))
-        self._seqs: dict[int, _Sequence] = {}
-        self._plans: list[_GroupPlan] = []
-        self._residual_writes: _ResidualWrites | None = None
+        self._seqs: dict[int, SequenceState] = {}
+        self._plans: list[GroupPlan] = []
+        self._residual_writes: ResidualWrites | None = None
         # Per cache layer of the step: (keys, values) as stored; attention keys where they
         # differ from the stored ones (key_space=pre_rope: post-RoPE, not rotated).
         self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -239,7 +179,7 @@ class KIVICache(CacheMethod):
         if not self.can_allocate(seq_id, num_tokens):
             return False
         if seq_id not in self._seqs:
-            self._seqs[seq_id] = _Sequence(self._free_slots.pop())
+            self._seqs[seq_id] = SequenceState(self._free_slots.pop())
         allocated = self.pages.allocate(seq_id, self.quantized_keys(num_tokens))
         assert allocated, "checked by can_allocate"
         return True
@@ -267,7 +207,7 @@ class KIVICache(CacheMethod):
         logical = stored // self.config.key_tokens
         tables = [self.pages.pages(source, g)[:logical] for g in range(self.groups.num_groups)]
         self.pages.attach(target, stored, tables)
-        fork = _Sequence(self._free_slots.pop(), seq.num_tokens)
+        fork = SequenceState(self._free_slots.pop(), seq.num_tokens)
         self._seqs[target] = fork
         for buffer in (self.store.k_res, self.store.v_res, self.store.k_sink, self.store.v_sink):
             if buffer is not None:
@@ -365,7 +305,7 @@ class KIVICache(CacheMethod):
         self._step_attention_keys = {}
 
     def _flush(self, group: int) -> None:
-        """Quantise the tokens of this step that leave the residuals (the plan's `_Flush`) into
+        """Quantise the tokens of this step that leave the residuals (the plan's `Flush`) into
         their pages: one call for the whole layer group when every layer of it was written."""
         flush = self._plans[group].flush
         if not flush.key_pages.numel() and not flush.value_slots.numel():
@@ -405,7 +345,7 @@ class KIVICache(CacheMethod):
         """A plan tensor on the host (begin_step uploads the whole plan at once)."""
         return torch.tensor(values, dtype=torch.long)
 
-    def _plan_residual_writes(self, batch: ForwardBatch) -> _ResidualWrites:
+    def _plan_residual_writes(self, batch: ForwardBatch) -> ResidualWrites:
         r = self.config.residual
         key: tuple[list[int], list[int], list[int]] = ([], [], [])
         value: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -422,14 +362,14 @@ class KIVICache(CacheMethod):
                 sink[1].append(slot)
                 sink[2].append(t)
         as_tensors = lambda lists: tuple(self._tensor(x) for x in lists)  # noqa: E731
-        return _ResidualWrites(as_tensors(key), as_tensors(value), as_tensors(sink))
+        return ResidualWrites(as_tensors(key), as_tensors(value), as_tensors(sink))
 
     def _kept_page(self, seq_id: int, group: int, logical: int) -> int:
         """Page id of a logical page, or RELEASED if the window dropped (or skipped) it."""
         table = self.pages.pages(seq_id, group)
         return table[logical] if logical < len(table) else RELEASED
 
-    def _plan_group(self, group: int, batch: ForwardBatch) -> _GroupPlan:
+    def _plan_group(self, group: int, batch: ForwardBatch) -> GroupPlan:
         g, r, sinks = self.config.key_tokens, self.config.residual, self.config.sinks
         key_sources: list[tuple[int, int, int, int]] = []  # (token order, kind, a, b)
         key_pages: list[int] = []
@@ -438,7 +378,7 @@ class KIVICache(CacheMethod):
         value_sources: list[tuple[int, int, int, int]] = []
         value_slots: list[int] = []
         decode_spans: list[SequenceSpan] = []
-        prefills: list[_Prefill] = []
+        prefills: list[Prefill] = []
         for span in batch.spans:
             seq = self._seqs[span.seq_id]
             n, end = span.cached_len, span.total_len
@@ -469,12 +409,12 @@ class KIVICache(CacheMethod):
                 decode_spans.append(span)
             else:
                 past_from, pages, first = self._past_pages(span, group)
-                prefills.append(_Prefill(span, self._tensor(pages), first, past_from, seq.slot))
+                prefills.append(Prefill(span, self._tensor(pages), first, past_from, seq.slot))
         key_res, key_rows, key_order = self._sources(key_sources)
         value_res, value_rows, value_order = self._sources(value_sources)
-        flush = _Flush(key_res, key_rows, key_order, self._tensor(key_pages),
+        flush = Flush(key_res, key_rows, key_order, self._tensor(key_pages),
                        (self._tensor(fill_to), self._tensor(fill_from)), value_res, value_rows, value_order, self._tensor(value_slots))
-        return _GroupPlan(flush, self._plan_decode(group, decode_spans) if decode_spans else None,
+        return GroupPlan(flush, self._plan_decode(group, decode_spans) if decode_spans else None,
                           tuple(prefills))
 
     def _sources(self, sources: list[tuple[int, int, int, int]]
@@ -497,7 +437,7 @@ class KIVICache(CacheMethod):
         pages = self.pages.require_slots(span.seq_id, group, past_from, nk) if nk > past_from else []
         return past_from, pages, (past_from // g) * g
 
-    def _plan_decode(self, group: int, spans: list[SequenceSpan]) -> _Decode:
+    def _plan_decode(self, group: int, spans: list[SequenceSpan]) -> Decode:
         tables: list[list[int]] = []
         firsts: list[int] = []
         visible: list[int] = []
@@ -508,7 +448,7 @@ class KIVICache(CacheMethod):
             visible.append(past_from)
         width = max(1, max(len(t) for t in tables))
         padded = [t + [0] * (width - len(t)) for t in tables]  # padding is masked by position
-        return _Decode(
+        return Decode(
             rows=self._tensor([s.query_start for s in spans]),
             page_table=self._tensor(padded).reshape(len(spans), width),
             first_page_position=self._tensor(firsts),

@@ -1,0 +1,73 @@
+"""The per-step plan of the `kivi` cache method (method.py): what each layer group flushes
+from the residuals into pages, which sequences decode or prefill, and which rows stay in
+the residual rings or the sink buffers. Built on the host in `begin_step`, uploaded to the
+device once (step_plan.upload), read by every layer of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.batch import SequenceSpan
+
+
+@dataclass
+class SequenceState:
+    slot: int  # residual slot
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Flush:
+    """Tokens of a step that leave the residuals, for one layer group. Sources are either
+    residual offsets (slot, t % R) or rows of the step; `*_order` puts the concatenation
+    [from residual, from rows] back in token order."""
+
+    key_res: tuple[torch.Tensor, torch.Tensor]  # (slots, offsets) of keys read from k_res
+    key_rows: torch.Tensor
+    key_order: torch.Tensor
+    key_pages: torch.Tensor  # destination page per G keys
+    # (destinations, sources) in the flushed keys' order: sink tokens of a page that also
+    # holds later tokens take a later token's key, so sinks do not set the page's ranges.
+    key_fill: tuple[torch.Tensor, torch.Tensor]
+    value_res: tuple[torch.Tensor, torch.Tensor]
+    value_rows: torch.Tensor
+    value_order: torch.Tensor
+    value_slots: torch.Tensor  # destination page * G + offset per value
+
+
+@dataclass(frozen=True)
+class Decode:
+    rows: torch.Tensor
+    page_table: torch.Tensor
+    first_page_position: torch.Tensor
+    visible_from: torch.Tensor
+    lengths: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Prefill:
+    span: SequenceSpan
+    pages: torch.Tensor
+    first_page_position: int
+    past_from: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    flush: Flush
+    decode: Decode | None
+    prefills: tuple[Prefill, ...]
+
+
+@dataclass(frozen=True)
+class ResidualWrites:
+    """Step rows that stay in the residuals, written at end_step (same for every layer)."""
+
+    key: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, slots, offsets)
+    value: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    sink: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, slots, token index < sinks)

@@ -2,7 +2,7 @@
 paged CPU kernel on the same sequences, timed alternately in one process.
 
     python benchmarks/kivi_kernel_micro.py [--threads 2 1] [--batch 16] [--context 2048]
-        [--repeats 15] [--baseline-source OLD.cpp]
+        [--repeats 15] [--baseline-source OLD.cpp] [--pre-rope]
 
 Geometry defaults to smollm2-135m (3 kv heads, 9 query heads, head_dim 64) with KIVI's
 G=32, R=128. Every method gets a store of `--layers` layers (more than the last-level
@@ -13,7 +13,9 @@ Lengths are `context + (37 b mod R)`, so the sequences hold residuals of differe
 The methods run in turn, call by call, so a load change on the shared machine hits all of
 them alike: the ratios kivi/full of one run are the figures to compare. `--baseline-source`
 also times another version of `cache/kivi/cpu_decode.cpp` (e.g. `git show HEAD:...`), built
-under a renamed operator namespace, for before/after numbers in the same run.
+under a renamed operator namespace, for before/after numbers in the same run. `--pre-rope`
+also times each bit width with its stored keys taken as pre-RoPE (`kivi:key_space=pre_rope`:
+the kernel RoPEs every key after dequantising it).
 
 On a machine shared with other work, run it with OMP_WAIT_POLICY=PASSIVE: OpenMP threads
 that spin while a sibling waits for a core made every 2-thread timing here 5x the 1-thread
@@ -35,8 +37,11 @@ import torch
 from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
 from kvforge.cache.kivi.attention import kivi_decode_attention
 from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
+from kvforge.cache.kivi.key_space import StoredKeys
 from kvforge.cache.kivi.store import KIVILayerView
+from kvforge.config import RopeConfig
 from kvforge.kernels.build import CppKernel
+from kvforge.models.rope import RotaryEmbedding
 
 FULL_BLOCK = 16  # FullCache's default block_size
 
@@ -120,6 +125,12 @@ def build_methods(options: argparse.Namespace, x: dict) -> dict[str, tuple[Calla
         methods[f"kivi-{bits}"] = (lambda i, args=args: kivi_decode_attention_cpu(*args(i)), reference)
         if baseline is not None:
             methods[f"kivi-{bits}-baseline"] = (lambda i, args=args: baseline(*args(i)), reference)
+        if options.pre_rope:
+            keys = StoredKeys(RotaryEmbedding(dim, RopeConfig(theta=10000.0)))
+            tables = keys.rope_tables(int(x["lengths"].max()))
+            methods[f"kivi-{bits}-pre_rope"] = (
+                lambda i, args=args, tables=tables: kivi_decode_attention_cpu(*args(i), rope_tables=tables),
+                lambda i, args=args, keys=keys: kivi_decode_attention(*args(i), tile_pages=8, key_transform=keys))
     return methods
 
 
@@ -157,6 +168,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16, help="layers per store (reads cycle through them)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--baseline-source", default=None, help="another cache/kivi/cpu_decode.cpp to time too")
+    parser.add_argument("--pre-rope", action="store_true", help="also time pre-RoPE stored keys")
     options = parser.parse_args()
     assert cpu_kernels_available() and cpu_kivi_kernel_available(), "a CPU kernel did not build"
     torch.manual_seed(0)

@@ -219,4 +219,14 @@ MUTATIONS: list[Mutation] = [
              "const int64_t gv = dim / v_scale.size(3);", "const int64_t gv = g;",
              ("tests/cache/kivi/test_kivi_options.py",),
              "value channel groups are independent of the page size"),
+    Mutation("kivi_cpp_pre_rope_page_keys_rotated_backwards", S + "cache/kivi/cpu_decode.cpp",
+             "const V r1 = V::sub(V::mul(x1, co), V::mul(x2, si));", "const V r1 = V::fmadd(x2, si, V::mul(x1, co));",
+             ("tests/cache/kivi/test_kivi_options.py",),
+             "the C++ kernel RoPEs pre-RoPE page keys like RotaryEmbedding (rotate-half sign)"),
+    Mutation("kivi_cpp_pre_rope_ring_keys_unrotated", S + "cache/kivi/cpu_decode.cpp",
+             "ring, start, count, scratch.rows.data(), rows);\n"
+             "      if (p.rope_cos != nullptr) rope_rows(p, start, count, rows, scratch.rows.data());",
+             "ring, start, count, scratch.rows.data(), rows);",
+             ("tests/cache/kivi/test_kivi_options.py",),
+             "pre-RoPE keys still in the residual ring are RoPE'd at their positions too"),
 ]

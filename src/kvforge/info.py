@@ -30,6 +30,7 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
     specs = {name: f"full:storage_dtype={name}" for name in STORAGE_DTYPES}
     specs.update({f"kivi-{bits}bit": f"kivi:bits={bits},residual_dtype=float16" for bits in (2, 4)})
     specs["kivi-quality2"] = "kivi:preset=quality2,residual_dtype=float16"  # 4-bit keys, 2-bit values
+    specs["kivi-quality3"] = "kivi:preset=quality3,residual_dtype=float16"  # 3.39 bits/element at 4K tokens
     specs["shadowkv"] = "shadowkv"  # default rank/budget, fp32; fast tier (values on the slow tier)
     for name, spec in specs.items():
         # One page per group is enough to ask the method for its accounting.
@@ -93,8 +94,8 @@ def format_info(info: dict[str, Any]) -> str:
         *([f"swiftkv        l={info['swiftkv']['num_key_value_layers']}, "
            f"g={info['swiftkv']['key_value_group_size']}: {info['swiftkv']['cache_layers']} cache layers "
            f"for {info['layers']} layers"] if info.get("swiftkv") else []),
-        "KV cache (K and V of every cache layer; kivi: codes + fp16 scale/zero per group of 32, per sequence "
-        "incl. the fp16 residual of 128 tokens):",
+        "KV cache (K and V of every cache layer; kivi: codes + fp16 scale/zero per group (32; quality3: 128-token "
+        "key, 64-channel value groups), per sequence incl. the fp16 residual of 128 tokens and any sinks):",
     ]
     for dtype, entry in info["kv_cache"].items():
         per_seq = ", ".join(f"{int(n) // 1024}K ctx {b / 2**20:.1f} MiB"

@@ -19,9 +19,11 @@ from kvforge.report.render import fmt, table
 START, END = "<!-- kivi-pareto:start -->", "<!-- kivi-pareto:end -->"
 PARETO_FILES = {
     "smollm2-135m": ("eval/pareto_kivi_smollm2-135m.json", "eval/pareto_kivi_smollm2-135m_beyond_paper.json",
-                     "eval/pareto_kivi_smollm2-135m_k4v2_g64.json"),
+                     "eval/pareto_kivi_smollm2-135m_k4v2_g64.json", "eval/pareto_kivi_smollm2-135m_quality3.json"),
     "gemma3-270m": ("eval/pareto_kivi_gemma3-270m.json", "eval/pareto_kivi_gemma3-270m_k4v2_g64.json",
-                    "eval/pareto_kivi_gemma3-270m_2bit_keyside.json"),
+                    "eval/pareto_kivi_gemma3-270m_2bit_keyside.json",
+                    "eval/pareto_kivi_gemma3-270m_prerope_sinks_hadamard_values.json",
+                    "eval/pareto_kivi_gemma3-270m_prerope_sinks.json"),
 }
 SAME_WINDOWS = ("model", "text_file")
 SAME_SETTINGS = ("context", "prefill_len", "windows", "mode")

@@ -141,3 +141,17 @@ def test_triton_decode_matches_torch_path(monkeypatch, name: str) -> None:
     assert {int(c["nk"][2]) for c in seen} == {0, 16}  # the third prompt's keys flush during decode
     if name == "gemma3_hybrid":
         assert any(bool((c["visible_from"] > 0).any()) for c in seen)
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    ("key_space=pre_rope", "cpp"), ("key_space=pre_rope,sinks=4,key_bits=4,value_bits=2", "cpp"),
+    ("key_space=pre_rope,rotation=hadamard_values", "cpp"),
+    ("key_space=pre_rope,rotation=hadamard", "torch"), ("key_space=pre_rope,rotation=hadamard_keys", "torch"),
+])
+def test_auto_takes_the_cpu_kernel_for_pre_rope_keys_unless_they_are_rotated(options: str, expected: str) -> None:
+    """The C++ kernel RoPEs pre-RoPE keys itself; keys stored rotated must be unrotated
+    first, which only the PyTorch path does."""
+    if expected == "cpp" and not cpu_kivi_kernel_available():
+        pytest.skip("the CPU KIVI kernel did not build (see the warning)")
+    config = parse_cache_spec(f"kivi:{options}").config()
+    assert resolve_decode_kernel("auto", torch.device("cpu"), config) == expected

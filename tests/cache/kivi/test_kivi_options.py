@@ -141,11 +141,14 @@ def test_options_equal_attention_over_their_own_dequantised_storage(options, win
 
 @pytest.mark.parametrize("options", ["rotation=hadamard", "rotation=hadamard_values", "sinks=4", "sinks=12",
                                      "key_group=16,value_group=4,sinks=3,rotation=hadamard,bits=4",
-                                     "key_bits=4,value_bits=2,sinks=4,value_group=16"])
+                                     "key_bits=4,value_bits=2,sinks=4,value_group=16",
+                                     "key_space=pre_rope", "key_space=pre_rope,sinks=12,bits=4",
+                                     "key_space=pre_rope,key_bits=4,value_bits=2,sinks=4,rotation=hadamard_values"])
 @pytest.mark.parametrize("window", [None, 20])
 def test_options_on_the_compiled_cpu_kernel(options, window):
-    """The C++ decode kernel reads sinks and separate value groups itself; rotations live in
-    the method (q, k, v rotated around the kernel): same attention as the definition."""
+    """The C++ decode kernel reads sinks, separate value groups and pre-RoPE keys (rotated
+    in registers) itself; rotations live in the method (q, k, v rotated around the kernel):
+    same attention as the definition."""
     from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available
 
     if not cpu_kivi_kernel_available():
@@ -224,7 +227,8 @@ def test_bytes_count_sinks_and_value_groups():
     ("kivi:decode_kernel=triton,sinks=4", "decode_kernel.*triton.*does not read sinks"),
     ("kivi:decode_kernel=cpp,key_bits=2,value_bits=4", "decode_kernel.*cpp.*key_bits=2,value_bits=4"),
     ("kivi:key_bits=3", "key_bits.*3.*one of"),
-    ("kivi:decode_kernel=cpp,key_space=pre_rope", "decode_kernel.*cpp.*key_space=pre_rope"),
+    ("kivi:decode_kernel=cpp,key_space=pre_rope,rotation=hadamard_keys",
+     "decode_kernel.*cpp.*key_space=pre_rope with a key rotation"),
 ])
 def test_bad_option_combinations_fail_clearly(spec, message):
     layout = CacheLayout.one_per_layer([CacheLayerSpec(KV_HEADS, 64, 0.125)])

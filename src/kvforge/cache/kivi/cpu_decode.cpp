@@ -11,6 +11,10 @@
 // byte. Optional sinks (`kivi:sinks=N`): k_sink/v_sink [S, H, N, D] in the residual dtype,
 // token t < N at index t of its slot; those tokens are read from there only (hidden from
 // the pages, the ring and the residual).
+// Optional RoPE tables (`kivi:key_space=pre_rope`): rope_cos/rope_sin float32 [D/2, T],
+// channel-major, the layer's cos/sin of angle position * inv_freq[i] for positions < T. Then
+// every stored key (page, ring, sink) is pre-RoPE and is rotated at its token's position
+// after dequantisation (rotate-half pairs (i, i + D/2)); k_self is the attention key already.
 //
 // For a sequence holding n tokens: nk = (n / R) * R, nv = max(0, n - R); stored token t in
 // [visible_from, n) is visible; its key is quantised iff t < nk, its value iff t < nv.
@@ -355,6 +359,8 @@ struct Problem {
   at::ScalarType res_dtype;
   int64_t res_row_bytes;  // D * element size of the residual dtype
   const int64_t *page_table, *first, *from, *lengths, *slot_of;
+  const float *rope_cos, *rope_sin;  // [D/2, rope_len] channel-major; nullptr: keys stored post-RoPE
+  int64_t rope_len;
 };
 
 // Page columns [col_begin, col_end) of one (sequence, kv head) pair. with_self: this unit
@@ -381,7 +387,7 @@ Span span_of(const Problem& p, int64_t b) {
 
 // Per-thread buffers, sized once per thread for the problem.
 struct Scratch {
-  std::vector<float> qs, qsc, zk, scores, sv, zv, rows;
+  std::vector<float> qs, qsc, zk, scores, sv, zv, rows, kf;
   std::vector<const float*> row_ptrs;
   explicit Scratch(const Problem& p, int64_t tile) {
     const int64_t nh = std::min<int64_t>(p.group, kMaxHeadsPerPass), dim = p.dim;
@@ -391,6 +397,7 @@ struct Scratch {
     scores.resize(nh * tile);
     sv.resize(p.g * (dim / p.gv));  // a page's value scales: G tokens x D/GV groups
     zv.resize(p.g * (dim / p.gv));
+    kf.resize(2 * dim);  // a pre-RoPE page's key scales and zeros as floats
     rows.resize(tile * dim);
     row_ptrs.resize(tile);
   }
@@ -565,6 +572,56 @@ inline void key_scores(const float* qsc, const float* zk, const uint8_t* codes, 
   }
 }
 
+// key_scores for pre-RoPE pages (key_space=pre_rope): out[g * stride + i] =
+// sum_c qs[g * D + c] * rope(k_hat(i), t0 + i)_c, k_hat(i, c) = code(i, c) scale_c + zero_c.
+// Lanes are tokens as in key_scores; each channel pair (c, c + D/2) is dequantised and
+// rotated in registers with the tokens' cos/sin (cos, sin: the tables' entries of the
+// page's first token for channel pair 0, row stride T), then feeds the FMAs of all NH heads.
+// Costs about 1.5x key_scores (the dequantisation and rotation per code), never a tile in memory.
+template <typename V, int BITS, int NH>
+inline void rope_key_scores(const float* qs, const float* ks, const float* kz, const uint8_t* codes, int64_t dim,
+                            int64_t G, const float* cos, const float* sin, int64_t T, float* out, int64_t stride) {
+  constexpr int64_t L = V::kLanes;
+  const int64_t row_bytes = G * BITS / 8, half = dim / 2;
+  for (int64_t j = 0; j < G; j += L) {
+    V a[NH];
+    for (int g = 0; g < NH; ++g) a[g] = V::zero();
+    for (int64_t c = 0; c < half; ++c) {
+      const V x1 = V::fmadd(V::template codes<BITS>(codes + c * row_bytes, j), V::broadcast(ks[c]),
+                            V::broadcast(kz[c]));
+      const V x2 = V::fmadd(V::template codes<BITS>(codes + (c + half) * row_bytes, j), V::broadcast(ks[c + half]),
+                            V::broadcast(kz[c + half]));
+      const V co = V::load(cos + c * T + j), si = V::load(sin + c * T + j);
+      const V r1 = V::sub(V::mul(x1, co), V::mul(x2, si));  // rotate_half: (x1, x2) -> (-x2, x1)
+      const V r2 = V::fmadd(x1, si, V::mul(x2, co));
+      for (int g = 0; g < NH; ++g) {
+        a[g] = V::fmadd(V::broadcast(qs[g * dim + c]), r1, a[g]);
+        a[g] = V::fmadd(V::broadcast(qs[g * dim + c + half]), r2, a[g]);
+      }
+    }
+    for (int g = 0; g < NH; ++g) a[g].store(out + g * stride + j);
+  }
+}
+
+// Pre-RoPE rows (ring and sink keys) -> RoPE'd copies in `buffer` [count, D]: ptrs[i], the
+// row of token t_first + i, is rotated at that position and repointed into the buffer (a
+// row may already live there: each pair is read before it is written).
+inline void rope_rows(const Problem& p, int64_t t_first, int64_t count, const float** ptrs, float* buffer) {
+  const int64_t dim = p.dim, half = dim / 2, T = p.rope_len;
+  for (int64_t i = 0; i < count; ++i) {
+    const float* src = ptrs[i];
+    float* dst = buffer + i * dim;
+    const int64_t t = t_first + i;
+    for (int64_t c = 0; c < half; ++c) {
+      const float x1 = src[c], x2 = src[c + half];
+      const float co = p.rope_cos[c * T + t], si = p.rope_sin[c * T + t];
+      dst[c] = x1 * co - x2 * si;
+      dst[c + half] = x2 * co + x1 * si;
+    }
+    ptrs[i] = dst;
+  }
+}
+
 // Dequantisation of the codes of one (token, channel group): code * scale + zero, by a
 // table lookup where the vector type has one (the table built once per token and group),
 // else by an FMA per vector.
@@ -727,6 +784,19 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
       const int64_t base = bases[k];
       const c10::Half* kscale = p.k_scale + base * dim;
       const c10::Half* kzero = p.k_zero + base * dim;
+      const uint8_t* kcodes = p.k_codes + base * dim * k_row_bytes;
+      if (p.rope_cos != nullptr) {
+        float* ks = scratch.kf.data();
+        float* kz = ks + dim;
+        for (int64_t c = 0; c < dim; ++c) {
+          ks[c] = static_cast<float>(kscale[c]);
+          kz[c] = static_cast<float>(kzero[c]);
+        }
+        const int64_t t0 = t_first + k * G;
+        rope_key_scores<V, KBITS, NH>(qs, ks, kz, kcodes, dim, G, p.rope_cos + t0, p.rope_sin + t0, p.rope_len,
+                                      scores + k * G, stride);
+        continue;
+      }
       // q . k_hat(t) = sum_c q_c zero_c + sum_c (q_c scale_c) code(t, c)
       for (int g = 0; g < NH; ++g) {
         V z = V::zero();
@@ -737,8 +807,7 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
         }
         scratch.zk[g] = z.sum();
       }
-      key_scores<V, KBITS, NH>(qsc, scratch.zk.data(), p.k_codes + base * dim * k_row_bytes, dim, G, scores + k * G,
-                              stride);
+      key_scores<V, KBITS, NH>(qsc, scratch.zk.data(), kcodes, dim, G, scores + k * G, stride);
     }
     update<V>(s, scores, stride, count * G, hidden, NH, dim);
     // Values: token t is quantised iff t < nv, else it is still in the ring.
@@ -782,6 +851,7 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
       for (int64_t i = 0; i < count; ++i) {
         rows[i] = residual_row<V>(p, p.k_sink, sink_row + start + i, scratch.rows.data() + i * dim);
       }
+      if (p.rope_cos != nullptr) rope_rows(p, start, count, rows, scratch.rows.data());
       for (int64_t i = 0; i < count; ++i) {
         for (int g = 0; g < NH; ++g) scores[g * stride + i] = dot<V>(qs + g * dim, rows[i], dim);
       }
@@ -802,6 +872,7 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
       prefetch_ring(p.v_res, start + count, next_end);
       const float** rows = scratch.row_ptrs.data();
       residual_rows<V>(p, p.k_res, ring, start, count, scratch.rows.data(), rows);
+      if (p.rope_cos != nullptr) rope_rows(p, start, count, rows, scratch.rows.data());
       for (int64_t i = 0; i < count; ++i) {
         for (int g = 0; g < NH; ++g) scores[g * stride + i] = dot<V>(qs + g * dim, rows[i], dim);
       }
@@ -904,7 +975,8 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
                                  const at::Tensor& first_page_position, const at::Tensor& visible_from,
                                  const at::Tensor& lengths, const at::Tensor& slots, double scale, int64_t bits,
                                  const c10::optional<at::Tensor>& k_sink, const c10::optional<at::Tensor>& v_sink,
-                                 int64_t value_bits) {
+                                 int64_t value_bits, const c10::optional<at::Tensor>& rope_cos,
+                                 const c10::optional<at::Tensor>& rope_sin) {
   constexpr const char* kOpName = "kivi_decode_attention";
   kvforge_checks::cpu(kOpName, {&q, &k_self, &v_self, &k_codes, &k_scale, &k_zero, &v_codes, &v_scale, &v_zero, &k_res,
                            &v_res, &page_table, &first_page_position, &visible_from, &lengths, &slots});
@@ -950,6 +1022,19 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
                 "k_sink, v_sink must be contiguous CPU [S, H, N, D] in the residual dtype");
     sinks = k_sink->size(2);
   }
+  TORCH_CHECK(rope_cos.has_value() == rope_sin.has_value(), "rope_cos and rope_sin come together");
+  int64_t rope_len = 0;
+  if (rope_cos.has_value()) {
+    TORCH_CHECK(dim % 2 == 0, "pre-RoPE keys need an even head dim");
+    kvforge_checks::contiguous_of(kOpName, "RoPE tables", at::kFloat, {&*rope_cos, &*rope_sin});
+    TORCH_CHECK(rope_cos->is_cpu() && rope_sin->is_cpu() && rope_cos->dim() == 2 && rope_cos->size(0) == dim / 2 &&
+                    rope_sin->sizes() == rope_cos->sizes(),
+                "rope_cos, rope_sin must be CPU float32 [D/2, T]");
+    rope_len = rope_cos->size(1);
+    const int64_t longest = lengths.numel() ? lengths.max().item<int64_t>() : 0;
+    TORCH_CHECK(longest <= rope_len, "kivi_decode_attention: RoPE tables cover ", rope_len,
+                " positions, a sequence holds ", longest);
+  }
   TORCH_CHECK(k_res.size(1) == kv_heads && k_res.size(3) == dim, "residual shape");
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch, "page_table must be [B, W]");
   kvforge_checks::per_sequence(kOpName, "positions and slots", batch, {&first_page_position, &visible_from, &lengths, &slots});
@@ -962,7 +1047,9 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
                   v_zero.data_ptr<c10::Half>(), k_res.data_ptr(), v_res.data_ptr(), res_dtype,
                   dim * static_cast<int64_t>(k_res.element_size()),
                   page_table.data_ptr<int64_t>(), first_page_position.data_ptr<int64_t>(),
-                  visible_from.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), slots.data_ptr<int64_t>()};
+                  visible_from.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+                  rope_len ? rope_cos->data_ptr<float>() : nullptr, rope_len ? rope_sin->data_ptr<float>() : nullptr,
+                  rope_len};
 
   // Units: each pair's visible quantised pages [col_lo, col_hi), cut into slices when the
   // batch alone would not give every thread several units (split-K).
@@ -1036,7 +1123,8 @@ TORCH_LIBRARY(kvforge_cpu_kivi, m) {
   m.def("kivi_decode_attention(Tensor q, Tensor k_self, Tensor v_self, Tensor k_codes, Tensor k_scale, "
         "Tensor k_zero, Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor k_res, Tensor v_res, "
         "Tensor page_table, Tensor first_page_position, Tensor visible_from, Tensor lengths, Tensor slots, "
-        "float scale, int bits, Tensor? k_sink=None, Tensor? v_sink=None, int value_bits=0) -> Tensor");
+        "float scale, int bits, Tensor? k_sink=None, Tensor? v_sink=None, int value_bits=0, "
+        "Tensor? rope_cos=None, Tensor? rope_sin=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_kivi, CPU, m) {

@@ -47,8 +47,10 @@ def cpu_kivi_kernel_available() -> bool:
 def kivi_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
                               page_table: torch.Tensor, first_page_position: torch.Tensor,
                               visible_from: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-                              scale: float) -> torch.Tensor:
+                              scale: float, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> torch.Tensor:
     """Arguments as `kivi_decode_attention`; returns [B, heads, D] in q's dtype.
+    rope_tables: with pre-RoPE stored keys, `StoredKeys.rope_tables` (cos, sin [D/2, T]).
     Raises RuntimeError when the kernel is unavailable; check `cpu_kivi_kernel_available()`."""
     if not cpu_kivi_kernel_available():
         raise RuntimeError(f"the CPU KIVI attention kernel is not available (build failed or {DISABLE_ENV} is set)")
@@ -63,7 +65,8 @@ def kivi_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: tor
         view.v_codes.contiguous(), view.v_scale.contiguous(), view.v_zero.contiguous(),
         view.k_res.contiguous(), view.v_res.contiguous(), _as(page_table, torch.int64),
         _as(first_page_position, torch.int64), _as(visible_from, torch.int64), _as(lengths, torch.int64),
-        _as(slots, torch.int64), float(scale), int(view.bits), view.k_sink, view.v_sink, int(view.vbits))
+        _as(slots, torch.int64), float(scale), int(view.bits), view.k_sink, view.v_sink, int(view.vbits),
+        *(rope_tables or (None, None)))
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -29,7 +29,7 @@ import torch
 from kvforge.cache.kivi.attention import kivi_decode_attention
 from kvforge.cache.kivi.config import KIVICacheConfig
 from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
-from kvforge.cache.kivi.key_space import KeyTransform
+from kvforge.cache.kivi.key_space import KeyTransform, StoredKeys
 from kvforge.cache.kivi.store import KIVILayerView
 from kvforge.errors import ConfigError
 from kvforge.kernels.build import DISABLE_ENV
@@ -47,7 +47,8 @@ def _triton_module() -> ModuleType:
 
 # What each compiled kernel reads beyond the paper's layout.
 KERNEL_OPTIONS: dict[str, frozenset[str]] = {
-    "cpp": frozenset({"sinks", "value_group", "key_bits=4,value_bits=2"}), "triton": frozenset()}
+    "cpp": frozenset({"sinks", "value_group", "key_bits=4,value_bits=2", "key_space=pre_rope"}),
+    "triton": frozenset()}
 
 
 def requested_options(config: KIVICacheConfig | None) -> list[str]:
@@ -58,7 +59,8 @@ def requested_options(config: KIVICacheConfig | None) -> list[str]:
     if config.sinks:
         wanted.append("sinks")
     if config.key_space == "pre_rope":
-        wanted.append("key_space=pre_rope")
+        # Rotated pre-RoPE keys must be unrotated before RoPE: only the PyTorch path does that.
+        wanted.append("key_space=pre_rope" + (" with a key rotation" if config.rotates_keys else ""))
     if config.value_channels != config.key_tokens:
         wanted.append("value_group")
     if (config.kbits, config.vbits) == (4, 2):
@@ -118,7 +120,12 @@ def kivi_decode(kernel: str, q: torch.Tensor, k_self: torch.Tensor, v_self: torc
     if kernel == "triton":
         return _triton_over_view(*args)
     if kernel == "cpp" and cpu_kivi_kernel_available():  # False only under "auto" (checked when forced)
-        return kivi_decode_attention_cpu(*args)
+        tables = None
+        if isinstance(key_transform, StoredKeys):
+            # resolve_decode_kernel keeps rotated pre-RoPE keys off this kernel.
+            assert key_transform.rotation is None, "the C++ kernel cannot unrotate pre-RoPE keys"
+            tables = key_transform.rope_tables(int(lengths.max()) if lengths.numel() else 0)
+        return kivi_decode_attention_cpu(*args, rope_tables=tables)
     return kivi_decode_attention(*args, tile_pages=tile_pages, key_transform=key_transform)
 
 

@@ -93,6 +93,7 @@ def test_kernel_build_clears_a_stale_baton_and_times_out_into_a_fallback(tmp_pat
     monkeypatch.setattr("torch.utils.cpp_extension", fake, raising=False)
     monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", fake)
     monkeypatch.delenv(build_module.DISABLE_ENV, raising=False)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)  # the build root must be the stand-in's
     kernel = _kernel(tmp_path)
     build_dir = root / f"kvforge_test_kernel_{kernel._fingerprint(('-O1',))}"
     build_dir.mkdir(parents=True)

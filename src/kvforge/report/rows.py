@@ -106,6 +106,8 @@ ROWS = [
         "full cache, fp16", ""),
     Row("KIVI quality", "", "eval/pareto_kivi_smollm2-135m.json", _kivi_front, "full cache, fp32",
         "<= 2% accuracy drop at 2 bits (7B models)"),
+    Row("KIVI quality3 retrieval", "", "eval/niah_gemma3-270m_8192_kivi_quality3_vs_full.json", _niah, "full cache",
+        ""),
     Row("ShadowKV", "fast-tier KV memory, decode reads", "bench/decode_smollm2-135m_16k_batch4_shadowkv_vs_full.json",
         _decode, "full cache, fp32", "up to 3.04x throughput, 6x batch (A100)"),
     Row("ShadowKV quality", "", "eval/niah_gemma3-270m_16384_shadowkv_vs_full.json", _niah, "full cache",

@@ -83,3 +83,28 @@ def test_disabled_kernel_falls_back(monkeypatch):
     assert torch.isfinite(out[0]).all()
     with pytest.raises(RuntimeError, match="not available"):
         kivi_decode_attention_cpu(*([None] * 10))
+
+
+@requires_kernel
+def test_rope_tables_shorter_than_a_sequence_are_refused():
+    """Pre-RoPE keys rotated at positions the tables do not cover would read past them: the
+    kernel refuses, naming the sequence, and takes tables that cover every length."""
+    from kvforge.batch import ForwardBatch
+    from kvforge.cache.kivi.key_space import StoredKeys
+    from kvforge.config import RopeConfig
+    from kvforge.models.rope import RotaryEmbedding
+
+    lengths = [20, 100]
+    cache = filled_cache(2, None, "float32", lengths)
+    batch = ForwardBatch.build([0, 1], [[0]] * 2, lengths)
+    for seq, n in enumerate(lengths):
+        assert cache.allocate(seq, n + 1)
+    cache.begin_step(batch)
+    plan = cache._plans[0].decode
+    q, k_self, v_self = torch.randn(2, HEADS, DIM), torch.randn(2, KV_HEADS, DIM), torch.randn(2, KV_HEADS, DIM)
+    args = (q, k_self, v_self, cache.store.layer(0, 0), plan.page_table, plan.first_page_position,
+            plan.visible_from, plan.lengths, plan.slots, DIM ** -0.5)
+    cos, sin = StoredKeys(RotaryEmbedding(DIM, RopeConfig(theta=100.0))).rope_tables(128)
+    with pytest.raises(RuntimeError, match="RoPE tables cover 50 positions, sequence 1 holds 100"):
+        kivi_decode_attention_cpu(*args, rope_tables=(cos[:, :50].contiguous(), sin[:, :50].contiguous()))
+    assert torch.isfinite(kivi_decode_attention_cpu(*args, rope_tables=(cos, sin))).all()

@@ -1030,10 +1030,7 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
     TORCH_CHECK(rope_cos->is_cpu() && rope_sin->is_cpu() && rope_cos->dim() == 2 && rope_cos->size(0) == dim / 2 &&
                     rope_sin->sizes() == rope_cos->sizes(),
                 "rope_cos, rope_sin must be CPU float32 [D/2, T]");
-    rope_len = rope_cos->size(1);
-    const int64_t longest = lengths.numel() ? lengths.max().item<int64_t>() : 0;
-    TORCH_CHECK(longest <= rope_len, "kivi_decode_attention: RoPE tables cover ", rope_len,
-                " positions, a sequence holds ", longest);
+    rope_len = rope_cos->size(1);  // checked against each sequence's length below
   }
   TORCH_CHECK(k_res.size(1) == kv_heads && k_res.size(3) == dim, "residual shape");
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch, "page_table must be [B, W]");
@@ -1057,6 +1054,8 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   int64_t total_tokens = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const Span sp = span_of(p, b);
+    TORCH_CHECK(p.rope_cos == nullptr || sp.n <= rope_len, "kivi_decode_attention: RoPE tables cover ", rope_len,
+                " positions, sequence ", b, " holds ", sp.n);
     col_lo[b] = (sp.lo - sp.first) / g;
     col_hi[b] = std::max(col_lo[b], (sp.nk - sp.first) / g);
     total_tokens += ((col_hi[b] - col_lo[b]) * g + (sp.n - std::min(sp.n, std::max(sp.nk, sp.lo))) +

@@ -31,7 +31,9 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
     specs.update({f"kivi-{bits}bit": f"kivi:bits={bits},residual_dtype=float16" for bits in (2, 4)})
     specs["kivi-quality2"] = "kivi:preset=quality2,residual_dtype=float16"  # 4-bit keys, 2-bit values
     specs["kivi-quality3"] = "kivi:preset=quality3,residual_dtype=float16"  # 3.39 bits/element at 4K tokens
-    specs["shadowkv"] = "shadowkv"  # default rank/budget, fp32; fast tier (values on the slow tier)
+    # default rank/budget, fp32; fast tier (values on the slow tier). rank=auto learns each
+    # layer's rank from its keys, so before data only a range is known.
+    specs["shadowkv"] = "shadowkv"
     for name, spec in specs.items():
         # One page per group is enough to ask the method for its accounting.
         try:
@@ -46,6 +48,10 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
             tiers = {n: compressed(int(n)) for n in per_sequence}
             kv[name]["bytes_per_sequence"] = {n: t["fast"] for n, t in tiers.items()}
             kv[name]["slow_bytes_per_sequence"] = {n: t["slow"] for n, t in tiers.items()}
+            least, most = cache.rank_bounds
+            if least < most:
+                kv[name]["rank_range"] = [least, most]
+                kv[name]["least_bytes_per_sequence"] = {n: compressed(int(n), least)["fast"] for n in per_sequence}
     return {
         "model": name_or_path,
         "source": str(source.path),
@@ -98,13 +104,16 @@ def format_info(info: dict[str, Any]) -> str:
         "key, 64-channel value groups), per sequence incl. the fp16 residual of 128 tokens and any sinks):",
     ]
     for dtype, entry in info["kv_cache"].items():
-        per_seq = ", ".join(f"{int(n) // 1024}K ctx {b / 2**20:.1f} MiB"
-                            for n, b in entry["bytes_per_sequence"].items())
+        least = entry.get("least_bytes_per_sequence", {})
+        per_seq = ", ".join(f"{int(n) // 1024}K ctx " + (f"{least[n] / 2**20:.1f}-" if least.get(n, b) < b else "")
+                            + f"{b / 2**20:.1f} MiB" for n, b in entry["bytes_per_sequence"].items())
         lines.append(f"  {dtype:<13} {entry['bytes_per_token']:>9.0f} bytes/token; per sequence: {per_seq}")
         if "slow_bytes_per_sequence" in entry:
             slow = ", ".join(f"{int(n) // 1024}K ctx {b / 2**20:.1f} MiB"
                              for n, b in entry["slow_bytes_per_sequence"].items())
-            lines.append(f"  {'':<13} (fast tier once compressed: rank-r key coefficients, landmarks, exact "
+            ranks = (f"key coefficients of ranks {entry['rank_range'][0]}-{entry['rank_range'][1]} per layer (chosen "
+                     "from the keys)" if "rank_range" in entry else "rank-r key coefficients")
+            lines.append(f"  {'':<13} (fast tier once compressed: {ranks}, landmarks, exact "
                          f"buffers; slow tier: {slow})")
     if info["sliding_window_layers"]:
         lines.append("  (bytes/token counts every layer; sliding-window layers stop growing at their "

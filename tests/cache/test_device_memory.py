@@ -113,6 +113,6 @@ def test_shadowkv_slow_tier_is_never_pinned_whole(monkeypatch):
         return tensor
 
     monkeypatch.setattr(torch, "empty", empty)
-    store = ChunkStore(30, 3, 64, 8, 32, 4096, torch.bfloat16, torch.device("cuda"), "memory", None)
-    assert store.values.device.type == "cpu" and store.coefficients.device.type == "meta"
+    store = ChunkStore(30, 3, 64, 8, 4096, torch.bfloat16, torch.device("cuda"), "memory", None)
+    assert store.values.device.type == "cpu" and store.landmarks.device.type == "meta"
     assert pinned == []

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvforge.analysis.capture import Activations
+from kvforge.cache.shadowkv.lowrank import rank_for_energy
 from kvforge.errors import require
 
 ENERGY_LEVELS = (0.90, 0.95, 0.99)
@@ -40,14 +41,6 @@ def cumulative_energy(matrix: torch.Tensor) -> torch.Tensor:
     total = squares.sum()
     require(bool(total > 0), "matrix", "all zeros", "has no energy to distribute")
     return squares.cumsum(0) / total
-
-
-def rank_for_energy(energy: torch.Tensor, fraction: float) -> int:
-    """Smallest rank whose cumulative energy reaches `fraction` (1-based)."""
-    require(0.0 < fraction <= 1.0, "fraction", fraction, "must be in (0, 1]")
-    # A tolerance keeps exact-rank matrices at their rank despite rounding in the tail.
-    index = int(torch.searchsorted(energy, torch.tensor(fraction - 1e-9, dtype=energy.dtype)))
-    return min(index + 1, energy.numel())
 
 
 def mean_energy(matrix: torch.Tensor) -> float:

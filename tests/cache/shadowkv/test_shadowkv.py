@@ -207,7 +207,11 @@ def test_bad_configs_fail_naming_the_parameter():
              "shadowkv:generated_window=4": "generated_window",
              "shadowkv:slow_store=disk": "slow_store",
              "shadowkv:slow_budget=lots": "slow_budget",
-             "shadowkv:rank=0": "rank"}
+             "shadowkv:rank=0": "rank",
+             "shadowkv:rank=fast": "rank.*auto.*paper",
+             "shadowkv:energy=0": "energy.*\\(0, 1\\]",
+             "shadowkv:energy=1.5": "energy",
+             "shadowkv:rank_min=0": "rank_min.*>= 1"}
     for spec, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             parse_cache_spec(spec)
@@ -217,7 +221,9 @@ def test_bad_configs_fail_naming_the_parameter():
     with pytest.raises(ConfigError, match="slow_budget"):
         create_cache("shadowkv:slow_budget=100", layout, 1 << 24, torch.float32)
     default = create_cache("shadowkv", layout, 1 << 24, torch.float32)
-    assert default.rank == 5  # round(32 / 6)
+    assert default.rank_bounds == (16, 32)  # rank=auto: between rank_min and the KV width
+    assert create_cache("shadowkv:rank=paper", layout, 1 << 24, torch.float32).rank_bounds == (5, 5)  # round(32 / 6)
+    assert create_cache("shadowkv:rank_min=64", layout, 1 << 24, torch.float32).rank_bounds == (32, 32)
     assert default.config.budget_tokens(1000) == 128 and default.config.budget_tokens(16384) == 256
 
 
@@ -230,19 +236,24 @@ def test_info_lists_shadowkv_fast_and_slow_bytes(tmp_path):
     from kvforge.info import format_info, model_info
     from kvforge.models.hf_checkpoint import CONFIG_FILE
 
-    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 128, "intermediate_size": 48,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 8192, "rope_theta": 10000.0}
     (tmp_path / CONFIG_FILE).write_text(json.dumps(config))
     info = model_info(str(tmp_path))
     row, full = info["kv_cache"]["shadowkv"], info["kv_cache"]["float32"]
-    layers, heads, dim, chunk, rank = 4, 2, 8, 8, 3  # rank round(16 / 6)
+    layers, heads, dim, chunk, rank = 4, 2, 32, 8, 64  # rank=auto: at most the KV width, 64
     assert row["bytes_per_token"] == pytest.approx(layers * ((chunk * rank + heads * dim) * 4 + heads) / chunk)
+    # rank=auto only learns ranks from the keys: a range from rank_min (16) to the width
+    assert row["rank_range"] == [16, 64] and "ranks 16-64 per layer" in format_info(info)
+    chunks_8k = (8192 - 32) // chunk
+    assert row["bytes_per_sequence"]["8192"] - row["least_bytes_per_sequence"]["8192"] == \
+        layers * (64 - 16) * (chunks_8k * chunk * 4 + heads * dim * 4)
     assert row["bytes_per_sequence"]["1024"] == full["bytes_per_sequence"]["1024"]  # not compressed
     assert row["slow_bytes_per_sequence"]["1024"] == 0
     compressed_chunks = (8192 - 32) // chunk  # local = 32 tokens stay exact
     assert row["slow_bytes_per_sequence"]["8192"] == compressed_chunks * layers * heads * chunk * dim * 4
-    assert row["bytes_per_sequence"]["8192"] < full["bytes_per_sequence"]["8192"] / 2
+    assert row["least_bytes_per_sequence"]["8192"] < full["bytes_per_sequence"]["8192"] / 3
     assert "shadowkv" in format_info(info) and "slow tier" in format_info(info)
 
 

@@ -24,26 +24,29 @@ pytestmark = pytest.mark.skipif(not cpu_shadowkv_kernel_available(), reason="the
 CAPACITY = 24  # window capacity of the test buffers (no folding within a test)
 
 
-def _build(lengths: list[int], kv_heads: int, dim: int, chunk: int, rank: int, outliers: int, k: int, local: int,
-           seed: int, kernel: bool) -> tuple[SparseAttention, list[CompressedSequence], ShadowKVStats]:
+def _build(lengths: list[int], kv_heads: int, dim: int, chunk: int, rank: int | list[int], outliers: int, k: int,
+           local: int, seed: int, kernel: bool) -> tuple[SparseAttention, list[CompressedSequence], ShadowKVStats]:
     """One compressed layer per sequence, from random post-RoPE keys and values, its chunk
-    pages scattered over the store. Same seed: identical inputs for both paths."""
+    pages scattered over the store; `rank` one for all or one per sequence (as rank=auto
+    gives). Same seed: identical inputs for both paths."""
     generator = torch.Generator().manual_seed(seed)
     rope = _rope(dim)
     chunks = [(n - local) // chunk for n in lengths]
     pages = 2 * sum(chunks) + 3
-    store = ChunkStore(1, kv_heads, dim, chunk, rank, pages, torch.float32, torch.device("cpu"), "memory", None)
+    store = ChunkStore(1, kv_heads, dim, chunk, pages, torch.float32, torch.device("cpu"), "memory", None)
+    ranks = rank if isinstance(rank, list) else [rank] * len(lengths)
     order = torch.randperm(pages, generator=generator).tolist()
     stats = ShadowKVStats()
     states = []
-    for n, count in zip(lengths, chunks):
+    for n, count, r in zip(lengths, chunks, ranks):
         base = torch.randn(kv_heads, 1, dim, generator=generator)  # a shared direction: landmarks differ in scale
         keys = base + torch.randn(kv_heads, n, dim, generator=generator)
         values = torch.randn(kv_heads, n, dim, generator=generator)
-        layer, data = compress_layer(keys, values, rope, count * chunk, rank, chunk, outliers, CAPACITY, k)
+        layer, data = compress_layer(keys, values, rope, count * chunk, lambda _, r=r: r, chunk, outliers, CAPACITY, k)
+        assert layer.basis.shape[0] == r == layer.coefficients.shape[-1]
         ids, order = order[:count], order[count:]
         table = torch.tensor(ids, dtype=torch.long)
-        store.write(0, table, data.coefficients, data.landmarks, data.values)
+        store.write(0, table, data.landmarks, data.values)
         used_outliers = layer.outliers.shape[1]
         states.append(CompressedSequence(pages=ids, page_table=table, window=n - count * chunk, chunks_per_step=k,
                                          num_outliers=used_outliers,
@@ -87,13 +90,14 @@ def _slot_contents(state: CompressedSequence, chunk: int) -> list[dict[int, tupl
     return heads
 
 
-@pytest.mark.parametrize(("kv_heads", "heads", "dim", "lengths", "k", "reuse"), [
-    (2, 6, 16, [72, 104, 28], 4, True),  # GQA, three lengths; the last has 3 candidates < k
-    (2, 6, 16, [72, 104], 4, False),  # no reuse: every pick is a miss
-    (1, 4, 256, [64, 80], 3, True),  # Gemma3-like: head_dim 256, one KV head
+@pytest.mark.parametrize(("kv_heads", "heads", "dim", "lengths", "k", "reuse", "rank"), [
+    (2, 6, 16, [72, 104, 28], 4, True, 5),  # GQA, three lengths; the last has 3 candidates < k
+    (2, 6, 16, [72, 104, 28], 4, True, [5, 11, 2]),  # each sequence its own rank (rank=auto)
+    (2, 6, 16, [72, 104], 4, False, 5),  # no reuse: every pick is a miss
+    (1, 4, 256, [64, 80], 3, True, [5, 40]),  # Gemma3-like: head_dim 256, one KV head
 ])
-def test_kernel_equals_the_pytorch_path(kv_heads, heads, dim, lengths, k, reuse):
-    chunk, rank, outliers, local = 4, 5, 2, 8
+def test_kernel_equals_the_pytorch_path(kv_heads, heads, dim, lengths, k, reuse, rank):
+    chunk, outliers, local = 4, 2, 8
     ref, ref_states, ref_stats = _build(lengths, kv_heads, dim, chunk, rank, outliers, k, local, 0, kernel=False)
     fast, fast_states, fast_stats = _build(lengths, kv_heads, dim, chunk, rank, outliers, k, local, 0, kernel=True)
     ref.reuse = fast.reuse = reuse
@@ -122,13 +126,14 @@ def test_kernel_equals_the_pytorch_path(kv_heads, heads, dim, lengths, k, reuse)
         assert (short.layers[0].slot_ids == -1).any()
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "gemma3_hybrid"])
-def test_tiny_model_logits_equal_with_and_without_the_kernel(arch):
+@pytest.mark.parametrize(("arch", "rank"), [("llama_gqa", "rank=3"), ("gemma3_hybrid", "rank=3"),
+                                            ("llama_gqa", "rank=auto,energy=0.9,rank_min=2")])
+def test_tiny_model_logits_equal_with_and_without_the_kernel(arch, rank):
     """A lossy configuration (low rank, small budget: selection matters), batched decode with
     folding: the kernel's logits equal the PyTorch path's."""
     _, model = make_pair(arch)
     prompts = [list(range(3, 60)), list(range(5, 90))]
-    spec = "shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=8,rank=3,budget=8"
+    spec = f"shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=8,{rank},budget=8"
     reference = make_runner(model, cache=spec + ",kernel=0")
     fast = make_runner(model, cache=spec + ",kernel=1")
     expected = decode_logits(reference, prompts, 16)

@@ -119,7 +119,7 @@ def test_compress_layer_keeps_outliers_and_window_exact():
     keys_post = rope.apply_at(keys_pre, torch.arange(n)).transpose(0, 1)
     values = torch.randn(heads, n, dim)
     prefix = 28
-    layer, data = compress_layer(keys_post, values, rope, prefix, heads * dim, chunk, 2, window_capacity=12,
+    layer, data = compress_layer(keys_post, values, rope, prefix, lambda _: heads * dim, chunk, 2, window_capacity=12,
                                  chunks_per_step=3)
     rebuilt = (data.coefficients.reshape(prefix, -1) @ layer.basis).view(prefix, heads, dim)
     torch.testing.assert_close(rebuilt, keys_pre[:prefix], atol=1e-4, rtol=1e-4)
@@ -176,7 +176,7 @@ def test_compress_layer_at_low_rank_follows_its_definition():
     keys_post = rope.apply_at(keys_pre, torch.arange(n)).transpose(0, 1)  # [H, n, D]
     values = torch.randn(heads, n, dim)
     prefix = 40
-    layer, data = compress_layer(keys_post, values, rope, prefix, rank, chunk, outliers, window_capacity=12,
+    layer, data = compress_layer(keys_post, values, rope, prefix, lambda _: rank, chunk, outliers, window_capacity=12,
                                  chunks_per_step=2)
     # basis: the projector onto the top-r right singular vectors of the pre-RoPE keys
     flat_pre = keys_pre.reshape(n, width).double()

@@ -2,8 +2,8 @@
 exact tail tokens into chunks (ShadowKV+). Pure tensor functions; storage is the caller's.
 
 Compression of n tokens with prefix p = C x chunk (the rest, [p, n), stays exact):
-- pre-RoPE keys of all n tokens -> basis B [r, W] (lowrank.py); coefficients of
-  the prefix tokens A = K_pre @ B^T;
+- pre-RoPE keys of all n tokens -> their spectrum (lowrank.py), the layer's rank r from
+  it (the config's rule), basis B [r, W]; coefficients of the prefix tokens A = K_pre @ B^T;
 - landmarks: chunk means of the post-RoPE prefix keys; per chunk the min cosine
   similarity of its keys to the mean; the `outliers` lowest chunks per KV head keep their
   exact keys and values;
@@ -15,11 +15,12 @@ basis and adds their landmarks and values, exactly like prefix chunks (no new ou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kvforge.cache.shadowkv.lowrank import key_basis, project
+from kvforge.cache.shadowkv.lowrank import key_spectrum, project
 from kvforge.cache.shadowkv.select import chunk_landmarks, chunk_min_cosine, outlier_chunks
 from kvforge.cache.shadowkv.state import LayerState, buffer_rows
 from kvforge.models.rope import PositionedRope
@@ -49,14 +50,16 @@ def _chunk_data(keys_post: torch.Tensor, keys_pre: torch.Tensor, values: torch.T
     return ChunkData(coefficients, chunk_landmarks(keys_post, chunk), values.reshape(heads, count, chunk, dim))
 
 
-def compress_layer(keys_post: torch.Tensor, values: torch.Tensor, rope: PositionedRope, prefix: int, rank: int,
-                   chunk: int, outliers: int, window_capacity: int, chunks_per_step: int
-                   ) -> tuple[LayerState, ChunkData]:
+def compress_layer(keys_post: torch.Tensor, values: torch.Tensor, rope: PositionedRope, prefix: int,
+                   layer_rank: Callable[[torch.Tensor], int], chunk: int, outliers: int, window_capacity: int,
+                   chunks_per_step: int) -> tuple[LayerState, ChunkData]:
     """keys_post/values [H, n, D] of positions 0..n-1; prefix a multiple of chunk with
-    n - prefix <= window_capacity."""
+    n - prefix <= window_capacity; `layer_rank` maps the keys' cumulative energy [W] to
+    the layer's rank."""
     heads, n, dim = keys_post.shape
     keys_pre = unrotate(keys_post, 0, rope)  # [n, H, D]
-    basis = key_basis(keys_pre.reshape(n, heads * dim), rank)
+    spectrum = key_spectrum(keys_pre.reshape(n, heads * dim))
+    basis = spectrum.basis(layer_rank(spectrum.energy))
     data = _chunk_data(keys_post[:, :prefix], keys_pre[:prefix], values[:, :prefix], basis, chunk)
     chosen = outlier_chunks(chunk_min_cosine(keys_post[:, :prefix], data.landmarks), outliers)  # [H, O]
     count = chosen.shape[1]
@@ -72,7 +75,19 @@ def compress_layer(keys_post: torch.Tensor, values: torch.Tensor, rope: Position
     slot_ids = torch.full((heads, chunks_per_step), -1, dtype=torch.long, device=keys_post.device)
     candidates = torch.ones((heads, prefix // chunk), dtype=torch.bool, device=keys_post.device)
     candidates.scatter_(1, chosen, False)
-    return LayerState(basis, chosen, keys, vals, slot_ids, candidates), data
+    return LayerState(basis, data.coefficients, chosen, keys, vals, slot_ids, candidates), data
+
+
+def append_coefficients(layer: LayerState, first_chunk: int, coefficients: torch.Tensor, capacity: int) -> None:
+    """Store folded chunks' coefficients [m, chunk, r] at rows first_chunk.. of the layer,
+    its storage grown to `capacity` chunks if smaller (the caller reserved those bytes)."""
+    end = first_chunk + coefficients.shape[0]
+    assert end <= capacity
+    if capacity > layer.coefficients.shape[0]:
+        grown = layer.coefficients.new_empty((capacity, *layer.coefficients.shape[1:]))
+        grown[:first_chunk] = layer.coefficients[:first_chunk]
+        layer.coefficients = grown
+    layer.coefficients[first_chunk:end] = coefficients.to(layer.coefficients.dtype)
 
 
 def fold_chunks(keys_post: torch.Tensor, values: torch.Tensor, first_position: int, basis: torch.Tensor,

@@ -18,9 +18,10 @@
 // Invariants the kernel relies on (checked on entry, made true by the Python wrapper):
 // - every floating tensor is float32 and contiguous; index tensors are contiguous int64,
 //   candidate masks contiguous bool;
-// - q [B, heads, D]; landmarks [H, P, D]; coefficients [P, chunk, r]; slow values
-//   [H, P, chunk, D]; cos/sin [N, D] with N >= chunk x (most chunks of a sequence);
-// - per sequence b: table [C], candidates [H, C], basis [r, H x D], keys/values buffers
+// - q [B, heads, D]; landmarks [H, P, D]; slow values [H, P, chunk, D]; cos/sin [N, D]
+//   with N >= chunk x (most chunks of a sequence);
+// - per sequence b: table [C], candidates [H, C], basis [r, H x D] and coefficients
+//   [>= C, chunk, r] (r its own: ranks differ per layer and sequence), keys/values buffers
 //   [H, R, D], slot ids [H, k]; own_k/own_v [B, H, D] or empty; meta row
 //   (slots_start, window_start, rows_used) with
 //   slots_start + k x chunk = window_start < rows_used <= R;
@@ -228,12 +229,11 @@ inline void exp_in_place(float* x, int64_t n) {
 }
 
 struct Layer {
-  const float* landmarks;     // [H, P, D]
-  const float* coefficients;  // [P, chunk, r]
-  const float* slow_values;   // [H, P, chunk, D]
-  const float* cos;           // [N, D]
+  const float* landmarks;    // [H, P, D]
+  const float* slow_values;  // [H, P, chunk, D]
+  const float* cos;          // [N, D]
   const float* sin;
-  int64_t pages, chunk, rank, dim, kv_heads, group;
+  int64_t pages, chunk, dim, kv_heads, group;
   float scale;
   bool reuse;
 };
@@ -242,7 +242,9 @@ struct Sequence {
   const float* q;  // [heads, D] of this sequence
   const int64_t* table;
   const bool* candidates;  // [H, C]
-  const float* basis;      // [r, H x D]
+  const float* basis;         // [r, H x D]
+  const float* coefficients;  // [>= C, chunk, r]: chunk c at row c
+  int64_t rank;               // r of this sequence and layer
   float* keys;             // [H, R, D]
   float* values;
   int64_t* slot_ids;  // [H, k]
@@ -369,12 +371,12 @@ void match_slots(const Layer& L, const Sequence& s, int64_t h, Scratch& w, doubl
 
 // Step 3: keys of the missed chunks, rebuilt and rotated into their slots.
 void rebuild_keys(const Layer& L, const Sequence& s, int64_t h, Scratch& w) {
-  const int64_t D = L.dim, T = L.chunk, r = L.rank, W = L.kv_heads * D, half = D / 2;
+  const int64_t D = L.dim, T = L.chunk, r = s.rank, W = L.kv_heads * D, half = D / 2;
   const float* basis = s.basis + h * D;  // row j of the head's slice: basis + j * W
   w.pre.resize(T * D);
   for (size_t m = 0; m < w.misses.size(); ++m) {
     const int64_t c = w.misses[m];
-    low_rank_rows(L.coefficients + s.table[c] * T * r, basis, T, r, W, D, w.pre.data());
+    low_rank_rows(s.coefficients + c * T * r, basis, T, r, W, D, w.pre.data());
     float* dst = s.keys + (h * s.rows + s.slots_start + w.miss_slot[m] * T) * D;
     for (int64_t t = 0; t < T; ++t) {
       const float* x = w.pre.data() + t * D;
@@ -426,30 +428,31 @@ void attend(const Layer& L, const Sequence& s, int64_t h, Scratch& w) {
 
 
 std::tuple<at::Tensor, at::Tensor> shadowkv_decode(const at::Tensor& q, const at::Tensor& landmarks,
-                                                   const at::Tensor& coefficients, const at::Tensor& slow_values,
-                                                   const at::Tensor& cos, const at::Tensor& sin,
-                                                   at::TensorList tables, at::TensorList candidates,
-                                                   at::TensorList bases, at::TensorList keys, at::TensorList values,
+                                                   const at::Tensor& slow_values, const at::Tensor& cos,
+                                                   const at::Tensor& sin, at::TensorList tables,
+                                                   at::TensorList candidates, at::TensorList bases,
+                                                   at::TensorList coefficients, at::TensorList keys,
+                                                   at::TensorList values,
                                                    at::TensorList slot_ids, const at::Tensor& own_k,
                                                    const at::Tensor& own_v, const at::Tensor& meta, double scale,
                                                    bool reuse) {
   constexpr const char* kOpName = "shadowkv_decode";
-  kvforge_checks::cpu(kOpName, {&q, &landmarks, &coefficients, &slow_values, &cos, &sin, &own_k, &own_v, &meta});
-  kvforge_checks::contiguous_of(kOpName, "q, landmarks, coefficients, slow values, cos and sin", at::kFloat,
-                                {&q, &landmarks, &coefficients, &slow_values, &cos, &sin});
+  kvforge_checks::cpu(kOpName, {&q, &landmarks, &slow_values, &cos, &sin, &own_k, &own_v, &meta});
+  kvforge_checks::contiguous_of(kOpName, "q, landmarks, slow values, cos and sin", at::kFloat,
+                                {&q, &landmarks, &slow_values, &cos, &sin});
   kvforge_checks::contiguous_of(kOpName, "meta", at::kLong, {&meta});
-  TORCH_CHECK(q.dim() == 3 && landmarks.dim() == 3 && coefficients.dim() == 3 && slow_values.dim() == 4,
-              "q [B, heads, D], landmarks [H, P, D], coefficients [P, chunk, r], values [H, P, chunk, D]");
+  TORCH_CHECK(q.dim() == 3 && landmarks.dim() == 3 && slow_values.dim() == 4,
+              "q [B, heads, D], landmarks [H, P, D], values [H, P, chunk, D]");
   const int64_t B = q.size(0), heads = q.size(1), D = q.size(2);
   const int64_t H = landmarks.size(0), P = landmarks.size(1);
   TORCH_CHECK(landmarks.size(2) == D, "head geometry mismatch");
   kvforge_checks::gqa(kOpName, heads, H);
-  TORCH_CHECK(coefficients.size(0) == P && slow_values.size(0) == H && slow_values.size(1) == P &&
-                  slow_values.size(2) == coefficients.size(1) && slow_values.size(3) == D,
+  TORCH_CHECK(slow_values.size(0) == H && slow_values.size(1) == P && slow_values.size(3) == D,
               "store geometry mismatch");
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(), "cos/sin must be [N, D]");
   TORCH_CHECK(static_cast<int64_t>(tables.size()) == B && static_cast<int64_t>(candidates.size()) == B &&
-                  static_cast<int64_t>(bases.size()) == B && static_cast<int64_t>(keys.size()) == B &&
+                  static_cast<int64_t>(bases.size()) == B && static_cast<int64_t>(coefficients.size()) == B &&
+                  static_cast<int64_t>(keys.size()) == B &&
                   static_cast<int64_t>(values.size()) == B && static_cast<int64_t>(slot_ids.size()) == B,
               "one table, candidate mask, basis, buffer pair and slot-id tensor per sequence");
   TORCH_CHECK(meta.dim() == 2 && meta.size(0) == B && meta.size(1) == 3, "meta must be [B, 3]");
@@ -461,22 +464,26 @@ std::tuple<at::Tensor, at::Tensor> shadowkv_decode(const at::Tensor& q, const at
                 "own_k/own_v must be [B, H, D]");
   }
 
-  Layer L{landmarks.data_ptr<float>(), coefficients.data_ptr<float>(), slow_values.data_ptr<float>(),
-          cos.data_ptr<float>(), sin.data_ptr<float>(), P, coefficients.size(1), coefficients.size(2), D, H,
-          heads / H, static_cast<float>(scale), reuse};
+  Layer L{landmarks.data_ptr<float>(), slow_values.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+          P, slow_values.size(2), D, H, heads / H, static_cast<float>(scale), reuse};
   at::Tensor out = at::empty({B, heads, D}, q.options());
   const int64_t* m = meta.data_ptr<int64_t>();
   std::vector<Sequence> seqs(B);
   for (int64_t b = 0; b < B; ++b) {
-    kvforge_checks::cpu(kOpName, {&tables[b], &bases[b], &keys[b], &values[b], &slot_ids[b], &candidates[b]});
+    kvforge_checks::cpu(kOpName, {&tables[b], &bases[b], &coefficients[b], &keys[b], &values[b], &slot_ids[b],
+                                  &candidates[b]});
     kvforge_checks::contiguous_of(kOpName, "table and slot ids", at::kLong, {&tables[b], &slot_ids[b]});
-    kvforge_checks::contiguous_of(kOpName, "basis and buffers", at::kFloat, {&bases[b], &keys[b], &values[b]});
+    kvforge_checks::contiguous_of(kOpName, "basis, coefficients and buffers", at::kFloat,
+                                  {&bases[b], &coefficients[b], &keys[b], &values[b]});
     kvforge_checks::contiguous_of(kOpName, "candidates", at::kBool, {&candidates[b]});
     const int64_t C = tables[b].numel(), R = keys[b].size(1), k = slot_ids[b].size(1);
     TORCH_CHECK(candidates[b].dim() == 2 && candidates[b].size(0) == H && candidates[b].size(1) == C,
                 "candidates must be [H, C]");
-    TORCH_CHECK(bases[b].dim() == 2 && bases[b].size(0) == L.rank && bases[b].size(1) == H * D,
-                "basis must be [r, H x D]");
+    const int64_t rank = bases[b].size(0);
+    TORCH_CHECK(bases[b].dim() == 2 && bases[b].size(1) == H * D, "basis must be [r, H x D]");
+    TORCH_CHECK(coefficients[b].dim() == 3 && coefficients[b].size(0) >= C && coefficients[b].size(1) == L.chunk &&
+                    coefficients[b].size(2) == rank,
+                "coefficients must be [>= C, chunk, r] with the basis' r");
     TORCH_CHECK(keys[b].dim() == 3 && keys[b].size(0) == H && keys[b].size(2) == D &&
                     values[b].sizes() == keys[b].sizes(),
                 "buffers must be [H, R, D]");
@@ -489,7 +496,8 @@ std::tuple<at::Tensor, at::Tensor> shadowkv_decode(const at::Tensor& q, const at
     const int64_t* table = tables[b].data_ptr<int64_t>();
     for (int64_t c = 0; c < C; ++c) TORCH_CHECK(table[c] >= 0 && table[c] < P, "page id out of range");
     seqs[b] = Sequence{q.data_ptr<float>() + b * heads * D, table, candidates[b].data_ptr<bool>(),
-                       bases[b].data_ptr<float>(), keys[b].data_ptr<float>(), values[b].data_ptr<float>(),
+                       bases[b].data_ptr<float>(), coefficients[b].data_ptr<float>(), rank,
+                       keys[b].data_ptr<float>(), values[b].data_ptr<float>(),
                        slot_ids[b].data_ptr<int64_t>(), C, R, k, slots_start, window_start, rows_used,
                        out.data_ptr<float>() + b * heads * D,
                        own ? own_k.data_ptr<float>() + b * H * D : nullptr,
@@ -527,8 +535,8 @@ std::tuple<at::Tensor, at::Tensor> shadowkv_decode(const at::Tensor& q, const at
 }  // namespace
 
 TORCH_LIBRARY(kvforge_cpu_shadowkv, m) {
-  m.def("shadowkv_decode(Tensor q, Tensor landmarks, Tensor coefficients, Tensor slow_values, Tensor cos, "
-        "Tensor sin, Tensor[] tables, Tensor[] candidates, Tensor[] bases, Tensor(a!)[] keys, "
+  m.def("shadowkv_decode(Tensor q, Tensor landmarks, Tensor slow_values, Tensor cos, Tensor sin, "
+        "Tensor[] tables, Tensor[] candidates, Tensor[] bases, Tensor[] coefficients, Tensor(a!)[] keys, "
         "Tensor(b!)[] values, Tensor(c!)[] slot_ids, Tensor own_k, Tensor own_v, Tensor meta, float scale, "
         "bool reuse) -> (Tensor, Tensor)");
 }

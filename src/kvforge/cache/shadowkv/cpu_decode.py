@@ -53,26 +53,25 @@ class DecodeCounters:
     attention: float
 
 
-def shadowkv_decode_cpu(q: torch.Tensor, landmarks: torch.Tensor, coefficients: torch.Tensor,
-                        slow_values: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        tables: list[torch.Tensor], candidates: list[torch.Tensor], bases: list[torch.Tensor],
-                        keys: list[torch.Tensor], values: list[torch.Tensor], slot_ids: list[torch.Tensor],
+def shadowkv_decode_cpu(q: torch.Tensor, landmarks: torch.Tensor, slow_values: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, tables: list[torch.Tensor], candidates: list[torch.Tensor],
+                        bases: list[torch.Tensor], coefficients: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor], slot_ids: list[torch.Tensor],
                         own_k: torch.Tensor | None, own_v: torch.Tensor | None, meta: torch.Tensor, scale: float,
                         reuse: bool) -> tuple[torch.Tensor, DecodeCounters]:
     """One layer's decode attention of B sequences; returns (out [B, heads, D], counters).
 
-    q [B, heads, D] (RoPE applied); landmarks [H, P, D], coefficients [P, chunk, r] and
-    slow_values [H, P, chunk, D] are the layer's views of the chunk store; cos/sin [N, D]
-    RoPE tables of positions 0..N-1. Per sequence: page table [C], candidate mask [H, C],
-    basis [r, H x D], K/V buffers [H, R, D] and slot ids [H, k] (the last three updated in
-    place); own_k/own_v [B, H, D]: the step's token, written into the last row in use
+    q [B, heads, D] (RoPE applied); landmarks [H, P, D] and slow_values [H, P, chunk, D]
+    are the layer's views of the chunk store; cos/sin [N, D] RoPE tables of positions
+    0..N-1. Per sequence: page table [C], candidate mask [H, C], basis [r, H x D] and the
+    chunks' coefficients [>= C, chunk, r] (r its own), K/V buffers [H, R, D] and slot ids
+    [H, k] (the last three updated in place); own_k/own_v [B, H, D]: the step's token, written into the last row in use
     first (None: already there); meta [B, 3] = (slots_start, window_start, rows in use).
     Everything float32 (int64 / bool for indices and masks) and contiguous; raises
     RuntimeError when the kernel is unavailable (check `cpu_shadowkv_kernel_available()`)."""
     if not cpu_shadowkv_kernel_available():
         raise RuntimeError(f"the CPU ShadowKV decode kernel is not available (build failed or {DISABLE_ENV} is set)")
     out, counters = torch.ops.kvforge_cpu_shadowkv.shadowkv_decode(
-        q, landmarks, coefficients, slow_values, cos, sin, tables, candidates, bases, keys, values, slot_ids,
+        q, landmarks, slow_values, cos, sin, tables, candidates, bases, coefficients, keys, values, slot_ids,
         _empty_if_none(own_k, q), _empty_if_none(own_v, q), meta, float(scale), bool(reuse))
     totals = counters.sum(dim=0).tolist()
     return out, DecodeCounters(int(totals[0]), int(totals[1]), *totals[2:])

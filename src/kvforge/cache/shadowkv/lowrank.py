@@ -17,19 +17,50 @@ A @ B reproduces K to rounding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvforge.cache.shadowkv.threads import cpu_threads
+from kvforge.errors import require
+
+
+@dataclass(frozen=True)
+class KeySpectrum:
+    """Right singular directions of keys [n, W], largest first: `directions` [W, W]
+    (orthonormal rows) and `energy` [W], the cumulative share of ||K||_F^2 the top
+    1..W of them retain (Eckart-Young), float64."""
+
+    directions: torch.Tensor
+    energy: torch.Tensor
+
+    def basis(self, rank: int) -> torch.Tensor:
+        """Orthonormal rows B [rank, W] spanning the top `rank` directions."""
+        return self.directions[:rank].contiguous()
+
+
+def key_spectrum(keys: torch.Tensor) -> KeySpectrum:
+    k = keys.float()
+    gram = (k.T @ k).double()
+    with cpu_threads(1, gram.device):
+        squares, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues, orthonormal columns
+    squares = squares.flip(0).clamp_min(0.0)
+    total = squares.sum()
+    energy = squares.cumsum(0) / total if bool(total > 0) else torch.ones_like(squares)
+    return KeySpectrum(vectors.flip(-1).T.to(keys.dtype), energy)
 
 
 def key_basis(keys: torch.Tensor, rank: int) -> torch.Tensor:
     """Orthonormal rows B [rank, W] spanning the top singular directions of keys [n, W]."""
-    k = keys.float()
-    gram = (k.T @ k).double()
-    with cpu_threads(1, gram.device):
-        _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues, orthonormal columns
-    top = vectors[:, -rank:].flip(-1)  # largest first
-    return top.T.to(keys.dtype).contiguous()
+    return key_spectrum(keys).basis(rank)
+
+
+def rank_for_energy(energy: torch.Tensor, fraction: float) -> int:
+    """Smallest rank whose cumulative energy [W] reaches `fraction` (1-based)."""
+    require(0.0 < fraction <= 1.0, "fraction", fraction, "must be in (0, 1]")
+    # A tolerance keeps exact-rank matrices at their rank despite rounding in the tail.
+    index = int(torch.searchsorted(energy, torch.tensor(fraction - 1e-9, dtype=energy.dtype)))
+    return min(index + 1, energy.numel())
 
 
 def project(keys: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@ reservations `allocate` makes for a step, and the two tiers' usage and capacity.
 
 What `allocate` checks, all-or-nothing:
   fast = inner exact pages + inner sliding pages + chunk pages x fast chunk bytes
-         + per-sequence fixed state (bases, exact buffers, reuse caches) of compressed
-         sequences and of those reserved to compress in the coming step <= kv budget;
+         + per-sequence state (bases, key coefficients, exact buffers, reuse caches) of
+         compressed sequences and of those reserved to compress in the coming step
+         <= kv budget;
   slow = chunk pages x slow chunk bytes <= slow budget (a fixed number of chunk pages);
 and each store within its share of the budget (split.py): exact and sliding pages within
 their inner caches' pools, chunk pages within the store, fixed state within its share.
@@ -14,6 +15,12 @@ will compress (it does not see the logit rows), so every step that leaves an exa
 sequence with n >= min_context tokens reserves the compressed state of n tokens; a step
 that does not compress returns the reservation at end_step. `sequence_bytes(n)` is
 therefore exact(n) + compressed(n) once n >= min_context, and exact(n) below it.
+
+Ranks: with rank=auto a layer's rank is known only once its keys are seen, so everything
+planned before compression (the split, `sequence_bytes`, a compression's reservation,
+reserving admission) counts the largest rank (the KV width); compression then returns
+what its actual ranks do not use. A fold that outgrows a layer's coefficient storage
+reserves the next block at the sequence's own ranks.
 
 `ShadowKVMemory` is a mixin of `ShadowKVCache` (shadowkv.py), which owns the state it
 reads: the inner exact/sliding `full` caches, the chunk store and the sequence table.
@@ -31,7 +38,12 @@ from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import LayerGroups, PageTable
 from kvforge.cache.shadowkv.config import ShadowKVConfig
 from kvforge.cache.shadowkv.split import PARTS, BudgetSplit
-from kvforge.cache.shadowkv.state import CompressedSequence, fixed_state_bytes
+from kvforge.cache.shadowkv.state import (
+    CompressedSequence,
+    coefficient_bytes,
+    fixed_state_bytes,
+    grown_capacity,
+)
 from kvforge.cache.shadowkv.store import ChunkStore
 
 
@@ -46,12 +58,12 @@ def paged_sequence_bytes(layout: CacheLayout | None, block_size: int, element: i
     return PageTable(BlockPool(1), block_size, groups).max_pages_during_step(num_tokens) * page
 
 
-def chunk_page_bytes(num_global: int, kv_heads: int, head_dim: int, chunk: int, rank: int,
+def chunk_page_bytes(num_global: int, kv_heads: int, head_dim: int, chunk: int,
                      element: int) -> tuple[int, int]:
     """(fast, slow) bytes of one chunk page over `num_global` global layers. Fast per layer:
-    r coefficients per token, one landmark per KV head and a candidate flag per KV head
-    (one byte); slow: the chunk's values."""
-    fast = num_global * ((chunk * rank + kv_heads * head_dim) * element + kv_heads)
+    one landmark per KV head and a candidate flag per KV head (one byte); slow: the chunk's
+    values. (Key coefficients are per-sequence state: their rank differs per layer.)"""
+    fast = num_global * (kv_heads * head_dim * element + kv_heads)
     slow = num_global * kv_heads * chunk * head_dim * element
     return fast, slow
 
@@ -66,7 +78,9 @@ class Reservation:
     # taken when the chunks are written, so a sequence compressed in one go gets one run
     # of consecutive pages (landmarks then read in place, see ChunkStore.gather_landmarks).
     pages: int
-    fixed_bytes: int  # per-sequence state reserved for compression
+    # per-sequence state reserved for compression (at the largest rank) or for the next
+    # block of coefficient storage a fold needs
+    fixed_bytes: int
 
 
 @dataclass
@@ -81,7 +95,7 @@ class ShadowKVMemory:
 
     layout: CacheLayout
     config: ShadowKVConfig
-    rank: int
+    rank_bounds: tuple[int, int]  # (least, most) rank of a layer
     element: int  # bytes per stored element (compute dtype)
     budget_bytes: int  # fast tier
     global_layers: list[int]
@@ -100,10 +114,12 @@ class ShadowKVMemory:
 
     def bytes_per_token(self, cache_layer: int) -> float:
         """Fast-tier bytes per stored token: compressed rate for global layers (coefficients
-        + landmark share; values are on the slow tier), exact K and V for sliding layers."""
+        at the largest rank + landmark share; values are on the slow tier), exact K and V
+        for sliding layers."""
         if cache_layer in self.sliding_layers:
             return float(2 * self.layout.num_kv_heads * self.layout.head_dim * self.element)
-        return self.fast_chunk_bytes / len(self.global_layers) / self.config.chunk
+        landmarks = self.fast_chunk_bytes / len(self.global_layers) / self.config.chunk
+        return landmarks + self.rank_bounds[1] * self.element
 
     def sequence_bytes(self, num_tokens: int) -> int:
         return sum(self._sequence_parts(num_tokens).values())
@@ -124,11 +140,15 @@ class ShadowKVMemory:
     def _exact_sequence_bytes(self, num_tokens: int) -> int:
         return sum(c.sequence_bytes(num_tokens) for c in (self.exact, self.sliding) if c is not None)
 
-    def _fixed_state_bytes(self, num_tokens: int, num_chunks: int) -> int:
+    def _fixed_state_bytes(self, num_tokens: int, num_chunks: int, ranks: list[int] | None = None) -> int:
+        """Per-sequence state of a sequence compressed at `num_tokens` into `num_chunks`
+        chunks, at `ranks` per global layer (None: the largest rank everywhere)."""
         layout, config = self.layout, self.config
-        return fixed_state_bytes(len(self.global_layers), layout.num_kv_heads, layout.head_dim, self.rank,
-                                 config.chunk, min(config.outliers, num_chunks), config.window_capacity,
-                                 config.budget_tokens(num_tokens) // config.chunk, self.element)
+        if ranks is None:
+            ranks = [self.rank_bounds[1]] * len(self.global_layers)
+        return fixed_state_bytes(ranks, layout.num_kv_heads, layout.head_dim, config.chunk,
+                                 min(config.outliers, num_chunks), config.window_capacity,
+                                 config.budget_tokens(num_tokens) // config.chunk, num_chunks, self.element)
 
     def _fast_used(self) -> int:
         used = self._fixed_bytes
@@ -155,13 +175,15 @@ class ShadowKVMemory:
         slow = self.store.num_pages * self.slow_chunk_bytes if self.store is not None else 0
         return {"fast": self.budget_bytes, "slow": slow}
 
-    def compressed_sequence_bytes(self, num_tokens: int) -> dict[str, int]:
+    def compressed_sequence_bytes(self, num_tokens: int, rank: int | None = None) -> dict[str, int]:
         """Bytes per tier a sequence of `num_tokens` tokens holds right after compression
-        (exact below min_context): what `kvforge info` reports."""
+        (exact below min_context) with every layer at `rank` (None: the largest rank):
+        what `kvforge info` reports."""
         if self.exact is None or num_tokens < self.config.min_context:
             return {"fast": self._exact_sequence_bytes(num_tokens), "slow": 0}
         chunks = self._compressed_chunks(num_tokens)
-        fast = chunks * self.fast_chunk_bytes + self._fixed_state_bytes(num_tokens, chunks)
+        ranks = None if rank is None else [rank] * len(self.global_layers)
+        fast = chunks * self.fast_chunk_bytes + self._fixed_state_bytes(num_tokens, chunks, ranks)
         if self.sliding is not None:
             fast += self.sliding.sequence_bytes(num_tokens)
         return {"fast": fast, "slow": chunks * self.slow_chunk_bytes}
@@ -189,8 +211,12 @@ class ShadowKVMemory:
         if self.sliding is not None:
             inner_bytes += self.sliding.pages.pages_for_growth(seq_id, num_tokens) * self.sliding.page_bytes
         if seq is not None and seq.compressed is not None:
-            window = seq.compressed.window + num_tokens - cached
-            return inner_bytes, self._fold_count(window), False, 0
+            state = seq.compressed
+            folds = self._fold_count(state.window + num_tokens - cached)
+            grown = grown_capacity(state.coefficient_capacity, state.num_chunks + folds)
+            growth = coefficient_bytes(state.ranks, self.config.chunk, grown - state.coefficient_capacity,
+                                       self.element)
+            return inner_bytes, folds, False, growth
         if self.exact is None:
             return inner_bytes, 0, False, 0
         inner_bytes += self.exact.pages.pages_for_growth(seq_id, num_tokens) * self.exact.page_bytes

@@ -35,12 +35,12 @@ from kvforge.cache.base import CacheMethod
 from kvforge.cache.full.method import FullCache, FullCacheConfig
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.registry import register_cache_method
-from kvforge.cache.shadowkv.compress import compress_layer, fold_chunks
+from kvforge.cache.shadowkv.compress import append_coefficients, compress_layer, fold_chunks
 from kvforge.cache.shadowkv.config import ShadowKVConfig
 from kvforge.cache.shadowkv.memory import SequenceEntry, ShadowKVMemory, chunk_page_bytes
 from kvforge.cache.shadowkv.sparse import SparseAttention, SparseGroup
 from kvforge.cache.shadowkv.split import BudgetSplit
-from kvforge.cache.shadowkv.state import CompressedSequence, buffer_rows
+from kvforge.cache.shadowkv.state import CompressedSequence, buffer_rows, grown_capacity
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.store import ChunkStore
 from kvforge.cache.shadowkv.threads import cpu_threads
@@ -71,7 +71,7 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         super().__init__(layout, compute_dtype, device)
         self.config = config
         heads, dim = layout.num_kv_heads, layout.head_dim
-        self.rank = config.resolved_rank(heads * dim)
+        self.rank_bounds = config.rank_bounds(heads * dim)
         self.budget_bytes = budget_bytes
         self.global_layers = [c for c, s in enumerate(layout.specs) if s.sliding_window is None]
         self.sliding_layers = [c for c, s in enumerate(layout.specs) if s.sliding_window is not None]
@@ -82,7 +82,7 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         self.sliding_layout = _sub_layout(layout, self.sliding_layers) if self.sliding_layers else None
         num_global = len(self.global_layers)
         chunk = config.chunk
-        self.fast_chunk_bytes, self.slow_chunk_bytes = chunk_page_bytes(num_global, heads, dim, chunk, self.rank,
+        self.fast_chunk_bytes, self.slow_chunk_bytes = chunk_page_bytes(num_global, heads, dim, chunk,
                                                                         self.element)
         self.slow_budget = config.slow_bytes(budget_bytes)
         if num_global and self.slow_budget < self.slow_chunk_bytes:
@@ -104,7 +104,7 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         if num_global:
             # One page id indexes both tiers: as many pages as the smaller tier holds.
             pages = min(self.split.chunk_pages, self.slow_budget // self.slow_chunk_bytes)
-            self.store = ChunkStore(num_global, heads, dim, chunk, self.rank, pages, compute_dtype, self.device,
+            self.store = ChunkStore(num_global, heads, dim, chunk, pages, compute_dtype, self.device,
                                     config.slow_store, config.slow_dir)
             self.sparse = SparseAttention(self.store, chunk, self.stats, config.reuse, self.device,
                                           config.kernel)
@@ -120,8 +120,7 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         usage = self.memory_usage()
         compressed = sum(1 for s in self._seqs.values() if s.compressed is not None)
         return {**self.stats.as_dict(), "fast_bytes": usage["fast"], "slow_bytes": usage["slow"],
-                "compressed_sequences": compressed, "exact_sequences": len(self._seqs) - compressed,
-                "rank": self.rank}
+                "compressed_sequences": compressed, "exact_sequences": len(self._seqs) - compressed}
 
     def reset_statistics(self) -> None:
         """Zero the counters and timers (bytes are state and stay); benchmarks call it
@@ -333,7 +332,8 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         config, chunk = self.config, self.config.chunk
         n = span.total_len
         prefix = self._compressed_chunks(n) * chunk
-        # The reservation's pages and fixed bytes now belong to the compressed state.
+        # The reservation's pages and fixed bytes now belong to the compressed state (the
+        # bytes its actual ranks leave unused are returned below).
         pages = self._take_pages(reservation, reservation.pages)
         fixed, reservation.fixed_bytes = reservation.fixed_bytes, 0
         outliers = min(config.outliers, len(pages))
@@ -350,10 +350,16 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
                                      device=self.device)
                 keys = self.exact.k_store[slot].index_select(1, table).flatten(1, 2)[:, :n].to(self.compute_dtype)
                 values = self.exact.v_store[slot].index_select(1, table).flatten(1, 2)[:, :n].to(self.compute_dtype)
-                layer, data = compress_layer(keys, values, self._ropes[index], prefix, self.rank, chunk,
+                layer, data = compress_layer(keys, values, self._ropes[index], prefix, config.layer_rank, chunk,
                                              config.outliers, config.window_capacity, chunks_per_step)
-                self.store.write(index, state.page_table, data.coefficients, data.landmarks, data.values)
+                self.store.write(index, state.page_table, data.landmarks, data.values)
                 state.layers[index] = layer
+                state.ranks.append(layer.basis.shape[0])
+        state.fixed_bytes = self._fixed_state_bytes(n, len(pages), state.ranks)
+        state.coefficient_capacity = len(pages)
+        assert state.fixed_bytes <= fixed, "compression reserved the largest rank"
+        self._fixed_bytes -= fixed - state.fixed_bytes
+        self.stats.record_ranks(state.ranks)
         seq.compressed = state
         self.exact.free(span.seq_id)
         self.stats.compressions += 1
@@ -372,10 +378,14 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         folds = self._fold_count(grown)
         assert folds == reservation.pages, "allocate reserved the pages of this fold"
         taken = self._take_pages(reservation, folds)
+        # The reserved growth of the coefficient storage (if any) now belongs to the state.
+        state.fixed_bytes += reservation.fixed_bytes
+        reservation.fixed_bytes = 0
         start = state.window_start(chunk)
         rows = slice(span.query_start, span.query_end)
         new_pages = upload(torch.tensor(taken, dtype=torch.long), self.device)
         moved = folds * chunk
+        capacity = grown_capacity(state.coefficient_capacity, state.num_chunks + folds)
         for cache_layer, index in ((c, self._inner_index[c]) for c in self.global_layers):
             layer = state.layers[index]
             assert layer is not None
@@ -396,13 +406,15 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
             with self.stats.timed("fold"):
                 data = fold_chunks(tail_keys[:, :moved], tail_values[:, :moved], state.num_chunks * chunk,
                                    layer.basis, self._ropes[index], chunk)
-                self.store.write(index, new_pages, data.coefficients, data.landmarks, data.values)
+                self.store.write(index, new_pages, data.landmarks, data.values)
+                append_coefficients(layer, state.num_chunks, data.coefficients, capacity)
                 rest_keys, rest_values = tail_keys[:, moved:].clone(), tail_values[:, moved:].clone()
                 layer.keys[:, start:start + grown - moved] = rest_keys
                 layer.values[:, start:start + grown - moved] = rest_values
                 layer.candidates = torch.cat((layer.candidates, layer.candidates.new_ones(
                     (layer.candidates.shape[0], folds))), dim=1)  # folded chunks are never outliers
         if folds:
+            state.coefficient_capacity = capacity
             state.extend(taken, new_pages)
             self.stats.folded_chunks += folds
         state.window = grown - moved

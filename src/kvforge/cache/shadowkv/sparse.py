@@ -14,8 +14,8 @@ multi-token span alone), per global layer:
    was not selected again. Device tensors keep shapes fixed by the group, so the only
    host synchronisation of a layer is the copy of the misses' pages to the host, which
    gathers their values from the slow tier (host memory; see host_sync.py). Keys are
-   rebuilt for every slot in one bmm over (sequence, head) pairs, queued before the host
-   waits for that copy, and written where a miss landed. On CUDA the values go to the
+   rebuilt for every slot, one bmm over the heads of each sequence (ranks differ between
+   sequences), queued before the host waits for that copy, and written where a miss landed. On CUDA the values go to the
    device on a side stream while keys are rebuilt (not yet run on a GPU);
 3. attention, sequence by sequence, over the buffer rows in use: outlier chunks, selected
    slots, exact window (one softmax; slots not holding a chunk of this step are masked,
@@ -72,7 +72,6 @@ class SparseGroup:
     # step's token into the buffers, so `write` leaves that to it).
     kernel: bool = False
     _candidates: dict[int, torch.Tensor] = field(default_factory=dict)
-    _bases: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, states: list[CompressedSequence], rows: list[int], queries: int, own_in_buffer: bool,
@@ -121,16 +120,6 @@ class SparseGroup:
                     padded[b, :, :m.shape[1]] = m
                 self._candidates[layer] = padded
         return self._candidates[layer]
-
-    def head_bases(self, layer: int) -> torch.Tensor:
-        """[B * H, r, D]: the basis slice [r, D] of every (sequence, KV head) pair."""
-        if layer not in self._bases:
-            bases = torch.stack([self.layer(b, layer).basis for b in range(self.size)])  # [B, r, W]
-            heads = self.layer(0, layer).keys.shape[0]
-            rank, width = bases.shape[1:]
-            split = bases.view(self.size, rank, heads, width // heads).transpose(1, 2)
-            self._bases[layer] = split.reshape(self.size * heads, rank, width // heads)
-        return self._bases[layer]
 
     def slot_ids(self, layer: int, slots: int) -> torch.Tensor:
         """[B, H, slots] chunk id of every reuse slot (-2 beyond a sequence's own k)."""
@@ -241,9 +230,9 @@ class SparseAttention:
         dim = q.shape[-1]
         cos, sin = self.rope.tables(rope, group.table.shape[1], torch.float32, self.device)
         out, counters = shadowkv_decode_cpu(
-            q[:, 0].contiguous(), self.store.landmarks[layer], self.store.coefficients[layer],
-            self.store.values[layer], cos.view(-1, dim), sin.view(-1, dim), [s.page_table for s in group.states],
-            [st.candidates for st in states], [st.basis for st in states], [st.keys for st in states],
+            q[:, 0].contiguous(), self.store.landmarks[layer], self.store.values[layer], cos.view(-1, dim), sin.view(-1, dim), [s.page_table for s in group.states],
+            [st.candidates for st in states], [st.basis for st in states], [st.coefficients for st in states],
+            [st.keys for st in states],
             [st.values for st in states], [st.slot_ids for st in states], own_keys, own_values, group.meta, scale,
             self.reuse)
         self.stats.chunk_hits += counters.hits
@@ -294,7 +283,7 @@ class SparseAttention:
             head_of = torch.arange(heads, device=picks.device)[None, :, None].expand(batch, heads, slots)
             counts = torch.stack((miss.sum(), hit.sum()))
             to_host = HostCopy(torch.cat((counts, head_of.reshape(-1)[order], pages.view(-1)[order])))
-            rebuilt = self._rebuild(layer, group, chunks, pages, rope)  # queued while the copy is on its way
+            rebuilt = self._rebuild(layer, group, chunks, rope)  # queued while the copy is on its way
         for b in range(group.size):  # the slot ids of this step (views into new_ids)
             st = group.layer(b, layer)
             st.slot_ids = new_ids[b, :, :st.slot_ids.shape[1]]
@@ -333,15 +322,17 @@ class SparseAttention:
         """(heads, pages) of the misses from the host copy of `_fill_slots`, as host tensors."""
         return torch.tensor(host[2:2 + misses]), torch.tensor(host[2 + total:2 + total + misses])
 
-    def _rebuild(self, layer: int, group: SparseGroup, chunks: torch.Tensor, pages: torch.Tensor,
-                 rope: PositionedRope) -> torch.Tensor:
-        """Keys [B, H, slots, chunk, D] (post-RoPE) of chunk `chunks` [B, H, slots] in pages
-        `pages`: coefficients [chunk, r] x the (sequence, head)'s basis slice [r, D], one
-        bmm over every (sequence, head) pair."""
+    def _rebuild(self, layer: int, group: SparseGroup, chunks: torch.Tensor, rope: PositionedRope) -> torch.Tensor:
+        """Keys [B, H, slots, chunk, D] (post-RoPE) of chunk `chunks` [B, H, slots]: the
+        chunk's coefficients [chunk, r] x the (sequence, head)'s basis slice [r, D], one
+        bmm over the heads of each sequence (its rank is its own)."""
         batch, heads, slots = chunks.shape
         chunk, dim = self.chunk, self.store.landmarks.shape[-1]
-        coefficients = self.store.gather_coefficients(layer, pages.view(-1))  # [B * H * slots, chunk, r]
-        basis = group.head_bases(layer)  # [B * H, r, D]
-        keys = torch.bmm(coefficients.view(batch * heads, slots * chunk, -1), basis)
+        keys = chunks.new_empty((batch, heads, slots * chunk, dim), dtype=self.store.landmarks.dtype)
+        for b in range(batch):
+            st = group.layer(b, layer)
+            coefficients = st.coefficients.index_select(0, chunks[b].reshape(-1))  # [H * slots, chunk, r]
+            basis = st.basis.view(-1, heads, dim).transpose(0, 1)  # [H, r, D]
+            torch.bmm(coefficients.view(heads, slots * chunk, -1), basis.to(coefficients.dtype), out=keys[b])
         keys = self.rope.apply(keys.view(-1, chunk, dim), chunks.view(-1), rope, group.table.shape[1])
         return keys.view(batch, heads, slots, chunk, dim)

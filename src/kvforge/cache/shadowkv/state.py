@@ -1,10 +1,14 @@
 """Per-sequence state of a compressed ShadowKV sequence (global cache layers only).
 
 A sequence of n tokens compressed with prefix length p = C x chunk holds:
-- chunk pages for the prefix (store.py): low-rank key coefficients and landmarks
-  on the fast tier, values on the slow tier;
-- per global layer (`LayerState`, fast tier, fixed size for the sequence's life): the
-  basis B [r, W] of its low-rank keys, the outlier chunk ids per KV head [H, O], and one
+- chunk pages for the prefix (store.py): landmarks on the fast tier, values on the slow
+  tier;
+- per global layer (`LayerState`, fast tier): the basis B [r, W] of its low-rank keys
+  (r chosen per layer and sequence with rank=auto), the coefficients A [capacity, chunk, r]
+  of its chunks in logical order (chunk j at row j; the capacity is the chunk count at
+  compression and grows by an eighth when a fold outgrows it, see `grown_capacity`; every
+  other part has a fixed size for the sequence's life), the outlier chunk ids per KV head
+  [H, O], and one
   exact buffer for K (post-RoPE) and one for V, [H, R, D], whose rows are
       [0, O x chunk)                      the outlier chunks' tokens,
       [slots_start, slots_start + k x chunk)
@@ -21,11 +25,15 @@ A sequence of n tokens compressed with prefix length p = C x chunk holds:
   mask over the slots, so a chunk reused from the previous step is never copied.
 
 Invariants: the window holds the tokens [p, n) in order; p only grows (by folding whole
-chunks); chunk contents never change once written, so a reused chunk is always current.
+chunks); chunk contents never change once written, so a reused chunk is always current;
+a layer's basis and coefficients share one rank for the sequence's life (folded chunks
+project onto the basis chosen at compression).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +44,7 @@ ID_BYTES = 8  # int64 chunk ids
 @dataclass
 class LayerState:
     basis: torch.Tensor  # [r, W]
+    coefficients: torch.Tensor  # [capacity, chunk, r]: chunk j's low-rank keys at row j
     outliers: torch.Tensor  # [H, O] chunk ids
     keys: torch.Tensor  # [H, R, D] post-RoPE
     values: torch.Tensor  # [H, R, D]
@@ -51,7 +60,9 @@ class CompressedSequence:
     chunks_per_step: int  # k: chunks selected per KV head (budget / chunk)
     num_outliers: int  # O: outlier chunks per KV head and layer
     slots_start: int  # first row of the reuse slots in the buffers (= O x chunk)
-    fixed_bytes: int  # fast-tier bytes of the per-layer state (accounted at compression)
+    fixed_bytes: int  # fast-tier bytes of the per-layer state, coefficients included
+    ranks: list[int] = field(default_factory=list)  # per global layer
+    coefficient_capacity: int = 0  # chunks each layer's coefficient storage holds
     layers: list[LayerState | None] = field(default_factory=list)
     # pages[0] when the pages are one run of consecutive ids (lets a step read landmarks
     # in place, see ChunkStore.gather_landmarks), else None
@@ -86,10 +97,23 @@ def buffer_rows(outliers: int, chunk: int, window_capacity: int, chunks_per_step
     return slots_start, window_start, window_start + window_capacity + 1
 
 
-def fixed_state_bytes(num_layers: int, kv_heads: int, head_dim: int, rank: int, chunk: int, outliers: int,
-                      window_capacity: int, chunks_per_step: int, element: int) -> int:
-    """Fast-tier bytes of `num_layers` LayerStates: basis, K and V buffers, chunk ids."""
+def grown_capacity(capacity: int, needed: int) -> int:
+    """Coefficient capacity (chunks) after a fold that needs `needed` chunks: unchanged if
+    they fit, else grown by at least an eighth, so a long generation copies a layer's
+    coefficients O(log) times and wastes at most an eighth of them."""
+    return capacity if needed <= capacity else max(needed, capacity + math.ceil(capacity / 8))
+
+
+def coefficient_bytes(ranks: Sequence[int], chunk: int, num_chunks: int, element: int) -> int:
+    """Bytes of `num_chunks` chunks of coefficients in layers of `ranks`."""
+    return num_chunks * chunk * sum(ranks) * element
+
+
+def fixed_state_bytes(ranks: Sequence[int], kv_heads: int, head_dim: int, chunk: int, outliers: int,
+                      window_capacity: int, chunks_per_step: int, num_chunks: int, element: int) -> int:
+    """Fast-tier bytes of one LayerState per rank in `ranks` right after compression into
+    `num_chunks` chunk pages: basis, coefficients, K and V buffers, chunk ids."""
     _, _, rows = buffer_rows(outliers, chunk, window_capacity, chunks_per_step)
-    per_layer = (rank * kv_heads * head_dim + 2 * kv_heads * rows * head_dim) * element
-    per_layer += kv_heads * (outliers + chunks_per_step) * ID_BYTES
-    return num_layers * per_layer
+    per_layer = 2 * kv_heads * rows * head_dim * element + kv_heads * (outliers + chunks_per_step) * ID_BYTES
+    bases = sum(ranks) * kv_heads * head_dim * element
+    return len(ranks) * per_layer + bases + coefficient_bytes(ranks, chunk, num_chunks, element)

@@ -34,6 +34,22 @@ class ShadowKVStats:
     folded_chunks: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     device_type: str = "cpu"  # of the compute device: "cuda" times phases only under step timing
+    # Ranks chosen at compression, summed per global layer over compressed sequences, and
+    # the count of those sequences: what the cache did, so `reset` keeps them (compression
+    # happens in the prefill, before a benchmark's timed phase resets the counters).
+    rank_sums: list[int] = field(default_factory=list)
+    ranked_sequences: int = 0
+
+    def record_ranks(self, ranks: list[int]) -> None:
+        if not self.rank_sums:
+            self.rank_sums = [0] * len(ranks)
+        self.rank_sums = [total + rank for total, rank in zip(self.rank_sums, ranks)]
+        self.ranked_sequences += 1
+
+    @property
+    def layer_ranks(self) -> list[float]:
+        """Mean rank of each global layer over the sequences compressed so far."""
+        return [total / self.ranked_sequences for total in self.rank_sums] if self.ranked_sequences else []
 
     def reset(self) -> None:
         self.chunk_hits = self.chunk_misses = self.compressions = self.folded_chunks = 0
@@ -65,4 +81,8 @@ class ShadowKVStats:
                                  "chunk_misses": self.chunk_misses, "compressions": self.compressions,
                                  "folded_chunks": self.folded_chunks}
         out.update({f"seconds_{phase}": value for phase, value in self.seconds.items()})
+        ranks = self.layer_ranks
+        if ranks:
+            out["rank_mean"] = sum(ranks) / len(ranks)
+            out.update({f"rank_layer_{index}": rank for index, rank in enumerate(ranks)})
         return out

@@ -2,16 +2,17 @@
 
 A *chunk page* holds one chunk (`chunk` consecutive tokens) of one sequence for every
 global cache layer:
-- fast tier: the low-rank key coefficients A [chunk, r] and the landmark [H, D] of the
-  chunk, per layer;
+- fast tier: the landmark [H, D] of the chunk, per layer (its low-rank key coefficients
+  live with the sequence's layer state, state.py: their rank differs per layer and
+  sequence);
 - slow tier: the chunk's values [H, chunk, D], per layer.
 One page id indexes both tiers, so a sequence's compressed prefix is a list of page ids
 (logical chunk j -> pages[j]) and a step's selection gathers rows of several sequences
 with one index operation.
 
 Tensors (P pages, Lg global cache layers):
-  coefficients [Lg, P, chunk, r]     fast (compute device)
-  landmarks    [Lg, H, P, D]         fast, head-major: index_select over pages gives [H, ..]
+  landmarks    [Lg, H, P, D]         fast (compute device), head-major: index_select over
+                                     pages gives [H, ..]
   values       [Lg, H, P, chunk, D]  slow: a pageable CPU tensor ("memory") or a memory-mapped
                temporary file ("mmap", so values can exceed RAM)
 All are allocated once with `torch.empty` (or a sparse file). On the CPU untouched pages cost
@@ -51,13 +52,11 @@ def slow_tensor(shape: tuple[int, ...], dtype: torch.dtype, kind: str, directory
 
 
 class ChunkStore:
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, chunk: int, rank: int, num_pages: int,
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, chunk: int, num_pages: int,
                  dtype: torch.dtype, device: torch.device, slow_kind: str, slow_dir: str | None) -> None:
         self.chunk = chunk
-        self.rank = rank
         self.device = device
         self.pool = BlockPool(num_pages)
-        self.coefficients = torch.empty((num_layers, num_pages, chunk, rank), dtype=dtype, device=device)
         self.landmarks = torch.empty((num_layers, kv_heads, num_pages, head_dim), dtype=dtype, device=device)
         self.values = slow_tensor((num_layers, kv_heads, num_pages, chunk, head_dim), dtype, slow_kind, slow_dir)
         self._staging: torch.Tensor | None = None  # pinned buffer of fetched values (CUDA)
@@ -67,11 +66,8 @@ class ChunkStore:
     def num_pages(self) -> int:
         return self.pool.num_blocks
 
-    def write(self, layer: int, pages: torch.Tensor, coefficients: torch.Tensor, landmarks: torch.Tensor,
-              values: torch.Tensor) -> None:
-        """Store whole chunks: pages [C]; coefficients [C, chunk, r]; landmarks [H, C, D];
-        values [H, C, chunk, D]."""
-        self.coefficients[layer].index_copy_(0, pages, coefficients.to(self.coefficients.dtype))
+    def write(self, layer: int, pages: torch.Tensor, landmarks: torch.Tensor, values: torch.Tensor) -> None:
+        """Store whole chunks: pages [C]; landmarks [H, C, D]; values [H, C, chunk, D]."""
         self.landmarks[layer].index_copy_(1, pages, landmarks.to(self.landmarks.dtype))
         self.values[layer].index_copy_(1, pages.cpu(), values.to("cpu", self.values.dtype))
 
@@ -90,10 +86,6 @@ class ChunkStore:
         if run_start is not None:
             return per_layer[:, run_start:run_start + pages.shape[0]]
         return per_layer.index_select(1, pages)
-
-    def gather_coefficients(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
-        """pages [M] -> coefficients [M, chunk, r]."""
-        return self.coefficients[layer].index_select(0, pages)
 
     def fetch_values(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """Values of (head, page) pairs [M] -> [M, chunk, D] on the compute device."""

@@ -211,7 +211,9 @@ def test_bad_configs_fail_naming_the_parameter():
              "shadowkv:rank=fast": "rank.*auto.*paper",
              "shadowkv:energy=0": "energy.*\\(0, 1\\]",
              "shadowkv:energy=1.5": "energy",
-             "shadowkv:rank_min=0": "rank_min.*>= 1"}
+             "shadowkv:rank_min=0": "rank_min.*>= 1",
+             "shadowkv:budget=most": "budget.*token count.*auto.*paper",
+             "shadowkv:layer_budget=-1": "layer_budget"}
     for spec, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             parse_cache_spec(spec)
@@ -224,7 +226,12 @@ def test_bad_configs_fail_naming_the_parameter():
     assert default.rank_bounds == (16, 32)  # rank=auto: between rank_min and the KV width
     assert create_cache("shadowkv:rank=paper", layout, 1 << 24, torch.float32).rank_bounds == (5, 5)  # round(32 / 6)
     assert create_cache("shadowkv:rank_min=64", layout, 1 << 24, torch.float32).rank_bounds == (32, 32)
-    assert default.config.budget_tokens(1000) == 128 and default.config.budget_tokens(16384) == 256
+    paper = parse_cache_spec("shadowkv:budget=paper").config()  # max(128, 1.56% of the context)
+    assert paper.budget_tokens(1000, 1) == 128 and paper.budget_tokens(16384, 1) == 256
+    # auto: at least layer_budget = 512 tokens per layer over its KV heads, in whole chunks
+    assert default.config.budget_tokens(1000, 1) == 512 and default.config.budget_tokens(1000, 3) == 176
+    assert default.config.budget_tokens(16384, 3) == 256 and default.config.budget_tokens(65536, 1) == 1024
+    assert default.config.budget_tokens(1000, 8) == 128
 
 
 def test_info_lists_shadowkv_fast_and_slow_bytes(tmp_path):

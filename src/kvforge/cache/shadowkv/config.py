@@ -1,13 +1,18 @@
 """Configuration of the `shadowkv` cache method (`--cache shadowkv --cache-opt k=v`).
 
-Defaults follow the paper's setting for Llama-3-8B (chunks of 8 tokens, 48 outlier chunks,
-a sparse budget of 1.56% of the context) except the rank: the paper fixes it at about 1/6
-of kv_heads x head_dim (160 of 1024; `rank=paper`), which keeps far too few directions
-on a model with one 256-wide KV head (gemma3-270m: +16.5% decode perplexity at 8K). The
-default `rank=auto` reads each layer's own pre-RoPE key spectrum at compression instead:
-per layer and sequence, the smallest rank whose retained share of the key energy reaches
-`energy`, kept within [rank_min, kv width]. Sequences shorter than `min_context` tokens are never
-compressed (exact attention, like `full`).
+Defaults follow the paper's setting for Llama-3-8B (chunks of 8 tokens, 48 outlier chunks)
+except two, each read from the model instead (the paper's values stay as `rank=paper` and
+`budget=paper`):
+- rank: the paper fixes it at about 1/6 of kv_heads x head_dim (160 of 1024), far too few
+  directions for a model with one 256-wide KV head (gemma3-270m: +16.5% decode perplexity
+  at 8K). `rank=auto` reads each layer's own pre-RoPE key spectrum at compression: per
+  layer and sequence, the smallest rank whose retained share of the key energy reaches
+  `energy`, kept within [rank_min, kv width];
+- sparse budget: the paper's 1.56% of the context (at least 128 tokens) per KV head;
+  `budget=auto` also gives every layer at least `layer_budget` selected tokens over its
+  KV heads (a one-KV-head model selects for all its query heads from one budget).
+Sequences shorter than `min_context` tokens are never compressed (exact attention, like
+`full`).
 Compression happens at the end of the step that completes a prompt (see shadowkv.py).
 """
 
@@ -24,6 +29,8 @@ from kvforge.sizes import parse_bytes
 
 SLOW_STORES = ("memory", "mmap")
 RANK_RULES = ("auto", "paper")
+BUDGET_RULES = ("auto", "paper")
+LAYER_BUDGET_DEFAULT = 512
 ENERGY_DEFAULT = 0.99
 
 
@@ -39,11 +46,15 @@ class ShadowKVConfig:
     rank_min: int = 16  # rank=auto: never fewer directions than this (capped at the KV width)
     chunk: int = 8  # tokens per landmark chunk
     outliers: int = 48  # chunks per KV head and layer kept exact on the fast tier
-    # Sparse budget in tokens (a multiple of `chunk`); None: max(budget_floor,
-    # budget_fraction x the sequence length at compression), rounded up to whole chunks.
-    budget: int | None = None
+    # Sparse budget per KV head in tokens: an integer (a multiple of `chunk`), "paper"
+    # (max(budget_floor, budget_fraction x the sequence length at compression), the paper's
+    # 1.56%) or "auto": the paper's rule, but never fewer than `layer_budget` tokens per
+    # layer over its KV heads (layer_budget / kv_heads per head), so a model with few KV
+    # heads (gemma3: one) still attends enough of its context; rounded up to whole chunks.
+    budget: int | str = "auto"
     budget_fraction: float = 0.0156
     budget_floor: int = 128
+    layer_budget: int = LAYER_BUDGET_DEFAULT
     local: int = 32  # most recent tokens kept exact at compression (a multiple of `chunk`)
     # Exact window for tokens written after compression: when the exact tail (local +
     # generated) exceeds local + generated_window, just enough of its oldest whole chunks
@@ -82,10 +93,14 @@ class ShadowKVConfig:
         require(0 < self.energy <= 1, "energy", self.energy, "must be in (0, 1]")
         require(self.rank_min >= 1, "rank_min", self.rank_min, "must be >= 1")
         require(self.outliers >= 0, "outliers", self.outliers, "must be >= 0")
-        require(self.budget is None or self.budget >= self.chunk, "budget", self.budget,
+        fixed_budget = type(self.budget) is int
+        require(self.budget in BUDGET_RULES or fixed_budget, "budget", self.budget,
+                f"must be a token count or one of {list(BUDGET_RULES)}")
+        require(not fixed_budget or self.budget >= self.chunk, "budget", self.budget,
                 f"must be at least one chunk (chunk={self.chunk})")
-        require(self.budget is None or self.budget % self.chunk == 0, "budget", self.budget,
+        require(not fixed_budget or self.budget % self.chunk == 0, "budget", self.budget,
                 f"must be a multiple of chunk={self.chunk}")
+        require(self.layer_budget >= 0, "layer_budget", self.layer_budget, "must be >= 0")
         require(0 < self.budget_fraction <= 1, "budget_fraction", self.budget_fraction, "must be in (0, 1]")
         require(self.budget_floor >= self.chunk, "budget_floor", self.budget_floor,
                 f"must be at least one chunk (chunk={self.chunk})")
@@ -123,11 +138,14 @@ class ShadowKVConfig:
             return most
         return max(least, rank_for_energy(cumulative_energy, self.energy))
 
-    def budget_tokens(self, num_tokens: int) -> int:
-        """Sparse budget (tokens, whole chunks) of a sequence compressed at `num_tokens`."""
-        if self.budget is not None:
+    def budget_tokens(self, num_tokens: int, kv_heads: int) -> int:
+        """Sparse budget per KV head (tokens, whole chunks) of a sequence compressed at
+        `num_tokens` in a model with `kv_heads` KV heads per layer."""
+        if type(self.budget) is int:
             return self.budget
         wanted = max(self.budget_floor, math.ceil(self.budget_fraction * num_tokens))
+        if self.budget == "auto":
+            wanted = max(wanted, math.ceil(self.layer_budget / kv_heads))
         return math.ceil(wanted / self.chunk) * self.chunk
 
     def slow_bytes(self, kv_budget: int) -> int:

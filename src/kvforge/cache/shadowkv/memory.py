@@ -148,7 +148,7 @@ class ShadowKVMemory:
             ranks = [self.rank_bounds[1]] * len(self.global_layers)
         return fixed_state_bytes(ranks, layout.num_kv_heads, layout.head_dim, config.chunk,
                                  min(config.outliers, num_chunks), config.window_capacity,
-                                 config.budget_tokens(num_tokens) // config.chunk, num_chunks, self.element)
+                                 config.budget_tokens(num_tokens, layout.num_kv_heads) // config.chunk, num_chunks, self.element)
 
     def _fast_used(self) -> int:
         used = self._fixed_bytes

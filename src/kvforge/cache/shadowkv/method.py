@@ -337,7 +337,7 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         pages = self._take_pages(reservation, reservation.pages)
         fixed, reservation.fixed_bytes = reservation.fixed_bytes, 0
         outliers = min(config.outliers, len(pages))
-        chunks_per_step = config.budget_tokens(n) // chunk
+        chunks_per_step = config.budget_tokens(n, self.layout.num_kv_heads) // chunk
         state = CompressedSequence(
             pages=pages, page_table=torch.tensor(pages, dtype=torch.long, device=self.device),
             window=n - prefix, chunks_per_step=chunks_per_step, num_outliers=outliers,

@@ -32,7 +32,7 @@ SMALL = "chunk=4,local=8,outliers=2,min_context=24,generated_window=8"
 def exact_spec(model, **extra) -> str:
     """Full rank and a budget larger than any sequence: ShadowKV must equal exact attention."""
     layout = model.cache_layout()
-    options = {"rank": layout.num_kv_heads * layout.head_dim, "budget": 128, **extra}
+    options = {"rank": layout.num_kv_heads * layout.head_dim, "budget": 128, "coefficient_dtype": "compute", **extra}
     return "shadowkv:" + SMALL + "," + ",".join(f"{k}={v}" for k, v in options.items())
 
 
@@ -213,7 +213,8 @@ def test_bad_configs_fail_naming_the_parameter():
              "shadowkv:energy=1.5": "energy",
              "shadowkv:rank_min=0": "rank_min.*>= 1",
              "shadowkv:budget=most": "budget.*token count.*auto.*paper",
-             "shadowkv:layer_budget=-1": "layer_budget"}
+             "shadowkv:layer_budget=-1": "layer_budget",
+             "shadowkv:coefficient_dtype=int8": "coefficient_dtype.*float16"}
     for spec, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             parse_cache_spec(spec)
@@ -250,12 +251,13 @@ def test_info_lists_shadowkv_fast_and_slow_bytes(tmp_path):
     info = model_info(str(tmp_path))
     row, full = info["kv_cache"]["shadowkv"], info["kv_cache"]["float32"]
     layers, heads, dim, chunk, rank = 4, 2, 32, 8, 64  # rank=auto: at most the KV width, 64
-    assert row["bytes_per_token"] == pytest.approx(layers * ((chunk * rank + heads * dim) * 4 + heads) / chunk)
+    # float16 coefficients (2 bytes), float32 landmarks, a candidate flag per KV head
+    assert row["bytes_per_token"] == pytest.approx(layers * (chunk * rank * 2 + heads * dim * 4 + heads) / chunk)
     # rank=auto only learns ranks from the keys: a range from rank_min (16) to the width
     assert row["rank_range"] == [16, 64] and "ranks 16-64 per layer" in format_info(info)
     chunks_8k = (8192 - 32) // chunk
     assert row["bytes_per_sequence"]["8192"] - row["least_bytes_per_sequence"]["8192"] == \
-        layers * (64 - 16) * (chunks_8k * chunk * 4 + heads * dim * 4)
+        layers * (64 - 16) * (chunks_8k * chunk * 2 + heads * dim * 4)
     assert row["bytes_per_sequence"]["1024"] == full["bytes_per_sequence"]["1024"]  # not compressed
     assert row["slow_bytes_per_sequence"]["1024"] == 0
     compressed_chunks = (8192 - 32) // chunk  # local = 32 tokens stay exact

@@ -25,7 +25,8 @@ CAPACITY = 24  # window capacity of the test buffers (no folding within a test)
 
 
 def _build(lengths: list[int], kv_heads: int, dim: int, chunk: int, rank: int | list[int], outliers: int, k: int,
-           local: int, seed: int, kernel: bool) -> tuple[SparseAttention, list[CompressedSequence], ShadowKVStats]:
+           local: int, seed: int, kernel: bool, coefficient_dtype: torch.dtype = torch.float32
+           ) -> tuple[SparseAttention, list[CompressedSequence], ShadowKVStats]:
     """One compressed layer per sequence, from random post-RoPE keys and values, its chunk
     pages scattered over the store; `rank` one for all or one per sequence (as rank=auto
     gives). Same seed: identical inputs for both paths."""
@@ -42,7 +43,9 @@ def _build(lengths: list[int], kv_heads: int, dim: int, chunk: int, rank: int | 
         base = torch.randn(kv_heads, 1, dim, generator=generator)  # a shared direction: landmarks differ in scale
         keys = base + torch.randn(kv_heads, n, dim, generator=generator)
         values = torch.randn(kv_heads, n, dim, generator=generator)
-        layer, data = compress_layer(keys, values, rope, count * chunk, lambda _, r=r: r, chunk, outliers, CAPACITY, k)
+        layer, data = compress_layer(keys, values, rope, count * chunk, lambda _, r=r: r, chunk, outliers, CAPACITY, k,
+                                     coefficient_dtype)
+        assert layer.coefficients.dtype == coefficient_dtype
         assert layer.basis.shape[0] == r == layer.coefficients.shape[-1]
         ids, order = order[:count], order[count:]
         table = torch.tensor(ids, dtype=torch.long)
@@ -90,16 +93,17 @@ def _slot_contents(state: CompressedSequence, chunk: int) -> list[dict[int, tupl
     return heads
 
 
-@pytest.mark.parametrize(("kv_heads", "heads", "dim", "lengths", "k", "reuse", "rank"), [
-    (2, 6, 16, [72, 104, 28], 4, True, 5),  # GQA, three lengths; the last has 3 candidates < k
-    (2, 6, 16, [72, 104, 28], 4, True, [5, 11, 2]),  # each sequence its own rank (rank=auto)
-    (2, 6, 16, [72, 104], 4, False, 5),  # no reuse: every pick is a miss
-    (1, 4, 256, [64, 80], 3, True, [5, 40]),  # Gemma3-like: head_dim 256, one KV head
+@pytest.mark.parametrize(("kv_heads", "heads", "dim", "lengths", "k", "reuse", "rank", "half"), [
+    (2, 6, 16, [72, 104, 28], 4, True, 5, False),  # GQA, three lengths; the last has 3 candidates < k
+    (2, 6, 16, [72, 104, 28], 4, True, [5, 11, 2], True),  # each sequence its own rank (rank=auto), fp16 storage
+    (2, 6, 16, [72, 104], 4, False, 5, False),  # no reuse: every pick is a miss
+    (1, 4, 256, [64, 80], 3, True, [5, 40], True),  # Gemma3-like: head_dim 256, one KV head
 ])
-def test_kernel_equals_the_pytorch_path(kv_heads, heads, dim, lengths, k, reuse, rank):
+def test_kernel_equals_the_pytorch_path(kv_heads, heads, dim, lengths, k, reuse, rank, half):
     chunk, outliers, local = 4, 2, 8
-    ref, ref_states, ref_stats = _build(lengths, kv_heads, dim, chunk, rank, outliers, k, local, 0, kernel=False)
-    fast, fast_states, fast_stats = _build(lengths, kv_heads, dim, chunk, rank, outliers, k, local, 0, kernel=True)
+    dtype = torch.float16 if half else torch.float32
+    ref, ref_states, ref_stats = _build(lengths, kv_heads, dim, chunk, rank, outliers, k, local, 0, False, dtype)
+    fast, fast_states, fast_stats = _build(lengths, kv_heads, dim, chunk, rank, outliers, k, local, 0, True, dtype)
     ref.reuse = fast.reuse = reuse
     assert not ref.uses_kernel(torch.float32) and fast.uses_kernel(torch.float32)
     generator = torch.Generator().manual_seed(1)

@@ -27,7 +27,7 @@ def test_energy_one_keeps_full_rank_and_equals_the_full_cache(arch):
     width = layout.num_kv_heads * layout.head_dim
     prompts = [list(range(3, 40)), list(range(5, 70))]
     full = decode_logits(make_runner(model), prompts, 20)
-    runner = make_runner(model, cache=exact_spec(model, rank="auto", energy=1.0, rank_min=1))
+    runner = make_runner(model, cache=exact_spec(model, rank="auto", energy=1.0, rank_min=1))  # fp32 coefficients
     torch.testing.assert_close(decode_logits(runner, prompts, 20), full, atol=1e-4, rtol=0)
     stats = runner.cache.statistics()
     assert stats["compressions"] == 2 and stats["rank_mean"] == width
@@ -111,3 +111,29 @@ def test_per_layer_ranks_are_accounted_exactly():
         assert all(layer.coefficients.shape[0] == state.coefficient_capacity for layer in state.layers)
         assert state.fixed_bytes == _held_bytes(state)
     assert runner2.cache._fixed_bytes == sum(s.fixed_bytes for s in grown)
+
+
+def test_float16_coefficients_are_the_rounded_projection_and_half_the_bytes():
+    """The default coefficient storage is float16: the stored coefficients are the fp32
+    projection rounded to half precision (nothing else changes), the cache accounts 2 bytes
+    per coefficient, and outputs stay within half-precision rounding of the fp32 storage."""
+    heads, dim, n, chunk, rank = 2, 8, 48, 4, 6
+    keys_pre = _keys(n, heads, dim, [0.8 ** i for i in range(heads * dim)], seed=3)
+    rope = RotaryEmbedding(dim, RopeConfig(theta=10000.0)).at(torch.arange(1), torch.float32)
+    keys_post = rope.apply_at(keys_pre, torch.arange(n)).transpose(0, 1)
+    values = torch.randn(heads, n, dim)
+    layer, data = compress_layer(keys_post, values, rope, 40, lambda _: rank, chunk, 1, window_capacity=16,
+                                 chunks_per_step=2, coefficient_dtype=torch.float16)
+    assert layer.coefficients.dtype == torch.float16 and data.coefficients.dtype == torch.float32
+    assert torch.equal(layer.coefficients, data.coefficients.half())
+    _, model = make_pair("llama_gqa")
+    prompts = [list(range(3, 40)), list(range(5, 70))]
+    spec = f"shadowkv:{SMALL},rank=6,budget=8"
+    half, single = make_runner(model, cache=spec), make_runner(model, cache=spec + ",coefficient_dtype=compute")
+    assert half.cache.coefficient_element == 2 and single.cache.coefficient_element == 4
+    out_half, out_single = decode_logits(half, prompts, 6), decode_logits(single, prompts, 6)
+    torch.testing.assert_close(out_half, out_single, atol=2e-2, rtol=0)
+    assert not torch.equal(out_half, out_single)  # the storage is really 16-bit
+    for runner in (half, single):
+        for entry in runner.cache._seqs.values():
+            assert entry.compressed.fixed_bytes == _held_bytes(entry.compressed)

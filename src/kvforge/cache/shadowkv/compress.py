@@ -52,10 +52,12 @@ def _chunk_data(keys_post: torch.Tensor, keys_pre: torch.Tensor, values: torch.T
 
 def compress_layer(keys_post: torch.Tensor, values: torch.Tensor, rope: PositionedRope, prefix: int,
                    layer_rank: Callable[[torch.Tensor], int], chunk: int, outliers: int, window_capacity: int,
-                   chunks_per_step: int) -> tuple[LayerState, ChunkData]:
+                   chunks_per_step: int, coefficient_dtype: torch.dtype | None = None
+                   ) -> tuple[LayerState, ChunkData]:
     """keys_post/values [H, n, D] of positions 0..n-1; prefix a multiple of chunk with
     n - prefix <= window_capacity; `layer_rank` maps the keys' cumulative energy [W] to
-    the layer's rank."""
+    the layer's rank; the layer stores its coefficients in `coefficient_dtype` (None: the
+    keys' dtype)."""
     heads, n, dim = keys_post.shape
     keys_pre = unrotate(keys_post, 0, rope)  # [n, H, D]
     spectrum = key_spectrum(keys_pre.reshape(n, heads * dim))
@@ -75,7 +77,8 @@ def compress_layer(keys_post: torch.Tensor, values: torch.Tensor, rope: Position
     slot_ids = torch.full((heads, chunks_per_step), -1, dtype=torch.long, device=keys_post.device)
     candidates = torch.ones((heads, prefix // chunk), dtype=torch.bool, device=keys_post.device)
     candidates.scatter_(1, chosen, False)
-    return LayerState(basis, data.coefficients, chosen, keys, vals, slot_ids, candidates), data
+    stored = data.coefficients.to(coefficient_dtype or data.coefficients.dtype)
+    return LayerState(basis, stored, chosen, keys, vals, slot_ids, candidates), data
 
 
 def append_coefficients(layer: LayerState, first_chunk: int, coefficients: torch.Tensor, capacity: int) -> None:

@@ -30,6 +30,7 @@ from kvforge.sizes import parse_bytes
 SLOW_STORES = ("memory", "mmap")
 RANK_RULES = ("auto", "paper")
 BUDGET_RULES = ("auto", "paper")
+COEFFICIENT_DTYPES = ("float16", "compute")
 LAYER_BUDGET_DEFAULT = 512
 ENERGY_DEFAULT = 0.99
 
@@ -44,6 +45,10 @@ class ShadowKVConfig:
     # retain (1.0: full rank, exact keys); chosen by measurement (docs/results/eval).
     energy: float = ENERGY_DEFAULT
     rank_min: int = 16  # rank=auto: never fewer directions than this (capped at the KV width)
+    # Storage of the low-rank key coefficients: "float16" (half the fast-tier bytes of the
+    # compute dtype float32; rebuilt keys are computed in the compute dtype) or "compute"
+    # (the compute dtype: bit-exact rebuilds, for exactness tests and studies).
+    coefficient_dtype: str = "float16"
     chunk: int = 8  # tokens per landmark chunk
     outliers: int = 48  # chunks per KV head and layer kept exact on the fast tier
     # Sparse budget per KV head in tokens: an integer (a multiple of `chunk`), "paper"
@@ -92,6 +97,8 @@ class ShadowKVConfig:
                 f"must be an integer >= 1 or one of {list(RANK_RULES)}")
         require(0 < self.energy <= 1, "energy", self.energy, "must be in (0, 1]")
         require(self.rank_min >= 1, "rank_min", self.rank_min, "must be >= 1")
+        require(self.coefficient_dtype in COEFFICIENT_DTYPES, "coefficient_dtype", self.coefficient_dtype,
+                f"must be one of {list(COEFFICIENT_DTYPES)}")
         require(self.outliers >= 0, "outliers", self.outliers, "must be >= 0")
         fixed_budget = type(self.budget) is int
         require(self.budget in BUDGET_RULES or fixed_budget, "budget", self.budget,
@@ -147,6 +154,9 @@ class ShadowKVConfig:
         if self.budget == "auto":
             wanted = max(wanted, math.ceil(self.layer_budget / kv_heads))
         return math.ceil(wanted / self.chunk) * self.chunk
+
+    def coefficient_storage(self, compute_dtype: torch.dtype) -> torch.dtype:
+        return torch.float16 if self.coefficient_dtype == "float16" else compute_dtype
 
     def slow_bytes(self, kv_budget: int) -> int:
         return parse_bytes(self.slow_budget, "slow_budget") if self.slow_budget is not None else kv_budget

@@ -21,7 +21,8 @@
 // - q [B, heads, D]; landmarks [H, P, D]; slow values [H, P, chunk, D]; cos/sin [N, D]
 //   with N >= chunk x (most chunks of a sequence);
 // - per sequence b: table [C], candidates [H, C], basis [r, H x D] and coefficients
-//   [>= C, chunk, r] (r its own: ranks differ per layer and sequence), keys/values buffers
+//   [>= C, chunk, r] (r its own: ranks differ per layer and sequence; float32 or float16,
+//   converted to float32 per rebuilt chunk), keys/values buffers
 //   [H, R, D], slot ids [H, k]; own_k/own_v [B, H, D] or empty; meta row
 //   (slots_start, window_start, rows_used) with
 //   slots_start + k x chunk = window_start < rows_used <= R;
@@ -30,6 +31,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "cpu_checks.h"
@@ -243,8 +245,9 @@ struct Sequence {
   const int64_t* table;
   const bool* candidates;  // [H, C]
   const float* basis;         // [r, H x D]
-  const float* coefficients;  // [>= C, chunk, r]: chunk c at row c
-  int64_t rank;               // r of this sequence and layer
+  const void* coefficients;  // [>= C, chunk, r]: chunk c at row c, float or c10::Half
+  bool half_coefficients;
+  int64_t rank;  // r of this sequence and layer
   float* keys;             // [H, R, D]
   float* values;
   int64_t* slot_ids;  // [H, k]
@@ -265,6 +268,7 @@ struct Scratch {
   std::vector<int64_t> picks, misses, miss_slot, new_ids;
   std::vector<char> kept;
   std::vector<float> pre;            // [chunk, D] rebuilt pre-RoPE keys
+  std::vector<float> coef;           // [chunk, r] float16 coefficients widened
 };
 
 void scaled_queries(const Layer& L, const Sequence& s, int64_t h, Scratch& w) {
@@ -376,7 +380,16 @@ void rebuild_keys(const Layer& L, const Sequence& s, int64_t h, Scratch& w) {
   w.pre.resize(T * D);
   for (size_t m = 0; m < w.misses.size(); ++m) {
     const int64_t c = w.misses[m];
-    low_rank_rows(s.coefficients + c * T * r, basis, T, r, W, D, w.pre.data());
+    const float* coef;
+    if (s.half_coefficients) {  // widen the chunk's T x r coefficients once
+      const c10::Half* src = static_cast<const c10::Half*>(s.coefficients) + c * T * r;
+      w.coef.resize(T * r);
+      for (int64_t i = 0; i < T * r; ++i) w.coef[i] = static_cast<float>(src[i]);
+      coef = w.coef.data();
+    } else {
+      coef = static_cast<const float*>(s.coefficients) + c * T * r;
+    }
+    low_rank_rows(coef, basis, T, r, W, D, w.pre.data());
     float* dst = s.keys + (h * s.rows + s.slots_start + w.miss_slot[m] * T) * D;
     for (int64_t t = 0; t < T; ++t) {
       const float* x = w.pre.data() + t * D;
@@ -473,8 +486,9 @@ std::tuple<at::Tensor, at::Tensor> shadowkv_decode(const at::Tensor& q, const at
     kvforge_checks::cpu(kOpName, {&tables[b], &bases[b], &coefficients[b], &keys[b], &values[b], &slot_ids[b],
                                   &candidates[b]});
     kvforge_checks::contiguous_of(kOpName, "table and slot ids", at::kLong, {&tables[b], &slot_ids[b]});
-    kvforge_checks::contiguous_of(kOpName, "basis, coefficients and buffers", at::kFloat,
-                                  {&bases[b], &coefficients[b], &keys[b], &values[b]});
+    kvforge_checks::contiguous_of(kOpName, "basis and buffers", at::kFloat, {&bases[b], &keys[b], &values[b]});
+    const bool half = coefficients[b].scalar_type() == at::kHalf;
+    kvforge_checks::contiguous_of(kOpName, "coefficients", half ? at::kHalf : at::kFloat, {&coefficients[b]});
     kvforge_checks::contiguous_of(kOpName, "candidates", at::kBool, {&candidates[b]});
     const int64_t C = tables[b].numel(), R = keys[b].size(1), k = slot_ids[b].size(1);
     TORCH_CHECK(candidates[b].dim() == 2 && candidates[b].size(0) == H && candidates[b].size(1) == C,
@@ -496,7 +510,7 @@ std::tuple<at::Tensor, at::Tensor> shadowkv_decode(const at::Tensor& q, const at
     const int64_t* table = tables[b].data_ptr<int64_t>();
     for (int64_t c = 0; c < C; ++c) TORCH_CHECK(table[c] >= 0 && table[c] < P, "page id out of range");
     seqs[b] = Sequence{q.data_ptr<float>() + b * heads * D, table, candidates[b].data_ptr<bool>(),
-                       bases[b].data_ptr<float>(), coefficients[b].data_ptr<float>(), rank,
+                       bases[b].data_ptr<float>(), coefficients[b].data_ptr(), half, rank,
                        keys[b].data_ptr<float>(), values[b].data_ptr<float>(),
                        slot_ids[b].data_ptr<int64_t>(), C, R, k, slots_start, window_start, rows_used,
                        out.data_ptr<float>() + b * heads * D,

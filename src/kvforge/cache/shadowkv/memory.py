@@ -97,6 +97,7 @@ class ShadowKVMemory:
     config: ShadowKVConfig
     rank_bounds: tuple[int, int]  # (least, most) rank of a layer
     element: int  # bytes per stored element (compute dtype)
+    coefficient_element: int  # bytes per stored key coefficient (coefficient_dtype)
     budget_bytes: int  # fast tier
     global_layers: list[int]
     sliding_layers: list[int]
@@ -119,7 +120,7 @@ class ShadowKVMemory:
         if cache_layer in self.sliding_layers:
             return float(2 * self.layout.num_kv_heads * self.layout.head_dim * self.element)
         landmarks = self.fast_chunk_bytes / len(self.global_layers) / self.config.chunk
-        return landmarks + self.rank_bounds[1] * self.element
+        return landmarks + self.rank_bounds[1] * self.coefficient_element
 
     def sequence_bytes(self, num_tokens: int) -> int:
         return sum(self._sequence_parts(num_tokens).values())
@@ -148,7 +149,8 @@ class ShadowKVMemory:
             ranks = [self.rank_bounds[1]] * len(self.global_layers)
         return fixed_state_bytes(ranks, layout.num_kv_heads, layout.head_dim, config.chunk,
                                  min(config.outliers, num_chunks), config.window_capacity,
-                                 config.budget_tokens(num_tokens, layout.num_kv_heads) // config.chunk, num_chunks, self.element)
+                                 config.budget_tokens(num_tokens, layout.num_kv_heads) // config.chunk, num_chunks, self.element,
+                                 self.coefficient_element)
 
     def _fast_used(self) -> int:
         used = self._fixed_bytes
@@ -215,7 +217,7 @@ class ShadowKVMemory:
             folds = self._fold_count(state.window + num_tokens - cached)
             grown = grown_capacity(state.coefficient_capacity, state.num_chunks + folds)
             growth = coefficient_bytes(state.ranks, self.config.chunk, grown - state.coefficient_capacity,
-                                       self.element)
+                                       self.coefficient_element)
             return inner_bytes, folds, False, growth
         if self.exact is None:
             return inner_bytes, 0, False, 0

@@ -78,6 +78,8 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         self._inner_index = {c: i for i, c in enumerate(self.global_layers)}
         self._inner_index.update({c: i for i, c in enumerate(self.sliding_layers)})
         self.element = torch.tensor([], dtype=compute_dtype).element_size()
+        self.coefficient_dtype = config.coefficient_storage(compute_dtype)
+        self.coefficient_element = torch.tensor([], dtype=self.coefficient_dtype).element_size()
         self.exact_layout = _sub_layout(layout, self.global_layers) if self.global_layers else None
         self.sliding_layout = _sub_layout(layout, self.sliding_layers) if self.sliding_layers else None
         num_global = len(self.global_layers)
@@ -351,7 +353,8 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
                 keys = self.exact.k_store[slot].index_select(1, table).flatten(1, 2)[:, :n].to(self.compute_dtype)
                 values = self.exact.v_store[slot].index_select(1, table).flatten(1, 2)[:, :n].to(self.compute_dtype)
                 layer, data = compress_layer(keys, values, self._ropes[index], prefix, config.layer_rank, chunk,
-                                             config.outliers, config.window_capacity, chunks_per_step)
+                                             config.outliers, config.window_capacity, chunks_per_step,
+                                             self.coefficient_dtype)
                 self.store.write(index, state.page_table, data.landmarks, data.values)
                 state.layers[index] = layer
                 state.ranks.append(layer.basis.shape[0])

@@ -333,6 +333,6 @@ class SparseAttention:
             st = group.layer(b, layer)
             coefficients = st.coefficients.index_select(0, chunks[b].reshape(-1))  # [H * slots, chunk, r]
             basis = st.basis.view(-1, heads, dim).transpose(0, 1)  # [H, r, D]
-            torch.bmm(coefficients.view(heads, slots * chunk, -1), basis.to(coefficients.dtype), out=keys[b])
+            torch.bmm(coefficients.view(heads, slots * chunk, -1).to(keys.dtype), basis.to(keys.dtype), out=keys[b])
         keys = self.rope.apply(keys.view(-1, chunk, dim), chunks.view(-1), rope, group.table.shape[1])
         return keys.view(batch, heads, slots, chunk, dim)

@@ -44,7 +44,7 @@ ID_BYTES = 8  # int64 chunk ids
 @dataclass
 class LayerState:
     basis: torch.Tensor  # [r, W]
-    coefficients: torch.Tensor  # [capacity, chunk, r]: chunk j's low-rank keys at row j
+    coefficients: torch.Tensor  # [capacity, chunk, r]: chunk j's low-rank keys at row j (storage dtype)
     outliers: torch.Tensor  # [H, O] chunk ids
     keys: torch.Tensor  # [H, R, D] post-RoPE
     values: torch.Tensor  # [H, R, D]
@@ -104,16 +104,18 @@ def grown_capacity(capacity: int, needed: int) -> int:
     return capacity if needed <= capacity else max(needed, capacity + math.ceil(capacity / 8))
 
 
-def coefficient_bytes(ranks: Sequence[int], chunk: int, num_chunks: int, element: int) -> int:
+def coefficient_bytes(ranks: Sequence[int], chunk: int, num_chunks: int, coefficient_element: int) -> int:
     """Bytes of `num_chunks` chunks of coefficients in layers of `ranks`."""
-    return num_chunks * chunk * sum(ranks) * element
+    return num_chunks * chunk * sum(ranks) * coefficient_element
 
 
 def fixed_state_bytes(ranks: Sequence[int], kv_heads: int, head_dim: int, chunk: int, outliers: int,
-                      window_capacity: int, chunks_per_step: int, num_chunks: int, element: int) -> int:
+                      window_capacity: int, chunks_per_step: int, num_chunks: int, element: int,
+                      coefficient_element: int) -> int:
     """Fast-tier bytes of one LayerState per rank in `ranks` right after compression into
-    `num_chunks` chunk pages: basis, coefficients, K and V buffers, chunk ids."""
+    `num_chunks` chunk pages: basis, coefficients (`coefficient_element` bytes each), K and V
+    buffers, chunk ids."""
     _, _, rows = buffer_rows(outliers, chunk, window_capacity, chunks_per_step)
     per_layer = 2 * kv_heads * rows * head_dim * element + kv_heads * (outliers + chunks_per_step) * ID_BYTES
     bases = sum(ranks) * kv_heads * head_dim * element
-    return len(ranks) * per_layer + bases + coefficient_bytes(ranks, chunk, num_chunks, element)
+    return len(ranks) * per_layer + bases + coefficient_bytes(ranks, chunk, num_chunks, coefficient_element)

@@ -5,7 +5,8 @@ committed result files under DIR (docs/results by default).
 - README.md: the block between `<!-- results:start -->` and `<!-- results:end -->` is the
   headline table (headline.py), each figure read from a named file; the block between
   `<!-- kivi-pareto:start -->` and `<!-- kivi-pareto:end -->` is KIVI's quality/memory
-  table (pareto.py).
+  table (pareto.py); between `<!-- shadowkv-front:start -->` and `<!-- shadowkv-front:end -->`
+  ShadowKV's (shadowkv_front.py).
 - `--check`: render in memory and exit 1 if either file differs from what is on disk (the
   report test does the same), so a table can never drift from its JSON.
 - `--plots`: redraw the PNG next to each bench JSON from the JSON alone.
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.errors import ConfigError
-from kvforge.report import pareto
+from kvforge.report import pareto, shadowkv_front
 from kvforge.report.headline import headline_table
 from kvforge.report.render import render_document
 
@@ -75,7 +76,9 @@ def run_report(args: argparse.Namespace) -> int:
     rendered = {Path(args.out): render_results(results, directory.as_posix().rstrip("/"))}
     readme = Path(args.readme)
     text = replace_block(readme.read_text(), headline_table(results), str(readme))
-    rendered[readme] = replace_block(text, pareto.pareto_block(results), str(readme), pareto.START, pareto.END)
+    text = replace_block(text, pareto.pareto_block(results), str(readme), pareto.START, pareto.END)
+    rendered[readme] = replace_block(text, shadowkv_front.front_block(results), str(readme),
+                                     shadowkv_front.START, shadowkv_front.END)
     stale = [path for path, text in rendered.items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:

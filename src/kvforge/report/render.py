@@ -177,6 +177,10 @@ def _eval(doc: Document) -> str:
         head = (f"{doc['model']}, lengths {s['lengths']}, {s['samples_per_task']} samples per task, seed "
                 f"{s['seed']}; scores in %\n\n")
         return head + table(["system", "average", *s["tasks"]], rows)
+    if kind == "shadowkv-front":
+        from kvforge.report.shadowkv_front import front_table
+
+        return front_table(doc)
     raise ValueError(f"unknown eval kind {kind}")
 
 

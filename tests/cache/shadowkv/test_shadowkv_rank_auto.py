@@ -137,3 +137,17 @@ def test_float16_coefficients_are_the_rounded_projection_and_half_the_bytes():
     for runner in (half, single):
         for entry in runner.cache._seqs.values():
             assert entry.compressed.fixed_bytes == _held_bytes(entry.compressed)
+
+
+def test_compressed_global_bytes_is_what_a_compressed_sequence_holds():
+    """The byte figure `kvforge info` and the ShadowKV front read (compressed_global_bytes at
+    a sequence's own ranks) equals its state's tensors plus its chunk pages' fast part."""
+    _, model = make_pair("llama_gqa")
+    runner = make_runner(model, cache=f"shadowkv:{SMALL},rank=auto,energy=0.8,rank_min=2,budget=8")
+    prompts = [list(range(3, 40)), list(range(5, 70))]
+    decode_logits(runner, prompts, 1)  # compressed at the end of the prefill, nothing folded yet
+    cache = runner.cache
+    for seq_id, prompt in enumerate(prompts):
+        state = cache._seqs[seq_id].compressed
+        held = _held_bytes(state) + len(state.pages) * cache.fast_chunk_bytes
+        assert cache.compressed_global_bytes(len(prompt), state.ranks) == held

@@ -177,18 +177,24 @@ class ShadowKVMemory:
         slow = self.store.num_pages * self.slow_chunk_bytes if self.store is not None else 0
         return {"fast": self.budget_bytes, "slow": slow}
 
-    def compressed_sequence_bytes(self, num_tokens: int, rank: int | None = None) -> dict[str, int]:
+    def compressed_sequence_bytes(self, num_tokens: int, rank: int | list[int] | None = None) -> dict[str, int]:
         """Bytes per tier a sequence of `num_tokens` tokens holds right after compression
-        (exact below min_context) with every layer at `rank` (None: the largest rank):
-        what `kvforge info` reports."""
+        (exact below min_context) with every layer at `rank` (a list: one per global layer;
+        None: the largest rank): what `kvforge info` reports."""
         if self.exact is None or num_tokens < self.config.min_context:
             return {"fast": self._exact_sequence_bytes(num_tokens), "slow": 0}
         chunks = self._compressed_chunks(num_tokens)
-        ranks = None if rank is None else [rank] * len(self.global_layers)
-        fast = chunks * self.fast_chunk_bytes + self._fixed_state_bytes(num_tokens, chunks, ranks)
+        fast = self.compressed_global_bytes(num_tokens, rank)
         if self.sliding is not None:
             fast += self.sliding.sequence_bytes(num_tokens)
         return {"fast": fast, "slow": chunks * self.slow_chunk_bytes}
+
+    def compressed_global_bytes(self, num_tokens: int, rank: int | list[int] | None = None) -> int:
+        """Fast-tier bytes of the compressed (global) layers of a sequence right after it is
+        compressed at `num_tokens` tokens (>= min_context), at `rank` as above."""
+        chunks = self._compressed_chunks(num_tokens)
+        ranks = [rank] * len(self.global_layers) if isinstance(rank, int) else rank
+        return chunks * self.fast_chunk_bytes + self._fixed_state_bytes(num_tokens, chunks, ranks)
 
     def _compressed_chunks(self, num_tokens: int) -> int:
         chunk = self.config.chunk

@@ -1,0 +1,56 @@
+"""ShadowKV's quality/memory front: decode perplexity at 8K of each rank rule against the
+fast-tier bytes its compressed layers hold at a long context.
+
+    python benchmarks/shadowkv_front.py --model gemma3-270m \
+        --spectra analysis/gemma3-270m/key_spectra.json --full FULL.json --runs RUN.json [RUN.json ...] \
+        --out docs/results/eval/shadowkv_front_gemma3-270m.json
+
+Inputs are files other commands measured:
+- `--spectra`: `kvforge analyze key-spectra --tokens N` of the model (the pre-RoPE key energy
+  curve of every layer over one N-token passage). rank=auto picks a layer's rank from exactly
+  this curve at compression, so each rule's ranks at N tokens follow from it (the rule's own
+  code, `ShadowKVConfig.layer_rank`), without a long prefill per rule;
+- `--full` and `--runs`: `kvforge eval ppl` files over the same windows (the full cache and
+  ShadowKV settings).
+Bytes come from the cache's own accounting (`compressed_global_bytes`, which a test holds
+equal to the bytes of the tensors a compressed sequence keeps), for the global layers only:
+sliding-window layers keep their window in both caches. The output JSON keeps only the
+global layers' energy curves, so the front can be recomputed from it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvforge.eval.shadowkv_front import front
+from kvforge.report.provenance import provenance
+
+
+def _load(path: str) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--spectra", required=True, help="kvforge analyze key-spectra JSON")
+    parser.add_argument("--full", required=True, help="eval ppl JSON of the full cache")
+    parser.add_argument("--runs", nargs="+", required=True, help="eval ppl JSON files of ShadowKV settings")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    args.command_line = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    doc = front(args.model, _load(args.spectra), _load(args.full), [_load(p) for p in args.runs])
+    doc["provenance"] = provenance(args)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    for s in doc["systems"]:
+        print(f"{s['name']:<42} ppl {s['ppl']:.3f} ({s['delta_pct']:+.2f}%)  ranks {s['ranks']}  "
+              f"fast {s['fast_bytes'] / 2**20:.1f} MiB = {s['times_smaller']:.2f}x smaller than full")
+
+
+if __name__ == "__main__":
+    main()

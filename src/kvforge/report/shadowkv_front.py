@@ -1,0 +1,42 @@
+"""README's ShadowKV table (between `<!-- shadowkv-front:start -->` and
+`<!-- shadowkv-front:end -->`) and its docs/results.md section: decode perplexity of each
+rank rule against the fast-tier bytes its compressed layers hold at a long context, from the
+`shadowkv-front` files benchmarks/shadowkv_front.py writes (FRONT_FILES).
+
+A row is on the front when no other row stores its compressed layers in fewer bytes with a
+lower perplexity; those rows are marked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvforge.report.render import fmt, table
+
+START, END = "<!-- shadowkv-front:start -->", "<!-- shadowkv-front:end -->"
+FRONT_FILES = ("eval/shadowkv_front_gemma3-270m.json", "eval/shadowkv_front_smollm2-135m.json")
+
+
+def on_front(rows: list[dict[str, Any]]) -> list[bool]:
+    return [not any(o is not r and o["fast_bytes"] <= r["fast_bytes"] and o["ppl"] < r["ppl"] for o in rows)
+            for r in rows]
+
+
+def front_table(doc: dict[str, Any], source: str | None = None) -> str:
+    rows = sorted(doc["systems"], key=lambda r: (r["fast_bytes"], r["ppl"]))
+    marks = on_front(rows)
+    body = [[r["name"] + (" *" if mark else ""), "/".join(str(x) for x in r["ranks"]),
+             fmt(r["fast_bytes"] / 2**20, "{:.1f}"), fmt(r["times_smaller"], "{:.2f}x"), fmt(r["ppl"], "{:.3f}"),
+             fmt(r["delta_pct"], "{:+.2f}%")] for r, mark in zip(rows, marks)]
+    s, n = doc["ppl_settings"], doc["bytes_at_tokens"]
+    where = f" ([{source.rsplit('/', 1)[-1]}](docs/results/{source}))" if source else ""
+    head = (f"**{doc['model']}**{where}: fast tier of the compressed layers at {n} tokens (full cache: "
+            f"{doc['full']['global_bytes'] / 2**20:.1f} MiB) and decode perplexity, {s['windows']} windows of "
+            f"{s['context']} tokens (prefill {s['prefill_len']}; full cache {doc['full']['ppl']:.3f}); "
+            "ranks per global layer at that length; * on the front\n\n")
+    return head + table(["system", "ranks", "fast tier MiB", "smaller than full", "perplexity", "vs full"], body)
+
+
+def front_block(results: dict[str, dict[str, Any]]) -> str:
+    parts = [front_table(results[path], path) for path in FRONT_FILES if path in results]
+    return "\n\n".join(parts) if parts else "(no ShadowKV front committed yet)"

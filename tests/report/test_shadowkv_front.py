@@ -1,0 +1,80 @@
+"""ShadowKV's quality/memory front: ranks and bytes per setting from key energy curves and the
+cache's accounting, the front marking, and the README table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvforge.cache.registry import create_cache
+from kvforge.errors import ConfigError
+from kvforge.eval.shadowkv_front import front
+from kvforge.models.hf_checkpoint import CONFIG_FILE
+from kvforge.report.shadowkv_front import front_table, on_front
+
+
+def _model(tmp_path) -> str:
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 128, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 8192, "rope_theta": 10000.0}
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def _ppl(cache_specs: dict[str, float], windows: int = 2) -> dict:
+    return {"settings": {"context": 8192, "windows": windows, "prefill_len": 4096, "mode": "decode"},
+            "text_file": "t.txt", "systems": [{"name": f"kvforge[{spec}]", "cache": spec, "ppl": ppl}
+                                               for spec, ppl in cache_specs.items()]}
+
+
+def test_front_ranks_and_bytes_follow_the_rule_and_the_accounting(tmp_path):
+    model = _model(tmp_path)  # 2 layers, KV width 2 x 32 = 64
+    width = 64
+    steep = torch.tensor([0.9 ** i for i in range(width)], dtype=torch.float64)
+    flat = torch.ones(width, dtype=torch.float64)
+    curves = [(s / s.sum()).cumsum(0) for s in (steep, flat)]
+    spectra = {"num_tokens": 4096, "layers": [{"layer": i, "keys_pre_rope": {"energy": c.tolist()}}
+                                              for i, c in enumerate(curves)]}
+    full = _ppl({"full": 10.0})
+    runs = [_ppl({"shadowkv:energy=0.9": 11.0, "shadowkv:rank=32": 10.5})]
+    doc = front(model, spectra, full, runs)
+    auto, fixed = doc["systems"]
+    expected = [int((c < 0.9 - 1e-9).sum()) + 1 for c in curves]
+    assert auto["ranks"] == [max(16, r) for r in expected] and expected[0] < expected[1]
+    assert fixed["ranks"] == [32, 32]
+    cache = create_cache("shadowkv:rank=32", _layout(model), 1 << 30, torch.float32, "cpu")
+    assert fixed["fast_bytes"] == cache.compressed_global_bytes(4096, 32)
+    assert doc["full"]["global_bytes"] == 2 * 4096 * 2 * width * 4  # K and V of both layers, fp32
+    assert fixed["times_smaller"] == pytest.approx(doc["full"]["global_bytes"] / fixed["fast_bytes"])
+    assert auto["delta_pct"] == pytest.approx(10.0)
+    with pytest.raises(ConfigError, match="runs"):
+        front(model, spectra, full, [_ppl({"shadowkv": 11.0}, windows=1)])
+
+
+def _layout(model: str):
+    from kvforge.models.loader import load_model_config, resolve_model_source
+    from kvforge.models.registry import model_class
+
+    config = load_model_config(resolve_model_source(model))
+    return model_class(config).layout_for(config)
+
+
+def test_front_marks_rows_no_other_row_beats_on_bytes_and_perplexity():
+    rows = [{"fast_bytes": b, "ppl": p} for b, p in ((10, 12.0), (20, 11.0), (20, 11.5), (30, 11.2))]
+    assert on_front(rows) == [True, True, False, False]
+
+
+def test_front_table_sorts_by_bytes():
+    doc = {"model": "m", "bytes_at_tokens": 32768, "ppl_settings": {"windows": 2, "context": 8192, "prefill_len": 4096},
+           "full": {"ppl": 10.0, "global_bytes": 3 * 2**20},
+           "systems": [{"name": "kvforge[shadowkv:rank=64]", "ranks": [64, 64], "fast_bytes": 2**20,
+                        "times_smaller": 3.0, "ppl": 10.5, "delta_pct": 5.0},
+                       {"name": "kvforge[shadowkv]", "ranks": [20, 40], "fast_bytes": 2**19, "times_smaller": 6.0,
+                        "ppl": 11.0, "delta_pct": 10.0}]}
+    text = front_table(doc, "eval/f.json")
+    lines = [line for line in text.splitlines() if line.startswith("| kvforge")]
+    assert lines[0] == "| kvforge[shadowkv] * | 20/40 | 0.5 | 6.00x | 11.000 | +10.00% |"
+    assert lines[1] == "| kvforge[shadowkv:rank=64] * | 64/64 | 1.0 | 3.00x | 10.500 | +5.00% |"
+    assert "(docs/results/eval/f.json)" in text and "3.0 MiB" in text

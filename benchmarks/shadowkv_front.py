@@ -41,10 +41,12 @@ def main() -> None:
     parser.add_argument("--spectra", required=True, help="kvforge analyze key-spectra JSON")
     parser.add_argument("--full", required=True, help="eval ppl JSON of the full cache")
     parser.add_argument("--runs", nargs="+", required=True, help="eval ppl JSON files of ShadowKV settings")
+    parser.add_argument("--bytes-at", type=int, default=None,
+                        help="tokens at which to count bytes (default: the spectra's passage length)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     args.command_line = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    doc = front(args.model, _load(args.spectra), _load(args.full), [_load(p) for p in args.runs])
+    doc = front(args.model, _load(args.spectra), _load(args.full), [_load(p) for p in args.runs], args.bytes_at)
     doc["provenance"] = provenance(args)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     for s in doc["systems"]:

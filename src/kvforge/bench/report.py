@@ -133,6 +133,9 @@ def cache_lines(systems: Sequence[dict[str, Any]]) -> list[str]:
         stats = system.get("cache_statistics") or {}
         if "chunk_hit_rate" in stats:
             parts.append(f"chunk hit rate {stats['chunk_hit_rate']:.3f}")
+        ranks = [stats[f"rank_layer_{i}"] for i in range(len(stats)) if f"rank_layer_{i}" in stats]
+        if ranks:  # shadowkv: ranks chosen per compressed layer (means over sequences)
+            parts.append(f"ranks per layer {'/'.join(f'{r:.0f}' for r in ranks)} (mean {stats['rank_mean']:.1f})")
         seconds = {k.removeprefix("seconds_"): v for k, v in stats.items() if k.startswith("seconds_") and v}
         if seconds:
             parts.append("s: " + " ".join(f"{k} {v:.2f}" for k, v in seconds.items()))

@@ -21,10 +21,13 @@ from kvforge.models.loader import load_model_config, resolve_model_source
 from kvforge.models.registry import model_class
 
 
-def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[dict[str, Any]],
+          bytes_at_tokens: int | None = None) -> dict[str, Any]:
+    """Bytes at `bytes_at_tokens` (default: the spectra's passage length; a longer one
+    assumes the ranks of the passage, e.g. beyond a model's native context)."""
     config = load_model_config(resolve_model_source(model))
     layout = model_class(config).layout_for(config)
-    num_tokens = int(spectra["num_tokens"])
+    num_tokens = int(bytes_at_tokens or spectra["num_tokens"])
     full_system = full["systems"][0]
     probe = create_cache("shadowkv", layout, 1 << 30, torch.float32, "cpu")
     # Cache layer c is model layer c here (no SwiftKV): the global layers' curves.
@@ -44,6 +47,7 @@ def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[
                             "delta_pct": 100 * (system["ppl"] / full_system["ppl"] - 1), "ranks": ranks,
                             "fast_bytes": fast, "times_smaller": full_bytes / fast})
     return {"eval": "shadowkv-front", "model": model, "bytes_at_tokens": num_tokens,
+            "spectra_tokens": int(spectra["num_tokens"]),
             "ppl_settings": full["settings"], "text_file": full["text_file"],
             "full": {"name": full_system["name"], "ppl": full_system["ppl"], "global_bytes": full_bytes},
             "global_layers": probe.global_layers,

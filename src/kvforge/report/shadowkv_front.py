@@ -33,7 +33,8 @@ def front_table(doc: dict[str, Any], source: str | None = None) -> str:
     head = (f"**{doc['model']}**{where}: fast tier of the compressed layers at {n} tokens (full cache: "
             f"{doc['full']['global_bytes'] / 2**20:.1f} MiB) and decode perplexity, {s['windows']} windows of "
             f"{s['context']} tokens (prefill {s['prefill_len']}; full cache {doc['full']['ppl']:.3f}); "
-            "ranks per global layer at that length; * on the front\n\n")
+            f"ranks per global layer from the key spectra of a {doc.get('spectra_tokens', n)}-token passage; "
+            "* on the front\n\n")
     return head + table(["system", "ranks", "fast tier MiB", "smaller than full", "perplexity", "vs full"], body)
 
 

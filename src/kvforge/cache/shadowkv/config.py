@@ -32,7 +32,7 @@ RANK_RULES = ("auto", "paper")
 BUDGET_RULES = ("auto", "paper")
 COEFFICIENT_DTYPES = ("float16", "compute")
 LAYER_BUDGET_DEFAULT = 512
-ENERGY_DEFAULT = 0.99
+ENERGY_DEFAULT = 0.999
 
 
 @dataclass(frozen=True)

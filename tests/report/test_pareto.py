@@ -23,7 +23,8 @@ def test_table_sorts_by_bits_marks_the_front_and_lists_the_residual():
                         "delta_pct": 30.0, "residual_tokens": 128, "residual_bits": 16},
                        {"name": "kvforge[kivi:bits=2,x]", "stored_bits_per_element": 3.1, "ppl": 14.0,
                         "delta_pct": 40.0, "residual_tokens": 128, "residual_bits": 16}]}
-    later = {**doc, "systems": [{"name": "kvforge[kivi:late]", "stored_bits_per_element": 2.0, "ppl": 11.0}]}
+    later = {**doc, "systems": [{"name": "kvforge[kivi:late]", "stored_bits_per_element": 2.0, "ppl": 11.0},
+                                {"name": "kvforge[full]", "stored_bits_per_element": 32.0, "ppl": 10.01}]}
     other_windows = {**later, "settings": {**doc["settings"], "windows": 2}}
     text = pareto_table({"eval/p.json": doc, "eval/q.json": later, "eval/r.json": other_windows})
     lines = [line for line in text.splitlines() if line.startswith("| kvforge")]

@@ -5,7 +5,8 @@ One table per model: every system of its files with its stored bits per K/V elem
 (eval/storage.py: codes + scales/zeros + sinks amortised over the window; the residual is
 listed beside), decode perplexity and its change against the first file's baseline. A
 later file joins only when it scored the same windows (model, text, context, prefill,
-window count), so every row is comparable; the change is recomputed from the perplexities
+window count), so every row is comparable, and a system it scored again keeps the first
+file's row; the change is recomputed from the perplexities
 (a run that stopped early has no deltas of its own). A row is on the Pareto front when no
 other row stores at most as many bits with a lower perplexity; those rows are marked.
 """
@@ -19,7 +20,8 @@ from kvforge.report.render import fmt, table
 START, END = "<!-- kivi-pareto:start -->", "<!-- kivi-pareto:end -->"
 PARETO_FILES = {
     "smollm2-135m": ("eval/pareto_kivi_smollm2-135m.json", "eval/pareto_kivi_smollm2-135m_beyond_paper.json",
-                     "eval/pareto_kivi_smollm2-135m_k4v2_g64.json", "eval/pareto_kivi_smollm2-135m_quality3.json"),
+                     "eval/pareto_kivi_smollm2-135m_k4v2_g64.json", "eval/pareto_kivi_smollm2-135m_quality3.json",
+                     "eval/pareto_kivi_smollm2-135m_hf_quanto.json"),
     "gemma3-270m": ("eval/pareto_kivi_gemma3-270m.json", "eval/pareto_kivi_gemma3-270m_k4v2_g64.json",
                     "eval/pareto_kivi_gemma3-270m_2bit_keyside.json",
                     "eval/pareto_kivi_gemma3-270m_prerope_sinks_hadamard_values.json",
@@ -64,8 +66,13 @@ def pareto_table(docs: dict[str, dict[str, Any]]) -> str:
     (first_path, first), *_ = docs.items()
     joined = {path: doc for path, doc in docs.items() if same_windows(first, doc)}
     base = _baseline(first)
-    rows = sorted((r for doc in joined.values() for r in doc["systems"]),
-                  key=lambda r: (r.get("stored_bits_per_element") or 1e9, r["ppl"]))
+    # A system scored again by a later file (e.g. its own full-cache baseline) appears once:
+    # the first file's row.
+    unique: dict[str, dict[str, Any]] = {}
+    for doc in joined.values():
+        for r in doc["systems"]:
+            unique.setdefault(r["name"], r)
+    rows = sorted(unique.values(), key=lambda r: (r.get("stored_bits_per_element") or 1e9, r["ppl"]))
     front = on_front(rows)
     body = [[r["name"] + (" *" if f else ""), fmt(r.get("stored_bits_per_element"), "{:.2f}"), _residual(r),
              fmt(r["ppl"], "{:.3f}"), fmt(100 * (r["ppl"] / base["ppl"] - 1), "{:+.2f}%")]

@@ -37,8 +37,10 @@ def test_every_committed_result_names_its_source():
 def test_check_notices_a_changed_figure(tmp_path):
     shutil.copytree(RESULTS, tmp_path / "results")
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copy(ROOT / "docs" / "cache-methods.md", tmp_path / "cache-methods.md")
     args = Namespace(directory=str(tmp_path / "results"), out=str(tmp_path / "results.md"),
-                     readme=str(tmp_path / "README.md"), check=False, plots=False)
+                     readme=str(tmp_path / "README.md"), methods=str(tmp_path / "cache-methods.md"), check=False,
+                     plots=False)
     assert run_report(args) == 0  # render into the copy
     assert run_report(Namespace(**{**vars(args), "check": True})) == 0
     target = next((tmp_path / "results").rglob("*.json"))

@@ -77,4 +77,4 @@ def test_front_table_sorts_by_bytes():
     lines = [line for line in text.splitlines() if line.startswith("| kvforge")]
     assert lines[0] == "| kvforge[shadowkv] * | 20/40 | 0.5 | 6.00x | 11.000 | +10.00% |"
     assert lines[1] == "| kvforge[shadowkv:rank=64] * | 64/64 | 1.0 | 3.00x | 10.500 | +5.00% |"
-    assert "(docs/results/eval/f.json)" in text and "3.0 MiB" in text
+    assert "(results/eval/f.json)" in text and "3.0 MiB" in text

@@ -1,4 +1,4 @@
-"""README's ShadowKV table (between `<!-- shadowkv-front:start -->` and
+"""ShadowKV's table in docs/cache-methods.md (between `<!-- shadowkv-front:start -->` and
 `<!-- shadowkv-front:end -->`) and its docs/results.md section: decode perplexity of each
 rank rule against the fast-tier bytes its compressed layers hold at a long context, from the
 `shadowkv-front` files benchmarks/shadowkv_front.py writes (FRONT_FILES).
@@ -29,7 +29,7 @@ def front_table(doc: dict[str, Any], source: str | None = None) -> str:
              fmt(r["fast_bytes"] / 2**20, "{:.1f}"), fmt(r["times_smaller"], "{:.2f}x"), fmt(r["ppl"], "{:.3f}"),
              fmt(r["delta_pct"], "{:+.2f}%")] for r, mark in zip(rows, marks)]
     s, n = doc["ppl_settings"], doc["bytes_at_tokens"]
-    where = f" ([{source.rsplit('/', 1)[-1]}](docs/results/{source}))" if source else ""
+    where = f" ([{source.rsplit('/', 1)[-1]}](results/{source}))" if source else ""
     head = (f"**{doc['model']}**{where}: fast tier of the compressed layers at {n} tokens (full cache: "
             f"{doc['full']['global_bytes'] / 2**20:.1f} MiB) and decode perplexity, {s['windows']} windows of "
             f"{s['context']} tokens (prefill {s['prefill_len']}; full cache {doc['full']['ppl']:.3f}); "

@@ -38,7 +38,7 @@ def test_front_ranks_and_bytes_follow_the_rule_and_the_accounting(tmp_path):
     spectra = {"num_tokens": 4096, "layers": [{"layer": i, "keys_pre_rope": {"energy": c.tolist()}}
                                               for i, c in enumerate(curves)]}
     full = _ppl({"full": 10.0})
-    runs = [_ppl({"shadowkv:energy=0.9": 11.0, "shadowkv:rank=32": 10.5})]
+    runs = [_ppl({"shadowkv:energy=0.9": 11.0, "shadowkv:rank=32": 10.5, "full": 10.0})]  # full: not a row
     doc = front(model, spectra, full, runs)
     auto, fixed = doc["systems"]
     expected = [int((c < 0.9 - 1e-9).sum()) + 1 for c in curves]
@@ -78,3 +78,10 @@ def test_front_table_sorts_by_bytes():
     assert lines[0] == "| kvforge[shadowkv] * | 20/40 | 0.5 | 6.00x | 11.000 | +10.00% |"
     assert lines[1] == "| kvforge[shadowkv:rank=64] * | 64/64 | 1.0 | 3.00x | 10.500 | +5.00% |"
     assert "(results/eval/f.json)" in text and "3.0 MiB" in text
+
+
+def test_many_layers_show_the_mean_rank_and_its_range():
+    from kvforge.report.shadowkv_front import _ranks
+
+    assert _ranks([10, 20, 30]) == "10/20/30"
+    assert _ranks([10, 20, 30, 40, 50, 60, 70, 80]) == "mean 45 (10-80)"

@@ -40,6 +40,8 @@ def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[
                 run["settings"], f"must score the full cache's windows ({full['settings']}, {full['text_file']})")
         for system in run["systems"]:
             spec = system["cache"]
+            if not spec.startswith("shadowkv"):  # e.g. the full cache scored in the same run
+                continue
             cache = create_cache(spec, layout, 1 << 30, torch.float32, "cpu")
             ranks = [cache.config.layer_rank(curves[c]) for c in cache.global_layers]
             fast = cache.compressed_global_bytes(num_tokens, ranks)

@@ -212,7 +212,8 @@ def _demo(doc: Document) -> str:
 RENDERERS: dict[str, Callable[[Document], str]] = {
     "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench prefix": _bench,
     "bench serve": _serve,
-    "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "swiftkv evaluate": _swiftkv_evaluate,
+    "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "eval shadowkv-front": _eval,
+    "swiftkv evaluate": _swiftkv_evaluate,
     "demo": _demo,
 }
 

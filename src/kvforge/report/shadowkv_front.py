@@ -22,10 +22,17 @@ def on_front(rows: list[dict[str, Any]]) -> list[bool]:
             for r in rows]
 
 
+def _ranks(ranks: list[int]) -> str:
+    """Every layer's rank, or for many layers their mean and range."""
+    if len(ranks) <= 6:
+        return "/".join(str(r) for r in ranks)
+    return f"mean {sum(ranks) / len(ranks):.0f} ({min(ranks)}-{max(ranks)})"
+
+
 def front_table(doc: dict[str, Any], source: str | None = None) -> str:
     rows = sorted(doc["systems"], key=lambda r: (r["fast_bytes"], r["ppl"]))
     marks = on_front(rows)
-    body = [[r["name"] + (" *" if mark else ""), "/".join(str(x) for x in r["ranks"]),
+    body = [[r["name"] + (" *" if mark else ""), _ranks(r["ranks"]),
              fmt(r["fast_bytes"] / 2**20, "{:.1f}"), fmt(r["times_smaller"], "{:.2f}x"), fmt(r["ppl"], "{:.3f}"),
              fmt(r["delta_pct"], "{:+.2f}%")] for r, mark in zip(rows, marks)]
     s, n = doc["ppl_settings"], doc["bytes_at_tokens"]
@@ -33,8 +40,8 @@ def front_table(doc: dict[str, Any], source: str | None = None) -> str:
     head = (f"**{doc['model']}**{where}: fast tier of the compressed layers at {n} tokens (full cache: "
             f"{doc['full']['global_bytes'] / 2**20:.1f} MiB) and decode perplexity, {s['windows']} windows of "
             f"{s['context']} tokens (prefill {s['prefill_len']}; full cache {doc['full']['ppl']:.3f}); "
-            f"ranks per global layer from the key spectra of a {doc.get('spectra_tokens', n)}-token passage; "
-            "* on the front\n\n")
+            f"ranks per global layer (mean and range beyond 6 layers) from the key spectra of a "
+            f"{doc.get('spectra_tokens', n)}-token passage; * on the front\n\n")
     return head + table(["system", "ranks", "fast tier MiB", "smaller than full", "perplexity", "vs full"], body)
 
 

@@ -102,12 +102,14 @@ def method_specs(size: str, kv_width: int) -> list[tuple[str, str, str]]:
     if size == "tiny":
         full, kivi = "full:block_size=4", ",group=4,residual=8"
         shadow = "shadowkv:chunk=4,local=8,outliers=2,min_context=24,generated_window=8"
-        exact = f"{shadow},rank={kv_width},budget={math.ceil(work.longest / 4) * 4}"
+        # fp32 coefficients: full rank then reproduces the keys exactly (the default stores 16 bits)
+        exact = f"{shadow},rank={kv_width},budget={math.ceil(work.longest / 4) * 4},coefficient_dtype=compute"
         # The defaults' proportions at a size where compression and folding happen.
         lossy = ("shadowkv (defaults scaled)", f"{shadow},rank={max(1, round(kv_width / 6))},budget=8")
     else:
         full, kivi = "full", ""
-        exact = f"shadowkv:rank={kv_width},budget={covering},min_context=512,generated_window=16,outliers=8"
+        exact = (f"shadowkv:rank={kv_width},budget={covering},min_context=512,generated_window=16,outliers=8,"
+                 "coefficient_dtype=compute")
         lossy = ("shadowkv (defaults)", "shadowkv")
     sep = "," if ":" in full else ":"
     return [

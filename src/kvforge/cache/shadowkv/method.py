@@ -359,7 +359,6 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
                 state.layers[index] = layer
                 state.ranks.append(layer.basis.shape[0])
         state.fixed_bytes = self._fixed_state_bytes(n, len(pages), state.ranks)
-        state.coefficient_capacity = len(pages)
         assert state.fixed_bytes <= fixed, "compression reserved the largest rank"
         self._fixed_bytes -= fixed - state.fixed_bytes
         self.stats.record_ranks(state.ranks)
@@ -417,7 +416,6 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
                 layer.candidates = torch.cat((layer.candidates, layer.candidates.new_ones(
                     (layer.candidates.shape[0], folds))), dim=1)  # folded chunks are never outliers
         if folds:
-            state.coefficient_capacity = capacity
             state.extend(taken, new_pages)
             self.stats.folded_chunks += folds
         state.window = grown - moved

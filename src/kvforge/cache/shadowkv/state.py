@@ -62,7 +62,6 @@ class CompressedSequence:
     slots_start: int  # first row of the reuse slots in the buffers (= O x chunk)
     fixed_bytes: int  # fast-tier bytes of the per-layer state, coefficients included
     ranks: list[int] = field(default_factory=list)  # per global layer
-    coefficient_capacity: int = 0  # chunks each layer's coefficient storage holds
     layers: list[LayerState | None] = field(default_factory=list)
     # pages[0] when the pages are one run of consecutive ids (lets a step read landmarks
     # in place, see ChunkStore.gather_landmarks), else None
@@ -70,6 +69,13 @@ class CompressedSequence:
 
     def __post_init__(self) -> None:
         self.run_start = self.pages[0] if self.pages and _is_run(self.pages, self.pages[0]) else None
+
+    @property
+    def coefficient_capacity(self) -> int:
+        """Chunks each layer's coefficient storage holds (the same in every layer)."""
+        first = self.layers[0]
+        assert first is not None, "compressed"
+        return first.coefficients.shape[0]
 
     @property
     def num_chunks(self) -> int:

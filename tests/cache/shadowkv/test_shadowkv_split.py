@@ -56,17 +56,35 @@ def test_a_budget_too_small_to_compress_holds_one_sequence_as_far_as_its_bytes_d
 
 @pytest.mark.parametrize("budget", [200_000, 1 << 22])
 def test_the_default_split_holds_a_long_sequence_or_many_short_ones(budget):
-    """Half the budget for the longest lone sequence, half for min_context sequences: every
-    length whose bytes fit half the budget fits alone, and half the budget's bytes of
-    min_context sequences fit at once (which split_context=200 does not give)."""
+    """Half the budget for the longest lone sequence, half for compressed sequences: every
+    length whose bytes fit half the budget fits alone, and many min_context sequences fit
+    at once (which split_context=200 does not give). Their number is bound by the
+    per-sequence state: this layout's tiny sequences are mostly fixed-size buffers, so a
+    quarter of what their bytes alone would allow."""
     cache, long = make(budget), make(budget, ",split_context=200")
     half = (budget - cache.fast_chunk_bytes) // 2
     for n in range(1, 400, 7):
         if cache.sequence_bytes(n) <= half:
             assert cache.fits_together([n]) and cache.can_allocate(0, n), n
-    k = half // cache.sequence_bytes(24)
-    assert k >= 1 and cache.fits_together([24] * k)
+    k = max(1, half // cache.sequence_bytes(24) // 4)
+    assert cache.fits_together([24] * k)
     assert not long.fits_together([24] * (budget // cache.sequence_bytes(24)))
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 1 << 22, 1 << 24])
+def test_compressed_sequences_of_any_length_run_out_of_state_before_chunk_pages(budget):
+    """The chunk pages hold the prefixes of as many compressed sequences as the per-sequence
+    state's share holds (at the largest rank), at every length: the pages are never what
+    stops a long sequence from being admitted while most of the state's share is free."""
+    cache = make(budget)
+    page_bytes = cache.store.num_pages * cache.fast_chunk_bytes  # type: ignore[union-attr]
+    checked = 0
+    for n in (24, 48, 100, 400, 1000, 5000):
+        parts = cache._sequence_parts(n)
+        by_state = cache.split.fixed // parts["fixed"]
+        assert page_bytes // parts["chunks"] >= by_state, n
+        checked += by_state > 0
+    assert checked >= 4
 
 
 def test_allocate_keeps_each_store_within_its_share():

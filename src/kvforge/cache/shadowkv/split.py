@@ -13,8 +13,15 @@ the step that compresses it):
 After one chunk page is set aside (compression needs one), the budget is split by default
 in two halves: one holds the parts of the longest sequence that fits in it alone (long
 prompts, and requests recomputed from scratch after a preemption, up to half the budget's
-bytes), the other the parts of min_context-token sequences (the shortest that compress) in
-their proportions, so about half the budget's bytes of such sequences fit at once. If the
+bytes), the other the parts of min_context-token sequences (the shortest that compress):
+the exact stores and the compressed state (chunk pages + per-sequence state) in their
+proportions, and the compressed state between chunk pages and per-sequence state in the
+ratio of what one more token costs each (`_per_token_mix`). A min_context sequence's
+per-sequence state is mostly its fixed-size buffers, so its own proportions would give the
+chunk pages so few that longer compressed sequences ran out of pages with most of the
+state's share unused (smollm2-135m, 4 x 16K tokens at 4 GiB: 3 fitted, 4 needed only 70% of
+the pages and state that 3 left free); by the per-token ratio the pages run out only once
+the state's share is used too (at the largest rank, which compression never exceeds). If the
 budget cannot hold even one min_context sequence, nothing ever compresses and the whole
 budget goes to the longest sequence it holds. With `split_context` the whole budget is
 split in the proportions of a sequence of that many tokens instead. Each share is a hard
@@ -55,7 +62,7 @@ class BudgetSplit:
                 shares = parts(longest)
             else:
                 lone = parts(_longest(parts, room // 2))
-                shares = _add(lone, _proportional(room - sum(lone.values()), parts(min_context)))
+                shares = _add(lone, _proportional(room - sum(lone.values()), _per_token_mix(parts, min_context)))
         else:
             wanted = parts(reference)
             shares = _proportional(room, wanted)
@@ -79,6 +86,17 @@ def _longest(parts: Callable[[int], dict[str, int]], room: int) -> int:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if sum(parts(mid).values()) <= room else (lo, mid - 1)
     return lo
+
+
+def _per_token_mix(parts: Callable[[int], dict[str, int]], n: int) -> dict[str, int]:
+    """parts(n) with its compressed bytes (chunks + fixed) divided between the two in the
+    ratio of their per-token rates, parts(2n) - parts(n): the fixed-size part of the
+    per-sequence state (bases, exact buffers) needs no chunk pages."""
+    at, twice = parts(n), parts(2 * n)
+    chunk_rate, fixed_rate = twice["chunks"] - at["chunks"], twice["fixed"] - at["fixed"]
+    compressed = at["chunks"] + at["fixed"]
+    chunks = compressed * chunk_rate // (chunk_rate + fixed_rate) if chunk_rate + fixed_rate > 0 else at["chunks"]
+    return {**at, "chunks": chunks, "fixed": compressed - chunks}
 
 
 def _proportional(budget: int, wanted: dict[str, int]) -> dict[str, int]:

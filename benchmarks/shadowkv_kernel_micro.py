@@ -10,7 +10,7 @@ with its ShadowKV defaults at 32K: rank 150 (energy 0.999 gives 110-190), 48 out
 chunks, a budget of 512 tokens (64 chunks of 8). Sequences are compressed from random keys
 and values by the method's own `compress_layer`; each of `--layers` layers has its own
 chunk store, so landmarks come from memory as in a real step (4 MiB per sequence and layer
-at 32K). After one step to fill the reuse slots, every call selects the same chunks (all
+at 32K: 48 MiB over the default 4 sequences and 3 layers, more than this machine's 32 MiB L3). After one step to fill the reuse slots, every call selects the same chunks (all
 hits): the steps time selection and attention, which every decode step pays.
 
 `--baseline-source` also times another version of `cache/shadowkv/cpu_decode.cpp` (e.g.
@@ -117,22 +117,26 @@ def captured_calls(options: argparse.Namespace) -> list[tuple[Any, ...]]:
 
 def measure(ops: dict[str, Callable[..., Any]], calls: list[tuple[Any, ...]], repeats: int
             ) -> dict[str, dict[str, float]]:
-    """Median thread-ms per (sequence, KV head) pair and layer of each phase, the ops called
-    in turn on every layer's arguments; outputs checked equal between ops."""
+    """Median thread-ms per (sequence, KV head) pair and layer of each phase. Each op runs
+    over every layer's arguments in turn (the layers together exceed the last-level cache,
+    so no op reads landmarks another op just brought in), the op that goes first rotating
+    from one repeat to the next; outputs are checked equal between ops."""
     pairs = calls[0][0].shape[0] * calls[0][1].shape[0]
-    samples: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PHASES} for name in ops}
-    for _ in range(repeats):
-        for args in calls:
-            outputs = {}
-            for name, op in ops.items():
-                out, counters = op(*args)
-                outputs[name] = out
+    names = list(ops)
+    samples: dict[str, dict[str, list[float]]] = {name: {p: [] for p in PHASES} for name in names}
+    for repeat in range(repeats):
+        outputs: dict[str, list[torch.Tensor]] = {}
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            outputs[name] = []
+            for args in calls:
+                out, counters = ops[name](*args)
+                outputs[name].append(out)
                 totals = counters.sum(dim=0).tolist()
                 for index, phase in enumerate(PHASES):
                     samples[name][phase].append(totals[2 + index] * 1e3 / pairs)
-            first = next(iter(outputs.values()))
-            for name, out in outputs.items():
-                torch.testing.assert_close(out, first, rtol=1e-5, atol=1e-5, msg=f"{name} differs")
+        for name in names[1:]:
+            for mine, first in zip(outputs[name], outputs[names[0]]):
+                torch.testing.assert_close(mine, first, rtol=1e-5, atol=1e-5, msg=f"{name} differs")
     return {name: {p: statistics.median(v) for p, v in phases.items()} for name, phases in samples.items()}
 
 

@@ -117,7 +117,7 @@ ROWS = [
         "<= 2% accuracy drop at 2 bits (7B models)"),
     Row("KIVI quality3 retrieval", "", "eval/niah_gemma3-270m_8192_kivi_quality3_vs_full.json", _niah, "full cache",
         ""),
-    Row("ShadowKV, paper's rank", "fast-tier KV memory, decode reads",
+    Row("ShadowKV", "fast-tier KV memory, decode reads",
         "bench/decode_smollm2-135m_16k_batch4_shadowkv_vs_full.json", _decode, "full cache, fp32",
         "up to 3.04x throughput, 6x batch (A100)"),
     Row("ShadowKV quality", "", "eval/shadowkv_front_gemma3-270m.json", _shadowkv_default, "full cache, fp32",

@@ -141,87 +141,16 @@ inline void dot4(const float* a, const float* const* rows, int64_t n, float* out
   for (int j = 0; j < 4; ++j) out[j] = dot(a, rows[j], n);
 }
 
-// dot4 for two queries at once: each row element is loaded once for both (a 2 x 4 block
-// of the score matrix, 8 accumulators), so the loop does 6 loads per 8 FMAs where two dot4
-// calls do 10. Each sum is accumulated and reduced exactly as dot4 does it: the same result
-// bit for bit.
-inline void dot4x2(const float* a0, const float* a1, const float* const* rows, int64_t n, float* out0,
-                   float* out1) {
-#if defined(__AVX512F__)
-  if (n % 16 == 0) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, t0 = s0, t1 = s0, t2 = s0, t3 = s0;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 x = _mm512_loadu_ps(a0 + i), y = _mm512_loadu_ps(a1 + i);
-      __m512 r = _mm512_loadu_ps(rows[0] + i);
-      s0 = _mm512_fmadd_ps(x, r, s0);
-      t0 = _mm512_fmadd_ps(y, r, t0);
-      r = _mm512_loadu_ps(rows[1] + i);
-      s1 = _mm512_fmadd_ps(x, r, s1);
-      t1 = _mm512_fmadd_ps(y, r, t1);
-      r = _mm512_loadu_ps(rows[2] + i);
-      s2 = _mm512_fmadd_ps(x, r, s2);
-      t2 = _mm512_fmadd_ps(y, r, t2);
-      r = _mm512_loadu_ps(rows[3] + i);
-      s3 = _mm512_fmadd_ps(x, r, s3);
-      t3 = _mm512_fmadd_ps(y, r, t3);
-    }
-    auto halves = [](__m512 v) {
-      const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-      return _mm256_add_ps(_mm512_castps512_ps256(v), high);
-    };
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves(s0), halves(s1)), _mm256_hadd_ps(halves(s2), halves(s3)));
-    _mm_storeu_ps(out0, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    const __m256 k = _mm256_hadd_ps(_mm256_hadd_ps(halves(t0), halves(t1)), _mm256_hadd_ps(halves(t2), halves(t3)));
-    _mm_storeu_ps(out1, _mm_add_ps(_mm256_castps256_ps128(k), _mm256_extractf128_ps(k, 1)));
-    return;
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (n % 8 == 0) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, t0 = s0, t1 = s0, t2 = s0, t3 = s0;
-    for (int64_t i = 0; i < n; i += 8) {
-      const __m256 x = _mm256_loadu_ps(a0 + i), y = _mm256_loadu_ps(a1 + i);
-      __m256 r = _mm256_loadu_ps(rows[0] + i);
-      s0 = _mm256_fmadd_ps(x, r, s0);
-      t0 = _mm256_fmadd_ps(y, r, t0);
-      r = _mm256_loadu_ps(rows[1] + i);
-      s1 = _mm256_fmadd_ps(x, r, s1);
-      t1 = _mm256_fmadd_ps(y, r, t1);
-      r = _mm256_loadu_ps(rows[2] + i);
-      s2 = _mm256_fmadd_ps(x, r, s2);
-      t2 = _mm256_fmadd_ps(y, r, t2);
-      r = _mm256_loadu_ps(rows[3] + i);
-      s3 = _mm256_fmadd_ps(x, r, s3);
-      t3 = _mm256_fmadd_ps(y, r, t3);
-    }
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-    _mm_storeu_ps(out0, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    const __m256 k = _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
-    _mm_storeu_ps(out1, _mm_add_ps(_mm256_castps256_ps128(k), _mm256_extractf128_ps(k, 1)));
-    return;
-  }
-#endif
-  dot4(a0, rows, n, out0);
-  dot4(a1, rows, n, out1);
-}
-
-// scores[g * stride + i] = q_g . rows[i] for G queries [G, D] and n rows, in blocks of
-// 2 queries x 4 rows (dot4x2; an odd last query by dot4).
+// scores[g * stride + i] = q_g . rows[i] for G queries [G, D] and n rows.
 inline void scores_of(const float* q, int64_t G, const float* const* rows, int64_t n, int64_t D, float* scores,
                       int64_t stride) {
-  float four[4], other[4];
+  float four[4];
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2) {
-      dot4x2(q + g * D, q + (g + 1) * D, rows + i, D, four, other);
-      std::memcpy(scores + g * stride + i, four, sizeof(four));
-      std::memcpy(scores + (g + 1) * stride + i, other, sizeof(other));
-    }
-    if (g < G) {
+  for (; i + 4 <= n; i += 4)
+    for (int64_t g = 0; g < G; ++g) {
       dot4(q + g * D, rows + i, D, four);
       std::memcpy(scores + g * stride + i, four, sizeof(four));
     }
-  }
   for (; i < n; ++i)
     for (int64_t g = 0; g < G; ++g) scores[g * stride + i] = dot(q + g * D, rows[i], D);
 }

@@ -6,15 +6,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 import transformers
 
 from kvforge.cache.registry import create_cache
-from kvforge.config import ModelConfig
+from kvforge.config import ModelConfig, SwiftKVConfig
 from kvforge.engine.runner import ModelRunner
 from kvforge.models.registry import build_model
+from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
 
 torch.set_num_threads(2)
 
@@ -72,6 +74,23 @@ def make_pair(name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Modul
 
 def make_runner(model, cache: str = "full:block_size=4", budget: int = 1 << 22) -> ModelRunner:
     return ModelRunner(model, create_cache(cache, model.cache_layout(), budget, torch.float32))
+
+
+def across_kv_model():
+    """A 5-layer SwiftKV llama (l = 1, AcrossKV groups of 2): 3 cache layers, later layers
+    attend through attend_rows."""
+    base = make_pair("llama_gqa")[1]
+    config = replace(base.config, num_layers=5, layer_types=(), swiftkv=SwiftKVConfig(1, 2))
+    plain = build_model(replace(config, swiftkv=None))
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if "norm" not in name else 0.1) + (1.0 if "norm" in name else 0.0))
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    state.update(initial_swiftkv_tensors(state, plain.config, config.swiftkv))
+    model = build_model(config)
+    model.load_hf_state_dict(model_state_for_swiftkv(state, config))
+    return model
 
 
 def decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> torch.Tensor:

@@ -101,10 +101,19 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_q
     return out[0].transpose(0, 1)
 
 
+def select_pages(pages: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """pages.index_select(1, ids); float8 pages go through a byte view (torch's CPU
+    index_select has no float8 kernel)."""
+    if pages.element_size() == 1 and pages.is_floating_point():
+        return pages.view(torch.uint8).index_select(1, ids).view(pages.dtype)
+    return pages.index_select(1, ids)
+
+
 def decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor,
                      k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
                      first_page_position: torch.Tensor, visible_from: torch.Tensor,
-                     visible_to: torch.Tensor, scale: float, tile_pages: int) -> torch.Tensor:
+                     visible_to: torch.Tensor, scale: float, tile_pages: int,
+                     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over its own new key plus stored keys, in float32.
 
     q [B, heads, D]; k_self/v_self [B, kv_heads, D] (the step's own token, exact);
@@ -113,6 +122,8 @@ def decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor
     token of page_table[:, 0]; stored keys at positions [visible_from, visible_to) are
     visible. Work is batched over (kv head, sequence) pairs: gathering pages from
     head-major storage yields [kv_heads, B, tokens, D] with no further copy before bmm.
+    k_scales/v_scales [kv_heads, num_pages, block]: the pages hold float8 codes scaled per
+    row (cache/full/fp8.py), dequantised tile by tile.
     """
     batch, heads, dim = q.shape
     kv_heads = k_self.shape[1]
@@ -133,8 +144,11 @@ def decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor
         ids = page_table[:, start:start + tile_pages]
         tile = ids.shape[1] * block
         flat_ids = ids.reshape(-1)
-        k = k_pages.index_select(1, flat_ids).view(pairs, tile, dim).float()
-        v = v_pages.index_select(1, flat_ids).view(pairs, tile, dim).float()
+        k = select_pages(k_pages, flat_ids).view(pairs, tile, dim).float()
+        v = select_pages(v_pages, flat_ids).view(pairs, tile, dim).float()
+        if k_scales is not None and v_scales is not None:
+            k = k * k_scales.index_select(1, flat_ids).view(pairs, tile, 1)
+            v = v * v_scales.index_select(1, flat_ids).view(pairs, tile, 1)
         scores = torch.bmm(qh, k.transpose(1, 2))  # [pairs, group, tile]
         positions = first_page_position[:, None] + start * block + offsets[None, :tile]
         hidden = ((positions < visible_from[:, None]) | (positions >= visible_to[:, None])).repeat(kv_heads, 1)

@@ -6,23 +6,18 @@ preemption; memory accounting; bad configurations."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
-from conftest import decode_logits, make_pair, make_runner
+from conftest import across_kv_model, decode_logits, make_pair, make_runner
 
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.cache.registry import create_cache, parse_cache_spec
 from kvforge.cache.shadowkv.method import ShadowKVCache
-from kvforge.config import SwiftKVConfig
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import ConfigError
-from kvforge.models.registry import build_model
-from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
 
 # Small geometry: chunks of 4, 8 local tokens, compression from 24 cached tokens, generated
 # tokens folded once the tail passes 8 + 8 tokens.
@@ -101,31 +96,35 @@ def test_multi_token_span_on_a_compressed_sequence():
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=0)
 
 
-def _across_kv_model():
-    """A 5-layer SwiftKV llama (l = 1, AcrossKV groups of 2): 3 cache layers, later layers
-    attend through attend_rows."""
-    base = make_pair("llama_gqa")[1]
-    config = replace(base.config, num_layers=5, layer_types=(), swiftkv=SwiftKVConfig(1, 2))
-    plain = build_model(replace(config, swiftkv=None))
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for name, p in plain.named_parameters():
-            p.copy_(torch.randn_like(p) * (0.2 if "norm" not in name else 0.1) + (1.0 if "norm" in name else 0.0))
-    state = {k: v.clone() for k, v in plain.state_dict().items()}
-    state.update(initial_swiftkv_tensors(state, plain.config, config.swiftkv))
-    model = build_model(config)
-    model.load_hf_state_dict(model_state_for_swiftkv(state, config))
-    return model
-
-
 def test_across_kv_layout_equals_the_full_cache():
-    model = _across_kv_model()
+    model = across_kv_model()
     assert model.cache_layout().num_cache_layers == 3
     prompts = [list(range(3, 45)), list(range(9, 40))]
     full = decode_logits(make_runner(model), prompts, 20)
     runner = make_runner(model, cache=exact_spec(model))
     torch.testing.assert_close(decode_logits(runner, prompts, 20), full, atol=1e-4, rtol=0)
     assert runner.cache.statistics()["compressions"] == 2
+
+
+def test_swiftkv_prompt_beside_compressed_decodes_attends_only_its_logit_rows():
+    """SwiftKV + AcrossKV, a step that prefills a 31-token prompt (exact) while a compressed
+    sequence decodes: logits equal the full cache's, and only layer 0 (before l = 1) attends
+    the prompt's rows; the later layers reach the inner cache through attend_rows with the
+    one row that needs logits (the generic attend_rows would attend every row)."""
+    model = across_kv_model()
+    full, runner = make_runner(model), make_runner(model, cache=exact_spec(model))
+    cache = runner.cache
+    calls: list[int] = []
+    inner_attend = cache.exact.attend
+    cache.exact.attend = lambda layer, batch, q, rope: calls.append(q.shape[0]) or inner_attend(layer, batch, q, rope)
+    steps = [[StepItem(0, list(range(3, 45)))],  # compressed at the end of this step
+             [StepItem(0, [7]), StepItem(1, list(range(9, 40)))],  # a decode beside a prompt
+             [StepItem(0, [8]), StepItem(1, [9])]]
+    for number, items in enumerate(steps):
+        calls.clear()
+        torch.testing.assert_close(runner.step(items), full.step(items), atol=1e-4, rtol=0)
+        if number == 1:
+            assert cache.is_compressed(0) and calls == [31]
 
 
 def _engine(model, spec: str, budget: int, batched_tokens: int = 48) -> LLMEngine:

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.cache.full.fp8 import FP8_DTYPES
 from kvforge.errors import require
 
-STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# float8 formats store a float32 scale per token and KV head beside the codes (fp8.py).
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, **FP8_DTYPES}
 DECODE_KERNELS = ("auto", "torch")
 
 
@@ -20,7 +22,8 @@ class FullCacheConfig:
     # Stored tokens read per tile by batched decode attention (bounds temporaries).
     decode_tile_tokens: int = 1024
     # Batched decode attention: "auto" uses the compiled CPU kernel for CPU tensors when it
-    # builds (kvforge.kernels), else the PyTorch `decode_attention`; "torch" always the latter.
+    # builds (kvforge.kernels) and reads the storage dtype (not float8), else the PyTorch
+    # `decode_attention`; "torch" always the latter.
     decode_kernel: str = "auto"
 
     def __post_init__(self) -> None:

@@ -1,4 +1,5 @@
-"""The `full` cache method: post-RoPE K and V in fp32/bf16/fp16 on a paged block pool.
+"""The `full` cache method: post-RoPE K and V in fp32/bf16/fp16, or float8 with a scale per
+token and KV head (fp8.py), on a paged block pool.
 
 Storage per side (K, V): [group_size, kv_heads, num_pages, block_size, head_dim], one
 page id valid for every layer of a group (see page_table.py). Head-major so that gathering
@@ -8,7 +9,9 @@ touched only as pages are used.
 
 Attention of a step = the step's own exact K/V (causal) + what is stored for earlier
 tokens. Prefill chunks gather their visible past once per layer (compute is already
-chunk x context); decode tokens are batched and read pages tile by tile.
+chunk x context); decode tokens are batched and read pages tile by tile. float8 pages are
+read through `fp8.dequantize` by every path (the C++ decode kernel does not read them: the
+PyTorch path serves float8 on every device).
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.batch import ForwardBatch, SequenceSpan
-from kvforge.cache.attention import chunk_attention, decode_attention
+from kvforge.cache.attention import chunk_attention, decode_attention, select_pages
 from kvforge.cache.base import CacheMethod, PagedPoolMemory
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.full.config import STORAGE_DTYPES, FullCacheConfig
 from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
+from kvforge.cache.full.fp8 import SCALE_BYTES, SCALE_DTYPE, dequantize, is_fp8, quantize_per_token
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
@@ -78,7 +82,10 @@ class FullCache(PagedPoolMemory, CacheMethod):
         self.groups = LayerGroups.from_layout(layout)
         self.block_size = config.block_size
         element = torch.tensor([], dtype=self.storage_dtype).element_size()
-        self._token_layer_bytes = 2 * layout.num_kv_heads * layout.head_dim * element
+        self.fp8 = is_fp8(self.storage_dtype)
+        # K and V rows of one token and layer (plus their scales when float8)
+        row_bytes = layout.head_dim * element + (SCALE_BYTES if self.fp8 else 0)
+        self._token_layer_bytes = 2 * layout.num_kv_heads * row_bytes
         self.page_bytes = self.groups.group_size * self.block_size * self._token_layer_bytes
         num_pages = budget_bytes // self.page_bytes
         minimum = self.groups.num_groups * self.page_bytes
@@ -92,6 +99,9 @@ class FullCache(PagedPoolMemory, CacheMethod):
         shape = (self.groups.group_size, layout.num_kv_heads, num_pages, self.block_size, layout.head_dim)
         self.k_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
         self.v_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
+        # float8: the scale of each stored row [group_size, kv_heads, num_pages, block]
+        self.k_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None
+        self.v_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None
         self._plans: list[_GroupPlan] = []
         self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # attend_rows: the rows, and where each sequence's queries are (None: not trailing
@@ -166,9 +176,16 @@ class FullCache(PagedPoolMemory, CacheMethod):
         if plan.write_rows is not None:
             k, v = k[plan.write_rows], v[plan.write_rows]
         heads, dim = self.layout.num_kv_heads, self.layout.head_dim
-        for store, values in ((self.k_store, k), (self.v_store, v)):
+        for store, scales, values in ((self.k_store, self.k_scales, k), (self.v_store, self.v_scales, v)):
             flat = store[index].view(heads, -1, dim)
-            flat.index_copy_(1, plan.write_slots, values.transpose(0, 1).to(self.storage_dtype))
+            rows = values.transpose(0, 1)
+            if scales is None:
+                flat.index_copy_(1, plan.write_slots, rows.to(self.storage_dtype))
+            else:
+                codes, row_scales = quantize_per_token(rows, self.storage_dtype)
+                # through bytes: torch's CPU index_copy_ has no float8 kernel
+                flat.view(torch.uint8).index_copy_(1, plan.write_slots, codes.view(torch.uint8))
+                scales[index].view(heads, -1).index_copy_(1, plan.write_slots, row_scales)
 
     def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
                rope: PositionedRope) -> torch.Tensor:
@@ -212,6 +229,8 @@ class FullCache(PagedPoolMemory, CacheMethod):
         plan = self._plans[group]
         k_new, v_new = self._step_kv[cache_layer]
         k_pages, v_pages = self.k_store[index], self.v_store[index]
+        k_scales = self.k_scales[index] if self.k_scales is not None else None
+        v_scales = self.v_scales[index] if self.v_scales is not None else None
         # With `located`, one spare row past the end receives the dropped decode results.
         out = q.new_empty((q.shape[0] + (located is not None), *q.shape[1:]))
         for prefill in plan.prefills:
@@ -225,8 +244,8 @@ class FullCache(PagedPoolMemory, CacheMethod):
             if span.cached_len > past_from:
                 skip = past_from - prefill.first_page_position
                 length = span.cached_len - past_from
-                past_k = k_pages.index_select(1, prefill.pages).flatten(1, 2)[:, skip:skip + length]
-                past_v = v_pages.index_select(1, prefill.pages).flatten(1, 2)[:, skip:skip + length]
+                past_k = _gather_rows(k_pages, k_scales, prefill.pages)[:, skip:skip + length]
+                past_v = _gather_rows(v_pages, v_scales, prefill.pages)[:, skip:skip + length]
                 k = torch.cat((past_k.to(k.dtype), k), dim=1)
                 v = torch.cat((past_v.to(v.dtype), v), dim=1)
             else:
@@ -242,11 +261,13 @@ class FullCache(PagedPoolMemory, CacheMethod):
                 q_dec, write = q[located.read] * located.keep, located.write
             args = (q_dec, k_new[d.rows], v_new[d.rows], k_pages, v_pages, d.page_table,
                     d.first_page_position, d.visible_from, d.visible_to, spec.scale)
-            if self.config.decode_kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
+            kernel = self.config.decode_kernel == "auto" and q.device.type == "cpu" and not self.fp8
+            if kernel and cpu_kernels_available():
                 result = paged_decode_attention_cpu(*args)  # reads pages in place
             else:
                 result = decode_attention(
-                    *args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size))
+                    *args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size),
+                    k_scales=k_scales, v_scales=v_scales)
             out[write] = result
         return out if located is None else out[:-1]
 
@@ -301,3 +322,10 @@ class FullCache(PagedPoolMemory, CacheMethod):
             visible_from=as_tensor(visible_from),
             visible_to=as_tensor([s.cached_len for s in spans]),
         )
+
+
+def _gather_rows(pages: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """Rows of pages `ids` in order, [kv_heads, tokens, D]: as stored, or dequantised
+    (float32) when the pages hold float8 codes with their `scales`."""
+    rows = select_pages(pages, ids).flatten(1, 2)
+    return rows if scales is None else dequantize(rows, scales.index_select(1, ids).flatten(1, 2))

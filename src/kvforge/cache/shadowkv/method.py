@@ -58,6 +58,21 @@ class _Step:
     groups: tuple[SparseGroup, ...]
     any_compressed: bool
     ropes: dict[int, PositionedRope] = field(default_factory=dict)  # sub-ropes of exact rows
+    # attend_rows of a mixed step: the rows asked for and where they go (None: generic path),
+    # located once for every later layer
+    row_split: tuple[torch.Tensor, _RowSplit | None] | None = None
+
+
+@dataclass(frozen=True)
+class _RowSplit:
+    """Rows asked of attend_rows in a step that mixes exact and compressed sequences: the
+    exact ones go to the inner cache's attend_rows (only those rows attend), the compressed
+    ones to their sparse groups."""
+
+    exact_q: torch.Tensor  # positions in q of rows of exact sequences
+    exact_rows: torch.Tensor  # the same rows in the exact sub-batch (one tensor for every layer)
+    compressed_q: torch.Tensor  # positions in q of rows of compressed sequences
+    compressed_rows: torch.Tensor  # the same rows in the batch
 
 
 def _sub_layout(layout: CacheLayout, layers: list[int]) -> CacheLayout:
@@ -265,16 +280,24 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         if step.exact_batch is not None:
             rows = step.exact_rows
             out[rows] = self.exact.attend(index, step.exact_batch, q[rows], self._exact_rope(rope))
-        if step.groups:
-            assert self.sparse is not None
-            k_post, v = self._step_kv[cache_layer]
-            scale = self.layout.specs[cache_layer].scale
-            # The fused kernel is one parallel loop over (sequence, KV head) pairs per layer:
-            # it uses torch's threads. `threads` is for the PyTorch path's many small ops.
-            kernel_only = all(group.kernel for group in step.groups)
-            with cpu_threads(0 if kernel_only else self.config.threads, self.device):
-                self._attend_groups(index, step.groups, q, k_post, v, rope, scale, out)
+        self._attend_compressed(cache_layer, q, rope, out)
         return out
+
+    def _attend_compressed(self, cache_layer: int, q: torch.Tensor, rope: PositionedRope, out: torch.Tensor) -> None:
+        """Attention of the step's compressed sequences (their sparse groups): q and out
+        cover every row of the batch; only the groups' rows of out are written."""
+        step = self._step
+        assert step is not None
+        if not step.groups:
+            return
+        assert self.sparse is not None
+        k_post, v = self._step_kv[cache_layer]
+        scale = self.layout.specs[cache_layer].scale
+        # The fused kernel is one parallel loop over (sequence, KV head) pairs per layer:
+        # it uses torch's threads. `threads` is for the PyTorch path's many small ops.
+        kernel_only = all(group.kernel for group in step.groups)
+        with cpu_threads(0 if kernel_only else self.config.threads, self.device):
+            self._attend_groups(self._inner_index[cache_layer], step.groups, q, k_post, v, rope, scale, out)
 
     def _attend_groups(self, index: int, groups: tuple[SparseGroup, ...], q: torch.Tensor, k_post: torch.Tensor,
                        v: torch.Tensor, rope: PositionedRope, scale: float, out: torch.Tensor) -> None:
@@ -297,7 +320,54 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         if step.exact_batch is batch:
             assert self.exact is not None
             return self.exact.attend_rows(index, batch, q, rope, rows)
-        return super().attend_rows(cache_layer, batch, q, rope, rows)
+        if step.row_split is None or step.row_split[0] is not rows:
+            step.row_split = (rows, self._split_rows(batch, rows))
+        split = step.row_split[1]
+        if split is None or step.exact_batch is None:
+            return super().attend_rows(cache_layer, batch, q, rope, rows)
+        # A mixed step (prompts of exact sequences beside compressed ones decoding): the
+        # generic path would attend every prompt row of the exact sequences, which SwiftKV's
+        # later layers exist to skip.
+        assert self.exact is not None
+        out = q.new_empty(q.shape)
+        if split.exact_q.numel():
+            out[split.exact_q] = self.exact.attend_rows(index, step.exact_batch, q[split.exact_q],
+                                                        self._exact_rope(rope), split.exact_rows)
+        if split.compressed_q.numel():
+            full = q.new_zeros((batch.num_tokens, *q.shape[1:]))
+            full[split.compressed_rows] = q[split.compressed_q]
+            attended = torch.empty_like(full)
+            self._attend_compressed(cache_layer, full, rope, attended)
+            out[split.compressed_q] = attended[split.compressed_rows]
+        return out
+
+    def _split_rows(self, batch: ForwardBatch, rows: torch.Tensor) -> _RowSplit | None:
+        """Where attend_rows' rows go in a mixed step (None unless they are trailing rows of
+        each span, as SwiftKV's logit rows are)."""
+        counts = batch.trailing_counts(rows)
+        step = self._step
+        if counts is None or step is None or step.exact_batch is None:
+            return None
+        exact_spans = {span.seq_id: span for span in step.exact_batch.spans}
+        exact_q: list[int] = []
+        exact_rows: list[int] = []
+        compressed_q: list[int] = []
+        compressed_rows: list[int] = []
+        position = 0
+        for span, count in zip(batch.spans, counts):
+            inner = exact_spans.get(span.seq_id)
+            for offset in range(count):
+                row = span.query_end - count + offset
+                if inner is not None:
+                    exact_q.append(position)
+                    exact_rows.append(inner.query_end - count + offset)
+                else:
+                    compressed_q.append(position)
+                    compressed_rows.append(row)
+                position += 1
+        as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731 (host: see upload)
+        return upload(_RowSplit(as_long(exact_q), as_long(exact_rows), as_long(compressed_q),
+                                as_long(compressed_rows)), self.device)
 
     def end_step(self, batch: ForwardBatch) -> None:
         step = self._step

@@ -82,6 +82,15 @@ def _shadowkv_default(doc: Document) -> str:
             f"({round(doc['bytes_at_tokens'] / 1024)}K, compressed layers)")
 
 
+def _fp8(doc: Document) -> str:
+    """The float8 system's perplexity change against the same model with fp32 pages, and
+    its stored bits per element (codes + scales)."""
+    ours = doc["systems"][0]
+    st = doc["settings"]
+    return (f"decode perplexity **{fmt(ours['delta_pct'], '{:+.2f}')}%** at {ours['stored_bits_per_element']:.1f} "
+            f"bits/element ({st['windows']} windows of {st['context']})")
+
+
 def _niah(doc: Document) -> str:
     ours, full = doc["systems"][0], doc["systems"][1]
     length = doc["settings"]["lengths"][0]
@@ -122,6 +131,10 @@ ROWS = [
         "up to 3.04x throughput, 6x batch (A100)"),
     Row("ShadowKV quality", "", "eval/shadowkv_front_gemma3-270m.json", _shadowkv_default, "full cache, fp32",
         "accuracy kept at a 1.56% sparse budget"),
+    Row("SwiftKV + ShadowKV", "both", "bench/decode_smollm2-135m_16k_batch4_swiftkv_l15_shadowkv_vs_full.json",
+        _decode, "SwiftKV, full cache, fp32", "(composition: not in the papers)"),
+    Row("SwiftKV + FP8 KV", "KV memory (per-token float8)", "eval/ppl_smollm2-135m_2048_swiftkv_l15_fp8_vs_full.json",
+        _fp8, "SwiftKV, full cache, fp32", "within 0.4 points of accuracy (Table 7)"),
     Row("Prefix caching, full", "recomputing a conversation's earlier turns",
         "bench/prefix_smollm2-135m_2048x8_full.json", _prefix, "the same without prefix caching",
         "(engine feature, as in vLLM and SGLang)"),

@@ -57,17 +57,9 @@ class DequantisedFull(FullCache):
 
     fp8_dtype = torch.float8_e4m3fn
 
-    def write(self, cache_layer, batch, k_pre, v, rope):
-        k = rope.apply(k_pre)
-        self._step_kv[cache_layer] = (k, v)
-        group, index = self.groups.slot_of[cache_layer]
-        plan = self._plans[group]
-        if plan.write_rows is not None:
-            k, v = k[plan.write_rows], v[plan.write_rows]
-        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
-        for store, values in ((self.k_store, k), (self.v_store, v)):
-            rows = dequantize(*quantize_per_token(values.transpose(0, 1), self.fp8_dtype))
-            store[index].view(heads, -1, dim).index_copy_(1, plan.write_slots, rows)
+    def _store_rows(self, pages, scales, slots, rows):
+        defined = dequantize(*quantize_per_token(rows, self.fp8_dtype))
+        pages.view(self.layout.num_kv_heads, -1, self.layout.head_dim).index_copy_(1, slots, defined)
 
 
 def _runners(model, name: str, block: int = 4) -> tuple[ModelRunner, ModelRunner]:

@@ -175,17 +175,23 @@ class FullCache(PagedPoolMemory, CacheMethod):
         plan = self._plans[group]
         if plan.write_rows is not None:
             k, v = k[plan.write_rows], v[plan.write_rows]
-        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
         for store, scales, values in ((self.k_store, self.k_scales, k), (self.v_store, self.v_scales, v)):
-            flat = store[index].view(heads, -1, dim)
-            rows = values.transpose(0, 1)
-            if scales is None:
-                flat.index_copy_(1, plan.write_slots, rows.to(self.storage_dtype))
-            else:
-                codes, row_scales = quantize_per_token(rows, self.storage_dtype)
-                # through bytes: torch's CPU index_copy_ has no float8 kernel
-                flat.view(torch.uint8).index_copy_(1, plan.write_slots, codes.view(torch.uint8))
-                scales[index].view(heads, -1).index_copy_(1, plan.write_slots, row_scales)
+            self._store_rows(store[index], None if scales is None else scales[index], plan.write_slots,
+                             values.transpose(0, 1))
+
+    def _store_rows(self, pages: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
+                    rows: torch.Tensor) -> None:
+        """rows [kv_heads, T, D] into one layer's pages [kv_heads, num_pages, block, D] at the
+        flat slots (page x block + offset) [T]; float8 pages also get each row's scale."""
+        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        flat = pages.view(heads, -1, dim)
+        if scales is None:
+            flat.index_copy_(1, slots, rows.to(self.storage_dtype))
+            return
+        codes, row_scales = quantize_per_token(rows, self.storage_dtype)
+        # through bytes: torch's CPU index_copy_ has no float8 kernel
+        flat.view(torch.uint8).index_copy_(1, slots, codes.view(torch.uint8))
+        scales.view(heads, -1).index_copy_(1, slots, row_scales)
 
     def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
                rope: PositionedRope) -> torch.Tensor:

@@ -13,6 +13,7 @@ from conftest import decode_logits, make_pair, make_runner
 from kvforge.cache.attention import decode_attention
 from kvforge.cache.full import cpu_decode as cpu_paged_attention
 from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
+from kvforge.cache.full.fp8 import FP8_DTYPES, quantize_per_token
 from kvforge.cache.registry import parse_cache_spec
 from kvforge.errors import ConfigError
 
@@ -109,6 +110,23 @@ def test_low_precision_storage(storage, dim):
 
 
 @requires_kernel
+@pytest.mark.parametrize("storage", sorted(FP8_DTYPES))
+@pytest.mark.parametrize("dim", [64, 256, 40])
+def test_float8_storage_with_row_scales(storage, dim):
+    """float8 codes with a scale per row (fp8.py): the kernel widens them in registers, the
+    PyTorch path dequantises tiles; a head dim off the vector width takes the portable path."""
+    case = make_case([1, 17, 90, 400], kv_heads=3, group=3, dim=dim, window=None)
+    for side in ("k", "v"):
+        codes, scales = quantize_per_token(case[f"{side}_pages"], FP8_DTYPES[storage])
+        case[f"{side}_pages"], case[f"{side}_scales"] = codes, scales
+    out, ref = both(case)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # the scales are read: without them the rows would be the codes alone
+    unscaled = decode_attention(**{**case, "k_scales": None, "v_scales": None}, tile_pages=2)
+    assert (unscaled - ref).abs().max() > 1e-2
+
+
+@requires_kernel
 @pytest.mark.parametrize("compute", [torch.bfloat16, torch.float16])
 def test_low_precision_queries(compute):
     case = make_case([5, 60, 129], kv_heads=2, group=2, dim=64, storage=compute)
@@ -174,7 +192,7 @@ def test_model_decode_same_logits_with_and_without_kernel(name, monkeypatch):
     calls = []
     original = cpu_paged_attention.paged_decode_attention_cpu
     monkeypatch.setattr("kvforge.cache.full.method.paged_decode_attention_cpu",
-                        lambda *args: calls.append(1) or original(*args))
+                        lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
     prompts = [list(range(3, 30)), [7, 8], list(range(40, 52))]
     logits = {}
     for kernel in ("auto", "torch"):

@@ -22,8 +22,7 @@ class FullCacheConfig:
     # Stored tokens read per tile by batched decode attention (bounds temporaries).
     decode_tile_tokens: int = 1024
     # Batched decode attention: "auto" uses the compiled CPU kernel for CPU tensors when it
-    # builds (kvforge.kernels) and reads the storage dtype (not float8), else the PyTorch
-    # `decode_attention`; "torch" always the latter.
+    # builds (kvforge.kernels), else the PyTorch `decode_attention`; "torch" always the latter.
     decode_kernel: str = "auto"
 
     def __post_init__(self) -> None:

@@ -7,14 +7,18 @@
 //
 // Invariants the kernel relies on (checked on entry, mostly made true by the Python wrapper):
 // - q, k_self, v_self are contiguous float32 [B, heads, D] / [B, kv_heads, D];
-// - k_pages/v_pages are [kv_heads, num_pages, block, D] of one dtype in {f32, bf16, f16},
-//   any strides for the first three dims but unit stride along D (a `store[layer]` view);
+// - k_pages/v_pages are [kv_heads, num_pages, block, D] of one dtype in {f32, bf16, f16,
+//   float8_e4m3fn, float8_e5m2}, any strides for the first three dims but unit stride along
+//   D (a `store[layer]` view); float8 pages come with float32 scales [kv_heads, num_pages,
+//   block] (one per stored row, any strides): a row's value is its codes x its scale;
 // - page_table [B, P] and the three position vectors [B] are contiguous int64;
 // - heads is a multiple of kv_heads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -97,6 +101,11 @@ inline void sum4_avx(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
 }
 #endif
 
+// float8 codes are widened through float16 bits. e5m2 (sign, 5 exponent, 2 mantissa bits,
+// bias 15) is exactly the top byte of a float16. e4m3fn (sign, 4 exponent, 3 mantissa bits,
+// bias 7) placed as sign | 0eeee | mmm0000000 is a float16 worth 2^-8 of its value, normal
+// and subnormal alike (the exponent bias differs by 8); hence the x 256. The one NaN code of
+// e4m3fn would read as 480: stored rows are finite (fp8.py scales them into range).
 #if defined(__AVX512F__)
 struct NativeVec {
   static constexpr int64_t kLanes = 16;
@@ -111,6 +120,17 @@ struct NativeVec {
   }
   static NativeVec load(const c10::Half* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  // float8 through float16 bits (see fp8_as_half_bits): e5m2 is the top byte of a float16.
+  static NativeVec load(const c10::Float8_e5m2* p) {
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm512_cvtph_ps(_mm256_slli_epi16(wide, 8))};
+  }
+  static NativeVec load(const c10::Float8_e4m3fn* p) {
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7);
+    return {_mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.f))};
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static NativeVec fmadd(NativeVec a, NativeVec b, NativeVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
@@ -138,6 +158,16 @@ struct NativeVec {
   }
   static NativeVec load(const c10::Half* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  static NativeVec load(const c10::Float8_e5m2* p) {
+    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_cvtph_ps(_mm_slli_epi16(wide, 8))};
+  }
+  static NativeVec load(const c10::Float8_e4m3fn* p) {
+    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8);
+    const __m128i rest = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7F)), 7);
+    return {_mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.f))};
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   static NativeVec fmadd(NativeVec a, NativeVec b, NativeVec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
@@ -262,17 +292,26 @@ inline float sum_of(const float* x, int64_t n) {
   return sum;
 }
 
+template <typename scalar_t>
+constexpr bool kFloat8 = std::is_same_v<scalar_t, c10::Float8_e4m3fn> || std::is_same_v<scalar_t, c10::Float8_e5m2>;
+
 // Rows as float pointers: float32 rows are read in place, 16-bit rows are widened once per
-// tile into `buffer` so the inner loops (run `group` times per row) stay pure float.
+// tile into `buffer` so the inner loops (run `group` times per row) stay pure float; float8
+// rows are widened and multiplied by their row's scale (`scales[t]`).
 template <typename V, typename scalar_t>
-inline void tile_rows(const scalar_t* const* src, int64_t n, int64_t dim, float* buffer,
-                      const float** rows) {
+inline void tile_rows(const scalar_t* const* src, const float* const* scales, int64_t n, int64_t dim,
+                      float* buffer, const float** rows) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     for (int64_t t = 0; t < n; ++t) rows[t] = src[t];
   } else {
     for (int64_t t = 0; t < n; ++t) {
       float* out = buffer + t * dim;
-      for (int64_t d = 0; d < dim; d += V::kLanes) V::load(src[t] + d).store(out + d);
+      if constexpr (kFloat8<scalar_t>) {
+        const V scale = V::broadcast(*scales[t]);
+        for (int64_t d = 0; d < dim; d += V::kLanes) V::fmadd(V::load(src[t] + d), scale, V::zero()).store(out + d);
+      } else {
+        for (int64_t d = 0; d < dim; d += V::kLanes) V::load(src[t] + d).store(out + d);
+      }
       rows[t] = out;
     }
   }
@@ -292,12 +331,19 @@ struct PageGeometry {
   int64_t num_pages, block, stride_head, stride_page, stride_row;
 };
 
+// Scales of float8 rows [kv_heads, num_pages, block] (null data otherwise).
+struct ScaleGeometry {
+  const float* data;
+  int64_t stride_head, stride_page, stride_row;
+};
+
 struct Problem {
   int64_t kv_heads, group, dim, table_width;
   float scale;
   const float *q, *k_self, *v_self;
   const int64_t* page_table;
   PageGeometry kg, vg;
+  ScaleGeometry ks, vs;
 };
 
 // Streaming softmax of one unit. Writes the unnormalised partial state: running max m[g],
@@ -347,6 +393,8 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
   // streams within a page, cannot anticipate the jump to the next page.
   const scalar_t* k_src[2][kTile];
   const scalar_t* v_src[2][kTile];
+  const float* k_scale[2][kTile];  // float8 only: each row's scale
+  const float* v_scale[2][kTile];
   const float* k_rows[kTile];
   const float* v_rows[kTile];
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
@@ -368,6 +416,10 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
       }
       k_src[slot][t] = k_head + page * p.kg.stride_page + row * p.kg.stride_row;
       v_src[slot][t] = v_head + page * p.vg.stride_page + row * p.vg.stride_row;
+      if constexpr (kFloat8<scalar_t>) {
+        k_scale[slot][t] = p.ks.data + h * p.ks.stride_head + page * p.ks.stride_page + row * p.ks.stride_row;
+        v_scale[slot][t] = p.vs.data + h * p.vs.stride_head + page * p.vs.stride_page + row * p.vs.stride_row;
+      }
     }
     return n;
   };
@@ -389,7 +441,7 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
     const int64_t next = start + kTile;
     const int64_t next_n = next < unit.col_end ? locate(next, slot ^ 1) : 0;
     // Scores of the tile: each K row is loaded from storage once for the whole group.
-    tile_rows<V, scalar_t>(k_src[slot], n, dim, k_buffer, k_rows);
+    tile_rows<V, scalar_t>(k_src[slot], k_scale[slot], n, dim, k_buffer, k_rows);
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
       for (int64_t i = t; i < std::min(t + 4, next_n); ++i) prefetch_row(slot ^ 1, i);
@@ -400,7 +452,7 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
       for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot<V>(qs + g * dim, k_rows[t], dim);
     }
     // Online softmax update, then the weighted values (each V row loaded once).
-    tile_rows<V, scalar_t>(v_src[slot], n, dim, v_buffer, v_rows);
+    tile_rows<V, scalar_t>(v_src[slot], v_scale[slot], n, dim, v_buffer, v_rows);
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * kTile;
       const float new_max = std::max(m[g], max_of(s, n));
@@ -422,6 +474,11 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
 
 PageGeometry geometry(const at::Tensor& pages) {
   return {pages.size(1), pages.size(2), pages.stride(0), pages.stride(1), pages.stride(2)};
+}
+
+ScaleGeometry scale_geometry(const at::Tensor& scales, bool used) {
+  if (!used) return {nullptr, 0, 0, 0};
+  return {scales.data_ptr<float>(), scales.stride(0), scales.stride(1), scales.stride(2)};
 }
 
 // Runs every unit (in parallel) and writes their partial states [m (group), l (group),
@@ -452,8 +509,13 @@ void dispatch_dtype(const std::vector<Unit>& units, const Problem& problem, cons
       return run_units<V, c10::BFloat16>(units, problem, k_pages, v_pages, partial);
     case at::kHalf:
       return run_units<V, c10::Half>(units, problem, k_pages, v_pages, partial);
+    case at::kFloat8_e4m3fn:
+      return run_units<V, c10::Float8_e4m3fn>(units, problem, k_pages, v_pages, partial);
+    case at::kFloat8_e5m2:
+      return run_units<V, c10::Float8_e5m2>(units, problem, k_pages, v_pages, partial);
     default:
-      TORCH_CHECK(false, "paged_decode_attention: storage dtype must be float32, bfloat16 or float16");
+      TORCH_CHECK(false, "paged_decode_attention: storage dtype must be float32, bfloat16, float16, "
+                  "float8_e4m3fn or float8_e5m2");
   }
 }
 
@@ -462,7 +524,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
                                   const at::Tensor& v_pages, const at::Tensor& page_table,
                                   const at::Tensor& first_page_position,
                                   const at::Tensor& visible_from, const at::Tensor& visible_to,
-                                  double scale) {
+                                  double scale, const at::Tensor& k_scales, const at::Tensor& v_scales) {
   TORCH_CHECK(q.dim() == 3 && k_self.dim() == 3 && v_self.dim() == 3,
               "q, k_self, v_self must be [B, heads, D]");
   TORCH_CHECK(k_pages.dim() == 4 && v_pages.dim() == 4,
@@ -485,6 +547,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
               "k_pages, v_pages must have unit stride along head_dim");
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch, "page_table must be [B, P]");
   kvforge_checks::per_sequence(kOpName, "positions", batch, {&first_page_position, &visible_from, &visible_to});
+  const bool float8 = k_pages.scalar_type() == at::kFloat8_e4m3fn || k_pages.scalar_type() == at::kFloat8_e5m2;
+  if (float8) {
+    kvforge_checks::cpu(kOpName, {&k_scales, &v_scales});
+    TORCH_CHECK(k_scales.scalar_type() == at::kFloat && v_scales.scalar_type() == at::kFloat &&
+                    k_scales.dim() == 3 && k_scales.sizes() == k_pages.sizes().slice(0, 3) &&
+                    v_scales.sizes() == k_scales.sizes(),
+                "float8 pages need float32 scales [kv_heads, num_pages, block]");
+  }
   const int64_t group = heads / kv_heads;
   const int64_t block = k_pages.size(2);
   const int64_t columns = page_table.size(1) * block;
@@ -523,7 +593,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
 
   const Problem problem{kv_heads, group, dim, page_table.size(1), static_cast<float>(scale),
                         q.data_ptr<float>(), k_self.data_ptr<float>(), v_self.data_ptr<float>(),
-                        page_table.data_ptr<int64_t>(), geometry(k_pages), geometry(v_pages)};
+                        page_table.data_ptr<int64_t>(), geometry(k_pages), geometry(v_pages),
+                        scale_geometry(k_scales, float8), scale_geometry(v_scales, float8)};
   const int64_t stride = group * (dim + 2);
   std::vector<float> partial(units.size() * stride);
 #ifdef KVFORGE_NATIVE_VEC
@@ -570,7 +641,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
 TORCH_LIBRARY(kvforge_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_self, Tensor v_self, Tensor k_pages, "
         "Tensor v_pages, Tensor page_table, Tensor first_page_position, Tensor visible_from, "
-        "Tensor visible_to, float scale) -> Tensor");
+        "Tensor visible_to, float scale, Tensor k_scales, Tensor v_scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {

@@ -40,12 +40,14 @@ def cpu_kernels_available() -> bool:
 def paged_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor,
                                k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
                                first_page_position: torch.Tensor, visible_from: torch.Tensor,
-                               visible_to: torch.Tensor, scale: float) -> torch.Tensor:
+                               visible_to: torch.Tensor, scale: float, k_scales: torch.Tensor | None = None,
+                               v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over its own new key plus stored keys, accumulated in float32.
 
     Shapes and meaning as `decode_attention`: q [B, heads, D]; k_self/v_self [B, kv_heads, D];
-    k_pages/v_pages [kv_heads, num_pages, block, D] (float32/bfloat16/float16, any strides
-    with unit stride along D, e.g. the view `store[layer]`); page_table [B, P] int64; the
+    k_pages/v_pages [kv_heads, num_pages, block, D] (float32/bfloat16/float16, or float8
+    with k_scales/v_scales [kv_heads, num_pages, block] float32, one per row: cache/full/fp8.py;
+    any strides with unit stride along D, e.g. the view `store[layer]`); page_table [B, P] int64; the
     token in column j of row b has position first_page_position[b] + j and is visible iff
     visible_from[b] <= position < visible_to[b]. Returns [B, heads, D] in q's dtype.
     Raises RuntimeError when the kernel is unavailable; check `cpu_kernels_available()`.
@@ -66,8 +68,12 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: to
     out = torch.ops.kvforge_cpu.paged_decode_attention(
         _as(q, torch.float32), _as(k_self, torch.float32), _as(v_self, torch.float32), k_pages, v_pages,
         _as(page_table, torch.int64), _as(first_page_position, torch.int64), _as(visible_from, torch.int64),
-        _as(visible_to, torch.int64), float(scale))
+        _as(visible_to, torch.int64), float(scale), _NO_SCALES if k_scales is None else k_scales,
+        _NO_SCALES if v_scales is None else v_scales)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+_NO_SCALES = torch.empty(0)  # 16/32-bit pages: no scales (the kernel reads none)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

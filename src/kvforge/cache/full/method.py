@@ -10,8 +10,8 @@ touched only as pages are used.
 Attention of a step = the step's own exact K/V (causal) + what is stored for earlier
 tokens. Prefill chunks gather their visible past once per layer (compute is already
 chunk x context); decode tokens are batched and read pages tile by tile. float8 pages are
-read through `fp8.dequantize` by every path (the C++ decode kernel does not read them: the
-PyTorch path serves float8 on every device).
+dequantised by every path: `fp8.dequantize` in PyTorch, per row in registers in the C++
+decode kernel (parity-tested against the PyTorch path).
 """
 
 from __future__ import annotations
@@ -267,9 +267,8 @@ class FullCache(PagedPoolMemory, CacheMethod):
                 q_dec, write = q[located.read] * located.keep, located.write
             args = (q_dec, k_new[d.rows], v_new[d.rows], k_pages, v_pages, d.page_table,
                     d.first_page_position, d.visible_from, d.visible_to, spec.scale)
-            kernel = self.config.decode_kernel == "auto" and q.device.type == "cpu" and not self.fp8
-            if kernel and cpu_kernels_available():
-                result = paged_decode_attention_cpu(*args)  # reads pages in place
+            if self.config.decode_kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
+                result = paged_decode_attention_cpu(*args, k_scales=k_scales, v_scales=v_scales)  # pages in place
             else:
                 result = decode_attention(
                     *args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size),

@@ -7,8 +7,9 @@ once, at construction, between the terms of a sequence's `sequence_bytes` (what 
 the step that compresses it):
   exact   the inner `full` cache of the global layers (sequences not compressed yet),
   sliding the inner `full` cache of the sliding-window layers,
-  chunks  the chunk pages' fast part (coefficients, landmarks),
-  fixed   the per-sequence state of compressed sequences (bases, exact buffers, ids),
+  chunks  the chunk pages' fast part (landmarks, candidate flags),
+  fixed   the per-sequence state of compressed sequences (bases, key coefficients, exact
+          buffers, ids),
           allocated when a sequence is compressed, never up front.
 After one chunk page is set aside (compression needs one), the budget is split by default
 in two halves: one holds the parts of the longest sequence that fits in it alone (long

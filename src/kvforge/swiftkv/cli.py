@@ -1,6 +1,6 @@
-"""`kvforge swiftkv init | flops | distill | evaluate | compare`: write SwiftKV checkpoints, account
-their FLOPs, distill them from the base model, measure how close they come to it and show
-one prompt through both."""
+"""`kvforge swiftkv init | flops | distill | evaluate | compare | export`: write SwiftKV checkpoints,
+account their FLOPs, distill them from the base model, measure how close they come to it, show
+one prompt through both, and export a self-contained checkpoint in the authors' layout."""
 
 from __future__ import annotations
 
@@ -85,12 +85,21 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
     compare.add_argument("--text-file", default=None, help="text whose held-out part gives the prompt")
     compare.add_argument("--threads", type=int, default=None, help="torch threads")
     add_device_arg(compare)  # of both systems
+
+    export = kinds.add_parser("export", help="a self-contained checkpoint in the authors' layout (every base "
+                                             "weight, the SwiftKV tensors, the tokenizer) from a params-only one")
+    export.add_argument("--swiftkv", required=True, metavar="DIR", help="SwiftKV checkpoint (params-only or full)")
+    export.add_argument("--out", required=True, metavar="FULL", help="new or empty output directory")
+    export.add_argument("--model", default=None,
+                        help="base model (default: the base named by a params-only checkpoint)")
+    export.add_argument("--dtype", default="float32", help="dtype of the written tensors (float32)")
     return swift
 
 
 def run_swiftkv(args: argparse.Namespace) -> int:
     return {"init": _run_init, "flops": _run_flops, "distill": _run_distill,
-            "evaluate": _run_evaluate, "compare": _run_compare}[args.swiftkv_verb](args)
+            "evaluate": _run_evaluate, "compare": _run_compare,
+            "export": _run_export}[args.swiftkv_verb](args)
 
 
 def _run_distill(args: argparse.Namespace) -> int:
@@ -193,6 +202,18 @@ def _run_init(args: argparse.Namespace) -> int:
     print(f"wrote {out}: SwiftKV l={swift.num_key_value_layers} g={swift.key_value_group_size} of "
           f"{config.num_layers} layers, {len(tensors)} tensors, {size / 2**20:.1f} MiB "
           f"({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from kvforge.models.loader import parse_dtype
+    from kvforge.swiftkv.export import export_full_checkpoint
+
+    start = time.perf_counter()
+    result = export_full_checkpoint(args.swiftkv, args.out, base_model=args.model, dtype=parse_dtype(args.dtype))
+    print(f"exported {args.swiftkv} over {result.base_model} -> {result.out}: SwiftKV "
+          f"l={result.num_key_value_layers} g={result.key_value_group_size}, {result.num_tensors} tensors, "
+          f"{result.bytes_written / 2**20:.1f} MiB ({time.perf_counter() - start:.1f} s)")
     return 0
 
 

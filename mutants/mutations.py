@@ -276,4 +276,18 @@ MUTATIONS: list[Mutation] = [
              "ring, start, count, scratch.rows.data(), rows);",
              ("tests/cache/kivi/test_kivi_options.py",),
              "pre-RoPE keys still in the residual ring are RoPE'd at their positions too"),
+    # -- SwiftKV distillation under FSDP --------------------------------------------------
+    Mutation("fsdp_gradients_averaged_over_processes", S + "swiftkv/sharding.py",
+             "module.set_gradient_divide_factor(1.0)", "module.set_gradient_divide_factor(2.0)",
+             ("tests/swiftkv/test_distill_fsdp.py",),
+             "losses are normalised by the global count, so gradients must be summed, not averaged"),
+    Mutation("fsdp_state_keeps_this_process_shard", S + "swiftkv/sharding.py",
+             "state[\"state\"] = {index: {key: full_tensor(value) if isinstance(value, torch.Tensor) else value",
+             "state[\"state\"] = {index: {key: value.to_local() if hasattr(value, \"to_local\") else value",
+             ("tests/swiftkv/test_distill_fsdp.py",),
+             "training states hold full tensors so a sharded run resumes (and an unsharded one can)"),
+    Mutation("distill_stack_student_skips_swiftkv_query", S + "swiftkv/dense.py",
+             "q = _project(attn.q_proj_swiftkv, x, heads, dim)", "q = _project(attn.q_proj, x, heads, dim)",
+             ("tests/swiftkv/test_distill_trainer.py", "tests/swiftkv/test_swiftkv_model.py"),
+             "later layers' queries come from q_proj_swiftkv (the trained projection)"),
 ]

@@ -45,8 +45,9 @@ def tiny_base(seed: int = 4):
 
 
 def tiny_distill_model(first_later: int = FIRST_LATER, group: int = GROUP,
-                       train_later_layers: bool = False) -> DistillModel:
-    return DistillModel(tiny_base(), SwiftKVConfig(first_later, group), train_later_layers)
+                       train_later_layers: bool = False, activation_checkpointing: bool = False) -> DistillModel:
+    return DistillModel(tiny_base(), SwiftKVConfig(first_later, group), train_later_layers,
+                        activation_checkpointing=activation_checkpointing)
 
 
 def random_samples(count: int, seed: int, chat_like: bool = False) -> list[Sample]:

@@ -86,6 +86,22 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
     compare.add_argument("--threads", type=int, default=None, help="torch threads")
     add_device_arg(compare)  # of both systems
 
+    memory = kinds.add_parser("memory", help="device memory per process of a sharded distillation "
+                                             "(--fsdp under torchrun), estimated from the config")
+    source = memory.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="named model, .gguf file or HF directory")
+    source.add_argument("--config", default=None, help="a Hugging Face config.json")
+    memory.add_argument("--num-key-value-layers", type=int, required=True, help="l")
+    memory.add_argument("--group-size", type=int, default=1, help="g (1)")
+    memory.add_argument("--processes", type=int, default=8, help="processes (GPUs) sharing the model (8)")
+    memory.add_argument("--seq-len", type=int, default=8192, help="tokens per packed sequence (8192)")
+    memory.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch (1)")
+    memory.add_argument("--fsdp-mixed-precision", default="bfloat16", choices=("none", "bfloat16"),
+                        help="compute dtype of the gathered parameters (bfloat16)")
+    memory.add_argument("--no-activation-checkpointing", action="store_true",
+                        help="estimate without --activation-checkpointing")
+    memory.add_argument("--kl-chunk-tokens", type=int, default=256, help="as the recipe key (256)")
+
     export = kinds.add_parser("export", help="a self-contained checkpoint in the authors' layout (every base "
                                              "weight, the SwiftKV tensors, the tokenizer) from a params-only one")
     export.add_argument("--swiftkv", required=True, metavar="DIR", help="SwiftKV checkpoint (params-only or full)")
@@ -99,7 +115,7 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
 def run_swiftkv(args: argparse.Namespace) -> int:
     return {"init": _run_init, "flops": _run_flops, "distill": _run_distill,
             "evaluate": _run_evaluate, "compare": _run_compare,
-            "export": _run_export}[args.swiftkv_verb](args)
+            "export": _run_export, "memory": _run_memory}[args.swiftkv_verb](args)
 
 
 def _run_distill(args: argparse.Namespace) -> int:
@@ -214,6 +230,24 @@ def _run_export(args: argparse.Namespace) -> int:
     print(f"exported {args.swiftkv} over {result.base_model} -> {result.out}: SwiftKV "
           f"l={result.num_key_value_layers} g={result.key_value_group_size}, {result.num_tensors} tensors, "
           f"{result.bytes_written / 2**20:.1f} MiB ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    from kvforge.swiftkv.fsdp_memory import GIB, format_fsdp_memory, fsdp_memory
+
+    config = _flops_config(args)
+    swift = SwiftKVConfig(args.num_key_value_layers, args.group_size)
+    memory = fsdp_memory(config, swift, args.processes, args.seq_len * args.micro_batch_size,
+                         args.fsdp_mixed_precision, not args.no_activation_checkpointing, args.kl_chunk_tokens)
+    name = args.config or args.model or "smollm2-135m"
+    print(format_fsdp_memory(memory, f"{name}, SwiftKV l={swift.num_key_value_layers} g={swift.key_value_group_size}, "
+                                     f"{args.processes} processes, {args.micro_batch_size} x {args.seq_len} tokens "
+                                     f"per micro-batch, {args.fsdp_mixed_precision} compute, activation "
+                                     f"checkpointing {'off' if args.no_activation_checkpointing else 'on'}:"))
+    print(f"  (not counted: CUDA context, allocator fragmentation, attention workspaces; leave 2-4 GiB; "
+          f"unsharded, one process would hold {memory.sharded_parameters * args.processes / GIB:.1f} GiB "
+          f"of parameters)")
     return 0
 
 

@@ -86,6 +86,55 @@ def dense_inputs(model: CausalLM, token_ids: torch.Tensor, segment_ids: torch.Te
     return DenseInputs(batch, length, masks, [rotary.at(flat_positions, dtype) for rotary in model.rotaries])
 
 
+LaterKV = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _project(linear: torch.nn.Linear, x: torch.Tensor, n_heads: int, dim: int) -> torch.Tensor:
+    return F.linear(x, linear.weight, linear.bias).view(-1, n_heads, dim)
+
+
+def swiftkv_later_kv(model: LlamaSwiftKVForCausalLM, inputs: DenseInputs, hidden: torch.Tensor) -> LaterKV:
+    """K (rotated) and V of every later layer's cache from `hidden`, the input of layer l:
+    `norm_swiftkv` then each group leader's k/v_proj_swiftkv, keyed by cache layer."""
+    config, swift = model.config, model.config.swiftkv
+    kv_input = model.model.norm_swiftkv(hidden)
+    rope = inputs.ropes[model.rope_index[swift.num_key_value_layers]]
+    later_kv: LaterKV = {}
+    for leader in swift.leaders(config.num_layers):  # one rotary: every Llama layer shares layer l's
+        attn = model.model.layers[leader].self_attn
+        k = rope.apply(_project(attn.k_proj_swiftkv, kv_input, config.num_kv_heads, config.head_dim))
+        v = _project(attn.v_proj_swiftkv, kv_input, config.num_kv_heads, config.head_dim)
+        later_kv[swift.cache_layer_of(leader)] = (k, v)
+    return later_kv
+
+
+def dense_layer(model: CausalLM, index: int, inputs: DenseInputs, hidden: torch.Tensor,
+                later_kv: LaterKV | None = None) -> torch.Tensor:
+    """Layer `index` on `hidden` (its input); a SwiftKV later layer takes its K/V from
+    `later_kv` (see `swiftkv_later_kv`). Returns the layer's output."""
+    config = model.config
+    batch, length = inputs.batch, inputs.length
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    swift = config.swiftkv if isinstance(model, LlamaSwiftKVForCausalLM) else None
+    layer = model.model.layers[index]
+    rope = inputs.ropes[model.rope_index[index]]
+    x = layer.input_layernorm(hidden)
+    attn = layer.self_attn
+    if swift is not None and swift.is_later(index):
+        q = _project(attn.q_proj_swiftkv, x, heads, dim)
+        k, v = later_kv[swift.cache_layer_of(index)]
+    else:
+        q, k, v = _project(attn.q_proj, x, heads, dim), _project(attn.k_proj, x, kv_heads, dim), \
+            _project(attn.v_proj, x, kv_heads, dim)
+        k = rope.apply(k)
+    q = rope.apply(q)
+    shape = (batch, length)
+    out = _attend(q.view(*shape, heads, dim), k.view(*shape, kv_heads, dim), v.view(*shape, kv_heads, dim),
+                  inputs.masks[config.window_of(index)], config.attention_scale)
+    hidden = hidden + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
 def dense_layers(model: CausalLM, inputs: DenseInputs, hidden: torch.Tensor, start: int, stop: int,
                  capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """Run layers [start, stop) on `hidden` (the input of layer `start`); returns the input
@@ -93,44 +142,17 @@ def dense_layers(model: CausalLM, inputs: DenseInputs, hidden: torch.Tensor, sta
 
     A SwiftKV model computes its later layers' K/V when it reaches layer l, so a range that
     contains later layers must start at or before l."""
-    config = model.config
-    batch, length = inputs.batch, inputs.length
-    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
-    swift = config.swiftkv if isinstance(model, LlamaSwiftKVForCausalLM) else None
+    swift = model.config.swiftkv if isinstance(model, LlamaSwiftKVForCausalLM) else None
     if swift is not None and start > swift.num_key_value_layers and start < stop:
         raise ValueError(f"a SwiftKV dense range must start at or before layer l={swift.num_key_value_layers}")
-    later_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    later_kv: LaterKV = {}
     captured: dict[int, torch.Tensor] = {}
-
-    def project(linear: torch.nn.Linear, x: torch.Tensor, n_heads: int) -> torch.Tensor:
-        return F.linear(x, linear.weight, linear.bias).view(batch * length, n_heads, dim)
-
     for index in range(start, stop):
-        layer = model.model.layers[index]
         if index in capture:
             captured[index] = hidden
-        rope = inputs.ropes[model.rope_index[index]]
         if swift is not None and index == swift.num_key_value_layers:
-            kv_input = model.model.norm_swiftkv(hidden)
-            for leader in swift.leaders(config.num_layers):
-                attn = model.model.layers[leader].self_attn
-                k = rope.apply(project(attn.k_proj_swiftkv, kv_input, kv_heads))
-                v = project(attn.v_proj_swiftkv, kv_input, kv_heads)
-                later_kv[swift.cache_layer_of(leader)] = (k, v)
-        x = layer.input_layernorm(hidden)
-        attn = layer.self_attn
-        if swift is not None and swift.is_later(index):
-            q = project(attn.q_proj_swiftkv, x, heads)
-            k, v = later_kv[swift.cache_layer_of(index)]
-        else:
-            q, k, v = project(attn.q_proj, x, heads), project(attn.k_proj, x, kv_heads), project(attn.v_proj, x, kv_heads)
-            k = rope.apply(k)
-        q = rope.apply(q)
-        shape = (batch, length)
-        out = _attend(q.view(*shape, heads, dim), k.view(*shape, kv_heads, dim), v.view(*shape, kv_heads, dim),
-                      inputs.masks[config.window_of(index)], config.attention_scale)
-        hidden = hidden + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            later_kv = swiftkv_later_kv(model, inputs, hidden)
+        hidden = dense_layer(model, index, inputs, hidden, later_kv)
     if stop in capture:
         captured[stop] = hidden
     return hidden, captured

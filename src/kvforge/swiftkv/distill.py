@@ -110,7 +110,7 @@ def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
         check_init_from(recipe, config)
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
-    parallel = DataParallel.from_environment(recipe.device)
+    parallel = DataParallel.from_environment(recipe.device, group_of_one=recipe.fsdp)
     torch.manual_seed(recipe.seed)
     random.seed(recipe.seed)
     out = Path(recipe.out)
@@ -120,7 +120,12 @@ def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
     tokenizer = load_tokenizer(source)
     data = build_data(recipe, data_file, tokenizer, out, parallel, progress)
     init = starting_tensors(recipe, config) if recipe.init_from else None
-    model = DistillModel(base, config.swiftkv, recipe.train_later_layers, init=init)
+    model = DistillModel(base, config.swiftkv, recipe.train_later_layers, init=init,
+                         activation_checkpointing=recipe.activation_checkpointing)
+    if recipe.fsdp:
+        from kvforge.swiftkv.sharding import shard_distill_model
+
+        shard_distill_model(model, parallel.device, recipe.fsdp_mixed_precision)
     trainer = Trainer(model, data, recipe, out, parallel, progress)
     first_step = trainer.start()  # a state to resume from is checked against the recipe here
     if parallel.is_main:
@@ -135,8 +140,9 @@ def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
         before = _evaluate(model, tokenizer, quality_settings, text_for_eval, trainer, progress)
     trainer.train()
     after = None
+    trained = model.trainable_state()  # every process: gathering a sharded model is a collective
     if parallel.is_main:
-        export(model, config, recipe, out)
+        export(trained, config, recipe, out)
         if recipe.eval_windows:
             after = _evaluate(model, tokenizer, quality_settings, text_for_eval, trainer, progress)
     parallel.barrier()
@@ -145,11 +151,11 @@ def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
                          before, after, parallel.is_main)
 
 
-def export(model: DistillModel, config: ModelConfig, recipe: DistillRecipe, out: Path) -> Path:
-    """The params-only checkpoint (fp16): the trainable tensors under their HF names."""
+def export(trained: dict[str, torch.Tensor], config: ModelConfig, recipe: DistillRecipe, out: Path) -> Path:
+    """The params-only checkpoint (fp16): the trained tensors under their HF names."""
     from kvforge.swiftkv.checkpoint import write_checkpoint
 
-    return write_checkpoint(out, config, model.trainable_state(), torch.float16, base_model=recipe.model)
+    return write_checkpoint(out, config, trained, torch.float16, base_model=recipe.model)
 
 
 def _evaluate(model: DistillModel, tokenizer: Any, settings: QualitySettings, text_file: str | None,

@@ -29,10 +29,14 @@ class DataParallel:
         return self.rank == 0
 
     @classmethod
-    def from_environment(cls, device: str = "cpu") -> DataParallel:
-        """Single process unless torchrun's WORLD_SIZE > 1; then joins (or reuses) the group."""
+    def from_environment(cls, device: str = "cpu", group_of_one: bool = False) -> DataParallel:
+        """Single process unless torchrun's WORLD_SIZE > 1; then joins (or reuses) the group.
+        `group_of_one`: alone, still initialise a process group of one (FSDP needs a group)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
+            if group_of_one and not dist.is_initialized():
+                backend = "nccl" if device.startswith("cuda") else "gloo"
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             return cls(0, 1, torch.device(device))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         use_cuda = device.startswith("cuda")

@@ -54,6 +54,12 @@ RECIPE_KEYS: dict[str, tuple[str, str]] = {
     "hidden_loss_layer": ("int?", "the MSE compares the inputs of this layer (default: the last hidden "
                                   "state, num_layers); must be > l"),
     "bf16": ("bool", "bfloat16 autocast for the layer forwards (the KL stays float32)"),
+    "fsdp": ("bool", "shard the frozen base and the trained tensors over the torchrun processes with "
+                     "FSDP2 (fully_shard; gloo on CPU, NCCL on CUDA); states and exports stay full tensors"),
+    "fsdp_mixed_precision": ("str", "FSDP parameter dtype in the forward: none (as loaded) or bfloat16 "
+                                    "(gradients reduced in float32); needs --fsdp"),
+    "activation_checkpointing": ("bool", "recompute each student layer in the backward instead of keeping "
+                                         "its activations (less memory, about one more forward)"),
     "seed": ("int", "seed of the data order, the self-generated data and torch"),
     "threads": ("int?", "torch threads per process"),
     "device": ("str", "cpu or cuda (under torchrun each process takes cuda:LOCAL_RANK)"),
@@ -67,7 +73,7 @@ RECIPE_KEYS: dict[str, tuple[str, str]] = {
 
 # Keys that do not change the trajectory of the training (may differ on resume).
 NON_TRAJECTORY_KEYS = frozenset({"out", "threads", "device", "save_every", "keep_checkpoints", "resume",
-                                 "eval_windows", "eval_context"})
+                                 "eval_windows", "eval_context", "fsdp", "activation_checkpointing"})
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,9 @@ class DistillRecipe:
     hidden_loss_weight: float = 0.0
     hidden_loss_layer: int | None = None
     bf16: bool = False
+    fsdp: bool = False
+    fsdp_mixed_precision: str = "none"
+    activation_checkpointing: bool = False
     seed: int = 0
     threads: int | None = None
     device: str = "cpu"
@@ -138,6 +147,17 @@ class DistillRecipe:
         require(self.threads is None or self.threads >= 1, "threads", self.threads, "must be >= 1")
         require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device,
                 "must be cpu, cuda or cuda:N")
+        from kvforge.swiftkv.sharding import MIXED_PRECISIONS
+
+        require(self.fsdp_mixed_precision in MIXED_PRECISIONS, "fsdp-mixed-precision", self.fsdp_mixed_precision,
+                f"must be one of {MIXED_PRECISIONS}")
+        require(self.fsdp or self.fsdp_mixed_precision == "none", "fsdp-mixed-precision",
+                self.fsdp_mixed_precision, "needs --fsdp (without it use --bf16 autocast)")
+        require(not (self.fsdp and self.bf16), "bf16", self.bf16,
+                "must be off with --fsdp (use --fsdp-mixed-precision bfloat16)")
+        require(not (self.fsdp and self.eval_windows), "eval-windows", self.eval_windows,
+                "must be 0 with --fsdp (the sharded model is not evaluated in place; run "
+                "`kvforge swiftkv evaluate --swiftkv OUT` on the exported checkpoint)")
         require(self.eval_windows >= 0, "eval-windows", self.eval_windows, "must be >= 0")
         require(self.eval_context >= 2, "eval-context", self.eval_context, "must be >= 2")
 

@@ -27,7 +27,8 @@ from kvforge.models.layers import RMSNorm
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.models.llama_swiftkv import LlamaSwiftKVForCausalLM
 from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors
-from kvforge.swiftkv.dense import dense_inputs, dense_layers
+from kvforge.swiftkv.layer_units import DistillStack
+from kvforge.swiftkv.sharding import full_tensor, shard_like
 
 _SHARED_LATER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")
 
@@ -55,7 +56,7 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 class DistillModel(nn.Module):
     def __init__(self, base: LlamaForCausalLM, swift: SwiftKVConfig, train_later_layers: bool = False,
-                 init: dict[str, torch.Tensor] | None = None) -> None:
+                 init: dict[str, torch.Tensor] | None = None, activation_checkpointing: bool = False) -> None:
         super().__init__()
         if type(base) is not LlamaForCausalLM:
             raise ConfigError("model", type(base).__name__, "the teacher must be a base Llama-family model "
@@ -68,6 +69,8 @@ class DistillModel(nn.Module):
         if init is None:
             init = initial_swiftkv_tensors(base.state_dict(), base.config, swift)
         self.student = self._build_student(config, init).eval()
+        # The forward, layer by layer: the units FSDP shards (kvforge.swiftkv.fsdp).
+        self.stack = DistillStack(self, activation_checkpointing)
 
     def _build_student(self, config, init: dict[str, torch.Tensor]) -> LlamaSwiftKVForCausalLM:
         base = self.teacher
@@ -115,7 +118,8 @@ class DistillModel(nn.Module):
         return {name: named[name] for name in sorted(named) if named[name].requires_grad}
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone() for name, p in self.trainable().items()}
+        """Full (unsharded) copies; under FSDP a collective: every process must call it."""
+        return {name: full_tensor(p.detach()).clone() for name, p in self.trainable().items()}
 
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
         params = self.trainable()
@@ -124,21 +128,10 @@ class DistillModel(nn.Module):
                               "does not hold exactly this student's trainable parameters")
         with torch.no_grad():
             for name, p in params.items():
-                p.copy_(state[name])
+                p.copy_(shard_like(state[name], p))
 
     # -- forward ----------------------------------------------------------------------
     def forward_hidden(self, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None,
                        hidden_layer: int | None = None, autocast: bool = False) -> HiddenPair:
         """Teacher (no grad) and student (grad) hidden states for one batch; layers < l once."""
-        teacher, student = self.teacher, self.student
-        first, layers = self.swift.num_key_value_layers, teacher.config.num_layers
-        capture = () if hidden_layer is None else (hidden_layer,)
-        device_type = token_ids.device.type
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
-            with torch.no_grad():
-                hidden = teacher.embed(token_ids)
-                inputs = dense_inputs(teacher, token_ids, segment_ids, hidden.dtype)
-                shared, _ = dense_layers(teacher, inputs, hidden, 0, first)
-                final_t, at_t = dense_layers(teacher, inputs, shared, first, layers, capture)
-            final_s, at_s = dense_layers(student, inputs, shared, first, layers, capture)
-        return HiddenPair(final_t, final_s, at_t.get(hidden_layer), at_s.get(hidden_layer))
+        return self.stack(token_ids, segment_ids, hidden_layer, autocast)

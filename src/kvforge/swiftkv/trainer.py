@@ -32,6 +32,7 @@ from kvforge.swiftkv.data import PackedData
 from kvforge.swiftkv.loss import distill_loss
 from kvforge.swiftkv.parallel import DataParallel
 from kvforge.swiftkv.recipe import DistillRecipe
+from kvforge.swiftkv.sharding import full_optimizer_state, full_tensor, is_sharded, load_full_optimizer_state
 from kvforge.swiftkv.student import DistillModel
 
 STATE_FILE = "state.pt"
@@ -71,6 +72,8 @@ class Trainer:
         self.params = model.trainable()
         if not self.params:
             raise ConfigError("student", "no trainable parameters", "the student must have SwiftKV parameters")
+        # FSDP (kvforge.swiftkv.sharding) reduce-scatters the gradients itself.
+        self.sharded = is_sharded(self.params.values())
         self.per_process = recipe.micro_batch_size * recipe.grad_accum
         self.global_batch = self.per_process * self.parallel.world_size
         self.steps_per_epoch = data.num_rows // self.global_batch
@@ -121,10 +124,11 @@ class Trainer:
             sums += torch.tensor([float(parts.total.detach()), parts.kl, parts.hidden_mse], dtype=torch.float64,
                                  device=device)
         params = list(self.params.values())
-        self.parallel.sum_gradients(params)
+        if not self.sharded:
+            self.parallel.sum_gradients(params)
         self.parallel.sum_(sums)
         limit = recipe.max_grad_norm if recipe.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, limit)))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -210,14 +214,16 @@ class Trainer:
 
     # -- states -------------------------------------------------------------------------
     def save_state(self, run_time: float) -> None:
+        # Every process gathers (a collective when sharded); the main one writes.
+        trainable, optimizer = self.model.trainable_state(), full_optimizer_state(self.optimizer)
         if not self.parallel.is_main:
             return
         state = {
             "step": self.step,
             "tokens_trained": self.tokens_trained,
             "elapsed_s": self.elapsed_before + run_time,
-            "trainable": self.model.trainable_state(),
-            "optimizer": self.optimizer.state_dict(),
+            "trainable": trainable,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
@@ -243,7 +249,7 @@ class Trainer:
             raise ConfigError("resume", str(directory), "was written with a different recipe (" + ", ".join(
                 f"{k.replace('_', '-')}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in changed) + ")")
         self.model.load_trainable_state(state["trainable"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_full_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])

@@ -29,6 +29,7 @@ class SequenceSpan:
     query_start: int  # first row of this sequence in the flattened batch
     query_len: int  # rows (new tokens) of this sequence in this step
     cached_len: int  # tokens of this sequence already stored before this step
+    decode: bool = False  # the rows are generated tokens fed back (not prompt tokens)
 
     @property
     def total_len(self) -> int:
@@ -77,6 +78,7 @@ class ForwardBatch:
         cached_lens: Sequence[int],
         num_logits: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
+        decode: Sequence[bool] | None = None,
     ) -> ForwardBatch:
         """Flatten per-sequence new tokens. `num_logits[i]` trailing rows of sequence i get
         logits (default 1: the last token; 0 for a prompt chunk that does not end it)."""
@@ -86,11 +88,12 @@ class ForwardBatch:
         if len(set(seq_ids)) != len(seq_ids):
             raise ConfigError("seq_ids", list(seq_ids), "a sequence may appear only once per step")
         wanted = list(num_logits) if num_logits is not None else [1] * len(seq_ids)
+        generated = list(decode) if decode is not None else [False] * len(seq_ids)
         spans: list[SequenceSpan] = []
         flat: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
-        for seq_id, tokens, cached, count in zip(seq_ids, token_ids, cached_lens, wanted):
+        for seq_id, tokens, cached, count, fed_back in zip(seq_ids, token_ids, cached_lens, wanted, generated):
             if len(tokens) == 0:
                 raise ConfigError("token_ids", f"sequence {seq_id}", "each span needs at least one token")
             if cached < 0:
@@ -98,7 +101,7 @@ class ForwardBatch:
             if not 0 <= count <= len(tokens):
                 raise ConfigError("num_logits", count, f"must be in [0, {len(tokens)}] for sequence {seq_id}")
             start = len(flat)
-            spans.append(SequenceSpan(int(seq_id), start, len(tokens), int(cached)))
+            spans.append(SequenceSpan(int(seq_id), start, len(tokens), int(cached), bool(fed_back)))
             flat.extend(int(t) for t in tokens)
             positions.extend(range(cached, cached + len(tokens)))
             logit_rows.extend(range(len(flat) - count, len(flat)))

@@ -48,6 +48,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens computed per engine step (prefill chunk size)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="recompute every prompt in full (default: reuse the K/V of cached prefixes)")
+    parser.add_argument("--early-exit", type=float, default=None, metavar="P",
+                        help="SwiftKV early exit: a decode token whose early-exit head gives its top token "
+                             "probability >= P skips the later layers (needs a model with the head; off)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +77,7 @@ def _make_llm(args: argparse.Namespace):
 
     return LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt, dtype=args.dtype,
                kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
-               prefix_caching=args.prefix_caching, device=args.device)
+               prefix_caching=args.prefix_caching, device=args.device, early_exit=args.early_exit)
 
 
 def _add_json_arg(parser: argparse.ArgumentParser) -> None:

@@ -30,6 +30,7 @@ MODEL_TYPE_TO_ARCHITECTURE: dict[str, Architecture] = {
 }
 SWIFTKV_MODEL_TYPE = "llama_swiftkv"
 SWIFTKV_ARCHITECTURE_NAME = "LlamaSwiftKVForCausalLM"
+EARLY_EXIT_KEY = "early_exit_head"  # kvforge's config.json key (the authors' format has none)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,11 @@ class SwiftKVConfig:
 
     num_key_value_layers: int
     key_value_group_size: int = 1
+    # Early-exit head (paper App. E) on the input h_l of layer l: logits of
+    # final_norm(early_exit_proj(h_l)) through the model's own vocabulary head (shared, frozen
+    # in training): an H x H projection instead of a second head. (No norm of its own before
+    # the projection: the final RMSNorm after it is scale-invariant, so one would be redundant.)
+    early_exit_head: bool = False
 
     def __post_init__(self) -> None:
         require(isinstance(self.num_key_value_layers, int) and self.num_key_value_layers >= 1,
@@ -126,7 +132,8 @@ class SwiftKVConfig:
         if layers is None:
             raise ConfigError("num_key_value_layers", None, "a llama_swiftkv config with swiftkv=true needs it")
         return cls(num_key_value_layers=int(layers),
-                   key_value_group_size=int(config.get("key_value_group_size") or 1))
+                   key_value_group_size=int(config.get("key_value_group_size") or 1),
+                   early_exit_head=bool(config.get(EARLY_EXIT_KEY, False)))
 
 
 @dataclass(frozen=True)

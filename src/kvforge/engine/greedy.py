@@ -48,7 +48,7 @@ def greedy_generate(runner: ModelRunner, prompts: Sequence[Sequence[int]], max_n
                     items.append(StepItem(i, prompt[fed[i]:end], num_logits=int(end == len(prompt))))
                     fed[i] = end
                 else:
-                    items.append(StepItem(i, [outputs[i][-1]]))
+                    items.append(StepItem(i, [outputs[i][-1]], decode=True))
             logits = runner.step(items)
             row = 0
             finished = []
@@ -92,7 +92,7 @@ def greedy_converse(runner: ModelRunner, conversations: Sequence[Sequence[Sequen
                     chunk, pending[c] = pending[c][:take], pending[c][take:]
                     items.append(StepItem(c, chunk, num_logits=int(not pending[c])))
                 else:
-                    items.append(StepItem(c, [outputs[c][-1][-1]]))
+                    items.append(StepItem(c, [outputs[c][-1][-1]], decode=True))
             logits = runner.step(items)
             row = 0
             for item in items:

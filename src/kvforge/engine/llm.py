@@ -22,7 +22,7 @@ from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import FinishReason, Request
 from kvforge.engine.sampling import SamplingParams
-from kvforge.errors import ConfigError
+from kvforge.errors import ConfigError, require
 from kvforge.models.loader import load_model, parse_dtype
 from kvforge.models.tokenizer import encode_prompt, has_chat_template, load_tokenizer
 from kvforge.sizes import parse_bytes
@@ -46,7 +46,7 @@ class LLM:
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  cache_options: Sequence[str] | None = None, device: str | torch.device = "cpu",
                  swiftkv: str | None = None, admission: str = "optimistic", step_timing: bool = False,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, early_exit: float | None = None) -> None:
         # Everything that can be wrong with the arguments fails before weights load.
         where = resolve_device(device)  # ConfigError, not torch's assertion, on a torch without CUDA
         spec = parse_cache_spec(cache, list(cache_options or []))
@@ -54,7 +54,14 @@ class LLM:
         config = EngineConfig(kv_budget_bytes=parse_bytes(kv_budget), max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, admission=admission,
                               step_timing=step_timing, prefix_caching=prefix_caching)
+        if early_exit is not None:  # the range before weights load; the head once the config is known
+            require(0.0 < early_exit <= 1.0, "early_exit", early_exit, "must be a probability in (0, 1]")
         self.model, self.source = load_model(model, dtype=torch_dtype, device=where, swiftkv=swiftkv)
+        if early_exit is not None:
+            set_early_exit = getattr(self.model, "set_early_exit", None)
+            require(set_early_exit is not None, "early_exit", early_exit,
+                    "needs a SwiftKV model with an early-exit head (--swiftkv DIR)")
+            set_early_exit(early_exit)
         self.tokenizer = load_tokenizer(self.source)
         kv_cache = create_cache(spec, self.model.cache_layout(), config.kv_budget_bytes, torch_dtype, where)
         self.cache_spec = spec

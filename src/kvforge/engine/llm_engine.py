@@ -200,7 +200,8 @@ class LLMEngine:
         # A chunk of a request still scoring its prompt lies within the prompt (the prompt was
         # complete before any output existed), and every row of it gets logits.
         num_logits = len(tokens) if _scores_prompt(request) else int(chunk.needs_logits)
-        return StepItem(request.seq_id, tokens, num_logits=num_logits)
+        return StepItem(request.seq_id, tokens, num_logits=num_logits,
+                        decode=chunk.start >= request.num_prompt_tokens)
 
     def _score_prompt(self, request: Request, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
         """Log-probabilities of the prompt tokens predicted by this chunk's rows (`logits`

@@ -28,6 +28,7 @@ class StepItem:
     seq_id: int
     token_ids: Sequence[int]
     num_logits: int = 1
+    decode: bool = False  # generated tokens fed back (SwiftKV early exit applies to these only)
 
 
 class ModelRunner:
@@ -52,7 +53,7 @@ class ModelRunner:
                     f"KV cache budget exhausted: sequence {item.seq_id} needs room for {total} tokens")
         batch = ForwardBatch.build(
             [item.seq_id for item in items], [item.token_ids for item in items], cached,
-            [item.num_logits for item in items], device=self.device)
+            [item.num_logits for item in items], device=self.device, decode=[item.decode for item in items])
         timer = current_timer()
         cache = self.cache if timer is None else TimedCache(self.cache, timer)
         with torch.inference_mode():

@@ -13,11 +13,18 @@ the K/V GEMM. Parameter names follow the authors' checkpoints (`model.norm_swift
 
 Invariant: the cache layer of a group is written (by the fused GEMM) before any later
 layer of the step attends to it, and later layers attend only for `batch.logit_rows`.
+
+Early exit (paper App. E, off unless `early_exit_threshold` is set on a model with an
+early-exit head): a decode row whose early-exit distribution, from the input of layer l,
+has a top probability >= the threshold takes those logits and skips the later layers. Its
+later-layer K/V are already cached (SingleInputKV computes them from the same input), so
+the sequences that follow are unaffected in structure. Prompt rows never exit early.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,6 +33,7 @@ from kvforge.batch import ForwardBatch
 from kvforge.cache.base import CacheMethod
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.errors import require
 from kvforge.kernels.cpu_linear import linear
 from kvforge.models.layers import GatedMLP, RMSNorm
 from kvforge.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -50,11 +58,12 @@ class SwiftKVAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_out_bias, **kw)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheMethod, rope: PositionedRope,
-                rows_rope: PositionedRope) -> torch.Tensor:
-        """x: the logit rows only; `rope` covers the whole step, `rows_rope` those rows."""
+                rows_rope: PositionedRope, rows: torch.Tensor) -> torch.Tensor:
+        """x: the rows `rows` of the step only (its logit rows, less early exits); `rope`
+        covers the whole step, `rows_rope` those rows."""
         n = x.shape[0]
         q = linear(x, self.q_proj_swiftkv.weight, self.q_proj_swiftkv.bias).view(n, self.num_heads, self.head_dim)
-        out = cache.attend_rows(self.cache_layer, batch, rows_rope.apply(q), rope, batch.logit_rows)
+        out = cache.attend_rows(self.cache_layer, batch, rows_rope.apply(q), rope, rows)
         return linear(out.reshape(n, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
@@ -68,9 +77,46 @@ class SwiftKVDecoderLayer(nn.Module):
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod, rope: PositionedRope,
-                rows_rope: PositionedRope) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache, rope, rows_rope)
+                rows_rope: PositionedRope, rows: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache, rope, rows_rope, rows)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@dataclass
+class EarlyExitCounts:
+    """Decode rows that were offered the early exit, and those that took it."""
+
+    decode_rows: int = 0
+    exited: int = 0
+
+    def add(self, rows: int, exited: int) -> None:
+        self.decode_rows += rows
+        self.exited += exited
+
+    @property
+    def rate(self) -> float:
+        return self.exited / self.decode_rows if self.decode_rows else 0.0
+
+
+@dataclass(frozen=True)
+class _EarlyExits:
+    """The logit rows of one step split into early exits and rows that go on."""
+
+    num_rows: int
+    kept: torch.Tensor  # [K] indices into the logit rows that run the later layers
+    exited: torch.Tensor  # [E] indices of the rows that exit
+    exit_logits: torch.Tensor  # [E, vocab]
+    candidates: torch.Tensor  # [C] the decode rows among the logit rows (E of them exit)
+    top: torch.Tensor  # [C] early-exit top probability of each candidate
+    early_argmax: torch.Tensor  # [C]
+
+    def merge(self, kept_logits: torch.Tensor) -> torch.Tensor:
+        if not self.exited.numel():
+            return kept_logits
+        out = kept_logits.new_empty((self.num_rows, kept_logits.shape[-1]))
+        out[self.kept] = kept_logits
+        out[self.exited] = self.exit_logits.to(out.dtype)
+        return out
 
 
 class LlamaSwiftKVForCausalLM(LlamaForCausalLM):
@@ -80,7 +126,16 @@ class LlamaSwiftKVForCausalLM(LlamaForCausalLM):
             raise ValueError("LlamaSwiftKVForCausalLM needs config.swiftkv")
         super().__init__(config, dtype=dtype, device=device)
         self.model.norm_swiftkv = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        if config.swiftkv.early_exit_head:
+            self.model.early_exit_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False, dtype=dtype,
+                                                   device=device)
         self._fused_kv: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+        # Early exit at decode: None (off) or the top-probability threshold; and what it did.
+        # A list in `early_exit_probe` collects, for every decode row, (early top probability,
+        # early argmax, final argmax); with threshold None nothing exits while it observes.
+        self.early_exit_threshold: float | None = None
+        self.early_exit_counts = EarlyExitCounts()
+        self.early_exit_probe: list[tuple[float, int, int]] | None = None
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LlamaSwiftKVForCausalLM:
         # The fused K/V weight is a copy of the leaders' projections: a move or cast makes it
@@ -120,17 +175,63 @@ class LlamaSwiftKVForCausalLM(LlamaForCausalLM):
         if first_later < len(layers):
             self._write_later_kv(hidden, batch, cache, ropes)
             hidden = hidden[batch.logit_rows]
+            watching = self.early_exit_threshold is not None or self.early_exit_probe is not None
+            exits = self._early_exits(hidden, batch) if watching else None
+            rows = batch.logit_rows
+            if exits is not None and exits.exited.numel():
+                hidden, rows = hidden[exits.kept], rows[exits.kept]
             if hidden.shape[0]:
-                rows_positions = batch.positions[batch.logit_rows]
+                rows_positions = batch.positions[rows]
                 rows_ropes = [rotary.at(rows_positions, hidden.dtype) for rotary in self.rotaries]
                 for index in range(first_later, len(layers)):
                     r = self.rope_index[index]
-                    hidden = layers[index](hidden, batch, cache, ropes[r], rows_ropes[r])
+                    hidden = layers[index](hidden, batch, cache, ropes[r], rows_ropes[r], rows)
+            logits = self.logits(hidden)
+            if exits is not None:
+                logits = exits.merge(logits)
+                if self.early_exit_probe is not None:
+                    final = logits[exits.candidates].argmax(dim=-1)
+                    self.early_exit_probe.extend(zip(exits.top.tolist(), exits.early_argmax.tolist(),
+                                                     final.tolist()))
         else:
-            hidden = hidden[batch.logit_rows]
-        logits = self.logits(hidden)
+            logits = self.logits(hidden[batch.logit_rows])
         cache.end_step(batch)
         return logits
+
+    # -- early exit -------------------------------------------------------------------
+    def set_early_exit(self, threshold: float | None) -> None:
+        """Exit decode rows whose early top probability is >= `threshold` (None: off)."""
+        if threshold is not None:
+            require(self.swiftkv.early_exit_head, "early_exit", threshold,
+                    "needs a SwiftKV model with an early-exit head (distill one with --early-exit-head)")
+            require(0.0 < threshold <= 1.0, "early_exit", threshold, "must be a probability in (0, 1]")
+        self.early_exit_threshold = threshold
+
+    def early_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the early-exit head for hidden states at the input of layer l:
+        lm_head(final_norm(early_exit_proj(h)))."""
+        return self.logits(self.model.early_exit_proj(hidden))
+
+    def _early_exits(self, hidden: torch.Tensor, batch: ForwardBatch) -> _EarlyExits | None:
+        """Which logit rows (decode rows only) exit early; None when none does."""
+        decode_rows = {span.query_end - 1 for span in batch.spans if span.decode}
+        logit_rows = batch.logit_row_list if batch.logit_row_list is not None else tuple(batch.logit_rows.tolist())
+        candidates = [i for i, row in enumerate(logit_rows) if row in decode_rows]
+        if not candidates:
+            return None
+        index = torch.tensor(candidates, device=hidden.device)
+        early = self.early_logits(hidden[index])
+        top = torch.softmax(early.float(), dim=-1).amax(dim=-1)
+        if self.early_exit_threshold is None:  # observing only
+            confident = torch.zeros_like(top, dtype=torch.bool)
+        else:
+            confident = top >= self.early_exit_threshold
+        exited = confident.tolist()  # a host sync: the rows that go on are chosen on the host
+        self.early_exit_counts.add(len(candidates), sum(exited))
+        leaving = {c for c, e in zip(candidates, exited) if e}
+        kept = [i for i in range(len(logit_rows)) if i not in leaving]
+        return _EarlyExits(len(logit_rows), torch.tensor(kept, dtype=torch.long, device=hidden.device),
+                           index[confident], early[confident], index, top, early.argmax(dim=-1))
 
     def _write_later_kv(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
                         ropes: list[PositionedRope]) -> None:

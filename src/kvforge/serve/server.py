@@ -91,7 +91,8 @@ def run_serve(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt,
               dtype=args.dtype, kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, admission=args.admission,
-              step_timing=args.step_timing, prefix_caching=args.prefix_caching, device=args.device)
+              step_timing=args.step_timing, prefix_caching=args.prefix_caching, device=args.device,
+              early_exit=args.early_exit)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics.observe_step)

@@ -28,11 +28,18 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from kvforge.config import SWIFTKV_ARCHITECTURE_NAME, SWIFTKV_MODEL_TYPE, ModelConfig, SwiftKVConfig
+from kvforge.config import (
+    EARLY_EXIT_KEY,
+    SWIFTKV_ARCHITECTURE_NAME,
+    SWIFTKV_MODEL_TYPE,
+    ModelConfig,
+    SwiftKVConfig,
+)
 from kvforge.errors import ConfigError, ModelLoadError
 from kvforge.models.hf_checkpoint import CONFIG_FILE, SINGLE_FILE, read_hf_config_dict, read_hf_state_dict
 
 BASE_MODEL_KEY = "kvforge_base_model"
+EARLY_EXIT_TENSORS = ("model.early_exit_proj.weight",)
 PARAMS_ONLY_KEY = "kvforge_params_only"
 _PROJECTION_SUFFIXES = (".weight", ".bias")
 
@@ -50,6 +57,8 @@ def swiftkv_tensor_names(config: ModelConfig, bias: bool | None = None) -> list[
     for layer in range(swift.num_key_value_layers, config.num_layers):
         projections = ["q_proj_swiftkv"] + (["k_proj_swiftkv", "v_proj_swiftkv"] if swift.is_leader(layer) else [])
         names += [_layer(layer) + p + s for p in projections for s in suffixes]
+    if swift.early_exit_head:
+        names += list(EARLY_EXIT_TENSORS)
     return names
 
 
@@ -71,7 +80,14 @@ def initial_swiftkv_tensors(base_state: dict[str, torch.Tensor], config: ModelCo
                 members = [base_state[_layer(leader + i) + kind + suffix] for i in range(group)]
                 mean = torch.stack([m.float() for m in members]).mean(dim=0)
                 out[_layer(leader) + kind + "_swiftkv" + suffix] = mean.to(members[0].dtype)
+    if swift.early_exit_head:
+        out.update(initial_early_exit_tensors(config, base_state["model.norm.weight"].dtype))
     return out
+
+
+def initial_early_exit_tensors(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The identity: the early-exit head starts as the final norm and head on h_l."""
+    return {"model.early_exit_proj.weight": torch.eye(config.hidden_size, dtype=dtype)}
 
 
 def model_state_for_swiftkv(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -136,6 +152,8 @@ def llama_hf_config(config: ModelConfig) -> dict[str, Any]:
         out.update(architectures=[SWIFTKV_ARCHITECTURE_NAME], model_type=SWIFTKV_MODEL_TYPE, swiftkv=True,
                    num_key_value_layers=config.swiftkv.num_key_value_layers,
                    key_value_group_size=config.swiftkv.key_value_group_size)
+        if config.swiftkv.early_exit_head:
+            out[EARLY_EXIT_KEY] = True
     return out
 
 

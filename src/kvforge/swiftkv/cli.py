@@ -39,6 +39,8 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
     init.add_argument("--params-only", action="store_true",
                       help="write only the SwiftKV tensors (+ the base model's name); loads on top of the base")
     init.add_argument("--dtype", default="float32", help="dtype of the written tensors (float32)")
+    init.add_argument("--early-exit-head", action="store_true",
+                      help="add an early-exit head on layer l's input (starts as the final head)")
 
     flops = kinds.add_parser("flops", help="GFLOP per prompt token by part, baseline vs SwiftKV (paper Table 1)")
     source = flops.add_mutually_exclusive_group()
@@ -102,6 +104,21 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
                         help="estimate without --activation-checkpointing")
     memory.add_argument("--kl-chunk-tokens", type=int, default=256, help="as the recipe key (256)")
 
+    early = kinds.add_parser("early-exit", help="early-exit decoding on held-out prompts: exit rate, agreement "
+                                                "with the final head, greedy-output agreement, decode speed")
+    early.add_argument("--swiftkv", required=True, metavar="DIR", help="SwiftKV checkpoint with an early-exit head")
+    early.add_argument("--model", default=None, help="base model (default: the base a params-only checkpoint names)")
+    early.add_argument("--threshold", type=float, default=0.95, help="top probability to exit at (0.95)")
+    early.add_argument("--prompts", type=int, default=50, help="held-out prompts (50)")
+    early.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (64)")
+    early.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt (64)")
+    early.add_argument("--speed-prompts", type=int, default=4, help="prompts timed one at a time (4)")
+    early.add_argument("--repeats", type=int, default=3, help="alternated timed runs per setting (3)")
+    early.add_argument("--text-file", default=None, help="text whose held-out part gives the prompts")
+    early.add_argument("--threads", type=int, default=None, help="torch threads")
+    add_device_arg(early)
+    early.add_argument("--json", metavar="OUT", default=None, help="also write the figures as JSON")
+
     export = kinds.add_parser("export", help="a self-contained checkpoint in the authors' layout (every base "
                                              "weight, the SwiftKV tensors, the tokenizer) from a params-only one")
     export.add_argument("--swiftkv", required=True, metavar="DIR", help="SwiftKV checkpoint (params-only or full)")
@@ -115,7 +132,7 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
 def run_swiftkv(args: argparse.Namespace) -> int:
     return {"init": _run_init, "flops": _run_flops, "distill": _run_distill,
             "evaluate": _run_evaluate, "compare": _run_compare,
-            "export": _run_export, "memory": _run_memory}[args.swiftkv_verb](args)
+            "export": _run_export, "memory": _run_memory, "early-exit": _run_early_exit}[args.swiftkv_verb](args)
 
 
 def _run_distill(args: argparse.Namespace) -> int:
@@ -198,7 +215,7 @@ def _run_init(args: argparse.Namespace) -> int:
     from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors, write_checkpoint
 
     dtype = parse_dtype(args.dtype)
-    swift = SwiftKVConfig(args.num_key_value_layers, args.group_size)
+    swift = SwiftKVConfig(args.num_key_value_layers, args.group_size, early_exit_head=args.early_exit_head)
     source = resolve_model_source(args.model)
     base = load_model_config(source)
     if base.swiftkv is not None:
@@ -230,6 +247,35 @@ def _run_export(args: argparse.Namespace) -> int:
     print(f"exported {args.swiftkv} over {result.base_model} -> {result.out}: SwiftKV "
           f"l={result.num_key_value_layers} g={result.key_value_group_size}, {result.num_tensors} tensors, "
           f"{result.bytes_written / 2**20:.1f} MiB ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _run_early_exit(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvforge.bench.machine_load import LoadProbe, flags
+    from kvforge.engine.llm import LLM
+    from kvforge.swiftkv.early_exit_eval import EarlyExitSettings, format_early_exit, run_early_exit_eval
+
+    settings = EarlyExitSettings(args.threshold, args.prompts, args.prompt_tokens, args.max_tokens,
+                                 args.speed_prompts, args.repeats)  # fails before loading
+    model = _base_model(args.model, [args.swiftkv])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(model=model, swiftkv=args.swiftkv, device=args.device, kv_budget="1GiB")
+    probe = LoadProbe()
+    result = run_early_exit_eval(llm, settings, args.text_file)
+    load = probe.report()
+    warnings = flags(load, settings.repeats)
+    print(format_early_exit(result))
+    for warning in warnings:
+        print(f"  warning: {warning['message']}")
+    if args.json:
+        result.update(model=model, swiftkv=args.swiftkv, machine_load=load, flags=warnings,
+                      provenance=provenance(args))
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 

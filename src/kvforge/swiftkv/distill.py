@@ -65,7 +65,8 @@ def check_recipe_against_model(recipe: DistillRecipe, base: ModelConfig) -> Mode
     """The SwiftKV config of the student; ConfigError on l, g or hidden-loss-layer."""
     if base.swiftkv is not None:
         raise ConfigError("model", recipe.model, "must be a base model, not a SwiftKV checkpoint")
-    config = replace(base, swiftkv=SwiftKVConfig(recipe.num_key_value_layers, recipe.group_size))
+    config = replace(base, swiftkv=SwiftKVConfig(recipe.num_key_value_layers, recipe.group_size,
+                                                 early_exit_head=recipe.early_exit_head))
     if recipe.hidden_loss_layer is not None:
         require(recipe.hidden_loss_layer <= base.num_layers, "hidden-loss-layer", recipe.hidden_loss_layer,
                 f"must be <= num_layers={base.num_layers} (num_layers: the last hidden state)")
@@ -89,9 +90,17 @@ def check_init_from(recipe: DistillRecipe, config: ModelConfig) -> None:
 
 def starting_tensors(recipe: DistillRecipe, config: ModelConfig) -> dict[str, torch.Tensor]:
     """The SwiftKV tensors of `init-from` (float32), all of them present."""
-    from kvforge.swiftkv.checkpoint import read_overlay_tensors, swiftkv_tensor_names
+    from kvforge.swiftkv.checkpoint import (
+        EARLY_EXIT_TENSORS,
+        initial_early_exit_tensors,
+        read_overlay_tensors,
+        swiftkv_tensor_names,
+    )
 
     tensors = read_overlay_tensors(recipe.init_from, torch.float32)
+    if config.swiftkv.early_exit_head and not set(EARLY_EXIT_TENSORS) & set(tensors):
+        # adding an early-exit head to a distilled model: the head starts at its initialisation
+        tensors.update(initial_early_exit_tensors(config))
     missing = sorted(set(swiftkv_tensor_names(config)) - set(tensors))
     require(not missing, "init-from", recipe.init_from, f"must hold every SwiftKV tensor; missing {missing[:3]}")
     return tensors
@@ -121,7 +130,8 @@ def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
     data = build_data(recipe, data_file, tokenizer, out, parallel, progress)
     init = starting_tensors(recipe, config) if recipe.init_from else None
     model = DistillModel(base, config.swiftkv, recipe.train_later_layers, init=init,
-                         activation_checkpointing=recipe.activation_checkpointing)
+                         activation_checkpointing=recipe.activation_checkpointing,
+                         early_exit_only=recipe.early_exit_only)
     if recipe.fsdp:
         from kvforge.swiftkv.sharding import shard_distill_model
 
@@ -140,7 +150,7 @@ def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
         before = _evaluate(model, tokenizer, quality_settings, text_for_eval, trainer, progress)
     trainer.train()
     after = None
-    trained = model.trainable_state()  # every process: gathering a sharded model is a collective
+    trained = model.export_state()  # every process: gathering a sharded model is a collective
     if parallel.is_main:
         export(trained, config, recipe, out)
         if recipe.eval_windows:

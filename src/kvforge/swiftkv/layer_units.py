@@ -10,7 +10,8 @@ layers' K/V. Each unit owns, as submodules, exactly the parameters its forward r
   and MLP);
 - `SwiftKVInputUnit`: `norm_swiftkv` and every group leader's `k/v_proj_swiftkv` (all read
   at layer l, so one unit gathers them together);
-- the stack itself: the embedding, the final norm and the head (read again by the loss).
+- the stack itself: the embedding, the final norm and the head (read again by the loss),
+  and the early-exit head's norm and projection when one is trained.
 
 Invariants: every parameter of the teacher and the student belongs to exactly one unit or to
 the stack (so `fully_shard` on each unit and then on the stack shards all of them once); the
@@ -99,7 +100,13 @@ class DistillStack(nn.Module):
         self.units = nn.ModuleList(LayerUnit(model, i, activation_checkpointing)
                                    for i in range(teacher.config.num_layers))
         self.swiftkv_inputs = SwiftKVInputUnit(model)
+        student = model.student.model
+        # The early-exit head (when trained) reads the trunk's output: gathered with the stack.
+        self.early_exit = student.early_exit_proj \
+            if model.swift.early_exit_head else None
         self.first_later = model.swift.num_key_value_layers
+        # Training the early-exit head alone needs no student past layer l (its loss reads h_l).
+        self.student_needed = not model.early_exit_only
         self._teacher = (teacher,)
 
     def forward(self, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None,
@@ -112,14 +119,16 @@ class DistillStack(nn.Module):
             with torch.no_grad():
                 hidden = teacher.embed(token_ids)
                 inputs = dense_inputs(teacher, token_ids, segment_ids, hidden.dtype)
-            student, later_kv = None, {}
+            student, later_kv, early = None, {}, None
             for unit in self.units:
                 if unit.index == self.first_later:
-                    student = hidden  # the shared trunk's output: both continue from here
-                    later_kv = self.swiftkv_inputs(inputs, student)
+                    student = hidden if self.student_needed else None  # both continue from the trunk
+                    later_kv = self.swiftkv_inputs(inputs, hidden) if self.student_needed else {}
+                    if self.early_exit is not None:
+                        early = self.early_exit(hidden)
                 if unit.index == hidden_layer:
                     captured.update(teacher=hidden, student=student)
                 hidden, student = unit(inputs, hidden, student, later_kv)
             if hidden_layer == len(self.units):
                 captured.update(teacher=hidden, student=student)
-        return HiddenPair(hidden, student, captured.get("teacher"), captured.get("student"))
+        return HiddenPair(hidden, student, captured.get("teacher"), captured.get("student"), early)

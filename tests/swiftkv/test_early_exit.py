@@ -179,7 +179,10 @@ def test_early_exit_command_reports_its_figures(tmp_path):
     assert result["share_at_or_above_threshold"] == 1.0 and result["exit_rate"] == 1.0
     # the untrained head is the final head on layer l's input: agreement is what it is, but defined
     assert 0.0 <= result["agreement_above_threshold"] <= 1.0
-    assert result["decode_tokens_per_s"]["with"] > 0 and "machine_load" in result
+    assert result["decode_tokens_per_s"]["with"] > 0 and "foreign_cores" in result["environment"]
+    from kvforge.report.render import render_document
+
+    assert "exit rate with exits on | 100.0%" in render_document("ee.json", result)
     assert main([*common, "--threshold", "1.0", "--json", str(out)]) == 0
     never = json.loads(out.read_text())
     assert never["identical_outputs"] == 3 and never["token_agreement_positionwise"] == 1.0
@@ -200,3 +203,18 @@ def test_early_exit_only_trains_the_head_and_exports_every_swiftkv_tensor(tmp_pa
     assert not torch.equal(exported["model.early_exit_proj.weight"], torch.eye(hidden))
     with pytest.raises(ConfigError, match="early-exit-only"):
         tiny_recipe(tmp_path, early_exit_only=True)
+
+
+def test_the_committed_early_exit_model_keeps_l15_exactly():
+    """models/swiftkv-smollm2-135m-l15-ee trained only its head (--early-exit-only): every
+    SwiftKV tensor is the committed l15 model's, bit for bit, plus the head."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    models = Path(__file__).resolve().parents[2] / "models"
+    l15 = load_file(str(models / "swiftkv-smollm2-135m-l15" / "model.safetensors"))
+    ee = load_file(str(models / "swiftkv-smollm2-135m-l15-ee" / "model.safetensors"))
+    assert set(ee) - set(l15) == {"model.early_exit_proj.weight"}
+    assert all(torch.equal(ee[name], tensor) for name, tensor in l15.items())
+    assert json.loads((models / "swiftkv-smollm2-135m-l15-ee" / "config.json").read_text())["early_exit_head"]

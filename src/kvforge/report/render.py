@@ -40,6 +40,8 @@ def kind_of(doc: Document) -> str:
         return f"eval {doc['eval']}"
     if doc.get("swiftkv_evaluate") or "students" in doc:
         return "swiftkv evaluate"
+    if doc.get("swiftkv_early_exit"):
+        return "swiftkv early-exit"
     if doc.get("demo"):
         return "demo"
     raise ValueError("not a kvforge result file (no benchmark, eval, students or demo key)")
@@ -202,6 +204,25 @@ def _swiftkv_evaluate(doc: Document) -> str:
     return head + table(["student", "perplexity", "KL(teacher || student)", "top-1 agreement"], rows)
 
 
+def _early_exit(doc: Document) -> str:
+    s, speed = doc["settings"], doc["decode_tokens_per_s"]
+    agree = doc["agreement_above_threshold"]
+    rows = [
+        ["decode tokens at or above the threshold (nothing exiting)",
+         f"{100 * doc['share_at_or_above_threshold']:.1f}% of {doc['decode_tokens_observed']}"],
+        ["early argmax = final argmax among them", "-" if agree is None else f"{100 * agree:.1f}%"],
+        ["early argmax = final argmax, all decode tokens", f"{100 * doc['agreement_all_tokens']:.1f}%"],
+        ["exit rate with exits on", f"{100 * doc['exit_rate']:.1f}%"],
+        ["identical greedy outputs", f"{doc['identical_outputs']} of {doc['prompts']}"],
+        ["tokens agreeing before the first divergence (mean)", f"{doc['tokens_before_first_divergence_mean']:.1f}"],
+        ["decode tokens/s, batch 1, with / without",
+         f"{speed['with']:.1f} / {speed['without']:.1f} ({doc['decode_speedup']:.2f}x)"],
+    ]
+    head = (f"{doc['model']} + `{doc['swiftkv']}`, threshold {s['threshold']}, {doc['prompts']} held-out prompts "
+            f"of {s['prompt_tokens']} tokens, {s['max_tokens']} greedy tokens each\n\n")
+    return head + table(["", "measured"], rows)
+
+
 def _demo(doc: Document) -> str:
     rows = [[r["system"], fmt(r["kv_bytes_per_sequence"] / 2**20, "{:.1f}"), fmt(r["prefill_seconds"], "{:.2f}"),
              fmt(r["decode_tokens_per_s"], "{:.1f}"), r["answer_start"].replace("|", "\\|")] for r in doc["rows"]]
@@ -213,7 +234,7 @@ RENDERERS: dict[str, Callable[[Document], str]] = {
     "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench prefix": _bench,
     "bench serve": _serve,
     "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "eval shadowkv-front": _eval,
-    "swiftkv evaluate": _swiftkv_evaluate,
+    "swiftkv evaluate": _swiftkv_evaluate, "swiftkv early-exit": _early_exit,
     "demo": _demo,
 }
 

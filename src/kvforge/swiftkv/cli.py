@@ -271,8 +271,8 @@ def _run_early_exit(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"  warning: {warning['message']}")
     if args.json:
-        result.update(model=model, swiftkv=args.swiftkv, machine_load=load, flags=warnings,
-                      provenance=provenance(args))
+        result.update(swiftkv_early_exit=True, model=model, swiftkv=args.swiftkv, environment=load,
+                      flags=warnings, provenance=provenance(args))
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)

@@ -115,3 +115,25 @@ def text_file(path: Path) -> Path:
         articles.append(f" = Article {n} = \n\n{body}\n")
     path.write_text("".join(articles))
     return path
+
+
+class Interrupted(Exception):
+    """Raised by `train_tiny` after `interrupt_after` steps: a run killed mid-way."""
+
+
+def train_tiny(model: DistillModel, recipe: DistillRecipe, parallel=None, interrupt_after: int | None = None):
+    """Train `model` on `random_data()`; returns (trainer, records of the steps run), records
+    None when interrupted after step `interrupt_after`."""
+    from kvforge.swiftkv.trainer import Trainer
+
+    trainer = Trainer(model, random_data(), recipe, recipe.out, parallel, progress=False)
+
+    def stop(step, record):
+        if step == interrupt_after:
+            raise Interrupted
+
+    try:
+        records = trainer.train(on_step=stop)
+    except Interrupted:
+        records = None
+    return trainer, records

@@ -18,6 +18,7 @@ from distill_helpers import (  # noqa: F401
     text_file,
     tiny_distill_model,
     tiny_recipe,
+    train_tiny,
     write_tiny_hf_checkpoint,
 )
 from safetensors.torch import load_file
@@ -28,30 +29,16 @@ from kvforge.cli import main
 from kvforge.errors import ConfigError
 from kvforge.swiftkv.parallel import DataParallel
 from kvforge.swiftkv.sharding import shard_distill_model
-from kvforge.swiftkv.trainer import STATE_FILE, Trainer, state_dirs
+from kvforge.swiftkv.trainer import STATE_FILE, state_dirs
 
 STEPS = 4
-
-
-class Interrupted(Exception):
-    pass
 
 
 def run(recipe, parallel=None, shard=False, interrupt_after=None, **model_options):
     model = tiny_distill_model(**model_options)
     if shard:
         shard_distill_model(model, torch.device("cpu"), recipe.fsdp_mixed_precision)
-    trainer = Trainer(model, random_data(), recipe, recipe.out, parallel, progress=False)
-
-    def stop(step, record):
-        if step == interrupt_after:
-            raise Interrupted
-
-    try:
-        records = trainer.train(on_step=stop)
-    except Interrupted:
-        records = None
-    return trainer, records
+    return train_tiny(model, recipe, parallel, interrupt_after)
 
 
 def _worker(rank: int, world: int, port: int, out: str, phase: str) -> None:

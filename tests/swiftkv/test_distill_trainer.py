@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from distill_helpers import one_thread, random_data, tiny_distill_model, tiny_recipe  # noqa: F401
+from distill_helpers import one_thread, random_data, tiny_distill_model, tiny_recipe, train_tiny  # noqa: F401
 
 from kvforge.bench.serve_server import free_loopback_port
 from kvforge.errors import ConfigError
@@ -16,23 +16,9 @@ from kvforge.swiftkv.parallel import DataParallel
 from kvforge.swiftkv.trainer import METRICS_FILE, Trainer, lr_factor, state_dirs
 
 
-class Interrupted(Exception):
-    pass
-
-
 def run(recipe, interrupt_after=None, parallel=None):
     """Train a fresh tiny student; returns (trainer, records of the steps run)."""
-    trainer = Trainer(tiny_distill_model(), random_data(), recipe, recipe.out, parallel, progress=False)
-
-    def stop(step, record):
-        if step == interrupt_after:
-            raise Interrupted
-
-    try:
-        records = trainer.train(on_step=stop)
-    except Interrupted:
-        records = None
-    return trainer, records
+    return train_tiny(tiny_distill_model(), recipe, parallel, interrupt_after)
 
 
 def test_schedule_warms_up_then_decays_to_zero():

@@ -223,6 +223,17 @@ def _early_exit(doc: Document) -> str:
     return head + table(["", "measured"], rows)
 
 
+def _vllm_prefill(doc: Document) -> str:
+    c = doc["config"]
+    rows = [[name, fmt(doc[name]["median_tokens_per_s"], "{:.0f}"), fmt(doc[name]["median_s"], "{:.2f}"),
+             doc[name]["capacity"]["kv_cache_layers"], str(doc[name]["capacity"]["kv_sharing_fast_prefill"]).lower()]
+            for name in ("base", "swiftkv")]
+    head = (f"vLLM {doc['versions']['vllm']} ({'torch.compile' if c['compile'] else 'eager'}), offline "
+            f"`LLM.generate`, {c['prompts']} prompts of {c['prompt_tokens']} tokens, 1 output token, "
+            f"{c['threads']} threads, medians of {c['repeats']}: SwiftKV **{doc['speedup']:.2f}x**\n\n")
+    return head + table(["model", "prompt tokens/s", "seconds", "KV layers", "fast prefill"], rows)
+
+
 def _demo(doc: Document) -> str:
     rows = [[r["system"], fmt(r["kv_bytes_per_sequence"] / 2**20, "{:.1f}"), fmt(r["prefill_seconds"], "{:.2f}"),
              fmt(r["decode_tokens_per_s"], "{:.1f}"), r["answer_start"].replace("|", "\\|")] for r in doc["rows"]]
@@ -232,7 +243,7 @@ def _demo(doc: Document) -> str:
 
 RENDERERS: dict[str, Callable[[Document], str]] = {
     "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench prefix": _bench,
-    "bench serve": _serve,
+    "bench serve": _serve, "bench vllm_swiftkv_prefill": _vllm_prefill,
     "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "eval shadowkv-front": _eval,
     "swiftkv evaluate": _swiftkv_evaluate, "swiftkv early-exit": _early_exit,
     "demo": _demo,

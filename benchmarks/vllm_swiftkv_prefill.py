@@ -41,6 +41,31 @@ def load_snapshot() -> dict[str, Any]:
     return {"uptime": uptime, "loadavg": list(os.getloadavg()), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
+def descendant_cpu_seconds() -> float:
+    """CPU seconds used so far by this process's live descendants (vLLM's engine-core
+    process): the load probe counts only itself and waited-for children as its own."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    me, total = os.getpid(), 0
+    for pid in ticks:
+        ancestor = parents.get(pid)
+        while ancestor not in (None, 0, 1, me):
+            ancestor = parents.get(ancestor)
+        if ancestor == me:
+            total += ticks[pid]
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def prepare(args: argparse.Namespace) -> None:
     """Build --swiftkv / --base with kvforge when they do not exist yet."""
     if not args.prepare_with:
@@ -111,6 +136,7 @@ def main() -> None:
     from kvforge.bench.machine_load import LoadProbe, flags
 
     probe = LoadProbe()  # other programs' CPU time during the timed repeats
+    workers_before, timed_start = descendant_cpu_seconds(), time.perf_counter()
     for repeat in range(args.repeats):
         order = ["base", "swiftkv"] if repeat % 2 == 0 else ["swiftkv", "base"]
         for name in order:
@@ -131,7 +157,12 @@ def main() -> None:
         result[name] = {"path": system["path"], "engine_start_s": system["start_s"], "capacity": system["capacity"],
                         "seconds": system["seconds"], "median_s": median, "median_tokens_per_s": tokens / median}
     result["speedup"] = result["base"]["median_s"] / result["swiftkv"]["median_s"]
-    result["environment"] = probe.report()
+    environment = probe.report()
+    workers = (descendant_cpu_seconds() - workers_before) / (time.perf_counter() - timed_start)
+    if environment["foreign_cores"] is not None:  # vLLM's engine process is ours, not foreign
+        environment["foreign_cores"] = round(max(0.0, environment["foreign_cores"] - workers), 3)
+    environment["vllm_engine_process_cores"] = round(workers, 3)
+    result["environment"] = environment
     spread = max(max(s["seconds"]) / min(s["seconds"]) for s in systems.values())
     result["flags"] = flags(result["environment"], args.repeats, spread)
     result["target"] = 1.5

@@ -103,6 +103,20 @@ def _prefix(doc: Document) -> str:
             f"({s['shared_prefix']}-token document), replies identical: {str(doc['outputs_identical']).lower()}")
 
 
+def _vllm_prefill(doc: Document) -> str:
+    c = doc["config"]
+    return (f"prefill **{fmt(doc['speedup'], '{:.2f}')}x** prompt tokens/s in vLLM {doc['versions']['vllm']} "
+            f"({c['prompt_tokens']}-token prompts, {'compiled' if c['compile'] else 'eager'})")
+
+
+def _early_exit(doc: Document) -> str:
+    agree = doc["agreement_above_threshold"]
+    return (f"exit rate **{100 * doc['exit_rate']:.1f}%** at p >= {doc['settings']['threshold']}, early = final "
+            f"token on {fmt(None if agree is None else 100 * agree, '{:.0f}')}% of those; "
+            f"{doc['identical_outputs']}/{doc['prompts']} greedy outputs identical; batch-1 decode "
+            f"**{doc['decode_speedup']:.2f}x**")
+
+
 def _demo(doc: Document) -> str:
     rows = {r["system"]: r for r in doc["rows"]}
     base, both = rows["base"], rows["SwiftKV + KIVI-2"]
@@ -116,6 +130,8 @@ ROWS = [
         _prefill, "base model", "prefill FLOPs halved at 50% (Llama-3.1-70B: 302 -> 154 GFLOP per token)"),
     Row("SwiftKV under load", "time to first token, throughput", "serve/swiftkv_l15_vs_base_A.json", _serve_swiftkv,
         "base model, same server", "TTFT -50%, TPOT -60%; 1.2-1.9x throughput (H100)"),
+    Row("SwiftKV on vLLM", "same, served by vLLM (kvforge's plugin)", "vllm/prefill_swiftkv_l15_vs_base.json",
+        _vllm_prefill, "base model, same vLLM", "(the authors serve SwiftKV through their own vLLM plugin)"),
     Row("SwiftKV distillation", "recovers the quality", "swiftkv/l15_evaluate_24x1024.json", _quality,
         "base model (teacher)", "T = 2 KL distillation on < 1B tokens"),
     Row("KIVI-2", "KV memory (2-bit, 16-bit residual)", "serve/kivi_vs_full_fp16_256MB_split_budget.json", _serve_kivi,
@@ -133,6 +149,8 @@ ROWS = [
         "accuracy kept at a 1.56% sparse budget"),
     Row("SwiftKV + ShadowKV", "both", "bench/decode_smollm2-135m_16k_batch4_swiftkv_l15_shadowkv_vs_full.json",
         _decode, "SwiftKV, full cache, fp32", "(composition: not in the papers)"),
+    Row("SwiftKV early exit", "later layers for confident decode tokens", "swiftkv/early_exit_l15.json",
+        _early_exit, "the same model without exits", "> 66% agreement above 0.95 (Fig. D.1; preliminary)"),
     Row("SwiftKV + FP8 KV", "KV memory (per-token float8)", "eval/ppl_smollm2-135m_2048_swiftkv_l15_fp8_vs_full.json",
         _fp8, "SwiftKV, full cache, fp32", "within 0.4 points of accuracy (Table 7)"),
     Row("Prefix caching, full", "recomputing a conversation's earlier turns",

@@ -110,7 +110,9 @@ def _verbs(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
 
 # Commands with --model that build no model: config and byte counts, checkpoint writing,
 # FLOP accounting; lm-eval takes lm_eval's own arguments.
-NO_MODEL_RUN = {("info",), ("swiftkv", "init"), ("swiftkv", "flops")}
+# Commands that take --model but run no model: config only (info, flops, memory) or tensors
+# copied to files (init, export).
+NO_MODEL_RUN = {("info",), ("swiftkv", "init"), ("swiftkv", "flops"), ("swiftkv", "memory"), ("swiftkv", "export")}
 
 
 def test_every_command_with_a_model_has_the_device_option():

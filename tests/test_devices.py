@@ -108,10 +108,8 @@ def _verbs(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
         yield from _verbs(sub, (*path, name))
 
 
-# Commands with --model that build no model: config and byte counts, checkpoint writing,
-# FLOP accounting; lm-eval takes lm_eval's own arguments.
-# Commands that take --model but run no model: config only (info, flops, memory) or tensors
-# copied to files (init, export).
+# Commands with --model that build no model: config and byte counts (info, swiftkv memory),
+# checkpoint writing (swiftkv init, export), FLOP accounting; lm-eval takes lm_eval's own arguments.
 NO_MODEL_RUN = {("info",), ("swiftkv", "init"), ("swiftkv", "flops"), ("swiftkv", "memory"), ("swiftkv", "export")}
 
 

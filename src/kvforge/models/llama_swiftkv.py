@@ -93,10 +93,6 @@ class EarlyExitCounts:
         self.decode_rows += rows
         self.exited += exited
 
-    @property
-    def rate(self) -> float:
-        return self.exited / self.decode_rows if self.decode_rows else 0.0
-
 
 @dataclass(frozen=True)
 class _EarlyExits:
@@ -213,7 +209,8 @@ class LlamaSwiftKVForCausalLM(LlamaForCausalLM):
         return self.logits(self.model.early_exit_proj(hidden))
 
     def _early_exits(self, hidden: torch.Tensor, batch: ForwardBatch) -> _EarlyExits | None:
-        """Which logit rows (decode rows only) exit early; None when none does."""
+        """Which logit rows (decode rows only) exit early; None when none does and no probe
+        observes."""
         decode_rows = {span.query_end - 1 for span in batch.spans if span.decode}
         logit_rows = batch.logit_row_list if batch.logit_row_list is not None else tuple(batch.logit_rows.tolist())
         candidates = [i for i, row in enumerate(logit_rows) if row in decode_rows]
@@ -229,6 +226,8 @@ class LlamaSwiftKVForCausalLM(LlamaForCausalLM):
         exited = confident.tolist()  # a host sync: the rows that go on are chosen on the host
         self.early_exit_counts.add(len(candidates), sum(exited))
         leaving = {c for c, e in zip(candidates, exited) if e}
+        if not leaving and self.early_exit_probe is None:
+            return None  # every row goes on: nothing to split or merge
         kept = [i for i in range(len(logit_rows)) if i not in leaving]
         return _EarlyExits(len(logit_rows), torch.tensor(kept, dtype=torch.long, device=hidden.device),
                            index[confident], early[confident], index, top, early.argmax(dim=-1))

@@ -74,14 +74,13 @@ def shard_distill_model(model: DistillModel, device: torch.device, mixed_precisi
 
     if mixed_precision not in MIXED_PRECISIONS:
         raise ValueError(f"mixed_precision must be one of {MIXED_PRECISIONS}, got {mixed_precision!r}")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if not dist.is_initialized():  # one process: a group of one, so the same code path runs
+    if not dist.is_initialized():
         raise RuntimeError("shard_distill_model needs an initialised process group (torchrun, or "
                            "DataParallel.from_environment(..., fsdp=True))")
     # The SwiftKV input unit returns K/V as views of its projections' outputs; FSDP warns that an
     # in-place op on such a view would skip its backward hook. Nothing writes to them in place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPSwiftKVInputUnit\) returned a view")
-    mesh = init_device_mesh(device.type, (world,))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mixed_precision == "bfloat16" else MixedPrecisionPolicy()
     stack = model.stack

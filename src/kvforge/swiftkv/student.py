@@ -79,7 +79,7 @@ class DistillModel(nn.Module):
             for name, p in self.student.named_parameters():
                 if "early_exit" not in name:
                     p.requires_grad_(False)
-        # The forward, layer by layer: the units FSDP shards (kvforge.swiftkv.fsdp).
+        # The forward, layer by layer: the units FSDP shards (kvforge.swiftkv.sharding).
         self.stack = DistillStack(self, activation_checkpointing)
 
     def _build_student(self, config, init: dict[str, torch.Tensor]) -> LlamaSwiftKVForCausalLM:

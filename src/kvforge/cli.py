@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ver = verbs.add_parser("verify", help="compare kvforge with transformers on the same weights")
     _add_model_args(ver)
+    ver.add_argument("--dtype", default="float32",
+                     help="float32 | bfloat16 | float16: both implementations run in it (float32)")
     ver.add_argument("--text-file", default=None,
                      help="text whose held-out part supplies the passage (default: "
                           "../shared/data/wikitext-2-raw-test.txt)")
@@ -202,12 +204,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from kvforge.verify import run_verify
 
     report = run_verify(args.model, text_file=args.text_file, passage_tokens=args.passage_tokens,
-                        device=args.device)
-    print(f"model                      {report.model}")
+                        device=args.device, dtype=args.dtype)
+    print(f"model                      {report.model} ({report.dtype})")
     print(f"passage tokens             {report.passage_tokens}")
     print(f"max_abs_logit_diff         {report.max_abs_logit_diff:.3e}  "
           f"(prefill {report.prefill_max_abs_logit_diff:.3e}, decode {report.decode_max_abs_logit_diff:.3e})")
     print(f"argmax_agreement           {report.argmax_agreement:.4f}")
+    for name, value in report.float32_agreement.items():
+        print(f"  {name + ' vs float32':<24} {value:.4f}")
     print(f"greedy_match               {str(report.greedy_match).lower()}")
     _write_json(args.json, report.as_dict(), args)
     return 0

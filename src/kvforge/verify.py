@@ -1,12 +1,19 @@
 """`kvforge verify`: the same weights in kvforge and in transformers, compared.
 
-Loads the model twice in float32 (kvforge's own implementation and transformers'
-reference), then
+Loads the model twice in the same dtype (float32 by default; kvforge's own implementation
+and transformers' reference), then
 1. scores a 256-token passage of held-out text: kvforge prefills the first part in chunks
    and decodes the rest token by token through the paged cache, so both the prefill and
    the decode paths are compared with transformers' logits for the same positions;
 2. generates greedily for three prompts (kvforge batches them in one set of steps;
    transformers runs each alone) and checks the continuations are identical.
+
+In float32 the two agree to ~1e-3 in the logits and exactly in argmax and greedy text. In
+bfloat16/float16 each implementation rounds at different points (kvforge's decode linear and
+attention accumulate in float32 and round once; transformers rounds after every op), so the
+logits differ by bf16 noise and a greedy continuation may fork at a near-tie. There the
+report adds each implementation's argmax agreement with transformers in float32 (loaded a
+third time): which of the two low-precision runs stays closer to the full-precision model.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from kvforge.devices import resolve_device
 from kvforge.engine.greedy import greedy_generate
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.errors import ConfigError
-from kvforge.models.loader import ModelSource, load_model
+from kvforge.models.loader import ModelSource, load_model, parse_dtype
 from kvforge.models.tokenizer import encode_prompt, has_chat_template, load_tokenizer
 from kvforge.text_data import heldout_text
 
@@ -43,11 +50,14 @@ GENERATED_TOKENS = 48
 class VerifyReport:
     model: str
     source: str
+    dtype: str
     passage_tokens: int
     max_abs_logit_diff: float
     prefill_max_abs_logit_diff: float
     decode_max_abs_logit_diff: float
     argmax_agreement: float
+    # below a float32 run only: argmax agreement of each with transformers in float32
+    float32_agreement: dict[str, float] = field(default_factory=dict)
     greedy_match: bool
     prompts: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -60,17 +70,17 @@ def _log(message: str) -> None:
     print(f"[verify] {message}", file=sys.stderr, flush=True)
 
 
-def load_transformers_model(source: ModelSource, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """The transformers model on the same file, in float32, on `device`."""
+def load_transformers_model(source: ModelSource, device: str | torch.device = "cpu",
+                            dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The transformers model on the same file, in `dtype`, on `device`."""
     from transformers import AutoModelForCausalLM
 
     if source.kind == "gguf":
         model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
-                                                     dtype=torch.float32, local_files_only=True)
+                                                     dtype=dtype, local_files_only=True)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32,
-                                                     local_files_only=True)
-    return model.to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, local_files_only=True)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def _passage_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
@@ -88,26 +98,27 @@ def _passage_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
 
 def run_verify(model_name: str, text_file: str | Path | None = None,
                passage_tokens: int = PASSAGE_TOKENS, kv_budget: int = 256 * 2**20,
-               device: str | torch.device = "cpu") -> VerifyReport:
+               device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32") -> VerifyReport:
     from kvforge.preflight import check_within_context, model_context
     from kvforge.text_data import read_text
 
     device = resolve_device(device)  # checked before anything loads, like the rest
+    dtype = parse_dtype(dtype)
     if passage_tokens <= DECODED_TOKENS:
         raise ConfigError("passage_tokens", passage_tokens, f"must be > {DECODED_TOKENS}")
     check_within_context("passage_tokens", [passage_tokens], model_context(model_name), model_name)
     read_text(text_file)
     times: dict[str, float] = {}
     start = time.perf_counter()
-    model, source = load_model(model_name, dtype="float32", device=device)
+    model, source = load_model(model_name, dtype=dtype, device=device)
     tokenizer = load_tokenizer(source)
     times["load_kvforge"] = time.perf_counter() - start
     _log(f"kvforge model loaded from {source.path} ({times['load_kvforge']:.1f}s)")
     start = time.perf_counter()
-    reference = load_transformers_model(source, device)
+    reference = load_transformers_model(source, device, dtype)
     times["load_transformers"] = time.perf_counter() - start
     _log(f"transformers model loaded ({times['load_transformers']:.1f}s)")
-    cache = create_cache("full", model.cache_layout(), kv_budget, torch.float32, device)
+    cache = create_cache("full", model.cache_layout(), kv_budget, dtype, device)
     runner = ModelRunner(model, cache)
 
     passage = tokenizer.encode(heldout_text(text_file))[:passage_tokens]
@@ -117,10 +128,21 @@ def run_verify(model_name: str, text_file: str | Path | None = None,
         theirs = reference(torch.tensor([passage], device=device)).logits[0].float()
     times["passage"] = time.perf_counter() - start
     split = len(passage) - DECODED_TOKENS
+    ours = ours.float()
     diff = (ours - theirs).abs().amax(dim=-1)
     agreement = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
     _log(f"passage of {len(passage)} tokens: max |logit diff| {diff.max().item():.2e}, "
          f"argmax agreement {agreement:.4f}")
+    float32_agreement: dict[str, float] = {}
+    if dtype != torch.float32:
+        full = load_transformers_model(source, device, torch.float32)
+        with torch.inference_mode():
+            truth = full(torch.tensor([passage], device=device)).logits[0].float().argmax(-1)
+        del full
+        float32_agreement = {name: (logits.argmax(-1) == truth).float().mean().item()
+                             for name, logits in (("kvforge", ours), ("transformers", theirs))}
+        _log("argmax agreement with transformers in float32: "
+             + ", ".join(f"{name} {value:.4f}" for name, value in float32_agreement.items()))
 
     chat = has_chat_template(tokenizer)
     prompts = [encode_prompt(tokenizer, p, chat=chat) for p in VERIFY_PROMPTS]
@@ -144,11 +166,13 @@ def run_verify(model_name: str, text_file: str | Path | None = None,
     return VerifyReport(
         model=model_name,
         source=str(source.path),
+        dtype=str(dtype).removeprefix("torch."),
         passage_tokens=len(passage),
         max_abs_logit_diff=diff.max().item(),
         prefill_max_abs_logit_diff=diff[:split].max().item(),
         decode_max_abs_logit_diff=diff[split:].max().item(),
         argmax_agreement=agreement,
+        float32_agreement=float32_agreement,
         greedy_match=all(r["match"] for r in records),
         prompts=records,
         seconds=times,

@@ -93,8 +93,8 @@ def test_eligible_calls_use_the_kernel(monkeypatch):
     assert calls == ["op", "op", "op"]
 
 
-@pytest.mark.parametrize("case", ["rows", "bf16", "grad", "weight_grad", "disabled", "no_rows",
-                                  "strided_weight", "float64"])
+@pytest.mark.parametrize("case", ["rows", "mixed_dtypes", "bias_dtype", "grad", "weight_grad", "disabled",
+                                  "no_rows", "strided_weight", "float64"])
 def test_falls_back_to_f_linear(case, monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_linear, "_KERNEL", _FakeKernel(calls))
@@ -103,8 +103,10 @@ def test_falls_back_to_f_linear(case, monkeypatch):
     x, weight, bias = operands(4, 8, 3, bias=True)
     if case == "rows":
         x = torch.randn(MAX_ROWS + 1, 8)
-    elif case == "bf16":
-        x, weight, bias = x.bfloat16(), weight.bfloat16(), bias.bfloat16()
+    elif case == "mixed_dtypes":  # F.linear itself refuses these; the kernel must not take them
+        x = x.bfloat16()
+    elif case == "bias_dtype":
+        x, weight = x.bfloat16(), weight.bfloat16()
     elif case == "float64":
         x, weight, bias = x.double(), weight.double(), bias.double()
     elif case == "grad":
@@ -117,11 +119,46 @@ def test_falls_back_to_f_linear(case, monkeypatch):
         x = torch.randn(0, 8)
     elif case == "strided_weight":
         weight = torch.randn(8, 3).T
+    if case in ("mixed_dtypes", "bias_dtype"):
+        with pytest.raises(RuntimeError):  # F.linear's own error, not the kernel's
+            linear(x, weight, bias)
+        assert "op" not in calls
+        return
     out = linear(x, weight, bias)
     torch.testing.assert_close(out, F.linear(x, weight, bias))
     assert "op" not in calls
     if case in ("grad", "weight_grad"):
         out.sum().backward()  # autograd works through the fallback
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (37, 13), (20, 7), (1, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_two_byte_weights_accumulate_in_float32(dtype, k, n, bias):
+    """bf16/f16 x, W (and bias): every product and sum in float32, one rounding at the end,
+    so the result is the correctly rounded exact value but for rare one-unit ties."""
+    for m in (1, 3, 6, 7, 16, 32):
+        x, weight, b = operands(m, k, n, bias, seed=m)
+        x, weight, b = x.to(dtype), weight.to(dtype), None if b is None else b.to(dtype)
+        out = kernel(x, weight, b)
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        assert out.dtype == dtype and out.shape == exact.shape
+        scale = (x.abs().double() @ weight.abs().double().T).max().item() + 1.0
+        unit = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -11  # half a unit in the last place
+        torch.testing.assert_close(out.double(), exact, atol=1e-5 * scale, rtol=2 * unit)
+        # float32 accumulation: nearly every output is the correctly rounded exact value
+        assert (out == exact.to(dtype)).float().mean().item() > 0.98
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_two_byte_rows_do_not_depend_on_the_batch(dtype):
+    x, weight, bias = (t.to(dtype) for t in operands(32, 576, 1536, bias=True))
+    full = kernel(x, weight, bias)
+    for i in (0, 5, 31):
+        assert torch.equal(kernel(x[i:i + 1], weight, bias)[0], full[i])
+    assert torch.equal(kernel(x[3:10], weight, bias), full[3:10])
 
 
 def test_parameters_needing_grad_use_the_kernel_under_no_grad(monkeypatch):
@@ -168,6 +205,6 @@ class _FakeOps:
         self.calls = calls
 
     def small_m_linear(self, x, weight, bias):
-        assert x.dim() == 2 and x.is_contiguous() and x.dtype == torch.float32
+        assert x.dim() == 2 and x.is_contiguous() and x.dtype == weight.dtype
         self.calls.append("op")
         return F.linear(x, weight, bias)

@@ -1,6 +1,10 @@
-// C++ source of the small-M fp32 linear kernel (see cpu_linear.py).
+// C++ source of the small-M linear kernel (see cpu_linear.py).
 //
-// y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) for the few rows of a decode step. BLAS sgemm
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) for the few rows of a decode step. W is float32,
+// bfloat16 or float16 (a decode step reads W once and nothing else of that size, so 2-byte
+// weights halve its time), x and y of W's dtype; x is converted to float32 once into a small
+// buffer, every product and sum is float32, and each y is rounded once to the dtype (no ATen
+// cast ops: at ~200 calls per decode step their dispatch would cost about a millisecond). BLAS sgemm
 // is tuned for large M and streams W at a fraction of the memory bandwidth when M is 1..32;
 // here every W row is read from memory exactly once: W is walked in tiles of NR = 4
 // consecutive rows (one contiguous block of 4 * K floats), and while a tile sits in L1 all
@@ -15,7 +19,9 @@
 // floating point operations whatever M is, whichever other rows x holds, where row m sits in
 // x, and however many threads run:
 //   - one vector accumulator per (m, n), starting at zero; lane l accumulates
-//     x[m, k] * W[n, k] with a fused multiply-add for k = l, l + L, l + 2L, ... in increasing
+//     float(x[m, k]) * float(W[n, k]) (the conversion of a bf16/f16 weight to float is
+//     exact) with a fused multiply-add (bf16 on a CPU with AVX512-BF16: lane l accumulates
+//     the pairs k = 2l, 2l + 1, then 2l + 32, 2l + 33, ... with VDPBF16PS; see Avx512Bf16) for k = l, l + L, l + 2L, ... in increasing
 //     k (the last partial step uses masked loads, whose zero lanes add exactly 0);
 //   - the L lanes are reduced with one fixed tree (`reduce4`: the same tree for each of its
 //     four outputs; unused slots get zero vectors and their results are dropped);
@@ -28,11 +34,16 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -59,10 +70,30 @@ inline __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
 
 // ---- vector types: one per ISA, selected at compile time ------------------------------
 // Each provides: V (register type), L (lanes), MR (x rows per tile, sized so that the
-// NR * MR accumulators and NR weight vectors fit the register file), zero, load,
-// load_tail (first n < L lanes, rest zero), fmadd(a, b, c) = a * b + c, in_register (an
-// optimisation barrier, no arithmetic), prefetch, and
+// NR * MR accumulators and NR weight vectors fit the register file), zero, load (L floats),
+// load_w<T> (L weights of element type T, converted exactly to float), fmadd(a, b, c) =
+// a * b + c, in_register (an optimisation barrier, no arithmetic), prefetch, and
 // reduce4 (writes the four sums with the fixed reduction tree of the invariant above).
+// Tails (the last K % L elements) go through a zero-padded copy (`load_tail`), whose zero
+// lanes add exactly 0.
+
+// The tile loop sees an ISA through a policy: Acc (accumulator register), Op (operand
+// register), XT (x's element type in memory), L (k elements per step), zero() -> Acc,
+// load_x(const XT*) -> Op, load_w<T>(const T*) -> Op, madd(w, x, acc) -> Acc. The float
+// ISAs widen everything to float and use one FMA per lane (the macro below); the bf16 dot
+// ISA keeps x and W in bf16 and multiply-adds pairs of them into float lanes.
+#define KVFORGE_FLOAT_POLICY                                       \
+  using Acc = V;                                                   \
+  using Op = V;                                                    \
+  using XT = float;                                                \
+  static V load_x(const float* p) { return load(p); }              \
+  static V madd(V w, V x, V acc) { return fmadd(w, x, acc); }
+
+// Weight element types: float, c10::BFloat16, c10::Half (2-byte types are read as bits).
+template <typename T>
+constexpr bool kIsFloat = std::is_same_v<T, float>;
+template <typename T>
+constexpr bool kIsBFloat16 = std::is_same_v<T, c10::BFloat16>;
 #if defined(__AVX512F__)
 struct Avx512 {
   using V = __m512;
@@ -70,10 +101,21 @@ struct Avx512 {
   static constexpr int MR = 6;  // 24 accumulators + 4 weights of 32 zmm registers
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V load_tail(const float* p, int64_t n) {
-    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
+  template <typename T>
+  static V load_w(const T* p) {
+    if constexpr (kIsFloat<T>) {
+      return _mm512_loadu_ps(p);
+    } else {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      if constexpr (kIsBFloat16<T>) {  // bf16 is the high half of a float: shift it there
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+      } else {
+        return _mm512_cvtph_ps(bits);
+      }
+    }
   }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  KVFORGE_FLOAT_POLICY
   // Pins a loaded vector in a register: otherwise GCC folds the x load into each of the NR
   // FMAs that use it (NR loads instead of one), and the kernel becomes load-port bound.
   static V in_register(V v) {
@@ -91,6 +133,37 @@ struct Avx512 {
   }
 };
 using NativeIsa = Avx512;
+
+#if defined(__AVX512BF16__)
+// bf16 weights and bf16 x (a bf16 model's activations): VDPBF16PS multiplies 32 bf16 pairs
+// and adds each adjacent pair of products into one of 16 float lanes, so lane l accumulates
+// x[k] W[k] + x[k+1] W[k+1] for k = 2l, 2l + 32, ... (the products of two bf16 are exact in
+// float; each addition rounds to nearest even, as an FMA chain does). Twice the multiply-adds
+// of the widening path per instruction: at M >= 8 rows the float path is compute-bound.
+// The invariant holds as for the float ISAs: a fixed sequence per output whatever M is.
+#define KVFORGE_BF16_DOT 1
+struct Avx512Bf16 {
+  using Acc = __m512;
+  using Op = __m512i;
+  using XT = c10::BFloat16;
+  static constexpr int64_t L = 32;
+  static constexpr int MR = 6;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Op load_x(const XT* p) { return _mm512_loadu_si512(p); }
+  template <typename T>
+  static Op load_w(const T* p) {
+    static_assert(kIsBFloat16<T>, "the bf16 dot ISA reads bf16 weights only");
+    return _mm512_loadu_si512(p);
+  }
+  static Acc madd(Op w, Op x, Acc acc) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+  static Op in_register(Op v) {
+    __asm__("" : "+v"(v));
+    return v;
+  }
+  static void prefetch(const float* p) { Avx512::prefetch(p); }
+  static void reduce4(Acc a, Acc b, Acc c, Acc d, float* out) { Avx512::reduce4(a, b, c, d, out); }
+};
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Avx2 {
   using V = __m256;
@@ -98,12 +171,27 @@ struct Avx2 {
   static constexpr int MR = 3;  // 12 accumulators + 4 weights of 16 ymm registers
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static V load_tail(const float* p, int64_t n) {
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes);
-    return _mm256_maskload_ps(p, mask);
+  template <typename T>
+  static V load_w(const T* p) {
+    if constexpr (kIsFloat<T>) {
+      return _mm256_loadu_ps(p);
+    } else {
+      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      if constexpr (kIsBFloat16<T>) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+      } else {
+#if defined(__F16C__)
+        return _mm256_cvtph_ps(bits);
+#else
+        alignas(32) float f[8];
+        for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+        return _mm256_load_ps(f);
+#endif
+      }
+    }
   }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  KVFORGE_FLOAT_POLICY
   static V in_register(V v) {
     __asm__("" : "+x"(v));
     return v;
@@ -127,9 +215,10 @@ struct Portable {
     for (int i = 0; i < 8; ++i) r.v[i] = p[i];
     return r;
   }
-  static V load_tail(const float* p, int64_t n) {
-    V r{};
-    for (int64_t i = 0; i < n; ++i) r.v[i] = p[i];
+  template <typename T>
+  static V load_w(const T* p) {
+    V r;
+    for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
     return r;
   }
   static V fmadd(const V& a, const V& b, const V& c) {
@@ -137,6 +226,7 @@ struct Portable {
     for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];  // not contracted: -ffp-contract=off
     return r;
   }
+  KVFORGE_FLOAT_POLICY
   static const V& in_register(const V& v) { return v; }
   static void prefetch(const float* p) {
 #if defined(__GNUC__)
@@ -156,11 +246,26 @@ struct Portable {
   }
 };
 
+// The first n < L elements of p, zero-padded to L lanes, as a vector (through a copy: the
+// tail is at most one step per row, so its cost does not matter).
+template <typename Isa, typename T>
+inline typename Isa::Op load_tail(const T* p, int64_t n) {
+  T buf[Isa::L];
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));  // all-zero bits are +0 in every type
+  std::memcpy(static_cast<void*>(buf), p, static_cast<size_t>(n) * sizeof(T));
+  if constexpr (std::is_same_v<T, typename Isa::XT>) {
+    return Isa::load_x(buf);
+  } else {
+    return Isa::template load_w<T>(buf);
+  }
+}
+
+template <typename XT, typename T>
 struct Problem {
-  const float* x;     // [M, K]
-  const float* w;     // [N, K]
+  const XT* x;        // [M, K]
+  const T* w;         // [N, K]
   const float* bias;  // [N] or nullptr
-  float* y;           // [M, N]
+  T* y;               // [M, N], each element rounded once from float
   int64_t m, k, n;
 };
 
@@ -168,22 +273,23 @@ struct Problem {
 // the x-row groups of the current tile, so the memory stream stays busy while the later
 // groups compute from L1 (issuing it all at once would stall on the miss buffers).
 struct Prefetcher {
-  const float* cur = nullptr;  // next cache line to prefetch
-  const float* end = nullptr;
+  const char* cur = nullptr;  // next cache line to prefetch
+  const char* end = nullptr;
   int64_t per_step = 0;  // lines per K step
 };
 
-constexpr int64_t kLineFloats = 16;  // 64-byte cache lines
+constexpr int64_t kLineBytes = 64;
 
 // y[m0 : m0 + MR, n0 : n0 + NR] for one W tile and MR rows of x.
-template <typename Isa, int NR, int MR>
-inline void tile(const Problem& p, int64_t n0, int64_t m0, Prefetcher& pf) {
-  using V = typename Isa::V;
+template <typename Isa, typename T, int NR, int MR>
+inline void tile(const Problem<typename Isa::XT, T>& p, int64_t n0, int64_t m0, Prefetcher& pf) {
+  using Acc = typename Isa::Acc;
+  using Op = typename Isa::Op;
   constexpr int64_t L = Isa::L;
   const int64_t K = p.k;
-  const float* w = p.w + n0 * K;
-  const float* x = p.x + m0 * K;
-  V acc[NR][MR];
+  const T* w = p.w + n0 * K;
+  const typename Isa::XT* x = p.x + m0 * K;
+  Acc acc[NR][MR];
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) {
 #pragma GCC unroll 8
@@ -191,40 +297,42 @@ inline void tile(const Problem& p, int64_t n0, int64_t m0, Prefetcher& pf) {
   }
   int64_t k = 0;
   for (; k + L <= K; k += L) {
-    for (int64_t j = 0; j < pf.per_step && pf.cur < pf.end; ++j, pf.cur += kLineFloats) Isa::prefetch(pf.cur);
-    V wv[NR];
+    for (int64_t j = 0; j < pf.per_step && pf.cur < pf.end; ++j, pf.cur += kLineBytes) {
+      Isa::prefetch(reinterpret_cast<const float*>(pf.cur));
+    }
+    Op wv[NR];
 #pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) wv[r] = Isa::load(w + r * K + k);
+    for (int r = 0; r < NR; ++r) wv[r] = Isa::template load_w<T>(w + r * K + k);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const V xv = Isa::in_register(Isa::load(x + i * K + k));
+      const Op xv = Isa::in_register(Isa::load_x(x + i * K + k));
 #pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) acc[r][i] = Isa::fmadd(wv[r], xv, acc[r][i]);
+      for (int r = 0; r < NR; ++r) acc[r][i] = Isa::madd(wv[r], xv, acc[r][i]);
     }
   }
   if (k < K) {  // masked tail: same accumulators, zero lanes contribute exactly 0
     const int64_t rest = K - k;
-    V wv[NR];
+    Op wv[NR];
 #pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) wv[r] = Isa::load_tail(w + r * K + k, rest);
+    for (int r = 0; r < NR; ++r) wv[r] = load_tail<Isa>(w + r * K + k, rest);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const V xv = Isa::load_tail(x + i * K + k, rest);
+      const Op xv = load_tail<Isa>(x + i * K + k, rest);
 #pragma GCC unroll 8
-      for (int r = 0; r < NR; ++r) acc[r][i] = Isa::fmadd(wv[r], xv, acc[r][i]);
+      for (int r = 0; r < NR; ++r) acc[r][i] = Isa::madd(wv[r], xv, acc[r][i]);
     }
   }
-  const V z = Isa::zero();
+  const Acc z = Isa::zero();
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     float sums[4];
     Isa::reduce4(acc[0][i], NR > 1 ? acc[1 % NR][i] : z, NR > 2 ? acc[2 % NR][i] : z,
                  NR > 3 ? acc[3 % NR][i] : z, sums);
-    float* y = p.y + (m0 + i) * p.n + n0;
+    T* y = p.y + (m0 + i) * p.n + n0;
     if (p.bias != nullptr) {
-      for (int r = 0; r < NR; ++r) y[r] = sums[r] + p.bias[n0 + r];
+      for (int r = 0; r < NR; ++r) y[r] = static_cast<T>(sums[r] + p.bias[n0 + r]);
     } else {
-      for (int r = 0; r < NR; ++r) y[r] = sums[r];
+      for (int r = 0; r < NR; ++r) y[r] = static_cast<T>(sums[r]);
     }
   }
 }
@@ -232,16 +340,16 @@ inline void tile(const Problem& p, int64_t n0, int64_t m0, Prefetcher& pf) {
 // One W tile (rows n0 .. n0 + NR) against all M rows of x, MR rows at a time: the first
 // group streams the tile from memory (or from where the prefetches put it), the others
 // find it in L1.
-template <typename Isa, int NR>
-void tile_column(const Problem& p, int64_t n0, Prefetcher& pf) {
+template <typename Isa, typename T, int NR>
+void tile_column(const Problem<typename Isa::XT, T>& p, int64_t n0, Prefetcher& pf) {
   constexpr int MR = Isa::MR;
   int64_t m0 = 0;
-  for (; m0 + MR <= p.m; m0 += MR) tile<Isa, NR, MR>(p, n0, m0, pf);
+  for (; m0 + MR <= p.m; m0 += MR) tile<Isa, T, NR, MR>(p, n0, m0, pf);
   // rest < MR <= 6: a smaller tile, with identical per-output arithmetic.
   switch (p.m - m0) {
 #define KVFORGE_REST_CASE(R)                                   \
   case R:                                                      \
-    if constexpr (R < MR) tile<Isa, NR, R>(p, n0, m0, pf);     \
+    if constexpr (R < MR) tile<Isa, T, NR, R>(p, n0, m0, pf);  \
     break;
     KVFORGE_REST_CASE(1)
     KVFORGE_REST_CASE(2)
@@ -254,37 +362,39 @@ void tile_column(const Problem& p, int64_t n0, Prefetcher& pf) {
   }
 }
 
-template <typename Isa>
-void run(const Problem& p) {
+template <typename Isa, typename T>
+void run(const Problem<typename Isa::XT, T>& p) {
   const int64_t full_tiles = p.n / kNR;
   const int64_t tiles = (p.n + kNR - 1) / kNR;
   const int64_t grain = std::max<int64_t>(1, kMinChunkFloats / std::max<int64_t>(1, kNR * p.k));
   const int64_t groups = (p.m + Isa::MR - 1) / Isa::MR;
   const int64_t steps = groups * std::max<int64_t>(1, p.k / Isa::L);  // K steps per tile
-  const int64_t tile_lines = (kNR * p.k + kLineFloats - 1) / kLineFloats;
+  const int64_t tile_lines = (kNR * p.k * static_cast<int64_t>(sizeof(T)) + kLineBytes - 1) / kLineBytes;
   const int64_t per_step = (tile_lines + steps - 1) / steps;
+  const char* w_bytes = reinterpret_cast<const char*>(p.w);
+  const int64_t row_bytes = p.k * static_cast<int64_t>(sizeof(T));
   // Each thread gets a contiguous range of tiles, so its W reads are one sequential stream.
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    const float* range_end = p.w + std::min(end * kNR, p.n) * p.k;
+    const char* range_end = w_bytes + std::min(end * kNR, p.n) * row_bytes;
     Prefetcher pf;
     pf.per_step = per_step;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kNR;
       // While tile t runs, prefetch tile t + kPrefetchTiles (within this thread's range).
-      pf.cur = std::min(range_end, p.w + (n0 + kPrefetchTiles * kNR) * p.k);
-      pf.end = std::min(range_end, p.w + (n0 + (kPrefetchTiles + 1) * kNR) * p.k);
+      pf.cur = std::min(range_end, w_bytes + (n0 + kPrefetchTiles * kNR) * row_bytes);
+      pf.end = std::min(range_end, w_bytes + (n0 + (kPrefetchTiles + 1) * kNR) * row_bytes);
       if (t < full_tiles) {
-        tile_column<Isa, kNR>(p, n0, pf);
+        tile_column<Isa, T, kNR>(p, n0, pf);
       } else {
         switch (p.n - n0) {  // the last, partial tile
           case 1:
-            tile_column<Isa, 1>(p, n0, pf);
+            tile_column<Isa, T, 1>(p, n0, pf);
             break;
           case 2:
-            tile_column<Isa, 2>(p, n0, pf);
+            tile_column<Isa, T, 2>(p, n0, pf);
             break;
           default:
-            tile_column<Isa, 3>(p, n0, pf);
+            tile_column<Isa, T, 3>(p, n0, pf);
             break;
         }
       }
@@ -292,30 +402,75 @@ void run(const Problem& p) {
   });
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+using Isa = NativeIsa;
+#else
+using Isa = Portable;
+#endif
+
+// Float copies of a small tensor's elements (x or the bias); a float32 tensor is read in place.
+template <typename T>
+const float* as_floats(const at::Tensor& t, std::vector<float>& buffer) {
+  const T* src = reinterpret_cast<const T*>(t.const_data_ptr());
+  if constexpr (kIsFloat<T>) {
+    return src;
+  } else {
+    buffer.resize(static_cast<size_t>(t.numel()));
+    for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<float>(src[i]);
+    return buffer.data();
+  }
+}
+
+template <typename T>
+void run_typed(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, at::Tensor& y) {
+  std::vector<float> x_buffer, bias_buffer;
+#if defined(KVFORGE_BF16_DOT)
+  if constexpr (kIsBFloat16<T>) {  // x stays bf16: the dot instruction reads it as is
+    const Problem<c10::BFloat16, T> p{reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr()),
+                                      reinterpret_cast<const T*>(weight.const_data_ptr()),
+                                      bias == nullptr ? nullptr : as_floats<T>(*bias, bias_buffer),
+                                      reinterpret_cast<T*>(y.data_ptr()), x.size(0), x.size(1), weight.size(0)};
+    run<Avx512Bf16, T>(p);
+    return;
+  }
+#endif
+  const Problem<float, T> p{as_floats<T>(x, x_buffer), reinterpret_cast<const T*>(weight.const_data_ptr()),
+                     bias == nullptr ? nullptr : as_floats<T>(*bias, bias_buffer),
+                     reinterpret_cast<T*>(y.data_ptr()), x.size(0), x.size(1), weight.size(0)};
+  run<Isa, T>(p);
+}
+
+// x, weight and bias (or none) of one dtype in {float32, bfloat16, float16}; y has that dtype.
 at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_m_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_m_linear: x must be [M, K] and weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "small_m_linear: x and weight must be float32");
+  const at::ScalarType dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "small_m_linear: weight must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(x.scalar_type() == dtype, "small_m_linear: x is ", x.scalar_type(), " but weight is ", dtype);
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "small_m_linear: x and weight must be contiguous");
   TORCH_CHECK(x.size(1) == weight.size(1), "small_m_linear: x has ", x.size(1), " columns but weight has ",
               weight.size(1));
-  const float* bias_ptr = nullptr;
+  const at::Tensor* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == dtype && bias->is_contiguous() &&
                     bias->dim() == 1 && bias->size(0) == weight.size(0),
-                "small_m_linear: bias must be a contiguous float32 CPU vector of size N");
-    bias_ptr = bias->data_ptr<float>();
+                "small_m_linear: bias must be a contiguous CPU vector of size N with the weight's dtype");
+    bias_ptr = &*bias;
   }
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return y;
-  const Problem p{x.data_ptr<float>(), weight.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), m, k, n};
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  run<NativeIsa>(p);
-#else
-  run<Portable>(p);
-#endif
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (y.numel() == 0) return y;
+  switch (dtype) {
+    case at::kBFloat16:
+      run_typed<c10::BFloat16>(x, weight, bias_ptr, y);
+      break;
+    case at::kHalf:
+      run_typed<c10::Half>(x, weight, bias_ptr, y);
+      break;
+    default:
+      run_typed<float>(x, weight, bias_ptr, y);
+      break;
+  }
   return y;
 }
 

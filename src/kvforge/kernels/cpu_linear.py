@@ -1,9 +1,12 @@
-"""Small-M fp32 linear on CPU (`y = x @ W.T + b` for decode steps), a C++ kernel built at first use.
+"""Small-M linear on CPU (`y = x @ W.T + b` for decode steps), a C++ kernel built at first use.
 
-With M <= 32 rows BLAS sgemm streams the weights at a fraction of the memory bandwidth;
+With M <= 32 rows BLAS gemm streams the weights at a fraction of the memory bandwidth;
 `torch.ops.kvforge_cpu_linear.small_m_linear` reads every weight row once while x stays in
-cache (see cpu_linear.cpp). `linear` dispatches to it for eligible calls and to
-`torch.nn.functional.linear` otherwise (prefill, other dtypes, autograd, no kernel).
+cache (see cpu_linear.cpp). Weights may be float32, bfloat16 or float16 (x, W and bias of one
+dtype, as F.linear wants); products and sums are float32 and the result is rounded once to
+that dtype, so 2-byte weights halve the bytes a decode step reads without bf16 accumulation.
+`linear` dispatches to it for eligible calls and to `torch.nn.functional.linear` otherwise
+(prefill, float64, autograd, no kernel).
 
 Invariant: with the kernel, each output element's summation order does not depend on M nor
 on the other rows of x, so row i of `linear(x, W)` is bitwise equal to `linear(x[i:i+1], W)`
@@ -24,8 +27,9 @@ import torch.nn.functional as F
 from kvforge.kernels.build import DEFAULT_FLAG_SETS, DISABLE_ENV, CppKernel, kernels_disabled
 from kvforge.step_timing import current_timer
 
-__all__ = ["DISABLE_ENV", "MAX_ROWS", "linear", "small_m_linear_available"]
+__all__ = ["DISABLE_ENV", "KERNEL_DTYPES", "MAX_ROWS", "linear", "small_m_linear_available"]
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_ROWS = 32  # more rows: BLAS is as good (it is compute-bound then) and is used instead
 
 # -ffp-contract=off keeps the portable path's a * b + c unfused everywhere, so the
@@ -44,8 +48,9 @@ def small_m_linear_available() -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the small-M kernel when the call is eligible.
 
-    Eligible: CPU float32 x with at most MAX_ROWS rows once leading dims are flattened, a
-    contiguous 2-D float32 CPU weight (nn.Linear layout [N, K]), a float32 CPU bias or none,
+    Eligible: CPU x with at most MAX_ROWS rows once leading dims are flattened, a contiguous
+    2-D CPU weight (nn.Linear layout [N, K]) and a CPU bias or none, all of one dtype in
+    KERNEL_DTYPES,
     no autograd needed (the op has no backward), the kernel built and not disabled.
     Counted as "linear" by a recording step timer (kvforge.step_timing).
     """
@@ -70,14 +75,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     # Ordered cheapest first: this runs for every projection of every decode step.
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu or not weight.is_cpu:
+    if x.dtype != weight.dtype or x.dtype not in KERNEL_DTYPES or not x.is_cpu or not weight.is_cpu:
         return False
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or not weight.is_contiguous():
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows < 1 or rows > MAX_ROWS:
         return False
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_cpu or bias.dim() != 1):
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_cpu or bias.dim() != 1):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):

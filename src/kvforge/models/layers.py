@@ -9,12 +9,16 @@ from torch import nn
 
 from kvforge.batch import ForwardBatch
 from kvforge.cache.base import CacheMethod
+from kvforge.kernels.cpu_fused import rms_norm
 from kvforge.kernels.cpu_linear import linear
 from kvforge.models.rope import PositionedRope
 
 
 class RMSNorm(nn.Module):
-    """Llama-style RMSNorm: normalise in float32, scale by w in the input dtype."""
+    """Llama-style RMSNorm: normalise in float32, scale by w in the input dtype.
+
+    On CPU (no autograd) one fused op computes it (kernels/cpu_fused.py); the PyTorch
+    expression below is the reference and the path everywhere else."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -23,13 +27,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = rms_norm(x, self.weight, self.eps, gemma=False)
+        if fused is not None:
+            return fused
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):
-    """Gemma RMSNorm: scale by (1 + w), all in float32, then back to the input dtype."""
+    """Gemma RMSNorm: scale by (1 + w), all in float32, then back to the input dtype (fused
+    on CPU as RMSNorm is)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -38,6 +46,9 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = rms_norm(x, self.weight, self.eps, gemma=True)
+        if fused is not None:
+            return fused
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kvforge.config import RopeConfig
+from kvforge.kernels.cpu_fused import rope_rotate
 
 
 def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -90,7 +91,11 @@ class PositionedRope:
     rotary: RotaryEmbedding
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim] whose rows match this step's rows."""
+        """Rotate x [T, heads, head_dim] whose rows match this step's rows (one fused op on
+        CPU when eligible: kernels/cpu_fused.py)."""
+        fused = rope_rotate(x, self.cos, self.sin)
+        if fused is not None:
+            return fused
         cos = self.cos[:, None, :]
         sin = self.sin[:, None, :]
         return x * cos + rotate_half(x) * sin

@@ -6,7 +6,8 @@
 // pybind11/Python headers are compiled (a faster first build).
 //
 // Invariants the kernel relies on (checked on entry, mostly made true by the Python wrapper):
-// - q, k_self, v_self are contiguous float32 [B, heads, D] / [B, kv_heads, D];
+// - q, k_self, v_self are contiguous [B, heads, D] / [B, kv_heads, D] of one dtype in {f32,
+//   bf16, f16} (widened to float32 on entry; the output has their dtype, rounded once);
 // - k_pages/v_pages are [kv_heads, num_pages, block, D] of one dtype in {f32, bf16, f16,
 //   float8_e4m3fn, float8_e5m2}, any strides for the first three dims but unit stride along
 //   D (a `store[layer]` view); float8 pages come with float32 scales [kv_heads, num_pages,
@@ -519,6 +520,27 @@ void dispatch_dtype(const std::vector<Unit>& units, const Problem& problem, cons
   }
 }
 
+// A small [B, heads, D] tensor as floats: float32 is read in place, bf16/f16 widened into
+// `buffer` (exact). Done here rather than with ATen casts from Python: this runs once per
+// layer and decode step, where each extra op dispatch is a measurable share of the step.
+const float* as_floats(const at::Tensor& t, std::vector<float>& buffer) {
+  if (t.scalar_type() == at::kFloat) return t.const_data_ptr<float>();
+  buffer.resize(static_cast<size_t>(t.numel()));
+  if (t.scalar_type() == at::kBFloat16) {
+    const c10::BFloat16* src = t.const_data_ptr<c10::BFloat16>();
+    for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<float>(src[i]);
+  } else {
+    const c10::Half* src = t.const_data_ptr<c10::Half>();
+    for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<float>(src[i]);
+  }
+  return buffer.data();
+}
+
+template <typename T>
+void store_rounded(const std::vector<float>& values, T* out) {
+  for (size_t i = 0; i < values.size(); ++i) out[i] = static_cast<T>(values[i]);
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
                                   const at::Tensor& v_self, const at::Tensor& k_pages,
                                   const at::Tensor& v_pages, const at::Tensor& page_table,
@@ -532,7 +554,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
   constexpr const char* kOpName = "paged_decode_attention";
   kvforge_checks::cpu(kOpName, {&q, &k_self, &v_self, &k_pages, &v_pages, &page_table, &first_page_position,
                            &visible_from, &visible_to});
-  kvforge_checks::contiguous_of(kOpName, "q, k_self, v_self", at::kFloat, {&q, &k_self, &v_self});
+  const at::ScalarType io_dtype = q.scalar_type();
+  TORCH_CHECK(io_dtype == at::kFloat || io_dtype == at::kBFloat16 || io_dtype == at::kHalf, kOpName,
+              ": q must be float32, bfloat16 or float16, got ", io_dtype);
+  kvforge_checks::contiguous_of(kOpName, "q, k_self, v_self", io_dtype, {&q, &k_self, &v_self});
   kvforge_checks::contiguous_of(kOpName, "page table and positions", at::kLong,
                                 {&page_table, &first_page_position, &visible_from, &visible_to});
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
@@ -591,8 +616,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
   }
   first_unit[batch * kv_heads] = static_cast<int64_t>(units.size());
 
+  std::vector<float> q_buffer, k_self_buffer, v_self_buffer;
   const Problem problem{kv_heads, group, dim, page_table.size(1), static_cast<float>(scale),
-                        q.data_ptr<float>(), k_self.data_ptr<float>(), v_self.data_ptr<float>(),
+                        as_floats(q, q_buffer), as_floats(k_self, k_self_buffer), as_floats(v_self, v_self_buffer),
                         page_table.data_ptr<int64_t>(), geometry(k_pages), geometry(v_pages),
                         scale_geometry(k_scales, float8), scale_geometry(v_scales, float8)};
   const int64_t stride = group * (dim + 2);
@@ -610,7 +636,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
 
   // Merge the slices of each pair: out = sum_u acc_u e^(m_u - M) / sum_u l_u e^(m_u - M).
   at::Tensor out = at::empty({batch, heads, dim}, q.options());
-  float* op = out.data_ptr<float>();
+  std::vector<float> out_buffer(io_dtype == at::kFloat ? 0 : batch * heads * dim);
+  float* op = io_dtype == at::kFloat ? out.data_ptr<float>() : out_buffer.data();
   at::parallel_for(0, batch * kv_heads, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(dim);
     for (int64_t pair = begin; pair < end; ++pair) {
@@ -633,6 +660,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
       }
     }
   });
+  if (io_dtype == at::kBFloat16) {
+    store_rounded(out_buffer, reinterpret_cast<c10::BFloat16*>(out.data_ptr()));
+  } else if (io_dtype == at::kHalf) {
+    store_rounded(out_buffer, reinterpret_cast<c10::Half*>(out.data_ptr()));
+  }
   return out;
 }
 

@@ -65,14 +65,17 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: to
         k_pages = k_pages.contiguous()
     if v_pages.stride(-1) != 1:
         v_pages = v_pages.contiguous()
+    # bf16/f16 queries are widened inside the kernel and the output comes back in their dtype.
+    io = q.dtype if q.dtype in _IO_DTYPES else torch.float32
     out = torch.ops.kvforge_cpu.paged_decode_attention(
-        _as(q, torch.float32), _as(k_self, torch.float32), _as(v_self, torch.float32), k_pages, v_pages,
+        _as(q, io), _as(k_self, io), _as(v_self, io), k_pages, v_pages,
         _as(page_table, torch.int64), _as(first_page_position, torch.int64), _as(visible_from, torch.int64),
         _as(visible_to, torch.int64), float(scale), _NO_SCALES if k_scales is None else k_scales,
         _NO_SCALES if v_scales is None else v_scales)
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
+_IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_SCALES = torch.empty(0)  # 16/32-bit pages: no scales (the kernel reads none)
 
 

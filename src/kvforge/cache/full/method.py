@@ -44,6 +44,9 @@ class _DecodePlan:
     first_page_position: torch.Tensor  # [B]
     visible_from: torch.Tensor  # [B]
     visible_to: torch.Tensor  # [B] == cached_len
+    # True when the step is decode only and `rows` is 0..B-1: q, k and v then need no
+    # gather and the kernel's output is the layer's output (no scatter).
+    every_row: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,22 +262,29 @@ class FullCache(PagedPoolMemory, CacheMethod):
             rows = slice(first, first + count)
             out[rows] = chunk_attention(q[rows], k, v, span.total_len - count, past_from, spec.scale,
                                         spec.sliding_window)
+        if plan.decode is not None and plan.decode.every_row and located is None:
+            return self._decode_attention(plan.decode, q, k_new, v_new, k_pages, v_pages, k_scales, v_scales,
+                                          spec.scale)
         if plan.decode is not None:
             d = plan.decode
             if located is None:
                 q_dec, write = q[d.rows], d.rows
             else:  # a one-token span without a requested row gets a zero query, then is dropped
                 q_dec, write = q[located.read] * located.keep, located.write
-            args = (q_dec, k_new[d.rows], v_new[d.rows], k_pages, v_pages, d.page_table,
-                    d.first_page_position, d.visible_from, d.visible_to, spec.scale)
-            if self.config.decode_kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
-                result = paged_decode_attention_cpu(*args, k_scales=k_scales, v_scales=v_scales)  # pages in place
-            else:
-                result = decode_attention(
-                    *args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size),
-                    k_scales=k_scales, v_scales=v_scales)
-            out[write] = result
+            out[write] = self._decode_attention(d, q_dec, k_new[d.rows], v_new[d.rows], k_pages, v_pages,
+                                                k_scales, v_scales, spec.scale)
         return out if located is None else out[:-1]
+
+    def _decode_attention(self, d: _DecodePlan, q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor,
+                          k_pages: torch.Tensor, v_pages: torch.Tensor, k_scales: torch.Tensor | None,
+                          v_scales: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """One query per decode sequence (row i of q is sequence i of `d`), [B, heads, D]."""
+        args = (q, k_self, v_self, k_pages, v_pages, d.page_table, d.first_page_position, d.visible_from,
+                d.visible_to, scale)
+        if self.config.decode_kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
+            return paged_decode_attention_cpu(*args, k_scales=k_scales, v_scales=v_scales)  # pages in place
+        return decode_attention(*args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size),
+                                k_scales=k_scales, v_scales=v_scales)
 
     # -- planning ---------------------------------------------------------------------
     def _plan_group(self, group: int, batch: ForwardBatch) -> _GroupPlan:
@@ -302,11 +312,13 @@ class FullCache(PagedPoolMemory, CacheMethod):
         return _GroupPlan(
             write_rows=write_rows,
             write_slots=torch.tensor(slots, dtype=torch.long),
-            decode=self._plan_decode(group, decode_spans) if decode_spans else None,
+            decode=self._plan_decode(group, decode_spans, every_row=not prefills and len(decode_spans) == batch.num_tokens
+                                     and all(s.query_start == i for i, s in enumerate(decode_spans)))
+            if decode_spans else None,
             prefills=tuple(prefills),
         )
 
-    def _plan_decode(self, group: int, spans: list[SequenceSpan]) -> _DecodePlan:
+    def _plan_decode(self, group: int, spans: list[SequenceSpan], every_row: bool = False) -> _DecodePlan:
         block = self.block_size
         tables: list[list[int]] = []
         first_positions: list[int] = []
@@ -326,6 +338,7 @@ class FullCache(PagedPoolMemory, CacheMethod):
             first_page_position=as_tensor(first_positions),
             visible_from=as_tensor(visible_from),
             visible_to=as_tensor([s.cached_len for s in spans]),
+            every_row=every_row and len(spans) > 0,
         )
 
 

@@ -1,0 +1,173 @@
+// C++ source of the fused elementwise CPU ops of a decoder layer (see cpu_fused.py).
+//
+// In eager PyTorch an RMSNorm is ~8 ops and a rotary embedding ~6, each a dispatch, an
+// allocation and a pass over memory; at decode (one row per sequence) the dispatches
+// dominate and cost several milliseconds per step. Each op here is one call and one pass.
+//
+//   rms_norm(x [R, H], w [H], eps, gemma) -> [R, H], x's dtype
+//     r = 1 / sqrt(mean(float(x)^2) + eps) per row;
+//     Llama (gemma = false): y = T(float(w) * float(T(float(x) * r)))   (HF's two roundings)
+//     Gemma (gemma = true):  y = T(float(x) * r * (1 + float(w)))
+//   rope_rotate(x [R, heads, D], cos [R, D], sin [R, D]) -> [R, heads, D], x's dtype
+//     y[d] = T(float(x[d]) * float(cos[d]) + float(rot[d]) * float(sin[d])),
+//     rot = (-x[D/2:], x[:D/2]) (rotate-half); computed in float, rounded once.
+//
+// INVARIANTS: every output row depends only on its own input row (rows are split over
+// threads whole, and each row's sums run in one fixed order), so a row's result does not
+// depend on the batch it is in. For float32 the RoPE arithmetic is exactly PyTorch's
+// `x * cos + rotate_half(x) * sin` (two rounded products, one rounded sum: the build uses
+// -ffp-contract=off so no FMA fuses them); the RMSNorm differs from PyTorch's only in the
+// order of the sum of squares (last-bit differences in r).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kMinChunkElements = 16 * 1024;  // smaller parallel chunks cost more than they save
+
+int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kMinChunkElements / std::max<int64_t>(1, row_elements));
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t h, float eps, bool gemma) {
+  at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * h;
+      T* yr = y + r * h;
+      // Eight partial sums in a fixed order, then a fixed tree: deterministic and vectorisable.
+      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= h; i += 8) {
+        for (int j = 0; j < 8; ++j) {
+          const float v = static_cast<float>(xr[i + j]);
+          part[j] += v * v;
+        }
+      }
+      for (int j = 0; i < h; ++i, ++j) {
+        const float v = static_cast<float>(xr[i]);
+        part[j] += v * v;
+      }
+      const float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(h) + eps);
+      if (gemma) {
+        for (int64_t k = 0; k < h; ++k) {
+          yr[k] = static_cast<T>(static_cast<float>(xr[k]) * inv * (1.0f + static_cast<float>(w[k])));
+        }
+      } else {
+        for (int64_t k = 0; k < h; ++k) {
+          const T normed = static_cast<T>(static_cast<float>(xr[k]) * inv);
+          yr[k] = static_cast<T>(static_cast<float>(w[k]) * static_cast<float>(normed));
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void rope_rows(const T* x, const T* cos, const T* sin, T* y, int64_t rows, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * d;
+      const T* s = sin + r * d;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        const T* xr = x + (r * heads + hd) * d;
+        T* yr = y + (r * heads + hd) * d;
+        for (int64_t k = 0; k < half; ++k) {
+          const float a = static_cast<float>(xr[k]) * static_cast<float>(c[k]);
+          const float b = -static_cast<float>(xr[k + half]) * static_cast<float>(s[k]);
+          yr[k] = static_cast<T>(a + b);
+        }
+        for (int64_t k = half; k < d; ++k) {
+          const float a = static_cast<float>(xr[k]) * static_cast<float>(c[k]);
+          const float b = static_cast<float>(xr[k - half]) * static_cast<float>(s[k]);
+          yr[k] = static_cast<T>(a + b);
+        }
+      }
+    }
+  });
+}
+
+void check_same(const char* op, const at::Tensor& x, std::initializer_list<const at::Tensor*> others) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), op, ": x must be a contiguous CPU tensor");
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": dtype must be float32, bfloat16 or float16, got ", dtype);
+  for (const at::Tensor* t : others) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == dtype, op,
+                ": every tensor must be contiguous, on the CPU and of x's dtype (", dtype, ")");
+  }
+}
+
+#define KVFORGE_DISPATCH(dtype, CALL)             \
+  switch (dtype) {                                \
+    case at::kBFloat16: {                         \
+      using T = c10::BFloat16;                    \
+      CALL;                                       \
+      break;                                      \
+    }                                             \
+    case at::kHalf: {                             \
+      using T = c10::Half;                        \
+      CALL;                                       \
+      break;                                      \
+    }                                             \
+    default: {                                    \
+      using T = float;                            \
+      CALL;                                       \
+      break;                                      \
+    }                                             \
+  }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
+  check_same("rms_norm", x, {&weight});
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1),
+              "rms_norm: weight must be [H] with H = x.size(-1)");
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const int64_t h = x.size(-1);
+  if (x.numel() == 0 || h == 0) return y;
+  const int64_t rows = x.numel() / h;
+  KVFORGE_DISPATCH(x.scalar_type(),
+                   rms_norm_rows<T>(reinterpret_cast<const T*>(x.const_data_ptr()),
+                                    reinterpret_cast<const T*>(weight.const_data_ptr()),
+                                    reinterpret_cast<T*>(y.data_ptr()), rows, h, static_cast<float>(eps), gemma))
+  return y;
+}
+
+at::Tensor rope_rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_same("rope_rotate", x, {&cos, &sin});
+  TORCH_CHECK(x.dim() == 3, "rope_rotate: x must be [rows, heads, head_dim]");
+  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
+  TORCH_CHECK(d % 2 == 0, "rope_rotate: head_dim must be even, got ", d);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == d && sin.sizes() == cos.sizes(),
+              "rope_rotate: cos and sin must be [rows, head_dim]");
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return y;
+  KVFORGE_DISPATCH(x.scalar_type(),
+                   rope_rows<T>(reinterpret_cast<const T*>(x.const_data_ptr()),
+                                reinterpret_cast<const T*>(cos.const_data_ptr()),
+                                reinterpret_cast<const T*>(sin.const_data_ptr()),
+                                reinterpret_cast<T*>(y.data_ptr()), rows, heads, d))
+  return y;
+}
+
+#undef KVFORGE_DISPATCH
+
+}  // namespace
+
+TORCH_LIBRARY(kvforge_cpu_fused, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor");
+  m.def("rope_rotate(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpu_fused, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_rotate", &rope_rotate);
+}

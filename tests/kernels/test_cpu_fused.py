@@ -1,0 +1,135 @@
+"""The fused RMSNorm and RoPE ops against their PyTorch definitions, their row independence,
+and the dispatch rules (the PyTorch expression runs whenever the op is not eligible)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.kernels import cpu_fused
+from kvforge.kernels.build import DISABLE_ENV
+from kvforge.models.layers import GemmaRMSNorm, RMSNorm
+from kvforge.models.rope import rotate_half
+
+requires_kernel = pytest.mark.skipif(not cpu_fused.fused_ops_available(),
+                                     reason="the fused CPU ops could not be built or are disabled")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """The definitions, in float64 up to each rounding the models make."""
+    x64 = x.double()
+    normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (normed * (1.0 + weight.double())).to(x.dtype)
+    return (weight.double() * normed.to(x.dtype).double()).to(x.dtype)
+
+
+def ulp_tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+
+
+def operands(rows: int, hidden: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    weight = (torch.randn(hidden, generator=gen) * 0.5 + 1).to(dtype)
+    return x, weight
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("hidden", [576, 640, 13, 1])
+def test_rms_norm_matches_its_definition(dtype, gemma, hidden):
+    x, weight = operands(37, hidden, dtype)
+    out = cpu_fused.rms_norm(x, weight, 1e-5, gemma)
+    ref = reference_norm(x, weight, 1e-5, gemma)
+    assert out.dtype == dtype and out.shape == x.shape
+    # one rounding of a float32 result: within one unit in the last place of the dtype
+    torch.testing.assert_close(out.double(), ref.double(), rtol=2 * ulp_tolerance(dtype), atol=1e-6)
+
+
+@requires_kernel
+@pytest.mark.parametrize("cls,gemma", [(RMSNorm, False), (GemmaRMSNorm, True)])
+def test_modules_use_the_op_and_match_their_pytorch_path(cls, gemma, monkeypatch):
+    x, weight = operands(5, 64, torch.float32, seed=3)
+    norm = cls(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        fused = norm(x.view(5, 1, 64))  # leading dims of any shape
+        monkeypatch.setenv(DISABLE_ENV, "1")
+        reference = norm(x.view(5, 1, 64))
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
+    # the weight really is applied, as (1 + w) for Gemma and w for Llama
+    scale = (1 + weight) if gemma else weight
+    unit = reference_norm(x, torch.zeros(64) if gemma else torch.ones(64), 1e-6, gemma)
+    torch.testing.assert_close(fused.view(5, 64), unit * scale, rtol=1e-5, atol=1e-5)
+
+
+@requires_kernel
+def test_rms_norm_rows_are_independent():
+    x, weight = operands(33, 576, torch.bfloat16, seed=1)
+    full = cpu_fused.rms_norm(x, weight, 1e-5, False)
+    for i in (0, 7, 32):
+        assert torch.equal(cpu_fused.rms_norm(x[i:i + 1], weight, 1e-5, False)[0], full[i])
+
+
+def rope_operands(rows: int, heads: int, dim: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+    angles = torch.rand(rows, dim // 2, generator=gen) * 100
+    angles = torch.cat((angles, angles), dim=-1)
+    return x, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@requires_kernel
+@pytest.mark.parametrize("heads,dim", [(9, 64), (1, 256), (3, 2)])
+def test_rope_float32_is_pytorchs_expression_bitwise(heads, dim):
+    x, cos, sin = rope_operands(11, heads, dim, torch.float32)
+    expected = x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    assert torch.equal(cpu_fused.rope_rotate(x, cos, sin), expected)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_low_precision_rounds_once(dtype):
+    x, cos, sin = rope_operands(11, 4, 64, dtype, seed=2)
+    x64, c64, s64 = x.double(), cos.double()[:, None, :], sin.double()[:, None, :]
+    exact = x64 * c64 + rotate_half(x64) * s64
+    out = cpu_fused.rope_rotate(x, cos, sin)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), exact.to(dtype).double(), rtol=2 * ulp_tolerance(dtype), atol=1e-3)
+
+
+@requires_kernel
+def test_rope_cos_and_sin_halves_are_used_as_given():
+    """Per-element tables: halves that differ (not built by RotaryEmbedding) still follow the formula."""
+    gen = torch.Generator().manual_seed(4)
+    x, cos, sin = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)
+    assert torch.equal(cpu_fused.rope_rotate(x, cos, sin), x * cos[:, None] + rotate_half(x) * sin[:, None])
+
+
+@pytest.mark.parametrize("case", ["grad", "float64", "strided", "disabled", "shape"])
+def test_ineligible_calls_return_none(case, monkeypatch):
+    x, weight = operands(4, 8, torch.float32)
+    rx, cos, sin = rope_operands(4, 2, 8, torch.float32)
+    if case == "grad":
+        weight.requires_grad_(True)
+        rx.requires_grad_(True)
+    elif case == "float64":
+        x, weight, rx, cos, sin = x.double(), weight.double(), rx.double(), cos.double(), sin.double()
+    elif case == "strided":
+        x, rx = x.T.contiguous().T, rx.transpose(0, 1).contiguous().transpose(0, 1)
+    elif case == "disabled":
+        monkeypatch.setenv(DISABLE_ENV, "1")
+    elif case == "shape":
+        weight, cos = weight[:4], cos[:, :4]
+    assert cpu_fused.rms_norm(x, weight, 1e-5, False) is None
+    assert cpu_fused.rope_rotate(rx, cos, sin) is None
+
+
+def test_modules_keep_autograd_through_the_pytorch_path():
+    norm = RMSNorm(8, 1e-5)
+    x = torch.randn(3, 8, requires_grad=True)
+    norm(x).sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None

@@ -56,11 +56,11 @@ class VerifyReport:
     prefill_max_abs_logit_diff: float
     decode_max_abs_logit_diff: float
     argmax_agreement: float
-    # below a float32 run only: argmax agreement of each with transformers in float32
-    float32_agreement: dict[str, float] = field(default_factory=dict)
     greedy_match: bool
     prompts: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    # below float32 only: argmax agreement of each implementation with transformers in float32
+    float32_agreement: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

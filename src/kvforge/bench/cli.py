@@ -40,7 +40,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="SwiftKV checkpoint laid over --model; kvforge systems run it (see --compare base)")
     parser.add_argument("--compare", action="append", default=[], metavar="X[,Y...]",
                         help="also measure: hf (transformers, same weights), no-prefix-caching, base (with --swiftkv: the base "
-                             "model, same cache) or a cache spec such as full or full:storage_dtype=bfloat16")
+                             "model, same cache), a cache spec such as full or full:storage_dtype=bfloat16, or (bench "
+                             "prefill and decode; pip install -e '.[peers]') llama.cpp[:f16|bf16|f32|as-shipped]: "
+                             "llama.cpp on the model's GGUF file converted to that type (f16), or as shipped")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="kvforge systems reuse cached prompt prefixes (off by default: repeats would hit the "
                              "previous repeat); --compare no-prefix-caching adds the system under test without it")
@@ -135,7 +137,16 @@ def _add_serve(kinds: Any) -> None:
     serve.add_argument("--json", metavar="OUT", default=None, help="write JSON to OUT and a plot to OUT.png")
 
 
+PEER_VERBS = ("prefill", "decode")  # the bench verbs that run the llama.cpp peer
+
+
 def run_bench(args: argparse.Namespace) -> int:
+    if args.bench_verb not in PEER_VERBS:  # before anything loads (bench prefix ignores --compare otherwise)
+        from kvforge.bench.llamacpp_peer import is_peer, parse
+
+        for entry in (piece.strip() for text in args.compare for piece in text.split(",")):
+            if is_peer(entry):
+                parse(entry, allowed=False)
     module = importlib.import_module(f"kvforge.bench.{args.bench_verb}")
     module.run(args)
     return 0

@@ -38,29 +38,38 @@ from kvforge.sizes import parse_bytes
 
 @dataclass(frozen=True)
 class System:
-    """One configuration measured: kvforge with a cache spec, or the transformers peer."""
+    """One configuration measured: kvforge with a cache spec, the transformers peer, or the
+    llama.cpp peer (bench.llamacpp_peer)."""
 
     name: str
-    kind: Literal["kvforge", "hf"]
+    kind: Literal["kvforge", "hf", "llama.cpp"]
     cache: CacheSpec | None = None
     # kvforge systems: run the --swiftkv model when one is given (False: SwiftKV's base model).
     swiftkv: bool = True
     # kvforge systems: the engine's prefix caching (None: as --prefix-caching says; benchmarks
     # repeat their prompts, so it is off unless asked for)
     prefix_caching: bool | None = None
+    # llama.cpp systems: the weights it runs (llamacpp_peer.WEIGHTS: f16, bf16, f32, as-shipped)
+    weights: str | None = None
 
 
 def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None = None,
-                  swiftkv: str | None = None) -> list[System]:
+                  swiftkv: str | None = None, llama_cpp: bool = False) -> list[System]:
     """`--compare` values -> systems. Each value is a comma-separated list of `hf`, `base`
-    (the --swiftkv model's base model with the cache under test) or cache specs; a spec's own
+    (the --swiftkv model's base model with the cache under test), `llama.cpp[:WEIGHTS]`
+    (only where `llama_cpp` says the benchmark has that peer) or cache specs; a spec's own
     `k=v` options may continue after commas (`full:storage_dtype=bfloat16,block_size=32`).
     With --swiftkv, cache-spec systems run the SwiftKV model too."""
-    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING))
+    from kvforge.bench import llamacpp_peer  # imports this module: only imported when parsing
+
+    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING, llamacpp_peer.PEER))
     systems = []
     for item in items:
         if item == "hf":
             systems.append(System("hf", "hf"))
+        elif llamacpp_peer.is_peer(item):
+            weights = llamacpp_peer.parse(item, allowed=llama_cpp)
+            systems.append(System(llamacpp_peer.system_name(weights), "llama.cpp", weights=weights))
         elif item == NO_PREFIX_CACHING:
             spec = under_test or parse_cache_spec("full")
             systems.append(System(f"{_kvforge_name(spec, swiftkv)}, no prefix caching", "kvforge", spec,
@@ -74,7 +83,8 @@ def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None 
             try:
                 spec = parse_cache_spec(item)
             except ConfigError as exc:
-                raise ConfigError("compare", item, f"each entry must be hf, base or a cache spec ({exc})") from exc
+                raise ConfigError("compare", item,
+                                  f"each entry must be hf, base, llama.cpp[:WEIGHTS] or a cache spec ({exc})") from exc
             systems.append(System(_kvforge_name(spec, swiftkv), "kvforge", spec))
     return systems
 
@@ -194,8 +204,9 @@ def drain(engine: LLMEngine, prompts: list[list[int]], params: Any,
             on_step(outputs)
 
 
-def prepare(args: argparse.Namespace, tokens_per_sequence: int) -> BenchContext:
-    """Validate options, set the thread count and describe the model (weights load later)."""
+def prepare(args: argparse.Namespace, tokens_per_sequence: int, llama_cpp: bool = False) -> BenchContext:
+    """Validate options, set the thread count and describe the model (weights load later).
+    `llama_cpp`: whether this benchmark can run the llama.cpp peer (`--compare llama.cpp`)."""
     for name in ("threads", "repeats"):
         require(getattr(args, name) >= 1, name, getattr(args, name), "must be >= 1")
     require(args.warmup >= 0, "warmup", args.warmup, "must be >= 0")
@@ -205,10 +216,14 @@ def prepare(args: argparse.Namespace, tokens_per_sequence: int) -> BenchContext:
     prefix = bool(getattr(args, "prefix_caching", False))
     systems = unique_names([dataclasses.replace(s, prefix_caching=prefix if s.prefix_caching is None else s.prefix_caching)
                             for s in (System(_kvforge_name(under_test, swiftkv), "kvforge", under_test),
-                                      *parse_compare(args.compare, under_test, swiftkv))])
+                                      *parse_compare(args.compare, under_test, swiftkv, llama_cpp))])
     budget = parse_bytes(args.kv_budget)
     torch.set_num_threads(args.threads)  # before any measurement, including the peak
     source = resolve_model_source(args.model)
+    if llama_cpp:
+        from kvforge.bench.llamacpp_peer import check_run
+
+        check_run(systems, source.kind, args.device)
     config = load_model_config(source)
     if getattr(args, "max_position_embeddings", None):
         config = dataclasses.replace(config, max_position_embeddings=args.max_position_embeddings)

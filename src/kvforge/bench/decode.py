@@ -10,6 +10,10 @@ transformers: the [batch, context] prompt is prefilled into a DynamicCache (unti
 gen - 1 forward calls with greedy argmax fed back are timed. This is `generate`'s loop
 without its per-step Python overhead, so it favours transformers.
 
+llama.cpp (`--compare llama.cpp`, llamacpp_peer.py): the prompts are prefilled as separate
+sequences (untimed), then gen - 1 lock-step llama_decode calls of one token per sequence,
+greedy argmax fed back, are timed. Its weight bytes per step are its GGUF file's.
+
 Also reported: ms per step and achieved GB/s = (weight bytes + KV bytes read per step) x
 steps / time (flops.py), compared with the read bandwidth measured in the same run.
 """
@@ -24,7 +28,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from kvforge.bench import hf_peer
+from kvforge.bench import hf_peer, llamacpp_peer
 from kvforge.bench.common import BenchContext, System, prepare, rate, repeat_runs, run_systems
 from kvforge.bench.flops import KVReadModel, decode_bytes, weight_bytes_per_step
 from kvforge.bench.report import Column, Panel, finish
@@ -101,21 +105,37 @@ def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
     return run
 
 
+def _llama_cpp(ctx: BenchContext, system: System) -> dict[str, Any]:
+    args = ctx.args
+    prompts = ctx.prompts(args.batch, args.context)
+    with llamacpp_peer.open_session(ctx, system, sequences=args.batch, tokens_per_sequence=args.context + args.gen,
+                                    prompt_tokens=args.batch * args.context) as session:
+        run = repeat_runs(system.name, lambda: llamacpp_peer.decode(session, prompts, args.gen), args.warmup,
+                          args.repeats)
+        run["llama_cpp"] = llamacpp_peer.describe(session, system.weights)
+        run["weight_bytes_per_step"] = llamacpp_peer.weight_bytes_per_step(session.path)
+    kv = KVReadModel.of_dense(ctx.config, llamacpp_peer.KV_ELEMENT_BYTES)
+    run["kv_bytes_per_token"] = sum(kv.bytes_per_token)
+    run["bytes_per_step_model"] = kv
+    return run
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("batch", "context"):
         require(getattr(args, name) >= 1, name, getattr(args, name), "must be >= 1")
     require(args.gen >= 2, "gen", args.gen, "must be >= 2 (the first token comes from the prefill)")
-    ctx = prepare(args, tokens_per_sequence=args.context + args.gen)
-    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf})
+    ctx = prepare(args, tokens_per_sequence=args.context + args.gen, llama_cpp=True)
+    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf, "llama.cpp": _llama_cpp})
     weights = weight_bytes_per_step(ctx.config, _element_size(ctx))
     for system in systems:
         kv: KVReadModel = system.pop("bytes_per_step_model")
         seconds, steps = system["seconds"], max(system["steps"], 1)
-        total = decode_bytes(weights, kv, args.batch, args.context, args.gen - 1)
+        own = system.get("weight_bytes_per_step", weights)  # set by a peer with its own weight types (llama.cpp)
+        total = decode_bytes(own, kv, args.batch, args.context, args.gen - 1)
         system[HEADLINE] = rate(system["tokens"], seconds)
         system["ms_per_step"] = seconds / steps * 1e3
-        system["weight_bytes_per_step"] = weights
-        system["kv_bytes_per_step_mean"] = total / (args.gen - 1) - weights
+        system["weight_bytes_per_step"] = own
+        system["kv_bytes_per_step_mean"] = total / (args.gen - 1) - own
         system["achieved_gbps"] = rate(total, seconds) / 1e9
         system["fraction_of_read_bandwidth"] = system["achieved_gbps"] / ctx.peak.read_gbps
     settings = {
@@ -124,6 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill": "excluded (untimed); timing starts once every request has its first token",
         "hf_timing": "G-1 forward calls with a DynamicCache and argmax feedback: generate's loop "
                      "without its Python overhead, which favours transformers",
+        "llama_cpp_timing": llamacpp_peer.TIMING["decode"],
     }
     columns = [Column(HEADLINE, "gen tok/s"), Column("ms_per_step", "ms/step"), Column("achieved_gbps", "GB/s"),
                Column("fraction_of_read_bandwidth", "of read BW", "{:.2f}"), Column("tokens", "tokens", "{}"),

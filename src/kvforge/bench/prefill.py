@@ -8,6 +8,9 @@ last finished output: time to first token, including scheduling, sampling and de
 transformers: one forward call `model(ids, logits_to_keep=1)` under inference_mode (what
 generate(max_new_tokens=1) computes without its set-up code), plus the argmax.
 
+llama.cpp (`--compare llama.cpp`, llamacpp_peer.py): the prompts as separate sequences in one
+llama_decode call, plus the argmax of each sequence's logits.
+
 Headline: prompt_tokens_per_s = prompt_len * batch / seconds. Also achieved GFLOP/s from
 the analytic FLOP count (flops.py) and its fraction of the matmul peak measured in this run.
 """
@@ -18,7 +21,7 @@ import argparse
 import time
 from typing import Any
 
-from kvforge.bench import hf_peer
+from kvforge.bench import hf_peer, llamacpp_peer
 from kvforge.bench.common import BenchContext, System, drain, prepare, rate, repeat_runs, run_systems
 from kvforge.bench.flops import prefill_flops
 from kvforge.bench.report import Column, Panel, finish
@@ -57,12 +60,23 @@ def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
     return run
 
 
+def _llama_cpp(ctx: BenchContext, system: System) -> dict[str, Any]:
+    args = ctx.args
+    prompts = ctx.prompts(args.batch, args.prompt_len)
+    with llamacpp_peer.open_session(ctx, system, sequences=args.batch, tokens_per_sequence=args.prompt_len + 1,
+                                    prompt_tokens=args.batch * args.prompt_len) as session:
+        session.load_prompts(prompts)  # the same batch every run: filled once, untimed
+        run = repeat_runs(system.name, lambda: {"seconds": llamacpp_peer.prefill(session)}, args.warmup, args.repeats)
+        run["llama_cpp"] = llamacpp_peer.describe(session, system.weights)
+    return run
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     require(args.prompt_len >= 1, "prompt_len", args.prompt_len, "must be >= 1")
     require(args.batch >= 1, "batch", args.batch, "must be >= 1")
-    ctx = prepare(args, tokens_per_sequence=args.prompt_len + 1)
+    ctx = prepare(args, tokens_per_sequence=args.prompt_len + 1, llama_cpp=True)
     flops = prefill_flops(ctx.config, args.prompt_len, args.batch)
-    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf})
+    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf, "llama.cpp": _llama_cpp})
     tokens = args.prompt_len * args.batch
     for system in systems:
         seconds = system["seconds"]
@@ -77,6 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "total": flops.total},
         "kvforge_timing": "engine: add_request -> finished output (one step, max_tokens=1)",
         "hf_timing": "one forward call model(ids, logits_to_keep=1) under inference_mode + argmax",
+        "llama_cpp_timing": llamacpp_peer.TIMING["prefill"],
     }
     columns = [Column(HEADLINE, "prompt tok/s"), Column("ms_to_first_token", "ms TTFT"),
                Column("achieved_gflops", "GFLOP/s"), Column("fraction_of_matmul_peak", "of peak", "{:.2f}"),

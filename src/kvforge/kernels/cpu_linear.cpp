@@ -422,15 +422,15 @@ const float* as_floats(const at::Tensor& t, std::vector<float>& buffer) {
 }
 
 template <typename T>
-void run_typed(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, at::Tensor& y) {
+void run_typed(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, at::Tensor& y, bool widen) {
   std::vector<float> x_buffer, bias_buffer;
 #if defined(KVFORGE_BF16_DOT)
-  if constexpr (kIsBFloat16<T>) {  // x stays bf16: the dot instruction reads it as is
+  if (kIsBFloat16<T> && !widen) {  // x stays bf16: the dot instruction reads it as is
     const Problem<c10::BFloat16, T> p{reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr()),
                                       reinterpret_cast<const T*>(weight.const_data_ptr()),
                                       bias == nullptr ? nullptr : as_floats<T>(*bias, bias_buffer),
                                       reinterpret_cast<T*>(y.data_ptr()), x.size(0), x.size(1), weight.size(0)};
-    run<Avx512Bf16, T>(p);
+    if constexpr (kIsBFloat16<T>) run<Avx512Bf16, T>(p);
     return;
   }
 #endif
@@ -441,7 +441,10 @@ void run_typed(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* 
 }
 
 // x, weight and bias (or none) of one dtype in {float32, bfloat16, float16}; y has that dtype.
-at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// widen: bf16 through the widening float path even where the bf16 dot ISA exists (to compare
+// the two; each is M-invariant on its own, they differ from each other by rounding).
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          bool widen) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_m_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_m_linear: x must be [M, K] and weight [N, K]");
   const at::ScalarType dtype = weight.scalar_type();
@@ -462,13 +465,13 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const s
   if (y.numel() == 0) return y;
   switch (dtype) {
     case at::kBFloat16:
-      run_typed<c10::BFloat16>(x, weight, bias_ptr, y);
+      run_typed<c10::BFloat16>(x, weight, bias_ptr, y, widen);
       break;
     case at::kHalf:
-      run_typed<c10::Half>(x, weight, bias_ptr, y);
+      run_typed<c10::Half>(x, weight, bias_ptr, y, widen);
       break;
     default:
-      run_typed<float>(x, weight, bias_ptr, y);
+      run_typed<float>(x, weight, bias_ptr, y, widen);
       break;
   }
   return y;
@@ -477,7 +480,7 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const s
 }  // namespace
 
 TORCH_LIBRARY(kvforge_cpu_linear, m) {
-  m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias=None, bool widen=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_linear, CPU, m) {

@@ -62,7 +62,8 @@ def both(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 @requires_kernel
 @pytest.mark.parametrize("dim", [64, 256])
-@pytest.mark.parametrize("kv_heads,group", [(2, 1), (3, 3), (1, 4), (2, 4)])
+# groups up to 4 take the group-fused tile path, larger ones the widening path
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (3, 3), (1, 4), (2, 4), (1, 5), (2, 8)])
 @pytest.mark.parametrize("lengths", [[37], [1500], [0, 5, 64, 300], list(range(3, 100, 6))],
                          ids=["b1", "b1-long-split", "b4", "b17"])
 def test_matches_reference_fp32(lengths, kv_heads, group, dim):
@@ -103,9 +104,10 @@ def test_padding_entries_are_ignored():
 @requires_kernel
 @pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [64, 256])
-def test_low_precision_storage(storage, dim):
+@pytest.mark.parametrize("group", [3, 6])
+def test_low_precision_storage(storage, dim, group):
     # Both paths widen the same stored values to float32, so only summation order differs.
-    out, ref = both(make_case([1, 17, 90, 400], kv_heads=3, group=3, dim=dim, storage=storage))
+    out, ref = both(make_case([1, 17, 90, 400], kv_heads=3, group=group, dim=dim, storage=storage))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 

@@ -293,6 +293,84 @@ inline float sum_of(const float* x, int64_t n) {
   return sum;
 }
 
+// Query heads per KV head up to which the group-fused tile path runs (4 x 4 score
+// accumulators, or 4 x 4 value accumulators, plus the loaded rows fit 32 zmm registers).
+constexpr int64_t kMaxFusedGroup = 4;
+
+// Calls fn(std::integral_constant<int, G>) for G = group in 1..kMaxFusedGroup.
+template <typename Fn>
+inline void with_group(int64_t group, Fn&& fn) {
+  switch (group) {
+    case 1:
+      return fn(std::integral_constant<int, 1>{});
+    case 2:
+      return fn(std::integral_constant<int, 2>{});
+    case 3:
+      return fn(std::integral_constant<int, 3>{});
+    default:
+      return fn(std::integral_constant<int, 4>{});
+  }
+}
+
+// scores[g * kTile + i] = q_g . rows[i] for the G queries (qs, [G, dim]) and four rows of
+// storage type scalar_t. Each row chunk is loaded and widened once for the G queries. Per
+// score: one accumulator over the chunks in order, then sum4: exactly dot4's arithmetic.
+template <typename V, typename scalar_t, int G>
+inline void scores4_group(const float* qs, const scalar_t* const* rows, int64_t dim, float* scores) {
+  constexpr int64_t L = V::kLanes;
+  V s[G][4];
+  for (int g = 0; g < G; ++g) {
+    for (int i = 0; i < 4; ++i) s[g][i] = V::zero();
+  }
+  for (int64_t d = 0; d < dim; d += L) {
+    const V r0 = V::load(rows[0] + d), r1 = V::load(rows[1] + d);
+    const V r2 = V::load(rows[2] + d), r3 = V::load(rows[3] + d);
+    for (int g = 0; g < G; ++g) {
+      const V x = V::load(qs + g * dim + d);
+      s[g][0] = V::fmadd(x, r0, s[g][0]);
+      s[g][1] = V::fmadd(x, r1, s[g][1]);
+      s[g][2] = V::fmadd(x, r2, s[g][2]);
+      s[g][3] = V::fmadd(x, r3, s[g][3]);
+    }
+  }
+  for (int g = 0; g < G; ++g) V::sum4(s[g][0], s[g][1], s[g][2], s[g][3], scores + g * kTile);
+}
+
+// acc[g][:dim] += sum_t weights[g * kTile + t] * rows[t][:dim] for the G queries: each
+// stored row chunk is loaded and widened once for all of them. Per element: the same FMA
+// chain over t as `accumulate`.
+template <typename V, typename scalar_t, int G>
+inline void accumulate_group(float* acc, const float* weights, const scalar_t* const* rows, int64_t n,
+                             int64_t dim) {
+  constexpr int64_t L = V::kLanes;
+  constexpr int C = V::kLanes >= 16 ? 4 : 2;  // chunks per pass: G * C accumulators in registers
+  int64_t d = 0;
+  for (; d + C * L <= dim; d += C * L) {
+    V a[G][C];
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) a[g][c] = V::load(acc + g * dim + d + c * L);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      V r[C];
+      for (int c = 0; c < C; ++c) r[c] = V::load(rows[t] + d + c * L);
+      for (int g = 0; g < G; ++g) {
+        const V w = V::broadcast(weights[g * kTile + t]);
+        for (int c = 0; c < C; ++c) a[g][c] = V::fmadd(w, r[c], a[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) a[g][c].store(acc + g * dim + d + c * L);
+    }
+  }
+  for (; d < dim; d += L) {
+    for (int g = 0; g < G; ++g) {
+      V a = V::load(acc + g * dim + d);
+      for (int64_t t = 0; t < n; ++t) a = V::fmadd(V::broadcast(weights[g * kTile + t]), V::load(rows[t] + d), a);
+      a.store(acc + g * dim + d);
+    }
+  }
+}
+
 template <typename scalar_t>
 constexpr bool kFloat8 = std::is_same_v<scalar_t, c10::Float8_e4m3fn> || std::is_same_v<scalar_t, c10::Float8_e5m2>;
 
@@ -436,11 +514,52 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
     }
   };
 
+  // Online softmax update of query g over the tile's scores (turned into weights in place);
+  // rescales acc[g] for the new running max.
+  auto softmax_update = [&](int64_t g, int64_t n) {
+    float* s = scores + g * kTile;
+    const float new_max = std::max(m[g], max_of(s, n));
+    const float correction = std::exp(m[g] - new_max);
+    for (int64_t t = 0; t < n; ++t) s[t] -= new_max;
+    exp_nonpositive(s, n);
+    const float sum = sum_of(s, n);
+    float* a = acc + g * dim;
+    if (correction != 1.f) {
+      for (int64_t d = 0; d < dim; ++d) a[d] *= correction;
+    }
+    l[g] = l[g] * correction + sum;
+    m[g] = new_max;
+  };
+
   int64_t slot = 0;
   int64_t n = unit.col_begin < unit.col_end ? locate(unit.col_begin, 0) : 0;
   for (int64_t start = unit.col_begin; start < unit.col_end; start += kTile, slot ^= 1) {
     const int64_t next = start + kTile;
     const int64_t next_n = next < unit.col_end ? locate(next, slot ^ 1) : 0;
+    if constexpr (!kFloat8<scalar_t>) {
+      if (group <= kMaxFusedGroup) {
+        // Group-fused: every K and V row is loaded (and widened) in registers once and used
+        // by all the queries of the group; no widened copy of the tile. Same arithmetic per
+        // score and per accumulator element as the path below, so the same results.
+        const int64_t full = n - n % 4;
+        for (int64_t t = 0; t < full; t += 4) {
+          for (int64_t i = t; i < std::min(t + 4, next_n); ++i) prefetch_row(slot ^ 1, i);
+          with_group(group, [&](auto g_) { scores4_group<V, scalar_t, decltype(g_)::value>(
+                                               qs, k_src[slot] + t, dim, scores + t); });
+        }
+        for (int64_t t = full; t < n; ++t) {  // rows past a multiple of 4: widened, as below
+          if (t < next_n) prefetch_row(slot ^ 1, t);
+          tile_rows<V, scalar_t>(k_src[slot] + t, k_scale[slot] + t, 1, dim, k_buffer, k_rows);
+          for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot<V>(qs + g * dim, k_rows[0], dim);
+        }
+        for (int64_t g = 0; g < group; ++g) softmax_update(g, n);
+        with_group(group, [&](auto g_) {
+          accumulate_group<V, scalar_t, decltype(g_)::value>(acc, scores, v_src[slot], n, dim);
+        });
+        n = next_n;
+        continue;
+      }
+    }
     // Scores of the tile: each K row is loaded from storage once for the whole group.
     tile_rows<V, scalar_t>(k_src[slot], k_scale[slot], n, dim, k_buffer, k_rows);
     int64_t t = 0;
@@ -455,19 +574,8 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
     // Online softmax update, then the weighted values (each V row loaded once).
     tile_rows<V, scalar_t>(v_src[slot], v_scale[slot], n, dim, v_buffer, v_rows);
     for (int64_t g = 0; g < group; ++g) {
-      float* s = scores + g * kTile;
-      const float new_max = std::max(m[g], max_of(s, n));
-      const float correction = std::exp(m[g] - new_max);
-      for (int64_t t = 0; t < n; ++t) s[t] -= new_max;
-      exp_nonpositive(s, n);
-      const float sum = sum_of(s, n);
-      float* a = acc + g * dim;
-      if (correction != 1.f) {
-        for (int64_t d = 0; d < dim; ++d) a[d] *= correction;
-      }
-      l[g] = l[g] * correction + sum;
-      m[g] = new_max;
-      accumulate<V>(a, s, v_rows, n, dim);
+      softmax_update(g, n);
+      accumulate<V>(acc + g * dim, scores + g * kTile, v_rows, n, dim);
     }
     n = next_n;
   }

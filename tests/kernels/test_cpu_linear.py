@@ -132,16 +132,17 @@ def test_falls_back_to_f_linear(case, monkeypatch):
 
 
 @requires_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (37, 13), (20, 7), (1, 5)])
+@pytest.mark.parametrize("dtype,widen", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)])
+@pytest.mark.parametrize("k,n", [(576, 1536), (1536, 576), (37, 13), (20, 7), (1, 5), (70, 9)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_two_byte_weights_accumulate_in_float32(dtype, k, n, bias):
+def test_two_byte_weights_accumulate_in_float32(dtype, widen, k, n, bias):
     """bf16/f16 x, W (and bias): every product and sum in float32, one rounding at the end,
-    so the result is the correctly rounded exact value but for rare one-unit ties."""
+    so the result is the correctly rounded exact value but for rare one-unit ties. bf16 runs
+    the pairwise dot instruction where the CPU has it, or the widening path (widen=True)."""
     for m in (1, 3, 6, 7, 16, 32):
         x, weight, b = operands(m, k, n, bias, seed=m)
         x, weight, b = x.to(dtype), weight.to(dtype), None if b is None else b.to(dtype)
-        out = kernel(x, weight, b)
+        out = torch.ops.kvforge_cpu_linear.small_m_linear(x, weight, b, widen)
         exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
         assert out.dtype == dtype and out.shape == exact.shape
         scale = (x.abs().double() @ weight.abs().double().T).max().item() + 1.0
@@ -152,13 +153,15 @@ def test_two_byte_weights_accumulate_in_float32(dtype, k, n, bias):
 
 
 @requires_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_two_byte_rows_do_not_depend_on_the_batch(dtype):
-    x, weight, bias = (t.to(dtype) for t in operands(32, 576, 1536, bias=True))
-    full = kernel(x, weight, bias)
+@pytest.mark.parametrize("dtype,widen", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False)])
+@pytest.mark.parametrize("k", [576, 70])
+def test_two_byte_rows_do_not_depend_on_the_batch(dtype, widen, k):
+    x, weight, bias = (t.to(dtype) for t in operands(32, k, 1536, bias=True))
+    op = torch.ops.kvforge_cpu_linear.small_m_linear
+    full = op(x, weight, bias, widen)
     for i in (0, 5, 31):
-        assert torch.equal(kernel(x[i:i + 1], weight, bias)[0], full[i])
-    assert torch.equal(kernel(x[3:10], weight, bias), full[3:10])
+        assert torch.equal(op(x[i:i + 1], weight, bias, widen)[0], full[i])
+    assert torch.equal(op(x[3:10], weight, bias, widen), full[3:10])
 
 
 def test_parameters_needing_grad_use_the_kernel_under_no_grad(monkeypatch):

@@ -133,3 +133,15 @@ def test_modules_keep_autograd_through_the_pytorch_path():
     x = torch.randn(3, 8, requires_grad=True)
     norm(x).sum().backward()
     assert x.grad is not None and norm.weight.grad is not None
+
+
+@pytest.mark.parametrize("value,disabled", [("1", True), ("yes", True), ("0", False), ("", False), (" 0 ", False)])
+def test_disable_env_is_read_on_every_call(value, disabled, monkeypatch):
+    from kvforge.kernels.build import kernels_disabled
+
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    assert not kernels_disabled()
+    monkeypatch.setenv(DISABLE_ENV, value)
+    assert kernels_disabled() is disabled
+    monkeypatch.delenv(DISABLE_ENV)
+    assert not kernels_disabled()

@@ -32,6 +32,8 @@ from kvforge.bench import hf_peer, llamacpp_peer
 from kvforge.bench.common import BenchContext, System, prepare, rate, repeat_runs, run_systems
 from kvforge.bench.flops import KVReadModel, decode_bytes, weight_bytes_per_step
 from kvforge.bench.report import Column, Panel, finish
+from kvforge.bench.throughput import step_split, timer_totals
+from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import KVForgeError, require
 
@@ -49,9 +51,34 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     prompts = ctx.prompts(args.batch, args.context)
     low, high = PREFILL_TOKENS_PER_STEP
     assert system.cache is not None
-    engine = ctx.make_engine(system, max_num_batched_tokens=min(high, max(low, args.batch * args.context)),
-                             max_num_seqs=max(256, args.batch))
     params = SamplingParams.greedy_params(max_tokens=args.gen, ignore_eos=True)
+
+    def engine_for(step_timing: bool) -> LLMEngine:
+        return ctx.make_engine(system, max_num_batched_tokens=min(high, max(low, args.batch * args.context)),
+                               max_num_seqs=max(256, args.batch), step_timing=step_timing)
+
+    engine = engine_for(step_timing=False)
+    run = repeat_runs(system.name, lambda: _decode_once(engine, prompts, params, system.name), args.warmup,
+                      args.repeats)
+    run["kv_bytes_per_token"] = engine.cache.kv_bytes_per_token()
+    run["bytes_per_step_model"] = KVReadModel.of_cache(engine.cache)
+    del engine
+    # Where a decode step's time goes: one more run, on an engine whose step timer wraps every
+    # linear and cache call (that wrapping costs a little, so the headline comes from the runs
+    # above, which have no timer).
+    timed = engine_for(step_timing=True)
+    timer = timed.step_timer
+    assert timer is not None
+    before = timer_totals(timer)
+    _decode_once(timed, prompts, params, system.name)
+    split = step_split(before, timer_totals(timer))
+    run.update({key: value for key, value in split.items() if key.startswith("decode_")})
+    return run
+
+
+def _decode_once(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, name: str) -> dict[str, Any]:
+    """One run: every request's prefill (untimed), then the timed decode steps to the end.
+    The step timer, if the engine has one, sees the decode steps and the prefill steps apart."""
 
     def step_outputs() -> list[Any]:
         outputs = engine.step()
@@ -60,38 +87,32 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
                 raise KVForgeError(f"request failed: {output.error}")
         return outputs
 
-    def once() -> dict[str, Any]:
-        engine.clear_prefix_cache()  # with --prefix-caching, the last repeat must not serve this one
-        for prompt in prompts:
-            engine.add_request(prompt, params)
-        started: set[str] = set()
-        prefill_start = time.perf_counter()
-        total = engine.num_uncomputed_prompt_tokens()
-        # The untimed prefill can take many minutes (4 x 32K tokens on CPU): show its progress.
-        with tqdm(total=total, desc=f"{system.name} prefill (untimed)", unit="tok", file=sys.stderr,
-                  disable=total < PROGRESS_MIN_TOKENS) as bar:
-            while len(started) < len(prompts):  # prefill phase, untimed
-                started.update(o.request_id for o in step_outputs() if o.new_token_ids)
-                bar.update(total - engine.num_uncomputed_prompt_tokens() - bar.n)
-        prefill_seconds = time.perf_counter() - prefill_start
-        # What the cache holds with every prompt in it, and counters of the timed phase only
-        # (methods with counters, e.g. shadowkv, can reset them).
-        held = engine.cache.memory_usage()
-        reset = getattr(engine.cache, "reset_statistics", None)
-        if reset is not None:
-            reset()
-        steps_before, tokens = engine.steps, 0
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            tokens += sum(len(o.new_token_ids) for o in step_outputs())
-        return {"seconds": time.perf_counter() - start, "tokens": tokens, "steps": engine.steps - steps_before,
-                "prefill_seconds": prefill_seconds, "cache_bytes_after_prefill": held,
-                "cache_statistics": engine.cache.statistics()}
-
-    run = repeat_runs(system.name, once, args.warmup, args.repeats)
-    run["kv_bytes_per_token"] = engine.cache.kv_bytes_per_token()
-    run["bytes_per_step_model"] = KVReadModel.of_cache(engine.cache)
-    return run
+    engine.clear_prefix_cache()  # with --prefix-caching, the last repeat must not serve this one
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    started: set[str] = set()
+    prefill_start = time.perf_counter()
+    total = engine.num_uncomputed_prompt_tokens()
+    # The untimed prefill can take many minutes (4 x 32K tokens on CPU): show its progress.
+    with tqdm(total=total, desc=f"{name} prefill (untimed)", unit="tok", file=sys.stderr,
+              disable=total < PROGRESS_MIN_TOKENS) as bar:
+        while len(started) < len(prompts):  # prefill phase, untimed
+            started.update(o.request_id for o in step_outputs() if o.new_token_ids)
+            bar.update(total - engine.num_uncomputed_prompt_tokens() - bar.n)
+    prefill_seconds = time.perf_counter() - prefill_start
+    # What the cache holds with every prompt in it, and counters of the timed phase only
+    # (methods with counters, e.g. shadowkv, can reset them).
+    held = engine.cache.memory_usage()
+    reset = getattr(engine.cache, "reset_statistics", None)
+    if reset is not None:
+        reset()
+    steps_before, tokens = engine.steps, 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.new_token_ids) for o in step_outputs())
+    return {"seconds": time.perf_counter() - start, "tokens": tokens, "steps": engine.steps - steps_before,
+            "prefill_seconds": prefill_seconds, "cache_bytes_after_prefill": held,
+            "cache_statistics": engine.cache.statistics()}
 
 
 def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
@@ -145,10 +166,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "hf_timing": "G-1 forward calls with a DynamicCache and argmax feedback: generate's loop "
                      "without its Python overhead, which favours transformers",
         "llama_cpp_timing": llamacpp_peer.TIMING["decode"],
+        "step_split": "kvforge systems: one extra run on an engine with step timing (kvforge.step_timing): "
+                      "'timed ms' is its ms per decode step and linear/attn/sampling/rest its parts (rest = "
+                      "embedding, norms, RoPE, scheduling, batch building, Python); the timers add their own "
+                      "overhead, so 'timed ms' exceeds ms/step by about that",
     }
     columns = [Column(HEADLINE, "gen tok/s"), Column("ms_per_step", "ms/step"), Column("achieved_gbps", "GB/s"),
                Column("fraction_of_read_bandwidth", "of read BW", "{:.2f}"), Column("tokens", "tokens", "{}"),
-               Column("prefill_seconds", "prefill s")]
+               Column("prefill_seconds", "prefill s"), Column("decode_ms_per_step", "timed ms"),
+               Column("decode_linear_ms", "linear"), Column("decode_attention_ms", "attn"),
+               Column("decode_sampling_ms", "sampling"), Column("decode_rest_ms", "rest")]
     panel = Panel("achieved_gbps", "achieved GB/s (weights + KV)", ctx.peak.read_gbps, "measured read")
     # Reading weights and KV once per step cannot go faster than the machine reads memory.
     bounds = [{"what": f"{s['name']} achieved GB/s / measured read bandwidth", "ratio": s["fraction_of_read_bandwidth"],

@@ -73,6 +73,26 @@ def _decode(doc: Document) -> str:
             f"(batch {s['batch']}, {s['context'] // 1024}K context)")
 
 
+def _against_peers(doc: Document, what: str) -> str:
+    """The system under test against each peer of the file (llama.cpp weights, transformers)
+    on the headline metric: `what` names it; peers are named by their weights."""
+    labels = {"llama.cpp[f16]": "llama.cpp F16", "llama.cpp[as-shipped]": "llama.cpp Q4_1 (as shipped)",
+              "llama.cpp[bf16]": "llama.cpp BF16", "llama.cpp[f32]": "llama.cpp F32", "hf": "transformers"}
+    parts = [f"**{fmt(ratio, '{:.2f}')}x** {labels.get(name, name)}" for name, ratio in doc["ratios"].items()]
+    return f"{what} " + ", ".join(parts)
+
+
+def _cpu_decode(doc: Document) -> str:
+    ours = doc["systems"][0]
+    s = doc["settings"]
+    return (_against_peers(doc, f"batch-{s['batch']} decode ({s['context']}-token context), generated tokens/s:")
+            + f"; {ours['fraction_of_read_bandwidth']:.0%} of the read bandwidth")
+
+
+def _cpu_prefill(doc: Document) -> str:
+    return _against_peers(doc, f"prefill of a {doc['settings']['prompt_len']}-token prompt, tokens/s:")
+
+
 def _shadowkv_default(doc: Document) -> str:
     from kvforge.cache.shadowkv.config import ENERGY_DEFAULT
 
@@ -159,4 +179,10 @@ ROWS = [
     Row("Prefix caching, KIVI-2", "", "bench/prefix_smollm2-135m_2048x8_kivi.json", _prefix,
         "the same without prefix caching", ""),
     Row("SwiftKV + KIVI-2", "both", "demo/demo.json", _demo, "base model, full cache", "(composition: not in the papers)"),
+    Row("CPU engine, bf16", "the engine itself: bf16 weights and KV, C++ decode kernels",
+        "bench/cpu_decode_b1_bf16_vs_llamacpp.json", _cpu_decode, "llama.cpp, same weights, same threads", ""),
+    Row("CPU engine, bf16, batch 16", "", "bench/cpu_decode_b16_bf16_vs_llamacpp.json", _cpu_decode,
+        "llama.cpp F16 and as shipped (Q4_1)", ""),
+    Row("CPU engine, bf16, prefill", "", "bench/cpu_prefill_2048_bf16_vs_llamacpp.json", _cpu_prefill,
+        "llama.cpp F16", ""),
 ]

@@ -118,3 +118,23 @@ def test_low_precision_storage_close_to_fp32(storage):
     b = torch.stack([reduced.step([StepItem(0, [t])])[0] for t in tokens[20:]])
     assert 0 < (a - b).abs().max() < 0.05
     assert reduced.cache.memory_usage()["fast"] * 2 == exact.cache.memory_usage()["fast"]
+
+
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_mixed_prefill_and_decode_step_matches_separate_steps(decode_first):
+    """A step holding a decode token and a prompt chunk (continuous batching) gives each the
+    logits it gets in a step of its own: the decode-only shortcut (no gather/scatter of rows)
+    must not take such a step."""
+    _, model = make_pair("llama_gqa")
+    prompt0, prompt1, token = list(range(3, 20)), list(range(30, 41)), 7
+    alone = make_runner(model)
+    alone.step([StepItem(0, prompt0)])
+    decode_alone = alone.step([StepItem(0, [token])])[0]
+    prefill_alone = alone.step([StepItem(1, prompt1)])[0]
+    mixed = make_runner(model)
+    mixed.step([StepItem(0, prompt0)])
+    items = [StepItem(0, [token]), StepItem(1, prompt1)]
+    out = mixed.step(items if decode_first else items[::-1])
+    decode_mixed, prefill_mixed = (out[0], out[1]) if decode_first else (out[1], out[0])
+    torch.testing.assert_close(decode_mixed, decode_alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(prefill_mixed, prefill_alone, atol=1e-5, rtol=0)

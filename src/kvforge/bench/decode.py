@@ -21,6 +21,7 @@ steps / time (flops.py), compared with the read bandwidth measured in the same r
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from typing import Any
@@ -58,11 +59,11 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
                                max_num_seqs=max(256, args.batch), step_timing=step_timing)
 
     engine = engine_for(step_timing=False)
-    run = repeat_runs(system.name, lambda: _decode_once(engine, prompts, params, system.name), args.warmup,
-                      args.repeats)
+    run = repeat_runs(system.name, functools.partial(_decode_once, engine, prompts, params, system.name),
+                      args.warmup, args.repeats)
     run["kv_bytes_per_token"] = engine.cache.kv_bytes_per_token()
     run["bytes_per_step_model"] = KVReadModel.of_cache(engine.cache)
-    del engine
+    del engine  # its pages are freed before the next engine takes its own
     # Where a decode step's time goes: one more run, on an engine whose step timer wraps every
     # linear and cache call (that wrapping costs a little, so the headline comes from the runs
     # above, which have no timer).

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kvforge.bench.machine_load import LoadProbe, flags
 from kvforge.bench.prefill import HEADLINE, flop_bounds
 from kvforge.bench.report import format_table, machine_line
@@ -27,6 +29,9 @@ def _spin(seconds: float) -> None:
 def test_the_probe_counts_other_programs_and_not_this_one():
     # Relative to the same machine sleeping, so other jobs on a shared machine cancel out.
     baseline = _foreign(time.sleep)
+    cores = LoadProbe().report()["cpu_count"]
+    if baseline > cores - 0.5:  # every core already busy: one more program cannot show
+        pytest.skip(f"other programs already keep {baseline:.2f} of {cores} cores busy")
     assert _foreign(_spin) < baseline + 0.3  # this process's own work is not foreign
     # a program that is not this process (a child not yet waited for while it runs)
     probe = LoadProbe()

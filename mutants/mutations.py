@@ -318,7 +318,7 @@ MUTATIONS: list[Mutation] = [
              "static Op load_x(const XT* p) { return _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(0xFFFF)); }",
              ("tests/kernels/test_cpu_linear.py",), "the pair dot product sums both products of each lane"),
     Mutation("linear_bias_dropped_for_two_byte_dtypes", S + "kernels/cpu_linear.cpp",
-             "bias == nullptr ? nullptr : as_floats<T>(*bias, bias_buffer),\n"
+             "bias == nullptr ? nullptr : kvforge_convert::floats_of(*bias, bias_buffer),\n"
              "                                      reinterpret_cast<T*>(y.data_ptr())",
              "nullptr,\n                                      reinterpret_cast<T*>(y.data_ptr())",
              ("tests/kernels/test_cpu_linear.py",), "a bf16 layer's bias is added like a float32 one's"),
@@ -343,7 +343,7 @@ MUTATIONS: list[Mutation] = [
              "    store_rounded(out_buffer, reinterpret_cast<c10::BFloat16*>(out.data_ptr()));", "",
              ("tests/cache/full/test_full_cpu_decode.py",), "bf16 queries get their attention output back"),
     Mutation("full_cache_every_row_for_mixed_steps", S + "cache/full/method.py",
-             "every_row=every_row and len(spans) > 0,", "every_row=len(spans) > 0,",
+             "every_row = (not prefills and len(decode_spans) == batch.num_tokens", "every_row = (True",
              ("tests/cache/full/test_full_cache.py",),
              "only a decode-only step with rows 0..B-1 may skip the gather and the scatter"),
     Mutation("kernels_disabled_ignores_the_variable", S + "kernels/build.py",

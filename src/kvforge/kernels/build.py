@@ -35,6 +35,8 @@ from kvforge.kernels.build_lock import BuildLockTimeout, build_lock
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "KVFORGE_DISABLE_CPU_KERNELS"
+# Floating dtypes the C++ kernels take for activations, weights and their outputs.
+FLOAT_IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Tried in order: the first that compiles wins. -march=native is safe because the build
 # runs on the machine that loads it, and the build directory name hashes a CPU fingerprint

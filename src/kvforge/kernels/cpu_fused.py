@@ -16,11 +16,9 @@ from pathlib import Path
 
 import torch
 
-from kvforge.kernels.build import DEFAULT_FLAG_SETS, CppKernel, kernels_disabled
+from kvforge.kernels.build import DEFAULT_FLAG_SETS, FLOAT_IO_DTYPES, CppKernel, kernels_disabled
 
 __all__ = ["fused_ops_available", "rms_norm", "rope_rotate"]
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # -ffp-contract=off: float32 RoPE stays exactly PyTorch's two rounded products and one sum.
 _KERNEL = CppKernel(name="kvforge_cpu_fused", source=Path(__file__).with_name("cpu_fused.cpp"),
@@ -39,7 +37,7 @@ def _eligible(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
             return False
-    if dtype not in _DTYPES:
+    if dtype not in FLOAT_IO_DTYPES:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False

@@ -2,10 +2,10 @@
 //
 // y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) for the few rows of a decode step. W is float32,
 // bfloat16 or float16 (a decode step reads W once and nothing else of that size, so 2-byte
-// weights halve its time), x and y of W's dtype; x is converted to float32 once into a small
-// buffer, every product and sum is float32, and each y is rounded once to the dtype (no ATen
-// cast ops: at ~200 calls per decode step their dispatch would cost about a millisecond). BLAS sgemm
-// is tuned for large M and streams W at a fraction of the memory bandwidth when M is 1..32;
+// weights halve its time), x and y of W's dtype. Every product and sum is float32 and each y
+// is rounded once to the dtype: x is widened once into a small buffer (or, bf16 with
+// AVX512-BF16, read as is by the pair dot product), with no ATen cast ops (at ~200 calls per
+// decode step their dispatch would cost about a millisecond). BLAS sgemm is tuned for large M and streams W at a fraction of the memory bandwidth when M is 1..32;
 // here every W row is read from memory exactly once: W is walked in tiles of NR = 4
 // consecutive rows (one contiguous block of 4 * K floats), and while a tile sits in L1 all
 // rows of x (small: M * K floats, L1/L2 resident) are multiplied with it, MR rows at a time,
@@ -19,10 +19,10 @@
 // floating point operations whatever M is, whichever other rows x holds, where row m sits in
 // x, and however many threads run:
 //   - one vector accumulator per (m, n), starting at zero; lane l accumulates
-//     float(x[m, k]) * float(W[n, k]) (the conversion of a bf16/f16 weight to float is
-//     exact) with a fused multiply-add (bf16 on a CPU with AVX512-BF16: lane l accumulates
-//     the pairs k = 2l, 2l + 1, then 2l + 32, 2l + 33, ... with VDPBF16PS; see Avx512Bf16) for k = l, l + L, l + 2L, ... in increasing
-//     k (the last partial step uses masked loads, whose zero lanes add exactly 0);
+//     float(x[m, k]) * float(W[n, k]) (widening bf16/f16 to float is exact) with a fused
+//     multiply-add for k = l, l + L, l + 2L, ... in increasing k (bf16 with AVX512-BF16: the
+//     pairs k = 2l, 2l + 1, then 2l + 32, 2l + 33, ... with VDPBF16PS; see Avx512Bf16); the
+//     last partial step reads zero-padded copies, whose zero lanes add exactly 0;
 //   - the L lanes are reduced with one fixed tree (`reduce4`: the same tree for each of its
 //     four outputs; unused slots get zero vectors and their results are dropped);
 //   - then the bias is added (if any).
@@ -37,6 +37,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "cpu_convert.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -69,14 +71,13 @@ inline __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
 #endif
 
 // ---- vector types: one per ISA, selected at compile time ------------------------------
-// Each provides: V (register type), L (lanes), MR (x rows per tile, sized so that the
-// NR * MR accumulators and NR weight vectors fit the register file), zero, load (L floats),
-// load_w<T> (L weights of element type T, converted exactly to float), fmadd(a, b, c) =
-// a * b + c, in_register (an optimisation barrier, no arithmetic), prefetch, and
-// reduce4 (writes the four sums with the fixed reduction tree of the invariant above).
-// Tails (the last K % L elements) go through a zero-padded copy (`load_tail`), whose zero
-// lanes add exactly 0.
-
+// Each float ISA provides: V (register type), L (lanes), MR (x rows per tile, sized so that
+// the NR * MR accumulators and NR weight vectors fit the register file), zero, load (L
+// floats), load_w<T> (L weights of element type T, widened exactly), fmadd(a, b, c) =
+// a * b + c, in_register (an optimisation barrier, no arithmetic), prefetch, and reduce4
+// (the four sums with the fixed reduction tree of the invariant above). Tails (the last
+// K % L elements) go through a zero-padded copy (`load_tail`).
+//
 // The tile loop sees an ISA through a policy: Acc (accumulator register), Op (operand
 // register), XT (x's element type in memory), L (k elements per step), zero() -> Acc,
 // load_x(const XT*) -> Op, load_w<T>(const T*) -> Op, madd(w, x, acc) -> Acc. The float
@@ -408,19 +409,6 @@ using Isa = NativeIsa;
 using Isa = Portable;
 #endif
 
-// Float copies of a small tensor's elements (x or the bias); a float32 tensor is read in place.
-template <typename T>
-const float* as_floats(const at::Tensor& t, std::vector<float>& buffer) {
-  const T* src = reinterpret_cast<const T*>(t.const_data_ptr());
-  if constexpr (kIsFloat<T>) {
-    return src;
-  } else {
-    buffer.resize(static_cast<size_t>(t.numel()));
-    for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<float>(src[i]);
-    return buffer.data();
-  }
-}
-
 template <typename T>
 void run_typed(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, at::Tensor& y, bool widen) {
   std::vector<float> x_buffer, bias_buffer;
@@ -428,14 +416,14 @@ void run_typed(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* 
   if (kIsBFloat16<T> && !widen) {  // x stays bf16: the dot instruction reads it as is
     const Problem<c10::BFloat16, T> p{reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr()),
                                       reinterpret_cast<const T*>(weight.const_data_ptr()),
-                                      bias == nullptr ? nullptr : as_floats<T>(*bias, bias_buffer),
+                                      bias == nullptr ? nullptr : kvforge_convert::floats_of(*bias, bias_buffer),
                                       reinterpret_cast<T*>(y.data_ptr()), x.size(0), x.size(1), weight.size(0)};
     if constexpr (kIsBFloat16<T>) run<Avx512Bf16, T>(p);
     return;
   }
 #endif
-  const Problem<float, T> p{as_floats<T>(x, x_buffer), reinterpret_cast<const T*>(weight.const_data_ptr()),
-                     bias == nullptr ? nullptr : as_floats<T>(*bias, bias_buffer),
+  const Problem<float, T> p{kvforge_convert::floats_of(x, x_buffer), reinterpret_cast<const T*>(weight.const_data_ptr()),
+                     bias == nullptr ? nullptr : kvforge_convert::floats_of(*bias, bias_buffer),
                      reinterpret_cast<T*>(y.data_ptr()), x.size(0), x.size(1), weight.size(0)};
   run<Isa, T>(p);
 }

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvforge.kernels.build import DEFAULT_FLAG_SETS, DISABLE_ENV, CppKernel, kernels_disabled
+from kvforge.kernels.build import DEFAULT_FLAG_SETS, DISABLE_ENV, FLOAT_IO_DTYPES, CppKernel, kernels_disabled
 from kvforge.step_timing import current_timer
 
 __all__ = ["DISABLE_ENV", "KERNEL_DTYPES", "MAX_ROWS", "linear", "small_m_linear_available"]
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_DTYPES = FLOAT_IO_DTYPES
 MAX_ROWS = 32  # more rows: BLAS is as good (it is compute-bound then) and is used instead
 
 # -ffp-contract=off keeps the portable path's a * b + c unfused everywhere, so the

@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include "cpu_checks.h"
+#include "cpu_convert.h"
 
 #include <algorithm>
 #include <cmath>
@@ -628,26 +629,8 @@ void dispatch_dtype(const std::vector<Unit>& units, const Problem& problem, cons
   }
 }
 
-// A small [B, heads, D] tensor as floats: float32 is read in place, bf16/f16 widened into
-// `buffer` (exact). Done here rather than with ATen casts from Python: this runs once per
-// layer and decode step, where each extra op dispatch is a measurable share of the step.
-const float* as_floats(const at::Tensor& t, std::vector<float>& buffer) {
-  if (t.scalar_type() == at::kFloat) return t.const_data_ptr<float>();
-  buffer.resize(static_cast<size_t>(t.numel()));
-  if (t.scalar_type() == at::kBFloat16) {
-    const c10::BFloat16* src = t.const_data_ptr<c10::BFloat16>();
-    for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<float>(src[i]);
-  } else {
-    const c10::Half* src = t.const_data_ptr<c10::Half>();
-    for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = static_cast<float>(src[i]);
-  }
-  return buffer.data();
-}
-
-template <typename T>
-void store_rounded(const std::vector<float>& values, T* out) {
-  for (size_t i = 0; i < values.size(); ++i) out[i] = static_cast<T>(values[i]);
-}
+using kvforge_convert::floats_of;
+using kvforge_convert::store_rounded;
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
                                   const at::Tensor& v_self, const at::Tensor& k_pages,
@@ -726,7 +709,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
 
   std::vector<float> q_buffer, k_self_buffer, v_self_buffer;
   const Problem problem{kv_heads, group, dim, page_table.size(1), static_cast<float>(scale),
-                        as_floats(q, q_buffer), as_floats(k_self, k_self_buffer), as_floats(v_self, v_self_buffer),
+                        floats_of(q, q_buffer), floats_of(k_self, k_self_buffer), floats_of(v_self, v_self_buffer),
                         page_table.data_ptr<int64_t>(), geometry(k_pages), geometry(v_pages),
                         scale_geometry(k_scales, float8), scale_geometry(v_scales, float8)};
   const int64_t stride = group * (dim + 2);

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvforge.kernels.build import DISABLE_ENV, CppKernel
+from kvforge.kernels.build import DISABLE_ENV, FLOAT_IO_DTYPES, CppKernel
 
 __all__ = ["DISABLE_ENV", "cpu_kernels_available", "paged_decode_attention_cpu"]
 
@@ -66,7 +66,7 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: to
     if v_pages.stride(-1) != 1:
         v_pages = v_pages.contiguous()
     # bf16/f16 queries are widened inside the kernel and the output comes back in their dtype.
-    io = q.dtype if q.dtype in _IO_DTYPES else torch.float32
+    io = q.dtype if q.dtype in FLOAT_IO_DTYPES else torch.float32
     out = torch.ops.kvforge_cpu.paged_decode_attention(
         _as(q, io), _as(k_self, io), _as(v_self, io), k_pages, v_pages,
         _as(page_table, torch.int64), _as(first_page_position, torch.int64), _as(visible_from, torch.int64),
@@ -75,7 +75,6 @@ def paged_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: to
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-_IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_SCALES = torch.empty(0)  # 16/32-bit pages: no scales (the kernel reads none)
 
 

@@ -46,7 +46,7 @@ class _DecodePlan:
     visible_to: torch.Tensor  # [B] == cached_len
     # True when the step is decode only and `rows` is 0..B-1: q, k and v then need no
     # gather and the kernel's output is the layer's output (no scatter).
-    every_row: bool = False
+    every_row: bool
 
 
 @dataclass(frozen=True)
@@ -240,6 +240,9 @@ class FullCache(PagedPoolMemory, CacheMethod):
         k_pages, v_pages = self.k_store[index], self.v_store[index]
         k_scales = self.k_scales[index] if self.k_scales is not None else None
         v_scales = self.v_scales[index] if self.v_scales is not None else None
+        if plan.decode is not None and plan.decode.every_row and located is None:  # decode only: no gather/scatter
+            return self._decode_attention(plan.decode, q, k_new, v_new, k_pages, v_pages, k_scales, v_scales,
+                                          spec.scale)
         # With `located`, one spare row past the end receives the dropped decode results.
         out = q.new_empty((q.shape[0] + (located is not None), *q.shape[1:]))
         for prefill in plan.prefills:
@@ -262,9 +265,6 @@ class FullCache(PagedPoolMemory, CacheMethod):
             rows = slice(first, first + count)
             out[rows] = chunk_attention(q[rows], k, v, span.total_len - count, past_from, spec.scale,
                                         spec.sliding_window)
-        if plan.decode is not None and plan.decode.every_row and located is None:
-            return self._decode_attention(plan.decode, q, k_new, v_new, k_pages, v_pages, k_scales, v_scales,
-                                          spec.scale)
         if plan.decode is not None:
             d = plan.decode
             if located is None:
@@ -309,16 +309,16 @@ class FullCache(PagedPoolMemory, CacheMethod):
                 prefills.append(_PrefillPlan(span, torch.tensor(past, dtype=torch.long), past_from,
                                              (past_from // block) * block))
         write_rows = None if len(rows) == batch.num_tokens else torch.tensor(rows, dtype=torch.long)
+        every_row = (not prefills and len(decode_spans) == batch.num_tokens
+                     and all(s.query_start == i for i, s in enumerate(decode_spans)))
         return _GroupPlan(
             write_rows=write_rows,
             write_slots=torch.tensor(slots, dtype=torch.long),
-            decode=self._plan_decode(group, decode_spans, every_row=not prefills and len(decode_spans) == batch.num_tokens
-                                     and all(s.query_start == i for i, s in enumerate(decode_spans)))
-            if decode_spans else None,
+            decode=self._plan_decode(group, decode_spans, every_row) if decode_spans else None,
             prefills=tuple(prefills),
         )
 
-    def _plan_decode(self, group: int, spans: list[SequenceSpan], every_row: bool = False) -> _DecodePlan:
+    def _plan_decode(self, group: int, spans: list[SequenceSpan], every_row: bool) -> _DecodePlan:
         block = self.block_size
         tables: list[list[int]] = []
         first_positions: list[int] = []
@@ -338,7 +338,7 @@ class FullCache(PagedPoolMemory, CacheMethod):
             first_page_position=as_tensor(first_positions),
             visible_from=as_tensor(visible_from),
             visible_to=as_tensor([s.cached_len for s in spans]),
-            every_row=every_row and len(spans) > 0,
+            every_row=every_row,
         )
 
 

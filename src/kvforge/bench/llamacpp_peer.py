@@ -32,6 +32,7 @@ from typing import Any
 from kvforge.bench.common import BenchContext, System, log
 from kvforge.bench.llamacpp_session import Session, load_library
 from kvforge.errors import KVForgeError, require
+from kvforge.user_cache import user_cache_dir
 
 PEER = "llama.cpp"
 # llama_ftype of each converted weight type (llama.h); None: the source file itself
@@ -86,8 +87,7 @@ def check_run(systems: Sequence[System], source_kind: str, device: str) -> None:
 
 
 def cache_root() -> Path:
-    root = os.environ.get("KVFORGE_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "kvforge") / "llama.cpp"
+    return user_cache_dir("llama.cpp")
 
 
 def converted_path(source: Path, weights: str, root: Path | None = None) -> Path:

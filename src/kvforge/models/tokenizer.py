@@ -27,6 +27,7 @@ from typing import Any
 
 from kvforge.errors import ModelLoadError
 from kvforge.models.loader import ModelSource
+from kvforge.user_cache import user_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,7 @@ Message = Mapping[str, str]
 
 
 def tokenizer_cache_dir() -> Path:
-    root = os.environ.get("KVFORGE_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "kvforge") / "tokenizers"
+    return user_cache_dir("tokenizers")
 
 
 def _cache_entry(gguf_path: Path) -> Path:

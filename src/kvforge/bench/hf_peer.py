@@ -25,10 +25,9 @@ from kvforge.models.loader import ModelSource
 
 def load_hf_peer(source: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.nn.Module:
     """The peer on `device` (the kvforge systems' device), in `dtype`."""
-    from kvforge.verify import load_transformers_model  # float32 load, then cast
+    from kvforge.verify import load_transformers_model
 
-    model = load_transformers_model(source, device)
-    return model.to(dtype) if dtype != torch.float32 else model
+    return load_transformers_model(source, device, dtype)
 
 
 def prefill(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> float:

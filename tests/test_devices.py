@@ -36,7 +36,7 @@ def stop_at_load(monkeypatch):
     The thread count, which the commands set, is restored."""
     monkeypatch.setattr("kvforge.models.loader.resolve_device", _stop)
     monkeypatch.setattr("kvforge.engine.llm.resolve_device", _stop)
-    monkeypatch.setattr("kvforge.verify.load_transformers_model", lambda source, device: _stop(device))
+    monkeypatch.setattr("kvforge.verify.load_transformers_model", lambda source, device, dtype=None: _stop(device))
     monkeypatch.setattr("kvforge.prebuild.build_cpu_kernels", lambda: ({}, 0.0))
     peak = SimpleNamespace(matmul_gflops=1.0, matmul_dtype="float32", matmul_size=1, read_gbps=1.0, threads=1)
     monkeypatch.setattr("kvforge.bench.peak.measure_peak", lambda dtype: peak)

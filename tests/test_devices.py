@@ -39,7 +39,7 @@ def stop_at_load(monkeypatch):
     monkeypatch.setattr("kvforge.verify.load_transformers_model", lambda source, device, dtype=None: _stop(device))
     monkeypatch.setattr("kvforge.prebuild.build_cpu_kernels", lambda: ({}, 0.0))
     peak = SimpleNamespace(matmul_gflops=1.0, matmul_dtype="float32", matmul_size=1, read_gbps=1.0, threads=1)
-    monkeypatch.setattr("kvforge.bench.peak.measure_peak", lambda dtype: peak)
+    monkeypatch.setattr("kvforge.bench.peak.measure_peak", lambda dtype, device=None: peak)
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)

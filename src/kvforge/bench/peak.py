@@ -10,6 +10,10 @@
 
 Both are taken before any system runs; on a machine shared with other jobs they move with
 the load, which is why they are measured here rather than quoted.
+
+On a GPU (`device`), both are measured there, the bench's roofline being the GPU's: the
+matmul at n = 8192 and the read over 2 GiB (the CPU's probe sizes fit in an H100's L2 or
+finish in microseconds), each timed between two synchronisations.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 MATMUL_SIZE = 2048
 PROBE_SECONDS = 0.05  # a smaller size is used when one 2048 call would take far longer
 READ_BYTES = 256 * 2**20
+DEVICE_MATMUL_SIZE = 8192
+DEVICE_READ_BYTES = 2 * 2**30
 
 
 @dataclass(frozen=True)
@@ -31,17 +37,21 @@ class MachinePeak:
     matmul_dtype: str
     read_gbps: float
     threads: int
+    device: str = "cpu"
 
     def as_dict(self) -> dict[str, float | int | str]:
         return asdict(self)
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def _best_seconds(fn, repeats: int, sync=lambda: None) -> float:
+    """Best wall time of `fn` (`sync` waits for queued device work; nothing on the CPU)."""
     fn()  # warm-up: thread pool start, allocator, kernel selection
     best = float("inf")
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -72,7 +82,32 @@ def measure_read_gbps(repeats: int = 5) -> float:
     return READ_BYTES / seconds / 1e9
 
 
-def measure_peak(dtype: torch.dtype) -> MachinePeak:
+def measure_device_peak(dtype: torch.dtype, device: torch.device, repeats: int = 5) -> tuple[float, float]:
+    """(matmul GFLOP/s, read GB/s) on an accelerator; its memory is returned afterwards."""
+    def sync() -> None:
+        torch.cuda.synchronize(device)
+
+    def matmul_seconds() -> float:
+        a = torch.randn(DEVICE_MATMUL_SIZE, DEVICE_MATMUL_SIZE, device=device).to(dtype)
+        b = torch.randn(DEVICE_MATMUL_SIZE, DEVICE_MATMUL_SIZE, device=device).to(dtype)
+        return _best_seconds(lambda: torch.mm(a, b), repeats, sync)
+
+    def read_seconds() -> float:
+        data = torch.rand(DEVICE_READ_BYTES // 4, device=device)
+        return _best_seconds(lambda: data.sum(), repeats, sync)
+
+    gflops = 2 * DEVICE_MATMUL_SIZE**3 / matmul_seconds() / 1e9
+    gbps = DEVICE_READ_BYTES / read_seconds() / 1e9
+    torch.cuda.empty_cache()
+    return gflops, gbps
+
+
+def measure_peak(dtype: torch.dtype, device: torch.device | None = None) -> MachinePeak:
+    name = str(dtype).removeprefix("torch.")
+    if device is not None and device.type == "cuda":
+        gflops, gbps = measure_device_peak(dtype, device)
+        return MachinePeak(matmul_gflops=gflops, matmul_size=DEVICE_MATMUL_SIZE, matmul_dtype=name,
+                           read_gbps=gbps, threads=torch.get_num_threads(), device=str(device))
     gflops, size = measure_matmul_gflops(dtype)
-    return MachinePeak(matmul_gflops=gflops, matmul_size=size, matmul_dtype=str(dtype).removeprefix("torch."),
+    return MachinePeak(matmul_gflops=gflops, matmul_size=size, matmul_dtype=name,
                        read_gbps=measure_read_gbps(), threads=torch.get_num_threads())

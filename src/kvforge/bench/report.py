@@ -74,7 +74,7 @@ def finish(ctx: BenchContext, benchmark: str, settings: dict[str, Any], headline
         "ratio": ratio,
         "ratios": all_ratios,
         "peak": ctx.peak.as_dict() if ctx.peak is not None else None,
-        "environment": {"torch": torch.__version__, **load},
+        "environment": {"torch": torch.__version__, **load, **_accelerator(ctx.device)},
         "bounds": bounds or [],
         "flags": warnings,
         "trustworthy": not warnings,
@@ -178,3 +178,9 @@ def write_outputs(result: dict[str, Any], path: Path, panel: Panel | None) -> No
     png = path.with_suffix(".png")
     plot_result(result, png, panel)
     log(f"wrote {path} and {png}")
+
+
+def _accelerator(device: str) -> dict[str, str]:
+    """The GPU's name on a CUDA run (the machine line names only the host's CPU)."""
+    on = torch.device(device)
+    return {"device_name": torch.cuda.get_device_name(on)} if on.type == "cuda" else {}

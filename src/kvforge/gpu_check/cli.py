@@ -21,7 +21,7 @@ from kvforge.gpu_check.rows import SIZES
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_SWIFTKV = "models/swiftkv-smollm2-135m-l15"  # committed; relative to the repository root
-DEFAULT_KV_BUDGET = "256MiB"
+DEFAULT_KV_BUDGET = "1GiB"
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,10 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     if settings.speed:
         from kvforge.gpu_check.speed import run_speed
 
+        if args.json:  # the verdict is kept even if the speed section is cut short
+            write_json(document(settings.device, list(settings.sizes), settings.kv_budget, rows, models,
+                                {"pending": "the speed section had not finished"}, provenance(args)), args.json)
+            log(f"wrote the correctness rows to {args.json}; the speed section follows")
         speed = run_speed(settings.device, settings.model, settings.swiftkv, settings.kv_budget_text, log)
     doc = document(settings.device, list(settings.sizes), settings.kv_budget, rows, models, speed, provenance(args))
     print(format_table(doc))

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from kvforge.gpu_check.compare import compare
+from kvforge.gpu_check.compare import compare, method_error, rounding_floor
 from kvforge.gpu_check.drive import pytorch_paths, run_workload
 from kvforge.gpu_check.models import ModelPair, real_pair, tiny_pair
-from kvforge.gpu_check.rows import MODEL_KINDS, WORKLOADS, RowSpec, row_specs
+from kvforge.gpu_check.rows import MODEL_KINDS, WORKLOADS, RowSpec, full_spec, row_specs
 
 Log = Callable[[str], None]
 
@@ -53,8 +53,21 @@ def check_row(spec: RowSpec, pair: ModelPair, prompts: list[list[int]], kv_budge
             reference = run_workload(pair.reference, spec.cache, kv_budget, prompts, work)
         forced = run_workload(pair.device, spec.cache, kv_budget, prompts, work, forced=reference.tokens)
         greedy = run_workload(pair.device, spec.cache, kv_budget, prompts, work)
-        result = compare(reference, forced, greedy, spec.tolerance)
+        error = floor = None
+        if spec.precision == "lossy":  # the second judgement (compare.py)
+            full = full_spec(spec.size)
+            with pytorch_paths():
+                reference_full = run_workload(pair.reference, full, kv_budget, prompts, work, forced=reference.tokens)
+                perturbed = run_workload(pair.perturbed_reference(), spec.cache, kv_budget, prompts, work,
+                                         forced=reference.tokens)
+            device_full = run_workload(pair.device, full, kv_budget, prompts, work, forced=reference.tokens)
+            error = method_error(reference, reference_full, forced, device_full)
+            floor = rounding_floor(reference, perturbed, forced)
+        result = compare(reference, forced, greedy, spec.tolerance, error, floor)
         record.update(asdict(result), passed=result.passed, failures=result.failures(), error=None)
+        if error is not None and floor is not None:
+            record["method_error"].update(ratio=error.ratio, judged=error.judged)
+            record["floor"].update(ratio=floor.ratio)
     except Exception as exc:  # noqa: BLE001 -- a failed row is a result, and the check goes on
         record.update(passed=False, failures=[f"raised {type(exc).__name__}: {exc}"],
                       error="".join(traceback.format_exception(exc)).strip())

@@ -12,7 +12,8 @@ Both sides are built from one state dict, so any difference comes from the devic
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import copy
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +25,10 @@ from kvforge.models.registry import build_model
 from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
 
 CPU = torch.device("cpu")
+# Relative size of the weight noise that stands in for another device's rounding: a float32
+# dot product of K = 576 terms summed in another order differs by about sqrt(K) x 2^-24
+# (1.4e-6) relative, and cuBLAS sums in another order than the CPU.
+ROUNDING_NOISE = 1e-6
 
 TINY_HF_CONFIG = {
     "model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
@@ -41,6 +46,19 @@ class ModelPair:
     reference: CausalLM
     device: CausalLM
     description: str
+    _perturbed: CausalLM | None = field(default=None, repr=False)
+
+    def perturbed_reference(self, seed: int = 1) -> CausalLM:
+        """The reference with every weight scaled by 1 + ROUNDING_NOISE x N(0, 1) (made once):
+        how far rounding alone moves a discontinuous method (compare.RoundingFloor)."""
+        if self._perturbed is None:
+            model = copy.deepcopy(self.reference)
+            generator = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(1 + ROUNDING_NOISE * torch.randn(param.shape, generator=generator))
+            self._perturbed = model
+        return self._perturbed
 
 
 def _tiny_base_state(seed: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

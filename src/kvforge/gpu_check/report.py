@@ -48,19 +48,29 @@ def _num(value: Any, fmt: str = "{:.1e}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _lossy_ratios(row: dict[str, Any]) -> tuple[str, str]:
+    """A lossy row's distance over the rounding floor and device error over the reference's
+    (compare.py); '-' for other rows."""
+    error, floor = row.get("method_error"), row.get("floor")
+    if not error or not floor:
+        return "-", "-"
+    return f"{floor['ratio']:.2f}", (f"{error['ratio']:.3f}" if error.get("judged") else "exact")
+
+
 def format_table(doc: dict[str, Any]) -> str:
     lines = [f"gpu-check on {doc['device']} ({doc['device_name']}), against the reference: {doc['reference']}"]
     name_w = max([len("row"), *(len(r["name"]) for r in doc["rows"])]) + 2
     cache_w = max([len("cache"), *(len(r["cache"]) for r in doc["rows"])]) + 2
     lines.append(f"{'row':<{name_w}}{'cache':<{cache_w}}{'tol':>7}{'max|d|':>9}{'prefill':>9}{'decode':>9}"
-                 f"{'argmax':>8}{'greedy':>8}  result")
+                 f"{'argmax':>8}{'greedy':>8}{'floor':>8}{'err/ref':>9}  result")
     for row in doc["rows"]:
+        floor, error = _lossy_ratios(row)
         greedy = "-" if "greedy_match" not in row else ("match" if row["greedy_match"] else
                                                         ("tie" if row["greedy_divergence"]["excused"] else "DIFF"))
         lines.append(f"{row['name']:<{name_w}}{row['cache']:<{cache_w}}{row['tolerance']:>7.0e}"
                      f"{_num(row.get('max_abs_diff')):>9}{_num(row.get('prefill_max_abs_diff')):>9}"
                      f"{_num(row.get('decode_max_abs_diff')):>9}{_num(row.get('argmax_agreement'), '{:.3f}'):>8}"
-                     f"{greedy:>8}  " + ("pass" if row["passed"] else "FAIL: " + "; ".join(row["failures"])))
+                     f"{greedy:>8}{floor:>8}{error:>9}  " + ("pass" if row["passed"] else "FAIL: " + "; ".join(row["failures"])))
     lines.append(f"correctness: {doc['rows_passed']}/{len(doc['rows'])} rows passed")
     for verb, result in doc["speed"].items() if isinstance(doc["speed"], dict) else ():
         if verb == "skipped" or not isinstance(result, dict):

@@ -94,20 +94,27 @@ class RowSpec:
         return f"{self.size}/{self.model_kind}/{self.method}"
 
 
+def full_spec(size: str) -> str:
+    """The float32 full cache at `size`: the first row, and the baseline that a lossy row's
+    error is measured against (compare.py)."""
+    return "full:block_size=4" if size == "tiny" else "full"
+
+
 def method_specs(size: str, kv_width: int) -> list[tuple[str, str, str]]:
     """(label, cache spec, precision) of every method at `size`; `kv_width` = kv_heads x
     head_dim of the model (ShadowKV's full rank)."""
     work = WORKLOADS[size]
     covering = math.ceil(work.longest / 8) * 8  # every chunk of 8 tokens selected
+    full = full_spec(size)
     if size == "tiny":
-        full, kivi = "full:block_size=4", ",group=4,residual=8"
+        kivi = ",group=4,residual=8"
         shadow = "shadowkv:chunk=4,local=8,outliers=2,min_context=24,generated_window=8"
         # fp32 coefficients: full rank then reproduces the keys exactly (the default stores 16 bits)
         exact = f"{shadow},rank={kv_width},budget={math.ceil(work.longest / 4) * 4},coefficient_dtype=compute"
         # The defaults' proportions at a size where compression and folding happen.
         lossy = ("shadowkv (defaults scaled)", f"{shadow},rank={max(1, round(kv_width / 6))},budget=8")
     else:
-        full, kivi = "full", ""
+        kivi = ""
         exact = (f"shadowkv:rank={kv_width},budget={covering},min_context=512,generated_window=16,outliers=8,"
                  "coefficient_dtype=compute")
         lossy = ("shadowkv (defaults)", "shadowkv")

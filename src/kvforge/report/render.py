@@ -80,6 +80,15 @@ def _ratios(doc: Document, label: str) -> str:
                    if value is not None)
 
 
+def _where(doc: Document) -> str:
+    """'2 threads' on the CPU; the device (and its name, where recorded) elsewhere."""
+    device = doc.get("device") or "cpu"
+    if device == "cpu":
+        return f"{doc['threads']} threads"
+    name = (doc.get("environment") or {}).get("device_name")
+    return f"on {device}" + (f" ({name})" if name else "")
+
+
 def _bench(doc: Document) -> str:
     kind = doc["benchmark"]
     columns: dict[str, list[tuple[str, str, str]]] = {
@@ -103,7 +112,7 @@ def _bench(doc: Document) -> str:
                      fmt(system.get("repeat_spread"), "{:.2f}")])
     settings = doc.get("settings", {})
     shown = ", ".join(f"{k} {v}" for k, v in settings.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-    head = f"{doc['model']} {doc['dtype']}, {doc['threads']} threads; {shown}\n\n"
+    head = f"{doc['model']} {doc['dtype']}, {_where(doc)}; {shown}\n\n"
     body = table(["system", *(label for _, label, _ in columns), "KV fast tier after prefill", "repeat spread"], rows)
     extra = ""
     if kind == "prefix":

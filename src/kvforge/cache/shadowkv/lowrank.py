@@ -59,7 +59,7 @@ def rank_for_energy(energy: torch.Tensor, fraction: float) -> int:
     """Smallest rank whose cumulative energy [W] reaches `fraction` (1-based)."""
     require(0.0 < fraction <= 1.0, "fraction", fraction, "must be in (0, 1]")
     # A tolerance keeps exact-rank matrices at their rank despite rounding in the tail.
-    index = int(torch.searchsorted(energy, torch.tensor(fraction - 1e-9, dtype=energy.dtype)))
+    index = int(torch.searchsorted(energy, torch.tensor(fraction - 1e-9, dtype=energy.dtype, device=energy.device)))
     return min(index + 1, energy.numel())
 
 

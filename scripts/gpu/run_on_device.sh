@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One GPU session's checks, in order of value, each bounded in time, every log under $OUT.
+# Run from the repository root on the device machine (its python3 holds torch, triton and
+# transformers; kvforge runs from src/ uninstalled). Needs .gpu/smollm2-stats, written here
+# by `python scripts/gpu/stand_in.py stats smollm2-135m .gpu/smollm2-stats` (the real
+# weights are over the transfer limit; see stand_in.py). Usage:
+#   bash scripts/gpu/run_on_device.sh [check|bench|tests|all]...   (default: all)
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export KVFORGE_CACHE_DIR=/tmp/kvforge-cache
+PY=${PY:-python3}
+MODEL=/tmp/smollm2-stand-in
+SWIFTKV=models/swiftkv-smollm2-135m-l15
+STEPS=${*:-all}
+DEVICE=${DEVICE:-cuda}
+# SMOKE=1: the same steps at toy sizes, to try the script on a CPU before spending device time
+if [[ ${SMOKE:-0} == 1 ]]; then
+    SIZES=tiny; KIVI_SHAPE=(--batch 2 --context 256 --gen 4); SHADOW_SHAPE=(--batch 1 --context 2304 --gen 4)
+else
+    SIZES=tiny,real; KIVI_SHAPE=(--batch 16 --context 2048 --gen 64); SHADOW_SHAPE=(--batch 4 --context 16384 --gen 64)
+fi
+
+# all = check and bench; the kernel tests (tests) ran on the first H200 and run when named
+has() { [[ " $STEPS " == *" $1 "* || ( $1 != tests && " $STEPS " == *" all "* ) ]]; }
+step() {  # step NAME SECONDS CMD...: run bounded, log to $OUT/NAME.log, report rc and time
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    echo "=== $name (limit ${limit}s): $*"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - start)) s"
+    tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+    nproc
+} 2>&1 | tee "$OUT/env.log"
+
+[[ -d $MODEL ]] || $PY scripts/gpu/stand_in.py build .gpu/smollm2-stats "$MODEL" || exit 1
+
+if has check; then
+    TAIL=40 step gpu-check 200 $PY -m kvforge.gpu_check --device "$DEVICE" --sizes "$SIZES" --model "$MODEL" \
+        --swiftkv "$SWIFTKV" --json "$OUT/gpu-check.json"
+fi
+if has bench; then
+    # The stand-in's keys are random, so rank=auto keeps ~191 of 192 directions (nothing to
+    # compress); rank=32 is the paper's rule (KV width / 6) and the speed a real model's
+    # low-rank keys would see. The default (auto) runs beside it.
+    common=(--model "$MODEL" --device "$DEVICE" --dtype bfloat16 --repeats 3 --warmup 1)
+    TAIL=14 step bench-kivi 100 $PY -m kvforge bench decode "${common[@]}" --cache kivi:bits=2 \
+        --compare full,hf "${KIVI_SHAPE[@]}" --json "$OUT/bench-kivi.json"
+    TAIL=14 step bench-shadowkv 110 $PY -m kvforge bench decode "${common[@]}" --cache shadowkv:rank=32 \
+        --compare shadowkv,full,hf "${SHADOW_SHAPE[@]}" --max-position-embeddings 32768 --json "$OUT/bench-shadowkv.json"
+fi
+if has tests; then
+    TAIL=15 step cuda-tests 90 $PY -m pytest -q -x -p no:cacheprovider tests/cache/kivi/test_kivi_triton_decode.py \
+        tests/cache/kivi/test_kivi_decode_kernels.py \
+        "tests/cache/shadowkv/test_shadowkv.py::test_cuda_path_with_exact_settings_equals_the_cpu_full_cache"
+fi

@@ -90,7 +90,9 @@ def test_eligible_calls_use_the_kernel(monkeypatch):
         assert linear(x, weight, bias).shape == (4, 3)
         assert linear(x.view(2, 2, 8), weight).shape == (2, 2, 3)  # leading dims flattened
         assert linear(x.T.contiguous().T, weight).shape == (4, 3)  # non-contiguous x is copied
-    assert calls == ["op", "op", "op"]
+        strided_bias = torch.randn(3, 2)[:, 0]  # the 2-D fast path copies a strided bias too
+        assert torch.equal(linear(x, weight, strided_bias), linear(x, weight, strided_bias.contiguous()))
+    assert calls == ["op", "op", "op", "op", "op"]
 
 
 @pytest.mark.parametrize("case", ["rows", "mixed_dtypes", "bias_dtype", "grad", "weight_grad", "disabled",
@@ -209,5 +211,6 @@ class _FakeOps:
 
     def small_m_linear(self, x, weight, bias):
         assert x.dim() == 2 and x.is_contiguous() and x.dtype == weight.dtype
+        assert bias is None or bias.is_contiguous()  # the real op refuses a strided bias
         self.calls.append("op")
         return F.linear(x, weight, bias)

@@ -8,7 +8,6 @@ the loaders are patched to stop the run with the device they were handed."""
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,7 +37,9 @@ def stop_at_load(monkeypatch):
     monkeypatch.setattr("kvforge.engine.llm.resolve_device", _stop)
     monkeypatch.setattr("kvforge.verify.load_transformers_model", lambda source, device, dtype=None: _stop(device))
     monkeypatch.setattr("kvforge.prebuild.build_cpu_kernels", lambda: ({}, 0.0))
-    peak = SimpleNamespace(matmul_gflops=1.0, matmul_dtype="float32", matmul_size=1, read_gbps=1.0, threads=1)
+    from kvforge.bench.peak import MachinePeak
+
+    peak = MachinePeak(matmul_gflops=1.0, matmul_size=1, matmul_dtype="float32", read_gbps=1.0, threads=1)
     monkeypatch.setattr("kvforge.bench.peak.measure_peak", lambda dtype, device=None: peak)
     threads = torch.get_num_threads()
     yield

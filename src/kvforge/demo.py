@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from kvforge.devices import add_device_arg
+from kvforge.devices import add_device_arg, add_dtype_arg
 from kvforge.errors import require
 
 DEFAULT_SWIFTKV = "models/swiftkv-smollm2-135m-l15"
@@ -51,6 +49,7 @@ def add_demo_parser(verbs: Any) -> None:
     demo.add_argument("--max-tokens", type=int, default=32, help="tokens of each answer (32)")
     demo.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     add_device_arg(demo)
+    add_dtype_arg(demo)
     demo.add_argument("--text-file", default=None, help="text whose held-out part gives the passage")
     demo.add_argument("--json", metavar="OUT", default=None, help="also write the table as JSON")
 
@@ -87,22 +86,23 @@ def _serve_one(engine: Any, prompt: list[int], max_tokens: int) -> tuple[dict[st
 
 
 def run_demo(model_name: str, swiftkv: str, prompt_tokens: int, max_tokens: int,
-             text_file: str | None = None, device: str = "cpu") -> tuple[list[int], list[DemoRow]]:
+             text_file: str | None = None, device: str = "cpu",
+             dtype: str = "float32") -> tuple[list[int], list[DemoRow]]:
     from kvforge.cache.registry import create_cache
     from kvforge.engine.engine_config import EngineConfig
     from kvforge.engine.llm_engine import LLMEngine
     from kvforge.models.loader import load_model
     from kvforge.models.tokenizer import load_tokenizer
 
-    base, source = load_model(model_name, device=device)
+    base, source = load_model(model_name, dtype=dtype, device=device)
     tokenizer = load_tokenizer(source)
     prompt = _prompt(tokenizer, prompt_tokens, text_file)
-    models = {False: base, True: load_model(model_name, swiftkv=swiftkv, device=device)[0]}
+    models = {False: base, True: load_model(model_name, dtype=dtype, swiftkv=swiftkv, device=device)[0]}
     rows = []
     budget = 1 << 30
     for name, spec, use_swiftkv in SYSTEMS:
         model = models[use_swiftkv]
-        cache = create_cache(spec, model.cache_layout(), budget, torch.float32, device)
+        cache = create_cache(spec, model.cache_layout(), budget, model.dtype, device)
         engine = LLMEngine(model, cache, tokenizer, EngineConfig(budget, max_num_batched_tokens=4096))
         held, prefill, decode, output = _serve_one(engine, prompt, max_tokens)
         text = output.text.strip().replace("\n", " ")
@@ -129,12 +129,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     require(args.max_tokens >= 2, "max_tokens", args.max_tokens, "must be >= 2")
     require(Path(args.swiftkv).is_dir(), "swiftkv", args.swiftkv, "must be a SwiftKV checkpoint directory")
     prompt, rows = run_demo(args.model, args.swiftkv, args.prompt_tokens, args.max_tokens, args.text_file,
-                            args.device)
+                            args.device, args.dtype)
     print(format_demo(rows, len(prompt)))
     if args.json:
         from kvforge.report.provenance import provenance
 
-        payload = {"demo": True, "model": args.model, "swiftkv": args.swiftkv, "prompt_tokens": len(prompt),
+        payload = {"demo": True, "model": args.model, "dtype": args.dtype, "swiftkv": args.swiftkv,
+                   "prompt_tokens": len(prompt),
                    "max_tokens": args.max_tokens, "rows": [vars(row) for row in rows], "provenance": provenance(args)}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")

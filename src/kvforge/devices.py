@@ -37,6 +37,13 @@ def resolve_device(value: str | torch.device, parameter: str = "device") -> torc
     return torch.device("cuda", index)
 
 
+def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    """`--dtype` of a command that runs a model: its weights and compute, checked by
+    `models.loader.parse_dtype` when the model loads, before any weight file is read."""
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16: weights and compute "
+                                                           "(float32)")
+
+
 def add_device_arg(parser: argparse.ArgumentParser) -> None:
     """`--device` of every command that runs a model. `kvforge.cli.main` checks it with
     `resolve_device` right after parsing, before the command does anything."""

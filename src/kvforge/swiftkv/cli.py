@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.config import ModelConfig, SwiftKVConfig
-from kvforge.devices import add_device_arg
+from kvforge.devices import add_device_arg, add_dtype_arg
 from kvforge.errors import ConfigError, ModelLoadError, require
 from kvforge.report.provenance import provenance
 
@@ -74,6 +74,7 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
     evaluate.add_argument("--text-file", default=None, help="text whose last 20%% is held out (default WikiText)")
     evaluate.add_argument("--threads", type=int, default=None, help="torch threads")
     add_device_arg(evaluate)  # of the teacher and every student
+    add_dtype_arg(evaluate)  # of the teacher and every student; log-probabilities in float32
     evaluate.add_argument("--json", metavar="OUT", default=None, help="also write the figures as JSON")
 
     compare = kinds.add_parser("compare", help="one held-out prompt through the base model and a SwiftKV "
@@ -87,6 +88,7 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
     compare.add_argument("--text-file", default=None, help="text whose held-out part gives the prompt")
     compare.add_argument("--threads", type=int, default=None, help="torch threads")
     add_device_arg(compare)  # of both systems
+    add_dtype_arg(compare)
 
     memory = kinds.add_parser("memory", help="device memory per process of a sharded distillation "
                                              "(--fsdp under torchrun), estimated from the config")
@@ -117,6 +119,7 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
     early.add_argument("--text-file", default=None, help="text whose held-out part gives the prompts")
     early.add_argument("--threads", type=int, default=None, help="torch threads")
     add_device_arg(early)
+    add_dtype_arg(early)
     early.add_argument("--json", metavar="OUT", default=None, help="also write the figures as JSON")
 
     export = kinds.add_parser("export", help="a self-contained checkpoint in the authors' layout (every base "
@@ -181,13 +184,15 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = _base_model(args.model, args.swiftkv)
-    teacher, source = load_model(model, device=args.device)
+    teacher, source = load_model(model, dtype=args.dtype, device=args.device)
     windows = heldout_windows(load_tokenizer(source), settings, args.text_file)
-    students = [load_model(model, swiftkv=directory, device=args.device)[0] for directory in args.swiftkv]
+    students = [load_model(model, dtype=args.dtype, swiftkv=directory, device=args.device)[0]
+                for directory in args.swiftkv]
     rows = list(zip(map(str, args.swiftkv), compare_all(teacher, students, windows)))
     print(format_quality(rows, settings))
     if args.json:
-        payload = {"swiftkv_evaluate": True, "model": model, "context": settings.context, "windows": len(windows),
+        payload = {"swiftkv_evaluate": True, "model": model, "dtype": args.dtype, "context": settings.context,
+                   "windows": len(windows),
                    "students": {name: quality.to_dict() for name, quality in rows}, "provenance": provenance(args)}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
@@ -201,7 +206,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from kvforge.swiftkv.side_by_side import SideBySideSettings, compare_side_by_side, format_side_by_side
 
     settings = SideBySideSettings(args.prompt_tokens, args.max_tokens, args.repeats,
-                                  device=args.device)  # fails before loading
+                                  device=args.device, dtype=args.dtype)  # fails before loading
     model = _base_model(args.model, [args.swiftkv])
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -262,7 +267,7 @@ def _run_early_exit(args: argparse.Namespace) -> int:
     model = _base_model(args.model, [args.swiftkv])
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=model, swiftkv=args.swiftkv, device=args.device, kv_budget="1GiB")
+    llm = LLM(model=model, swiftkv=args.swiftkv, device=args.device, dtype=args.dtype, kv_budget="1GiB")
     probe = LoadProbe()
     result = run_early_exit_eval(llm, settings, args.text_file)
     load = probe.report()

@@ -18,6 +18,7 @@ from kvforge.devices import resolve_device
 from kvforge.engine.llm import LLM
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import require
+from kvforge.models.loader import parse_dtype
 from kvforge.text_data import heldout_text
 
 
@@ -28,9 +29,11 @@ class SideBySideSettings:
     repeats: int = 3
     kv_budget: str = "256MiB"
     device: str = "cpu"  # of both systems
+    dtype: str = "float32"  # weights and compute of both systems
 
     def __post_init__(self) -> None:
         resolve_device(self.device)
+        parse_dtype(self.dtype)
         require(self.prompt_tokens >= 1, "prompt-tokens", self.prompt_tokens, "must be >= 1")
         require(self.max_tokens >= 1, "max-tokens", self.max_tokens, "must be >= 1")
         require(self.repeats >= 1, "repeats", self.repeats, "must be >= 1")
@@ -68,11 +71,12 @@ def run_system(name: str, llm: LLM, prompt: list[int], settings: SideBySideSetti
 def compare_side_by_side(model: str, swiftkv: str, settings: SideBySideSettings,
                          text_file: str | None = None) -> tuple[list[int], list[SystemRun]]:
     """Base first, then SwiftKV; one model in memory at a time."""
-    base = LLM(model=model, kv_budget=settings.kv_budget, device=settings.device)
+    base = LLM(model=model, kv_budget=settings.kv_budget, device=settings.device, dtype=settings.dtype)
     prompt = heldout_prompt(base, settings.prompt_tokens, text_file)
     runs = [run_system("base", base, prompt, settings)]
     del base
-    student = LLM(model=model, swiftkv=swiftkv, kv_budget=settings.kv_budget, device=settings.device)
+    student = LLM(model=model, swiftkv=swiftkv, kv_budget=settings.kv_budget, device=settings.device,
+                  dtype=settings.dtype)
     runs.append(run_system("swiftkv", student, prompt, settings))
     return prompt, runs
 

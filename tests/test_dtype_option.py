@@ -1,0 +1,76 @@
+"""`--dtype`: on every command that runs a model, carried to each model it loads (checked
+by `parse_dtype` at the load, before any weight file is read; tests/test_bad_input.py has
+refusals). The loaders are patched to stop the run with the dtype they were handed."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from test_devices import COMMANDS, NO_MODEL_RUN, SWIFTKV_DIR, Reached, _verbs
+
+from kvforge.cli import build_parser, main
+
+# Commands whose models are not built in a --dtype: distillation trains in float32 (its
+# recipe's fsdp_mixed_precision sets the compute dtype of the sharded forward), and gpu-check
+# compares float32 weights on the device with float32 weights on the CPU by design.
+NO_DTYPE = {("swiftkv", "distill"), ("gpu-check",)}
+
+
+@pytest.fixture
+def stop_at_dtype(monkeypatch):
+    """The dtype checks stop the run with their argument; benchmarks skip the kernel builds
+    and peak probes that precede loading. The thread count, which commands set, is restored."""
+    from kvforge.bench.peak import MachinePeak
+
+    def stop(value):
+        raise Reached(str(value))
+
+    # Every module that binds parse_dtype at import is imported first (else it would bind the
+    # stub for good) and patched, so the first check a command makes is the one that stops it.
+    binders = ("kvforge.models.loader", "kvforge.engine.llm", "kvforge.swiftkv.side_by_side", "kvforge.verify",
+               "kvforge.eval.ruler", "kvforge.eval.niah", "kvforge.eval.perplexity", "kvforge.bench.common")
+    for where in binders:
+        importlib.import_module(where)
+    for where in binders:
+        monkeypatch.setattr(f"{where}.parse_dtype", stop)
+    monkeypatch.setattr("kvforge.prebuild.build_cpu_kernels", lambda: ({}, 0.0))
+    peak = MachinePeak(matmul_gflops=1.0, matmul_size=1, matmul_dtype="float32", read_gbps=1.0, threads=1)
+    monkeypatch.setattr("kvforge.bench.peak.measure_peak", lambda dtype, device=None: peak)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+# Every command of test_devices that runs a kvforge model, and swiftkv early-exit
+DTYPE_COMMANDS = [argv for argv in COMMANDS if argv[0] != "verify"] + [
+    ["swiftkv", "early-exit", "--swiftkv", "models/swiftkv-smollm2-135m-l15-ee"]]
+
+
+@pytest.mark.parametrize("argv", DTYPE_COMMANDS, ids=[" ".join(argv[:2]) for argv in DTYPE_COMMANDS])
+def test_every_command_loads_its_model_in_the_dtype_asked_for(argv, stop_at_dtype):
+    from kvforge.bench.serve_server import free_loopback_port
+
+    extra = ["--port", str(free_loopback_port())] if argv[0] == "serve" else []
+    with pytest.raises(Reached) as reached:
+        main([*argv, *extra, "--dtype", "bfloat16"])
+    assert reached.value.args[0] == "bfloat16"
+
+
+def test_every_command_with_a_model_has_the_dtype_option():
+    missing = []
+    for path, parser in _verbs(build_parser()):
+        options = {option for action in parser._actions for option in action.option_strings}
+        if "--model" in options and path not in NO_MODEL_RUN | NO_DTYPE and "--dtype" not in options:
+            missing.append(" ".join(path))
+    assert not missing, f"commands without --dtype: {missing}"
+
+
+@pytest.mark.parametrize("argv", [["demo", "--swiftkv", SWIFTKV_DIR], ["swiftkv", "evaluate", "--swiftkv", SWIFTKV_DIR],
+                                  ["swiftkv", "compare", "--swiftkv", SWIFTKV_DIR]],
+                         ids=["demo", "swiftkv evaluate", "swiftkv compare"])
+def test_a_bad_dtype_exits_2_naming_it(argv, capsys):
+    assert main([*argv, "--dtype", "float64"]) == 2
+    err = capsys.readouterr().err
+    assert "dtype" in err and "float64" in err and "bfloat16" in err

@@ -367,4 +367,12 @@ MUTATIONS: list[Mutation] = [
              'if device is not None and device.type == "cuda":', "if False:",
              ("tests/bench/test_bench.py::test_the_roofline_of_a_gpu_run_is_measured_on_the_gpu",),
              "a GPU bench's roofline is the GPU's"),
+    # -- prefill attention: a later chunk's past and own keys apart -------------------------
+    Mutation("chunk_split_own_keys_not_causal", S + "cache/attention.py",
+             "v[None, :, m - n:].contiguous(), 0.0, True,", "v[None, :, m - n:].contiguous(), 0.0, False,",
+             ("tests/cache/test_chunk_attention.py",), "a chunk's query sees its own keys up to itself only"),
+    Mutation("chunk_split_past_weighted_by_own_lse", S + "cache/attention.py",
+             "+ past_out.float() * torch.exp(past_lse - total)[..., None])",
+             "+ past_out.float() * torch.exp(own_lse - total)[..., None])",
+             ("tests/cache/test_chunk_attention.py",), "each part is weighted by its own share of the softmax"),
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvforge.cache import attention
 from kvforge.cache.attention import _window_tiles, chunk_attention, reference_attention
 
 
@@ -16,6 +17,8 @@ from kvforge.cache.attention import _window_tiles, chunk_attention, reference_at
     (200, 900, 100),     # tiled: a later chunk whose window reaches back into past keys
     (50, 400, 1000),     # window longer than everything: masked path, nothing clipped
     (257, 3, 128),       # tiled, ragged last tile, keys starting 3 before the queries
+    (120, 500, None),    # a later chunk, no window: past and own keys apart, merged
+    (1, 64, None),       # one query over its past (a chunk of one token)
 ])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2)])
 def test_chunk_attention_matches_the_definition(n, past, window, heads, kv_heads):
@@ -41,3 +44,20 @@ def test_window_tiles_cover_every_query_once_and_only_the_keys_it_can_see():
         # keys lo..hi-1 are exactly the union of what the tile's queries see
         assert first_k + lo == max(first_k, first - window + 1) and first_k + hi == last + 1
         assert hi - lo <= count + window - 1
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_later_chunk_without_a_window_builds_no_mask(dtype, atol, monkeypatch):
+    """On the CPU a later chunk's queries attend the past keys and their own apart (flash
+    kernel, no mask), merged by log-sum-exp: the definition, without the [n, m] mask."""
+    monkeypatch.setattr(attention, "_masked_attention", lambda *a: pytest.fail("the masked path ran"))
+    torch.manual_seed(0)
+    n, past, heads, kv_heads, dim = 96, 160, 6, 2, 16
+    q = torch.randn(n, heads, dim, dtype=dtype)
+    k = torch.randn(past + n, kv_heads, dim, dtype=dtype)
+    v = torch.randn(past + n, kv_heads, dim, dtype=dtype)
+    got = chunk_attention(q, k.transpose(0, 1), v.transpose(0, 1), past, 0, 0.25, None)
+    positions = torch.arange(past + n)
+    want = reference_attention(q, k, v, positions[past:], positions, 0.25, None)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)

@@ -67,7 +67,34 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_q_p
     if aligned and (window is None or window >= n):
         out = F.scaled_dot_product_attention(qh, k[None], v[None], is_causal=True, scale=scale)
         return out[0].transpose(0, 1)
+    trailing = first_q_position == first_k_position + m - n and 0 < n < m  # queries = the last n keys
+    if trailing and (window is None or window >= m) and _FLASH_CPU is not None and q.device.type == "cpu":
+        return _past_and_own_attention(q, k, v, scale)
     return _masked_attention(q, k, v, first_q_position, first_k_position, scale, window)
+
+
+# ATen's CPU flash attention, which returns the log-sum-exp beside the output (float32).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _past_and_own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prefill chunk's queries [n, heads, D] over keys/values [heads, m, D] whose last n are
+    the chunk's own: the past keys (all visible) and the own keys (causal) are attended
+    apart, each by the flash kernel with no mask, and merged by their log-sum-exps. Equal to
+    `_masked_attention` up to summation order, without its [n, m] mask, which sends SDPA to a
+    slower path (1.6x on a 2,048-token chunk over 8,000 keys, float32, 2 threads) and costs
+    more than a second to build per 8K-token SwiftKV prefill."""
+    n, m = q.shape[0], k.shape[1]
+    # the kernel misreads inputs whose last dimension is strided: hand it contiguous ones
+    qh = q.transpose(0, 1).contiguous()[None]
+    own_out, own_lse = _FLASH_CPU(qh, k[None, :, m - n:].contiguous(), v[None, :, m - n:].contiguous(), 0.0, True,
+                                  scale=scale)
+    past_out, past_lse = _FLASH_CPU(qh, k[None, :, :m - n].contiguous(), v[None, :, :m - n].contiguous(), 0.0,
+                                    False, scale=scale)
+    total = torch.logaddexp(own_lse, past_lse)  # every query sees its own key: finite
+    out = (own_out.float() * torch.exp(own_lse - total)[..., None]
+           + past_out.float() * torch.exp(past_lse - total)[..., None])
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 def _window_tile(window: int) -> int:

@@ -66,12 +66,17 @@ COMMANDS = [
 ]
 
 
-@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(argv[:2]) for argv in COMMANDS])
-def test_every_command_loads_its_model_on_the_device_asked_for(argv, stop_at_load):
+def reached_by(argv: list[str]) -> str:
+    """Run a command (a free --port for serve) until a patched loader stops it; what it got."""
     extra = ["--port", str(free_loopback_port())] if argv[0] == "serve" else []
     with pytest.raises(Reached) as reached:
-        main([*argv, *extra, "--device", "meta"])
-    assert reached.value.args[0] == "meta"
+        main([*argv, *extra])
+    return reached.value.args[0]
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(argv[:2]) for argv in COMMANDS])
+def test_every_command_loads_its_model_on_the_device_asked_for(argv, stop_at_load):
+    assert reached_by([*argv, "--device", "meta"]) == "meta"
 
 
 def _parsed(argv: list[str]) -> argparse.Namespace:
@@ -114,12 +119,18 @@ def _verbs(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
 NO_MODEL_RUN = {("info",), ("swiftkv", "init"), ("swiftkv", "flops"), ("swiftkv", "memory"), ("swiftkv", "export")}
 
 
-def test_every_command_with_a_model_has_the_device_option():
+def commands_without(option: str, exempt: set[tuple[str, ...]]) -> list[str]:
+    """Commands with --model (model-running ones: not NO_MODEL_RUN, not `exempt`) lacking `option`."""
     missing = []
     for path, parser in _verbs(build_parser()):
-        options = {option for action in parser._actions for option in action.option_strings}
-        if "--model" in options and path not in NO_MODEL_RUN and "--device" not in options:
+        options = {flag for action in parser._actions for flag in action.option_strings}
+        if "--model" in options and path not in NO_MODEL_RUN | exempt and option not in options:
             missing.append(" ".join(path))
+    return missing
+
+
+def test_every_command_with_a_model_has_the_device_option():
+    missing = commands_without("--device", set())
     assert not missing, f"commands without --device: {missing}"
 
 

@@ -8,9 +8,9 @@ import importlib
 
 import pytest
 import torch
-from test_devices import COMMANDS, NO_MODEL_RUN, SWIFTKV_DIR, Reached, _verbs
+from test_devices import COMMANDS, SWIFTKV_DIR, Reached, commands_without, reached_by
 
-from kvforge.cli import build_parser, main
+from kvforge.cli import main
 
 # Commands whose models are not built in a --dtype: distillation trains in float32 (its
 # recipe's fsdp_mixed_precision sets the compute dtype of the sharded forward), and gpu-check
@@ -50,20 +50,11 @@ DTYPE_COMMANDS = [argv for argv in COMMANDS if argv[0] != "verify"] + [
 
 @pytest.mark.parametrize("argv", DTYPE_COMMANDS, ids=[" ".join(argv[:2]) for argv in DTYPE_COMMANDS])
 def test_every_command_loads_its_model_in_the_dtype_asked_for(argv, stop_at_dtype):
-    from kvforge.bench.serve_server import free_loopback_port
-
-    extra = ["--port", str(free_loopback_port())] if argv[0] == "serve" else []
-    with pytest.raises(Reached) as reached:
-        main([*argv, *extra, "--dtype", "bfloat16"])
-    assert reached.value.args[0] == "bfloat16"
+    assert reached_by([*argv, "--dtype", "bfloat16"]) == "bfloat16"
 
 
 def test_every_command_with_a_model_has_the_dtype_option():
-    missing = []
-    for path, parser in _verbs(build_parser()):
-        options = {option for action in parser._actions for option in action.option_strings}
-        if "--model" in options and path not in NO_MODEL_RUN | NO_DTYPE and "--dtype" not in options:
-            missing.append(" ".join(path))
+    missing = commands_without("--dtype", NO_DTYPE)
     assert not missing, f"commands without --dtype: {missing}"
 
 

@@ -29,21 +29,26 @@ def _stop(value, *args, **kwargs):
 
 
 @pytest.fixture
-def stop_at_load(monkeypatch):
-    """kvforge models stop at load_model's and LLM's device check, transformers models at
-    their loader; benchmarks skip the kernel builds and peak probes that precede loading.
-    The thread count, which the commands set, is restored."""
-    monkeypatch.setattr("kvforge.models.loader.resolve_device", _stop)
-    monkeypatch.setattr("kvforge.engine.llm.resolve_device", _stop)
-    monkeypatch.setattr("kvforge.verify.load_transformers_model", lambda source, device, dtype=None: _stop(device))
-    monkeypatch.setattr("kvforge.prebuild.build_cpu_kernels", lambda: ({}, 0.0))
+def no_bench_probes(monkeypatch):
+    """Benchmarks skip the kernel builds and peak probes that precede loading; the thread
+    count, which the commands set, is restored."""
     from kvforge.bench.peak import MachinePeak
 
+    monkeypatch.setattr("kvforge.prebuild.build_cpu_kernels", lambda: ({}, 0.0))
     peak = MachinePeak(matmul_gflops=1.0, matmul_size=1, matmul_dtype="float32", read_gbps=1.0, threads=1)
     monkeypatch.setattr("kvforge.bench.peak.measure_peak", lambda dtype, device=None: peak)
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def stop_at_load(monkeypatch, no_bench_probes):
+    """kvforge models stop at load_model's and LLM's device check, transformers models at
+    their loader."""
+    monkeypatch.setattr("kvforge.models.loader.resolve_device", _stop)
+    monkeypatch.setattr("kvforge.engine.llm.resolve_device", _stop)
+    monkeypatch.setattr("kvforge.verify.load_transformers_model", lambda source, device, dtype=None: _stop(device))
 
 
 # Every command that runs a model, as far as its first model load.

@@ -7,8 +7,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
-import torch
-from test_devices import COMMANDS, SWIFTKV_DIR, Reached, commands_without, reached_by
+from test_devices import COMMANDS, SWIFTKV_DIR, Reached, commands_without, no_bench_probes, reached_by  # noqa: F401
 
 from kvforge.cli import main
 
@@ -19,11 +18,8 @@ NO_DTYPE = {("swiftkv", "distill"), ("gpu-check",)}
 
 
 @pytest.fixture
-def stop_at_dtype(monkeypatch):
-    """The dtype checks stop the run with their argument; benchmarks skip the kernel builds
-    and peak probes that precede loading. The thread count, which commands set, is restored."""
-    from kvforge.bench.peak import MachinePeak
-
+def stop_at_dtype(monkeypatch, no_bench_probes):  # noqa: F811 -- test_devices' fixture
+    """The dtype checks stop the run with their argument."""
     def stop(value):
         raise Reached(str(value))
 
@@ -35,12 +31,6 @@ def stop_at_dtype(monkeypatch):
         importlib.import_module(where)
     for where in binders:
         monkeypatch.setattr(f"{where}.parse_dtype", stop)
-    monkeypatch.setattr("kvforge.prebuild.build_cpu_kernels", lambda: ({}, 0.0))
-    peak = MachinePeak(matmul_gflops=1.0, matmul_size=1, matmul_dtype="float32", read_gbps=1.0, threads=1)
-    monkeypatch.setattr("kvforge.bench.peak.measure_peak", lambda dtype, device=None: peak)
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 # Every command of test_devices that runs a kvforge model, and swiftkv early-exit

@@ -1,6 +1,6 @@
 """`--dtype`: on every command that runs a model, carried to each model it loads (checked
-by `parse_dtype` at the load, before any weight file is read; tests/test_bad_input.py has
-and below: refusals). The loaders are patched to stop the run with the dtype they were handed."""
+by `parse_dtype` at the load, before any weight file is read), and a bad value refused with
+exit 2. The loaders are patched to stop the run with the dtype they were handed."""
 
 from __future__ import annotations
 

@@ -375,4 +375,7 @@ MUTATIONS: list[Mutation] = [
              "+ past_out.float() * torch.exp(past_lse - total)[..., None])",
              "+ past_out.float() * torch.exp(own_lse - total)[..., None])",
              ("tests/cache/test_chunk_attention.py",), "each part is weighted by its own share of the softmax"),
+    Mutation("cpu_linear_fast_path_strided_bias", S + "kernels/cpu_linear.py",
+             "x, weight, bias if bias is None or bias.is_contiguous() else bias.contiguous())", "x, weight, bias)",
+             ("tests/kernels/test_cpu_linear.py",), "the kernel reads a bias as one contiguous vector"),
 ]

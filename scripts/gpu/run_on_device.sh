@@ -19,10 +19,12 @@ DEVICE=${DEVICE:-cuda}
 if [[ ${SMOKE:-0} == 1 ]]; then
     SIZES=tiny; KIVI_SHAPE=(--batch 2 --context 256 --gen 4); SHADOW_SHAPE=(--batch 1 --context 2304 --gen 4)
 else
-    SIZES=tiny,real; KIVI_SHAPE=(--batch 16 --context 2048 --gen 64); SHADOW_SHAPE=(--batch 4 --context 16384 --gen 64)
+    SIZES=tiny,real; KIVI_SHAPE=(--batch 16 --context 2048 --gen 64); SHADOW_SHAPE=(--batch 4 --context 16384 --gen 32)
 fi
 
-# all = check and bench; the kernel tests (tests) ran on the first H200 and run when named
+# all = check and bench; the kernel tests (tests) ran on the first H200 and run when named.
+# Limits from the H200 runs of 2026-11-26: gpu-check's rows took ~160 s and its speed section
+# ~60 s more; ShadowKV at 16K x 4 took ~7 s a run per system (4 runs each, 4 systems).
 has() { [[ " $STEPS " == *" $1 "* || ( $1 != tests && " $STEPS " == *" all "* ) ]]; }
 step() {  # step NAME SECONDS CMD...: run bounded, log to $OUT/NAME.log, report rc and time
     local name=$1 limit=$2; shift 2
@@ -44,7 +46,7 @@ step() {  # step NAME SECONDS CMD...: run bounded, log to $OUT/NAME.log, report 
 [[ -d $MODEL ]] || $PY scripts/gpu/stand_in.py build .gpu/smollm2-stats "$MODEL" || exit 1
 
 if has check; then
-    TAIL=40 step gpu-check 200 $PY -m kvforge.gpu_check --device "$DEVICE" --sizes "$SIZES" --model "$MODEL" \
+    TAIL=40 step gpu-check 260 $PY -m kvforge.gpu_check --device "$DEVICE" --sizes "$SIZES" --model "$MODEL" \
         --swiftkv "$SWIFTKV" --json "$OUT/gpu-check.json"
 fi
 if has bench; then
@@ -54,7 +56,7 @@ if has bench; then
     common=(--model "$MODEL" --device "$DEVICE" --dtype bfloat16 --repeats 3 --warmup 1)
     TAIL=14 step bench-kivi 100 $PY -m kvforge bench decode "${common[@]}" --cache kivi:bits=2 \
         --compare full,hf "${KIVI_SHAPE[@]}" --json "$OUT/bench-kivi.json"
-    TAIL=14 step bench-shadowkv 110 $PY -m kvforge bench decode "${common[@]}" --cache shadowkv:rank=32 \
+    TAIL=14 step bench-shadowkv 200 $PY -m kvforge bench decode "${common[@]}" --cache shadowkv:rank=32 \
         --compare shadowkv,full,hf "${SHADOW_SHAPE[@]}" --max-position-embeddings 32768 --json "$OUT/bench-shadowkv.json"
 fi
 if has tests; then

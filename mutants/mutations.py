@@ -372,10 +372,9 @@ MUTATIONS: list[Mutation] = [
              "v[None, :, m - n:].contiguous(), 0.0, True,", "v[None, :, m - n:].contiguous(), 0.0, False,",
              ("tests/cache/test_chunk_attention.py",), "a chunk's query sees its own keys up to itself only"),
     Mutation("chunk_split_past_weighted_by_own_lse", S + "cache/attention.py",
-             "+ past_out.float() * torch.exp(past_lse - total)[..., None])",
-             "+ past_out.float() * torch.exp(own_lse - total)[..., None])",
+             "merge.add(past_out.float(), past_lse)", "merge.add(past_out.float(), own_lse)",
              ("tests/cache/test_chunk_attention.py",), "each part is weighted by its own share of the softmax"),
     Mutation("cpu_linear_fast_path_strided_bias", S + "kernels/cpu_linear.py",
-             "x, weight, bias if bias is None or bias.is_contiguous() else bias.contiguous())", "x, weight, bias)",
+             "            bias = bias.contiguous()\n", "            pass\n",
              ("tests/kernels/test_cpu_linear.py",), "the kernel reads a bias as one contiguous vector"),
 ]

@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# ATen's CPU flash attention, which returns the log-sum-exp beside the output (float32).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
 
 def visibility_mask(q_positions: torch.Tensor, k_positions: torch.Tensor,
                     window: int | None) -> torch.Tensor:
@@ -73,10 +76,6 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_q_p
     return _masked_attention(q, k, v, first_q_position, first_k_position, scale, window)
 
 
-# ATen's CPU flash attention, which returns the log-sum-exp beside the output (float32).
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
 def _past_and_own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """A prefill chunk's queries [n, heads, D] over keys/values [heads, m, D] whose last n are
     the chunk's own: the past keys (all visible) and the own keys (causal) are attended
@@ -91,10 +90,24 @@ def _past_and_own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
                                   scale=scale)
     past_out, past_lse = _FLASH_CPU(qh, k[None, :, :m - n].contiguous(), v[None, :, :m - n].contiguous(), 0.0,
                                     False, scale=scale)
-    total = torch.logaddexp(own_lse, past_lse)  # every query sees its own key: finite
-    out = (own_out.float() * torch.exp(own_lse - total)[..., None]
-           + past_out.float() * torch.exp(past_lse - total)[..., None])
-    return out[0].transpose(0, 1).to(q.dtype)
+    merge = LseMerge(own_out.float(), own_lse)  # every query sees its own key: a finite seed
+    merge.add(past_out.float(), past_lse)
+    return merge.out[0].transpose(0, 1).to(q.dtype)
+
+
+class LseMerge:
+    """Running merge of partial attentions over disjoint key sets: out = sum_i w_i out_i with
+    w_i = exp(lse_i - lse), lse = log sum_i exp(lse_i). Seeded with a part in which every row
+    sees at least one key, so the running lse is finite and later -inf rows add nothing."""
+
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        self.out, self.lse = out, lse
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        total = torch.logaddexp(self.lse, lse)
+        self.out = self.out * torch.exp(self.lse - total)[..., None] + out * torch.exp(lse - total)[..., None]
+        self.lse = total
+
 
 
 def _window_tile(window: int) -> int:

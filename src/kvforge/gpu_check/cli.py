@@ -86,16 +86,19 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     log(f"correctness on {settings.device}: sizes {', '.join(settings.sizes)}")
     rows, models = run_correctness(list(settings.sizes), settings.device, settings.kv_budget, settings.model,
                                    settings.swiftkv, settings.seed)
+    def with_speed(speed: dict | None) -> dict:
+        return document(settings.device, list(settings.sizes), settings.kv_budget, rows, models, speed,
+                        provenance(args))
+
     speed = None
     if settings.speed:
         from kvforge.gpu_check.speed import run_speed
 
         if args.json:  # the verdict is kept even if the speed section is cut short
-            write_json(document(settings.device, list(settings.sizes), settings.kv_budget, rows, models,
-                                {"pending": "the speed section had not finished"}, provenance(args)), args.json)
+            write_json(with_speed({"pending": "the speed section had not finished"}), args.json)
             log(f"wrote the correctness rows to {args.json}; the speed section follows")
         speed = run_speed(settings.device, settings.model, settings.swiftkv, settings.kv_budget_text, log)
-    doc = document(settings.device, list(settings.sizes), settings.kv_budget, rows, models, speed, provenance(args))
+    doc = with_speed(speed)
     print(format_table(doc))
     if args.json:
         write_json(doc, args.json)

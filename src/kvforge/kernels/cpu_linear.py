@@ -62,15 +62,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if _eligible(x, weight, bias):
-        if x.dim() == 2 and x.is_contiguous():  # the decode step's shape: no reshape, no view
-            return torch.ops.kvforge_cpu_linear.small_m_linear(
-                x, weight, bias if bias is None or bias.is_contiguous() else bias.contiguous())
-        k = weight.shape[1]
-        rows = x.reshape(-1, k)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
+        if x.dim() == 2 and x.is_contiguous():  # the decode step's shape: no reshape, no view
+            return torch.ops.kvforge_cpu_linear.small_m_linear(x, weight, bias)
+        rows = x.reshape(-1, weight.shape[1])
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
         out = torch.ops.kvforge_cpu_linear.small_m_linear(rows, weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

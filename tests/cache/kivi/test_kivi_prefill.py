@@ -11,10 +11,10 @@ import pytest
 import torch
 from kivi_helpers import run_step, stored_kv
 
-from kvforge.cache.attention import reference_attention
+from kvforge.cache.attention import LseMerge, reference_attention
 from kvforge.cache.kivi import prefill as kivi_prefill
 from kvforge.cache.kivi.method import KIVICache
-from kvforge.cache.kivi.prefill import LseMerge, attention_with_lse, kivi_chunk_attention_fast
+from kvforge.cache.kivi.prefill import attention_with_lse, kivi_chunk_attention_fast
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.cache.registry import create_cache
 

@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.cache.attention import visibility_mask
+from kvforge.cache.attention import _FLASH_CPU, LseMerge, visibility_mask
 from kvforge.cache.kivi.attention import stored_parts
 from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView
-
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
@@ -66,20 +64,6 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
             lse = lse.masked_fill(~seen, float("-inf"))
             out = out.masked_fill(~seen[:, None], 0.0)
     return out, lse
-
-
-class LseMerge:
-    """Running merge of partial attentions over disjoint key sets: out = sum_i w_i out_i with
-    w_i = exp(lse_i - lse), lse = log sum_i exp(lse_i). Seeded with a part in which every row
-    sees at least one key, so the running lse is finite and later -inf rows add nothing."""
-
-    def __init__(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        self.out, self.lse = out, lse
-
-    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        total = torch.logaddexp(self.lse, lse)
-        self.out = self.out * torch.exp(self.lse - total)[..., None] + out * torch.exp(lse - total)[..., None]
-        self.lse = total
 
 
 def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, view: KIVILayerView,

@@ -19,6 +19,7 @@ from kvforge.models.loader import load_model
 from kvforge.swiftkv.checkpoint import (
     initial_swiftkv_tensors,
     llama_hf_config,
+    regroup_swiftkv_tensors,
     swiftkv_tensor_names,
     write_checkpoint,
 )
@@ -105,6 +106,28 @@ def test_initialisation_follows_the_authors():
     for kind in ("k_proj", "v_proj"):
         mean = (state[f"model.layers.1.self_attn.{kind}.weight"] + state[f"model.layers.2.self_attn.{kind}.weight"]) / 2
         torch.testing.assert_close(tensors[f"model.layers.1.self_attn.{kind}_swiftkv.weight"], mean)
+
+
+def test_regrouping_averages_each_group_of_a_single_input_kv_model():
+    """g = 1 tensors (each later layer its own K/V) -> g = 2: a leader's K/V projection is
+    the mean of its group's, q_proj_swiftkv and the norm are kept, non-leaders lose theirs."""
+    base = make_pair("llama_gqa")[1]
+    config = replace(base.config, num_layers=LAYERS, layer_types=())
+    state = {name: torch.randn_like(t) for name, t in base.state_dict().items()}
+    for layer in range(base.config.num_layers, LAYERS):  # the pair's model is shallower: add layers
+        for name in [n for n in state if n.startswith("model.layers.0.")]:
+            state[name.replace("layers.0.", f"layers.{layer}.")] = torch.randn_like(state[name])
+    single = initial_swiftkv_tensors(state, config, SwiftKVConfig(1, 1))
+    grouped = regroup_swiftkv_tensors(single, replace(config, swiftkv=SwiftKVConfig(1, 2)))
+    assert set(grouped) == set(swiftkv_tensor_names(replace(config, swiftkv=SwiftKVConfig(1, 2))))
+    assert torch.equal(grouped["model.norm_swiftkv.weight"], single["model.norm_swiftkv.weight"])
+    assert torch.equal(grouped["model.layers.4.self_attn.q_proj_swiftkv.weight"],
+                       single["model.layers.4.self_attn.q_proj_swiftkv.weight"])
+    for leader in (1, 3):
+        for kind in ("k_proj_swiftkv", "v_proj_swiftkv"):
+            mean = (single[f"model.layers.{leader}.self_attn.{kind}.weight"]
+                    + single[f"model.layers.{leader + 1}.self_attn.{kind}.weight"]) / 2
+            torch.testing.assert_close(grouped[f"model.layers.{leader}.self_attn.{kind}.weight"], mean)
 
 
 @pytest.mark.parametrize("params_only", [False, True])

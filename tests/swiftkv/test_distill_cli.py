@@ -172,6 +172,13 @@ def test_init_from_starts_where_an_earlier_distillation_ended(tiny_checkpoint, t
                    "--init-from", str(first)) == 2
     err = capsys.readouterr().err
     assert "init-from" in err and "l and g (3, 1)" in err and "found (2, 1)" in err
+    # A g = 1 model starts a g = 2 one (K/V averaged per group); the other way is refused.
+    grouped = tmp_path / "grouped"
+    assert distill(*common, "--num-key-value-layers", "2", "--group-size", "2", "--out", str(grouped),
+                   "--max-steps", "1", "--init-from", str(first)) == 0
+    assert distill(*common, "--num-key-value-layers", "2", "--out", str(tmp_path / "bad3"), "--max-steps", "1",
+                   "--init-from", str(grouped)) == 2
+    assert "found (2, 2)" in capsys.readouterr().err
     assert distill(*common, "--num-key-value-layers", "2", "--out", str(tmp_path / "bad2"), "--max-steps", "1",
                    "--init-from", str(tiny_checkpoint)) == 2
     assert "must be a SwiftKV checkpoint directory" in capsys.readouterr().err

@@ -85,6 +85,24 @@ def initial_swiftkv_tensors(base_state: dict[str, torch.Tensor], config: ModelCo
     return out
 
 
+def regroup_swiftkv_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """SingleInputKV tensors (g = 1: every later layer has its own K/V projection) -> the
+    AcrossKV grouping of `config.swiftkv`: each leader's K/V projection is the mean of its
+    group's, as `initial_swiftkv_tensors` does from the base model's; the rest is kept.
+    Lets a distilled g = 1 model start the distillation of a g > 1 one."""
+    swift = config.swiftkv
+    out = {name: t for name, t in tensors.items() if "k_proj_swiftkv" not in name and "v_proj_swiftkv" not in name}
+    for leader in swift.leaders(config.num_layers):
+        for kind in ("k_proj_swiftkv", "v_proj_swiftkv"):
+            for suffix in _PROJECTION_SUFFIXES:
+                members = [tensors.get(_layer(leader + i) + kind + suffix) for i in range(swift.key_value_group_size)]
+                if members[0] is None:
+                    continue  # no bias on this model
+                mean = torch.stack([m.float() for m in members]).mean(dim=0)
+                out[_layer(leader) + kind + suffix] = mean.to(members[0].dtype)
+    return out
+
+
 def initial_early_exit_tensors(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The identity: the early-exit head starts as the final norm and head on h_l."""
     return {"model.early_exit_proj.weight": torch.eye(config.hidden_size, dtype=dtype)}

@@ -73,8 +73,10 @@ def check_recipe_against_model(recipe: DistillRecipe, base: ModelConfig) -> Mode
     return config
 
 
-def check_init_from(recipe: DistillRecipe, config: ModelConfig) -> None:
-    """`init-from` must be a SwiftKV checkpoint of the same shape, l and g (cheap: config only)."""
+def check_init_from(recipe: DistillRecipe, config: ModelConfig) -> int:
+    """`init-from` must be a SwiftKV checkpoint of the same shape and l, with the recipe's g
+    or g = 1 (its K/V projections are then averaged per group: `regroup_swiftkv_tensors`).
+    Cheap: config only. Returns the checkpoint's g."""
     from kvforge.swiftkv.checkpoint import overlay_config
 
     try:
@@ -84,20 +86,25 @@ def check_init_from(recipe: DistillRecipe, config: ModelConfig) -> None:
     assert config.swiftkv is not None and theirs.swiftkv is not None
     mine = (config.swiftkv.num_key_value_layers, config.swiftkv.key_value_group_size)
     found = (theirs.swiftkv.num_key_value_layers, theirs.swiftkv.key_value_group_size)
-    require(found == mine, "init-from", recipe.init_from,
-            f"must have the recipe's l and g {mine}, found {found}")
+    require(found == mine or found == (mine[0], 1), "init-from", recipe.init_from,
+            f"must have the recipe's l and g {mine} (or g = 1, regrouped), found {found}")
+    return found[1]
 
 
-def starting_tensors(recipe: DistillRecipe, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The SwiftKV tensors of `init-from` (float32), all of them present."""
+def starting_tensors(recipe: DistillRecipe, config: ModelConfig, their_group_size: int) -> dict[str, torch.Tensor]:
+    """The SwiftKV tensors of `init-from` (float32), regrouped when it has g = 1 and the
+    recipe a larger g; all of them present."""
     from kvforge.swiftkv.checkpoint import (
         EARLY_EXIT_TENSORS,
         initial_early_exit_tensors,
         read_overlay_tensors,
+        regroup_swiftkv_tensors,
         swiftkv_tensor_names,
     )
 
     tensors = read_overlay_tensors(recipe.init_from, torch.float32)
+    if their_group_size != config.swiftkv.key_value_group_size:
+        tensors = regroup_swiftkv_tensors(tensors, config)
     if config.swiftkv.early_exit_head and not set(EARLY_EXIT_TENSORS) & set(tensors):
         # adding an early-exit head to a distilled model: the head starts at its initialisation
         tensors.update(initial_early_exit_tensors(config))
@@ -115,8 +122,7 @@ def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
     data_file = check_data_source(recipe.data)
     source = resolve_model_source(recipe.model)
     config = check_recipe_against_model(recipe, load_model_config(source))
-    if recipe.init_from:
-        check_init_from(recipe, config)
+    their_group_size = check_init_from(recipe, config) if recipe.init_from else 0
     if recipe.threads:
         torch.set_num_threads(recipe.threads)
     parallel = DataParallel.from_environment(recipe.device, group_of_one=recipe.fsdp)
@@ -128,7 +134,7 @@ def run_distill(recipe: DistillRecipe, progress: bool = True) -> DistillResult:
     base, _ = load_model(recipe.model, dtype="float32", device=parallel.device)
     tokenizer = load_tokenizer(source)
     data = build_data(recipe, data_file, tokenizer, out, parallel, progress)
-    init = starting_tensors(recipe, config) if recipe.init_from else None
+    init = starting_tensors(recipe, config, their_group_size) if recipe.init_from else None
     model = DistillModel(base, config.swiftkv, recipe.train_later_layers, init=init,
                          activation_checkpointing=recipe.activation_checkpointing,
                          early_exit_only=recipe.early_exit_only)

@@ -27,8 +27,9 @@ RECIPE_KEYS: dict[str, tuple[str, str]] = {
     "num_key_value_layers": ("int?", "l: layers >= l take K/V from layer l's input (required)"),
     "group_size": ("int", "g: later layers sharing one KV cache (AcrossKV)"),
     "out": ("str?", "output directory: params-only SwiftKV checkpoint + recipe + metrics (required)"),
-    "init_from": ("str?", "start the trained tensors from this SwiftKV checkpoint (same model, l and g; "
-                          "e.g. an earlier distillation) instead of the `swiftkv init` initialisation"),
+    "init_from": ("str?", "start the trained tensors from this SwiftKV checkpoint (same model and l, same g "
+                          "or g = 1 whose K/V projections are averaged per group; e.g. an earlier "
+                          "distillation) instead of the `swiftkv init` initialisation"),
     "train_later_layers": ("bool", "train every parameter of the later layers (ablation), not only "
                                    "norm_swiftkv and the *_proj_swiftkv projections"),
     "data": ("str?", "training data: a text file (its first 80%% is used) or a .jsonl chat file "

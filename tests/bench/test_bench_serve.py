@@ -114,6 +114,19 @@ def test_run_against_a_server_by_url(tiny_sources, tmp_path):
 def test_bad_options_fail_before_any_server(tiny_sources):
     for argv, parameter in ((["--request-rate", "0"], "request_rate"), (["--input-len", "500", "--output-len", "50"],
                             "input_len + output_len"), (["--slo", "fast"], "slo"), (["--compare", "hf"], "compare"),
-                            (["--compare", "base"], "compare"), (["--cache", "nope"], "cache")):
+                            (["--compare", "base"], "compare"), (["--compare", "merge-all-layers"], "compare"),
+                            (["--cache", "nope"], "cache")):
         with pytest.raises(ConfigError, match=parameter.replace("+", r"\+")):
             bench_serve.run(parse(["--model", "tiny", *argv]))
+
+
+def test_each_server_runs_the_model_its_system_names():
+    """`SPEC@DIR` starts its server on that SwiftKV checkpoint; `SPEC@base` and the base
+    system on the base model; plain specs on --swiftkv's model."""
+    from kvforge.bench.common import parse_compare
+
+    args = parse(["--swiftkv", "ckpt/l15", "--compare", "full@ckpt/g5,full@base,kivi"])
+    g5, base, kivi = parse_compare(args.compare, swiftkv=args.swiftkv)
+    overlay = [bench_serve._serve_args(args, s)[-1] if "--swiftkv" in bench_serve._serve_args(args, s) else None
+               for s in (g5, base, kivi)]
+    assert overlay == ["ckpt/g5", None, "ckpt/l15"]

@@ -35,12 +35,16 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="option of the cache under test (repeatable)")
     parser.add_argument("--kv-budget", default="4GiB",
-                        help="KV-cache budget of each kvforge system (4GiB; untouched pages cost no RAM)")
+                        help="KV-cache budget of each kvforge system (4GiB; untouched pages cost no RAM); bench "
+                             "throughput takes several, comma-separated, and runs every system under each")
     parser.add_argument("--swiftkv", default=None, metavar="DIR",
                         help="SwiftKV checkpoint laid over --model; kvforge systems run it (see --compare base)")
     parser.add_argument("--compare", action="append", default=[], metavar="X[,Y...]",
                         help="also measure: hf (transformers, same weights), no-prefix-caching, base (with --swiftkv: the base "
-                             "model, same cache), a cache spec such as full or full:storage_dtype=bfloat16, or (bench "
+                             "model, same cache), merge-all-layers (the base model, same cache, one cache layer stored for "
+                             "all: the SwiftKV paper's ideal-compression reference), a cache spec such as full or "
+                             "full:storage_dtype=bfloat16 (SPEC@DIR: on the SwiftKV checkpoint DIR; SPEC@base: on the "
+                             "base model), or (bench "
                              "prefill and decode; pip install -e '.[peers]') llama.cpp[:f16|bf16|f32|as-shipped]: "
                              "llama.cpp on the model's GGUF file converted to that type (f16), or as shipped")
     parser.add_argument("--prefix-caching", action="store_true",

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -46,6 +47,10 @@ class System:
     cache: CacheSpec | None = None
     # kvforge systems: run the --swiftkv model when one is given (False: SwiftKV's base model).
     swiftkv: bool = True
+    # kvforge systems: this system's own SwiftKV checkpoint (`--compare SPEC@DIR`), over --swiftkv
+    checkpoint: str | None = None
+    # kvforge systems: every layer computes its K/V but one cache layer is stored (merge_all_layers.py)
+    merge_all_layers: bool = False
     # kvforge systems: the engine's prefix caching (None: as --prefix-caching says; benchmarks
     # repeat their prompts, so it is off unless asked for)
     prefix_caching: bool | None = None
@@ -56,13 +61,17 @@ class System:
 def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None = None,
                   swiftkv: str | None = None, llama_cpp: bool = False) -> list[System]:
     """`--compare` values -> systems. Each value is a comma-separated list of `hf`, `base`
-    (the --swiftkv model's base model with the cache under test), `llama.cpp[:WEIGHTS]`
-    (only where `llama_cpp` says the benchmark has that peer) or cache specs; a spec's own
-    `k=v` options may continue after commas (`full:storage_dtype=bfloat16,block_size=32`).
-    With --swiftkv, cache-spec systems run the SwiftKV model too."""
+    (the --swiftkv model's base model with the cache under test), `merge-all-layers` (the
+    base model with the cache under test, one cache layer for all: merge_all_layers.py),
+    `llama.cpp[:WEIGHTS]` (only where `llama_cpp` says the benchmark has that peer) or cache
+    specs; a spec's own `k=v` options may continue after commas
+    (`full:storage_dtype=bfloat16,block_size=32`). With --swiftkv, cache-spec systems run
+    the SwiftKV model too; `SPEC@DIR` runs the SwiftKV checkpoint DIR, `SPEC@base` the base
+    model, whatever --swiftkv says."""
     from kvforge.bench import llamacpp_peer  # imports this module: only imported when parsing
+    from kvforge.bench.merge_all_layers import NAME as MERGE_ALL_LAYERS
 
-    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING, llamacpp_peer.PEER))
+    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING, MERGE_ALL_LAYERS, llamacpp_peer.PEER))
     systems = []
     for item in items:
         if item == "hf":
@@ -79,14 +88,29 @@ def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None 
                 raise ConfigError("compare", item, "'base' is SwiftKV's base model and needs --swiftkv DIR")
             spec = under_test or parse_cache_spec("full")
             systems.append(System(f"base[{spec}]", "kvforge", spec, swiftkv=False))
+        elif item == MERGE_ALL_LAYERS:
+            spec = under_test or parse_cache_spec("full")
+            systems.append(System(f"{MERGE_ALL_LAYERS}[{spec}]", "kvforge", spec, swiftkv=False, merge_all_layers=True))
         else:
-            try:
-                spec = parse_cache_spec(item)
-            except ConfigError as exc:
-                raise ConfigError("compare", item,
-                                  f"each entry must be hf, base, llama.cpp[:WEIGHTS] or a cache spec ({exc})") from exc
-            systems.append(System(_kvforge_name(spec, swiftkv), "kvforge", spec))
+            systems.append(_cache_system(item, swiftkv))
     return systems
+
+
+def _cache_system(item: str, swiftkv: str | None) -> System:
+    """A `SPEC`, `SPEC@DIR` (the SwiftKV checkpoint DIR) or `SPEC@base` (the base model) entry."""
+    text, at, where = item.partition("@")
+    require(not at or bool(where.strip()), "compare", item, "SPEC@ must name a SwiftKV checkpoint directory or base")
+    try:
+        spec = parse_cache_spec(text)
+    except ConfigError as exc:
+        raise ConfigError("compare", item, "each entry must be hf, base, merge-all-layers, llama.cpp[:WEIGHTS] "
+                                           f"or a cache spec, optionally @DIR or @base ({exc})") from exc
+    where = where.strip()
+    if not at:
+        return System(_kvforge_name(spec, swiftkv), "kvforge", spec)
+    if where == "base":
+        return System(f"base[{spec}]", "kvforge", spec, swiftkv=False)
+    return System(f"swiftkv {Path(where).name}[{spec}]", "kvforge", spec, checkpoint=where)
 
 
 NO_PREFIX_CACHING = "no-prefix-caching"  # --compare: the system under test without prefix caching
@@ -125,12 +149,13 @@ class BenchContext:
     args: argparse.Namespace
     dtype: torch.dtype
     systems: list[System]
-    kv_budget: int
+    kv_budget: int  # the budget the systems run under now (bench throughput may step through several)
     config: ModelConfig
     source: ModelSource
     peak: Any = None  # MachinePeak, measured once before the systems run
     probe: Any = None  # LoadProbe started when the measurements start (machine_load.py)
-    _loaded: dict[bool, tuple[Any, Any]] = field(default_factory=dict, repr=False)
+    kv_budgets: tuple[int, ...] = ()  # every --kv-budget value, in the order given
+    _loaded: dict[str | None, tuple[Any, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def swiftkv(self) -> str | None:
@@ -141,22 +166,26 @@ class BenchContext:
         """Where every system runs, kvforge and transformers alike (--device)."""
         return self.args.device
 
-    def kvforge_model(self, swiftkv: bool = True) -> tuple[Any, Any]:
-        """(model, tokenizer), loaded on first use and shared by every kvforge system; the
-        --swiftkv model unless `swiftkv` is False or none was given (then the base model)."""
-        overlay = self.swiftkv if swiftkv else None
-        key = overlay is not None
-        if key not in self._loaded:
+    def kvforge_model(self, swiftkv: bool = True, checkpoint: str | None = None) -> tuple[Any, Any]:
+        """(model, tokenizer), loaded on first use and shared by every kvforge system of the
+        same weights: the SwiftKV `checkpoint` when given, else the --swiftkv model unless
+        `swiftkv` is False or none was given (then the base model)."""
+        overlay = checkpoint or (self.swiftkv if swiftkv else None)
+        if overlay not in self._loaded:
             start = time.perf_counter()
             model, tokenizer, source = load_kvforge(self.args.model, self.dtype, swiftkv=overlay, device=self.device)
             if getattr(self.args, "max_position_embeddings", None):  # speed runs past the trained context
                 model.config = dataclasses.replace(model.config,
                                                    max_position_embeddings=self.args.max_position_embeddings)
-            if not key:
+            if overlay is None:
                 self.source = source
-            self._loaded[key] = (model, tokenizer)
-            log(f"kvforge {'SwiftKV ' if key else ''}model loaded ({time.perf_counter() - start:.1f} s)")
-        return self._loaded[key]
+            self._loaded[overlay] = (model, tokenizer)
+            log(f"kvforge {f'SwiftKV {overlay} ' if overlay else ''}model loaded ({time.perf_counter() - start:.1f} s)")
+        return self._loaded[overlay]
+
+    def model_for(self, system: System) -> tuple[Any, Any]:
+        """The (model, tokenizer) a kvforge system runs."""
+        return self.kvforge_model(system.swiftkv, system.checkpoint)
 
     def make_engine(self, system: System, max_num_batched_tokens: int, max_num_seqs: int = 256,
                     admission: str = "optimistic", step_timing: bool = False) -> LLMEngine:
@@ -164,8 +193,14 @@ class BenchContext:
         Prefix caching only where the system asks for it: benchmarks repeat the same
         prompts, which a cache would otherwise serve from the previous repeat. `step_timing`:
         the engine's `step_timer` records where each step's time goes (kvforge.step_timing)."""
-        model, tokenizer = self.kvforge_model(system.swiftkv)
-        cache = create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype, self.device)
+        model, tokenizer = self.model_for(system)
+        if system.merge_all_layers:
+            from kvforge.bench.merge_all_layers import MergedLayersCache, merged_layout
+
+            cache = MergedLayersCache(create_cache(system.cache, merged_layout(model.cache_layout()), self.kv_budget,
+                                                   self.dtype, self.device))
+        else:
+            cache = create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype, self.device)
         config = EngineConfig(kv_budget_bytes=self.kv_budget, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, admission=admission,
                               prefix_caching=bool(system.prefix_caching), step_timing=step_timing)
@@ -204,9 +239,20 @@ def drain(engine: LLMEngine, prompts: list[list[int]], params: Any,
             on_step(outputs)
 
 
-def prepare(args: argparse.Namespace, tokens_per_sequence: int, llama_cpp: bool = False) -> BenchContext:
+def parse_budgets(text: str, several: bool) -> tuple[int, ...]:
+    """`--kv-budget A[,B...]` -> bytes; several only where the benchmark steps through them."""
+    budgets = tuple(parse_bytes(piece.strip()) for piece in str(text).split(","))
+    require(several or len(budgets) == 1, "kv-budget", text,
+            "takes one size here (several, comma-separated, only in bench throughput)")
+    require(len(set(budgets)) == len(budgets), "kv-budget", text, "each budget must appear once")
+    return budgets
+
+
+def prepare(args: argparse.Namespace, tokens_per_sequence: int, llama_cpp: bool = False,
+            several_budgets: bool = False) -> BenchContext:
     """Validate options, set the thread count and describe the model (weights load later).
-    `llama_cpp`: whether this benchmark can run the llama.cpp peer (`--compare llama.cpp`)."""
+    `llama_cpp`: whether this benchmark can run the llama.cpp peer (`--compare llama.cpp`);
+    `several_budgets`: whether it takes a comma-separated --kv-budget list."""
     for name in ("threads", "repeats"):
         require(getattr(args, name) >= 1, name, getattr(args, name), "must be >= 1")
     require(args.warmup >= 0, "warmup", args.warmup, "must be >= 0")
@@ -217,7 +263,7 @@ def prepare(args: argparse.Namespace, tokens_per_sequence: int, llama_cpp: bool 
     systems = unique_names([dataclasses.replace(s, prefix_caching=prefix if s.prefix_caching is None else s.prefix_caching)
                             for s in (System(_kvforge_name(under_test, swiftkv), "kvforge", under_test),
                                       *parse_compare(args.compare, under_test, swiftkv, llama_cpp))])
-    budget = parse_bytes(args.kv_budget)
+    budgets = parse_budgets(args.kv_budget, several_budgets)
     torch.set_num_threads(args.threads)  # before any measurement, including the peak
     source = resolve_model_source(args.model)
     if llama_cpp:
@@ -227,14 +273,27 @@ def prepare(args: argparse.Namespace, tokens_per_sequence: int, llama_cpp: bool 
     config = load_model_config(source)
     if getattr(args, "max_position_embeddings", None):
         config = dataclasses.replace(config, max_position_embeddings=args.max_position_embeddings)
-    if swiftkv is not None:  # a bad checkpoint fails before anything loads
-        from kvforge.swiftkv.checkpoint import overlay_config
-
-        overlay_config(config, swiftkv)
+    check_checkpoints(config, args.model, swiftkv, systems)
     require(tokens_per_sequence <= config.max_position_embeddings, "sequence length", tokens_per_sequence,
             f"must be <= max_position_embeddings={config.max_position_embeddings} of {args.model} "
             "(--max-position-embeddings N raises it for speed runs)")
-    return BenchContext(args, dtype, systems, budget, config, source)
+    return BenchContext(args, dtype, systems, budgets[0], config, source, kv_budgets=budgets)
+
+
+def check_checkpoints(config: ModelConfig, model: str, swiftkv: str | None, systems: list[System]) -> None:
+    """A bad --swiftkv or SPEC@DIR checkpoint fails before anything loads."""
+    from kvforge.swiftkv.checkpoint import overlay_config
+
+    if swiftkv is not None:
+        overlay_config(config, swiftkv)
+    for system in systems:
+        if system.checkpoint is None:
+            continue
+        try:
+            overlay_config(config, system.checkpoint)
+        except (OSError, KVForgeError) as exc:
+            raise ConfigError("compare", system.checkpoint,
+                              f"SPEC@DIR must name a SwiftKV checkpoint of {model} ({exc})") from exc
 
 
 Runner = Callable[[BenchContext, System], dict[str, Any]]
@@ -242,6 +301,13 @@ Runner = Callable[[BenchContext, System], dict[str, Any]]
 
 def run_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[str, Any]]:
     """Measure every system with the runner registered for its kind, freeing between systems."""
+    start_measuring(ctx)
+    return measure_systems(ctx, runners)
+
+
+def start_measuring(ctx: BenchContext) -> None:
+    """Before the first timed region: build every kernel, start the load probe, measure the
+    machine's peaks."""
     from kvforge.bench.machine_load import LoadProbe
     from kvforge.bench.peak import measure_peak
     from kvforge.prebuild import build_cpu_kernels
@@ -258,6 +324,10 @@ def run_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[s
     log(f"matmul peak {ctx.peak.matmul_gflops:.1f} GFLOP/s ({ctx.peak.matmul_dtype}, n={ctx.peak.matmul_size}), "
         f"read bandwidth {ctx.peak.read_gbps:.1f} GB/s, on {ctx.peak.device}"
         + (f", {ctx.peak.threads} threads" if ctx.peak.device == "cpu" else ""))
+
+
+def measure_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[str, Any]]:
+    """Every system, measured by the runner registered for its kind (after `start_measuring`)."""
     results = []
     for system in ctx.systems:
         if system.kind not in runners:

@@ -47,7 +47,7 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
         return {"seconds": time.perf_counter() - start, "engine_steps": engine.steps - steps_before}
 
     run = repeat_runs(system.name, once, args.warmup, args.repeats)
-    model_config = ctx.kvforge_model(system.swiftkv)[0].config
+    model_config = ctx.model_for(system)[0].config
     run["flops_total"] = prefill_flops(model_config, args.prompt_len, args.batch).total  # SwiftKV does less
     return run
 

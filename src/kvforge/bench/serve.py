@@ -104,6 +104,9 @@ def _plan(args: argparse.Namespace) -> Plan:
     if any(system.kind == "hf" for system in compare):
         raise ConfigError("compare", "hf", "transformers has no server: compare kvforge systems, or run another "
                                            "server yourself and measure it with --base-url")
+    for system in compare:
+        require(not system.merge_all_layers, "compare", system.name,
+                "merge-all-layers is a bench throughput/decode system; kvforge serve has no such option")
     first = System(f"server[{args.base_url}]", "external") if args.base_url else \
         System(f"swiftkv[{under_test}]" if args.swiftkv else f"kvforge[{under_test}]", "kvforge", under_test)
     source = resolve_model_source(args.model)
@@ -136,8 +139,9 @@ def _serve_args(args: argparse.Namespace, system: System) -> list[str]:
            "--threads", str(args.threads), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-num-seqs", str(args.max_num_seqs), "--admission", args.admission, "--step-timing",
            "--served-model-name", SERVED_NAME, "--device", args.device]
-    if args.swiftkv and system.swiftkv:
-        out += ["--swiftkv", args.swiftkv]
+    overlay = system.checkpoint or (args.swiftkv if system.swiftkv else None)
+    if overlay:
+        out += ["--swiftkv", overlay]
     return out
 
 

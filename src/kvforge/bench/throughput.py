@@ -5,7 +5,8 @@ system prompt of `--shared-prefix` tokens) are added to the
 engine at once (max_tokens=output_len, greedy, ignore_eos), and the engine is stepped until
 every request finishes, as `LLM.generate` does (detokenising included). The continuous-
 batching scheduler mixes prefill chunks and decode tokens under max_num_batched_tokens;
---kv-budget caps the cache, so a small budget shows up as lower concurrency and preemptions.
+--kv-budget caps the cache, so a small budget shows up as lower concurrency and preemptions;
+several comma-separated budgets run every kvforge system under each (bench/budgets.py).
 
 transformers: `model.generate` on static batches of --hf-batch prompts (default
 min(N, 16)), max_new_tokens = min_new_tokens = output_len, greedy. All prompts have the
@@ -113,6 +114,7 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
                 **attention_rates(num_bytes, flops, attention_seconds, decode_steps)}
 
     run = repeat_runs(system.name, once, args.warmup, args.repeats)
+    run["kv_bytes_per_token"] = cache.kv_bytes_per_token()
     run["kv_bytes_capacity"] = cache.memory_capacity()["fast"]
     run["kv_budget_fraction_used"] = run["kv_bytes_peak"] / run["kv_bytes_capacity"]
     # Whole sequences (prompt + output) the budget holds by the cache's own accounting.
@@ -194,36 +196,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         require(getattr(args, name) >= 1, name, getattr(args, name), "must be >= 1")
     require(args.hf_batch is None or args.hf_batch >= 1, "hf_batch", args.hf_batch, "must be >= 1")
     require(args.shared_prefix >= 0, "shared_prefix", args.shared_prefix, "must be >= 0")
-    ctx = prepare(args, tokens_per_sequence=args.shared_prefix + args.input_len + args.output_len)
-    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf})
+    ctx = prepare(args, tokens_per_sequence=args.shared_prefix + args.input_len + args.output_len,
+                  several_budgets=True)
     total = args.num_requests * (args.shared_prefix + args.input_len + args.output_len)
-    for system in systems:
+
+    def headline(system: dict[str, Any]) -> None:
         system[HEADLINE] = rate(total, system["seconds"])
         system["generated_tokens_per_s"] = rate(args.num_requests * args.output_len, system["seconds"])
-    for system in systems:  # the attention's rates beside the peaks measured in this run
-        if system.get("attention_gbps") is not None:
+        if system.get("attention_gbps") is not None:  # the attention's rates beside this run's peaks
             system["attention_fraction_of_read_bandwidth"] = system["attention_gbps"] / ctx.peak.read_gbps
             system["attention_fraction_of_matmul_peak"] = system["attention_gflops"] / ctx.peak.matmul_gflops
+
+    if len(ctx.kv_budgets) > 1:
+        from kvforge.bench.budgets import run_budgets
+
+        for system in ctx.systems:
+            require(system.kind == "kvforge", "compare", system.name,
+                    "several --kv-budget values measure kvforge systems only (no budget binds the peer)")
+        return run_budgets(ctx, _kvforge, headline, _settings(args, ctx))
+    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf})
+    for system in systems:
+        headline(system)
     for key, ratio_key in (("peak_concurrent_sequences", "peak_sequences_ratio"),
                            ("admissible_sequences", "admissible_sequences_ratio")):
         for system in systems:  # the system under test relative to each system (1.0 for itself)
             ours, theirs = systems[0].get(key), system.get(key)
             system[ratio_key] = ours / theirs if ours is not None and theirs else None
-    settings = {
-        "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
-        "shared_prefix": args.shared_prefix,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-        "admission": getattr(args, "admission", "optimistic"),
-        "hf_batch": args.hf_batch or min(args.num_requests, 16), "repeats": args.repeats,
-        "warmup": args.warmup, "seed": args.seed, "kv_budget": ctx.kv_budget,
-        "kvforge_timing": "all requests added at once, engine stepped to completion (detokenising included)",
-        "hf_timing": "model.generate on static batches of hf_batch, min_new_tokens = max_new_tokens",
-        "step_split": "kvforge engines time their steps (timed runs only): ms per decode / prefill-containing "
-                      "step = linear + attention (cache write + attend) + sampling + rest",
-        "attention_work": "approximation: bytes = cache.sequence_bytes(n) per decode token attending n keys "
-                          "(what the cache's accounting says the sequence holds); FLOPs = 4 * heads * head_dim "
-                          "per visible key and layer (sliding windows respected); rates over attention seconds",
-    }
     columns = [Column(HEADLINE, "total tok/s"), Column("generated_tokens_per_s", "gen tok/s"),
                Column("seconds", "seconds", "{:.2f}"), Column("cpu_seconds", "cpu s", "{:.1f}"),
                Column("peak_concurrent_sequences", "peak seqs", "{}"),
@@ -236,4 +234,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                Column("decode_linear_ms", "linear ms"), Column("decode_attention_ms", "attn ms"),
                Column("decode_sampling_ms", "sampling ms"), Column("decode_rest_ms", "rest ms")]
     panel = Panel("generated_tokens_per_s", "generated tokens/s")
-    return finish(ctx, "throughput", settings, HEADLINE, systems, columns, panel)
+    return finish(ctx, "throughput", _settings(args, ctx), HEADLINE, systems, columns, panel)
+
+
+def _settings(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
+    return {
+        "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+        "shared_prefix": args.shared_prefix,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+        "admission": getattr(args, "admission", "optimistic"),
+        "hf_batch": args.hf_batch or min(args.num_requests, 16), "repeats": args.repeats,
+        "warmup": args.warmup, "seed": args.seed,
+        "kv_budget": ctx.kv_budget if len(ctx.kv_budgets) == 1 else list(ctx.kv_budgets),
+        "kvforge_timing": "all requests added at once, engine stepped to completion (detokenising included)",
+        "hf_timing": "model.generate on static batches of hf_batch, min_new_tokens = max_new_tokens",
+        "step_split": "kvforge engines time their steps (timed runs only): ms per decode / prefill-containing "
+                      "step = linear + attention (cache write + attend) + sampling + rest",
+        "attention_work": "approximation: bytes = cache.sequence_bytes(n) per decode token attending n keys "
+                          "(what the cache's accounting says the sequence holds); FLOPs = 4 * heads * head_dim "
+                          "per visible key and layer (sliding windows respected); rates over attention seconds",
+    }
+

@@ -250,9 +250,30 @@ def _demo(doc: Document) -> str:
     return head + table(["system", "KV MiB per sequence", "prefill s", "decode tok/s", "answer begins"], rows)
 
 
+def _budgets(doc: Document) -> str:
+    """The SwiftKV paper's memory-constrained table: systems as rows, KV budgets as columns,
+    each cell the headline, the ratio to the first system and the sequences run at once."""
+    headline, systems = doc["headline_metric"], doc["systems"]
+    first = systems[0]
+    rows = []
+    for system in systems:
+        cells = []
+        for index, run in enumerate(system["runs"]):
+            ratio = run[headline] / first["runs"][index][headline]
+            cells.append(f"{fmt(run[headline], '{:.0f}')} ({fmt(ratio, '{:.2f}')}x, {run['peak_concurrent_sequences']} seqs)")
+        rows.append([system["name"], fmt(system.get("kv_bytes_per_token"), "{:.0f}"), *cells,
+                     fmt(system.get("repeat_spread"), "{:.2f}")])
+    s = doc["settings"]
+    head = (f"{doc['model']} {doc['dtype']}, {_where(doc)}; {s['num_requests']} requests of {s['input_len']} + "
+            f"{s['output_len']} tokens, admission {s['admission']}. Each cell: {headline.replace('_', ' ')} "
+            f"(relative to {first['name']}, peak sequences at once)\n\n")
+    budgets = [f"KV budget {b / 2**20:.0f} MiB" for b in doc["kv_budgets"]]
+    return head + table(["system", "KV bytes/token", *budgets, "repeat spread"], rows)
+
+
 RENDERERS: dict[str, Callable[[Document], str]] = {
     "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench prefix": _bench,
-    "bench serve": _serve, "bench vllm_swiftkv_prefill": _vllm_prefill,
+    "bench serve": _serve, "bench vllm_swiftkv_prefill": _vllm_prefill, "bench throughput_budgets": _budgets,
     "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "eval shadowkv-front": _eval,
     "swiftkv evaluate": _swiftkv_evaluate, "swiftkv early-exit": _early_exit,
     "demo": _demo,

@@ -145,6 +145,26 @@ def _demo(doc: Document) -> str:
             "-token prompt, one run)")
 
 
+BUDGET_LABELS = ("SwiftKV", "+ AcrossKV", "+ FP8", "merge-all")  # the paper's rows after its baseline
+
+
+def _budgets(doc: Document) -> str:
+    """Total tokens/s of each of the paper's systems over the baseline's, at the smallest and
+    the largest KV budget (memory decides at the first, compute at the second)."""
+    systems, budgets = doc["systems"], doc["kv_budgets"]
+    if len(systems) != 1 + len(BUDGET_LABELS) or not systems[-1]["name"].startswith("merge-all-layers"):
+        raise ValueError(f"expected baseline, {', '.join(BUDGET_LABELS)}; got {[s['name'] for s in systems]}")
+
+    def at(index: int) -> str:
+        base = systems[0]["runs"][index]["total_tokens_per_s"]
+        return ", ".join(f"{label} **{fmt(s['runs'][index]['total_tokens_per_s'] / base, '{:.2f}')}x**"
+                         for label, s in zip(BUDGET_LABELS, systems[1:]))
+
+    return (f"total tokens/s at a {budgets[0] / 2**20:.0f} MiB KV budget: {at(0)}; at {budgets[-1] / 2**20:.0f} MiB: "
+            f"{at(len(budgets) - 1)} ({doc['settings']['num_requests']} requests of {doc['settings']['input_len']} + "
+            f"{doc['settings']['output_len']} tokens, {doc['dtype']})")
+
+
 ROWS = [
     Row("SwiftKV, l = 15 of 30", "prompt tokens skip the later layers", "bench/prefill_swiftkv_l15_vs_base.json",
         _prefill, "base model", "prefill FLOPs halved at 50% (Llama-3.1-70B: 302 -> 154 GFLOP per token)"),

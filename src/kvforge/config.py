@@ -27,9 +27,14 @@ MODEL_TYPE_TO_ARCHITECTURE: dict[str, Architecture] = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "llama_swiftkv": "llama",
+    "qwen2_swiftkv": "llama",
 }
-SWIFTKV_MODEL_TYPE = "llama_swiftkv"
-SWIFTKV_ARCHITECTURE_NAME = "LlamaSwiftKVForCausalLM"
+# The authors name each family's SwiftKV config.json `<family>_swiftkv`: the family's own
+# fields (Qwen2's q/k/v biases and sliding-window fields included) plus `swiftkv`,
+# `num_key_value_layers` and `key_value_group_size`. SwiftKV model_type -> family model_type.
+SWIFTKV_MODEL_TYPES: dict[str, str] = {"llama_swiftkv": "llama", "qwen2_swiftkv": "qwen2"}
+# family model_type -> the `architectures` entry of its SwiftKV checkpoints
+SWIFTKV_ARCHITECTURE_NAMES: dict[str, str] = {"llama": "LlamaSwiftKVForCausalLM", "qwen2": "Qwen2SwiftKVForCausalLM"}
 EARLY_EXIT_KEY = "early_exit_head"  # kvforge's config.json key (the authors' format has none)
 
 
@@ -125,12 +130,12 @@ class SwiftKVConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> SwiftKVConfig | None:
-        """The SwiftKV fields of a `llama_swiftkv` config.json (None when `swiftkv` is false)."""
+        """The SwiftKV fields of a `<family>_swiftkv` config.json (None when `swiftkv` is false)."""
         if not config.get("swiftkv", True):
             return None
         layers = config.get("num_key_value_layers")
         if layers is None:
-            raise ConfigError("num_key_value_layers", None, "a llama_swiftkv config with swiftkv=true needs it")
+            raise ConfigError("num_key_value_layers", None, "a SwiftKV config with swiftkv=true needs it")
         return cls(num_key_value_layers=int(layers),
                    key_value_group_size=int(config.get("key_value_group_size") or 1),
                    early_exit_head=bool(config.get(EARLY_EXIT_KEY, False)))
@@ -274,13 +279,13 @@ class ModelConfig:
         )
         if architecture == "gemma3":
             return cls._gemma3_from_hf(config, common)
-        if model_type == SWIFTKV_MODEL_TYPE:
+        if model_type in SWIFTKV_MODEL_TYPES:
             common["swiftkv"] = SwiftKVConfig.from_hf(config)
         return cls._llama_from_hf(config, common)
 
     @classmethod
     def _llama_from_hf(cls, config: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
-        model_type = common["model_type"]
+        family = SWIFTKV_MODEL_TYPES.get(common["model_type"], common["model_type"])
         params = config.get("rope_parameters")
         if params:  # transformers 5.x: one dict holding theta and scaling
             rope = RopeConfig.from_hf(params.get("rope_theta", config.get("rope_theta", 10000.0)), params)
@@ -288,7 +293,7 @@ class ModelConfig:
             rope = RopeConfig.from_hf(config.get("rope_theta", 10000.0), config.get("rope_scaling"))
         window = config.get("sliding_window")
         layer_types = config.get("layer_types")
-        if model_type == "qwen2":
+        if family == "qwen2":
             # Qwen2 ignores sliding_window unless use_sliding_window is set.
             if not config.get("use_sliding_window", False):
                 window, layer_types = None, None
@@ -302,8 +307,8 @@ class ModelConfig:
             **common,
             rope=rope,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bool(config.get("attention_bias", False)),
-            attention_out_bias=model_type != "qwen2" and bool(config.get("attention_bias", False)),
+            attention_bias=True if family == "qwen2" else bool(config.get("attention_bias", False)),
+            attention_out_bias=family != "qwen2" and bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             hidden_act=config.get("hidden_act", "silu"),
             sliding_window=int(window) if window and layer_types else None,

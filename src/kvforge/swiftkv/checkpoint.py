@@ -3,10 +3,13 @@
 Format (a Hugging Face checkpoint directory):
 - config.json: a Llama config with `model_type: llama_swiftkv`,
   `architectures: ["LlamaSwiftKVForCausalLM"]`, `swiftkv: true`, `num_key_value_layers`
-  (l) and `key_value_group_size` (g);
+  (l) and `key_value_group_size` (g); a Qwen2 model (biases on q/k/v, none on o) is written
+  as the authors write theirs: a Qwen2 config with `model_type: qwen2_swiftkv`,
+  `architectures: ["Qwen2SwiftKVForCausalLM"]` and the same SwiftKV fields;
 - tensors: the Llama weights, plus `model.norm_swiftkv.weight`, for every later layer
   `model.layers.N.self_attn.q_proj_swiftkv.*` and for every group leader (N - l multiple of
-  g) `self_attn.k_proj_swiftkv.*` / `v_proj_swiftkv.*`. The original q/k/v_proj of later
+  g) `self_attn.k_proj_swiftkv.*` / `v_proj_swiftkv.*` (`.bias` too where the model has
+  q/k/v biases, initialised from the originals as the weights are). The original q/k/v_proj of later
   layers may be present (the authors keep them); inference ignores them.
 
 kvforge also writes a *params-only* variant (the SwiftKV tensors alone, plus the base
@@ -30,9 +33,10 @@ from safetensors.torch import save_file
 
 from kvforge.config import (
     EARLY_EXIT_KEY,
-    SWIFTKV_ARCHITECTURE_NAME,
-    SWIFTKV_MODEL_TYPE,
+    SWIFTKV_ARCHITECTURE_NAMES,
+    SWIFTKV_MODEL_TYPES,
     ModelConfig,
+    RopeConfig,
     SwiftKVConfig,
 )
 from kvforge.errors import ConfigError, ModelLoadError
@@ -125,25 +129,53 @@ def model_state_for_swiftkv(state: dict[str, torch.Tensor], config: ModelConfig)
 
 
 # -- config.json ---------------------------------------------------------------------------
+def config_family(config: ModelConfig) -> str:
+    """The config.json family whose fields state this model's attention biases: `llama`
+    (one `attention_bias` for q/k/v and o) or `qwen2` (biases on q/k/v, none on o)."""
+    if config.architecture != "llama":
+        raise ConfigError("architecture", config.architecture,
+                          "SwiftKV checkpoints are written for Llama-family models (Llama, Mistral, Qwen2)")
+    if config.attention_bias == config.attention_out_bias:
+        return "llama"
+    if config.attention_bias:
+        return "qwen2"
+    raise ConfigError("attention_bias", (config.attention_bias, config.attention_out_bias),
+                      "a bias on o_proj without q/k/v biases has no config.json layout (llama: one "
+                      "attention_bias for q/k/v and o; qwen2: q/k/v biases only)")
+
+
+def _rope_scaling(rope: RopeConfig) -> dict[str, Any] | None:
+    if rope.rope_type == "default":
+        return None
+    scaling: dict[str, Any] = {"rope_type": rope.rope_type, "factor": rope.factor}
+    if rope.rope_type == "llama3":
+        scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                       original_max_position_embeddings=rope.original_max_position_embeddings)
+    return scaling
+
+
+def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """Sliding-window fields in the family's spelling; `layer_types` always states which
+    layers slide, so the config reads back layer for layer."""
+    if config.sliding_window is None:
+        return {"use_sliding_window": False} if family == "qwen2" else {}
+    out: dict[str, Any] = {"sliding_window": config.sliding_window, "layer_types": list(config.layer_types)}
+    if family == "qwen2":
+        # Qwen2 slides only with use_sliding_window, from layer max_window_layers on.
+        first_sliding = next(i for i in range(config.num_layers) if config.is_sliding(i))
+        out.update(use_sliding_window=True, max_window_layers=first_sliding)
+    return out
+
+
 def llama_hf_config(config: ModelConfig) -> dict[str, Any]:
     """A Hugging Face config.json dictionary for a Llama-family ModelConfig (SwiftKV
-    fields included when set). Inverse of ModelConfig.from_hf_dict for these models."""
-    if config.architecture != "llama":
-        raise ConfigError("architecture", config.architecture, "SwiftKV checkpoints are written for Llama models")
-    if config.attention_bias != config.attention_out_bias:
-        raise ConfigError("attention_bias", (config.attention_bias, config.attention_out_bias),
-                          "a llama config has one attention_bias for q/k/v and o (Qwen2-style biases "
-                          "cannot be written as llama_swiftkv)")
-    rope = config.rope
-    rope_scaling = None
-    if rope.rope_type != "default":
-        rope_scaling = {"rope_type": rope.rope_type, "factor": rope.factor}
-        if rope.rope_type == "llama3":
-            rope_scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-                                original_max_position_embeddings=rope.original_max_position_embeddings)
+    fields included when set), in the layout of its family (`config_family`): llama
+    (`llama` / `llama_swiftkv`) or Qwen2 (`qwen2` / `qwen2_swiftkv`, as the authors name
+    their Qwen2 SwiftKV models). Inverse of ModelConfig.from_hf_dict for these models."""
+    family = config_family(config)
     out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"],
+        "model_type": family,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -153,21 +185,20 @@ def llama_hf_config(config: ModelConfig) -> dict[str, Any]:
         "head_dim": config.head_dim,
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": rope.theta,
-        "rope_scaling": rope_scaling,
+        "rope_theta": config.rope.theta,
+        "rope_scaling": _rope_scaling(config.rope),
         "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": config.attention_bias,
         "mlp_bias": config.mlp_bias,
         "hidden_act": config.hidden_act,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) != 1 else config.eos_token_ids[0],
         "torch_dtype": "float32",
     }
-    if config.sliding_window is not None:
-        out["sliding_window"] = config.sliding_window
-        out["layer_types"] = list(config.layer_types)
+    if family == "llama":  # Qwen2's biases are implied by its model_type
+        out["attention_bias"] = config.attention_bias
+    out.update(_window_fields(config, family))
     if config.swiftkv is not None:
-        out.update(architectures=[SWIFTKV_ARCHITECTURE_NAME], model_type=SWIFTKV_MODEL_TYPE, swiftkv=True,
+        out.update(architectures=[SWIFTKV_ARCHITECTURE_NAMES[family]], model_type=f"{family}_swiftkv", swiftkv=True,
                    num_key_value_layers=config.swiftkv.num_key_value_layers,
                    key_value_group_size=config.swiftkv.key_value_group_size)
         if config.swiftkv.early_exit_head:
@@ -207,12 +238,12 @@ def overlay_config(base: ModelConfig, directory: str | Path) -> ModelConfig:
     """The base config with the SwiftKV fields of the checkpoint in `directory`; the two
     must describe the same network shape."""
     data = read_hf_config_dict(directory)
-    if data.get("model_type") != SWIFTKV_MODEL_TYPE:
+    if data.get("model_type") not in SWIFTKV_MODEL_TYPES:
         raise ModelLoadError(f"{directory} is not a SwiftKV checkpoint: config.json has model_type "
-                             f"{data.get('model_type')!r}, expected {SWIFTKV_MODEL_TYPE!r}")
+                             f"{data.get('model_type')!r}, expected one of {sorted(SWIFTKV_MODEL_TYPES)}")
     theirs = ModelConfig.from_hf_dict(data)
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim"):
+                  "num_kv_heads", "head_dim", "attention_bias", "attention_out_bias"):
         if getattr(theirs, field) != getattr(base, field):
             raise ModelLoadError(f"SwiftKV checkpoint {directory} has {field}={getattr(theirs, field)} but "
                                  f"the base model has {field}={getattr(base, field)}")

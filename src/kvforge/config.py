@@ -110,6 +110,17 @@ class SwiftKVConfig:
                 f"must divide the number of later layers num_layers - num_key_value_layers = "
                 f"{num_layers} - {kv_layers} = {num_layers - kv_layers}")
 
+    def check_layer_types(self, layer_types: tuple[str, ...]) -> None:
+        """Every AcrossKV group is of one attention kind: its layers read the cache layer
+        its leader writes, whose window and RoPE the leader's kind decides, so each later
+        layer keeps its own window rule only if its group shares it."""
+        g = self.key_value_group_size
+        for leader in self.leaders(len(layer_types)):
+            kinds = layer_types[leader:leader + g]
+            require(len(set(kinds)) == 1, "key_value_group_size", g,
+                    f"an AcrossKV group must not mix sliding-window and global layers: layers "
+                    f"{leader}..{leader + g - 1} are {list(kinds)}")
+
     def is_later(self, layer: int) -> bool:
         return layer >= self.num_key_value_layers
 
@@ -201,12 +212,8 @@ class ModelConfig:
             require(self.query_pre_attn_scalar > 0, "query_pre_attn_scalar", self.query_pre_attn_scalar,
                     "must be > 0")
         if self.swiftkv is not None:
-            require(self.architecture == "llama", "swiftkv", self.architecture,
-                    "SwiftKV is implemented for Llama-family models only")
             self.swiftkv.check_layers(self.num_layers)
-            later = {self.window_of(i) for i in range(self.swiftkv.num_key_value_layers, self.num_layers)}
-            require(len(later) <= 1, "swiftkv", "mixed sliding/global later layers",
-                    "the later layers of a SwiftKV model must share one attention kind")
+            self.swiftkv.check_layer_types(self.layer_types)
 
     # ----------------------------------------------------------------------------------
     @property

@@ -217,12 +217,6 @@ def test_bad_layer_settings_fail_clearly(first, group, parameter):
         replace(config, swiftkv=SwiftKVConfig(first, group) if first >= 1 else SwiftKVConfig(first))
 
 
-def test_gemma3_is_refused():
-    config = make_pair("gemma3_hybrid")[1].config
-    with pytest.raises(ConfigError, match="Llama-family"):
-        replace(config, swiftkv=SwiftKVConfig(2))
-
-
 def test_cli_reports_bad_group_size(tmp_path, capsys):
     code = main(["swiftkv", "init", "--num-key-value-layers", "15", "--group-size", "4",
                  "--out", str(tmp_path / "x")])

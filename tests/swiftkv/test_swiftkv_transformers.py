@@ -1,18 +1,17 @@
-"""SwiftKV Qwen2 against references written with transformers' own classes: with l = L it
-is `Qwen2ForCausalLM` on the same weights; with l < L it equals a transformers Qwen2 whose
-later layers take SwiftKV's queries and their group leader's K/V of norm_swiftkv(h_l)."""
+"""SwiftKV Qwen2 and Gemma3 against references written with transformers' own classes: with
+l = L Qwen2 is `Qwen2ForCausalLM` on the same weights; with l < L each equals a transformers
+model whose later layers take SwiftKV's queries and their group leader's K/V of
+norm_swiftkv(h_l)."""
 
 from __future__ import annotations
 
 import torch
 import transformers
-from conftest import TINY, make_pair, make_runner
-from swiftkv_helpers import swiftkv_model
+from conftest import make_pair, make_runner
+from swiftkv_helpers import qwen2_pair, swiftkv_model
 from torch import nn
 
-from kvforge.config import ModelConfig
 from kvforge.engine.runner import StepItem
-from kvforge.models.registry import build_model
 from kvforge.swiftkv.dense import dense_logits
 
 TOKENS = torch.randint(0, 96, (37,), generator=torch.Generator().manual_seed(6)).tolist()
@@ -49,8 +48,10 @@ class _LeaderProjection(nn.Module):
         return self.projection(self.norm(self.captured["h_l"]))
 
 
-def transformers_swiftkv(hf: transformers.Qwen2ForCausalLM, model) -> transformers.Qwen2ForCausalLM:
-    """`hf` rewired as SwiftKV with `model`'s SwiftKV tensors, in transformers' modules."""
+def transformers_swiftkv(hf: transformers.PreTrainedModel, model, norm_class: type[nn.Module]) -> nn.Module:
+    """`hf` rewired as SwiftKV with `model`'s SwiftKV tensors, in transformers' modules:
+    `norm_class` (the family's RMSNorm) as norm_swiftkv. transformers applies a layer's own
+    k_norm to its keys, which is the leader's only with one layer per group."""
     swift, config = model.config.swiftkv, model.config
     state = model.state_dict()
     captured: dict[str, torch.Tensor] = {}
@@ -60,42 +61,31 @@ def transformers_swiftkv(hf: transformers.Qwen2ForCausalLM, model) -> transforme
         captured["h_l"] = args[0] if args else kwargs["hidden_states"]
 
     hf.model.layers[first].register_forward_pre_hook(capture, with_kwargs=True)
-    norm = transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    norm = norm_class(config.hidden_size, eps=config.rms_norm_eps)
     norm.weight.data.copy_(state["model.norm_swiftkv.weight"])
     for index in range(first, config.num_layers):
         attn, leader = hf.model.layers[index].self_attn, first + (index - first) // swift.key_value_group_size * \
             swift.key_value_group_size
         prefix = f"model.layers.{index}.self_attn."
         attn.q_proj.weight.data.copy_(state[prefix + "q_proj_swiftkv.weight"])
-        attn.q_proj.bias.data.copy_(state[prefix + "q_proj_swiftkv.bias"])
+        if config.attention_bias:
+            attn.q_proj.bias.data.copy_(state[prefix + "q_proj_swiftkv.bias"])
         for kind in ("k_proj", "v_proj"):
             source = f"model.layers.{leader}.self_attn.{kind}_swiftkv."
-            projection = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim)
+            projection = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim,
+                                   bias=config.attention_bias)
             projection.weight.data.copy_(state[source + "weight"])
-            projection.bias.data.copy_(state[source + "bias"])
+            if config.attention_bias:
+                projection.bias.data.copy_(state[source + "bias"])
             setattr(attn, kind, _LeaderProjection(captured, norm, projection))
     return hf
-
-
-def qwen2_pair(layers: int, seed: int = 3) -> tuple[transformers.Qwen2ForCausalLM, object]:
-    torch.manual_seed(seed)
-    hf_config = transformers.Qwen2Config(**{**TINY, "num_hidden_layers": layers, "num_key_value_heads": 2})
-    hf_config._attn_implementation = "eager"
-    hf = transformers.Qwen2ForCausalLM(hf_config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
-    base = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()))
-    base.load_hf_state_dict(hf.state_dict())
-    return hf, base
 
 
 def test_qwen2_swiftkv_equals_a_transformers_reference():
     """l = 1, AcrossKV groups of 2 over 3 layers: the leader's biased K/V serve both later layers."""
     hf, base = qwen2_pair(3)
     model = swiftkv_model(base, 1, 2, seed=1)
-    reference = transformers_swiftkv(hf, model)
+    reference = transformers_swiftkv(hf, model, transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm)
     ids = torch.tensor([TOKENS])
     with torch.no_grad():
         expected = reference(ids).logits[0]
@@ -104,3 +94,18 @@ def test_qwen2_swiftkv_equals_a_transformers_reference():
     for chunk in (37, 6):
         torch.testing.assert_close(engine_logits(model, TOKENS, chunk), expected, atol=1e-4, rtol=0)
 
+
+
+def test_gemma3_swiftkv_equals_a_transformers_reference():
+    """l = 1 over global, sliding, global later layers: Gemma's (1 + w) norm_swiftkv, each
+    layer's QK-norm, window and local or global RoPE, as transformers' Gemma3 computes them."""
+    hf, base = make_pair("gemma3_hybrid")
+    model = swiftkv_model(base, 1, 1, seed=2)
+    reference = transformers_swiftkv(hf, model, transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm)
+    ids = torch.tensor([TOKENS])  # longer than the window of 10
+    with torch.no_grad():
+        expected = reference(ids).logits[0]
+        assert (expected - dense_logits(base, ids)[0]).abs().max() > 1e-2
+        torch.testing.assert_close(dense_logits(model, ids)[0], expected, atol=1e-5, rtol=0)
+    for chunk in (37, 6):
+        torch.testing.assert_close(engine_logits(model, TOKENS, chunk), expected, atol=1e-4, rtol=0)

@@ -114,7 +114,8 @@ def initial_early_exit_tensors(config: ModelConfig, dtype: torch.dtype = torch.f
 
 def model_state_for_swiftkv(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Keep the tensors a SwiftKV model uses: drop later layers' original q/k/v_proj and
-    any K/V projection of a non-leader; ModelLoadError if a SwiftKV tensor is missing."""
+    any K/V projection (or Gemma3 k_norm: its keys are its leader's) of a non-leader;
+    ModelLoadError if a SwiftKV tensor is missing."""
     swift = config.swiftkv
     missing = [name for name in swiftkv_tensor_names(config) if name not in state]
     if missing:
@@ -123,7 +124,8 @@ def model_state_for_swiftkv(state: dict[str, torch.Tensor], config: ModelConfig)
                              f"tensor(s): {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     dropped = set()
     for layer in range(swift.num_key_value_layers, config.num_layers):
-        kinds = ["q_proj", "k_proj", "v_proj"] + ([] if swift.is_leader(layer) else ["k_proj_swiftkv", "v_proj_swiftkv"])
+        kinds = ["q_proj", "k_proj", "v_proj"] + ([] if swift.is_leader(layer)
+                                                  else ["k_proj_swiftkv", "v_proj_swiftkv", "k_norm"])
         dropped.update(_layer(layer) + k + s for k in kinds for s in _PROJECTION_SUFFIXES)
     return {name: tensor for name, tensor in state.items() if name not in dropped}
 
@@ -134,7 +136,8 @@ def config_family(config: ModelConfig) -> str:
     (one `attention_bias` for q/k/v and o) or `qwen2` (biases on q/k/v, none on o)."""
     if config.architecture != "llama":
         raise ConfigError("architecture", config.architecture,
-                          "SwiftKV checkpoints are written for Llama-family models (Llama, Mistral, Qwen2)")
+                          "checkpoints are written for Llama-family models (Llama, Mistral, Qwen2); writing "
+                          "a Gemma3 (SwiftKV) checkpoint is not implemented")
     if config.attention_bias == config.attention_out_bias:
         return "llama"
     if config.attention_bias:
@@ -210,9 +213,9 @@ def write_checkpoint(directory: str | Path, config: ModelConfig, tensors: dict[s
                      dtype: torch.dtype, base_model: str | None = None) -> Path:
     """Write config.json + model.safetensors. `base_model` marks a params-only checkpoint
     (only SwiftKV tensors) that loads on top of that base model."""
+    hf = llama_hf_config(config)  # refuses what has no config.json layout before writing anything
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    hf = llama_hf_config(config)
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     if base_model is not None:
         hf[BASE_MODEL_KEY] = base_model

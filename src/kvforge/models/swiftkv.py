@@ -10,13 +10,13 @@ With l = `num_key_value_layers` and g = `key_value_group_size`:
 - the hidden states are cut down to the rows that need logits, and layers >= l run only
   on those rows: queries from `q_proj_swiftkv`, attention over the group's cache layer,
   o_proj and MLP as usual. They have no K/V projection of their own.
+A prompt chunk that does not end its prompt therefore costs only the first l layers plus
+the K/V GEMM. Parameter names follow the authors' checkpoints (`model.norm_swiftkv`,
+`self_attn.q_proj_swiftkv`, leaders' `self_attn.k_proj_swiftkv`/`v_proj_swiftkv`).
 With QK-norm (Gemma3) each later layer's `q_norm` normalises its queries and each leader's
 `k_norm` its group's keys; `norm_swiftkv` is the architecture's norm (Gemma: (1 + w)).
 Each group keeps its leader's attention kind: window and RoPE (all of a group's layers are
 of one kind, `SwiftKVConfig.check_layer_types`).
-A prompt chunk that does not end its prompt therefore costs only the first l layers plus
-the K/V GEMM. Parameter names follow the authors' checkpoints (`model.norm_swiftkv`,
-`self_attn.q_proj_swiftkv`, leaders' `self_attn.k_proj_swiftkv`/`v_proj_swiftkv`).
 
 Invariant: the cache layer of a group is written (by the fused GEMM) before any later
 layer of the step attends to it, and later layers attend only for `batch.logit_rows`.

@@ -1,0 +1,90 @@
+"""Distillation of a Gemma3 SwiftKV student: its forward is the initialised SwiftKV model's,
+every parameter belongs to one unit (what FSDP shards), and training lowers the KL."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from distill_helpers import one_thread, random_data, tiny_recipe, train_tiny  # noqa: F401
+from swiftkv_helpers import gemma3_across_kv_pair, random_base, swiftkv_model
+
+from kvforge.config import SwiftKVConfig
+from kvforge.errors import ConfigError
+from kvforge.swiftkv.checkpoint import swiftkv_tensor_names
+from kvforge.swiftkv.dense import dense_hidden_states
+from kvforge.swiftkv.distill import check_recipe_against_model
+from kvforge.swiftkv.loss import distill_loss
+from kvforge.swiftkv.student import DistillModel
+
+FIRST_LATER, GROUP = 2, 2  # later layers: a global pair, then a sliding pair
+
+
+def gemma3_distill_model(train_later_layers: bool = False) -> DistillModel:
+    return DistillModel(gemma3_across_kv_pair()[0], SwiftKVConfig(FIRST_LATER, GROUP), train_later_layers)
+
+
+def test_teacher_and_student_equal_the_base_and_the_initialised_swiftkv_model():
+    model = gemma3_distill_model()
+    reference = swiftkv_model(model.teacher, FIRST_LATER, GROUP, perturb=False)
+    data = random_data()
+    tokens, segments = data.tokens[:2], data.segments[:2]
+    with torch.no_grad():
+        pair = model.forward_hidden(tokens, segments)
+        torch.testing.assert_close(pair.teacher, dense_hidden_states(model.teacher, tokens, segments),
+                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(pair.student, dense_hidden_states(reference, tokens, segments), atol=1e-6, rtol=0)
+        assert (pair.student - pair.teacher).abs().max() > 1e-3
+
+
+def test_every_parameter_belongs_to_one_unit_and_the_trained_ones_get_gradients():
+    """With train_later_layers: the four norms, MLP, o_proj and q_norm of each later layer and
+    the leaders' k_norm copies train beside the SwiftKV tensors; nothing else gets a gradient."""
+    model = gemma3_distill_model(train_later_layers=True)
+    stack = model.stack
+    owners: dict[int, int] = {}
+    for unit in [*stack.units, stack.swiftkv_inputs]:
+        for p in set(unit.parameters()):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    rest = {id(p) for m in (stack.embed_tokens, stack.norm, stack.lm_head) for p in m.parameters()}
+    every = {id(p) for p in model.teacher.parameters()} | {id(p) for p in model.student.parameters()}
+    assert every == set(owners) | rest and all(count == 1 for count in owners.values())
+
+    later = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm", "self_attn.o_proj", "self_attn.q_norm", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj")
+    expected = set(swiftkv_tensor_names(model.student.config))
+    expected |= {f"model.layers.{i}.{name}.weight" for i in range(FIRST_LATER, 6) for name in later}
+    expected |= {f"model.layers.{i}.self_attn.k_norm.weight" for i in (2, 4)}
+    assert set(model.trainable()) == expected
+    data = random_data()
+    counted = data.counted[:2]
+    pair = model.forward_hidden(data.tokens[:2], data.segments[:2])
+    distill_loss(pair, counted, model.student.model.norm, model.student.lm_head, float(counted.sum()),
+                 2.0, 7).total.backward()
+    with_grad = {name for name, p in model.student.named_parameters() if p.grad is not None}
+    assert with_grad == expected
+    assert all(p.grad is None for p in model.teacher.parameters())
+
+
+def test_training_lowers_the_kl(tmp_path):
+    recipe = tiny_recipe(tmp_path, num_key_value_layers=FIRST_LATER, group_size=GROUP, max_steps=6)
+    _, records = train_tiny(gemma3_distill_model(), recipe)
+    kl = [r["kl"] for r in records]
+    assert len(kl) == 6 and kl[-1] < 0.8 * kl[0]
+
+
+def test_a_soft_capped_teacher_is_refused():
+    base = gemma3_across_kv_pair()[0]
+    capped = random_base(replace(base.config, final_logit_softcapping=30.0))
+    with pytest.raises(ConfigError, match="final_logit_softcapping"):
+        DistillModel(capped, SwiftKVConfig(FIRST_LATER, GROUP))
+
+
+def test_the_distill_command_refuses_gemma3_before_training(tmp_path):
+    """`kvforge swiftkv distill` ends with a checkpoint that has no Gemma3 layout yet: refused
+    at the recipe check, not after training."""
+    config = gemma3_across_kv_pair()[0].config
+    with pytest.raises(ConfigError, match="architecture.*Gemma3.*not implemented"):
+        check_recipe_against_model(tiny_recipe(tmp_path, num_key_value_layers=FIRST_LATER, group_size=GROUP), config)

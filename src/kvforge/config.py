@@ -28,13 +28,17 @@ MODEL_TYPE_TO_ARCHITECTURE: dict[str, Architecture] = {
     "gemma3": "gemma3",
     "llama_swiftkv": "llama",
     "qwen2_swiftkv": "llama",
+    "gemma3_text_swiftkv": "gemma3",
 }
 # The authors name each family's SwiftKV config.json `<family>_swiftkv`: the family's own
 # fields (Qwen2's q/k/v biases and sliding-window fields included) plus `swiftkv`,
 # `num_key_value_layers` and `key_value_group_size`. SwiftKV model_type -> family model_type.
-SWIFTKV_MODEL_TYPES: dict[str, str] = {"llama_swiftkv": "llama", "qwen2_swiftkv": "qwen2"}
+# (They publish no Gemma3 SwiftKV: `gemma3_text_swiftkv` is kvforge's name by that rule.)
+SWIFTKV_MODEL_TYPES: dict[str, str] = {"llama_swiftkv": "llama", "qwen2_swiftkv": "qwen2",
+                                       "gemma3_text_swiftkv": "gemma3_text"}
 # family model_type -> the `architectures` entry of its SwiftKV checkpoints
-SWIFTKV_ARCHITECTURE_NAMES: dict[str, str] = {"llama": "LlamaSwiftKVForCausalLM", "qwen2": "Qwen2SwiftKVForCausalLM"}
+SWIFTKV_ARCHITECTURE_NAMES: dict[str, str] = {"llama": "LlamaSwiftKVForCausalLM", "qwen2": "Qwen2SwiftKVForCausalLM",
+                                              "gemma3_text": "Gemma3SwiftKVForCausalLM"}
 EARLY_EXIT_KEY = "early_exit_head"  # kvforge's config.json key (the authors' format has none)
 
 
@@ -284,10 +288,10 @@ class ModelConfig:
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
-        if architecture == "gemma3":
-            return cls._gemma3_from_hf(config, common)
         if model_type in SWIFTKV_MODEL_TYPES:
             common["swiftkv"] = SwiftKVConfig.from_hf(config)
+        if architecture == "gemma3":
+            return cls._gemma3_from_hf(config, common)
         return cls._llama_from_hf(config, common)
 
     @classmethod

@@ -18,8 +18,8 @@ from kvforge.engine.runner import StepItem
 from kvforge.errors import ConfigError, ModelLoadError
 from kvforge.models.loader import load_model
 from kvforge.swiftkv.checkpoint import (
+    hf_config_dict,
     initial_swiftkv_tensors,
-    llama_hf_config,
     regroup_swiftkv_tensors,
     swiftkv_tensor_names,
     write_checkpoint,
@@ -38,7 +38,7 @@ def published_checkpoint(tmp_path, seed: int = 0):
     """A tiny checkpoint written the way the authors' models are: llama_swiftkv config,
     every original tensor kept, SwiftKV tensors on later layers / leaders, random values."""
     config = replace(tiny_base(), swiftkv=SwiftKVConfig(FIRST_LATER, GROUP))
-    hf = llama_hf_config(config)
+    hf = hf_config_dict(config)
     generator = torch.Generator().manual_seed(seed)
     h, q, kv, inter = config.hidden_size, config.num_heads * config.head_dim, \
         config.num_kv_heads * config.head_dim, config.intermediate_size
@@ -169,7 +169,7 @@ def test_qwen2_checkpoint_states_its_biases_in_the_authors_layout(tmp_path):
     base = make_pair("qwen2_bias")[1]
     model = swiftkv_model(base, 1, 1)
     config = model.config
-    hf = llama_hf_config(config)
+    hf = hf_config_dict(config)
     assert (hf["model_type"], hf["architectures"]) == ("qwen2_swiftkv", ["Qwen2SwiftKVForCausalLM"])
     assert "attention_bias" not in hf and hf["use_sliding_window"] is False
     assert (hf["swiftkv"], hf["num_key_value_layers"], hf["key_value_group_size"]) == (True, 1, 1)
@@ -192,7 +192,7 @@ def test_qwen2_sliding_layers_read_back_layer_for_layer():
     base = make_pair("qwen2_bias")[1].config
     config = replace(base, num_layers=4, sliding_window=6, layer_types=("full_attention",) * 2
                      + ("sliding_attention",) * 2, swiftkv=SwiftKVConfig(2, 2))
-    hf = llama_hf_config(config)
+    hf = hf_config_dict(config)
     assert (hf["use_sliding_window"], hf["max_window_layers"], hf["sliding_window"]) == (True, 2, 6)
     assert ModelConfig.from_hf_dict(hf) == replace(config, model_type="qwen2_swiftkv")
 
@@ -200,7 +200,7 @@ def test_qwen2_sliding_layers_read_back_layer_for_layer():
 def test_an_out_projection_bias_alone_is_refused():
     config = replace(make_pair("llama_gqa")[1].config, attention_out_bias=True)
     with pytest.raises(ConfigError, match="attention_bias.*no config.json layout"):
-        llama_hf_config(config)
+        hf_config_dict(config)
 
 
 class _NoTokenizer:

@@ -12,8 +12,9 @@ from swiftkv_helpers import gemma3_across_kv_pair, random_base, swiftkv_model
 
 from kvforge.config import SwiftKVConfig
 from kvforge.errors import ConfigError
-from kvforge.swiftkv.checkpoint import swiftkv_tensor_names
-from kvforge.swiftkv.dense import dense_hidden_states
+from kvforge.models.loader import load_model
+from kvforge.swiftkv.checkpoint import swiftkv_tensor_names, write_checkpoint
+from kvforge.swiftkv.dense import dense_hidden_states, dense_logits
 from kvforge.swiftkv.distill import check_recipe_against_model
 from kvforge.swiftkv.loss import distill_loss
 from kvforge.swiftkv.student import DistillModel
@@ -82,9 +83,18 @@ def test_a_soft_capped_teacher_is_refused():
         DistillModel(capped, SwiftKVConfig(FIRST_LATER, GROUP))
 
 
-def test_the_distill_command_refuses_gemma3_before_training(tmp_path):
-    """`kvforge swiftkv distill` ends with a checkpoint that has no Gemma3 layout yet: refused
-    at the recipe check, not after training."""
-    config = gemma3_across_kv_pair()[0].config
-    with pytest.raises(ConfigError, match="architecture.*Gemma3.*not implemented"):
-        check_recipe_against_model(tiny_recipe(tmp_path, num_key_value_layers=FIRST_LATER, group_size=GROUP), config)
+def test_the_trained_student_exports_and_loads_over_its_base(tmp_path):
+    """What `kvforge swiftkv distill` writes at its end: the params-only checkpoint, laid over
+    the base, is the trained student (logits of the dense forward)."""
+    model = gemma3_distill_model(train_later_layers=True)
+    config = check_recipe_against_model(tiny_recipe(tmp_path, num_key_value_layers=FIRST_LATER, group_size=GROUP),
+                                        model.teacher.config)
+    base_dir = write_checkpoint(tmp_path / "base", model.teacher.config, model.teacher.state_dict(), torch.float32)
+    train_tiny(model, tiny_recipe(tmp_path / "run", num_key_value_layers=FIRST_LATER, group_size=GROUP, max_steps=2))
+    state = model.export_state()
+    assert "model.layers.4.self_attn.k_norm.weight" in state  # trained with the later layers
+    out = write_checkpoint(tmp_path / "swift", config, state, torch.float32, base_model=str(base_dir))
+    loaded, _ = load_model(out)
+    ids = random_data().tokens[:1]
+    with torch.no_grad():
+        torch.testing.assert_close(dense_logits(loaded, ids), dense_logits(model.student, ids), atol=1e-6, rtol=0)

@@ -47,10 +47,11 @@ def _params_only(tmp_path: Path, arch: str = "llama_gqa") -> tuple[Path, Path]:
     return base_dir, swift_dir
 
 
-@pytest.mark.parametrize(("arch", "model_type"), [("llama_gqa", "llama_swiftkv"), ("qwen2_bias", "qwen2_swiftkv")])
+@pytest.mark.parametrize(("arch", "model_type"), [("llama_gqa", "llama_swiftkv"), ("qwen2_bias", "qwen2_swiftkv"),
+                                                  ("gemma3_hybrid", "gemma3_text_swiftkv")])
 def test_export_loads_back_as_the_overlaid_model(tmp_path, monkeypatch, arch, model_type):
     """Qwen2 too: its q/k/v biases (q_proj_swiftkv's and the leaders' K/V's included) in the
-    authors' qwen2_swiftkv layout."""
+    authors' qwen2_swiftkv layout; and Gemma3 (its norms and QK-norm) as gemma3_text_swiftkv."""
     monkeypatch.setattr("kvforge.swiftkv.export.load_tokenizer", lambda source: _SavedTokenizer())
     base_dir, swift_dir = _params_only(tmp_path, arch)
     if arch == "qwen2_bias":

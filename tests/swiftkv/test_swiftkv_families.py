@@ -9,13 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import make_pair, make_runner
-from swiftkv_helpers import gemma3_across_kv_pair, qwen2_pair, swiftkv_model
+from swiftkv_helpers import GEMMA3_MIXED_TYPES, gemma3_across_kv_pair, qwen2_pair, swiftkv_model
 
-from kvforge.config import SwiftKVConfig
+from kvforge.config import ModelConfig, SwiftKVConfig
 from kvforge.engine.runner import StepItem
 from kvforge.errors import ConfigError
 from kvforge.models.gemma3_swiftkv import Gemma3SwiftKVForCausalLM
-from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors, llama_hf_config
+from kvforge.models.loader import load_model
+from kvforge.swiftkv.checkpoint import hf_config_dict, initial_swiftkv_tensors, write_checkpoint
 from kvforge.swiftkv.dense import dense_logits
 
 ATOL = 1e-4
@@ -134,7 +135,18 @@ def test_an_across_kv_group_mixing_sliding_and_global_layers_is_refused():
     replace(config, swiftkv=SwiftKVConfig(2, 1))  # one layer per group: each keeps its own kind
 
 
-def test_gemma3_checkpoint_writing_is_refused_clearly():
+def test_gemma3_checkpoint_loads_back_identical(tmp_path):
+    """Written as `gemma3_text_swiftkv` (the Gemma3 config with the SwiftKV fields); read back
+    to the same config, tensors (a non-leader has no k_norm) and logits."""
     _, model = gemma3_across_kv_pair()
-    with pytest.raises(ConfigError, match="architecture.*Gemma3.*not implemented"):
-        llama_hf_config(model.config)
+    hf = hf_config_dict(model.config)
+    assert (hf["model_type"], hf["architectures"]) == ("gemma3_text_swiftkv", ["Gemma3SwiftKVForCausalLM"])
+    assert hf["layer_types"] == list(GEMMA3_MIXED_TYPES) and hf["rope_local_base_freq"] == 10000.0
+    assert ModelConfig.from_hf_dict(hf) == replace(model.config, model_type="gemma3_text_swiftkv")
+    write_checkpoint(tmp_path / "gemma3", model.config, model.state_dict(), torch.float32)
+    loaded, _ = load_model(tmp_path / "gemma3")
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    tokens = tokens_of(25, 8)
+    torch.testing.assert_close(dense(loaded, tokens), dense(model, tokens), atol=0, rtol=0)

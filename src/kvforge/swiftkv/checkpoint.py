@@ -39,10 +39,12 @@ from kvforge.config import (
     RopeConfig,
     SwiftKVConfig,
 )
-from kvforge.errors import ConfigError, ModelLoadError
+from kvforge.errors import ConfigError, ModelLoadError, require
 from kvforge.models.hf_checkpoint import CONFIG_FILE, SINGLE_FILE, read_hf_config_dict, read_hf_state_dict
 
 BASE_MODEL_KEY = "kvforge_base_model"
+BASE_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "gemma3_text": "Gemma3ForCausalLM"}
 EARLY_EXIT_TENSORS = ("model.early_exit_proj.weight",)
 PARAMS_ONLY_KEY = "kvforge_params_only"
 _PROJECTION_SUFFIXES = (".weight", ".bias")
@@ -132,12 +134,16 @@ def model_state_for_swiftkv(state: dict[str, torch.Tensor], config: ModelConfig)
 
 # -- config.json ---------------------------------------------------------------------------
 def config_family(config: ModelConfig) -> str:
-    """The config.json family whose fields state this model's attention biases: `llama`
-    (one `attention_bias` for q/k/v and o) or `qwen2` (biases on q/k/v, none on o)."""
-    if config.architecture != "llama":
-        raise ConfigError("architecture", config.architecture,
-                          "checkpoints are written for Llama-family models (Llama, Mistral, Qwen2); writing "
-                          "a Gemma3 (SwiftKV) checkpoint is not implemented")
+    """The config.json family (its base model_type) whose fields state this model:
+    `gemma3_text`, or for Llama-family models the one that states its attention biases:
+    `llama` (one `attention_bias` for q/k/v and o) or `qwen2` (biases on q/k/v, none on o)."""
+    if config.architecture == "gemma3":
+        local = config.local_rope or config.rope
+        require(local.rope_type == "default", "local_rope", local.rope_type,
+                "a gemma3 config.json states only the local RoPE base (rope_local_base_freq), no scaling")
+        require(not config.attention_out_bias and not config.mlp_bias, "attention_out_bias",
+                (config.attention_out_bias, config.mlp_bias), "a gemma3 config.json has no o_proj or MLP bias")
+        return "gemma3_text"
     if config.attention_bias == config.attention_out_bias:
         return "llama"
     if config.attention_bias:
@@ -170,14 +176,29 @@ def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
     return out
 
 
-def llama_hf_config(config: ModelConfig) -> dict[str, Any]:
-    """A Hugging Face config.json dictionary for a Llama-family ModelConfig (SwiftKV
-    fields included when set), in the layout of its family (`config_family`): llama
-    (`llama` / `llama_swiftkv`) or Qwen2 (`qwen2` / `qwen2_swiftkv`, as the authors name
-    their Qwen2 SwiftKV models). Inverse of ModelConfig.from_hf_dict for these models."""
+def _gemma3_fields(config: ModelConfig) -> dict[str, Any]:
+    """What a gemma3_text config.json states beyond the shape (read by `_gemma3_from_hf`)."""
+    return {
+        "rope_local_base_freq": (config.local_rope or config.rope).theta,
+        "sliding_window": config.sliding_window,
+        "layer_types": list(config.layer_types),
+        "query_pre_attn_scalar": config.query_pre_attn_scalar,
+        "final_logit_softcapping": config.final_logit_softcapping,
+        "hidden_activation": config.hidden_act,
+        "attention_bias": config.attention_bias,
+    }
+
+
+def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
+    """A Hugging Face config.json dictionary for a ModelConfig (SwiftKV fields included when
+    set), in the layout of its family (`config_family`): llama (`llama` / `llama_swiftkv`),
+    Qwen2 (`qwen2` / `qwen2_swiftkv`, as the authors name their Qwen2 SwiftKV models) or
+    Gemma3 (`gemma3_text` / `gemma3_text_swiftkv`: the authors publish no Gemma3 SwiftKV, so
+    kvforge names it by their `<model_type>_swiftkv` rule). Inverse of
+    ModelConfig.from_hf_dict for these models."""
     family = config_family(config)
     out: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [BASE_ARCHITECTURE_NAMES[family]],
         "model_type": family,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
@@ -191,15 +212,17 @@ def llama_hf_config(config: ModelConfig) -> dict[str, Any]:
         "rope_theta": config.rope.theta,
         "rope_scaling": _rope_scaling(config.rope),
         "tie_word_embeddings": config.tie_word_embeddings,
-        "mlp_bias": config.mlp_bias,
-        "hidden_act": config.hidden_act,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) != 1 else config.eos_token_ids[0],
         "torch_dtype": "float32",
     }
-    if family == "llama":  # Qwen2's biases are implied by its model_type
-        out["attention_bias"] = config.attention_bias
-    out.update(_window_fields(config, family))
+    if family == "gemma3_text":
+        out.update(_gemma3_fields(config))
+    else:
+        out.update(mlp_bias=config.mlp_bias, hidden_act=config.hidden_act)
+        if family == "llama":  # Qwen2's biases are implied by its model_type
+            out["attention_bias"] = config.attention_bias
+        out.update(_window_fields(config, family))
     if config.swiftkv is not None:
         out.update(architectures=[SWIFTKV_ARCHITECTURE_NAMES[family]], model_type=f"{family}_swiftkv", swiftkv=True,
                    num_key_value_layers=config.swiftkv.num_key_value_layers,
@@ -213,7 +236,7 @@ def write_checkpoint(directory: str | Path, config: ModelConfig, tensors: dict[s
                      dtype: torch.dtype, base_model: str | None = None) -> Path:
     """Write config.json + model.safetensors. `base_model` marks a params-only checkpoint
     (only SwiftKV tensors) that loads on top of that base model."""
-    hf = llama_hf_config(config)  # refuses what has no config.json layout before writing anything
+    hf = hf_config_dict(config)  # refuses what has no config.json layout before writing anything
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")

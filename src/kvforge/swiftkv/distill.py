@@ -64,7 +64,7 @@ class DistillResult:
 
 def check_recipe_against_model(recipe: DistillRecipe, base: ModelConfig) -> ModelConfig:
     """The SwiftKV config of the student; ConfigError on l, g, hidden-loss-layer, or a model
-    whose checkpoint the run could not write at its end (Gemma3: `config_family`)."""
+    whose checkpoint the run could not write at its end (`config_family`)."""
     if base.swiftkv is not None:
         raise ConfigError("model", recipe.model, "must be a base model, not a SwiftKV checkpoint")
     config = replace(base, swiftkv=SwiftKVConfig(recipe.num_key_value_layers, recipe.group_size,

@@ -5,8 +5,10 @@ Format (a Hugging Face checkpoint directory):
   `architectures: ["LlamaSwiftKVForCausalLM"]`, `swiftkv: true`, `num_key_value_layers`
   (l) and `key_value_group_size` (g); a Qwen2 model (biases on q/k/v, none on o) is written
   as the authors write theirs: a Qwen2 config with `model_type: qwen2_swiftkv`,
-  `architectures: ["Qwen2SwiftKVForCausalLM"]` and the same SwiftKV fields;
-- tensors: the Llama weights, plus `model.norm_swiftkv.weight`, for every later layer
+  `architectures: ["Qwen2SwiftKVForCausalLM"]` and the same SwiftKV fields; Gemma3 as a
+  Gemma3 text config with `model_type: gemma3_text_swiftkv` (kvforge's name: the authors
+  publish no Gemma3 SwiftKV) and the same fields, a non-leader without `k_norm`;
+- tensors: the base model's weights, plus `model.norm_swiftkv.weight`, for every later layer
   `model.layers.N.self_attn.q_proj_swiftkv.*` and for every group leader (N - l multiple of
   g) `self_attn.k_proj_swiftkv.*` / `v_proj_swiftkv.*` (`.bias` too where the model has
   q/k/v biases, initialised from the originals as the weights are). The original q/k/v_proj of later
@@ -141,8 +143,8 @@ def config_family(config: ModelConfig) -> str:
         local = config.local_rope or config.rope
         require(local.rope_type == "default", "local_rope", local.rope_type,
                 "a gemma3 config.json states only the local RoPE base (rope_local_base_freq), no scaling")
-        require(not config.attention_out_bias and not config.mlp_bias, "attention_out_bias",
-                (config.attention_out_bias, config.mlp_bias), "a gemma3 config.json has no o_proj or MLP bias")
+        require(not config.attention_out_bias, "attention_out_bias", True, "a gemma3 config.json has no o_proj bias")
+        require(not config.mlp_bias, "mlp_bias", True, "a gemma3 config.json has no MLP bias")
         return "gemma3_text"
     if config.attention_bias == config.attention_out_bias:
         return "llama"

@@ -226,7 +226,7 @@ def _run_init(args: argparse.Namespace) -> int:
     if base.swiftkv is not None:
         raise ConfigError("model", args.model, "must be a base model, not a SwiftKV checkpoint")
     config = replace(base, swiftkv=swift)  # validates l and g against the layer count
-    config_family(config)  # a config.json layout exists (Gemma3 has none yet): before any weight is read
+    config_family(config)  # a config.json layout states it (ConfigError if not), before any weight is read
     start = time.perf_counter()
     state = load_state_dict(source, base)
     tensors = initial_swiftkv_tensors(state, base, swift)

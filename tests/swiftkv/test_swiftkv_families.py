@@ -40,11 +40,15 @@ def test_dense_reference_of_gemma3_is_transformers_gemma3():
 
 
 def test_gemma3_with_every_layer_keeping_its_kv_is_the_base_model():
-    _, base = make_pair("gemma3_hybrid")
+    """Bit for bit the base model on the engine and the dense forward, and transformers'
+    Gemma3ForCausalLM to rounding."""
+    hf, base = make_pair("gemma3_hybrid")
     model = swiftkv_model(base, base.config.num_layers, 1)  # perturbed SwiftKV tensors: all unused
     assert isinstance(model, Gemma3SwiftKVForCausalLM)
     tokens = tokens_of(33, 1)
     torch.testing.assert_close(dense(model, tokens), dense(base, tokens), atol=0, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(dense(model, tokens), hf(torch.tensor([tokens])).logits[0], atol=1e-5, rtol=0)
     runner, base_runner = make_runner(model), make_runner(base)
     for chunk in (33, 5):
         for start in range(0, 33, chunk):

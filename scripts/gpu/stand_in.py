@@ -29,13 +29,13 @@ STATS_FILE = "stats.safetensors"
 def write_stats(model: str, out: Path) -> None:
     from kvforge.models.loader import load_model_config, load_state_dict, resolve_model_source
     from kvforge.models.tokenizer import load_tokenizer
-    from kvforge.swiftkv.checkpoint import llama_hf_config
+    from kvforge.swiftkv.checkpoint import hf_config_dict
 
     source = resolve_model_source(model)
     config = load_model_config(source)
     state = load_state_dict(source, config, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(llama_hf_config(config), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2) + "\n")
     load_tokenizer(source).save_pretrained(str(out))
     stats: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():

@@ -27,9 +27,18 @@ MODEL_TYPE_TO_ARCHITECTURE: dict[str, Architecture] = {
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",
     "llama_swiftkv": "llama",
+    "qwen2_swiftkv": "llama",
+    "gemma3_text_swiftkv": "gemma3",
 }
-SWIFTKV_MODEL_TYPE = "llama_swiftkv"
-SWIFTKV_ARCHITECTURE_NAME = "LlamaSwiftKVForCausalLM"
+# The authors name each family's SwiftKV config.json `<family>_swiftkv`: the family's own
+# fields (Qwen2's q/k/v biases and sliding-window fields included) plus `swiftkv`,
+# `num_key_value_layers` and `key_value_group_size`. SwiftKV model_type -> family model_type.
+# (They publish no Gemma3 SwiftKV: `gemma3_text_swiftkv` is kvforge's name by that rule.)
+SWIFTKV_MODEL_TYPES: dict[str, str] = {"llama_swiftkv": "llama", "qwen2_swiftkv": "qwen2",
+                                       "gemma3_text_swiftkv": "gemma3_text"}
+# family model_type -> the `architectures` entry of its SwiftKV checkpoints
+SWIFTKV_ARCHITECTURE_NAMES: dict[str, str] = {"llama": "LlamaSwiftKVForCausalLM", "qwen2": "Qwen2SwiftKVForCausalLM",
+                                              "gemma3_text": "Gemma3SwiftKVForCausalLM"}
 EARLY_EXIT_KEY = "early_exit_head"  # kvforge's config.json key (the authors' format has none)
 
 
@@ -105,6 +114,17 @@ class SwiftKVConfig:
                 f"must divide the number of later layers num_layers - num_key_value_layers = "
                 f"{num_layers} - {kv_layers} = {num_layers - kv_layers}")
 
+    def check_layer_types(self, layer_types: tuple[str, ...]) -> None:
+        """Every AcrossKV group is of one attention kind: its layers read the cache layer
+        its leader writes, whose window and RoPE the leader's kind decides, so each later
+        layer keeps its own window rule only if its group shares it."""
+        g = self.key_value_group_size
+        for leader in self.leaders(len(layer_types)):
+            kinds = layer_types[leader:leader + g]
+            require(len(set(kinds)) == 1, "key_value_group_size", g,
+                    f"an AcrossKV group must not mix sliding-window and global layers: layers "
+                    f"{leader}..{leader + g - 1} are {list(kinds)}")
+
     def is_later(self, layer: int) -> bool:
         return layer >= self.num_key_value_layers
 
@@ -125,12 +145,12 @@ class SwiftKVConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> SwiftKVConfig | None:
-        """The SwiftKV fields of a `llama_swiftkv` config.json (None when `swiftkv` is false)."""
+        """The SwiftKV fields of a `<family>_swiftkv` config.json (None when `swiftkv` is false)."""
         if not config.get("swiftkv", True):
             return None
         layers = config.get("num_key_value_layers")
         if layers is None:
-            raise ConfigError("num_key_value_layers", None, "a llama_swiftkv config with swiftkv=true needs it")
+            raise ConfigError("num_key_value_layers", None, "a SwiftKV config with swiftkv=true needs it")
         return cls(num_key_value_layers=int(layers),
                    key_value_group_size=int(config.get("key_value_group_size") or 1),
                    early_exit_head=bool(config.get(EARLY_EXIT_KEY, False)))
@@ -196,12 +216,8 @@ class ModelConfig:
             require(self.query_pre_attn_scalar > 0, "query_pre_attn_scalar", self.query_pre_attn_scalar,
                     "must be > 0")
         if self.swiftkv is not None:
-            require(self.architecture == "llama", "swiftkv", self.architecture,
-                    "SwiftKV is implemented for Llama-family models only")
             self.swiftkv.check_layers(self.num_layers)
-            later = {self.window_of(i) for i in range(self.swiftkv.num_key_value_layers, self.num_layers)}
-            require(len(later) <= 1, "swiftkv", "mixed sliding/global later layers",
-                    "the later layers of a SwiftKV model must share one attention kind")
+            self.swiftkv.check_layer_types(self.layer_types)
 
     # ----------------------------------------------------------------------------------
     @property
@@ -272,15 +288,15 @@ class ModelConfig:
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        if model_type in SWIFTKV_MODEL_TYPES:
+            common["swiftkv"] = SwiftKVConfig.from_hf(config)
         if architecture == "gemma3":
             return cls._gemma3_from_hf(config, common)
-        if model_type == SWIFTKV_MODEL_TYPE:
-            common["swiftkv"] = SwiftKVConfig.from_hf(config)
         return cls._llama_from_hf(config, common)
 
     @classmethod
     def _llama_from_hf(cls, config: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
-        model_type = common["model_type"]
+        family = SWIFTKV_MODEL_TYPES.get(common["model_type"], common["model_type"])
         params = config.get("rope_parameters")
         if params:  # transformers 5.x: one dict holding theta and scaling
             rope = RopeConfig.from_hf(params.get("rope_theta", config.get("rope_theta", 10000.0)), params)
@@ -288,7 +304,7 @@ class ModelConfig:
             rope = RopeConfig.from_hf(config.get("rope_theta", 10000.0), config.get("rope_scaling"))
         window = config.get("sliding_window")
         layer_types = config.get("layer_types")
-        if model_type == "qwen2":
+        if family == "qwen2":
             # Qwen2 ignores sliding_window unless use_sliding_window is set.
             if not config.get("use_sliding_window", False):
                 window, layer_types = None, None
@@ -302,8 +318,8 @@ class ModelConfig:
             **common,
             rope=rope,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=True if model_type == "qwen2" else bool(config.get("attention_bias", False)),
-            attention_out_bias=model_type != "qwen2" and bool(config.get("attention_bias", False)),
+            attention_bias=True if family == "qwen2" else bool(config.get("attention_bias", False)),
+            attention_out_bias=family != "qwen2" and bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             hidden_act=config.get("hidden_act", "silu"),
             sliding_window=int(window) if window and layer_types else None,

@@ -10,15 +10,16 @@ import pytest
 import torch
 from conftest import make_pair, make_runner
 from safetensors.torch import load_file, save_file
+from swiftkv_helpers import swiftkv_model
 
 from kvforge.cli import main
-from kvforge.config import SwiftKVConfig
+from kvforge.config import ModelConfig, SwiftKVConfig
 from kvforge.engine.runner import StepItem
 from kvforge.errors import ConfigError, ModelLoadError
 from kvforge.models.loader import load_model
 from kvforge.swiftkv.checkpoint import (
+    hf_config_dict,
     initial_swiftkv_tensors,
-    llama_hf_config,
     regroup_swiftkv_tensors,
     swiftkv_tensor_names,
     write_checkpoint,
@@ -37,7 +38,7 @@ def published_checkpoint(tmp_path, seed: int = 0):
     """A tiny checkpoint written the way the authors' models are: llama_swiftkv config,
     every original tensor kept, SwiftKV tensors on later layers / leaders, random values."""
     config = replace(tiny_base(), swiftkv=SwiftKVConfig(FIRST_LATER, GROUP))
-    hf = llama_hf_config(config)
+    hf = hf_config_dict(config)
     generator = torch.Generator().manual_seed(seed)
     h, q, kv, inter = config.hidden_size, config.num_heads * config.head_dim, \
         config.num_kv_heads * config.head_dim, config.intermediate_size
@@ -135,10 +136,6 @@ def test_written_checkpoint_loads_back_identical(tmp_path, monkeypatch, params_o
     """Written from a base checkpoint directory, read back through load_model."""
     base_dir = tmp_path / "base"
     base_model = make_pair("qwen2_bias" if not params_only else "smollm2_tied")[1]
-    if not params_only:  # qwen2-style biases cannot be written as llama_swiftkv: refused clearly
-        with pytest.raises(ConfigError, match="attention_bias"):
-            llama_hf_config(base_model.config)
-        base_model = make_pair("llama_gqa")[1]
     write_checkpoint(base_dir, base_model.config, base_model.state_dict(), torch.float32)
     out = tmp_path / "swift"
     args = ["swiftkv", "init", "--model", str(base_dir), "--num-key-value-layers", "1", "--out", str(out)]
@@ -165,6 +162,47 @@ def test_written_checkpoint_loads_back_identical(tmp_path, monkeypatch, params_o
         assert torch.equal(state[name], tensor), name
 
 
+def test_qwen2_checkpoint_states_its_biases_in_the_authors_layout(tmp_path):
+    """A Qwen2 SwiftKV model (q/k/v biases, q_proj_swiftkv and the leaders' K/V biased too,
+    o_proj without) is written as `qwen2_swiftkv`, and reads back to the same config, the
+    same tensors and the same logits."""
+    base = make_pair("qwen2_bias")[1]
+    model = swiftkv_model(base, 1, 1)
+    config = model.config
+    hf = hf_config_dict(config)
+    assert (hf["model_type"], hf["architectures"]) == ("qwen2_swiftkv", ["Qwen2SwiftKVForCausalLM"])
+    assert "attention_bias" not in hf and hf["use_sliding_window"] is False
+    assert (hf["swiftkv"], hf["num_key_value_layers"], hf["key_value_group_size"]) == (True, 1, 1)
+    assert {"model.layers.1.self_attn.q_proj_swiftkv.bias", "model.layers.1.self_attn.k_proj_swiftkv.bias",
+            "model.layers.1.self_attn.v_proj_swiftkv.bias"} <= set(swiftkv_tensor_names(config))
+    write_checkpoint(tmp_path / "qwen2", config, model.state_dict(), torch.float32)
+    loaded, _ = load_model(tmp_path / "qwen2")
+    assert loaded.config.swiftkv == config.swiftkv
+    assert (loaded.config.attention_bias, loaded.config.attention_out_bias) == (True, False)
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    ids = torch.tensor([[3, 17, 5, 9, 30, 2, 11, 40, 41]])
+    with torch.no_grad():
+        torch.testing.assert_close(dense_logits(loaded, ids), dense_logits(model, ids), rtol=0, atol=0)
+
+
+def test_qwen2_sliding_layers_read_back_layer_for_layer():
+    """Qwen2 slides from `max_window_layers` on, only with `use_sliding_window`."""
+    base = make_pair("qwen2_bias")[1].config
+    config = replace(base, num_layers=4, sliding_window=6, layer_types=("full_attention",) * 2
+                     + ("sliding_attention",) * 2, swiftkv=SwiftKVConfig(2, 2))
+    hf = hf_config_dict(config)
+    assert (hf["use_sliding_window"], hf["max_window_layers"], hf["sliding_window"]) == (True, 2, 6)
+    assert ModelConfig.from_hf_dict(hf) == replace(config, model_type="qwen2_swiftkv")
+
+
+def test_an_out_projection_bias_alone_is_refused():
+    config = replace(make_pair("llama_gqa")[1].config, attention_out_bias=True)
+    with pytest.raises(ConfigError, match="attention_bias.*no config.json layout"):
+        hf_config_dict(config)
+
+
 class _NoTokenizer:
     def save_pretrained(self, directory: str) -> None:
         pass
@@ -177,12 +215,6 @@ def test_bad_layer_settings_fail_clearly(first, group, parameter):
     config = make_pair("llama_gqa")[1].config  # 3 layers
     with pytest.raises(ConfigError, match=parameter):
         replace(config, swiftkv=SwiftKVConfig(first, group) if first >= 1 else SwiftKVConfig(first))
-
-
-def test_gemma3_is_refused():
-    config = make_pair("gemma3_hybrid")[1].config
-    with pytest.raises(ConfigError, match="Llama-family"):
-        replace(config, swiftkv=SwiftKVConfig(2))
 
 
 def test_cli_reports_bad_group_size(tmp_path, capsys):

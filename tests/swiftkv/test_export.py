@@ -33,9 +33,9 @@ class _SavedTokenizer:
         Path(directory, "tokenizer.json").write_text("{}")
 
 
-def _params_only(tmp_path: Path) -> tuple[Path, Path]:
+def _params_only(tmp_path: Path, arch: str = "llama_gqa") -> tuple[Path, Path]:
     base_dir, swift_dir = tmp_path / "base", tmp_path / "swift"
-    base = make_pair("llama_gqa")[1]
+    base = make_pair(arch)[1]
     with torch.no_grad():  # distinct values everywhere, so a tensor taken from the wrong place shows
         for p in base.parameters():
             p.add_(0.01 * torch.randn_like(p))
@@ -47,14 +47,20 @@ def _params_only(tmp_path: Path) -> tuple[Path, Path]:
     return base_dir, swift_dir
 
 
-def test_export_loads_back_as_the_overlaid_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("arch", "model_type"), [("llama_gqa", "llama_swiftkv"), ("qwen2_bias", "qwen2_swiftkv"),
+                                                  ("gemma3_hybrid", "gemma3_text_swiftkv")])
+def test_export_loads_back_as_the_overlaid_model(tmp_path, monkeypatch, arch, model_type):
+    """Qwen2 too: its q/k/v biases (q_proj_swiftkv's and the leaders' K/V's included) in the
+    authors' qwen2_swiftkv layout; and Gemma3 (its norms and QK-norm) as gemma3_text_swiftkv."""
     monkeypatch.setattr("kvforge.swiftkv.export.load_tokenizer", lambda source: _SavedTokenizer())
-    base_dir, swift_dir = _params_only(tmp_path)
+    base_dir, swift_dir = _params_only(tmp_path, arch)
+    if arch == "qwen2_bias":
+        assert "model.layers.1.self_attn.k_proj_swiftkv.bias" in load_file(str(swift_dir / "model.safetensors"))
     out = tmp_path / "full"
     assert main(["swiftkv", "export", "--swiftkv", str(swift_dir), "--out", str(out)]) == 0
 
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "llama_swiftkv" and config["num_key_value_layers"] == 1
+    assert config["model_type"] == model_type and config["num_key_value_layers"] == 1
     assert BASE_MODEL_KEY not in config and PARAMS_ONLY_KEY not in config
     assert (out / "tokenizer.json").exists()
     written = load_file(str(out / "model.safetensors"))

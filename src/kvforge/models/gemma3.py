@@ -8,6 +8,8 @@ window and global layers as `layer_types` says, each kind with its own RoPE base
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -20,23 +22,28 @@ from kvforge.models.rope import PositionedRope
 
 
 class Gemma3DecoderLayer(nn.Module):
+    """`attention`: as in LlamaDecoderLayer (a SwiftKV later layer's, given its `later`
+    arguments), by default the layer's own CachedAttention with QK-norm."""
+
     def __init__(self, config: ModelConfig, cache_layer: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, attention: nn.Module | None = None) -> None:
         super().__init__()
         c = config
         norm = lambda: GemmaRMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)  # noqa: E731
         self.input_layernorm = norm()
-        self.self_attn = CachedAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                         c.attention_bias, c.attention_out_bias, cache_layer,
-                                         qk_norm_eps=c.rms_norm_eps, dtype=dtype, device=device)
+        if attention is None:
+            attention = CachedAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias,
+                                        c.attention_out_bias, cache_layer,
+                                        qk_norm_eps=c.rms_norm_eps, dtype=dtype, device=device)
+        self.self_attn = attention
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
         self.post_feedforward_layernorm = norm()
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
-                rope: PositionedRope) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), batch, cache, rope)
+                rope: PositionedRope, *later: Any) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), batch, cache, rope, *later)
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(mlp)

@@ -5,6 +5,8 @@ Pre-norm residual blocks: h += attn(norm(h)); h += mlp(norm(h)). GQA throughout.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -17,20 +19,25 @@ from kvforge.models.rope import PositionedRope
 
 
 class LlamaDecoderLayer(nn.Module):
+    """`attention`: a SwiftKV later layer's (models/swiftkv.py), whose forward takes the
+    extra arguments `later` that this layer passes on; by default the layer's own
+    CachedAttention on cache layer `cache_layer`."""
+
     def __init__(self, config: ModelConfig, cache_layer: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, attention: nn.Module | None = None) -> None:
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.self_attn = CachedAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                         c.attention_bias, c.attention_out_bias, cache_layer,
-                                         dtype=dtype, device=device)
+        if attention is None:
+            attention = CachedAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias,
+                                        c.attention_out_bias, cache_layer, dtype=dtype, device=device)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
-                rope: PositionedRope) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache, rope)
+                rope: PositionedRope, *later: Any) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache, rope, *later)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

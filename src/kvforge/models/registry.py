@@ -7,6 +7,7 @@ import torch
 from kvforge.config import ModelConfig
 from kvforge.models.causal_lm import CausalLM
 from kvforge.models.gemma3 import Gemma3ForCausalLM
+from kvforge.models.gemma3_swiftkv import Gemma3SwiftKVForCausalLM
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.models.llama_swiftkv import LlamaSwiftKVForCausalLM
 
@@ -16,6 +17,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
 }
 SWIFTKV_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaSwiftKVForCausalLM,
+    "gemma3": Gemma3SwiftKVForCausalLM,
 }
 
 

@@ -3,10 +3,15 @@
 Format (a Hugging Face checkpoint directory):
 - config.json: a Llama config with `model_type: llama_swiftkv`,
   `architectures: ["LlamaSwiftKVForCausalLM"]`, `swiftkv: true`, `num_key_value_layers`
-  (l) and `key_value_group_size` (g);
-- tensors: the Llama weights, plus `model.norm_swiftkv.weight`, for every later layer
+  (l) and `key_value_group_size` (g); a Qwen2 model (biases on q/k/v, none on o) is written
+  as the authors write theirs: a Qwen2 config with `model_type: qwen2_swiftkv`,
+  `architectures: ["Qwen2SwiftKVForCausalLM"]` and the same SwiftKV fields; Gemma3 as a
+  Gemma3 text config with `model_type: gemma3_text_swiftkv` (kvforge's name: the authors
+  publish no Gemma3 SwiftKV) and the same fields, a non-leader without `k_norm`;
+- tensors: the base model's weights, plus `model.norm_swiftkv.weight`, for every later layer
   `model.layers.N.self_attn.q_proj_swiftkv.*` and for every group leader (N - l multiple of
-  g) `self_attn.k_proj_swiftkv.*` / `v_proj_swiftkv.*`. The original q/k/v_proj of later
+  g) `self_attn.k_proj_swiftkv.*` / `v_proj_swiftkv.*` (`.bias` too where the model has
+  q/k/v biases, initialised from the originals as the weights are). The original q/k/v_proj of later
   layers may be present (the authors keep them); inference ignores them.
 
 kvforge also writes a *params-only* variant (the SwiftKV tensors alone, plus the base
@@ -30,15 +35,18 @@ from safetensors.torch import save_file
 
 from kvforge.config import (
     EARLY_EXIT_KEY,
-    SWIFTKV_ARCHITECTURE_NAME,
-    SWIFTKV_MODEL_TYPE,
+    SWIFTKV_ARCHITECTURE_NAMES,
+    SWIFTKV_MODEL_TYPES,
     ModelConfig,
+    RopeConfig,
     SwiftKVConfig,
 )
-from kvforge.errors import ConfigError, ModelLoadError
+from kvforge.errors import ConfigError, ModelLoadError, require
 from kvforge.models.hf_checkpoint import CONFIG_FILE, SINGLE_FILE, read_hf_config_dict, read_hf_state_dict
 
 BASE_MODEL_KEY = "kvforge_base_model"
+BASE_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "gemma3_text": "Gemma3ForCausalLM"}
 EARLY_EXIT_TENSORS = ("model.early_exit_proj.weight",)
 PARAMS_ONLY_KEY = "kvforge_params_only"
 _PROJECTION_SUFFIXES = (".weight", ".bias")
@@ -110,7 +118,8 @@ def initial_early_exit_tensors(config: ModelConfig, dtype: torch.dtype = torch.f
 
 def model_state_for_swiftkv(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Keep the tensors a SwiftKV model uses: drop later layers' original q/k/v_proj and
-    any K/V projection of a non-leader; ModelLoadError if a SwiftKV tensor is missing."""
+    any K/V projection (or Gemma3 k_norm: its keys are its leader's) of a non-leader;
+    ModelLoadError if a SwiftKV tensor is missing."""
     swift = config.swiftkv
     missing = [name for name in swiftkv_tensor_names(config) if name not in state]
     if missing:
@@ -119,31 +128,80 @@ def model_state_for_swiftkv(state: dict[str, torch.Tensor], config: ModelConfig)
                              f"tensor(s): {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     dropped = set()
     for layer in range(swift.num_key_value_layers, config.num_layers):
-        kinds = ["q_proj", "k_proj", "v_proj"] + ([] if swift.is_leader(layer) else ["k_proj_swiftkv", "v_proj_swiftkv"])
+        kinds = ["q_proj", "k_proj", "v_proj"] + ([] if swift.is_leader(layer)
+                                                  else ["k_proj_swiftkv", "v_proj_swiftkv", "k_norm"])
         dropped.update(_layer(layer) + k + s for k in kinds for s in _PROJECTION_SUFFIXES)
     return {name: tensor for name, tensor in state.items() if name not in dropped}
 
 
 # -- config.json ---------------------------------------------------------------------------
-def llama_hf_config(config: ModelConfig) -> dict[str, Any]:
-    """A Hugging Face config.json dictionary for a Llama-family ModelConfig (SwiftKV
-    fields included when set). Inverse of ModelConfig.from_hf_dict for these models."""
-    if config.architecture != "llama":
-        raise ConfigError("architecture", config.architecture, "SwiftKV checkpoints are written for Llama models")
-    if config.attention_bias != config.attention_out_bias:
-        raise ConfigError("attention_bias", (config.attention_bias, config.attention_out_bias),
-                          "a llama config has one attention_bias for q/k/v and o (Qwen2-style biases "
-                          "cannot be written as llama_swiftkv)")
-    rope = config.rope
-    rope_scaling = None
-    if rope.rope_type != "default":
-        rope_scaling = {"rope_type": rope.rope_type, "factor": rope.factor}
-        if rope.rope_type == "llama3":
-            rope_scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-                                original_max_position_embeddings=rope.original_max_position_embeddings)
+def config_family(config: ModelConfig) -> str:
+    """The config.json family (its base model_type) whose fields state this model:
+    `gemma3_text`, or for Llama-family models the one that states its attention biases:
+    `llama` (one `attention_bias` for q/k/v and o) or `qwen2` (biases on q/k/v, none on o)."""
+    if config.architecture == "gemma3":
+        local = config.local_rope or config.rope
+        require(local.rope_type == "default", "local_rope", local.rope_type,
+                "a gemma3 config.json states only the local RoPE base (rope_local_base_freq), no scaling")
+        require(not config.attention_out_bias, "attention_out_bias", True, "a gemma3 config.json has no o_proj bias")
+        require(not config.mlp_bias, "mlp_bias", True, "a gemma3 config.json has no MLP bias")
+        return "gemma3_text"
+    if config.attention_bias == config.attention_out_bias:
+        return "llama"
+    if config.attention_bias:
+        return "qwen2"
+    raise ConfigError("attention_bias", (config.attention_bias, config.attention_out_bias),
+                      "a bias on o_proj without q/k/v biases has no config.json layout (llama: one "
+                      "attention_bias for q/k/v and o; qwen2: q/k/v biases only)")
+
+
+def _rope_scaling(rope: RopeConfig) -> dict[str, Any] | None:
+    if rope.rope_type == "default":
+        return None
+    scaling: dict[str, Any] = {"rope_type": rope.rope_type, "factor": rope.factor}
+    if rope.rope_type == "llama3":
+        scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                       original_max_position_embeddings=rope.original_max_position_embeddings)
+    return scaling
+
+
+def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
+    """Sliding-window fields in the family's spelling; `layer_types` always states which
+    layers slide, so the config reads back layer for layer."""
+    if config.sliding_window is None:
+        return {"use_sliding_window": False} if family == "qwen2" else {}
+    out: dict[str, Any] = {"sliding_window": config.sliding_window, "layer_types": list(config.layer_types)}
+    if family == "qwen2":
+        # Qwen2 slides only with use_sliding_window, from layer max_window_layers on.
+        first_sliding = next(i for i in range(config.num_layers) if config.is_sliding(i))
+        out.update(use_sliding_window=True, max_window_layers=first_sliding)
+    return out
+
+
+def _gemma3_fields(config: ModelConfig) -> dict[str, Any]:
+    """What a gemma3_text config.json states beyond the shape (read by `_gemma3_from_hf`)."""
+    return {
+        "rope_local_base_freq": (config.local_rope or config.rope).theta,
+        "sliding_window": config.sliding_window,
+        "layer_types": list(config.layer_types),
+        "query_pre_attn_scalar": config.query_pre_attn_scalar,
+        "final_logit_softcapping": config.final_logit_softcapping,
+        "hidden_activation": config.hidden_act,
+        "attention_bias": config.attention_bias,
+    }
+
+
+def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
+    """A Hugging Face config.json dictionary for a ModelConfig (SwiftKV fields included when
+    set), in the layout of its family (`config_family`): llama (`llama` / `llama_swiftkv`),
+    Qwen2 (`qwen2` / `qwen2_swiftkv`, as the authors name their Qwen2 SwiftKV models) or
+    Gemma3 (`gemma3_text` / `gemma3_text_swiftkv`: the authors publish no Gemma3 SwiftKV, so
+    kvforge names it by their `<model_type>_swiftkv` rule). Inverse of
+    ModelConfig.from_hf_dict for these models."""
+    family = config_family(config)
     out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [BASE_ARCHITECTURE_NAMES[family]],
+        "model_type": family,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -153,21 +211,22 @@ def llama_hf_config(config: ModelConfig) -> dict[str, Any]:
         "head_dim": config.head_dim,
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": rope.theta,
-        "rope_scaling": rope_scaling,
+        "rope_theta": config.rope.theta,
+        "rope_scaling": _rope_scaling(config.rope),
         "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": config.attention_bias,
-        "mlp_bias": config.mlp_bias,
-        "hidden_act": config.hidden_act,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) != 1 else config.eos_token_ids[0],
         "torch_dtype": "float32",
     }
-    if config.sliding_window is not None:
-        out["sliding_window"] = config.sliding_window
-        out["layer_types"] = list(config.layer_types)
+    if family == "gemma3_text":
+        out.update(_gemma3_fields(config))
+    else:
+        out.update(mlp_bias=config.mlp_bias, hidden_act=config.hidden_act)
+        if family == "llama":  # Qwen2's biases are implied by its model_type
+            out["attention_bias"] = config.attention_bias
+        out.update(_window_fields(config, family))
     if config.swiftkv is not None:
-        out.update(architectures=[SWIFTKV_ARCHITECTURE_NAME], model_type=SWIFTKV_MODEL_TYPE, swiftkv=True,
+        out.update(architectures=[SWIFTKV_ARCHITECTURE_NAMES[family]], model_type=f"{family}_swiftkv", swiftkv=True,
                    num_key_value_layers=config.swiftkv.num_key_value_layers,
                    key_value_group_size=config.swiftkv.key_value_group_size)
         if config.swiftkv.early_exit_head:
@@ -179,9 +238,9 @@ def write_checkpoint(directory: str | Path, config: ModelConfig, tensors: dict[s
                      dtype: torch.dtype, base_model: str | None = None) -> Path:
     """Write config.json + model.safetensors. `base_model` marks a params-only checkpoint
     (only SwiftKV tensors) that loads on top of that base model."""
+    hf = hf_config_dict(config)  # refuses what has no config.json layout before writing anything
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    hf = llama_hf_config(config)
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     if base_model is not None:
         hf[BASE_MODEL_KEY] = base_model
@@ -207,12 +266,12 @@ def overlay_config(base: ModelConfig, directory: str | Path) -> ModelConfig:
     """The base config with the SwiftKV fields of the checkpoint in `directory`; the two
     must describe the same network shape."""
     data = read_hf_config_dict(directory)
-    if data.get("model_type") != SWIFTKV_MODEL_TYPE:
+    if data.get("model_type") not in SWIFTKV_MODEL_TYPES:
         raise ModelLoadError(f"{directory} is not a SwiftKV checkpoint: config.json has model_type "
-                             f"{data.get('model_type')!r}, expected {SWIFTKV_MODEL_TYPE!r}")
+                             f"{data.get('model_type')!r}, expected one of {sorted(SWIFTKV_MODEL_TYPES)}")
     theirs = ModelConfig.from_hf_dict(data)
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim"):
+                  "num_kv_heads", "head_dim", "attention_bias", "attention_out_bias"):
         if getattr(theirs, field) != getattr(base, field):
             raise ModelLoadError(f"SwiftKV checkpoint {directory} has {field}={getattr(theirs, field)} but "
                                  f"the base model has {field}={getattr(base, field)}")

@@ -217,7 +217,7 @@ def _run_compare(args: argparse.Namespace) -> int:
 
 def _run_init(args: argparse.Namespace) -> int:
     from kvforge.models.loader import load_model_config, load_state_dict, parse_dtype, resolve_model_source
-    from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors, write_checkpoint
+    from kvforge.swiftkv.checkpoint import config_family, initial_swiftkv_tensors, write_checkpoint
 
     dtype = parse_dtype(args.dtype)
     swift = SwiftKVConfig(args.num_key_value_layers, args.group_size, early_exit_head=args.early_exit_head)
@@ -226,6 +226,7 @@ def _run_init(args: argparse.Namespace) -> int:
     if base.swiftkv is not None:
         raise ConfigError("model", args.model, "must be a base model, not a SwiftKV checkpoint")
     config = replace(base, swiftkv=swift)  # validates l and g against the layer count
+    config_family(config)  # a config.json layout states it (ConfigError if not), before any weight is read
     start = time.perf_counter()
     state = load_state_dict(source, base)
     tensors = initial_swiftkv_tensors(state, base, swift)

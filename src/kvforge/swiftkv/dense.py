@@ -1,4 +1,5 @@
-"""Dense, cache-free forward of Llama and SwiftKV-Llama models over whole sequences.
+"""Dense, cache-free forward of Llama-family and Gemma3 models, SwiftKV or not, over whole
+sequences.
 
 Every token runs every layer (for a SwiftKV model: with the SwiftKV wiring, i.e. later
 layers take K/V from `norm_swiftkv(h_l)` through their group leader's projections). This is
@@ -17,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.models.causal_lm import CausalLM
+from kvforge.models.gemma3 import Gemma3ForCausalLM
 from kvforge.models.llama import LlamaForCausalLM
-from kvforge.models.llama_swiftkv import LlamaSwiftKVForCausalLM
 from kvforge.models.rope import PositionedRope
+from kvforge.models.swiftkv import SwiftKVForCausalLM
 
 
 def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -57,8 +59,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def _check_model(model: CausalLM) -> None:
-    if not isinstance(model, LlamaForCausalLM):
-        raise TypeError(f"dense forward supports Llama-family models, not {type(model).__name__}")
+    if not isinstance(model, (LlamaForCausalLM, Gemma3ForCausalLM)):
+        raise TypeError(f"dense forward supports Llama-family and Gemma3 models, not {type(model).__name__}")
 
 
 @dataclass(frozen=True)
@@ -93,16 +95,18 @@ def _project(linear: torch.nn.Linear, x: torch.Tensor, n_heads: int, dim: int) -
     return F.linear(x, linear.weight, linear.bias).view(-1, n_heads, dim)
 
 
-def swiftkv_later_kv(model: LlamaSwiftKVForCausalLM, inputs: DenseInputs, hidden: torch.Tensor) -> LaterKV:
-    """K (rotated) and V of every later layer's cache from `hidden`, the input of layer l:
-    `norm_swiftkv` then each group leader's k/v_proj_swiftkv, keyed by cache layer."""
+def swiftkv_later_kv(model: SwiftKVForCausalLM, inputs: DenseInputs, hidden: torch.Tensor) -> LaterKV:
+    """K (normed when the model has QK-norm, rotated) and V of every later layer's cache
+    from `hidden`, the input of layer l: `norm_swiftkv` then each group leader's
+    k/v_proj_swiftkv and k_norm, the leader's RoPE; keyed by cache layer."""
     config, swift = model.config, model.config.swiftkv
     kv_input = model.model.norm_swiftkv(hidden)
-    rope = inputs.ropes[model.rope_index[swift.num_key_value_layers]]
     later_kv: LaterKV = {}
-    for leader in swift.leaders(config.num_layers):  # one rotary: every Llama layer shares layer l's
+    for leader in swift.leaders(config.num_layers):
         attn = model.model.layers[leader].self_attn
-        k = rope.apply(_project(attn.k_proj_swiftkv, kv_input, config.num_kv_heads, config.head_dim))
+        rope = inputs.ropes[model.rope_index[leader]]  # the group's kind: local or global RoPE
+        k = _project(attn.k_proj_swiftkv, kv_input, config.num_kv_heads, config.head_dim)
+        k = rope.apply(attn.k_norm(k) if attn.k_norm is not None else k)
         v = _project(attn.v_proj_swiftkv, kv_input, config.num_kv_heads, config.head_dim)
         later_kv[swift.cache_layer_of(leader)] = (k, v)
     return later_kv
@@ -115,7 +119,7 @@ def dense_layer(model: CausalLM, index: int, inputs: DenseInputs, hidden: torch.
     config = model.config
     batch, length = inputs.batch, inputs.length
     heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
-    swift = config.swiftkv if isinstance(model, LlamaSwiftKVForCausalLM) else None
+    swift = config.swiftkv if isinstance(model, SwiftKVForCausalLM) else None
     layer = model.model.layers[index]
     rope = inputs.ropes[model.rope_index[index]]
     x = layer.input_layernorm(hidden)
@@ -126,12 +130,18 @@ def dense_layer(model: CausalLM, index: int, inputs: DenseInputs, hidden: torch.
     else:
         q, k, v = _project(attn.q_proj, x, heads, dim), _project(attn.k_proj, x, kv_heads, dim), \
             _project(attn.v_proj, x, kv_heads, dim)
-        k = rope.apply(k)
+        k = rope.apply(attn.k_norm(k) if attn.k_norm is not None else k)
+    if attn.q_norm is not None:  # Gemma3's QK-norm, before RoPE
+        q = attn.q_norm(q)
     q = rope.apply(q)
     shape = (batch, length)
     out = _attend(q.view(*shape, heads, dim), k.view(*shape, kv_heads, dim), v.view(*shape, kv_heads, dim),
                   inputs.masks[config.window_of(index)], config.attention_scale)
-    hidden = hidden + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+    out = F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+    if config.architecture == "gemma3":  # sandwich norms: after attention and around the MLP
+        hidden = hidden + layer.post_attention_layernorm(out)
+        return hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+    hidden = hidden + out
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
@@ -142,7 +152,7 @@ def dense_layers(model: CausalLM, inputs: DenseInputs, hidden: torch.Tensor, sta
 
     A SwiftKV model computes its later layers' K/V when it reaches layer l, so a range that
     contains later layers must start at or before l."""
-    swift = model.config.swiftkv if isinstance(model, LlamaSwiftKVForCausalLM) else None
+    swift = model.config.swiftkv if isinstance(model, SwiftKVForCausalLM) else None
     if swift is not None and start > swift.num_key_value_layers and start < stop:
         raise ValueError(f"a SwiftKV dense range must start at or before layer l={swift.num_key_value_layers}")
     later_kv: LaterKV = {}

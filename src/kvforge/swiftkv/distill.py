@@ -25,6 +25,7 @@ from kvforge.config import ModelConfig, SwiftKVConfig
 from kvforge.devices import resolve_device
 from kvforge.errors import ConfigError, ModelLoadError, require
 from kvforge.eval.perplexity import starts_with_bos
+from kvforge.swiftkv.checkpoint import config_family
 from kvforge.swiftkv.data import (
     PackedData,
     Sample,
@@ -62,11 +63,13 @@ class DistillResult:
 
 
 def check_recipe_against_model(recipe: DistillRecipe, base: ModelConfig) -> ModelConfig:
-    """The SwiftKV config of the student; ConfigError on l, g or hidden-loss-layer."""
+    """The SwiftKV config of the student; ConfigError on l, g, hidden-loss-layer, or a model
+    whose checkpoint the run could not write at its end (`config_family`)."""
     if base.swiftkv is not None:
         raise ConfigError("model", recipe.model, "must be a base model, not a SwiftKV checkpoint")
     config = replace(base, swiftkv=SwiftKVConfig(recipe.num_key_value_layers, recipe.group_size,
                                                  early_exit_head=recipe.early_exit_head))
+    config_family(config)
     if recipe.hidden_loss_layer is not None:
         require(recipe.hidden_loss_layer <= base.num_layers, "hidden-loss-layer", recipe.hidden_loss_layer,
                 f"must be <= num_layers={base.num_layers} (num_layers: the last hidden state)")

@@ -8,8 +8,9 @@ layers' K/V. Each unit owns, as submodules, exactly the parameters its forward r
   for i >= l its norms, o_proj and MLP) and, for a later layer, the student's own parameters
   of that layer (`q_proj_swiftkv`; with `train_later_layers` also its private norms, o_proj
   and MLP);
-- `SwiftKVInputUnit`: `norm_swiftkv` and every group leader's `k/v_proj_swiftkv` (all read
-  at layer l, so one unit gathers them together);
+- `SwiftKVInputUnit`: `norm_swiftkv` and every group leader's `k/v_proj_swiftkv` and, with
+  QK-norm, the student's copy of its `k_norm` (all read at layer l, so one unit gathers
+  them together);
 - the stack itself: the embedding, the final norm and the head (read again by the loss),
   and the early-exit head's norm and projection when one is trained.
 
@@ -32,8 +33,11 @@ from kvforge.swiftkv.dense import DenseInputs, LaterKV, dense_inputs, dense_laye
 if TYPE_CHECKING:
     from kvforge.swiftkv.student import DistillModel, HiddenPair
 
-# The student's later-layer modules that are private copies under train_later_layers.
-PRIVATE_LATER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")
+
+def later_layer_modules(layer: nn.Module) -> list[str]:
+    """A later layer's modules other than its attention: norms and MLP (two norms in Llama,
+    four in Gemma3), the teacher's or, with train_later_layers, private copies."""
+    return [name for name, _ in layer.named_children() if name != "self_attn"]
 
 
 class LayerUnit(nn.Module):
@@ -50,8 +54,10 @@ class LayerUnit(nn.Module):
             layer = model.student.model.layers[index]
             own["q_proj_swiftkv"] = layer.self_attn.q_proj_swiftkv
             if model.train_later_layers:  # private trainable copies, not the teacher's modules
-                own.update({name: getattr(layer, name) for name in PRIVATE_LATER_MODULES})
+                own.update({name: getattr(layer, name) for name in later_layer_modules(layer)})
                 own["o_proj"] = layer.self_attn.o_proj
+                if layer.self_attn.q_norm is not None:
+                    own["q_norm"] = layer.self_attn.q_norm
         self.student_own = nn.ModuleDict(own)
         self._models = (model.teacher, model.student)  # a tuple: not registered as submodules
 
@@ -77,10 +83,9 @@ class SwiftKVInputUnit(nn.Module):
         super().__init__()
         student = model.student
         self.norm_swiftkv = student.model.norm_swiftkv
-        self.projections = nn.ModuleList(
-            module for leader in model.swift.leaders(student.config.num_layers)
-            for module in (student.model.layers[leader].self_attn.k_proj_swiftkv,
-                           student.model.layers[leader].self_attn.v_proj_swiftkv))
+        leaders = [student.model.layers[i].self_attn for i in model.swift.leaders(student.config.num_layers)]
+        self.projections = nn.ModuleList(module for attn in leaders for module in (attn.k_proj_swiftkv, attn.v_proj_swiftkv))
+        self.key_norms = nn.ModuleList(attn.k_norm for attn in leaders if attn.k_norm is not None)
         self._student = (student,)
 
     def forward(self, inputs: DenseInputs, hidden: torch.Tensor) -> LaterKV:

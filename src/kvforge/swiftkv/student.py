@@ -1,8 +1,9 @@
 """Teacher and student of SwiftKV knowledge recovery on ONE frozen copy of the base weights.
 
-The teacher is the base `LlamaForCausalLM` (original wiring, requires_grad off). The
-student is a `LlamaSwiftKVForCausalLM` whose modules are the teacher's own (embedding,
-layers < l, the later layers' norms, o_proj and MLP, final norm, head), plus the trainable
+The teacher is the base `LlamaForCausalLM` or `Gemma3ForCausalLM` (original wiring,
+requires_grad off). The student is its SwiftKV variant whose modules are the teacher's own
+(embedding, layers < l, the later layers' norms, o_proj, q_norm and MLP, final norm, head;
+a leader's k_norm is a frozen copy, read with the leaders' K/V), plus the trainable
 SwiftKV parameters under the checkpoint's names: `model.norm_swiftkv`, every later layer's
 `self_attn.q_proj_swiftkv` and the group leaders' `self_attn.k_proj_swiftkv` /
 `v_proj_swiftkv`. With `train_later_layers` the later layers' norms, o_proj and MLP are
@@ -23,14 +24,16 @@ from torch import nn
 
 from kvforge.config import SwiftKVConfig
 from kvforge.errors import ConfigError
-from kvforge.models.layers import RMSNorm
+from kvforge.models.causal_lm import CausalLM
+from kvforge.models.gemma3 import Gemma3ForCausalLM
 from kvforge.models.llama import LlamaForCausalLM
-from kvforge.models.llama_swiftkv import LlamaSwiftKVForCausalLM
+from kvforge.models.registry import model_class
+from kvforge.models.swiftkv import SwiftKVForCausalLM
 from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors, swiftkv_tensor_names
-from kvforge.swiftkv.layer_units import DistillStack
+from kvforge.swiftkv.layer_units import DistillStack, later_layer_modules
 from kvforge.swiftkv.sharding import full_tensor, shard_like
 
-_SHARED_LATER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp")
+TEACHER_CLASSES = (LlamaForCausalLM, Gemma3ForCausalLM)
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,17 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 
 class DistillModel(nn.Module):
-    def __init__(self, base: LlamaForCausalLM, swift: SwiftKVConfig, train_later_layers: bool = False,
+    def __init__(self, base: CausalLM, swift: SwiftKVConfig, train_later_layers: bool = False,
                  init: dict[str, torch.Tensor] | None = None, activation_checkpointing: bool = False,
                  early_exit_only: bool = False) -> None:
         super().__init__()
-        if type(base) is not LlamaForCausalLM:
-            raise ConfigError("model", type(base).__name__, "the teacher must be a base Llama-family model "
-                                                            "(not a SwiftKV checkpoint)")
+        if type(base) not in TEACHER_CLASSES:
+            raise ConfigError("model", type(base).__name__, "the teacher must be a base Llama-family or Gemma3 "
+                                                            "model (not a SwiftKV checkpoint)")
+        if base.config.final_logit_softcapping:
+            raise ConfigError("final_logit_softcapping", base.config.final_logit_softcapping,
+                              "distillation's chunked KL reads the head's plain logits: soft-capped models "
+                              "are not supported")
         config = replace(base.config, swiftkv=swift)  # validates l and g against the layer count
         base.requires_grad_(False)
         self.teacher = base.eval()
@@ -82,11 +89,13 @@ class DistillModel(nn.Module):
         # The forward, layer by layer: the units FSDP shards (kvforge.swiftkv.sharding).
         self.stack = DistillStack(self, activation_checkpointing)
 
-    def _build_student(self, config, init: dict[str, torch.Tensor]) -> LlamaSwiftKVForCausalLM:
+    def _build_student(self, config, init: dict[str, torch.Tensor]) -> SwiftKVForCausalLM:
         base = self.teacher
         # Built on the meta device: every module is replaced by a shared or a new one below.
-        student = LlamaSwiftKVForCausalLM(config, dtype=base.dtype, device="meta")
+        student = model_class(config)(config, dtype=base.dtype, device="meta")
         student.rotaries = base.rotaries
+        for name, buffer in base.named_buffers(recurse=False):  # Gemma3's embedding scale
+            setattr(student, name, buffer)
         student.model.embed_tokens = base.model.embed_tokens
         student.model.norm = base.model.norm
         student.lm_head = base.lm_head
@@ -96,9 +105,15 @@ class DistillModel(nn.Module):
                 student.model.layers[index] = base.model.layers[index]
                 continue
             mine, theirs = student.model.layers[index], base.model.layers[index]
-            for name in _SHARED_LATER_MODULES:
+            for name in later_layer_modules(mine):
                 setattr(mine, name, self._later(getattr(theirs, name)))
             mine.self_attn.o_proj = self._later(theirs.self_attn.o_proj)
+            if mine.self_attn.q_norm is not None:  # QK-norm (Gemma3): the layer's own q_norm
+                mine.self_attn.q_norm = self._later(theirs.self_attn.q_norm)
+            if mine.self_attn.k_norm is not None:
+                # A leader's k_norm is read with the K/V projections at layer l (SwiftKVInputUnit):
+                # a copy, so no parameter is shared between two units; trained with the later layers.
+                mine.self_attn.k_norm = copy.deepcopy(theirs.self_attn.k_norm).requires_grad_(self.train_later_layers)
             prefix = f"model.layers.{index}.self_attn."
             kinds = ("q_proj_swiftkv", "k_proj_swiftkv", "v_proj_swiftkv") if self.swift.is_leader(index) \
                 else ("q_proj_swiftkv",)
@@ -106,7 +121,7 @@ class DistillModel(nn.Module):
                 bias = init.get(prefix + kind + ".bias")
                 setattr(mine.self_attn, kind, _linear(init[prefix + kind + ".weight"].to(base.dtype),
                                                       None if bias is None else bias.to(base.dtype)))
-        norm = RMSNorm(config.hidden_size, config.rms_norm_eps, base.dtype, base.lm_head.weight.device)
+        norm = student.make_norm(config.hidden_size, base.dtype, base.lm_head.weight.device)
         with torch.no_grad():
             norm.weight.copy_(init["model.norm_swiftkv.weight"])
         student.model.norm_swiftkv = norm

@@ -294,7 +294,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/swiftkv/test_distill_trainer.py", "tests/swiftkv/test_swiftkv_model.py"),
              "later layers' queries come from q_proj_swiftkv (the trained projection)"),
     # -- SwiftKV early exit ------------------------------------------------------------------
-    Mutation("early_exit_prompt_rows_exit_too", S + "models/llama_swiftkv.py",
+    Mutation("early_exit_prompt_rows_exit_too", S + "models/swiftkv.py",
              "decode_rows = {span.query_end - 1 for span in batch.spans if span.decode}",
              "decode_rows = {span.query_end - 1 for span in batch.spans}",
              ("tests/swiftkv/test_early_exit.py",),
@@ -395,4 +395,16 @@ MUTATIONS: list[Mutation] = [
              "require(found == mine or found == (mine[0], 1),", "require(found[0] == mine[0],",
              ("tests/swiftkv/test_distill_cli.py::test_init_from_starts_where_an_earlier_distillation_ended",),
              "init-from takes the recipe's g or g = 1 only"),
+    # -- SwiftKV on Gemma3 --------------------------------------------------------------------
+    Mutation("gemma3_swiftkv_query_not_normed", S + "models/swiftkv.py",
+             "            q = self.q_norm(q)\n", "            pass\n",
+             ("tests/swiftkv/test_swiftkv_transformers.py", "tests/swiftkv/test_swiftkv_families.py"),
+             "a Gemma3 later layer's SwiftKV queries go through its q_norm"),
+    Mutation("gemma3_swiftkv_keys_not_normed", S + "models/swiftkv.py",
+             "return self.k_norm(k) if self.k_norm is not None else k", "return k",
+             ("tests/swiftkv/test_swiftkv_transformers.py", "tests/swiftkv/test_swiftkv_families.py"),
+             "a Gemma3 group's SwiftKV keys go through its leader's k_norm"),
+    Mutation("across_kv_group_mixes_sliding_and_global", S + "config.py",
+             "require(len(set(kinds)) == 1, \"key_value_group_size\"", "require(True, \"key_value_group_size\"",
+             ("tests/swiftkv/test_swiftkv_families.py",), "an AcrossKV group never mixes sliding and global layers"),
 ]

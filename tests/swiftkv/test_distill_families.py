@@ -8,7 +8,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from distill_helpers import one_thread, random_data, tiny_recipe, train_tiny  # noqa: F401
+from distill_helpers import (  # noqa: F401
+    check_teacher_and_student,
+    one_thread,
+    parameter_owners,
+    random_data,
+    tiny_recipe,
+    train_tiny,
+)
 from swiftkv_helpers import gemma3_across_kv_pair, qwen2_pair, random_base, swiftkv_model
 
 from kvforge.config import SwiftKVConfig
@@ -29,28 +36,14 @@ def gemma3_distill_model(train_later_layers: bool = False) -> DistillModel:
 
 def test_teacher_and_student_equal_the_base_and_the_initialised_swiftkv_model():
     model = gemma3_distill_model()
-    reference = swiftkv_model(model.teacher, FIRST_LATER, GROUP, perturb=False)
-    data = random_data()
-    tokens, segments = data.tokens[:2], data.segments[:2]
-    with torch.no_grad():
-        pair = model.forward_hidden(tokens, segments)
-        torch.testing.assert_close(pair.teacher, dense_hidden_states(model.teacher, tokens, segments),
-                                   atol=1e-6, rtol=0)
-        torch.testing.assert_close(pair.student, dense_hidden_states(reference, tokens, segments), atol=1e-6, rtol=0)
-        assert (pair.student - pair.teacher).abs().max() > 1e-3
+    check_teacher_and_student(model, swiftkv_model(model.teacher, FIRST_LATER, GROUP, perturb=False))
 
 
 def test_every_parameter_belongs_to_one_unit_and_the_trained_ones_get_gradients():
     """With train_later_layers: the four norms, MLP, o_proj and q_norm of each later layer and
     the leaders' k_norm copies train beside the SwiftKV tensors; nothing else gets a gradient."""
     model = gemma3_distill_model(train_later_layers=True)
-    stack = model.stack
-    owners: dict[int, int] = {}
-    for unit in [*stack.units, stack.swiftkv_inputs]:
-        for p in set(unit.parameters()):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    rest = {id(p) for m in (stack.embed_tokens, stack.norm, stack.lm_head) for p in m.parameters()}
-    every = {id(p) for p in model.teacher.parameters()} | {id(p) for p in model.student.parameters()}
+    owners, rest, every = parameter_owners(model)
     assert every == set(owners) | rest and all(count == 1 for count in owners.values())
 
     later = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",

@@ -14,6 +14,7 @@ import pytest
 import torch
 from distill_helpers import (  # noqa: F401
     one_thread,
+    parameter_owners,
     random_data,
     text_file,
     tiny_distill_model,
@@ -147,13 +148,7 @@ def test_activation_checkpointing_gives_the_same_training(tmp_path, train_later_
 def test_every_parameter_belongs_to_exactly_one_unit():
     """What FSDP shards: each parameter of teacher and student in one unit (or the stack)."""
     model = tiny_distill_model(train_later_layers=True)
-    stack = model.stack
-    owners: dict[int, int] = {}
-    for unit in [*stack.units, stack.swiftkv_inputs]:
-        for p in set(unit.parameters()):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    rest = {id(p) for m in (stack.embed_tokens, stack.norm, stack.lm_head) for p in m.parameters()}
-    every = {id(p) for p in model.teacher.parameters()} | {id(p) for p in model.student.parameters()}
+    owners, rest, every = parameter_owners(model)
     assert every == set(owners) | rest
     assert all(count == 1 for count in owners.values())
     assert not rest & set(owners)

@@ -86,11 +86,16 @@ def initial_swiftkv_tensors(base_state: dict[str, torch.Tensor], config: ModelCo
         for kind in ("k_proj", "v_proj"):
             for suffix in suffixes:
                 members = [base_state[_layer(leader + i) + kind + suffix] for i in range(group)]
-                mean = torch.stack([m.float() for m in members]).mean(dim=0)
-                out[_layer(leader) + kind + "_swiftkv" + suffix] = mean.to(members[0].dtype)
+                out[_layer(leader) + kind + "_swiftkv" + suffix] = _group_mean(members)
     if swift.early_exit_head:
         out.update(initial_early_exit_tensors(config, base_state["model.norm.weight"].dtype))
     return out
+
+
+def _group_mean(members: list[torch.Tensor]) -> torch.Tensor:
+    """An AcrossKV group's shared K/V projection: the mean of its layers' (float32 sum,
+    the members' dtype)."""
+    return torch.stack([m.float() for m in members]).mean(dim=0).to(members[0].dtype)
 
 
 def regroup_swiftkv_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -106,8 +111,7 @@ def regroup_swiftkv_tensors(tensors: dict[str, torch.Tensor], config: ModelConfi
                 members = [tensors.get(_layer(leader + i) + kind + suffix) for i in range(swift.key_value_group_size)]
                 if members[0] is None:
                     continue  # no bias on this model
-                mean = torch.stack([m.float() for m in members]).mean(dim=0)
-                out[_layer(leader) + kind + suffix] = mean.to(members[0].dtype)
+                out[_layer(leader) + kind + suffix] = _group_mean(members)
     return out
 
 

@@ -66,7 +66,8 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     del engine  # its pages are freed before the next engine takes its own
     # Where a decode step's time goes: one more run, on an engine whose step timer wraps every
     # linear and cache call (that wrapping costs a little, so the headline comes from the runs
-    # above, which have no timer).
+    # above, which have no timer; a recording timer also turns the fused decoder-layer op off,
+    # kernels/cpu_decode_layer.py, so this run shows the per-op path's parts).
     timed = engine_for(step_timing=True)
     timer = timed.step_timer
     assert timer is not None
@@ -170,7 +171,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "step_split": "kvforge systems: one extra run on an engine with step timing (kvforge.step_timing): "
                       "'timed ms' is its ms per decode step and linear/attn/sampling/rest its parts (rest = "
                       "embedding, norms, RoPE, scheduling, batch building, Python); the timers add their own "
-                      "overhead, so 'timed ms' exceeds ms/step by about that",
+                      "overhead, so 'timed ms' exceeds ms/step by about that; the timed run takes the per-op "
+                      "path (the fused decoder-layer op is off while a step timer records), so 'rest' there "
+                      "includes Python that the headline runs do not pay",
     }
     columns = [Column(HEADLINE, "gen tok/s"), Column("ms_per_step", "ms/step"), Column("achieved_gbps", "GB/s"),
                Column("fraction_of_read_bandwidth", "of read BW", "{:.2f}"), Column("tokens", "tokens", "{}"),

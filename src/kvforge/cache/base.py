@@ -106,6 +106,12 @@ class CacheMethod(ABC):
         """Attention output [T, heads, head_dim] for the step's queries (RoPE applied).
         Each query sees the sequence's earlier tokens and the step's own tokens up to it."""
 
+    def fused_decode_target(self, cache_layer: int) -> tuple | None:
+        """What a fused decoder-layer op needs to store and attend this step's K/V itself
+        (kernels/cpu_decode_layer.py), or None when the method offers no such path (the
+        default) or not for this step: the layer then calls `write` and `attend`."""
+        return None
+
     def attend_rows(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor, rope: PositionedRope,
                     rows: torch.Tensor) -> torch.Tensor:
         """Attention for a subset of the step's query rows (`rows` [R] into the batch, q

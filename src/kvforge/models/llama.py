@@ -13,6 +13,7 @@ from torch import nn
 from kvforge.batch import ForwardBatch
 from kvforge.cache.base import CacheMethod
 from kvforge.config import ModelConfig
+from kvforge.kernels.cpu_decode_layer import decode_layer
 from kvforge.models.causal_lm import CausalLM
 from kvforge.models.layers import CachedAttention, GatedMLP, RMSNorm
 from kvforge.models.rope import PositionedRope
@@ -34,9 +35,17 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
+        # The fused decode op (kernels/cpu_decode_layer.py) computes exactly this layer's
+        # eager forward for a plain attention (no SwiftKV later layer, no QK-norm), SiLU MLP.
+        self.fusable = (type(attention) is CachedAttention and attention.q_norm is None
+                        and c.hidden_act == "silu")
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
                 rope: PositionedRope, *later: Any) -> torch.Tensor:
+        if self.fusable and not later:
+            fused = decode_layer(self, hidden, cache, rope)
+            if fused is not None:
+                return fused
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache, rope, *later)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 

@@ -195,6 +195,9 @@ def test_decode_kernel_option_validated():
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_window", "gemma3_hybrid"])
 def test_model_decode_same_logits_with_and_without_kernel(name, monkeypatch):
     _, model = make_pair(name)
+    # The eager layer's path (the fused decoder-layer op calls the kernel from C++ instead;
+    # tests/kernels/test_cpu_decode_layer.py holds the two together).
+    monkeypatch.setattr("kvforge.kernels.cpu_decode_layer._enabled", False)
     calls = []
     original = cpu_paged_attention.paged_decode_attention_cpu
     monkeypatch.setattr("kvforge.cache.full.method.paged_decode_attention_cpu",

@@ -196,6 +196,27 @@ class FullCache(PagedPoolMemory, CacheMethod):
         flat.view(torch.uint8).index_copy_(1, slots, codes.view(torch.uint8))
         scales.view(heads, -1).index_copy_(1, slots, row_scales)
 
+    def fused_decode_target(self, cache_layer: int) -> tuple | None:
+        """(k_pages, v_pages, write_slots, page_table, first_page_position, visible_from,
+        visible_to, scale) of this layer for the fused decoder-layer op, when the step is
+        decode only with every row a sequence in order (so `write` would store every row at
+        `write_slots` and `attend` would call the CPU kernel on the whole batch), the pages are
+        16/32-bit and the kernel is used; else None. The op then does exactly what `write`
+        and `attend` would (bitwise), so nothing of this layer is left in `_step_kv`."""
+        if self.k_scales is not None or self.config.decode_kernel != "auto" or self.device.type != "cpu":
+            return None
+        cls = type(self)
+        if (cls.write is not FullCache.write or cls._store_rows is not FullCache._store_rows
+                or cls._decode_attention is not FullCache._decode_attention):
+            return None  # a subclass changed what a layer's write or attend does: not what the op does
+        group, index = self.groups.slot_of[cache_layer]
+        plan = self._plans[group]
+        d = plan.decode
+        if d is None or not d.every_row or plan.write_rows is not None or not cpu_kernels_available():
+            return None
+        return (self.k_store[index], self.v_store[index], plan.write_slots, d.page_table, d.first_page_position,
+                d.visible_from, d.visible_to, self.layout.specs[cache_layer].scale)
+
     def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
                rope: PositionedRope) -> torch.Tensor:
         queries = {span.seq_id: (span.query_start, span.query_len) for span in batch.spans}

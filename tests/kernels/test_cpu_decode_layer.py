@@ -1,0 +1,143 @@
+"""The fused decoder-layer op (kernels/cpu_decode_layer.py) against the eager layer: bitwise
+equal logits over prefill + many decode steps on every Llama-family architecture, in float32
+and bfloat16, with SwiftKV models (earlier layers fused, later ones eager), and the rules that
+keep it off (prefill steps, a recording step timer, float8 pages, more than MAX_ROWS rows,
+Gemma3 layers, the switch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import across_kv_model, decode_logits, make_pair
+
+from kvforge.cache.registry import create_cache
+from kvforge.engine.runner import ModelRunner, StepItem
+from kvforge.kernels import cpu_decode_layer
+from kvforge.kernels.cpu_decode_layer import decode_layer_available
+from kvforge.step_timing import StepTimer, recording
+
+requires_kernel = pytest.mark.skipif(
+    not decode_layer_available(),
+    reason="the fused decoder-layer op could not be built (see the logged warning) or "
+           "KVFORGE_DISABLE_CPU_KERNELS is set")
+
+LLAMA_FAMILY = ["llama_gqa", "llama3_rope", "smollm2_tied", "qwen2_bias", "mistral_window"]
+# Long enough that the Mistral window (12) drops pages during the decode steps.
+PROMPTS = [list(range(3, 30)), [7, 8], list(range(40, 52))]
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records the batch size of every layer call that the fused op computed."""
+    calls: list[int] = []
+    original = cpu_decode_layer.decode_layer
+
+    def spy(layer, hidden, cache, rope):
+        out = original(layer, hidden, cache, rope)
+        if out is not None:
+            calls.append(hidden.shape[0])
+        return out
+
+    monkeypatch.setattr("kvforge.models.llama.decode_layer", spy)
+    return calls
+
+
+def runner_for(model: torch.nn.Module, dtype: torch.dtype, cache: str = "full:block_size=4") -> ModelRunner:
+    return ModelRunner(model, create_cache(cache, model.cache_layout(), 1 << 22, dtype))
+
+
+def fused_and_eager(model: torch.nn.Module, dtype: torch.dtype, cache: str = "full:block_size=4",
+                    prompts: list[list[int]] = PROMPTS, steps: int = 14) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = []
+    for enabled in (True, False):
+        cpu_decode_layer.set_enabled(enabled)
+        try:
+            logits.append(decode_logits(runner_for(model, dtype, cache), prompts, steps))
+        finally:
+            cpu_decode_layer.set_enabled(True)
+    return logits[0], logits[1]
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", LLAMA_FAMILY)
+def test_fused_layer_equals_the_eager_layer_bitwise(name: str, dtype: torch.dtype, fused_calls: list[int]) -> None:
+    model = make_pair(name)[1].to(dtype)
+    fused, eager = fused_and_eager(model, dtype)
+    layers = model.config.num_layers
+    # Every layer of every decode step (and no prefill step) went through the op.
+    assert fused_calls == [len(PROMPTS)] * (14 * layers)
+    assert torch.equal(fused, eager)
+
+
+@requires_kernel
+def test_float16_pages_under_a_float32_model(fused_calls: list[int]) -> None:
+    model = make_pair("llama_gqa")[1]
+    fused, eager = fused_and_eager(model, torch.float32, cache="full:block_size=4,storage_dtype=float16")
+    assert fused_calls
+    assert torch.equal(fused, eager)
+
+
+@requires_kernel
+def test_swiftkv_model_fuses_its_earlier_layers_only(fused_calls: list[int]) -> None:
+    model = across_kv_model()  # 5 layers, l = 1: layer 0 is a plain layer, 1-4 SwiftKV later layers
+    fused, eager = fused_and_eager(model, torch.float32)
+    assert fused_calls == [len(PROMPTS)] * 14
+    assert torch.equal(fused, eager)
+
+
+@requires_kernel
+def test_gemma3_layers_are_not_fused(fused_calls: list[int]) -> None:
+    model = make_pair("gemma3_hybrid")[1]
+    decode_logits(runner_for(model, torch.float32), PROMPTS, steps=2)
+    assert fused_calls == []
+
+
+@requires_kernel
+def test_float8_pages_and_the_torch_kernel_are_not_fused(fused_calls: list[int]) -> None:
+    model = make_pair("llama_gqa")[1]
+    for cache in ("full:block_size=4,storage_dtype=float8_e4m3fn", "full:block_size=4,decode_kernel=torch"):
+        decode_logits(runner_for(model, torch.float32, cache), PROMPTS, steps=2)
+    assert fused_calls == []
+
+
+@requires_kernel
+def test_more_rows_than_the_small_m_kernel_takes_are_not_fused(fused_calls: list[int]) -> None:
+    model = make_pair("llama_gqa")[1]
+    many = [[3 + i, 4 + i] for i in range(cpu_decode_layer.cpu_linear.MAX_ROWS + 1)]
+    fused, eager = fused_and_eager(model, torch.float32, prompts=many, steps=2)
+    assert fused_calls == []
+    assert torch.equal(fused, eager)
+
+
+@requires_kernel
+def test_mixed_prefill_and_decode_step_is_not_fused(fused_calls: list[int]) -> None:
+    model = make_pair("llama_gqa")[1]
+    runner = runner_for(model, torch.float32)
+    runner.step([StepItem(0, list(range(3, 12)))])
+    runner.step([StepItem(0, [5]), StepItem(1, list(range(20, 26)))])  # one decode row beside a prefill
+    assert fused_calls == []
+    runner.step([StepItem(0, [6]), StepItem(1, [7])])
+    assert fused_calls == [2] * model.config.num_layers
+
+
+@requires_kernel
+def test_not_fused_while_a_step_timer_records(fused_calls: list[int]) -> None:
+    model = make_pair("llama_gqa")[1]
+    runner = runner_for(model, torch.float32)
+    runner.step([StepItem(0, list(range(3, 12)))])
+    timer = StepTimer()
+    with recording(timer):  # the runner then hands the model a TimedCache
+        runner.step([StepItem(0, [5])])
+    assert fused_calls == []
+    assert timer._current.get("linear", 0.0) > 0 and timer._current.get("attention", 0.0) > 0
+
+
+def test_switch_turns_it_off(fused_calls: list[int]) -> None:
+    model = make_pair("llama_gqa")[1]
+    cpu_decode_layer.set_enabled(False)
+    try:
+        decode_logits(runner_for(model, torch.float32), PROMPTS, steps=2)
+    finally:
+        cpu_decode_layer.set_enabled(True)
+    assert fused_calls == []

@@ -28,17 +28,17 @@ PROMPTS = [list(range(3, 30)), [7, 8], list(range(40, 52))]
 
 @pytest.fixture
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Records the batch size of every layer call that the fused op computed."""
+    """Records, for every step, the batch size of each layer that the fused op computed."""
     calls: list[int] = []
-    original = cpu_decode_layer.decode_layer
+    original = cpu_decode_layer.decode_layers
 
-    def spy(layer, hidden, cache, rope):
-        out = original(layer, hidden, cache, rope)
-        if out is not None:
-            calls.append(hidden.shape[0])
-        return out
+    def spy(layers, rope_index, hidden, cache, ropes, stop=None):
+        out, done = original(layers, rope_index, hidden, cache, ropes, stop)
+        calls.extend([hidden.shape[0]] * done)
+        return out, done
 
-    monkeypatch.setattr("kvforge.models.llama.decode_layer", spy)
+    monkeypatch.setattr("kvforge.models.causal_lm.decode_layers", spy)
+    monkeypatch.setattr("kvforge.models.swiftkv.decode_layers", spy)
     return calls
 
 

@@ -1,14 +1,16 @@
-// C++ source of the fused decode step of one Llama-family decoder layer (see cpu_decode_layer.py).
+// C++ source of the fused decode step of a run of Llama-family decoder layers (see
+// cpu_decode_layer.py).
 //
 // Why: at batch 1 a decode step of a 30-layer model spends about 5 ms in Python (module
 // calls, eligibility checks, cache planning lookups, ~20 tensor ops per layer dispatched
-// from Python). This op runs one whole layer with the same ATen and kvforge ops in the
-// same order, dispatched from C++, so a layer costs one Python call.
+// from Python). This op runs consecutive layers with the same ATen and kvforge ops in the
+// same order, dispatched from C++, so the whole run costs one Python call.
 //
-//   llama_decode_layer(hidden [B, H], ...) -> hidden' [B, H]
+//   llama_decode_layers(hidden [B, H], ...) -> hidden after the run; per layer:
 //     x  = rms_norm(hidden, input_layernorm.w)
 //     q  = rope(linear(x, Wq, bq) as [B, heads, D]); k = rope(linear(x, Wk, bk)); v = linear(x, Wv, bv)
-//     k_pages/v_pages[:, write_slots] = k/v (head-major, in the pages' dtype)
+//     k_pages/v_pages[:, write_slots] = k/v (head-major, in the pages' dtype; rows copied
+//                                        directly when the dtypes match, index_copy_ else)
 //     a  = paged_decode_attention(q, k, v, pages, plan)        (the full cache's CPU kernel)
 //     h  = hidden + linear(a as [B, heads * D], Wo, bo)
 //     y  = rms_norm(h, post_attention_layernorm.w)
@@ -24,6 +26,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <optional>
 
 namespace {
@@ -61,56 +64,110 @@ const Ops& ops() {
   return handles;
 }
 
-// pages [kv_heads, num_pages, block, D]: rows [B, kv_heads, D] stored at flat slots [B]
-// (page * block + offset), as FullCache._store_rows does.
-void store_rows(const at::Tensor& pages, const at::Tensor& rows, const at::Tensor& slots) {
+// pages [kv_heads, num_pages, block, D] (unit stride along D): rows [B, kv_heads, D]
+// (contiguous) stored at flat slots [B] (page * block + offset), as FullCache._store_rows
+// does. Same dtype: each row is copied (bitwise what index_copy_ stores); else index_copy_
+// of the converted rows, exactly as the eager path.
+void store_rows(const at::Tensor& pages, const at::Tensor& rows, const int64_t* slots) {
   const int64_t heads = pages.size(0);
+  const int64_t block = pages.size(2);
   const int64_t dim = pages.size(3);
-  pages.view({heads, -1, dim}).index_copy_(1, slots, rows.transpose(0, 1).to(pages.scalar_type()));
+  const int64_t count = rows.size(0);
+  if (pages.scalar_type() != rows.scalar_type() || pages.stride(3) != 1 || !rows.is_contiguous()) {
+    const at::Tensor index = at::from_blob(const_cast<int64_t*>(slots), {count}, at::TensorOptions().dtype(at::kLong));
+    pages.view({heads, -1, dim}).index_copy_(1, index, rows.transpose(0, 1).to(pages.scalar_type()));
+    return;
+  }
+  const int64_t item = static_cast<int64_t>(pages.element_size());
+  char* base = static_cast<char*>(pages.data_ptr());
+  const char* source = static_cast<const char*>(rows.const_data_ptr());
+  for (int64_t b = 0; b < count; ++b) {
+    const int64_t page = slots[b] / block;
+    const int64_t offset = slots[b] % block;
+    for (int64_t h = 0; h < heads; ++h) {
+      char* target = base + (h * pages.stride(0) + page * pages.stride(1) + offset * pages.stride(2)) * item;
+      std::memcpy(target, source + (b * heads + h) * dim * item, static_cast<size_t>(dim * item));
+    }
+  }
 }
 
-at::Tensor llama_decode_layer(const at::Tensor& hidden, const at::Tensor& input_norm, const at::Tensor& post_norm,
-                              double eps, at::TensorList weights, const c10::List<OptTensor>& biases,
-                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pages,
-                              const at::Tensor& v_pages, const at::Tensor& write_slots,
-                              const at::Tensor& page_table, const at::Tensor& first_page_position,
-                              const at::Tensor& visible_from, const at::Tensor& visible_to, double scale,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  // weights/biases: q, k, v, o, gate, up, down (nn.Linear layout [out, in]).
-  TORCH_CHECK(weights.size() == 7 && biases.size() == 7, "llama_decode_layer: 7 weights and 7 biases expected");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "llama_decode_layer: hidden must be contiguous [B, H]");
+struct Plan {
+  const at::Tensor& cos;
+  const at::Tensor& sin;
+  const int64_t* write_slots;
+  const at::Tensor& page_table;
+  const at::Tensor& first_page_position;
+  const at::Tensor& visible_from;
+  const at::Tensor& visible_to;
+  double scale;
+  double eps;
+  int64_t num_heads, num_kv_heads, head_dim;
+};
+
+constexpr size_t kWeightsPerLayer = 9;  // input norm, post norm, q, k, v, o, gate, up, down
+constexpr size_t kBiasesPerLayer = 7;   // q, k, v, o, gate, up, down
+
+// One layer: w = its kWeightsPerLayer weights, b0 = index of its first bias in `biases`.
+at::Tensor layer_forward(const at::Tensor& hidden, const at::Tensor* w, const c10::List<OptTensor>& biases,
+                         size_t b0, const at::Tensor& k_pages, const at::Tensor& v_pages, const Plan& plan,
+                         const at::Tensor& no_scales) {
   const Ops& op = ops();
   const int64_t rows = hidden.size(0);
-  const at::Tensor no_scales = at::empty({0}, hidden.options().dtype(at::kFloat));
-  auto bias = [&](size_t i) -> OptTensor { return biases.get(i); };
-
-  const at::Tensor x = op.rms_norm.call(hidden, input_norm, eps, false);
-  at::Tensor q = op.linear.call(x, weights[0], bias(0), false).view({rows, num_heads, head_dim});
-  at::Tensor k = op.linear.call(x, weights[1], bias(1), false).view({rows, num_kv_heads, head_dim});
-  const at::Tensor v = op.linear.call(x, weights[2], bias(2), false).view({rows, num_kv_heads, head_dim});
-  k = op.rope.call(k, cos, sin);
-  store_rows(k_pages, k, write_slots);
-  store_rows(v_pages, v, write_slots);
-  q = op.rope.call(q, cos, sin);
-  const at::Tensor attended = op.attention.call(q, k, v, k_pages, v_pages, page_table, first_page_position,
-                                                visible_from, visible_to, scale, no_scales, no_scales);
+  auto bias = [&](size_t i) -> OptTensor { return biases.get(b0 + i); };
+  const at::Tensor x = op.rms_norm.call(hidden, w[0], plan.eps, false);
+  at::Tensor q = op.linear.call(x, w[2], bias(0), false).view({rows, plan.num_heads, plan.head_dim});
+  at::Tensor k = op.linear.call(x, w[3], bias(1), false).view({rows, plan.num_kv_heads, plan.head_dim});
+  const at::Tensor v = op.linear.call(x, w[4], bias(2), false).view({rows, plan.num_kv_heads, plan.head_dim});
+  k = op.rope.call(k, plan.cos, plan.sin);
+  store_rows(k_pages, k, plan.write_slots);
+  store_rows(v_pages, v, plan.write_slots);
+  q = op.rope.call(q, plan.cos, plan.sin);
+  const at::Tensor attended = op.attention.call(q, k, v, k_pages, v_pages, plan.page_table, plan.first_page_position,
+                                                plan.visible_from, plan.visible_to, plan.scale, no_scales, no_scales);
   const at::Tensor h =
-      hidden + op.linear.call(attended.reshape({rows, num_heads * head_dim}), weights[3], bias(3), false);
-  const at::Tensor y = op.rms_norm.call(h, post_norm, eps, false);
-  const at::Tensor gate = op.linear.call(y, weights[4], bias(4), false);
-  const at::Tensor up = op.linear.call(y, weights[5], bias(5), false);
-  return h + op.linear.call(at::silu(gate) * up, weights[6], bias(6), false);
+      hidden + op.linear.call(attended.reshape({rows, plan.num_heads * plan.head_dim}), w[5], bias(3), false);
+  const at::Tensor y = op.rms_norm.call(h, w[1], plan.eps, false);
+  const at::Tensor gate = op.linear.call(y, w[6], bias(4), false);
+  const at::Tensor up = op.linear.call(y, w[7], bias(5), false);
+  return h + op.linear.call(at::silu(gate) * up, w[8], bias(6), false);
+}
+
+// Layers i = 0 .. n-1 in order: weights[9 i .. 9 i + 8], biases[7 i .. 7 i + 6], k_pages[i],
+// v_pages[i]; every layer shares the step's plan (one cache layer group) and RoPE tables.
+at::Tensor llama_decode_layers(const at::Tensor& hidden, at::TensorList weights, const c10::List<OptTensor>& biases,
+                               double eps, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_pages,
+                               at::TensorList v_pages, const at::Tensor& write_slots, const at::Tensor& page_table,
+                               const at::Tensor& first_page_position, const at::Tensor& visible_from,
+                               const at::Tensor& visible_to, double scale, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim) {
+  const size_t layers = k_pages.size();
+  TORCH_CHECK(v_pages.size() == layers && weights.size() == kWeightsPerLayer * layers &&
+                  biases.size() == kBiasesPerLayer * layers,
+              "llama_decode_layers: per layer 9 weights, 7 biases, k and v pages");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "llama_decode_layers: hidden must be contiguous [B, H]");
+  TORCH_CHECK(write_slots.scalar_type() == at::kLong && write_slots.is_contiguous() &&
+                  write_slots.numel() == hidden.size(0),
+              "llama_decode_layers: write_slots must be contiguous int64 [B]");
+  const Plan plan{cos, sin, write_slots.const_data_ptr<int64_t>(), page_table, first_page_position, visible_from,
+                  visible_to, scale, eps, num_heads, num_kv_heads, head_dim};
+  const at::Tensor no_scales = at::empty({0}, hidden.options().dtype(at::kFloat));
+  at::Tensor h = hidden;
+  for (size_t i = 0; i < layers; ++i) {
+    h = layer_forward(h, weights.data() + kWeightsPerLayer * i, biases, kBiasesPerLayer * i, k_pages[i], v_pages[i],
+                      plan, no_scales);
+  }
+  return h;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvforge_cpu_layer, m) {
-  m.def("llama_decode_layer(Tensor hidden, Tensor input_norm, Tensor post_norm, float eps, Tensor[] weights, "
-        "Tensor?[] biases, Tensor cos, Tensor sin, Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor write_slots, "
-        "Tensor page_table, Tensor first_page_position, Tensor visible_from, Tensor visible_to, float scale, "
-        "int num_heads, int num_kv_heads, int head_dim) -> Tensor");
+  m.def("llama_decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, float eps, Tensor cos, Tensor sin, "
+        "Tensor(a!)[] k_pages, Tensor(b!)[] v_pages, Tensor write_slots, Tensor page_table, "
+        "Tensor first_page_position, Tensor visible_from, Tensor visible_to, float scale, int num_heads, "
+        "int num_kv_heads, int head_dim) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_layer, CPU, m) {
-  m.impl("llama_decode_layer", &llama_decode_layer);
+  m.impl("llama_decode_layers", &llama_decode_layers);
 }

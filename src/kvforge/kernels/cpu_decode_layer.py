@@ -1,26 +1,30 @@
-"""One C++ call per Llama-family decoder layer for a decode-only CPU step with the `full` cache.
+"""One C++ call for the Llama-family decoder layers of a decode-only CPU step with the `full` cache.
 
 At batch 1 the per-layer Python of a decode step (module calls, the eligibility checks of
 each kernel, the cache's plan lookups, ~20 ops dispatched from Python) costs about as much
-as the layer's arithmetic on a small model. `torch.ops.kvforge_cpu_layer.llama_decode_layer`
-(cpu_decode_layer.cpp) runs the same ops in the same order from C++, so the result is
-bitwise equal to the eager layer (tests/kernels/test_cpu_decode_layer.py); only the Python
-goes.
+as the layers' arithmetic on a small model. `torch.ops.kvforge_cpu_layer.llama_decode_layers`
+(cpu_decode_layer.cpp) runs the same ops in the same order from C++ for a run of layers, so
+the result is bitwise equal to the eager layers (tests/kernels/test_cpu_decode_layer.py);
+only the Python goes.
 
-`decode_layer(layer, hidden, cache, rope)` returns None whenever the call is not eligible, and
-the layer then runs its eager code, which stays the reference. Eligible: every condition
-under which the eager layer would itself take the compiled kernels (CPU, a float dtype shared
-by hidden, weights and RoPE tables, at most `MAX_ROWS` rows, no autograd), no step timer
-recording (its split needs the separate calls), and a cache that offers the layer's
+`decode_layers(layers, rope_index, hidden, cache, ropes)` runs the longest prefix of `layers`
+that qualifies and returns (hidden, how many layers it ran); 0 means none, and the model
+runs every layer eagerly (the reference). A layer qualifies when it is `fusable` (a
+LlamaDecoderLayer with plain attention, no QK-norm, SiLU MLP) and the cache offers its
 decode-only plan (`FullCache.fused_decode_target`: every row one decoding sequence, 16/32-bit
-pages, the compiled attention kernel). `KVFORGE_DISABLE_CPU_KERNELS=1` or
-`KVFORGE_DISABLE_FUSED_LAYER=1` (read at import; tests and A/B benchmarks set
+pages, the compiled attention kernel), with the plan and RoPE of the prefix's first layer
+(one cache layer group). The step qualifies under the conditions in which the eager layers
+would themselves take the compiled kernels (CPU, one float dtype for hidden, weights and
+RoPE tables, at most `MAX_ROWS` rows, no autograd) and with no step timer recording (its
+split needs the separate calls). `KVFORGE_DISABLE_CPU_KERNELS=1` or
+`KVFORGE_DISABLE_FUSED_LAYER=1` (read at import; tests and A/B benchmarks call
 `set_enabled`) turn it off.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,12 +37,12 @@ from kvforge.step_timing import current_timer
 if TYPE_CHECKING:
     from kvforge.models.rope import PositionedRope
 
-__all__ = ["DISABLE_FUSED_ENV", "decode_layer", "decode_layer_available", "fused_layer_enabled", "set_enabled"]
+__all__ = ["DISABLE_FUSED_ENV", "decode_layer_available", "decode_layers", "fused_layer_enabled", "set_enabled"]
 
 DISABLE_FUSED_ENV = "KVFORGE_DISABLE_FUSED_LAYER"
 
 _KERNEL = CppKernel(name="kvforge_cpu_decode_layer", source=Path(__file__).with_name("cpu_decode_layer.cpp"),
-                    namespace="kvforge_cpu_layer", op="llama_decode_layer", what="fused decoder-layer op",
+                    namespace="kvforge_cpu_layer", op="llama_decode_layers", what="fused decoder-layer op",
                     fallback="the layer's eager code", flag_sets=DEFAULT_FLAG_SETS)
 
 _enabled = os.environ.get(DISABLE_FUSED_ENV, "").strip() in ("", "0")
@@ -67,33 +71,58 @@ def decode_layer_available() -> bool:
     return _ready
 
 
-def decode_layer(layer: Any, hidden: torch.Tensor, cache: Any, rope: PositionedRope) -> torch.Tensor | None:
-    """The layer's output for this step through the fused op, or None (run the eager layer).
-
-    `layer` is a LlamaDecoderLayer whose `fusable` is true (plain CachedAttention without
-    QK-norm, SiLU gated MLP)."""
+def decode_layers(layers: Sequence[Any], rope_index: Sequence[int], hidden: torch.Tensor, cache: Any,
+                  ropes: Sequence[PositionedRope], stop: int | None = None) -> tuple[torch.Tensor, int]:
+    """(hidden after the fused prefix of `layers[:stop]`, its length); (hidden, 0) when none
+    qualifies."""
+    stop = len(layers) if stop is None else stop
     if not _enabled or hidden.dim() != 2 or hidden.shape[0] > cpu_linear.MAX_ROWS or not hidden.is_cpu:
-        return None
+        return hidden, 0
     dtype = hidden.dtype
-    if dtype not in FLOAT_IO_DTYPES or rope.cos.dtype != dtype or not hidden.is_contiguous():
-        return None
+    if dtype not in FLOAT_IO_DTYPES or not hidden.is_contiguous():
+        return hidden, 0
     if current_timer() is not None or torch.is_grad_enabled() or kernels_disabled():
-        return None
-    attention, mlp = layer.self_attn, layer.mlp
-    target = cache.fused_decode_target(attention.cache_layer)
-    if target is None or not decode_layer_available():
-        return None
-    linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
-               mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    weights = [module.weight for module in linears]
-    if any(w.dtype != dtype or not w.is_contiguous() for w in weights):
-        return None
-    biases = [module.bias for module in linears]
-    if any(b is not None and b.dtype != dtype for b in biases):
-        return None
-    norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
-    if norm_in.weight.dtype != dtype or norm_post.weight.dtype != dtype:
-        return None
-    return torch.ops.kvforge_cpu_layer.llama_decode_layer(
-        hidden, norm_in.weight, norm_post.weight, float(norm_in.eps), weights, biases, rope.cos, rope.sin,
-        *target, attention.num_heads, attention.num_kv_heads, attention.head_dim)
+        return hidden, 0
+    first = layers[0] if stop > 0 else None
+    if not getattr(first, "fusable", False) or not decode_layer_available():
+        return hidden, 0
+    rope = ropes[rope_index[0]]
+    if rope.cos.dtype != dtype:
+        return hidden, 0
+    target = cache.fused_decode_target(first.self_attn.cache_layer)
+    if target is None:
+        return hidden, 0
+    plan = target[2:]  # write slots, page table, positions, scale: one group's
+    weights: list[torch.Tensor] = []
+    biases: list[torch.Tensor | None] = []
+    k_pages: list[torch.Tensor] = []
+    v_pages: list[torch.Tensor] = []
+    for index in range(stop):
+        layer = layers[index]
+        if index:
+            if not getattr(layer, "fusable", False) or ropes[rope_index[index]] is not rope:
+                break
+            target = cache.fused_decode_target(layer.self_attn.cache_layer)
+            # the same group's plan tensors (identity) and the same softmax scale (value)
+            if target is None or any(a is not b for a, b in zip(target[2:-1], plan[:-1])) or target[-1] != plan[-1]:
+                break
+        attention, mlp = layer.self_attn, layer.mlp
+        linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
+                   mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        layer_weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                         *(module.weight for module in linears)]
+        layer_biases = [module.bias for module in linears]
+        if (any(w.dtype != dtype or not w.is_contiguous() for w in layer_weights)
+                or any(b is not None and b.dtype != dtype for b in layer_biases)):
+            break
+        weights += layer_weights
+        biases += layer_biases
+        k_pages.append(target[0])
+        v_pages.append(target[1])
+    if not k_pages:
+        return hidden, 0
+    attention = first.self_attn
+    out = torch.ops.kvforge_cpu_layer.llama_decode_layers(
+        hidden, weights, biases, float(first.input_layernorm.eps), rope.cos, rope.sin, k_pages, v_pages, *plan,
+        attention.num_heads, attention.num_kv_heads, attention.head_dim)
+    return out, len(k_pages)

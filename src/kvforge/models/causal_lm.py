@@ -21,6 +21,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.config import ModelConfig, RopeConfig
 from kvforge.errors import ModelLoadError
+from kvforge.kernels.cpu_decode_layer import decode_layers
 from kvforge.kernels.cpu_linear import linear
 from kvforge.models.rope import RotaryEmbedding
 
@@ -88,8 +89,11 @@ class CausalLM(nn.Module):
         cache.begin_step(batch)
         hidden = self.embed(batch.token_ids)
         ropes = [rotary.at(batch.positions, hidden.dtype) for rotary in self.rotaries]
-        for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, batch, cache, ropes[self.rope_index[index]])
+        # Decode-only CPU steps: the leading Llama-family layers in one C++ call when they
+        # qualify (bitwise what the loop below computes; kernels/cpu_decode_layer.py).
+        hidden, done = decode_layers(self.model.layers, self.rope_index, hidden, cache, ropes)
+        for index in range(done, len(self.model.layers)):
+            hidden = self.model.layers[index](hidden, batch, cache, ropes[self.rope_index[index]])
         logits = self.logits(hidden[batch.logit_rows])
         cache.end_step(batch)
         return logits

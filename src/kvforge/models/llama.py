@@ -13,7 +13,6 @@ from torch import nn
 from kvforge.batch import ForwardBatch
 from kvforge.cache.base import CacheMethod
 from kvforge.config import ModelConfig
-from kvforge.kernels.cpu_decode_layer import decode_layer
 from kvforge.models.causal_lm import CausalLM
 from kvforge.models.layers import CachedAttention, GatedMLP, RMSNorm
 from kvforge.models.rope import PositionedRope
@@ -35,17 +34,14 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
-        # The fused decode op (kernels/cpu_decode_layer.py) computes exactly this layer's
-        # eager forward for a plain attention (no SwiftKV later layer, no QK-norm), SiLU MLP.
+        # The fused decode op (kernels/cpu_decode_layer.py, called by CausalLM.forward)
+        # computes exactly this forward for plain attention (no SwiftKV later layer, no
+        # QK-norm) and a SiLU MLP with equal norm eps.
         self.fusable = (type(attention) is CachedAttention and attention.q_norm is None
-                        and c.hidden_act == "silu")
+                        and c.hidden_act == "silu" and self.input_layernorm.eps == self.post_attention_layernorm.eps)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
                 rope: PositionedRope, *later: Any) -> torch.Tensor:
-        if self.fusable and not later:
-            fused = decode_layer(self, hidden, cache, rope)
-            if fused is not None:
-                return fused
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache, rope, *later)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 

@@ -42,6 +42,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.config import ModelConfig, SwiftKVConfig
 from kvforge.errors import require
+from kvforge.kernels.cpu_decode_layer import decode_layers
 from kvforge.kernels.cpu_linear import linear
 from kvforge.models.causal_lm import CausalLM
 from kvforge.models.layers import GemmaRMSNorm
@@ -181,7 +182,9 @@ class SwiftKVForCausalLM(CausalLM):
         hidden = self.embed(batch.token_ids)
         ropes = [rotary.at(batch.positions, hidden.dtype) for rotary in self.rotaries]
         layers = self.model.layers
-        for index in range(first_later):
+        # The earlier layers are plain layers: fused on decode-only CPU steps (CausalLM.forward).
+        hidden, done = decode_layers(layers, self.rope_index, hidden, cache, ropes, stop=first_later)
+        for index in range(done, first_later):
             hidden = layers[index](hidden, batch, cache, ropes[self.rope_index[index]])
         if first_later < len(layers):
             self._write_later_kv(hidden, batch, cache, ropes)

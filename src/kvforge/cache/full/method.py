@@ -106,6 +106,14 @@ class FullCache(PagedPoolMemory, CacheMethod):
         self.k_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None
         self.v_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None
         self._plans: list[_GroupPlan] = []
+        cls = type(self)
+        # fused_decode_target's static conditions: 16/32-bit pages read by the CPU kernel,
+        # and write/attend as defined here (a subclass that changes them is not what the
+        # fused op does).
+        self._fusable_writes = (self.k_scales is None and self.config.decode_kernel == "auto"
+                                and self.device.type == "cpu" and cls.write is FullCache.write
+                                and cls._store_rows is FullCache._store_rows
+                                and cls._decode_attention is FullCache._decode_attention)
         self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # attend_rows: the rows, and where each sequence's queries are (None: not trailing
         # runs), located once per step
@@ -203,12 +211,8 @@ class FullCache(PagedPoolMemory, CacheMethod):
         `write_slots` and `attend` would call the CPU kernel on the whole batch), the pages are
         16/32-bit and the kernel is used; else None. The op then does exactly what `write`
         and `attend` would (bitwise), so nothing of this layer is left in `_step_kv`."""
-        if self.k_scales is not None or self.config.decode_kernel != "auto" or self.device.type != "cpu":
+        if not self._fusable_writes:
             return None
-        cls = type(self)
-        if (cls.write is not FullCache.write or cls._store_rows is not FullCache._store_rows
-                or cls._decode_attention is not FullCache._decode_attention):
-            return None  # a subclass changed what a layer's write or attend does: not what the op does
         group, index = self.groups.slot_of[cache_layer]
         plan = self._plans[group]
         d = plan.decode

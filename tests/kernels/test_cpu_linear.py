@@ -214,3 +214,23 @@ class _FakeOps:
         assert bias is None or bias.is_contiguous()  # the real op refuses a strided bias
         self.calls.append("op")
         return F.linear(x, weight, bias)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 17])
+def test_many_products_equal_their_own_calls_bitwise(dtype, m):
+    """small_m_linear_many (a layer's q/k/v, gate/up in one parallel range) gives each output
+    exactly what its own call gives, whatever the other products' sizes."""
+    gen = torch.Generator().manual_seed(m)
+    k = 72
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    shapes = [(37, True), (9, False), (130, True), (2, False)]
+    weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype) for n, _ in shapes]
+    biases = [torch.randn(n, generator=gen).to(dtype) if has else None for n, has in shapes]
+    outs = torch.ops.kvforge_cpu_linear.small_m_linear_many(x, weights, biases)
+    assert len(outs) == len(weights)
+    for out, weight, bias in zip(outs, weights, biases):
+        assert torch.equal(out, kernel(x, weight, bias))
+    with pytest.raises(RuntimeError, match="one bias"):
+        torch.ops.kvforge_cpu_linear.small_m_linear_many(x, weights, biases[:-1])

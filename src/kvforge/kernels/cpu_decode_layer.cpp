@@ -9,6 +9,7 @@
 //   llama_decode_layers(hidden [B, H], ...) -> hidden after the run; per layer:
 //     x  = rms_norm(hidden, input_layernorm.w)
 //     q  = rope(linear(x, Wq, bq) as [B, heads, D]); k = rope(linear(x, Wk, bk)); v = linear(x, Wv, bv)
+//                                        (the three in one small_m_linear_many call, as gate/up)
 //     k_pages/v_pages[:, write_slots] = k/v (head-major, in the pages' dtype; rows copied
 //                                        directly when the dtypes match, index_copy_ else)
 //     a  = paged_decode_attention(q, k, v, pages, plan)        (the full cache's CPU kernel)
@@ -33,8 +34,11 @@ namespace {
 
 using OptTensor = std::optional<at::Tensor>;
 
+using LinearMany = std::vector<at::Tensor>(const at::Tensor&, at::TensorList, const c10::List<OptTensor>&);
+
 struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool)> linear;
+  c10::TypedOperatorHandle<LinearMany> linear_many;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool)> rms_norm;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)> rope;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -49,6 +53,7 @@ const Ops& ops() {
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("kvforge_cpu_linear::small_m_linear", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool)>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("kvforge_cpu_linear::small_m_linear_many", "").typed<LinearMany>(),
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("kvforge_cpu_fused::rms_norm", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool)>(),
@@ -115,9 +120,11 @@ at::Tensor layer_forward(const at::Tensor& hidden, const at::Tensor* w, const c1
   const int64_t rows = hidden.size(0);
   auto bias = [&](size_t i) -> OptTensor { return biases.get(b0 + i); };
   const at::Tensor x = op.rms_norm.call(hidden, w[0], plan.eps, false);
-  at::Tensor q = op.linear.call(x, w[2], bias(0), false).view({rows, plan.num_heads, plan.head_dim});
-  at::Tensor k = op.linear.call(x, w[3], bias(1), false).view({rows, plan.num_kv_heads, plan.head_dim});
-  const at::Tensor v = op.linear.call(x, w[4], bias(2), false).view({rows, plan.num_kv_heads, plan.head_dim});
+  // q, k and v in one call (each output bitwise what its own small_m_linear gives)
+  const std::vector<at::Tensor> qkv = op.linear_many.call(x, {w[2], w[3], w[4]}, c10::List<OptTensor>({bias(0), bias(1), bias(2)}));
+  at::Tensor q = qkv[0].view({rows, plan.num_heads, plan.head_dim});
+  at::Tensor k = qkv[1].view({rows, plan.num_kv_heads, plan.head_dim});
+  const at::Tensor v = qkv[2].view({rows, plan.num_kv_heads, plan.head_dim});
   k = op.rope.call(k, plan.cos, plan.sin);
   store_rows(k_pages, k, plan.write_slots);
   store_rows(v_pages, v, plan.write_slots);
@@ -127,9 +134,8 @@ at::Tensor layer_forward(const at::Tensor& hidden, const at::Tensor* w, const c1
   const at::Tensor h =
       hidden + op.linear.call(attended.reshape({rows, plan.num_heads * plan.head_dim}), w[5], bias(3), false);
   const at::Tensor y = op.rms_norm.call(h, w[1], plan.eps, false);
-  const at::Tensor gate = op.linear.call(y, w[6], bias(4), false);
-  const at::Tensor up = op.linear.call(y, w[7], bias(5), false);
-  return h + op.linear.call(at::silu(gate) * up, w[8], bias(6), false);
+  const std::vector<at::Tensor> gate_up = op.linear_many.call(y, {w[6], w[7]}, c10::List<OptTensor>({bias(4), bias(5)}));
+  return h + op.linear.call(at::silu(gate_up[0]) * gate_up[1], w[8], bias(6), false);
 }
 
 // Layers i = 0 .. n-1 in order: weights[9 i .. 9 i + 8], biases[7 i .. 7 i + 6], k_pages[i],

@@ -363,28 +363,41 @@ void tile_column(const Problem<typename Isa::XT, T>& p, int64_t n0, Prefetcher& 
   }
 }
 
+// Several products with the same x (and K) in one parallel range: the tiles of ps[0], then
+// of ps[1], ... (e.g. the q, k and v projections of a layer). One fork/join instead of one
+// per product, and the smaller matrices no longer run alone. Each output's arithmetic is
+// exactly that of a call for its product alone (the invariant above).
 template <typename Isa, typename T>
-void run(const Problem<typename Isa::XT, T>& p) {
-  const int64_t full_tiles = p.n / kNR;
-  const int64_t tiles = (p.n + kNR - 1) / kNR;
-  const int64_t grain = std::max<int64_t>(1, kMinChunkFloats / std::max<int64_t>(1, kNR * p.k));
-  const int64_t groups = (p.m + Isa::MR - 1) / Isa::MR;
-  const int64_t steps = groups * std::max<int64_t>(1, p.k / Isa::L);  // K steps per tile
-  const int64_t tile_lines = (kNR * p.k * static_cast<int64_t>(sizeof(T)) + kLineBytes - 1) / kLineBytes;
+void run_many(const std::vector<Problem<typename Isa::XT, T>>& ps) {
+  const size_t count = ps.size();
+  std::vector<int64_t> first_tile(count + 1, 0);
+  for (size_t i = 0; i < count; ++i) first_tile[i + 1] = first_tile[i] + (ps[i].n + kNR - 1) / kNR;
+  const int64_t tiles = first_tile[count];
+  const Problem<typename Isa::XT, T>& p0 = ps[0];
+  const int64_t grain = std::max<int64_t>(1, kMinChunkFloats / std::max<int64_t>(1, kNR * p0.k));
+  const int64_t groups = (p0.m + Isa::MR - 1) / Isa::MR;
+  const int64_t steps = groups * std::max<int64_t>(1, p0.k / Isa::L);  // K steps per tile
+  const int64_t tile_lines = (kNR * p0.k * static_cast<int64_t>(sizeof(T)) + kLineBytes - 1) / kLineBytes;
   const int64_t per_step = (tile_lines + steps - 1) / steps;
-  const char* w_bytes = reinterpret_cast<const char*>(p.w);
-  const int64_t row_bytes = p.k * static_cast<int64_t>(sizeof(T));
-  // Each thread gets a contiguous range of tiles, so its W reads are one sequential stream.
+  const int64_t row_bytes = p0.k * static_cast<int64_t>(sizeof(T));
+  // Each thread gets a contiguous range of tiles, so its W reads are sequential streams.
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    const char* range_end = w_bytes + std::min(end * kNR, p.n) * row_bytes;
+    size_t s = static_cast<size_t>(std::upper_bound(first_tile.begin(), first_tile.end(), begin) -
+                                   first_tile.begin()) - 1;
     Prefetcher pf;
     pf.per_step = per_step;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kNR;
-      // While tile t runs, prefetch tile t + kPrefetchTiles (within this thread's range).
+      while (t >= first_tile[s + 1]) ++s;
+      const Problem<typename Isa::XT, T>& p = ps[s];
+      const int64_t local = t - first_tile[s];
+      const int64_t n0 = local * kNR;
+      const char* w_bytes = reinterpret_cast<const char*>(p.w);
+      const int64_t local_end = std::min(end, first_tile[s + 1]) - first_tile[s];
+      const char* range_end = w_bytes + std::min(local_end * kNR, p.n) * row_bytes;
+      // While tile t runs, prefetch tile t + kPrefetchTiles (within this thread's range of this product).
       pf.cur = std::min(range_end, w_bytes + (n0 + kPrefetchTiles * kNR) * row_bytes);
       pf.end = std::min(range_end, w_bytes + (n0 + (kPrefetchTiles + 1) * kNR) * row_bytes);
-      if (t < full_tiles) {
+      if (local < p.n / kNR) {
         tile_column<Isa, T, kNR>(p, n0, pf);
       } else {
         switch (p.n - n0) {  // the last, partial tile
@@ -403,6 +416,11 @@ void run(const Problem<typename Isa::XT, T>& p) {
   });
 }
 
+template <typename Isa, typename T>
+void run(const Problem<typename Isa::XT, T>& p) {
+  run_many<Isa, T>({p});
+}
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 using Isa = NativeIsa;
 #else
@@ -410,29 +428,36 @@ using Isa = Portable;
 #endif
 
 template <typename T>
-void run_typed(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, at::Tensor& y, bool widen) {
-  std::vector<float> x_buffer, bias_buffer;
+void run_typed(const at::Tensor& x, const std::vector<const at::Tensor*>& weights,
+               const std::vector<const at::Tensor*>& biases, std::vector<at::Tensor>& ys, bool widen) {
+  std::vector<std::vector<float>> bias_buffers(weights.size());
+  auto bias_of = [&](size_t i) -> const float* {
+    return biases[i] == nullptr ? nullptr : kvforge_convert::floats_of(*biases[i], bias_buffers[i]);
+  };
 #if defined(KVFORGE_BF16_DOT)
   if (kIsBFloat16<T> && !widen) {  // x stays bf16: the dot instruction reads it as is
-    const Problem<c10::BFloat16, T> p{reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr()),
-                                      reinterpret_cast<const T*>(weight.const_data_ptr()),
-                                      bias == nullptr ? nullptr : kvforge_convert::floats_of(*bias, bias_buffer),
-                                      reinterpret_cast<T*>(y.data_ptr()), x.size(0), x.size(1), weight.size(0)};
-    if constexpr (kIsBFloat16<T>) run<Avx512Bf16, T>(p);
+    std::vector<Problem<c10::BFloat16, T>> ps;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      ps.push_back({reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr()),
+                    reinterpret_cast<const T*>(weights[i]->const_data_ptr()), bias_of(i),
+                    reinterpret_cast<T*>(ys[i].data_ptr()), x.size(0), x.size(1), weights[i]->size(0)});
+    }
+    if constexpr (kIsBFloat16<T>) run_many<Avx512Bf16, T>(ps);
     return;
   }
 #endif
-  const Problem<float, T> p{kvforge_convert::floats_of(x, x_buffer), reinterpret_cast<const T*>(weight.const_data_ptr()),
-                     bias == nullptr ? nullptr : kvforge_convert::floats_of(*bias, bias_buffer),
-                     reinterpret_cast<T*>(y.data_ptr()), x.size(0), x.size(1), weight.size(0)};
-  run<Isa, T>(p);
+  std::vector<float> x_buffer;
+  const float* xf = kvforge_convert::floats_of(x, x_buffer);
+  std::vector<Problem<float, T>> ps;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    ps.push_back({xf, reinterpret_cast<const T*>(weights[i]->const_data_ptr()), bias_of(i),
+                  reinterpret_cast<T*>(ys[i].data_ptr()), x.size(0), x.size(1), weights[i]->size(0)});
+  }
+  run_many<Isa, T>(ps);
 }
 
-// x, weight and bias (or none) of one dtype in {float32, bfloat16, float16}; y has that dtype.
-// widen: bf16 through the widening float path even where the bf16 dot ISA exists (to compare
-// the two; each is M-invariant on its own, they differ from each other by rounding).
-at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                          bool widen) {
+void check_operands(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                    const at::Tensor*& bias_ptr) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_m_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_m_linear: x must be [M, K] and weight [N, K]");
   const at::ScalarType dtype = weight.scalar_type();
@@ -442,35 +467,86 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const s
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "small_m_linear: x and weight must be contiguous");
   TORCH_CHECK(x.size(1) == weight.size(1), "small_m_linear: x has ", x.size(1), " columns but weight has ",
               weight.size(1));
-  const at::Tensor* bias_ptr = nullptr;
+  bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == dtype && bias->is_contiguous() &&
                     bias->dim() == 1 && bias->size(0) == weight.size(0),
                 "small_m_linear: bias must be a contiguous CPU vector of size N with the weight's dtype");
     bias_ptr = &*bias;
   }
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
-  if (y.numel() == 0) return y;
-  switch (dtype) {
+}
+
+// ys[i] = x @ weights[i]^T (+ biases[i]) for products sharing x (every output bitwise as its
+// own small_m_linear call would give it).
+std::vector<at::Tensor> linear_many(const at::Tensor& x, const std::vector<const at::Tensor*>& weights,
+                                    const std::vector<const at::Tensor*>& biases, bool widen) {
+  std::vector<at::Tensor> ys;
+  bool empty = false;
+  for (const at::Tensor* w : weights) {
+    ys.push_back(at::empty({x.size(0), w->size(0)}, x.options()));
+    empty = empty || ys.back().numel() == 0;
+  }
+  if (weights.empty() || empty) {  // nothing to compute for an empty product: run the others alone
+    for (size_t i = 0; i < weights.size(); ++i) {
+      if (ys[i].numel() == 0) continue;
+      std::vector<at::Tensor> one{ys[i]};
+      const std::vector<const at::Tensor*> w{weights[i]}, b{biases[i]};
+      switch (weights[i]->scalar_type()) {
+        case at::kBFloat16: run_typed<c10::BFloat16>(x, w, b, one, widen); break;
+        case at::kHalf: run_typed<c10::Half>(x, w, b, one, widen); break;
+        default: run_typed<float>(x, w, b, one, widen); break;
+      }
+    }
+    return ys;
+  }
+  switch (weights[0]->scalar_type()) {
     case at::kBFloat16:
-      run_typed<c10::BFloat16>(x, weight, bias_ptr, y, widen);
+      run_typed<c10::BFloat16>(x, weights, biases, ys, widen);
       break;
     case at::kHalf:
-      run_typed<c10::Half>(x, weight, bias_ptr, y, widen);
+      run_typed<c10::Half>(x, weights, biases, ys, widen);
       break;
     default:
-      run_typed<float>(x, weight, bias_ptr, y, widen);
+      run_typed<float>(x, weights, biases, ys, widen);
       break;
   }
-  return y;
+  return ys;
+}
+
+// x, weight and bias (or none) of one dtype in {float32, bfloat16, float16}; y has that dtype.
+// widen: bf16 through the widening float path even where the bf16 dot ISA exists (to compare
+// the two; each is M-invariant on its own, they differ from each other by rounding).
+at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          bool widen) {
+  const at::Tensor* bias_ptr = nullptr;
+  check_operands(x, weight, bias, bias_ptr);
+  return linear_many(x, {&weight}, {bias_ptr}, widen)[0];
+}
+
+// Several weights against one x (all of x's dtype and K), e.g. a layer's q, k and v.
+std::vector<at::Tensor> small_m_linear_many(const at::Tensor& x, at::TensorList weights,
+                                            const c10::List<std::optional<at::Tensor>>& biases) {
+  TORCH_CHECK(weights.size() == biases.size(), "small_m_linear_many: one bias (or None) per weight");
+  std::vector<std::optional<at::Tensor>> kept;  // owns the biases while we run
+  for (size_t i = 0; i < biases.size(); ++i) kept.push_back(biases.get(i));
+  std::vector<const at::Tensor*> w, b;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor* bias_ptr = nullptr;
+    check_operands(x, weights[i], kept[i], bias_ptr);
+    w.push_back(&weights[i]);
+    b.push_back(bias_ptr);
+  }
+  return linear_many(x, w, b, false);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvforge_cpu_linear, m) {
   m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias=None, bool widen=False) -> Tensor");
+  m.def("small_m_linear_many(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_linear, CPU, m) {
   m.impl("small_m_linear", &small_m_linear);
+  m.impl("small_m_linear_many", &small_m_linear_many);
 }

@@ -194,7 +194,7 @@ ROWS = [
     Row("SwiftKV + AcrossKV + FP8 KV", "KV memory (5 layers share one KV, per-token float8)",
         "eval/ppl_smollm2-135m_2048_swiftkv_l15_g5_fp8_vs_full.json", _fp8, "SwiftKV l = 15, g = 5, full cache, fp32",
         "within 0.4 points of accuracy (Table 7)"),
-    Row("SwiftKV under KV budgets", "", "bench/throughput_budgets_smollm2-135m_swiftkv.json", _budgets,
+    Row("SwiftKV under KV budgets", "", "bench/throughput_budgets_smollm2-135m_swiftkv_repeat3.json", _budgets,
         "base model, full cache, same budget", "memory-constrained throughput table, Merge-all-Layers as the ideal"),
     Row("Prefix caching, full", "recomputing a conversation's earlier turns",
         "bench/prefix_smollm2-135m_2048x8_full.json", _prefix, "the same without prefix caching",

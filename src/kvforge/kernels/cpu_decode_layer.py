@@ -37,7 +37,7 @@ from kvforge.step_timing import current_timer
 if TYPE_CHECKING:
     from kvforge.models.rope import PositionedRope
 
-__all__ = ["DISABLE_FUSED_ENV", "decode_layer_available", "decode_layers", "fused_layer_enabled", "set_enabled"]
+__all__ = ["DISABLE_FUSED_ENV", "decode_layer_available", "decode_layers", "set_enabled"]
 
 DISABLE_FUSED_ENV = "KVFORGE_DISABLE_FUSED_LAYER"
 
@@ -55,13 +55,13 @@ def set_enabled(enabled: bool) -> None:
     _enabled = bool(enabled)
 
 
-def fused_layer_enabled() -> bool:
-    return _enabled and not kernels_disabled()
-
-
 def decode_layer_available() -> bool:
-    """True when the op and every op it calls are built (builds them on the first call)."""
+    """True when the op and every op it calls are built (builds them on the first call).
+    The answer is kept once known, except while kernels are disabled (that is read on every
+    call, as CppKernel.available does)."""
     global _ready
+    if kernels_disabled():
+        return False
     if _ready is None:
         from kvforge.cache.full.cpu_decode import cpu_kernels_available
 

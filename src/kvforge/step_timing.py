@@ -98,6 +98,10 @@ class TimedCache:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)
 
+    def fused_decode_target(self, cache_layer: int) -> None:
+        """Never: a fused decoder-layer op would store and attend past the timer."""
+        return None
+
     def write(self, *args: Any) -> None:
         self._timer.measure("attention", self._cache.write, *args)
 

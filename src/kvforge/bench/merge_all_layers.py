@@ -44,6 +44,11 @@ class MergedLayersCache:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)
 
+    def fused_decode_target(self, cache_layer: int) -> None:
+        """Never: a fused decoder-layer op would write and attend past this wrapper (it maps
+        every layer to one; passing the call through would reach the wrong layer)."""
+        return None
+
     def write(self, cache_layer: int, *args: Any) -> None:
         self._cache.write(0, *args)
 

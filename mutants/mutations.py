@@ -318,9 +318,8 @@ MUTATIONS: list[Mutation] = [
              "static Op load_x(const XT* p) { return _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(0xFFFF)); }",
              ("tests/kernels/test_cpu_linear.py",), "the pair dot product sums both products of each lane"),
     Mutation("linear_bias_dropped_for_two_byte_dtypes", S + "kernels/cpu_linear.cpp",
-             "bias == nullptr ? nullptr : kvforge_convert::floats_of(*bias, bias_buffer),\n"
-             "                                      reinterpret_cast<T*>(y.data_ptr())",
-             "nullptr,\n                                      reinterpret_cast<T*>(y.data_ptr())",
+             "const_data_ptr()), bias_of(i),\n                    reinterpret_cast<T*>(ys[i]",
+             "const_data_ptr()), nullptr,\n                    reinterpret_cast<T*>(ys[i]",
              ("tests/kernels/test_cpu_linear.py",), "a bf16 layer's bias is added like a float32 one's"),
     Mutation("rms_norm_gemma_without_one_plus_w", S + "kernels/cpu_fused.cpp",
              "static_cast<float>(xr[k]) * inv * (1.0f + static_cast<float>(w[k]))",
@@ -425,4 +424,9 @@ MUTATIONS: list[Mutation] = [
              "first_tile[i + 1] = first_tile[i] + ps[i].n / kNR;",
              ("tests/kernels/test_cpu_linear.py::test_many_products_equal_their_own_calls_bitwise",),
              "every output row of every product is computed"),
+    Mutation("merge_all_layers_passes_the_fused_target_through", S + "bench/merge_all_layers.py",
+             "every layer to one; passing the call through would reach the wrong layer).\"\"\"\n        return None",
+             "every layer to one; passing the call through would reach the wrong layer).\"\"\"\n"
+             "        return self._cache.fused_decode_target(cache_layer)",
+             ("tests/bench/test_throughput_budgets.py",), "no fused layer writes past a wrapper that remaps layers"),
 ]

@@ -141,3 +141,39 @@ def test_switch_turns_it_off(fused_calls: list[int]) -> None:
     finally:
         cpu_decode_layer.set_enabled(True)
     assert fused_calls == []
+
+
+@requires_kernel
+def test_hooks_replaced_methods_and_forwarding_wrappers_get_the_eager_layers(fused_calls: list[int]) -> None:
+    """What the op would skip: a forward hook on a layer's module, a cache method replaced on
+    the instance (as analysis/capture.py does), a wrapper that forwards attributes."""
+    model = make_pair("llama_gqa")[1]
+    seen: list[int] = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *args: seen.append(1))
+    try:
+        fused, eager = fused_and_eager(model, torch.float32, steps=3)
+    finally:
+        handle.remove()
+    assert fused_calls == [len(PROMPTS)] * 3  # layer 0 only: the run stops at the hooked layer
+    assert len(seen) == 2 * 4  # the hook fired on every step of both runs (1 prefill + 3 decode)
+    assert torch.equal(fused, eager)
+
+    fused_calls.clear()
+    runner = runner_for(model, torch.float32)
+    original_write = runner.cache.write
+    writes: list[int] = []
+    runner.cache.write = lambda layer, *args: writes.append(layer) or original_write(layer, *args)
+    decode_logits(runner, PROMPTS, steps=2)
+    assert fused_calls == [] and len(writes) == 3 * model.config.num_layers
+
+    class Forwarding:
+        def __init__(self, cache):
+            self._cache = cache
+
+        def __getattr__(self, name):
+            return getattr(self._cache, name)
+
+    runner = runner_for(model, torch.float32)
+    runner.cache = Forwarding(runner.cache)
+    decode_logits(runner, PROMPTS, steps=2)
+    assert fused_calls == []

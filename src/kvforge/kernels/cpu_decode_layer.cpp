@@ -78,6 +78,13 @@ void store_rows(const at::Tensor& pages, const at::Tensor& rows, const int64_t* 
   const int64_t block = pages.size(2);
   const int64_t dim = pages.size(3);
   const int64_t count = rows.size(0);
+  TORCH_CHECK(pages.dim() == 4 && rows.dim() == 3 && rows.size(1) == heads && rows.size(2) == dim,
+              "llama_decode_layers: K/V rows [B, ", heads, ", ", dim, "] expected for the cache's pages, got ",
+              rows.sizes());
+  for (int64_t b = 0; b < count; ++b) {
+    TORCH_CHECK(slots[b] >= 0 && slots[b] < pages.size(1) * block, "llama_decode_layers: slot ", slots[b],
+                " outside the pages");
+  }
   if (pages.scalar_type() != rows.scalar_type() || pages.stride(3) != 1 || !rows.is_contiguous()) {
     const at::Tensor index = at::from_blob(const_cast<int64_t*>(slots), {count}, at::TensorOptions().dtype(at::kLong));
     pages.view({heads, -1, dim}).index_copy_(1, index, rows.transpose(0, 1).to(pages.scalar_type()));

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from kvforge.kernels import cpu_fused, cpu_linear
 from kvforge.kernels.build import DEFAULT_FLAG_SETS, FLOAT_IO_DTYPES, CppKernel, kernels_disabled
@@ -81,15 +83,24 @@ def decode_layers(layers: Sequence[Any], rope_index: Sequence[int], hidden: torc
     dtype = hidden.dtype
     if dtype not in FLOAT_IO_DTYPES or not hidden.is_contiguous():
         return hidden, 0
-    if current_timer() is not None or torch.is_grad_enabled() or kernels_disabled():
+    if current_timer() is not None or torch.is_grad_enabled() or kernels_disabled() or _global_hooks():
         return hidden, 0
-    first = layers[0] if stop > 0 else None
-    if not getattr(first, "fusable", False) or not decode_layer_available():
+    # Looked up on the class: a wrapper that forwards attributes (__getattr__) to a cache it
+    # wraps must not hand out the wrapped cache's target; it gets the eager layers.
+    target_of = getattr(type(cache), "fused_decode_target", None)
+    modules = list(layers._modules.values()) if hasattr(layers, "_modules") else list(layers)
+    first = modules[0] if stop > 0 else None
+    if target_of is None or first is None or not decode_layer_available():
+        return hidden, 0
+    shape = _layer_shape(first)
+    if shape is None:
         return hidden, 0
     rope = ropes[rope_index[0]]
-    if rope.cos.dtype != dtype:
+    head_dim = shape[3]
+    if (rope.cos.dtype != dtype or rope.cos.dim() != 2 or rope.cos.shape[1] != head_dim or head_dim % 2
+            or not rope.cos.is_contiguous() or not rope.sin.is_contiguous()):
         return hidden, 0
-    target = cache.fused_decode_target(first.self_attn.cache_layer)
+    target = target_of(cache, shape[4])
     if target is None:
         return hidden, 0
     plan = target[2:]  # write slots, page table, positions, scale: one group's
@@ -97,18 +108,19 @@ def decode_layers(layers: Sequence[Any], rope_index: Sequence[int], hidden: torc
     biases: list[torch.Tensor | None] = []
     k_pages: list[torch.Tensor] = []
     v_pages: list[torch.Tensor] = []
-    modules = list(layers._modules.values()) if hasattr(layers, "_modules") else list(layers)
     for index in range(stop):
         layer = modules[index]
         if index:
-            if not getattr(layer, "fusable", False) or ropes[rope_index[index]] is not rope:
+            layer_shape = _layer_shape(layer)
+            # every layer of the run: the first one's eps and geometry, RoPE tables and plan
+            if layer_shape is None or layer_shape[:4] != shape[:4] or ropes[rope_index[index]] is not rope:
                 break
-            target = cache.fused_decode_target(layer.self_attn.cache_layer)
+            target = target_of(cache, layer_shape[4])
             # the same group's plan tensors (identity) and the same softmax scale (value)
             if target is None or any(a is not b for a, b in zip(target[2:-1], plan[:-1])) or target[-1] != plan[-1]:
                 break
         layer_weights, layer_biases = _parameters_of(layer)
-        if not _all_of_dtype(layer_weights, layer_biases, dtype):
+        if not _kernel_ready(layer_weights, layer_biases, dtype):
             break
         weights += layer_weights
         biases += layer_biases
@@ -116,11 +128,50 @@ def decode_layers(layers: Sequence[Any], rope_index: Sequence[int], hidden: torc
         v_pages.append(target[1])
     if not k_pages:
         return hidden, 0
-    attention = first.self_attn
+    eps, num_heads, num_kv_heads, head_dim = shape[:4]
     out = torch.ops.kvforge_cpu_layer.llama_decode_layers(
-        hidden, weights, biases, float(first.input_layernorm.eps), rope.cos, rope.sin, k_pages, v_pages, *plan,
-        attention.num_heads, attention.num_kv_heads, attention.head_dim)
+        hidden, weights, biases, eps, rope.cos, rope.sin, k_pages, v_pages, *plan, num_heads, num_kv_heads, head_dim)
     return out, len(k_pages)
+
+
+def _global_hooks() -> bool:
+    """Global module hooks are skipped by the op (it calls no module): then run eagerly."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
+_plain: dict[str, Any] = {}  # the module classes the op reproduces (imported at first use: no cycle)
+
+
+def _plain_classes() -> dict[str, Any]:
+    if not _plain:
+        from kvforge.models.layers import CachedAttention, GatedMLP, RMSNorm
+        from kvforge.models.llama import LlamaDecoderLayer
+
+        _plain.update(layer=LlamaDecoderLayer, attention=CachedAttention, mlp=GatedMLP, norm=RMSNorm,
+                      all=frozenset((LlamaDecoderLayer, CachedAttention, GatedMLP, RMSNorm, nn.Linear)))
+    return _plain
+
+
+def _layer_shape(layer: Any) -> tuple[float, int, int, int, int] | None:
+    """(eps, heads, kv heads, head dim, cache layer) of a layer the op computes exactly, or
+    None. Checked every step, not once at construction: a replaced submodule (another norm,
+    a QK-norm, a non-Linear projection) or a hook on one makes the layer run eagerly."""
+    if not getattr(layer, "fusable", False):  # static: a plain attention layer with a SiLU MLP
+        return None
+    plain = _plain_classes()
+    modules = layer._modules
+    attention, mlp = modules.get("self_attn"), modules.get("mlp")
+    norm_in, norm_post = modules.get("input_layernorm"), modules.get("post_attention_layernorm")
+    if (type(layer) is not plain["layer"] or type(attention) is not plain["attention"]
+            or type(mlp) is not plain["mlp"] or type(norm_in) is not plain["norm"] or type(norm_post) is not plain["norm"]
+            or attention.q_norm is not None or norm_in.eps != norm_post.eps or mlp.activation is not F.silu):
+        return None
+    for module in (layer, attention, mlp, norm_in, norm_post, *attention._modules.values(), *mlp._modules.values()):
+        if module._forward_hooks or module._forward_pre_hooks or type(module) not in plain["all"]:
+            return None
+    return float(norm_in.eps), attention.num_heads, attention.num_kv_heads, attention.head_dim, attention.cache_layer
 
 
 def _parameters_of(layer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
@@ -135,15 +186,16 @@ def _parameters_of(layer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor | 
     params = [module._parameters for module in linears]
     weights = [modules["input_layernorm"]._parameters["weight"], modules["post_attention_layernorm"]._parameters["weight"],
                *(p["weight"] for p in params)]
-    return weights, [p["bias"] for p in params]
+    return weights, [p.get("bias") for p in params]
 
 
-def _all_of_dtype(weights: list[torch.Tensor], biases: list[torch.Tensor | None], dtype: torch.dtype) -> bool:
-    """What the kernels require of a layer's parameters (else the eager layer runs)."""
+def _kernel_ready(weights: list[torch.Tensor], biases: list[torch.Tensor | None], dtype: torch.dtype) -> bool:
+    """What the kernels require of a layer's parameters (else the eager layer runs, which
+    falls back or adapts where the op would raise)."""
     for w in weights:
-        if w.dtype != dtype or not w.is_contiguous():
+        if w.dtype != dtype or not w.is_contiguous() or not w.is_cpu:
             return False
     for b in biases:
-        if b is not None and b.dtype != dtype:
+        if b is not None and (b.dtype != dtype or not b.is_contiguous() or not b.is_cpu or b.dim() != 1):
             return False
     return True

@@ -75,6 +75,11 @@ class _GroupPlan:
     prefills: tuple[_PrefillPlan, ...]
 
 
+# What the fused decoder-layer op does in place of a layer's write + attend: a subclass or an
+# instance that replaces one of these gets the eager layers (fused_decode_target is None).
+_FUSED_METHODS = ("write", "attend", "_attend", "_store_rows", "_decode_attention")
+
+
 @register_cache_method("full", FullCacheConfig)
 class FullCache(PagedPoolMemory, CacheMethod):
     def __init__(self, layout: CacheLayout, config: FullCacheConfig, budget_bytes: int,
@@ -111,9 +116,8 @@ class FullCache(PagedPoolMemory, CacheMethod):
         # and write/attend as defined here (a subclass that changes them is not what the
         # fused op does).
         self._fusable_writes = (self.k_scales is None and self.config.decode_kernel == "auto"
-                                and self.device.type == "cpu" and cls.write is FullCache.write
-                                and cls._store_rows is FullCache._store_rows
-                                and cls._decode_attention is FullCache._decode_attention)
+                                and self.device.type == "cpu"
+                                and all(getattr(cls, name) is _FUSED_ORIGINALS[name] for name in _FUSED_METHODS))
         self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # attend_rows: the rows, and where each sequence's queries are (None: not trailing
         # runs), located once per step
@@ -211,8 +215,8 @@ class FullCache(PagedPoolMemory, CacheMethod):
         `write_slots` and `attend` would call the CPU kernel on the whole batch), the pages are
         16/32-bit and the kernel is used; else None. The op then does exactly what `write`
         and `attend` would (bitwise), so nothing of this layer is left in `_step_kv`."""
-        if not self._fusable_writes:
-            return None
+        if not self._fusable_writes or any(name in self.__dict__ for name in _FUSED_METHODS):
+            return None  # (a method replaced on this instance, e.g. by a capture hook: eager)
         group, index = self.groups.slot_of[cache_layer]
         plan = self._plans[group]
         d = plan.decode
@@ -365,6 +369,10 @@ class FullCache(PagedPoolMemory, CacheMethod):
             visible_to=as_tensor([s.cached_len for s in spans]),
             every_row=every_row,
         )
+
+
+# The methods as this module defines them (a monkeypatched FullCache differs from these too).
+_FUSED_ORIGINALS = {name: getattr(FullCache, name) for name in _FUSED_METHODS}
 
 
 def _gather_rows(pages: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@ Invariants:
   it is read on every call, so it can be toggled at run time (tests do).
 - A build holds `build_lock` (build_lock.py): a build killed midway never blocks a later
   process, and a live one is waited for only up to a timeout.
-- The build directory name hashes the source, the flags, torch, Python and a CPU
-  fingerprint, so `-march=native` binaries are never loaded on a different CPU and an
-  edited source never loads a stale binary.
+- The build directory name hashes the source, the flags, torch, Python, a CPU
+  fingerprint and the include directory, so `-march=native` binaries are never loaded on a
+  different CPU, an edited source never loads a stale binary, and two checkouts never
+  rebuild each other's builds.
 """
 
 from __future__ import annotations
@@ -149,9 +150,12 @@ class CppKernel:
                     build_dir, " ".join(flags))
 
     def _fingerprint(self, flags: tuple[str, ...]) -> str:
-        """Hash of everything the binary depends on: source, flags, torch, Python and the CPU."""
+        """Hash of everything the binary depends on: source, flags, torch, Python and the CPU,
+        and the include directory: the build records it, so two checkouts sharing one build
+        directory would each recompile the other's build on every load (a CI clone once made
+        the next demo compile inside its timed decode)."""
         parts = [self.source, self.headers, " ".join(flags), torch.__version__, platform.python_version(), platform.machine(),
-                 _cpu_description()]
+                 _cpu_description(), self.include_dir]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

@@ -9,8 +9,9 @@ only the Python goes.
 
 `decode_layers(layers, rope_index, hidden, cache, ropes)` runs the longest prefix of `layers`
 that qualifies and returns (hidden, how many layers it ran); 0 means none, and the model
-runs every layer eagerly (the reference). A layer qualifies when it is `fusable` (a
-LlamaDecoderLayer with plain attention, no QK-norm, SiLU MLP) and the cache offers its
+runs every layer eagerly (the reference). A layer qualifies when it is exactly a
+LlamaDecoderLayer of the plain classes (CachedAttention without QK-norm, a SiLU GatedMLP,
+RMSNorms of one eps, nn.Linear projections; no forward hooks: `_layer_shape`) and the cache offers its
 decode-only plan (`FullCache.fused_decode_target`: every row one decoding sequence, 16/32-bit
 pages, the compiled attention kernel), with the plan and RoPE of the prefix's first layer
 (one cache layer group). The step qualifies under the conditions in which the eager layers
@@ -158,8 +159,6 @@ def _layer_shape(layer: Any) -> tuple[float, int, int, int, int] | None:
     """(eps, heads, kv heads, head dim, cache layer) of a layer the op computes exactly, or
     None. Checked every step, not once at construction: a replaced submodule (another norm,
     a QK-norm, a non-Linear projection) or a hook on one makes the layer run eagerly."""
-    if not getattr(layer, "fusable", False):  # static: a plain attention layer with a SiLU MLP
-        return None
     plain = _plain_classes()
     modules = layer._modules
     attention, mlp = modules.get("self_attn"), modules.get("mlp")

@@ -34,11 +34,6 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
-        # The fused decode op (kernels/cpu_decode_layer.py, called by CausalLM.forward)
-        # computes exactly this forward for plain attention (no SwiftKV later layer, no
-        # QK-norm) and a SiLU MLP with equal norm eps.
-        self.fusable = (type(attention) is CachedAttention and attention.q_norm is None
-                        and c.hidden_act == "silu" and self.input_layernorm.eps == self.post_attention_layernorm.eps)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
                 rope: PositionedRope, *later: Any) -> torch.Tensor:

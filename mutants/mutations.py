@@ -429,4 +429,18 @@ MUTATIONS: list[Mutation] = [
              "every layer to one; passing the call through would reach the wrong layer).\"\"\"\n"
              "        return self._cache.fused_decode_target(cache_layer)",
              ("tests/bench/test_throughput_budgets.py",), "no fused layer writes past a wrapper that remaps layers"),
+    # -- GPU decode paths (checked on the CPU / in Triton's interpreter) ----------------------
+    Mutation("gathered_decode_keeps_hidden_slots", S + "cache/attention.py",
+             "rows = rows.to(q.dtype).masked_fill(hidden[None, :, :, None], 0.0)", "rows = rows.to(q.dtype)",
+             ("tests/cache/full/test_gathered_decode.py",), "slots outside the visible range never reach SDPA"),
+    Mutation("gathered_decode_not_chosen_on_gpus", S + "cache/full/method.py",
+             "if kernel == \"gather\" or (kernel == \"auto\" and q.device.type != \"cpu\"):",
+             "if kernel == \"gather\":",
+             ("tests/cache/full/test_gathered_decode.py",), "decode_kernel=auto takes the gathered path off the CPU"),
+    Mutation("kivi_split_k_seeds_every_split", S + "cache/kivi/triton_decode.py",
+             "first_split = split == 0", "first_split = split >= 0",
+             ("tests/cache/kivi/test_kivi_triton_decode.py",), "the own token is counted once, in split 0"),
+    Mutation("kivi_split_k_unweighted_combine", S + "cache/kivi/triton_decode.py",
+             "weights = tl.exp(maxes - tl.max(maxes, axis=0))", "weights = tl.exp(maxes * 0.0)",
+             ("tests/cache/kivi/test_kivi_triton_decode.py",), "parts are merged by exp(max_s - max)"),
 ]

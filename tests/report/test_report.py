@@ -95,6 +95,14 @@ def test_a_results_file_that_is_not_a_result_is_refused(tmp_path):
         render_results(load_results(tmp_path))
 
 
+def test_a_gpu_check_result_renders_its_rows():
+    doc = json.loads((RESULTS / "gpu" / "h100_run1_gpu-check.json").read_text())
+    text = render_document("docs/results/gpu/h100_run1_gpu-check.json", doc)
+    assert "(gpu-check)" in text and "NVIDIA H100" in text
+    assert sum(line.endswith("  pass") for line in text.splitlines()) == doc["rows_passed"] == len(doc["rows"])
+    assert f"correctness: {doc['rows_passed']}/{len(doc['rows'])} rows passed" in text
+
+
 def test_a_flagged_file_carries_its_flags_into_the_readme_row():
     from kvforge.report.headline import _caveat
 

@@ -6,6 +6,10 @@
   `scaled_dot_product_attention`.
 - `decode_attention`: one query per sequence for a batch of sequences, reading paged
   storage tile by tile with an online softmax, so no sequence's cache is copied whole.
+- `gathered_decode_attention`: the same result from one gather of every page and one
+  `scaled_dot_product_attention` call: a few large operations instead of a dozen per tile,
+  which is what a GPU needs (each operation there is a kernel launch); it copies each
+  sequence's cache once per layer.
 
 Shapes: queries [n, heads, head_dim]; keys/values [m, kv_heads, head_dim]; grouped-query
 attention maps query head h to kv head h // (heads // kv_heads).
@@ -204,3 +208,40 @@ def decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor
         running_max = new_max
     out = (acc / running_sum).view(kv_heads, batch, group, dim).transpose(0, 1)
     return out.reshape(batch, heads, dim).to(q.dtype)
+
+
+def gathered_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor,
+                              k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+                              first_page_position: torch.Tensor, visible_from: torch.Tensor,
+                              visible_to: torch.Tensor, scale: float,
+                              k_scales: torch.Tensor | None = None,
+                              v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """`decode_attention`'s result (same arguments, no tiles) in q's dtype.
+
+    Grouped-query attention without repeating K/V: the `group` query heads that share a KV
+    head are that head's `group` queries, [B, kv_heads, group, D], all with the same mask.
+    Every page of `page_table` is gathered at once, [B, kv_heads, P * block, D], the step's own
+    key appended last. Slots outside [visible_from, visible_to) are masked and their K/V
+    zeroed first: storage comes from torch.empty and a NaN there would survive a mask that
+    SDPA applies as an additive -inf.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = k_self.shape[1]
+    group = heads // kv_heads
+    width = page_table.shape[1] * k_pages.shape[2]
+    flat_ids = page_table.reshape(-1)
+
+    def gathered(pages: torch.Tensor, scales: torch.Tensor | None, own: torch.Tensor) -> torch.Tensor:
+        rows = select_pages(pages, flat_ids).view(kv_heads, batch, width, dim)
+        if scales is not None:
+            rows = rows.float() * scales.index_select(1, flat_ids).view(kv_heads, batch, width, 1)
+        rows = rows.to(q.dtype).masked_fill(hidden[None, :, :, None], 0.0)
+        return torch.cat((rows.transpose(0, 1), own.to(q.dtype)[:, :, None, :]), dim=2)
+
+    positions = first_page_position[:, None] + torch.arange(width, device=q.device)[None, :]
+    hidden = (positions < visible_from[:, None]) | (positions >= visible_to[:, None])  # [B, width]
+    k = gathered(k_pages, k_scales, k_self)
+    v = gathered(v_pages, v_scales, v_self)
+    visible = torch.cat((~hidden, hidden.new_ones(batch, 1)), dim=1)[:, None, None, :]  # own key last
+    out = F.scaled_dot_product_attention(q.view(batch, kv_heads, group, dim), k, v, attn_mask=visible, scale=scale)
+    return out.reshape(batch, heads, dim)

@@ -44,7 +44,9 @@ def kind_of(doc: Document) -> str:
         return "swiftkv early-exit"
     if doc.get("demo"):
         return "demo"
-    raise ValueError("not a kvforge result file (no benchmark, eval, students or demo key)")
+    if doc.get("check") == "gpu-check":
+        return "gpu-check"
+    raise ValueError("not a kvforge result file (no benchmark, eval, students, demo or check key)")
 
 
 def provenance_line(path: str, doc: Document) -> str:
@@ -271,12 +273,19 @@ def _budgets(doc: Document) -> str:
     return head + table(["system", "KV bytes/token", *budgets, "repeat spread"], rows)
 
 
+def _gpu_check(doc: Document) -> str:
+    """gpu-check's own table, as the command prints it (one row per method x model x size)."""
+    from kvforge.gpu_check.report import format_table
+
+    return "```\n" + format_table(doc) + "\n```"
+
+
 RENDERERS: dict[str, Callable[[Document], str]] = {
     "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench prefix": _bench,
     "bench serve": _serve, "bench vllm_swiftkv_prefill": _vllm_prefill, "bench throughput_budgets": _budgets,
     "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "eval shadowkv-front": _eval,
     "swiftkv evaluate": _swiftkv_evaluate, "swiftkv early-exit": _early_exit,
-    "demo": _demo,
+    "demo": _demo, "gpu-check": _gpu_check,
 }
 
 

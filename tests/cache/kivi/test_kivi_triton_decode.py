@@ -174,6 +174,31 @@ def test_triton_kernel_matches_reference(triton_device: str, bits: int, options:
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 40])
+@pytest.mark.parametrize("options", [{}, {"window": 50, "table_from_first_kept": True}], ids=["full", "window"])
+def test_split_k_matches_reference(triton_device: str, splits: int, options: dict) -> None:
+    """Every sequence's token range cut into parts run by separate programs and combined;
+    40 parts leave most of them empty for the short sequences (and some for every one)."""
+    case, _ = make_case(LENGTHS, 2, **options)
+    expected = kivi_decode_attention_reference(**case)
+    out = kivi_decode_attention_triton(**on(case, triton_device), splits=splits).cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_split_count_fills_the_device_and_keeps_splits_long() -> None:
+    h100 = torch.device("cuda", 0)
+    triton_decode._SM_COUNTS[0] = 132
+    try:
+        # 16 sequences x 3 KV heads at 2,048 tokens: 4 x 132 programs wanted -> 11 splits
+        assert triton_decode.choose_splits(48, 2048 + 128, h100) == 11
+        # short contexts: each split keeps MIN_SPLIT_TILES tiles of BLOCK_T tokens
+        assert triton_decode.choose_splits(48, 300, h100) == 300 // (4 * triton_decode.BLOCK_T)
+        assert triton_decode.choose_splits(48, 50, h100) == 1
+        assert triton_decode.choose_splits(1024, 32768, h100) == 1  # enough pairs already
+    finally:
+        del triton_decode._SM_COUNTS[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_kernel_half_precision_compute_dtype(triton_device: str, dtype: torch.dtype) -> None:
     """Queries, own K/V and residuals in the compute dtype; both paths accumulate in float32,

@@ -11,7 +11,7 @@ from kvforge.errors import require
 
 # float8 formats store a float32 scale per token and KV head beside the codes (fp8.py).
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, **FP8_DTYPES}
-DECODE_KERNELS = ("auto", "torch")
+DECODE_KERNELS = ("auto", "torch", "gather")
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,9 @@ class FullCacheConfig:
     # Stored tokens read per tile by batched decode attention (bounds temporaries).
     decode_tile_tokens: int = 1024
     # Batched decode attention: "auto" uses the compiled CPU kernel for CPU tensors when it
-    # builds (kvforge.kernels), else the PyTorch `decode_attention`; "torch" always the latter.
+    # builds (kvforge.kernels) and `gathered_decode_attention` (one gather + SDPA) on other
+    # devices; "torch" always the tiled PyTorch `decode_attention`; "gather" always the
+    # gathered one. All three compute the same attention (cache/attention.py).
     decode_kernel: str = "auto"
 
     def __post_init__(self) -> None:

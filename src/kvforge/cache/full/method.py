@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.batch import ForwardBatch, SequenceSpan
-from kvforge.cache.attention import chunk_attention, decode_attention, select_pages
+from kvforge.cache.attention import chunk_attention, decode_attention, gathered_decode_attention, select_pages
 from kvforge.cache.base import CacheMethod, PagedPoolMemory
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.full.config import STORAGE_DTYPES, FullCacheConfig
@@ -310,8 +310,11 @@ class FullCache(PagedPoolMemory, CacheMethod):
         """One query per decode sequence (row i of q is sequence i of `d`), [B, heads, D]."""
         args = (q, k_self, v_self, k_pages, v_pages, d.page_table, d.first_page_position, d.visible_from,
                 d.visible_to, scale)
-        if self.config.decode_kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
+        kernel = self.config.decode_kernel
+        if kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
             return paged_decode_attention_cpu(*args, k_scales=k_scales, v_scales=v_scales)  # pages in place
+        if kernel == "gather" or (kernel == "auto" and q.device.type != "cpu"):
+            return gathered_decode_attention(*args, k_scales=k_scales, v_scales=v_scales)
         return decode_attention(*args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size),
                                 k_scales=k_scales, v_scales=v_scales)
 

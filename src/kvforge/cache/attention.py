@@ -8,8 +8,10 @@
   storage tile by tile with an online softmax, so no sequence's cache is copied whole.
 - `gathered_decode_attention`: the same result from one gather of every page and one
   `scaled_dot_product_attention` call: a few large operations instead of a dozen per tile,
-  which is what a GPU needs (each operation there is a kernel launch); it copies each
-  sequence's cache once per layer.
+  which is what a GPU needs (each operation there is a kernel launch). It copies the batch's
+  tables, padded to the widest, about three times per layer (gather, mask, own token), and
+  works in q's dtype (the tiled path in float32); the `full` cache bounds the copy
+  (`decode_gather_max_bytes`).
 
 Shapes: queries [n, heads, head_dim]; keys/values [m, kv_heads, head_dim]; grouped-query
 attention maps query head h to kv head h // (heads // kv_heads).

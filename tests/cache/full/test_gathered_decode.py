@@ -12,6 +12,7 @@ from decode_cases import make_case
 from kvforge.cache.attention import decode_attention, gathered_decode_attention
 from kvforge.cache.full.fp8 import FP8_DTYPES, quantize_per_token
 from kvforge.cache.registry import parse_cache_spec
+from kvforge.errors import ConfigError
 
 
 def both(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +92,6 @@ def test_option_values():
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_window", "gemma3_hybrid"])
 def test_model_decode_same_logits_through_the_gathered_path(name, monkeypatch):
     _, model = make_pair(name)
-    monkeypatch.setattr("kvforge.kernels.cpu_decode_layer._enabled", False)
     calls = []
     monkeypatch.setattr("kvforge.cache.full.method.gathered_decode_attention",
                         lambda *args, **kwargs: calls.append(1) or gathered_decode_attention(*args, **kwargs))
@@ -102,37 +102,75 @@ def test_model_decode_same_logits_through_the_gathered_path(name, monkeypatch):
     torch.testing.assert_close(logits["gather"], logits["torch"], atol=1e-5, rtol=0)
 
 
-def test_auto_chooses_the_gathered_path_off_the_cpu(monkeypatch):
-    """decode_kernel=auto on a non-CPU device: the meta device stands in for CUDA (the
-    choice reads q.device only)."""
+def _choices(monkeypatch, spec: str, tables: list[int], device: str = "meta", q_dtype=torch.float32) -> list[str]:
+    """Which path `FullCache._decode_attention` takes for tables of these page counts (the
+    meta device stands in for CUDA: the choice reads shapes and q.device only)."""
     from kvforge.cache.full import method
 
-    cache = parse_cache_spec("full:block_size=4").config()
-    assert cache.decode_kernel == "auto"
-    chosen = []
+    chosen: list[str] = []
     monkeypatch.setattr(method, "gathered_decode_attention", lambda *a, **k: chosen.append("gather"))
     monkeypatch.setattr(method, "decode_attention", lambda *a, **k: chosen.append("tiled"))
     monkeypatch.setattr(method, "paged_decode_attention_cpu", lambda *a, **k: chosen.append("cpu"))
     full = object.__new__(method.FullCache)
-    full.config = cache
+    full.config = parse_cache_spec(spec).config()
+    full.block_size = full.config.block_size
+    width, batch = max(tables), len(tables)
+    plan = method._DecodePlan(
+        seq_ids=tuple(range(batch)), rows=torch.arange(batch), page_table=torch.zeros(batch, width, dtype=torch.long),
+        first_page_position=torch.zeros(batch, dtype=torch.long), visible_from=torch.zeros(batch, dtype=torch.long),
+        visible_to=torch.tensor(tables) * full.block_size, every_row=True,
+        compact_tables=width * batch <= 2 * sum(tables) + batch)
+    q = torch.empty(batch, 6, 64, device=device, dtype=q_dtype)
+    pages = torch.empty(3, 64, full.block_size, 64, device=device, dtype=q_dtype)
+    full._decode_attention(plan, q, q[:, :3], q[:, :3], pages, pages, None, None, 1.0)
+    return chosen
+
+
+def test_auto_chooses_the_gathered_path_off_the_cpu(monkeypatch):
+    assert _choices(monkeypatch, "full", [4, 5, 6]) == ["gather"]
+    assert _choices(monkeypatch, "full", [4, 5, 6], device="cpu")[0] in ("cpu", "tiled")
+
+
+def test_auto_keeps_the_tiled_path_for_padded_or_large_gathers(monkeypatch):
+    # one long sequence among short ones: the padded gather would be ~8x the real rows
+    assert _choices(monkeypatch, "full", [64, 1, 1, 1, 1, 1, 1, 1]) == ["tiled"]
+    # rows x kv heads x dim x 4 bytes = 3 x 3 x 16 x 16 x 64 x 4 = 589,824 bytes
+    assert _choices(monkeypatch, "full:decode_gather_max_bytes=589824", [16, 16, 16]) == ["gather"]
+    assert _choices(monkeypatch, "full:decode_gather_max_bytes=589823", [16, 16, 16]) == ["tiled"]
+    # forced: the limits do not apply
+    assert _choices(monkeypatch, "full:decode_kernel=gather,decode_gather_max_bytes=0", [64, 1]) == ["gather"]
+
+
+@pytest.mark.parametrize("lengths,compact", [([40, 36, 30], True), ([256, 4, 4, 4, 4], False)])
+def test_the_plan_marks_padded_tables(lengths, compact):
+    """`_plan_decode` decides compact_tables from the real page lists, on the host."""
+    from types import SimpleNamespace
+
+    from kvforge.batch import SequenceSpan
+    from kvforge.cache.full import method
+
+    full = object.__new__(method.FullCache)
     full.block_size = 4
-    plan = method._DecodePlan(seq_ids=(0,), rows=torch.zeros(1, dtype=torch.long),
-                              page_table=torch.zeros(1, 1, dtype=torch.long),
-                              first_page_position=torch.zeros(1, dtype=torch.long),
-                              visible_from=torch.zeros(1, dtype=torch.long),
-                              visible_to=torch.zeros(1, dtype=torch.long), every_row=True)
-    for device in ("meta", "cpu"):
-        q = torch.empty(1, 2, 8, device=device)
-        full._decode_attention(plan, q, q[:, :1], q[:, :1], q, q, None, None, 1.0)
-    assert chosen[0] == "gather" and chosen[1] in ("cpu", "tiled")
+    full.pages = SimpleNamespace(first_kept_token=lambda group, n: 0,
+                                 require_slots=lambda seq, group, start, end: list(range(-(-end // 4))))
+    spans = [SequenceSpan(seq_id=i, query_start=i, query_len=1, cached_len=n) for i, n in enumerate(lengths)]
+    assert full._plan_decode(0, spans, every_row=True).compact_tables is compact
+    with pytest.raises(ConfigError, match="decode_gather_max_bytes"):
+        parse_cache_spec("full:decode_gather_max_bytes=-1").config()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu/run_on_device.sh tests)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_matches_the_cpu_tiled_path(dtype):
-    case = make_case([1, 17, 90, 700], kv_heads=3, group=3, dim=64, window=None, storage=dtype)
+@pytest.mark.parametrize("window", [None, 13])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_matches_the_cpu_tiled_path(dtype, window, fp8):
+    case = make_case([1, 17, 90, 700], kv_heads=3, group=3, dim=64, window=window, storage=dtype)
     for key in ("q", "k_self", "v_self"):
         case[key] = case[key].to(dtype)
+    if fp8:
+        for side in ("k", "v"):
+            case[f"{side}_pages"], case[f"{side}_scales"] = quantize_per_token(case[f"{side}_pages"].float(),
+                                                                                FP8_DTYPES["float8_e4m3fn"])
     ref = decode_attention(**case, tile_pages=2)
     on_gpu = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
     out = gathered_decode_attention(**on_gpu).cpu()

@@ -26,6 +26,10 @@ class FullCacheConfig:
     # devices; "torch" always the tiled PyTorch `decode_attention`; "gather" always the
     # gathered one. All three compute the same attention (cache/attention.py).
     decode_kernel: str = "auto"
+    # The gathered decode path (decode_kernel=gather, or auto off the CPU) copies every
+    # sequence's table padded to the batch's widest: a step whose K (or V) gather would exceed
+    # this many bytes, or whose padding would more than double the rows, takes the tiled path.
+    decode_gather_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         require(self.storage_dtype is None or self.storage_dtype in STORAGE_DTYPES, "storage_dtype",
@@ -33,5 +37,7 @@ class FullCacheConfig:
         require(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
         require(self.decode_tile_tokens >= self.block_size, "decode_tile_tokens", self.decode_tile_tokens,
                 "must be >= block_size")
+        require(self.decode_gather_max_bytes >= 0, "decode_gather_max_bytes", self.decode_gather_max_bytes,
+                "must be >= 0")
         require(self.decode_kernel in DECODE_KERNELS, "decode_kernel", self.decode_kernel,
                 f"must be one of {list(DECODE_KERNELS)}")

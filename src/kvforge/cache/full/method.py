@@ -47,6 +47,9 @@ class _DecodePlan:
     # True when the step is decode only and `rows` is 0..B-1: q, k and v then need no
     # gather and the kernel's output is the layer's output (no scatter).
     every_row: bool
+    # Host-side: the batch's tables padded to the widest hold at most twice the real pages
+    # (plus one per sequence), so a gather of the padded table stays proportional to the cache.
+    compact_tables: bool = True
 
 
 @dataclass(frozen=True)
@@ -313,10 +316,18 @@ class FullCache(PagedPoolMemory, CacheMethod):
         kernel = self.config.decode_kernel
         if kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
             return paged_decode_attention_cpu(*args, k_scales=k_scales, v_scales=v_scales)  # pages in place
-        if kernel == "gather" or (kernel == "auto" and q.device.type != "cpu"):
+        if kernel == "gather" or (kernel == "auto" and q.device.type != "cpu" and self._gather_fits(d, q, k_pages)):
             return gathered_decode_attention(*args, k_scales=k_scales, v_scales=v_scales)
         return decode_attention(*args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size),
                                 k_scales=k_scales, v_scales=v_scales)
+
+    def _gather_fits(self, d: _DecodePlan, q: torch.Tensor, k_pages: torch.Tensor) -> bool:
+        """Whether `auto` may take the gathered path: compact tables and a K (or V) copy of at
+        most decode_gather_max_bytes (shapes only: deciding never synchronises)."""
+        batch, width = d.page_table.shape
+        rows = batch * width * k_pages.shape[2] * k_pages.shape[0]  # [kv_heads, B, W * block]
+        element = max(q.element_size(), 4 if k_pages.element_size() == 1 else k_pages.element_size())
+        return d.compact_tables and rows * k_pages.shape[-1] * element <= self.config.decode_gather_max_bytes
 
     # -- planning ---------------------------------------------------------------------
     def _plan_group(self, group: int, batch: ForwardBatch) -> _GroupPlan:
@@ -371,6 +382,7 @@ class FullCache(PagedPoolMemory, CacheMethod):
             visible_from=as_tensor(visible_from),
             visible_to=as_tensor([s.cached_len for s in spans]),
             every_row=every_row,
+            compact_tables=width * len(tables) <= 2 * sum(len(t) for t in tables) + len(tables),
         )
 
 

@@ -247,7 +247,7 @@ def kivi_decode_attention_triton(
     bound = page_table.shape[1] * group + max(k_residual.shape[2], v_residual.shape[2])
     if splits is None:
         splits = choose_splits(batch * kv_heads, bound, q.device)
-    require(splits >= 1, "splits", splits, "must be >= 1")
+    require(1 <= splits <= MAX_SPLITS, "splits", splits, f"must be in 1..{MAX_SPLITS}")
     split_tokens = -(-max(bound, 1) // (splits * BLOCK_T)) * BLOCK_T  # a multiple of BLOCK_T
     splits = -(-max(bound, 1) // split_tokens)  # none of them wholly past the bound
     parts = out
@@ -279,14 +279,19 @@ def kivi_decode_attention_triton(
 
 PROGRAMS_PER_SM = 4  # programs per multiprocessor that split-K aims for
 MIN_SPLIT_TILES = 4  # each split walks at least this many BLOCK_T tiles
+# The combine kernel holds [splits, head_dim] floats of one row at once: more would spill
+# registers (a batch of one at 64K tokens would otherwise ask for ~400 splits).
+MAX_SPLITS = 32
 INTERPRETED_PROGRAMS = 8  # the interpreter's "device": small, so tests take the split path
 
 
 def choose_splits(pairs: int, bound: int, device: torch.device) -> int:
     """Splits per (sequence, kv head) pair: enough programs to fill the GPU
-    (PROGRAMS_PER_SM per multiprocessor), each still walking MIN_SPLIT_TILES tiles."""
+    (PROGRAMS_PER_SM per multiprocessor), each still walking MIN_SPLIT_TILES tiles, at most
+    MAX_SPLITS. The count depends on the batch (its size and widest table), so a sequence's
+    output can differ in the last float32 bits with what it is batched with."""
     target = PROGRAMS_PER_SM * _multiprocessors(device) if device.type == "cuda" else INTERPRETED_PROGRAMS
-    most = max(1, bound // (MIN_SPLIT_TILES * BLOCK_T))
+    most = max(1, min(MAX_SPLITS, bound // (MIN_SPLIT_TILES * BLOCK_T)))
     return max(1, min(most, -(-target // max(pairs, 1))))
 
 

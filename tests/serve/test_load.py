@@ -169,6 +169,11 @@ def test_a_client_that_disconnects_has_its_request_aborted(stream):
     engine steps nothing runs and no cache byte is held."""
     tokenizer, model = char_tokenizer(), tiny_model()
     engine = make_engine(model, tokenizer)
+    # The tiny model can run 400 steps inside the non-streaming client's 0.3 s timeout on a
+    # fast moment (a fresh-clone CI run did): each step waits 10 ms first, so the request
+    # would need >= 4 s and the client always leaves before it finishes.
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.01), step())[1]
     with serve(engine, tokenizer) as server:
         async def leave_early() -> None:
             body = {"prompt": "abc", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": stream}

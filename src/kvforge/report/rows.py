@@ -176,7 +176,7 @@ ROWS = [
         "base model (teacher)", "T = 2 KL distillation on < 1B tokens"),
     Row("KIVI-2", "KV memory (2-bit, 16-bit residual)", "serve/kivi_vs_full_fp16_256MB_split_budget.json", _serve_kivi,
         "full cache, fp16", "2.6x less peak memory, 4x batch, 2.35-3.47x throughput (A100)"),
-    Row("KIVI-2, long context", "", "bench/throughput_smollm2-135m_kivi_long_context.json", _kivi_long_context,
+    Row("KIVI-2, long context", "", "bench/throughput_smollm2-135m_kivi_long_context_fused_full.json", _kivi_long_context,
         "full cache, fp16", ""),
     Row("KIVI quality", "", "eval/pareto_kivi_smollm2-135m.json", _kivi_front, "full cache, fp32",
         "<= 2% accuracy drop at 2 bits (7B models)"),

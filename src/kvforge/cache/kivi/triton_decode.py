@@ -282,7 +282,7 @@ MIN_SPLIT_TILES = 4  # each split walks at least this many BLOCK_T tiles
 # The combine kernel holds [splits, head_dim] floats of one row at once: more would spill
 # registers (a batch of one at 64K tokens would otherwise ask for ~400 splits).
 MAX_SPLITS = 32
-INTERPRETED_PROGRAMS = 8  # the interpreter's "device": small, so tests take the split path
+INTERPRETED_PROGRAMS = 8  # programs aimed at in the interpreter (tests force their split counts)
 
 
 def choose_splits(pairs: int, bound: int, device: torch.device) -> int:

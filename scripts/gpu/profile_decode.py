@@ -23,8 +23,7 @@ from kvforge.engine.sampling import SamplingParams
 
 def _prefill(llm: LLM, batch: int, context: int, gen: int, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
-    vocab = llm.tokenizer.vocab_size if hasattr(llm.tokenizer, "vocab_size") else 32000
-    ids = torch.randint(0, min(vocab, 32000), (batch, context), generator=generator).tolist()
+    ids = torch.randint(0, llm.model.config.vocab_size, (batch, context), generator=generator).tolist()
     params = SamplingParams.greedy_params(max_tokens=gen, ignore_eos=True)
     engine = llm.engine
     for prompt in ids:

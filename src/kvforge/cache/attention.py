@@ -217,7 +217,8 @@ def gathered_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: tor
                               first_page_position: torch.Tensor, visible_from: torch.Tensor,
                               visible_to: torch.Tensor, scale: float,
                               k_scales: torch.Tensor | None = None,
-                              v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                              v_scales: torch.Tensor | None = None,
+                              hidden: torch.Tensor | None = None) -> torch.Tensor:
     """`decode_attention`'s result (same arguments, no tiles) in q's dtype.
 
     Grouped-query attention without repeating K/V: the `group` query heads that share a KV
@@ -225,7 +226,8 @@ def gathered_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: tor
     Every page of `page_table` is gathered at once, [B, kv_heads, P * block, D], the step's own
     key appended last. Slots outside [visible_from, visible_to) are masked and their K/V
     zeroed first: storage comes from torch.empty and a NaN there would survive a mask that
-    SDPA applies as an additive -inf.
+    SDPA applies as an additive -inf. `hidden`: `hidden_slots(...)` of these arguments, when
+    the caller computed it once for several layers.
     """
     batch, heads, dim = q.shape
     kv_heads = k_self.shape[1]
@@ -240,10 +242,18 @@ def gathered_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: tor
         rows = rows.to(q.dtype).masked_fill(hidden[None, :, :, None], 0.0)
         return torch.cat((rows.transpose(0, 1), own.to(q.dtype)[:, :, None, :]), dim=2)
 
-    positions = first_page_position[:, None] + torch.arange(width, device=q.device)[None, :]
-    hidden = (positions < visible_from[:, None]) | (positions >= visible_to[:, None])  # [B, width]
+    if hidden is None:
+        hidden = hidden_slots(first_page_position, visible_from, visible_to, width)
     k = gathered(k_pages, k_scales, k_self)
     v = gathered(v_pages, v_scales, v_self)
     visible = torch.cat((~hidden, hidden.new_ones(batch, 1)), dim=1)[:, None, None, :]  # own key last
     out = F.scaled_dot_product_attention(q.view(batch, kv_heads, group, dim), k, v, attn_mask=visible, scale=scale)
     return out.reshape(batch, heads, dim)
+
+
+def hidden_slots(first_page_position: torch.Tensor, visible_from: torch.Tensor, visible_to: torch.Tensor,
+                 width: int) -> torch.Tensor:
+    """[B, width] bool: slot i of sequence b's gathered table (position first_page_position[b]
+    + i) lies outside [visible_from[b], visible_to[b])."""
+    positions = first_page_position[:, None] + torch.arange(width, device=first_page_position.device)[None, :]
+    return (positions < visible_from[:, None]) | (positions >= visible_to[:, None])

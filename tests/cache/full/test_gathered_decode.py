@@ -9,7 +9,7 @@ import torch
 from conftest import decode_logits, make_pair, make_runner
 from decode_cases import make_case
 
-from kvforge.cache.attention import decode_attention, gathered_decode_attention
+from kvforge.cache.attention import decode_attention, gathered_decode_attention, hidden_slots
 from kvforge.cache.full.fp8 import FP8_DTYPES, quantize_per_token
 from kvforge.cache.registry import parse_cache_spec
 from kvforge.errors import ConfigError
@@ -91,15 +91,20 @@ def test_option_values():
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_window", "gemma3_hybrid"])
 def test_model_decode_same_logits_through_the_gathered_path(name, monkeypatch):
+    from kvforge.cache.full import method
+
     _, model = make_pair(name)
-    calls = []
-    monkeypatch.setattr("kvforge.cache.full.method.gathered_decode_attention",
+    calls, masks = [], []
+    monkeypatch.setattr(method, "gathered_decode_attention",
                         lambda *args, **kwargs: calls.append(1) or gathered_decode_attention(*args, **kwargs))
+    monkeypatch.setattr(method, "hidden_slots", lambda *args: masks.append(1) or hidden_slots(*args))
     prompts = [list(range(3, 30)), [7, 8], list(range(40, 52))]
     logits = {kernel: decode_logits(make_runner(model, cache=f"full:block_size=4,decode_kernel={kernel}"),
                                     prompts, steps=12) for kernel in ("gather", "torch")}
     assert calls, "decode_kernel=gather did not use gathered_decode_attention"
     torch.testing.assert_close(logits["gather"], logits["torch"], atol=1e-5, rtol=0)
+    if name == "llama_gqa":  # one layer group: its plan's mask is made once per step, not per layer
+        assert len(calls) == len(masks) * len(model.model.layers)
 
 
 def _choices(monkeypatch, spec: str, tables: list[int], device: str = "meta", q_dtype=torch.float32) -> list[str]:
@@ -114,6 +119,7 @@ def _choices(monkeypatch, spec: str, tables: list[int], device: str = "meta", q_
     full = object.__new__(method.FullCache)
     full.config = parse_cache_spec(spec).config()
     full.block_size = full.config.block_size
+    full._hidden_slots = {}
     width, batch = max(tables), len(tables)
     plan = method._DecodePlan(
         seq_ids=tuple(range(batch)), rows=torch.arange(batch), page_table=torch.zeros(batch, width, dtype=torch.long),

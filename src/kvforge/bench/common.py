@@ -309,7 +309,7 @@ def start_measuring(ctx: BenchContext) -> None:
     """Before the first timed region: build every kernel, start the load probe, measure the
     machine's peaks."""
     from kvforge.bench.machine_load import LoadProbe
-    from kvforge.bench.peak import measure_peak
+    from kvforge.bench.peak import READ_PASSES, measure_peak
     from kvforge.prebuild import build_cpu_kernels
 
     # Every kernel is built before the first timed region (a compile once cost 26 s of a
@@ -322,7 +322,10 @@ def start_measuring(ctx: BenchContext) -> None:
     ctx.probe = LoadProbe()
     ctx.peak = measure_peak(ctx.dtype, torch.device(ctx.device))
     log(f"matmul peak {ctx.peak.matmul_gflops:.1f} GFLOP/s ({ctx.peak.matmul_dtype}, n={ctx.peak.matmul_size}), "
-        f"read bandwidth {ctx.peak.read_gbps:.1f} GB/s, on {ctx.peak.device}"
+        f"read bandwidth {ctx.peak.read_gbps:.1f} GB/s"
+        + (f" (median of {READ_PASSES} passes; best {ctx.peak.read_gbps_best:.1f})"
+           if ctx.peak.read_gbps_best is not None else "")
+        + f", on {ctx.peak.device}"
         + (f", {ctx.peak.threads} threads" if ctx.peak.device == "cpu" else ""))
 
 

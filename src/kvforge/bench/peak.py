@@ -4,20 +4,26 @@
   count (n = 2048, smaller only where a dtype has no fast CPU kernel, e.g. float16 on most
   CPUs, so the probe stays under about a second). Reported as the best of the repeats, in
   GFLOP/s: a peak, not a typical value.
-- read bandwidth: torch.sum over a 256 MiB float32 tensor (far larger than the caches),
-  best of the repeats, in GB/s. Decode is bound by reading weights and KV, so its GB/s are
-  compared with this.
+- read bandwidth: torch.sum over a 256 MiB float32 tensor (far larger than the caches), in
+  GB/s: the median of READ_PASSES passes (the best pass is kept as `read_gbps_best`). Decode
+  is bound by reading weights and KV, so its GB/s are compared with this. Not the best pass:
+  on this shared machine a single pass now and then reads far above the rest (52 GB/s once
+  in 20 passes that otherwise read 31-33), and a best-of-5 rule turned that into the
+  roofline of a whole run (one run's probe read 47.6 GB/s, the next ones 28-31). The
+  decode figures compared with it are medians too.
 
 Both are taken before any system runs; on a machine shared with other jobs they move with
 the load, which is why they are measured here rather than quoted.
 
 On a GPU (`device`), both are measured there, the bench's roofline being the GPU's: the
 matmul at n = 8192 and the read over 2 GiB (the CPU's probe sizes fit in an H100's L2 or
-finish in microseconds), each timed between two synchronisations.
+finish in microseconds), each timed between two synchronisations, best of the repeats (a
+lent GPU runs nothing else).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -26,6 +32,7 @@ import torch
 MATMUL_SIZE = 2048
 PROBE_SECONDS = 0.05  # a smaller size is used when one 2048 call would take far longer
 READ_BYTES = 256 * 2**20
+READ_PASSES = 9
 DEVICE_MATMUL_SIZE = 8192
 DEVICE_READ_BYTES = 2 * 2**30
 
@@ -38,22 +45,28 @@ class MachinePeak:
     read_gbps: float
     threads: int
     device: str = "cpu"
+    read_gbps_best: float | None = None  # the fastest read pass (CPU probe; None on a GPU)
 
     def as_dict(self) -> dict[str, float | int | str]:
         return asdict(self)
 
 
-def _best_seconds(fn, repeats: int, sync=lambda: None) -> float:
-    """Best wall time of `fn` (`sync` waits for queued device work; nothing on the CPU)."""
-    fn()  # warm-up: thread pool start, allocator, kernel selection
-    best = float("inf")
+def _timed_passes(fn, repeats: int, sync=lambda: None) -> list[float]:
+    """Wall times of `repeats` calls of `fn` after one warm-up call (thread pool start,
+    allocator, kernel selection); `sync` waits for queued device work (nothing on the CPU)."""
+    fn()
+    seconds = []
     for _ in range(repeats):
         sync()
         start = time.perf_counter()
         fn()
         sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _best_seconds(fn, repeats: int, sync=lambda: None) -> float:
+    return min(_timed_passes(fn, repeats, sync))
 
 
 def _matmul_size(dtype: torch.dtype) -> int:
@@ -76,10 +89,11 @@ def measure_matmul_gflops(dtype: torch.dtype, repeats: int = 5) -> tuple[float, 
     return 2 * size**3 / seconds / 1e9, size
 
 
-def measure_read_gbps(repeats: int = 5) -> float:
+def measure_read_gbps(passes: int = READ_PASSES) -> tuple[float, float]:
+    """(median, best) GB/s of `passes` torch.sum passes over READ_BYTES."""
     data = torch.ones(READ_BYTES // 4, dtype=torch.float32)
-    seconds = _best_seconds(lambda: data.sum(), repeats)
-    return READ_BYTES / seconds / 1e9
+    seconds = sorted(_timed_passes(lambda: data.sum(), passes))
+    return READ_BYTES / statistics.median(seconds) / 1e9, READ_BYTES / seconds[0] / 1e9
 
 
 def measure_device_peak(dtype: torch.dtype, device: torch.device, repeats: int = 5) -> tuple[float, float]:
@@ -109,5 +123,6 @@ def measure_peak(dtype: torch.dtype, device: torch.device | None = None) -> Mach
         return MachinePeak(matmul_gflops=gflops, matmul_size=DEVICE_MATMUL_SIZE, matmul_dtype=name,
                            read_gbps=gbps, threads=torch.get_num_threads(), device=str(device))
     gflops, size = measure_matmul_gflops(dtype)
-    return MachinePeak(matmul_gflops=gflops, matmul_size=size, matmul_dtype=name,
-                       read_gbps=measure_read_gbps(), threads=torch.get_num_threads())
+    read, read_best = measure_read_gbps()
+    return MachinePeak(matmul_gflops=gflops, matmul_size=size, matmul_dtype=name, read_gbps=read,
+                       threads=torch.get_num_threads(), read_gbps_best=read_best)

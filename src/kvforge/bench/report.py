@@ -93,7 +93,8 @@ def format_table(result: dict[str, Any], columns: Sequence[Column]) -> str:
     peak = result.get("peak")
     if peak:
         lines.append(f"measured peak: matmul {peak['matmul_gflops']:.1f} GFLOP/s, "
-                     f"read {peak['read_gbps']:.1f} GB/s")
+                     f"read {peak['read_gbps']:.1f} GB/s"
+                     + (f" (best pass {peak['read_gbps_best']:.1f})" if peak.get("read_gbps_best") else ""))
     names = [s["name"] for s in result["systems"]]
     width = max(len("system"), *(len(n) for n in names)) + 2
     widths = [max(len(c.header), 10) + 2 for c in columns]

@@ -3,15 +3,18 @@ fast-tier bytes its compressed layers hold at a long context.
 
     python benchmarks/shadowkv_front.py --model gemma3-270m \
         --spectra analysis/gemma3-270m/key_spectra.json --full FULL.json --runs RUN.json [RUN.json ...] \
-        --out docs/results/eval/shadowkv_front_gemma3-270m.json
+        [--ruler RULER.json ...] --out docs/results/eval/shadowkv_front_gemma3-270m.json
 
 Inputs are files other commands measured:
 - `--spectra`: `kvforge analyze key-spectra --tokens N` of the model (the pre-RoPE key energy
   curve of every layer over one N-token passage). rank=auto picks a layer's rank from exactly
   this curve at compression, so each rule's ranks at N tokens follow from it (the rule's own
   code, `ShadowKVConfig.layer_rank`), without a long prefill per rule;
+  `--spectra` may also be an earlier front file, which keeps the global layers' curves;
 - `--full` and `--runs`: `kvforge eval ppl` files over the same windows (the full cache and
-  ShadowKV settings).
+  ShadowKV settings);
+- `--ruler` (optional): `kvforge eval ruler` files, one seed each, the full cache's among
+  them for every seed; each setting's RULER is the mean over the seeds that scored it.
 Bytes come from the cache's own accounting (`compressed_global_bytes`, which a test holds
 equal to the bytes of the tensors a compressed sequence keeps), for the global layers only:
 sliding-window layers keep their window in both caches. The output JSON keeps only the
@@ -27,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvforge.eval.shadowkv_front import front
+from kvforge.eval.shadowkv_front import front, spectra_of_front
 from kvforge.report.provenance import provenance
 
 
@@ -41,17 +44,23 @@ def main() -> None:
     parser.add_argument("--spectra", required=True, help="kvforge analyze key-spectra JSON")
     parser.add_argument("--full", required=True, help="eval ppl JSON of the full cache")
     parser.add_argument("--runs", nargs="+", required=True, help="eval ppl JSON files of ShadowKV settings")
+    parser.add_argument("--ruler", nargs="*", default=[], help="eval ruler JSON files (one seed each)")
     parser.add_argument("--bytes-at", type=int, default=None,
                         help="tokens at which to count bytes (default: the spectra's passage length)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     args.command_line = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    doc = front(args.model, _load(args.spectra), _load(args.full), [_load(p) for p in args.runs], args.bytes_at)
+    spectra = _load(args.spectra)
+    if spectra.get("eval") == "shadowkv-front":
+        spectra = spectra_of_front(spectra)
+    doc = front(args.model, spectra, _load(args.full), [_load(p) for p in args.runs], args.bytes_at,
+                [_load(p) for p in args.ruler])
     doc["provenance"] = provenance(args)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     for s in doc["systems"]:
         print(f"{s['name']:<42} ppl {s['ppl']:.3f} ({s['delta_pct']:+.2f}%)  ranks {s['ranks']}  "
-              f"fast {s['fast_bytes'] / 2**20:.1f} MiB = {s['times_smaller']:.2f}x smaller than full")
+              f"fast {s['fast_bytes'] / 2**20:.1f} MiB = {s['times_smaller']:.2f}x smaller than full"
+              + (f"  RULER {s['ruler']['average']:.1f} vs {s['ruler']['full_average']:.1f}" if s["ruler"] else ""))
 
 
 if __name__ == "__main__":

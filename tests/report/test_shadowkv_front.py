@@ -72,12 +72,52 @@ def test_front_table_sorts_by_bytes():
            "systems": [{"name": "kvforge[shadowkv:rank=64]", "ranks": [64, 64], "fast_bytes": 2**20,
                         "times_smaller": 3.0, "ppl": 10.5, "delta_pct": 5.0},
                        {"name": "kvforge[shadowkv]", "ranks": [20, 40], "fast_bytes": 2**19, "times_smaller": 6.0,
-                        "ppl": 11.0, "delta_pct": 10.0}]}
+                        "ppl": 11.0, "delta_pct": 10.0,
+                        "ruler": {"seeds": [0, 1], "average": 34.66, "full_average": 35.6, "delta_points": -0.94}}],
+           "ruler_settings": {"lengths": [8192], "tasks": ["a", "b"], "samples_per_task": 2}}
     text = front_table(doc, "eval/f.json")
     lines = [line for line in text.splitlines() if line.startswith("| kvforge")]
-    assert lines[0] == "| kvforge[shadowkv] * | 20/40 | 0.5 | 6.00x | 11.000 | +10.00% |"
-    assert lines[1] == "| kvforge[shadowkv:rank=64] * | 64/64 | 1.0 | 3.00x | 10.500 | +5.00% |"
+    assert lines[0] == "| kvforge[shadowkv] * | 20/40 | 0.5 | 6.00x | 11.000 | +10.00% | 34.7 (35.6) |"
+    assert lines[1] == "| kvforge[shadowkv:rank=64] * | 64/64 | 1.0 | 3.00x | 10.500 | +5.00% |  |"
     assert "(results/eval/f.json)" in text and "3.0 MiB" in text
+    assert "RULER: average over 2 tasks at 8192 tokens, 2 samples per task and seed" in text
+
+
+def _ruler(model: str, seed: int, averages: dict[str, float], samples: int = 2) -> dict:
+    return {"model": model, "settings": {"lengths": [8192], "tasks": ["a", "b"], "samples_per_task": samples,
+                                         "seed": seed, "chat": False, "haystack_file": None},
+            "systems": [{"name": f"kvforge[{spec}]", "kind": "kvforge", "cache": spec, "average": value}
+                        for spec, value in averages.items()]}
+
+
+def test_ruler_scores_join_their_setting_over_the_seeds_that_scored_it_and_the_full_cache(tmp_path):
+    model = _model(tmp_path)
+    width = 64
+    curve = (torch.ones(width, dtype=torch.float64) / width).cumsum(0)
+    spectra = {"num_tokens": 4096, "layers": [{"layer": i, "keys_pre_rope": {"energy": curve.tolist()}}
+                                              for i in range(2)]}
+    runs = [_ppl({"shadowkv": 11.0, "shadowkv:rank=32": 10.5, "shadowkv:energy=0.9": 12.0})]
+    ruler = [_ruler(model, 0, {"full": 40.0}), _ruler(model, 1, {"full": 30.0}),
+             # the default spelled out is the same setting as bare `shadowkv`
+             _ruler(model, 0, {"shadowkv:energy=0.999": 38.0}), _ruler(model, 1, {"shadowkv": 29.0}),
+             # seed 2 has no full-cache run: not counted
+             _ruler(model, 2, {"shadowkv:rank=32": 99.0}), _ruler(model, 0, {"shadowkv:rank=32": 20.0})]
+    doc = front(model, spectra, _ppl({"full": 10.0}), runs, ruler=ruler)
+    by_cache = {s["cache"]: s["ruler"] for s in doc["systems"]}
+    assert by_cache["shadowkv"] == {"seeds": [0, 1], "average": 33.5, "full_average": 35.0, "delta_points": -1.5}
+    assert by_cache["shadowkv:rank=32"] == {"seeds": [0], "average": 20.0, "full_average": 40.0,
+                                            "delta_points": -20.0}
+    assert by_cache["shadowkv:energy=0.9"] is None
+    assert doc["ruler_settings"]["samples_per_task"] == 2
+    # a front file rebuilds the same front (its global layers' curves are kept)
+    from kvforge.eval.shadowkv_front import spectra_of_front
+
+    again = front(model, spectra_of_front(doc), _ppl({"full": 10.0}), runs, ruler=ruler)
+    assert [s["ranks"] for s in again["systems"]] == [s["ranks"] for s in doc["systems"]]
+    with pytest.raises(ConfigError, match="ruler"):
+        front(model, spectra, _ppl({"full": 10.0}), runs, ruler=ruler + [_ruler(model, 0, {"full": 1.0}, samples=3)])
+    with pytest.raises(ConfigError, match="ruler"):
+        front(model, spectra, _ppl({"full": 10.0}), runs, ruler=ruler + [_ruler("other", 0, {"full": 1.0})])
 
 
 def test_many_layers_show_the_mean_rank_and_its_range():

@@ -10,15 +10,28 @@ logits by 1.3e-2 and real-size KIVI-2's by 16; the first H200 run measured 13 on
 real-size KIVI-2). Such a row passes when both hold:
 - `RoundingFloor`: the device is no farther from the reference (mean |logit difference|)
   than `FLOOR_FACTOR` x the distance that rounding-sized noise on the reference's own
-  weights produces (models.ROUNDING_NOISE);
+  weights produces (models.ROUNDING_NOISE), the largest over up to `FLOOR_DRAWS` noise
+  draws (drawn one at a time until the device is within; the verdict is that of all the
+  draws, since a larger floor only passes more);
 - `MethodError`: the method is as lossy on the device as on the reference: each side's
   mean |logit difference| from its own full cache on the same tokens, their ratio within
   `ERROR_RATIO_BAND` (a device that skipped the quantisation would be too exact).
 A wrong kernel moves the logits by far more than rounding does. Measured on the CPU with
 tiny KIVI-2/4 (base and SwiftKV models): the device's own rounding-sized noise lands at
 0.03 to 0.18x the floor; noise of 0.001 added to the attention output at 23 to 168x, of
-0.01 at 115 to 700x. `FLOOR_FACTOR` = 10 sits between. (A floor from 1e-5 noise was too
-loose: flips grow faster than linearly, and 0.01 noise then gave only 6x on KIVI-4.)"""
+0.01 at 115 to 700x (those ratios against a single draw; the largest of several draws,
+below, is 1-5x a single one). `FLOOR_FACTOR` = 10 sits between. (A floor from 1e-5 noise
+was too loose: flips grow faster than linearly, and 0.01 noise then gave only 6x on KIVI-4.)
+
+Why several draws: one draw's floor is itself a handful of bin flips. Over 8 draws for each
+of 6 prompt seeds on tiny KIVI-4 (CPU), single floors spread 5-20x (7e-5 to 1.5e-3), and an
+H200 running the right kernels (errors against the full cache within 0.992-1.011 of the
+reference's) sat at 1.6-22.8x a single draw, failing 5 of 8 prompt seeds' KIVI-4 rows. A CPU
+device with weights off by 1e-5 behaves alike: 2.3-52x a single draw. Against the largest of
+8 draws, devices with weights off by 1e-6 land at 0.09-0.65x, off by 3e-6 at 0.57-2.3x, off
+by 1e-5 at 0.77-8.5x, off by 1e-4 at 5.5-40x and off by 1e-3 (TF32-like) at 30-77x. So the
+check separates rounding from a device 100x less precise only in part, and from anything
+coarser fully; a wrong kernel is far coarser still (first paragraph)."""
 
 from __future__ import annotations
 
@@ -33,6 +46,8 @@ from kvforge.gpu_check.drive import Trace
 ERROR_RATIO_BAND = (2 / 3, 3 / 2)
 # mean |device - reference| may be at most this many times the rounding floor
 FLOOR_FACTOR = 10.0
+# the floor is the largest distance of up to this many rounding-noise draws
+FLOOR_DRAWS = 8
 # A reference error (mean |logit diff| from full) below this is no error to compare: the
 # method is exact on this workload, and the row keeps the tolerance rule.
 EXACT_ERROR = 1e-4
@@ -62,11 +77,13 @@ class MethodError:
 
 @dataclass(frozen=True)
 class RoundingFloor:
-    """Mean |logit difference| from the reference: of the device, and of the reference run
-    again with rounding-sized noise on its weights (the same tokens fed to all)."""
+    """Mean |logit difference| from the reference: of the device, and (the largest over
+    `draws` draws) of the reference run again with rounding-sized noise on its weights (the
+    same tokens fed to all)."""
 
     floor: float
     device: float
+    draws: int = 1
 
     @property
     def ratio(self) -> float:
@@ -81,8 +98,13 @@ def mean_distance(a: Trace, b: Trace) -> float:
     return float((torch.cat(a.logits) - torch.cat(b.logits)).abs().mean())
 
 
-def rounding_floor(reference: Trace, perturbed: Trace, device: Trace) -> RoundingFloor:
-    return RoundingFloor(mean_distance(perturbed, reference), mean_distance(device, reference))
+def rounding_floor(reference: Trace, perturbed: Trace, device: Trace,
+                   previous: RoundingFloor | None = None) -> RoundingFloor:
+    """The floor of one more noise draw (`perturbed`), the largest so far with `previous`."""
+    floor = mean_distance(perturbed, reference)
+    if previous is None:
+        return RoundingFloor(floor, mean_distance(device, reference))
+    return RoundingFloor(max(floor, previous.floor), previous.device, previous.draws + 1)
 
 
 def method_error(reference: Trace, reference_full: Trace, device: Trace, device_full: Trace) -> MethodError:
@@ -135,7 +157,7 @@ class Comparison:
             e, f = self.method_error, self.floor
             if not f.within:
                 out.append(f"mean |logit diff| {f.device:.3e} is {f.ratio:.1f}x the rounding floor {f.floor:.3e} "
-                           f"(at most {FLOOR_FACTOR:g}x)")
+                           f"(the largest of {f.draws} draws; at most {FLOOR_FACTOR:g}x)")
             if not e.within_band:
                 out.append(f"error against the full cache {e.device:.3e} on the device, {e.reference:.3e} on the "
                            f"reference: ratio {e.ratio:.3f} outside {ERROR_RATIO_BAND[0]:.3f}..{ERROR_RATIO_BAND[1]:.3f}")

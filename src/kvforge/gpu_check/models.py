@@ -46,19 +46,20 @@ class ModelPair:
     reference: CausalLM
     device: CausalLM
     description: str
-    _perturbed: CausalLM | None = field(default=None, repr=False)
+    _perturbed: dict[int, CausalLM] = field(default_factory=dict, repr=False)
 
     def perturbed_reference(self, seed: int = 1) -> CausalLM:
-        """The reference with every weight scaled by 1 + ROUNDING_NOISE x N(0, 1) (made once):
-        how far rounding alone moves a discontinuous method (compare.RoundingFloor)."""
-        if self._perturbed is None:
+        """The reference with every weight scaled by 1 + ROUNDING_NOISE x N(0, 1), one draw
+        per seed (made once, shared by the rows): how far rounding alone moves a
+        discontinuous method (compare.RoundingFloor)."""
+        if seed not in self._perturbed:
             model = copy.deepcopy(self.reference)
             generator = torch.Generator().manual_seed(seed)
             with torch.no_grad():
                 for param in model.parameters():
                     param.mul_(1 + ROUNDING_NOISE * torch.randn(param.shape, generator=generator))
-            self._perturbed = model
-        return self._perturbed
+            self._perturbed[seed] = model
+        return self._perturbed[seed]
 
 
 def _tiny_base_state(seed: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -198,19 +198,17 @@ def test_a_lossy_row_fails_when_the_device_computes_less_precisely():
     floor must come from the reference's weights: the device's own would excuse it."""
     row = _tiny_kivi4_row_with_device_weights_off_by(1e-3)
     assert not row["passed"] and 2 / 3 <= row["method_error"]["ratio"] <= 3 / 2
-    assert row["floor"]["ratio"] > 2 * FLOOR_FACTOR and row["floor"]["draws"] == FLOOR_DRAWS, row["floor"]
+    assert row["floor"]["ratio"] > FLOOR_FACTOR and row["floor"]["draws"] == FLOOR_DRAWS, row["floor"]
     assert "the rounding floor" in row["failures"][0]
 
 
-@pytest.mark.parametrize("prompt_seed, device_seed", [(2, 105), (5, 106)])
-def test_a_device_a_little_less_precise_than_the_noise_passes_against_the_largest_of_several_draws(
-        prompt_seed, device_seed):
+def test_a_device_a_little_less_precise_than_the_noise_passes_against_the_largest_of_several_draws():
     """An H200 running the right kernels sat at up to 22.8x a single draw's floor on tiny
-    KIVI-4 (5 of 8 prompt seeds failed) with its error against the full cache within 1% of
-    the reference's. A CPU device with weights off by 1e-5 does the same: 12x and 52x a
-    single draw for these two cases. The floor is the largest of the draws it takes, drawn
-    until the device is within."""
-    row = _tiny_kivi4_row_with_device_weights_off_by(1e-5, device_seed, prompt_seed)
+    KIVI-4 (5 of 8 prompt seeds failed at 10x) with its error against the full cache within
+    1% of the reference's. A CPU device with weights off by 1e-5 does the same: 52x a single
+    draw in this case, 6.4x the largest of 8. The floor is the largest of the draws it takes,
+    drawn until the device is within."""
+    row = _tiny_kivi4_row_with_device_weights_off_by(1e-5, device_seed=106, prompt_seed=5)
     assert row["passed"] and 1 < row["floor"]["draws"] <= FLOOR_DRAWS, row["floor"]
     assert abs(row["method_error"]["ratio"] - 1) < 0.05
 
@@ -250,7 +248,7 @@ def test_a_lossy_row_fails_when_the_device_error_grows_or_vanishes(factor, passe
                                      f"{error.reference:.3e} on the reference: ratio {factor:.3f} outside 0.667..1.500"]
 
 
-@pytest.mark.parametrize("distance, passed", [(0.0, True), (0.05, True), (0.099, True), (0.101, False), (1.0, False)])
+@pytest.mark.parametrize("distance, passed", [(0.0, True), (0.05, True), (0.199, True), (0.201, False), (1.0, False)])
 def test_a_lossy_row_fails_when_the_device_is_farther_than_rounding_takes_the_reference(distance, passed):
     full = _trace([[0.0, 1.0, 2.0]], [2], 1)
     lossy = _trace([[0.5, 1.0, 1.0]], [2], 1)
@@ -263,7 +261,7 @@ def test_a_lossy_row_fails_when_the_device_is_farther_than_rounding_takes_the_re
     assert result.passed == passed
     if not passed:
         assert result.failures()[0].startswith(f"mean |logit diff| {distance:.3e} is {distance / 0.01:.1f}x "
-                                               "the rounding floor 1.000e-02 (the largest of 1 draws; at most 10x)")
+                                               "the rounding floor 1.000e-02 (the largest of 1 draws; at most 20x)")
 
 
 def test_a_lossy_method_exact_on_the_workload_keeps_the_tolerance_rule():

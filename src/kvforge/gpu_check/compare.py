@@ -20,8 +20,8 @@ A wrong kernel moves the logits by far more than rounding does. Measured on the 
 tiny KIVI-2/4 (base and SwiftKV models): the device's own rounding-sized noise lands at
 0.03 to 0.18x the floor; noise of 0.001 added to the attention output at 23 to 168x, of
 0.01 at 115 to 700x (those ratios against a single draw; the largest of several draws,
-below, is 1-5x a single one). `FLOOR_FACTOR` = 10 sits between. (A floor from 1e-5 noise
-was too loose: flips grow faster than linearly, and 0.01 noise then gave only 6x on KIVI-4.)
+below, is 1-5x a single one). (A floor from 1e-5 noise was too loose: flips grow faster
+than linearly, and 0.01 noise then gave only 6x on KIVI-4.)
 
 Why several draws: one draw's floor is itself a handful of bin flips. Over 8 draws for each
 of 6 prompt seeds on tiny KIVI-4 (CPU), single floors spread 5-20x (7e-5 to 1.5e-3), and an
@@ -29,9 +29,12 @@ H200 running the right kernels (errors against the full cache within 0.992-1.011
 reference's) sat at 1.6-22.8x a single draw, failing 5 of 8 prompt seeds' KIVI-4 rows. A CPU
 device with weights off by 1e-5 behaves alike: 2.3-52x a single draw. Against the largest of
 8 draws, devices with weights off by 1e-6 land at 0.09-0.65x, off by 3e-6 at 0.57-2.3x, off
-by 1e-5 at 0.77-8.5x, off by 1e-4 at 5.5-40x and off by 1e-3 (TF32-like) at 30-77x. So the
-check separates rounding from a device 100x less precise only in part, and from anything
-coarser fully; a wrong kernel is far coarser still (first paragraph)."""
+by 1e-5 at 0.77-8.5x, off by 1e-4 at 5.5-40x and off by 1e-3 (TF32-like) at 30-77x. On the
+H200 (run 5 in docs/results/gpu), 15 of the 16 tiny KIVI-4 rows then passed a 10x limit and
+one sat at 13.9x after 8 draws, its error against the full cache within 0.1% of the
+reference's. Hence `FLOOR_FACTOR` = 20: above every correct device seen, below every
+TF32-like one. The check separates rounding from a device 100x less precise only in part,
+and from anything coarser fully; a wrong kernel is coarser still (first paragraph)."""
 
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ from kvforge.gpu_check.drive import Trace
 # device error / reference error of a lossy method must lie in this band
 ERROR_RATIO_BAND = (2 / 3, 3 / 2)
 # mean |device - reference| may be at most this many times the rounding floor
-FLOOR_FACTOR = 10.0
+FLOOR_FACTOR = 20.0
 # the floor is the largest distance of up to this many rounding-noise draws
 FLOOR_DRAWS = 8
 # A reference error (mean |logit diff| from full) below this is no error to compare: the

@@ -13,8 +13,9 @@ Inputs are files other commands measured:
   `--spectra` may also be an earlier front file, which keeps the global layers' curves;
 - `--full` and `--runs`: `kvforge eval ppl` files over the same windows (the full cache and
   ShadowKV settings);
-- `--ruler` (optional): `kvforge eval ruler` files, one seed each, the full cache's among
-  them for every seed; each setting's RULER is the mean over the seeds that scored it.
+- `--ruler` (optional): `kvforge eval ruler` files of the model itself, one seed each, one
+  run per seed and setting; each setting's RULER is the mean over the seeds that scored it
+  and the default full cache (seeds without a full-cache run are skipped).
 Bytes come from the cache's own accounting (`compressed_global_bytes`, which a test holds
 equal to the bytes of the tensors a compressed sequence keeps), for the global layers only:
 sliding-window layers keep their window in both caches. The output JSON keeps only the
@@ -30,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvforge.errors import require
 from kvforge.eval.shadowkv_front import front, spectra_of_front
 from kvforge.report.provenance import provenance
 
@@ -52,6 +54,8 @@ def main() -> None:
     args.command_line = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     spectra = _load(args.spectra)
     if spectra.get("eval") == "shadowkv-front":
+        require(spectra["model"] == args.model, "--spectra", args.spectra, f"is a front of {spectra['model']}, "
+                f"not of --model {args.model}")
         spectra = spectra_of_front(spectra)
     doc = front(args.model, spectra, _load(args.full), [_load(p) for p in args.runs], args.bytes_at,
                 [_load(p) for p in args.ruler])

@@ -81,13 +81,18 @@ def test_front_table_sorts_by_bytes():
     assert lines[1] == "| kvforge[shadowkv:rank=64] * | 64/64 | 1.0 | 3.00x | 10.500 | +5.00% |  |"
     assert "(results/eval/f.json)" in text and "3.0 MiB" in text
     assert "RULER: average over 2 tasks at 8192 tokens, 2 samples per task and seed" in text
+    doc["systems"][1]["ruler"] = {"seeds": [1], "average": 20.0, "full_average": 30.0, "delta_points": -10.0}
+    assert "| 20.0 (30.0) 1 seed |" in front_table(doc)
 
 
-def _ruler(model: str, seed: int, averages: dict[str, float], samples: int = 2) -> dict:
-    return {"model": model, "settings": {"lengths": [8192], "tasks": ["a", "b"], "samples_per_task": samples,
-                                         "seed": seed, "chat": False, "haystack_file": None},
-            "systems": [{"name": f"kvforge[{spec}]", "kind": "kvforge", "cache": spec, "average": value}
-                        for spec, value in averages.items()]}
+def _ruler(model: str, seed: int, averages: dict[str, float], samples: int = 2, dtype: str = "float32",
+           prefix: str = "kvforge") -> dict:
+    return {"model": model, "dtype": dtype,
+            "settings": {"lengths": [8192], "tasks": ["a", "b"], "samples_per_task": samples,
+                         "seed": seed, "chat": False, "haystack_file": None},
+            "systems": [{"name": f"{prefix}[{spec}]", "kind": "kvforge", "cache": spec, "average": value}
+                        for spec, value in averages.items()]
+                       + [{"name": "hf", "kind": "hf", "cache": None, "average": 99.0}]}
 
 
 def test_ruler_scores_join_their_setting_over_the_seeds_that_scored_it_and_the_full_cache(tmp_path):
@@ -97,7 +102,7 @@ def test_ruler_scores_join_their_setting_over_the_seeds_that_scored_it_and_the_f
     spectra = {"num_tokens": 4096, "layers": [{"layer": i, "keys_pre_rope": {"energy": curve.tolist()}}
                                               for i in range(2)]}
     runs = [_ppl({"shadowkv": 11.0, "shadowkv:rank=32": 10.5, "shadowkv:energy=0.9": 12.0})]
-    ruler = [_ruler(model, 0, {"full": 40.0}), _ruler(model, 1, {"full": 30.0}),
+    ruler = [_ruler(model, 0, {"full": 40.0, "full:storage_dtype=float16": 1.0}), _ruler(model, 1, {"full": 30.0}),
              # the default spelled out is the same setting as bare `shadowkv`
              _ruler(model, 0, {"shadowkv:energy=0.999": 38.0}), _ruler(model, 1, {"shadowkv": 29.0}),
              # seed 2 has no full-cache run: not counted
@@ -114,8 +119,14 @@ def test_ruler_scores_join_their_setting_over_the_seeds_that_scored_it_and_the_f
 
     again = front(model, spectra_of_front(doc), _ppl({"full": 10.0}), runs, ruler=ruler)
     assert [s["ranks"] for s in again["systems"]] == [s["ranks"] for s in doc["systems"]]
-    with pytest.raises(ConfigError, match="ruler"):
-        front(model, spectra, _ppl({"full": 10.0}), runs, ruler=ruler + [_ruler(model, 0, {"full": 1.0}, samples=3)])
+    bad_runs = {"other settings": _ruler(model, 0, {"full": 1.0}, samples=3),
+                "another dtype": _ruler(model, 0, {"full": 1.0}, dtype="bfloat16"),
+                "a SwiftKV model's run": _ruler(model, 3, {"shadowkv": 1.0}, prefix="swiftkv"),
+                "a setting scored twice for a seed": _ruler(model, 1, {"shadowkv:energy=0.999": 1.0})}
+    for why, bad in bad_runs.items():
+        with pytest.raises(ConfigError, match="ruler"):
+            front(model, spectra, _ppl({"full": 10.0}), runs, ruler=ruler + [bad])
+            pytest.fail(why)
     with pytest.raises(ConfigError, match="ruler"):
         front(model, spectra, _ppl({"full": 10.0}), runs, ruler=ruler + [_ruler("other", 0, {"full": 1.0})])
 

@@ -23,11 +23,13 @@ lent GPU runs nothing else).
 
 from __future__ import annotations
 
-import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+
+from kvforge.errors import require
 
 MATMUL_SIZE = 2048
 PROBE_SECONDS = 0.05  # a smaller size is used when one 2048 call would take far longer
@@ -47,11 +49,15 @@ class MachinePeak:
     device: str = "cpu"
     read_gbps_best: float | None = None  # the fastest read pass (CPU probe; None on a GPU)
 
-    def as_dict(self) -> dict[str, float | int | str]:
+    def as_dict(self) -> dict[str, float | int | str | None]:
         return asdict(self)
 
 
-def _timed_passes(fn, repeats: int, sync=lambda: None) -> list[float]:
+def _no_sync() -> None:
+    pass
+
+
+def _timed_passes(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = _no_sync) -> list[float]:
     """Wall times of `repeats` calls of `fn` after one warm-up call (thread pool start,
     allocator, kernel selection); `sync` waits for queued device work (nothing on the CPU)."""
     fn()
@@ -65,7 +71,7 @@ def _timed_passes(fn, repeats: int, sync=lambda: None) -> list[float]:
     return seconds
 
 
-def _best_seconds(fn, repeats: int, sync=lambda: None) -> float:
+def _best_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = _no_sync) -> float:
     return min(_timed_passes(fn, repeats, sync))
 
 
@@ -90,10 +96,12 @@ def measure_matmul_gflops(dtype: torch.dtype, repeats: int = 5) -> tuple[float, 
 
 
 def measure_read_gbps(passes: int = READ_PASSES) -> tuple[float, float]:
-    """(median, best) GB/s of `passes` torch.sum passes over READ_BYTES."""
+    """(median, best) GB/s of `passes` torch.sum passes over READ_BYTES; the median is a
+    measured pass (the upper one for an even count), as bench's repeats use."""
+    require(passes >= 1, "passes", passes, "must be at least 1")
     data = torch.ones(READ_BYTES // 4, dtype=torch.float32)
     seconds = sorted(_timed_passes(lambda: data.sum(), passes))
-    return READ_BYTES / statistics.median(seconds) / 1e9, READ_BYTES / seconds[0] / 1e9
+    return READ_BYTES / seconds[len(seconds) // 2] / 1e9, READ_BYTES / seconds[0] / 1e9
 
 
 def measure_device_peak(dtype: torch.dtype, device: torch.device, repeats: int = 5) -> tuple[float, float]:

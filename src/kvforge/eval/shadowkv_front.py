@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvforge.cache.registry import create_cache
+from kvforge.cache.registry import create_cache, parse_cache_spec
 from kvforge.cache.shadowkv.memory import paged_sequence_bytes
 from kvforge.errors import require
 from kvforge.models.loader import load_model_config, resolve_model_source
@@ -29,27 +29,47 @@ def spectra_of_front(doc: dict[str, Any]) -> dict[str, Any]:
             "layers": [{"layer": int(c), "keys_pre_rope": {"energy": curve}} for c, curve in doc["energy"].items()]}
 
 
-def _ruler_by_seed(model: str, ruler: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[int, dict[str, float]]]:
-    """RULER runs (`kvforge eval ruler` files of `model`, one seed each) grouped as
-    {seed: {cache spec: average}}; every file must run the same lengths, tasks and samples."""
+def _resolved(spec: str) -> tuple[str, Any]:
+    """A cache spec as (method, validated config): two spellings of one setting compare equal."""
+    parsed = parse_cache_spec(spec)
+    return parsed.method, parsed.config()
+
+
+FULL = _resolved("full")
+
+
+def _ruler_by_seed(model: str, ruler: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[int, dict]]:
+    """RULER runs (`kvforge eval ruler` files of `model` itself, no SwiftKV, one seed each)
+    as ({lengths, tasks, ...}, {seed: {resolved setting: average}}). Every file must share
+    the first one's settings and dtype, and no setting may be scored twice for one seed (an
+    older run of a spec whose defaults have changed would otherwise pass for today's)."""
     keys = ("lengths", "tasks", "samples_per_task", "chat", "haystack_file")
-    settings = {k: ruler[0]["settings"].get(k) for k in keys}
-    scores: dict[int, dict[str, float]] = {}
+    settings = {k: ruler[0]["settings"].get(k) for k in keys} | {"dtype": ruler[0].get("dtype")}
+    scores: dict[int, dict] = {}
     for run in ruler:
+        where = (run.get("provenance") or {}).get("command", "a RULER file without provenance")
         require(run["model"] == model, "ruler", run["model"], f"every RULER run must be of the front's model, {model}")
-        mine = {k: run["settings"].get(k) for k in keys}
+        mine = {k: run["settings"].get(k) for k in keys} | {"dtype": run.get("dtype")}
         require(mine == settings, "ruler", mine, f"every RULER run must have the first one's settings ({settings})")
+        seed = run["settings"]["seed"]
         for system in run["systems"]:
-            if system["kind"] == "kvforge":
-                scores.setdefault(run["settings"]["seed"], {})[system["cache"]] = system["average"]
+            if system["kind"] != "kvforge":  # transformers peers
+                continue
+            require(system["name"].startswith("kvforge["), "ruler", system["name"],
+                    "must be a run of the model itself (a --swiftkv run scores another model)")
+            setting = _resolved(system["cache"])
+            require(setting not in scores.get(seed, {}), "ruler", system["cache"],
+                    f"is scored twice for seed {seed} (again in: {where}); pass one run per seed and setting")
+            scores.setdefault(seed, {})[setting] = system["average"]
     return settings, scores
 
 
-def _ruler_of(spec: str, scores: dict[int, dict[str, float]], same_cache) -> dict[str, Any] | None:
-    """Mean RULER average over the seeds that scored both this setting and the full cache."""
-    pairs = [(seed, next((v for s, v in by_spec.items() if same_cache(s, spec)), None), by_spec.get("full"))
-             for seed, by_spec in sorted(scores.items())]
-    pairs = [(seed, mine, full) for seed, mine, full in pairs if mine is not None and full is not None]
+def _ruler_of(spec: str, scores: dict[int, dict]) -> dict[str, Any] | None:
+    """Mean RULER average over the seeds that scored both this setting and the full cache
+    (seeds without a full-cache run are skipped)."""
+    setting = _resolved(spec)
+    pairs = [(seed, by_setting[setting], by_setting[FULL]) for seed, by_setting in sorted(scores.items())
+             if setting in by_setting and FULL in by_setting]
     if not pairs:
         return None
     mine = sum(p[1] for p in pairs) / len(pairs)
@@ -61,10 +81,10 @@ def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[
           bytes_at_tokens: int | None = None, ruler: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Bytes at `bytes_at_tokens` (default: the spectra's passage length; a longer one
     assumes the ranks of the passage, e.g. beyond a model's native context). `ruler`:
-    `kvforge eval ruler` files of the same model (one seed each; the full cache scored for
-    every seed used); a setting's RULER score is its mean over the seeds that scored it, with
-    the full cache's mean over the same seeds beside it. Settings are matched by their
-    resolved configuration, so `shadowkv` and `shadowkv:energy=0.999` (the default) are one."""
+    `kvforge eval ruler` files of the same model (one seed each); a setting's RULER score is
+    its mean over the seeds that scored both it and the default full cache, with the full
+    cache's mean over the same seeds beside it. Settings are matched by their resolved
+    configuration, so `shadowkv` and `shadowkv:energy=0.999` (the default) are one."""
     config = load_model_config(resolve_model_source(model))
     layout = model_class(config).layout_for(config)
     num_tokens = int(bytes_at_tokens or spectra["num_tokens"])
@@ -74,12 +94,6 @@ def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[
     curves = {c: torch.tensor(next(e for e in spectra["layers"] if e["layer"] == c)["keys_pre_rope"]["energy"],
                               dtype=torch.float64) for c in probe.global_layers}
     full_bytes = paged_sequence_bytes(probe.exact_layout, probe.config.block_size, probe.element, num_tokens)
-    def config_of(spec: str):
-        return create_cache(spec, layout, 1 << 30, torch.float32, "cpu").config
-
-    def same_cache(a: str, b: str) -> bool:
-        return a.startswith("shadowkv") and b.startswith("shadowkv") and config_of(a) == config_of(b)
-
     ruler_settings, ruler_scores = _ruler_by_seed(model, ruler) if ruler else (None, {})
     systems = []
     for run in runs:
@@ -95,7 +109,7 @@ def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[
             systems.append({"name": system["name"], "cache": spec, "ppl": system["ppl"],
                             "delta_pct": 100 * (system["ppl"] / full_system["ppl"] - 1), "ranks": ranks,
                             "fast_bytes": fast, "times_smaller": full_bytes / fast,
-                            "ruler": _ruler_of(spec, ruler_scores, same_cache)})
+                            "ruler": _ruler_of(spec, ruler_scores)})
     return {"eval": "shadowkv-front", "model": model, "bytes_at_tokens": num_tokens,
             "spectra_tokens": int(spectra["num_tokens"]),
             "ppl_settings": full["settings"], "text_file": full["text_file"],

@@ -46,20 +46,23 @@ class ModelPair:
     reference: CausalLM
     device: CausalLM
     description: str
-    _perturbed: dict[int, CausalLM] = field(default_factory=dict, repr=False)
+    _perturbed: CausalLM | None = field(default=None, repr=False)
+    _perturbed_seed: int | None = field(default=None, repr=False)
 
     def perturbed_reference(self, seed: int = 1) -> CausalLM:
-        """The reference with every weight scaled by 1 + ROUNDING_NOISE x N(0, 1), one draw
-        per seed (made once, shared by the rows): how far rounding alone moves a
-        discontinuous method (compare.RoundingFloor)."""
-        if seed not in self._perturbed:
-            model = copy.deepcopy(self.reference)
+        """The reference with every weight scaled by 1 + ROUNDING_NOISE x N(0, 1) from the
+        generator seeded `seed`: how far rounding alone moves a discontinuous method
+        (compare.RoundingFloor). One copy is kept and re-drawn in place for another seed (a
+        real-size copy is 0.5 GB; rows ask for seed 1 first, later seeds rarely)."""
+        if self._perturbed is None:
+            self._perturbed = copy.deepcopy(self.reference)
+        if self._perturbed_seed != seed:
             generator = torch.Generator().manual_seed(seed)
             with torch.no_grad():
-                for param in model.parameters():
-                    param.mul_(1 + ROUNDING_NOISE * torch.randn(param.shape, generator=generator))
-            self._perturbed[seed] = model
-        return self._perturbed[seed]
+                for param, original in zip(self._perturbed.parameters(), self.reference.parameters()):
+                    param.copy_(original).mul_(1 + ROUNDING_NOISE * torch.randn(param.shape, generator=generator))
+            self._perturbed_seed = seed
+        return self._perturbed
 
 
 def _tiny_base_state(seed: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -363,8 +363,8 @@ MUTATIONS: list[Mutation] = [
              ("tests/kernels/test_cpu_fused.py",), "KVFORGE_DISABLE_CPU_KERNELS turns every kernel off at run time"),
     # -- gpu_check: the lossy judgement ----------------------------------------------------
     Mutation("gpu_check_floor_from_the_device", S + "gpu_check/correctness.py",
-             "perturbed = run_workload(pair.perturbed_reference(), spec.cache,",
-             "perturbed = run_workload(pair.device, spec.cache,",
+             "return run_workload(pair.perturbed_reference(seed), spec.cache,",
+             "return run_workload(pair.device, spec.cache,",
              ("tests/test_gpu_check.py",), "the rounding floor comes from the reference, never from the device"),
     Mutation("gpu_check_floor_unbounded", S + "gpu_check/compare.py",
              "return self.ratio <= FLOOR_FACTOR", "return True",

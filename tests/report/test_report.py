@@ -95,6 +95,14 @@ def test_a_results_file_that_is_not_a_result_is_refused(tmp_path):
         render_results(load_results(tmp_path))
 
 
+def test_a_gpu_check_seed_sweep_renders_one_line_per_row():
+    doc = json.loads((RESULTS / "gpu" / "h200_run4_tiny_seeds.json").read_text())
+    text = render_document("docs/results/gpu/h200_run4_tiny_seeds.json", doc)
+    assert "(gpu-check-seeds)" in text and "from one draw" in text
+    assert text.count("| FAIL |") == sum(not r["passed"] for r in doc["rows"]) == 8
+    assert len([line for line in text.splitlines() if line.startswith("| ") and "tiny/" in line]) == len(doc["rows"])
+
+
 def test_a_gpu_check_result_renders_its_rows():
     doc = json.loads((RESULTS / "gpu" / "h100_run1_gpu-check.json").read_text())
     text = render_document("docs/results/gpu/h100_run1_gpu-check.json", doc)

@@ -83,6 +83,9 @@ def test_front_table_sorts_by_bytes():
     assert "RULER: average over 2 tasks at 8192 tokens, 2 samples per task and seed" in text
     doc["systems"][1]["ruler"] = {"seeds": [1], "average": 20.0, "full_average": 30.0, "delta_points": -10.0}
     assert "| 20.0 (30.0) 1 seed |" in front_table(doc)
+    for system in doc["systems"]:  # no RULER anywhere: no RULER column
+        system["ruler"] = None
+    assert "RULER" not in front_table({**doc, "ruler_settings": None})
 
 
 def _ruler(model: str, seed: int, averages: dict[str, float], samples: int = 2, dtype: str = "float32",

@@ -44,8 +44,8 @@ def kind_of(doc: Document) -> str:
         return "swiftkv early-exit"
     if doc.get("demo"):
         return "demo"
-    if doc.get("check") == "gpu-check":
-        return "gpu-check"
+    if doc.get("check") in ("gpu-check", "gpu-check-seeds"):
+        return doc["check"]
     raise ValueError("not a kvforge result file (no benchmark, eval, students, demo or check key)")
 
 
@@ -280,12 +280,23 @@ def _gpu_check(doc: Document) -> str:
     return "```\n" + format_table(doc) + "\n```"
 
 
+def _gpu_check_seeds(doc: Document) -> str:
+    """gpu-check's lossy rows over several prompt seeds: floor ratio, draws, error ratio."""
+    env = doc["environment"]
+    head = (f"{env['device_name']}, torch {env['torch']}; the rounding floor from {doc['floor_rule']}; "
+            f"verdicts as judged then (limit 10x)\n\n")
+    rows = [[str(r["prompt_seed"]), r["row"], fmt(r["floor_ratio"], "{:.2f}"), str(r.get("floor_draws") or 1),
+             fmt(r["error_ratio"], "{:.3f}"), "pass" if r.get("passed", r.get("passed_at_10x")) else "FAIL"]
+            for r in doc["rows"]]
+    return head + table(["prompt seed", "row", "x floor", "draws", "err/ref", "verdict"], rows)
+
+
 RENDERERS: dict[str, Callable[[Document], str]] = {
     "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench prefix": _bench,
     "bench serve": _serve, "bench vllm_swiftkv_prefill": _vllm_prefill, "bench throughput_budgets": _budgets,
     "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "eval shadowkv-front": _eval,
     "swiftkv evaluate": _swiftkv_evaluate, "swiftkv early-exit": _early_exit,
-    "demo": _demo, "gpu-check": _gpu_check,
+    "demo": _demo, "gpu-check": _gpu_check, "gpu-check-seeds": _gpu_check_seeds,
 }
 
 

@@ -44,8 +44,10 @@ def front_table(doc: dict[str, Any], source: str | None = None) -> str:
             f"ranks per global layer (mean and range beyond 6 layers) from the key spectra of a "
             f"{doc.get('spectra_tokens', n)}-token passage; * on the front"
             + _ruler_note(doc.get("ruler_settings")) + "\n\n")
-    return head + table(["system", "ranks", "fast tier MiB", "smaller than full", "perplexity", "vs full",
-                         "RULER (full)"], body)
+    headers = ["system", "ranks", "fast tier MiB", "smaller than full", "perplexity", "vs full", "RULER (full)"]
+    if not any(r.get("ruler") for r in rows):  # no RULER run scored this model's settings
+        headers, body = headers[:-1], [line[:-1] for line in body]
+    return head + table(headers, body)
 
 
 def _ruler(score: dict[str, Any] | None) -> str:

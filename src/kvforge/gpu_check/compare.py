@@ -11,7 +11,7 @@ real-size KIVI-2). Such a row passes when both hold:
 - `RoundingFloor`: the device is no farther from the reference (mean |logit difference|)
   than `FLOOR_FACTOR` x the distance that rounding-sized noise on the reference's own
   weights produces (models.ROUNDING_NOISE), the largest over up to `FLOOR_DRAWS` noise
-  draws (drawn one at a time until the device is within; the verdict is that of all the
+  draws (drawn one at a time while they can change the verdict; it is that of all the
   draws, since a larger floor only passes more);
 - `MethodError`: the method is as lossy on the device as on the reference: each side's
   mean |logit difference| from its own full cache on the same tokens, their ratio within
@@ -30,12 +30,12 @@ reference's) sat at 1.6-22.8x a single draw, failing 5 of 8 prompt seeds' KIVI-4
 device with weights off by 1e-5 behaves alike: 2.3-52x a single draw. Against the largest of
 8 draws, devices with weights off by 1e-6 land at 0.09-0.65x, off by 3e-6 at 0.57-2.3x, off
 by 1e-5 at 0.77-8.5x, off by 1e-4 at 5.5-40x and off by 1e-3 (TF32-like) at 25-82x (40
-device and prompt seed pairs). On the
-H200 (run 5 in docs/results/gpu), 15 of the 16 tiny KIVI-4 rows then passed a 10x limit and
-one sat at 13.9x after 8 draws, its error against the full cache within 0.1% of the
-reference's. Hence `FLOOR_FACTOR` = 20: above every correct device seen, below every
-TF32-like one (the closest at 1.24x the limit). The check separates rounding from a device 100x less precise only in part,
-and from anything coarser fully; a wrong kernel is coarser still (first paragraph)."""
+device and prompt seed pairs). On the H200 (run 5 in docs/results/gpu), 15 of the 16 tiny
+KIVI-4 rows then passed a 10x limit and one sat at 13.9x after 8 draws, its error against
+the full cache within 0.1% of the reference's. Hence `FLOOR_FACTOR` = 20: above every
+correct device seen, below every TF32-like one (the closest at 1.24x the limit). The check
+separates rounding from a device 100x less precise only in part, and from anything coarser
+fully; a wrong kernel is coarser still (first paragraph)."""
 
 from __future__ import annotations
 

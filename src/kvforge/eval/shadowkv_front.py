@@ -11,6 +11,7 @@ equal by a test to the bytes a compressed sequence keeps), global layers only.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -29,13 +30,12 @@ def spectra_of_front(doc: dict[str, Any]) -> dict[str, Any]:
             "layers": [{"layer": int(c), "keys_pre_rope": {"energy": curve}} for c, curve in doc["energy"].items()]}
 
 
+@functools.cache
 def _resolved(spec: str) -> tuple[str, Any]:
-    """A cache spec as (method, validated config): two spellings of one setting compare equal."""
+    """A cache spec as (method, validated config, hashable): two spellings of one setting
+    compare equal; `_resolved("full")` is the baseline the RULER deltas use."""
     parsed = parse_cache_spec(spec)
     return parsed.method, parsed.config()
-
-
-FULL = _resolved("full")
 
 
 def _ruler_by_seed(model: str, ruler: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[int, dict]]:
@@ -67,14 +67,15 @@ def _ruler_by_seed(model: str, ruler: list[dict[str, Any]]) -> tuple[dict[str, A
 def _ruler_of(spec: str, scores: dict[int, dict]) -> dict[str, Any] | None:
     """Mean RULER average over the seeds that scored both this setting and the full cache
     (seeds without a full-cache run are skipped)."""
-    setting = _resolved(spec)
-    pairs = [(seed, by_setting[setting], by_setting[FULL]) for seed, by_setting in sorted(scores.items())
-             if setting in by_setting and FULL in by_setting]
+    setting, full = _resolved(spec), _resolved("full")
+    pairs = [(seed, by_setting[setting], by_setting[full]) for seed, by_setting in sorted(scores.items())
+             if setting in by_setting and full in by_setting]
     if not pairs:
         return None
     mine = sum(p[1] for p in pairs) / len(pairs)
-    full = sum(p[2] for p in pairs) / len(pairs)
-    return {"seeds": [p[0] for p in pairs], "average": mine, "full_average": full, "delta_points": mine - full}
+    baseline = sum(p[2] for p in pairs) / len(pairs)
+    return {"seeds": [p[0] for p in pairs], "average": mine, "full_average": baseline,
+            "delta_points": mine - baseline}
 
 
 def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[dict[str, Any]],

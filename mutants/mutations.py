@@ -464,7 +464,7 @@ MUTATIONS: list[Mutation] = [
              "return rows * k_pages.shape[-1] * element <= self.config.decode_gather_max_bytes",
              ("tests/cache/full/test_gathered_decode.py",), "auto never gathers tables padded past twice their rows"),
     Mutation("gathered_mask_made_per_layer", S + "cache/full/method.py",
-             "if entry is None or entry[0] is not d:", "if True:",
+             "@functools.cached_property\n    def hidden(self)", "@property\n    def hidden(self)",
              ("tests/cache/full/test_gathered_decode.py",), "a plan's gathered-path mask is made once per step"),
     Mutation("kivi_split_k_seeds_every_split", S + "cache/kivi/triton_decode.py",
              "first_split = split == 0", "first_split = split >= 0",

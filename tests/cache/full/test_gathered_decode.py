@@ -119,13 +119,12 @@ def _choices(monkeypatch, spec: str, tables: list[int], device: str = "meta", q_
     full = object.__new__(method.FullCache)
     full.config = parse_cache_spec(spec).config()
     full.block_size = full.config.block_size
-    full._hidden_slots = {}
     width, batch = max(tables), len(tables)
     plan = method._DecodePlan(
         seq_ids=tuple(range(batch)), rows=torch.arange(batch), page_table=torch.zeros(batch, width, dtype=torch.long),
         first_page_position=torch.zeros(batch, dtype=torch.long), visible_from=torch.zeros(batch, dtype=torch.long),
         visible_to=torch.tensor(tables) * full.block_size, every_row=True,
-        compact_tables=width * batch <= 2 * sum(tables) + batch)
+        compact_tables=width * batch <= 2 * sum(tables) + batch, slots=width * full.block_size)
     q = torch.empty(batch, 6, 64, device=device, dtype=q_dtype)
     pages = torch.empty(3, 64, full.block_size, 64, device=device, dtype=q_dtype)
     full._decode_attention(plan, q, q[:, :3], q[:, :3], pages, pages, None, None, 1.0)

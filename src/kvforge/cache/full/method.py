@@ -16,6 +16,7 @@ decode kernel (parity-tested against the PyTorch path).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,7 +56,14 @@ class _DecodePlan:
     every_row: bool
     # Host-side: the batch's tables padded to the widest hold at most twice the real pages
     # (plus one per sequence), so a gather of the padded table stays proportional to the cache.
-    compact_tables: bool = True
+    compact_tables: bool
+    slots: int  # page_table's width in token slots (pages x block size)
+
+    @functools.cached_property
+    def hidden(self) -> torch.Tensor:
+        """The gathered path's mask, `hidden_slots` [B, slots]: made on first use, so once per
+        step for all of the group's layers (plans are rebuilt every step)."""
+        return hidden_slots(self.first_page_position, self.visible_from, self.visible_to, self.slots)
 
 
 @dataclass(frozen=True)
@@ -120,8 +128,6 @@ class FullCache(PagedPoolMemory, CacheMethod):
         self.k_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None
         self.v_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None
         self._plans: list[_GroupPlan] = []
-        # The gathered decode path's masks of this step's decode plans: id(plan) -> (plan, mask)
-        self._hidden_slots: dict[int, tuple[_DecodePlan, torch.Tensor]] = {}
         cls = type(self)
         # fused_decode_target's static conditions: 16/32-bit pages read by the CPU kernel,
         # and write/attend as defined here (a subclass that changes them is not what the
@@ -185,7 +191,6 @@ class FullCache(PagedPoolMemory, CacheMethod):
         self._plans = upload([self._plan_group(group, batch) for group in range(self.groups.num_groups)],
                              self.device)
         self._step_kv = {}
-        self._hidden_slots = {}
         self._row_queries = None
 
     def end_step(self, batch: ForwardBatch) -> None:
@@ -326,20 +331,9 @@ class FullCache(PagedPoolMemory, CacheMethod):
         if kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
             return paged_decode_attention_cpu(*args, k_scales=k_scales, v_scales=v_scales)  # pages in place
         if kernel == "gather" or (kernel == "auto" and q.device.type != "cpu" and self._gather_fits(d, q, k_pages)):
-            return gathered_decode_attention(*args, k_scales=k_scales, v_scales=v_scales,
-                                             hidden=self._plan_hidden_slots(d))
+            return gathered_decode_attention(*args, k_scales=k_scales, v_scales=v_scales, hidden=d.hidden)
         return decode_attention(*args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size),
                                 k_scales=k_scales, v_scales=v_scales)
-
-    def _plan_hidden_slots(self, d: _DecodePlan) -> torch.Tensor:
-        """The gathered path's mask of plan `d`, made once per step for all of its group's
-        layers (a few small device ops each, launches on a GPU)."""
-        entry = self._hidden_slots.get(id(d))
-        if entry is None or entry[0] is not d:
-            width = d.page_table.shape[1] * self.block_size
-            entry = self._hidden_slots[id(d)] = (d, hidden_slots(d.first_page_position, d.visible_from,
-                                                                 d.visible_to, width))
-        return entry[1]
 
     def _gather_fits(self, d: _DecodePlan, q: torch.Tensor, k_pages: torch.Tensor) -> bool:
         """Whether `auto` may take the gathered path: compact tables and a K (or V) copy of at
@@ -403,6 +397,7 @@ class FullCache(PagedPoolMemory, CacheMethod):
             visible_to=as_tensor([s.cached_len for s in spans]),
             every_row=every_row,
             compact_tables=width * len(tables) <= 2 * sum(len(t) for t in tables) + len(tables),
+            slots=width * block,
         )
 
 

@@ -13,6 +13,8 @@ Inputs are files other commands measured:
   `--spectra` may also be an earlier front file, which keeps the global layers' curves;
 - `--full` and `--runs`: `kvforge eval ppl` files over the same windows (the full cache and
   ShadowKV settings);
+- `--ranks`: `benchmarks/shadowkv_ranks.py` over the spectra's passage; needed for
+  `rank=attention` settings, whose ranks also depend on the prompt's queries;
 - `--ruler` (optional): `kvforge eval ruler` files of the model itself, one seed each, one
   run per seed and setting; each setting's RULER is the mean over the seeds that scored it
   and the default full cache (seeds without a full-cache run are skipped).
@@ -47,6 +49,8 @@ def main() -> None:
     parser.add_argument("--full", required=True, help="eval ppl JSON of the full cache")
     parser.add_argument("--runs", nargs="+", required=True, help="eval ppl JSON files of ShadowKV settings")
     parser.add_argument("--ruler", nargs="*", default=[], help="eval ruler JSON files (one seed each)")
+    parser.add_argument("--ranks", default=None,
+                        help="benchmarks/shadowkv_ranks.py JSON of the spectra's passage (rank=attention settings)")
     parser.add_argument("--bytes-at", type=int, default=None,
                         help="tokens at which to count bytes (default: the spectra's passage length)")
     parser.add_argument("--out", required=True)
@@ -58,7 +62,7 @@ def main() -> None:
                 f"not of --model {args.model}")
         spectra = spectra_of_front(spectra)
     doc = front(args.model, spectra, _load(args.full), [_load(p) for p in args.runs], args.bytes_at,
-                [_load(p) for p in args.ruler])
+                [_load(p) for p in args.ruler], _load(args.ranks) if args.ranks else None)
     doc["provenance"] = provenance(args)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     for s in doc["systems"]:

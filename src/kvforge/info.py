@@ -31,8 +31,8 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
     specs.update({f"kivi-{bits}bit": f"kivi:bits={bits},residual_dtype=float16" for bits in (2, 4)})
     specs["kivi-quality2"] = "kivi:preset=quality2,residual_dtype=float16"  # 4-bit keys, 2-bit values
     specs["kivi-quality3"] = "kivi:preset=quality3,residual_dtype=float16"  # 3.39 bits/element at 4K tokens
-    # default rank/budget, fp32; fast tier (values on the slow tier). rank=auto learns each
-    # layer's rank from its keys, so before data only a range is known.
+    # default rank/budget, fp32; fast tier (values on the slow tier). rank=attention learns each
+    # layer's rank at compression, so before data only a range is known.
     specs["shadowkv"] = "shadowkv"
     for name, spec in specs.items():
         # One page per group is enough to ask the method for its accounting.

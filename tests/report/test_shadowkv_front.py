@@ -38,7 +38,7 @@ def test_front_ranks_and_bytes_follow_the_rule_and_the_accounting(tmp_path):
     spectra = {"num_tokens": 4096, "layers": [{"layer": i, "keys_pre_rope": {"energy": c.tolist()}}
                                               for i, c in enumerate(curves)]}
     full = _ppl({"full": 10.0})
-    runs = [_ppl({"shadowkv:energy=0.9": 11.0, "shadowkv:rank=32": 10.5, "full": 10.0})]  # full: not a row
+    runs = [_ppl({"shadowkv:rank=auto,energy=0.9": 11.0, "shadowkv:rank=32": 10.5, "full": 10.0})]  # full: not a row
     doc = front(model, spectra, full, runs)
     auto, fixed = doc["systems"]
     expected = [int((c < 0.9 - 1e-9).sum()) + 1 for c in curves]
@@ -104,18 +104,18 @@ def test_ruler_scores_join_their_setting_over_the_seeds_that_scored_it_and_the_f
     curve = (torch.ones(width, dtype=torch.float64) / width).cumsum(0)
     spectra = {"num_tokens": 4096, "layers": [{"layer": i, "keys_pre_rope": {"energy": curve.tolist()}}
                                               for i in range(2)]}
-    runs = [_ppl({"shadowkv": 11.0, "shadowkv:rank=32": 10.5, "shadowkv:energy=0.9": 12.0})]
+    runs = [_ppl({"shadowkv:rank=auto": 11.0, "shadowkv:rank=32": 10.5, "shadowkv:rank=auto,energy=0.9": 12.0})]
     ruler = [_ruler(model, 0, {"full": 40.0, "full:storage_dtype=float16": 1.0}), _ruler(model, 1, {"full": 30.0}),
-             # the default spelled out is the same setting as bare `shadowkv`
-             _ruler(model, 0, {"shadowkv:energy=0.999": 38.0}), _ruler(model, 1, {"shadowkv": 29.0}),
+             # energy=0.999 spelled out is the same setting as bare `shadowkv:rank=auto`
+             _ruler(model, 0, {"shadowkv:rank=auto,energy=0.999": 38.0}), _ruler(model, 1, {"shadowkv:rank=auto": 29.0}),
              # seed 2 has no full-cache run: not counted
              _ruler(model, 2, {"shadowkv:rank=32": 99.0}), _ruler(model, 0, {"shadowkv:rank=32": 20.0})]
     doc = front(model, spectra, _ppl({"full": 10.0}), runs, ruler=ruler)
     by_cache = {s["cache"]: s["ruler"] for s in doc["systems"]}
-    assert by_cache["shadowkv"] == {"seeds": [0, 1], "average": 33.5, "full_average": 35.0, "delta_points": -1.5}
+    assert by_cache["shadowkv:rank=auto"] == {"seeds": [0, 1], "average": 33.5, "full_average": 35.0, "delta_points": -1.5}
     assert by_cache["shadowkv:rank=32"] == {"seeds": [0], "average": 20.0, "full_average": 40.0,
                                             "delta_points": -20.0}
-    assert by_cache["shadowkv:energy=0.9"] is None
+    assert by_cache["shadowkv:rank=auto,energy=0.9"] is None
     assert doc["ruler_settings"]["samples_per_task"] == 2
     # a front file rebuilds the same front (its global layers' curves are kept)
     from kvforge.eval.shadowkv_front import spectra_of_front
@@ -124,8 +124,8 @@ def test_ruler_scores_join_their_setting_over_the_seeds_that_scored_it_and_the_f
     assert [s["ranks"] for s in again["systems"]] == [s["ranks"] for s in doc["systems"]]
     bad_runs = {"other settings": _ruler(model, 0, {"full": 1.0}, samples=3),
                 "another dtype": _ruler(model, 0, {"full": 1.0}, dtype="bfloat16"),
-                "a SwiftKV model's run": _ruler(model, 3, {"shadowkv": 1.0}, prefix="swiftkv"),
-                "a setting scored twice for a seed": _ruler(model, 1, {"shadowkv:energy=0.999": 1.0})}
+                "a SwiftKV model's run": _ruler(model, 3, {"shadowkv:rank=auto": 1.0}, prefix="swiftkv"),
+                "a setting scored twice for a seed": _ruler(model, 1, {"shadowkv:rank=auto,energy=0.999": 1.0})}
     for why, bad in bad_runs.items():
         with pytest.raises(ConfigError, match="ruler"):
             front(model, spectra, _ppl({"full": 10.0}), runs, ruler=ruler + [bad])
@@ -139,3 +139,22 @@ def test_many_layers_show_the_mean_rank_and_its_range():
 
     assert _ranks([10, 20, 30]) == "10/20/30"
     assert _ranks([10, 20, 30, 40, 50, 60, 70, 80]) == "mean 45 (10-80)"
+
+
+def test_rank_attention_rows_take_their_measured_ranks_and_need_them(tmp_path):
+    model = _model(tmp_path)
+    curve = (torch.ones(64, dtype=torch.float64) / 64).cumsum(0)
+    spectra = {"num_tokens": 4096, "layers": [{"layer": i, "keys_pre_rope": {"energy": curve.tolist()}}
+                                              for i in range(2)]}
+    full = _ppl({"full": 10.0})
+    runs = [_ppl({"shadowkv:rank=attention": 10.4})]
+    measured = {"eval": "shadowkv-ranks", "model": model, "num_tokens": 4096,
+                "systems": [{"cache": "shadowkv:rank=attention,attention_error=0.1", "ranks": [24, 40]}]}
+    row = front(model, spectra, full, runs, rank_file=measured)["systems"][0]
+    assert row["ranks"] == [24, 40]  # the default attention_error: one setting, two spellings
+    cache = create_cache("shadowkv:rank=attention", _layout(model), 1 << 30, torch.float32, "cpu")
+    assert row["fast_bytes"] == cache.compressed_global_bytes(4096, [24, 40])
+    with pytest.raises(ConfigError, match="ranks"):
+        front(model, spectra, full, runs)  # no measurement: refused, not guessed from the spectra
+    with pytest.raises(ConfigError, match="ranks"):
+        front(model, spectra, full, runs, rank_file={**measured, "num_tokens": 2048})  # another passage

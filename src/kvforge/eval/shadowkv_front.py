@@ -3,9 +3,10 @@ ShadowKV setting of `kvforge eval ppl` runs, its decode perplexity (and, where `
 ruler` runs scored it, its RULER average against the full cache's on the same seeds) against
 the fast-tier bytes its compressed layers hold at a long context.
 
-A rule's ranks at N tokens come from the pre-RoPE key energy curves of an N-token passage
-(`kvforge analyze key-spectra`) through the rule's own code (`ShadowKVConfig.layer_rank`,
-what compression runs); bytes from the cache's accounting (`compressed_global_bytes`, held
+An energy rule's ranks at N tokens come from the pre-RoPE key energy curves of an N-token
+passage (`kvforge analyze key-spectra`) through the rule's own code (`ShadowKVConfig.layer_rank`,
+what compression runs); `rank=attention` also reads the prompt's queries, so its ranks are
+measured by compressing the same passage (shadowkv_ranks.py, `--ranks`); bytes from the cache's accounting (`compressed_global_bytes`, held
 equal by a test to the bytes a compressed sequence keeps), global layers only.
 """
 
@@ -31,9 +32,9 @@ def spectra_of_front(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 @functools.cache
-def _resolved(spec: str) -> tuple[str, Any]:
+def resolved_setting(spec: str) -> tuple[str, Any]:
     """A cache spec as (method, validated config, hashable): two spellings of one setting
-    compare equal; `_resolved("full")` is the baseline the RULER deltas use."""
+    compare equal; `resolved_setting("full")` is the baseline the RULER deltas use."""
     parsed = parse_cache_spec(spec)
     return parsed.method, parsed.config()
 
@@ -57,7 +58,7 @@ def _ruler_by_seed(model: str, ruler: list[dict[str, Any]]) -> tuple[dict[str, A
                 continue
             require(system["name"].startswith("kvforge["), "ruler", system["name"],
                     "must be a run of the model itself (a --swiftkv run scores another model)")
-            setting = _resolved(system["cache"])
+            setting = resolved_setting(system["cache"])
             require(setting not in scores.get(seed, {}), "ruler", system["cache"],
                     f"is scored twice for seed {seed} (again in: {where}); pass one run per seed and setting")
             scores.setdefault(seed, {})[setting] = system["average"]
@@ -67,7 +68,7 @@ def _ruler_by_seed(model: str, ruler: list[dict[str, Any]]) -> tuple[dict[str, A
 def _ruler_of(spec: str, scores: dict[int, dict]) -> dict[str, Any] | None:
     """Mean RULER average over the seeds that scored both this setting and the full cache
     (seeds without a full-cache run are skipped)."""
-    setting, full = _resolved(spec), _resolved("full")
+    setting, full = resolved_setting(spec), resolved_setting("full")
     pairs = [(seed, by_setting[setting], by_setting[full]) for seed, by_setting in sorted(scores.items())
              if setting in by_setting and full in by_setting]
     if not pairs:
@@ -78,14 +79,34 @@ def _ruler_of(spec: str, scores: dict[int, dict]) -> dict[str, Any] | None:
             "delta_points": mine - baseline}
 
 
+def _measured_ranks(model: str, doc: dict[str, Any], passage_tokens: int) -> dict[Any, list[int]]:
+    """{resolved setting: ranks} of a shadowkv_ranks.py file over the spectra's passage."""
+    require(doc.get("eval") == "shadowkv-ranks" and doc["model"] == model, "ranks", doc.get("model"),
+            f"must be a shadowkv_ranks.py file of {model}")
+    require(doc["num_tokens"] == passage_tokens, "ranks", doc["num_tokens"],
+            f"must be measured on the spectra's passage ({passage_tokens} tokens)")
+    return {resolved_setting(s["cache"]): s["ranks"] for s in doc["systems"]}
+
+
+def _ranks_of(spec: str, cache: Any, curves: dict[int, torch.Tensor], measured: dict[Any, list[int]]) -> list[int]:
+    if cache.config.rank != "attention":
+        return [cache.config.layer_rank(curves[c]) for c in cache.global_layers]
+    setting = resolved_setting(spec)
+    require(setting in measured, "ranks", spec, "rank=attention reads the prompt's queries: pass its ranks "
+            "measured on the spectra's passage (benchmarks/shadowkv_ranks.py, --ranks)")
+    return list(measured[setting])
+
+
 def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[dict[str, Any]],
-          bytes_at_tokens: int | None = None, ruler: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+          bytes_at_tokens: int | None = None, ruler: list[dict[str, Any]] | None = None,
+          rank_file: dict[str, Any] | None = None) -> dict[str, Any]:
     """Bytes at `bytes_at_tokens` (default: the spectra's passage length; a longer one
     assumes the ranks of the passage, e.g. beyond a model's native context). `ruler`:
     `kvforge eval ruler` files of the same model (one seed each); a setting's RULER score is
     its mean over the seeds that scored both it and the default full cache, with the full
     cache's mean over the same seeds beside it. Settings are matched by their resolved
-    configuration, so `shadowkv` and `shadowkv:energy=0.999` (the default) are one."""
+    configuration, so `shadowkv` and `shadowkv:energy=0.999` (the default) are one.
+    `rank_file`: a shadowkv_ranks.py file of the spectra's passage, required for rank=attention settings."""
     config = load_model_config(resolve_model_source(model))
     layout = model_class(config).layout_for(config)
     num_tokens = int(bytes_at_tokens or spectra["num_tokens"])
@@ -96,6 +117,7 @@ def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[
                               dtype=torch.float64) for c in probe.global_layers}
     full_bytes = paged_sequence_bytes(probe.exact_layout, probe.config.block_size, probe.element, num_tokens)
     ruler_settings, ruler_scores = _ruler_by_seed(model, ruler) if ruler else (None, {})
+    measured = _measured_ranks(model, rank_file, int(spectra["num_tokens"])) if rank_file else {}
     systems = []
     for run in runs:
         require(run["settings"] == full["settings"] and run["text_file"] == full["text_file"], "runs",
@@ -105,7 +127,7 @@ def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[
             if not spec.startswith("shadowkv"):  # e.g. the full cache scored in the same run
                 continue
             cache = create_cache(spec, layout, 1 << 30, torch.float32, "cpu")
-            ranks = [cache.config.layer_rank(curves[c]) for c in cache.global_layers]
+            ranks = _ranks_of(spec, cache, curves, measured)
             fast = cache.compressed_global_bytes(num_tokens, ranks)
             systems.append({"name": system["name"], "cache": spec, "ppl": system["ppl"],
                             "delta_pct": 100 * (system["ppl"] / full_system["ppl"] - 1), "ranks": ranks,
@@ -118,5 +140,7 @@ def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[
             "global_layers": probe.global_layers,
             "energy": {str(c): curve.tolist() for c, curve in curves.items()}, "systems": systems,
             "ruler_settings": ruler_settings,
+            "measured_ranks": rank_file.get("systems") if rank_file else None,
             "sources": {"full": full.get("provenance"), "runs": [r.get("provenance") for r in runs],
+                        "ranks": rank_file.get("provenance") if rank_file else None,
                         "ruler": [r.get("provenance") for r in ruler or []]}}

@@ -194,6 +194,12 @@ def _eval(doc: Document) -> str:
         from kvforge.report.shadowkv_front import front_table
 
         return front_table(doc)
+    if kind == "shadowkv-ranks":
+        rows = [[x["cache"], fmt(sum(x["ranks"]) / len(x["ranks"]), "{:.1f}"), " ".join(map(str, x["ranks"]))]
+                for x in doc["systems"]]
+        head = (f"{doc['model']}, ranks chosen when one passage of {doc['num_tokens']} tokens compresses "
+                "(global layers in order)\n\n")
+        return head + table(["setting", "mean rank", "ranks"], rows)
     raise ValueError(f"unknown eval kind {kind}")
 
 
@@ -294,6 +300,7 @@ RENDERERS: dict[str, Callable[[Document], str]] = {
     "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench prefix": _bench,
     "bench serve": _serve, "bench vllm_swiftkv_prefill": _vllm_prefill, "bench throughput_budgets": _budgets,
     "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "eval shadowkv-front": _eval,
+    "eval shadowkv-ranks": _eval,
     "swiftkv evaluate": _swiftkv_evaluate, "swiftkv early-exit": _early_exit,
     "demo": _demo, "gpu-check": _gpu_check, "gpu-check-seeds": _gpu_check_seeds,
 }

@@ -94,9 +94,10 @@ def _cpu_prefill(doc: Document) -> str:
 
 
 def _shadowkv_default(doc: Document) -> str:
-    from kvforge.cache.shadowkv.config import ENERGY_DEFAULT
+    from kvforge.eval.shadowkv_front import resolved_setting
 
-    row = next(r for r in doc["systems"] if r["cache"] == f"shadowkv:energy={ENERGY_DEFAULT}")
+    default = resolved_setting("shadowkv")  # today's defaults, however the run spelled them
+    row = next(r for r in doc["systems"] if resolved_setting(r["cache"]) == default)
     return (f"defaults on {doc['model']}: decode perplexity **{row['delta_pct']:+.2f}%** "
             f"({doc['ppl_settings']['context'] // 1024}K), fast tier **{row['times_smaller']:.1f}x** smaller "
             f"({round(doc['bytes_at_tokens'] / 1024)}K, compressed layers)")

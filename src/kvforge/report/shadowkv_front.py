@@ -42,7 +42,9 @@ def front_table(doc: dict[str, Any], source: str | None = None) -> str:
             f"{doc['full']['global_bytes'] / 2**20:.1f} MiB) and decode perplexity, {s['windows']} windows of "
             f"{s['context']} tokens (prefill {s['prefill_len']}; full cache {doc['full']['ppl']:.3f}); "
             f"ranks per global layer (mean and range beyond 6 layers) from the key spectra of a "
-            f"{doc.get('spectra_tokens', n)}-token passage; * on the front"
+            f"{doc.get('spectra_tokens', n)}-token passage"
+            + ("; rank=attention's measured by compressing that passage" if doc.get("measured_ranks") else "")
+            + "; * on the front"
             + _ruler_note(doc.get("ruler_settings")) + "\n\n")
     headers = ["system", "ranks", "fast tier MiB", "smaller than full", "perplexity", "vs full", "RULER (full)"]
     if not any(r.get("ruler") for r in rows):  # no RULER run scored this model's settings

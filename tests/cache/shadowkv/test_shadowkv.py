@@ -223,7 +223,7 @@ def test_bad_configs_fail_naming_the_parameter():
     with pytest.raises(ConfigError, match="slow_budget"):
         create_cache("shadowkv:slow_budget=100", layout, 1 << 24, torch.float32)
     default = create_cache("shadowkv", layout, 1 << 24, torch.float32)
-    assert default.rank_bounds == (16, 32)  # rank=auto: between rank_min and the KV width
+    assert default.rank_bounds == (16, 32)  # rank=attention: between rank_min and the KV width
     assert create_cache("shadowkv:rank=paper", layout, 1 << 24, torch.float32).rank_bounds == (5, 5)  # round(32 / 6)
     assert create_cache("shadowkv:rank_min=64", layout, 1 << 24, torch.float32).rank_bounds == (32, 32)
     paper = parse_cache_spec("shadowkv:budget=paper").config()  # max(128, 1.56% of the context)
@@ -249,10 +249,10 @@ def test_info_lists_shadowkv_fast_and_slow_bytes(tmp_path):
     (tmp_path / CONFIG_FILE).write_text(json.dumps(config))
     info = model_info(str(tmp_path))
     row, full = info["kv_cache"]["shadowkv"], info["kv_cache"]["float32"]
-    layers, heads, dim, chunk, rank = 4, 2, 32, 8, 64  # rank=auto: at most the KV width, 64
+    layers, heads, dim, chunk, rank = 4, 2, 32, 8, 64  # rank=attention (default): at most the KV width, 64
     # float16 coefficients (2 bytes), float32 landmarks, a candidate flag per KV head
     assert row["bytes_per_token"] == pytest.approx(layers * (chunk * rank * 2 + heads * dim * 4 + heads) / chunk)
-    # rank=auto only learns ranks from the keys: a range from rank_min (16) to the width
+    # rank=attention only learns ranks at compression: a range from rank_min (16) to the width
     assert row["rank_range"] == [16, 64] and "ranks 16-64 per layer" in format_info(info)
     chunks_8k = (8192 - 32) // chunk
     assert row["bytes_per_sequence"]["8192"] - row["least_bytes_per_sequence"]["8192"] == \

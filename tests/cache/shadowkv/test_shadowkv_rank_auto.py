@@ -53,7 +53,8 @@ def test_the_chosen_rank_is_the_definitions(energy, rank_min):
     rope = RotaryEmbedding(dim, RopeConfig(theta=10000.0)).at(torch.arange(1), torch.float32)
     keys_post = rope.apply_at(keys_pre, torch.arange(n)).transpose(0, 1)
     config = ShadowKVConfig(rank="auto", energy=energy, rank_min=rank_min)
-    layer, data = compress_layer(keys_post, torch.randn(heads, n, dim), rope, 48, config.layer_rank, chunk, 1,
+    layer, data = compress_layer(keys_post, torch.randn(heads, n, dim), rope, 48,
+                                 lambda keys: config.layer_rank(keys.spectrum.energy), chunk, 1,
                                  window_capacity=16, chunks_per_step=2)
     squares = torch.linalg.svdvals(keys_pre.reshape(n, -1).double()) ** 2
     share = squares.cumsum(0) / squares.sum()

@@ -5,9 +5,14 @@ except two, each read from the model instead (the paper's values stay as `rank=p
 `budget=paper`):
 - rank: the paper fixes it at about 1/6 of kv_heads x head_dim (160 of 1024), far too few
   directions for a model with one 256-wide KV head (gemma3-270m: +16.5% decode perplexity
-  at 8K). `rank=auto` reads each layer's own pre-RoPE key spectrum at compression: per
-  layer and sequence, the smallest rank whose retained share of the key energy reaches
-  `energy`, kept within [rank_min, kv width];
+  at 8K) and more than smollm2-135m needs. `rank=attention` (default) measures, per layer
+  and sequence at compression, how much rank-r keys change the attention output of the
+  prompt's last queries (attention_rank.py) and keeps a rank whose change is at most
+  `attention_error`; `rank=auto` reads only the pre-RoPE key spectrum: the smallest rank
+  whose retained share of the key energy reaches `energy`. Both stay within
+  [rank_min, kv width]. Key energy alone cannot tell the two models apart (smollm2 needs
+  150 of 192 directions for 99.9% of its energy yet barely uses them; gemma3 needs its
+  tail), the attention change can;
 - sparse budget: the paper's 1.56% of the context (at least 128 tokens) per KV head;
   `budget=auto` also gives every layer at least `layer_budget` selected tokens over its
   KV heads (a one-KV-head model selects for all its query heads from one budget).
@@ -23,28 +28,37 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.cache.shadowkv.attention_rank import AttentionProbe, QuerySample, attention_rank
+from kvforge.cache.shadowkv.compress import LayerKeys
 from kvforge.cache.shadowkv.lowrank import rank_for_energy
 from kvforge.errors import require
 from kvforge.sizes import parse_bytes
 
 SLOW_STORES = ("memory", "mmap")
-RANK_RULES = ("auto", "paper")
+RANK_RULES = ("auto", "attention", "paper")
 BUDGET_RULES = ("auto", "paper")
 COEFFICIENT_DTYPES = ("float16", "compute")
 LAYER_BUDGET_DEFAULT = 512
 ENERGY_DEFAULT = 0.999
+ATTENTION_ERROR_DEFAULT = 0.1
+RANK_STEP = 8  # rank=attention tries ranks in steps of this many directions
 
 
 @dataclass(frozen=True)
 class ShadowKVConfig:
     # Rank r of the pre-RoPE keys over all KV heads: an integer (every layer), "paper"
-    # (round(kv_heads x head_dim / 6), the paper's ratio) or "auto" (per layer and sequence
-    # from the key spectrum, see `energy`).
-    rank: int | str = "auto"
-    # rank=auto: share of the pre-RoPE keys' squared Frobenius norm the kept directions must
-    # retain (1.0: full rank, exact keys); chosen by measurement (docs/results/eval).
+    # (round(kv_heads x head_dim / 6), the paper's ratio), "attention" (per layer and
+    # sequence from the attention change, see `attention_error`) or "auto" (per layer and
+    # sequence from the key spectrum, see `energy`).
+    rank: int | str = "attention"
+    # rank=auto (and rank=attention for a layer no query reached): share of the pre-RoPE
+    # keys' squared Frobenius norm the kept directions must retain (1.0: full rank, exact
+    # keys); chosen by measurement (docs/results/eval).
     energy: float = ENERGY_DEFAULT
-    rank_min: int = 16  # rank=auto: never fewer directions than this (capped at the KV width)
+    # rank=attention: the largest relative change of the prompt's last queries' attention
+    # output that low-rank keys may cause (attention_rank.py); chosen by measurement.
+    attention_error: float = ATTENTION_ERROR_DEFAULT
+    rank_min: int = 16  # rank=auto|attention: never fewer directions than this (capped at the KV width)
     # Storage of the low-rank key coefficients: "float16" (half the fast-tier bytes of the
     # compute dtype float32; rebuilt keys are computed in the compute dtype) or "compute"
     # (the compute dtype: bit-exact rebuilds, for exactness tests and studies).
@@ -97,6 +111,7 @@ class ShadowKVConfig:
         require(self.rank in RANK_RULES or (type(self.rank) is int and self.rank >= 1), "rank", self.rank,
                 f"must be an integer >= 1 or one of {list(RANK_RULES)}")
         require(0 < self.energy <= 1, "energy", self.energy, "must be in (0, 1]")
+        require(0 < self.attention_error < 1, "attention_error", self.attention_error, "must be in (0, 1)")
         require(self.rank_min >= 1, "rank_min", self.rank_min, "must be >= 1")
         require(self.coefficient_dtype in COEFFICIENT_DTYPES, "coefficient_dtype", self.coefficient_dtype,
                 f"must be one of {list(COEFFICIENT_DTYPES)}")
@@ -130,8 +145,8 @@ class ShadowKVConfig:
 
     def rank_bounds(self, kv_width: int) -> tuple[int, int]:
         """(least, most) rank of any layer for keys of width kv_heads x head_dim: equal
-        unless rank=auto, which only learns a layer's rank from its keys."""
-        if self.rank == "auto":
+        unless rank=auto|attention, which only learn a layer's rank at compression."""
+        if self.rank in ("auto", "attention"):
             return min(self.rank_min, kv_width), kv_width
         rank = max(1, round(kv_width / 6)) if self.rank == "paper" else int(self.rank)
         require(rank <= kv_width, "rank", rank, f"must be <= kv_heads x head_dim = {kv_width}")
@@ -145,6 +160,17 @@ class ShadowKVConfig:
         if least == most or self.energy >= 1.0:
             return most
         return max(least, rank_for_energy(cumulative_energy, self.energy))
+
+    def choose_rank(self, layer: LayerKeys, sample: QuerySample | None, scale: float) -> int:
+        """The rank of one layer of one sequence at compression. rank=attention reads the
+        query sample; without one (no attention call of the compressing step reached this
+        layer) it falls back to the energy rule."""
+        if self.rank != "attention" or sample is None:
+            return self.layer_rank(layer.spectrum.energy)
+        least, most = self.rank_bounds(layer.keys_pre.shape[1])
+        probe = AttentionProbe(layer.keys_pre, layer.spectrum.directions, layer.keys_post, layer.values,
+                               layer.exact, sample, layer.rope, scale)
+        return attention_rank(probe, self.attention_error, least, RANK_STEP)
 
     def budget_tokens(self, num_tokens: int, kv_heads: int) -> int:
         """Sparse budget per KV head (tokens, whole chunks) of a sequence compressed at

@@ -120,6 +120,9 @@ def test_the_sampler_keeps_the_last_rows_of_compressing_spans():
     assert sampler.sample(1, 7) is None
     sampler.clear()
     assert sampler.sample(0, 7) is None
+    off = QuerySampler(enabled=False)  # other rank rules read no queries: nothing is kept
+    off.record(0, batch, batch.spans, q)
+    assert off.sample(0, 7) is None
 
 
 @pytest.mark.parametrize("model_kind", ["llama_gqa", "gemma3_hybrid", "across_kv"])

@@ -24,6 +24,7 @@ Compression happens at the end of the step that completes a prompt (see shadowkv
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -171,6 +172,10 @@ class ShadowKVConfig:
         probe = AttentionProbe(layer.keys_pre, layer.spectrum.directions, layer.keys_post, layer.values,
                                layer.exact, sample, layer.rope, scale)
         return attention_rank(probe, self.attention_error, least, RANK_STEP)
+
+    def rank_rule(self, sample: QuerySample | None, scale: float) -> Callable[[LayerKeys], int]:
+        """`choose_rank` for one layer of one sequence, as compress_layer takes it."""
+        return lambda keys: self.choose_rank(keys, sample, scale)
 
     def budget_tokens(self, num_tokens: int, kv_heads: int) -> int:
         """Sparse budget per KV head (tokens, whole chunks) of a sequence compressed at

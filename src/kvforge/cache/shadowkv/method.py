@@ -35,8 +35,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.cache.full.method import FullCache, FullCacheConfig
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.registry import register_cache_method
-from kvforge.cache.shadowkv.attention_rank import QuerySample
-from kvforge.cache.shadowkv.compress import LayerKeys, append_coefficients, compress_layer, fold_chunks
+from kvforge.cache.shadowkv.compress import append_coefficients, compress_layer, fold_chunks
 from kvforge.cache.shadowkv.config import ShadowKVConfig
 from kvforge.cache.shadowkv.memory import SequenceEntry, ShadowKVMemory, chunk_page_bytes
 from kvforge.cache.shadowkv.query_samples import QuerySampler
@@ -133,7 +132,8 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         self._step: _Step | None = None
         self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._ropes: dict[int, PositionedRope] = {}  # per global layer, for folding at end_step
-        self._queries = QuerySampler()  # rank=attention: the compressing prompts' last queries
+        # rank=attention: the compressing prompts' last queries (records nothing otherwise)
+        self._queries = QuerySampler(enabled=config.rank == "attention")
 
     # -- statistics -------------------------------------------------------------------
     def statistics(self) -> dict[str, float]:
@@ -278,8 +278,7 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
             assert self.sliding is not None
             return self.sliding.attend(index, batch, q, rope)
         assert self.exact is not None
-        if step.compressing and self.config.rank == "attention":
-            self._queries.record(cache_layer, batch, step.compressing, q)
+        self._queries.record(cache_layer, batch, step.compressing, q)
         if step.exact_batch is batch:
             return self.exact.attend(index, batch, q, rope)
         out = torch.empty_like(q)
@@ -323,8 +322,7 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
         if cache_layer in self.sliding_layers:
             assert self.sliding is not None
             return self.sliding.attend_rows(index, batch, q, rope, rows)
-        if step.compressing and self.config.rank == "attention":
-            self._queries.record(cache_layer, batch, step.compressing, q, rows)
+        self._queries.record(cache_layer, batch, step.compressing, q, rows)
         if step.exact_batch is batch:
             assert self.exact is not None
             return self.exact.attend_rows(index, batch, q, rope, rows)
@@ -431,11 +429,8 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
                 keys = self.exact.k_store[slot].index_select(1, table).flatten(1, 2)[:, :n].to(self.compute_dtype)
                 values = self.exact.v_store[slot].index_select(1, table).flatten(1, 2)[:, :n].to(self.compute_dtype)
                 cache_layer = self.global_layers[index]
-                sample = self._queries.sample(cache_layer, span.seq_id)
-                scale = self.layout.specs[cache_layer].scale
-
-                def layer_rank(layer_keys: LayerKeys, sample: QuerySample | None = sample, scale: float = scale) -> int:
-                    return config.choose_rank(layer_keys, sample, scale)
+                layer_rank = config.rank_rule(self._queries.sample(cache_layer, span.seq_id),
+                                              self.layout.specs[cache_layer].scale)
                 layer, data = compress_layer(keys, values, self._ropes[index], prefix, layer_rank, chunk,
                                              config.outliers, config.window_capacity, chunks_per_step,
                                              self.coefficient_dtype)

@@ -19,7 +19,8 @@ QUERY_ROWS = 16  # last prompt rows per attention call: enough for a stable erro
 
 
 class QuerySampler:
-    def __init__(self, limit: int = QUERY_ROWS) -> None:
+    def __init__(self, enabled: bool = True, limit: int = QUERY_ROWS) -> None:
+        self.enabled = enabled  # False: record() keeps nothing (rules that read no queries)
         self.limit = limit
         self._kept: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -29,7 +30,7 @@ class QuerySampler:
     def record(self, cache_layer: int, batch: ForwardBatch, spans: tuple[SequenceSpan, ...], q: torch.Tensor,
                rows: torch.Tensor | None = None) -> None:
         """q [R, heads, D] post-RoPE: batch rows 0..R-1, or the batch rows `rows` [R]."""
-        if not spans:
+        if not spans or not self.enabled:
             return
         row_of_q = rows.tolist() if rows is not None else None  # a compressing step only (rare)
         for span in spans:

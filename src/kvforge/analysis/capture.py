@@ -97,7 +97,7 @@ def capture_activations(model: CausalLM, token_ids: Sequence[int]) -> Activation
             type(model).__name__, "analysis needs a model whose every layer computes its own K/V for every "
             "token (SwiftKV models are not supported; analyse the base model)")
     dtype = next(model.parameters()).dtype
-    cache = create_cache("full", layout, _budget_bytes(model, len(token_ids)), dtype,
+    cache = create_cache("full", layout, passage_budget_bytes(model, len(token_ids)), dtype,
                          next(model.parameters()).device)
     hidden: list[torch.Tensor | None] = [None] * (num_layers + 1)
     attention_inputs: list[torch.Tensor | None] = [None] * num_layers
@@ -132,7 +132,7 @@ def _keeper(store: list[torch.Tensor | None], index: int) -> Callable[[torch.nn.
     return keep
 
 
-def _budget_bytes(model: CausalLM, num_tokens: int) -> int:
+def passage_budget_bytes(model: CausalLM, num_tokens: int) -> int:
     """Room for the passage with slack for block rounding (full cache, model dtype)."""
     config = model.config
     element = next(model.parameters()).element_size()

@@ -17,19 +17,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from kvforge.analysis.capture import passage_budget_bytes
 from kvforge.cache.registry import create_cache
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.errors import require
 from kvforge.models.causal_lm import CausalLM
 
 CHUNK_TOKENS = 2048
-
-
-def _budget(model: CausalLM, num_tokens: int) -> int:
-    """Room for the whole passage exact (before compression) in every layer, with slack."""
-    config = model.config
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # float32 K and V
-    return 2 * per_token * (num_tokens + 1024)
 
 
 def layer_ranks(statistics: dict[str, float]) -> list[int]:
@@ -47,8 +41,10 @@ def measure_ranks(model: CausalLM, token_ids: Sequence[int], specs: Sequence[str
     require(all(s.startswith("shadowkv") for s in specs), "specs", list(specs), "must all be shadowkv settings")
     out = []
     for spec in tqdm(specs, desc="settings", unit="setting"):
-        cache = create_cache(spec, model.cache_layout(), _budget(model, len(token_ids)), torch.float32,
-                             next(model.parameters()).device)
+        # The whole passage stays exact until it compresses: the same room analysis gives it.
+        parameter = next(model.parameters())
+        cache = create_cache(spec, model.cache_layout(), passage_budget_bytes(model, len(token_ids)),
+                             parameter.dtype, parameter.device)
         runner = ModelRunner(model, cache)
         with torch.no_grad():
             for start in range(0, len(token_ids), chunk_tokens):

@@ -2,11 +2,10 @@
 the keys' energy alone.
 
 Why: the share of the keys' squared norm a rank retains does not tell how much attention
-changes. On smollm2-135m a layer needs about 150 of 192 directions for 99.9% of the energy,
-yet attention at rank 64 differs from exact attention by 1-8% once ShadowKV's exact parts
-(outlier chunks, local window) are kept exact; on gemma3-270m the same energy share leaves
-20-35% error on its global layers, which attend far back (measured on one passage, the
-last 256 queries: docs/cache-methods.md).
+changes. On smollm2-135m a layer needs about 150 of 192 directions for 99.9% of the key
+energy, yet its decode perplexity barely moves with the rank; gemma3-270m's global layers,
+which attend far back, need their tail (the front in docs/cache-methods.md). Measuring the
+attention change itself separates the two.
 
 The rule: at compression, the last few queries of the prompt (post-RoPE, seen by the
 compressing step's attention) attend over the layer's keys twice: exact, and with every
@@ -24,6 +23,7 @@ prefill that produced the n keys.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,12 +69,17 @@ class AttentionProbe:
         scores.masked_fill_(future[None], float("-inf"))
         return torch.bmm(torch.softmax(scores, dim=-1), self.values.float())
 
+    @functools.cached_property
+    def coefficients(self) -> torch.Tensor:
+        """keys_pre on every direction [n, W]: a rank-r rebuild is its first r columns times
+        the first r directions, so the projection is made once for all ranks tried."""
+        return self.keys_pre.float() @ self.directions.float().T
+
     def error(self, rank: int, exact_out: torch.Tensor | None = None) -> float:
         """Relative output error of the sample at `rank` (0.0 when every key is exact)."""
         exact_out = self._attend(self.keys_post) if exact_out is None else exact_out
         heads, n, dim = self.keys_post.shape
-        basis = self.directions[:rank].float()
-        approx_pre = ((self.keys_pre.float() @ basis.T) @ basis).view(n, heads, dim)
+        approx_pre = (self.coefficients[:, :rank] @ self.directions[:rank].float()).view(n, heads, dim)
         positions = torch.arange(n, device=approx_pre.device)
         approx_post = self.rope.apply_at(approx_pre, positions).transpose(0, 1)
         keys = torch.where(self.exact[:, :, None], self.keys_post.float(), approx_post)
@@ -85,7 +90,7 @@ class AttentionProbe:
 def attention_rank(probe: AttentionProbe, target: float, least: int, step: int) -> int:
     """The rank the rule picks (see the module docstring) within [least, W]."""
     width = probe.directions.shape[0]
-    candidates = sorted({min(width, r) for r in range(least, width + step, step)} | {least})
+    candidates = sorted({min(width, r) for r in range(least, width + step, step)})
     exact_out = probe._attend(probe.keys_post)
     low, high = 0, len(candidates) - 1  # candidates[high] always meets the target (the full width)
     while low < high:

@@ -71,7 +71,8 @@ def compress_layer(keys_post: torch.Tensor, values: torch.Tensor, rope: Position
                    chunks_per_step: int, coefficient_dtype: torch.dtype | None = None
                    ) -> tuple[LayerState, ChunkData]:
     """keys_post/values [H, n, D] of positions 0..n-1; prefix a multiple of chunk with
-    n - prefix <= window_capacity; `layer_rank` gives the layer's rank; the layer stores its coefficients in `coefficient_dtype` (None: the
+    n - prefix <= window_capacity; `layer_rank` gives the layer's rank from what it may
+    read (`LayerKeys`); the layer stores its coefficients in `coefficient_dtype` (None: the
     keys' dtype)."""
     heads, n, dim = keys_post.shape
     keys_pre = unrotate(keys_post, 0, rope)  # [n, H, D]

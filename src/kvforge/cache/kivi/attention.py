@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from kvforge.cache.host_sync import host_memory
+from kvforge.cache.kivi.int8_keys import int8_key_scores
 from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView, dequantize_key_pages, dequantize_value_pages
 
@@ -160,8 +161,11 @@ def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
 def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
                           page_table: torch.Tensor, first_page_position: torch.Tensor,
                           visible_from: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-                          scale: float, tile_pages: int, key_transform: KeyTransform = None) -> torch.Tensor:
+                          scale: float, tile_pages: int, key_transform: KeyTransform = None,
+                          key_dot: str = "float") -> torch.Tensor:
     """One query per sequence over its own exact K/V plus its stored tokens, float32.
+    key_dot="int8" scores the quantised pages' keys as int8_keys.py defines (post-RoPE
+    keys only: key_transform must be None).
 
     q [B, heads, D]; k_self/v_self [B, H, D]; page_table [B, W] pages of tokens
     [first_page_position, nk); stored tokens [visible_from, lengths) are visible; slots [B]
@@ -178,10 +182,12 @@ def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.T
     own_v = v_self.float().transpose(0, 1).reshape(pairs, 1, dim)
     state = OnlineSoftmax(torch.bmm(qh, own_k), own_v)
 
-    def add(keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> None:
-        # keys/values [H, B, m, D]; hidden [B, m]
+    def add(keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+            scores: torch.Tensor | None = None) -> None:
+        # keys/values [H, B, m, D]; hidden [B, m]; scores [pairs, group, m] if given
         hidden = hidden.repeat(kv_heads, 1)[:, None, :]  # [pairs, 1, m]
-        scores = torch.bmm(qh, keys.reshape(pairs, -1, dim).transpose(1, 2))
+        if scores is None:
+            scores = torch.bmm(qh, keys.reshape(pairs, -1, dim).transpose(1, 2))
         scores, values = _hide(scores, values.reshape(pairs, -1, dim), hidden)
         state.add(scores, values)
 
@@ -206,7 +212,15 @@ def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.T
             from_ring = torch.gather(ring, 2, (k_pos % residual)[None, :, :, None].expand(kv_heads, -1, -1, dim))
             values = torch.where(recent[None, :, :, None], from_ring.float(), values)
         keys, values = with_sinks(view, slots, k_pos, keys, values)
-        add(keys if key_transform is None else key_transform(keys, k_pos), values, hidden)
+        scores = None
+        if key_dot == "int8":
+            assert key_transform is None, "key_dot=int8 scores post-RoPE keys only"
+            scores = int8_key_scores(qh.view(kv_heads, batch, group, dim), view, ids).reshape(pairs, group, tile)
+            if view.sinks:  # sink tokens keep exact keys (and exact scores)
+                exact = torch.bmm(qh, keys.reshape(pairs, -1, dim).transpose(1, 2))
+                sink = (k_pos < view.sinks).repeat(kv_heads, 1)[:, None, :]
+                scores = torch.where(sink, exact, scores)
+        add(keys if key_transform is None else key_transform(keys, k_pos), values, hidden, scores)
     # Residual keys: tokens [nk, n) at offsets 0 .. n - nk - 1 of both residuals.
     k_pos = nk[:, None] + torch.arange(residual, device=q.device)[None]
     hidden = (k_pos >= lengths[:, None]) | (k_pos < visible_from[:, None])

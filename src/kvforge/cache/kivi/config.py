@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.cache.kivi.int8_keys import KEY_DOTS
 from kvforge.cache.kivi.presets import apply_preset
 from kvforge.cache.kivi.quant import SUPPORTED_BITS
 from kvforge.errors import require
@@ -70,6 +71,9 @@ class KIVICacheConfig:
     sinks: int = 0
     key_space: str = "post_rope"  # one of KEY_SPACES
     rotation: str = "none"  # one of ROTATIONS
+    # Decode scores of quantised keys: "float" (the paper's arithmetic) or "int8" (the scaled
+    # query quantised to int8 per page, exact integer sums: int8_keys.py); one of KEY_DOTS.
+    key_dot: str = "float"
     # Bits of key codes and of value codes; None: `bits`.
     key_bits: int | None = None
     value_bits: int | None = None
@@ -125,6 +129,12 @@ class KIVICacheConfig:
         require(self.sinks >= 0, "sinks", self.sinks, "must be >= 0")
         require(self.key_space in KEY_SPACES, "key_space", self.key_space, f"must be one of {list(KEY_SPACES)}")
         require(self.rotation in ROTATIONS, "rotation", self.rotation, f"must be one of {list(ROTATIONS)}")
+        require(self.key_dot in KEY_DOTS, "key_dot", self.key_dot, f"must be one of {list(KEY_DOTS)}")
+        if self.key_dot == "int8":
+            require(self.key_space == "post_rope", "key_dot", self.key_dot,
+                    "needs key_space=post_rope (pre-RoPE keys are rotated after dequantisation, so their "
+                    "codes are not what the query multiplies)")
+            require(self.kbits in (2, 4), "key_dot", self.key_dot, f"needs 2- or 4-bit keys (key bits: {self.kbits})")
         require(self.residual_dtype is None or self.residual_dtype in RESIDUAL_DTYPES, "residual_dtype",
                 self.residual_dtype, f"must be one of {sorted(RESIDUAL_DTYPES)}")
         for name in ("prefill_tile_tokens", "decode_tile_tokens"):

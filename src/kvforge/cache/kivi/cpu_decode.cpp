@@ -361,6 +361,7 @@ struct Problem {
   const int64_t *page_table, *first, *from, *lengths, *slot_of;
   const float *rope_cos, *rope_sin;  // [D/2, rope_len] channel-major; nullptr: keys stored post-RoPE
   int64_t rope_len;
+  bool key_int8;  // key_dot=int8: integer-domain scores of quantised post-RoPE keys
 };
 
 // Page columns [col_begin, col_end) of one (sequence, kv head) pair. with_self: this unit
@@ -387,13 +388,16 @@ Span span_of(const Problem& p, int64_t b) {
 
 // Per-thread buffers, sized once per thread for the problem.
 struct Scratch {
-  std::vector<float> qs, qsc, zk, scores, sv, zv, rows, kf;
+  std::vector<float> qs, qsc, zk, scores, sv, zv, rows, kf, sq;
+  std::vector<int8_t> q8;  // key_dot=int8: a page's scaled queries as int8 [nh, D]
   std::vector<const float*> row_ptrs;
   explicit Scratch(const Problem& p, int64_t tile) {
     const int64_t nh = std::min<int64_t>(p.group, kMaxHeadsPerPass), dim = p.dim;
     qs.resize(nh * dim);
     qsc.resize(nh * dim);
     zk.resize(nh);
+    sq.resize(nh);
+    q8.resize(nh * dim);
     scores.resize(nh * tile);
     sv.resize(p.g * (dim / p.gv));  // a page's value scales: G tokens x D/GV groups
     zv.resize(p.g * (dim / p.gv));
@@ -570,6 +574,196 @@ inline void key_scores(const float* qsc, const float* zk, const uint8_t* codes, 
       a[0][g].store(out + g * stride + j);
     }
   }
+}
+
+// ---- integer-domain key scores (`kivi:key_dot=int8`) -------------------------------------
+// q . k_hat(t) = zk + sum_c qsc_c code(t, c) with qsc = q * scale (the page's channel
+// scales), as key_scores; here qsc is quantised per (page, query head) to int8,
+// q8_c = round(qsc_c * 127 / max|qsc|) (ties to even), and the sum is taken exactly in
+// int32: score(t) = zk + (max|qsc| / 127) * sum_c q8_c code(t, c). The PyTorch path of
+// attention.py computes the same definition (parity-tested); a key code then costs 1/4 of
+// a VNNI instruction per head instead of one float FMA, which is what makes this faster.
+
+// q8 [NH, D] and sq [NH] of one page from qsc [NH, D]; sq = 0 (and q8 = 0) for a zero row.
+inline void quantise_scaled_queries(const float* qsc, int64_t dim, int nh, int8_t* q8, float* sq) {
+  for (int g = 0; g < nh; ++g) {
+    const float* row = qsc + g * dim;
+    float top = 0.f;
+    for (int64_t c = 0; c < dim; ++c) top = std::max(top, std::fabs(row[c]));
+    sq[g] = top / 127.f;
+    const float inv = top > 0.f ? 127.f / top : 0.f;
+    for (int64_t c = 0; c < dim; ++c) q8[g * dim + c] = static_cast<int8_t>(std::nearbyint(row[c] * inv));
+  }
+}
+
+// The exact integer sums, any group size and bit width: out[g * stride + i] = zk[g] +
+// sq[g] * sum_c q8[g, c] code(i, c), codes [D, G*b/8].
+template <int BITS>
+void key_scores_int8_generic(const int8_t* q8, const float* sq, const float* zk, const uint8_t* codes, int64_t dim,
+                             int64_t G, int nh, float* out, int64_t stride) {
+  const int64_t row_bytes = G * BITS / 8;
+  for (int64_t i = 0; i < G; ++i) {
+    const int64_t bit = i * BITS;
+    for (int g = 0; g < nh; ++g) {
+      int32_t total = 0;
+      for (int64_t c = 0; c < dim; ++c) {
+        const int code = (codes[c * row_bytes + (bit >> 3)] >> (bit & 7)) & ((1 << BITS) - 1);
+        total += static_cast<int32_t>(q8[g * dim + c]) * code;
+      }
+      out[g * stride + i] = std::fma(sq[g], static_cast<float>(total), zk[g]);
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#define KVFORGE_KIVI_VNNI 1
+// Codes of 32 tokens x 8 channels (channels c0..c0+7) rearranged for vpdpbusd: out[0]
+// tokens 0-15 x channels 0-3, out[1] tokens 0-15 x channels 4-7, out[2] and out[3] the same
+// for tokens 16-31; dword t holds the 4 channels' codes of token t, one per byte. `block`:
+// the 8 channels' 32-token rows back to back (8 bytes each for 2 bits, 16 for 4). Each
+// vpmultishiftqb takes a code's bits to a byte of the qword it is in (a channel's row, or
+// half of it for 4 bits); a two-source byte permute then gathers 4 channels per token.
+template <int BITS>
+inline void unpack_32x8(const uint8_t* block, __m512i out[4]) {
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << BITS) - 1));
+  if constexpr (BITS == 2) {
+    // Qword k = channel k's 32 tokens; M_j byte i of qword k = code(8j + i, k).
+    const __m512i s = _mm512_loadu_si512(block);
+    __m512i m[4];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t base = 16 * j;
+      const int64_t ctrl = base | (base + 2) << 8 | (base + 4) << 16 | (base + 6) << 24 | (base + 8) << 32 |
+                           (base + 10) << 40 | (base + 12) << 48 | (base + 14) << 56;
+      m[j] = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(ctrl), s);
+    }
+    alignas(64) static const uint8_t idx[2][64] = {
+#define KV_IDX(CH0) \
+  {CH0 * 8 + 0, (CH0 + 1) * 8 + 0, (CH0 + 2) * 8 + 0, (CH0 + 3) * 8 + 0, CH0 * 8 + 1, (CH0 + 1) * 8 + 1, \
+   (CH0 + 2) * 8 + 1, (CH0 + 3) * 8 + 1, CH0 * 8 + 2, (CH0 + 1) * 8 + 2, (CH0 + 2) * 8 + 2, (CH0 + 3) * 8 + 2, \
+   CH0 * 8 + 3, (CH0 + 1) * 8 + 3, (CH0 + 2) * 8 + 3, (CH0 + 3) * 8 + 3, CH0 * 8 + 4, (CH0 + 1) * 8 + 4, \
+   (CH0 + 2) * 8 + 4, (CH0 + 3) * 8 + 4, CH0 * 8 + 5, (CH0 + 1) * 8 + 5, (CH0 + 2) * 8 + 5, (CH0 + 3) * 8 + 5, \
+   CH0 * 8 + 6, (CH0 + 1) * 8 + 6, (CH0 + 2) * 8 + 6, (CH0 + 3) * 8 + 6, CH0 * 8 + 7, (CH0 + 1) * 8 + 7, \
+   (CH0 + 2) * 8 + 7, (CH0 + 3) * 8 + 7, 64 + CH0 * 8 + 0, 64 + (CH0 + 1) * 8 + 0, 64 + (CH0 + 2) * 8 + 0, \
+   64 + (CH0 + 3) * 8 + 0, 64 + CH0 * 8 + 1, 64 + (CH0 + 1) * 8 + 1, 64 + (CH0 + 2) * 8 + 1, \
+   64 + (CH0 + 3) * 8 + 1, 64 + CH0 * 8 + 2, 64 + (CH0 + 1) * 8 + 2, 64 + (CH0 + 2) * 8 + 2, \
+   64 + (CH0 + 3) * 8 + 2, 64 + CH0 * 8 + 3, 64 + (CH0 + 1) * 8 + 3, 64 + (CH0 + 2) * 8 + 3, \
+   64 + (CH0 + 3) * 8 + 3, 64 + CH0 * 8 + 4, 64 + (CH0 + 1) * 8 + 4, 64 + (CH0 + 2) * 8 + 4, \
+   64 + (CH0 + 3) * 8 + 4, 64 + CH0 * 8 + 5, 64 + (CH0 + 1) * 8 + 5, 64 + (CH0 + 2) * 8 + 5, \
+   64 + (CH0 + 3) * 8 + 5, 64 + CH0 * 8 + 6, 64 + (CH0 + 1) * 8 + 6, 64 + (CH0 + 2) * 8 + 6, \
+   64 + (CH0 + 3) * 8 + 6, 64 + CH0 * 8 + 7, 64 + (CH0 + 1) * 8 + 7, 64 + (CH0 + 2) * 8 + 7, \
+   64 + (CH0 + 3) * 8 + 7}
+        KV_IDX(0), KV_IDX(4)};
+#undef KV_IDX
+    const __m512i lo = _mm512_load_si512(idx[0]), hi = _mm512_load_si512(idx[1]);
+    out[0] = _mm512_and_si512(_mm512_permutex2var_epi8(m[0], lo, m[1]), mask);
+    out[1] = _mm512_and_si512(_mm512_permutex2var_epi8(m[0], hi, m[1]), mask);
+    out[2] = _mm512_and_si512(_mm512_permutex2var_epi8(m[2], lo, m[3]), mask);
+    out[3] = _mm512_and_si512(_mm512_permutex2var_epi8(m[2], hi, m[3]), mask);
+  } else {
+    // Two registers of 4 channels; qword 2k = channel k's tokens 0-15, qword 2k+1 its
+    // tokens 16-31. A: byte i of qword 2k(+1) = code(i (16 + i), k); B: code(8 + i (24 + i), k).
+    alignas(64) static const uint8_t idx[2][64] = {
+#define KV_IDX(HALF) \
+  {0 * 16 + HALF * 8 + 0, 1 * 16 + HALF * 8 + 0, 2 * 16 + HALF * 8 + 0, 3 * 16 + HALF * 8 + 0, \
+   0 * 16 + HALF * 8 + 1, 1 * 16 + HALF * 8 + 1, 2 * 16 + HALF * 8 + 1, 3 * 16 + HALF * 8 + 1, \
+   0 * 16 + HALF * 8 + 2, 1 * 16 + HALF * 8 + 2, 2 * 16 + HALF * 8 + 2, 3 * 16 + HALF * 8 + 2, \
+   0 * 16 + HALF * 8 + 3, 1 * 16 + HALF * 8 + 3, 2 * 16 + HALF * 8 + 3, 3 * 16 + HALF * 8 + 3, \
+   0 * 16 + HALF * 8 + 4, 1 * 16 + HALF * 8 + 4, 2 * 16 + HALF * 8 + 4, 3 * 16 + HALF * 8 + 4, \
+   0 * 16 + HALF * 8 + 5, 1 * 16 + HALF * 8 + 5, 2 * 16 + HALF * 8 + 5, 3 * 16 + HALF * 8 + 5, \
+   0 * 16 + HALF * 8 + 6, 1 * 16 + HALF * 8 + 6, 2 * 16 + HALF * 8 + 6, 3 * 16 + HALF * 8 + 6, \
+   0 * 16 + HALF * 8 + 7, 1 * 16 + HALF * 8 + 7, 2 * 16 + HALF * 8 + 7, 3 * 16 + HALF * 8 + 7, \
+   64 + 0 * 16 + HALF * 8 + 0, 64 + 1 * 16 + HALF * 8 + 0, 64 + 2 * 16 + HALF * 8 + 0, 64 + 3 * 16 + HALF * 8 + 0, \
+   64 + 0 * 16 + HALF * 8 + 1, 64 + 1 * 16 + HALF * 8 + 1, 64 + 2 * 16 + HALF * 8 + 1, 64 + 3 * 16 + HALF * 8 + 1, \
+   64 + 0 * 16 + HALF * 8 + 2, 64 + 1 * 16 + HALF * 8 + 2, 64 + 2 * 16 + HALF * 8 + 2, 64 + 3 * 16 + HALF * 8 + 2, \
+   64 + 0 * 16 + HALF * 8 + 3, 64 + 1 * 16 + HALF * 8 + 3, 64 + 2 * 16 + HALF * 8 + 3, 64 + 3 * 16 + HALF * 8 + 3, \
+   64 + 0 * 16 + HALF * 8 + 4, 64 + 1 * 16 + HALF * 8 + 4, 64 + 2 * 16 + HALF * 8 + 4, 64 + 3 * 16 + HALF * 8 + 4, \
+   64 + 0 * 16 + HALF * 8 + 5, 64 + 1 * 16 + HALF * 8 + 5, 64 + 2 * 16 + HALF * 8 + 5, 64 + 3 * 16 + HALF * 8 + 5, \
+   64 + 0 * 16 + HALF * 8 + 6, 64 + 1 * 16 + HALF * 8 + 6, 64 + 2 * 16 + HALF * 8 + 6, 64 + 3 * 16 + HALF * 8 + 6, \
+   64 + 0 * 16 + HALF * 8 + 7, 64 + 1 * 16 + HALF * 8 + 7, 64 + 2 * 16 + HALF * 8 + 7, 64 + 3 * 16 + HALF * 8 + 7}
+        KV_IDX(0), KV_IDX(1)};
+#undef KV_IDX
+    const __m512i first = _mm512_load_si512(idx[0]), second = _mm512_load_si512(idx[1]);
+    constexpr int64_t kLow = 0 | 4LL << 8 | 8LL << 16 | 12LL << 24 | 16LL << 32 | 20LL << 40 | 24LL << 48 | 28LL << 56;
+    const __m512i ctrl_a = _mm512_set1_epi64(kLow), ctrl_b = _mm512_set1_epi64(kLow + 0x2020202020202020LL);
+    for (int half = 0; half < 2; ++half) {  // channels 0-3, then 4-7
+      const __m512i s = _mm512_loadu_si512(block + 64 * half);
+      const __m512i a = _mm512_multishift_epi64_epi8(ctrl_a, s), b = _mm512_multishift_epi64_epi8(ctrl_b, s);
+      out[half] = _mm512_and_si512(_mm512_permutex2var_epi8(a, first, b), mask);
+      out[2 + half] = _mm512_and_si512(_mm512_permutex2var_epi8(a, second, b), mask);
+    }
+  }
+}
+
+// quantise_scaled_queries in AVX-512 (D % 16 == 0): the same products and the same
+// rounding (cvtps rounds to nearest even, as std::nearbyint and torch.round do).
+inline void quantise_scaled_queries_avx512(const float* qsc, int64_t dim, int nh, int8_t* q8, float* sq) {
+  for (int g = 0; g < nh; ++g) {
+    const float* row = qsc + g * dim;
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(row + c)));
+    const float t = _mm512_reduce_max_ps(top);
+    sq[g] = t / 127.f;
+    const __m512 inv = _mm512_set1_ps(t > 0.f ? 127.f / t : 0.f);
+    for (int64_t c = 0; c < dim; c += 16) {
+      const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + c), inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + g * dim + c), _mm512_cvtsepi32_epi8(rounded));
+    }
+  }
+}
+
+// key_scores_int8_generic for BITS in {2, 4}, G % 32 == 0 and D % 16 == 0 with VNNI; q8
+// and sq are scratch for the quantised qsc [NH, D].
+template <int BITS, int NH>
+void key_scores_int8_vnni(const float* qsc, int8_t* q8, float* sq, const float* zk, const uint8_t* codes,
+                          int64_t dim, int64_t G, float* out, int64_t stride) {
+  constexpr int64_t kBlockRow = 32 * BITS / 8;  // bytes of one channel's 32 tokens
+  const int64_t row_bytes = G * BITS / 8;
+  quantise_scaled_queries_avx512(qsc, dim, NH, q8, sq);
+  alignas(64) uint8_t staging[8 * kBlockRow];
+  for (int64_t j = 0; j < G; j += 32) {
+    __m512i acc[NH][2];
+    for (int g = 0; g < NH; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_si512();
+    for (int64_t c0 = 0; c0 < dim; c0 += 8) {
+      const uint8_t* block = codes + c0 * row_bytes + j * BITS / 8;
+      if (row_bytes != kBlockRow) {  // rows longer than 32 tokens: gather this block's pieces
+        for (int k = 0; k < 8; ++k) std::memcpy(staging + k * kBlockRow, block + k * row_bytes, kBlockRow);
+        block = staging;
+      }
+      __m512i t[4];
+      unpack_32x8<BITS>(block, t);
+      for (int g = 0; g < NH; ++g) {
+        int32_t w0, w1;
+        std::memcpy(&w0, q8 + g * dim + c0, 4);
+        std::memcpy(&w1, q8 + g * dim + c0 + 4, 4);
+        const __m512i qa = _mm512_set1_epi32(w0), qb = _mm512_set1_epi32(w1);
+        acc[g][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[g][0], t[0], qa), t[1], qb);
+        acc[g][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[g][1], t[2], qa), t[3], qb);
+      }
+    }
+    for (int g = 0; g < NH; ++g) {
+      const __m512 s = _mm512_set1_ps(sq[g]), z = _mm512_set1_ps(zk[g]);
+      for (int h = 0; h < 2; ++h) {
+        _mm512_storeu_ps(out + g * stride + j + 16 * h, _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(acc[g][h]), z));
+      }
+    }
+  }
+}
+#endif
+
+// Integer-domain scores of one page for NH heads from qsc [NH, D] (see above): the VNNI
+// path where it applies, else the generic one (the same integers, so the same scores).
+template <int BITS, int NH>
+inline void key_scores_int8(const float* qsc, int8_t* q8, float* sq, const float* zk, const uint8_t* codes,
+                            int64_t dim, int64_t G, float* out, int64_t stride) {
+#ifdef KVFORGE_KIVI_VNNI
+  if constexpr (BITS == 2 || BITS == 4) {
+    if (G % 32 == 0 && dim % 16 == 0) {
+      return key_scores_int8_vnni<BITS, NH>(qsc, q8, sq, zk, codes, dim, G, out, stride);
+    }
+  }
+#endif
+  quantise_scaled_queries(qsc, dim, NH, q8, sq);
+  key_scores_int8_generic<BITS>(q8, sq, zk, codes, dim, G, NH, out, stride);
 }
 
 // key_scores for pre-RoPE pages (key_space=pre_rope): out[g * stride + i] =
@@ -807,7 +1001,12 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
         }
         scratch.zk[g] = z.sum();
       }
-      key_scores<V, KBITS, NH>(qsc, scratch.zk.data(), kcodes, dim, G, scores + k * G, stride);
+      if (p.key_int8) {
+        key_scores_int8<KBITS, NH>(qsc, scratch.q8.data(), scratch.sq.data(), scratch.zk.data(), kcodes, dim, G,
+                                   scores + k * G, stride);
+      } else {
+        key_scores<V, KBITS, NH>(qsc, scratch.zk.data(), kcodes, dim, G, scores + k * G, stride);
+      }
     }
     update<V>(s, scores, stride, count * G, hidden, NH, dim);
     // Values: token t is quantised iff t < nv, else it is still in the ring.
@@ -976,7 +1175,7 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
                                  const at::Tensor& lengths, const at::Tensor& slots, double scale, int64_t bits,
                                  const c10::optional<at::Tensor>& k_sink, const c10::optional<at::Tensor>& v_sink,
                                  int64_t value_bits, const c10::optional<at::Tensor>& rope_cos,
-                                 const c10::optional<at::Tensor>& rope_sin) {
+                                 const c10::optional<at::Tensor>& rope_sin, int64_t key_dot) {
   constexpr const char* kOpName = "kivi_decode_attention";
   kvforge_checks::cpu(kOpName, {&q, &k_self, &v_self, &k_codes, &k_scale, &k_zero, &v_codes, &v_scale, &v_zero, &k_res,
                            &v_res, &page_table, &first_page_position, &visible_from, &lengths, &slots});
@@ -989,6 +1188,9 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   TORCH_CHECK(k_res.is_contiguous() && v_res.is_contiguous(), kOpName, ": residuals must be contiguous");
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
   if (value_bits == 0) value_bits = bits;
+  TORCH_CHECK(key_dot == 0 || key_dot == 1, "key_dot must be 0 (float) or 1 (int8)");
+  TORCH_CHECK(key_dot == 0 || (bits != 8 && !rope_cos.has_value()),
+              "key_dot=int8 takes 2- or 4-bit keys stored post-RoPE");
   TORCH_CHECK(value_bits == bits || (bits == 4 && value_bits == 2),
               "key/value bits must be equal, or 4-bit keys with 2-bit values");
   TORCH_CHECK(k_res.sizes() == v_res.sizes() && k_res.scalar_type() == v_res.scalar_type() && k_res.dim() == 4,
@@ -1046,7 +1248,7 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
                   page_table.data_ptr<int64_t>(), first_page_position.data_ptr<int64_t>(),
                   visible_from.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                   rope_len ? rope_cos->data_ptr<float>() : nullptr, rope_len ? rope_sin->data_ptr<float>() : nullptr,
-                  rope_len};
+                  rope_len, key_dot == 1};
 
   // Units: each pair's visible quantised pages [col_lo, col_hi), cut into slices when the
   // batch alone would not give every thread several units (split-K).
@@ -1123,7 +1325,7 @@ TORCH_LIBRARY(kvforge_cpu_kivi, m) {
         "Tensor k_zero, Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor k_res, Tensor v_res, "
         "Tensor page_table, Tensor first_page_position, Tensor visible_from, Tensor lengths, Tensor slots, "
         "float scale, int bits, Tensor? k_sink=None, Tensor? v_sink=None, int value_bits=0, "
-        "Tensor? rope_cos=None, Tensor? rope_sin=None) -> Tensor");
+        "Tensor? rope_cos=None, Tensor? rope_sin=None, int key_dot=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_kivi, CPU, m) {

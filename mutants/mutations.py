@@ -23,6 +23,7 @@ class Mutation:
 S = "src/kvforge/"
 SHADOWKV = ("tests/cache/shadowkv/test_shadowkv_parts.py", "tests/cache/shadowkv/test_shadowkv.py")
 KIVI = ("tests/cache/kivi",)
+INT8_KEYS = ("tests/cache/kivi/test_kivi_int8_keys.py",)
 BUDGET = ("tests/cache/test_budget_invariant.py",)
 RANK_ATTENTION = ("tests/cache/shadowkv/test_shadowkv_rank_attention.py",)
 
@@ -503,4 +504,31 @@ MUTATIONS: list[Mutation] = [
     Mutation("kivi_split_k_unweighted_combine", S + "cache/kivi/triton_decode.py",
              "weights = tl.exp(maxes - tl.max(maxes, axis=0))", "weights = tl.exp(maxes * 0.0)",
              ("tests/cache/kivi/test_kivi_triton_decode.py",), "parts are merged by exp(max_s - max)"),
+    # -- KIVI key_dot=int8 (issue 22) ---------------------------------------------------------
+    Mutation("kivi_int8_keys_truncated", S + "cache/kivi/cpu_decode.cpp",
+             "const __m512i rounded = _mm512_cvtps_epi32(", "const __m512i rounded = _mm512_cvttps_epi32(",
+             INT8_KEYS, "the scaled query rounds to nearest (ties to even) as the definition says"),
+    Mutation("kivi_int8_keys_vnni_channels_swapped", S + "cache/kivi/cpu_decode.cpp",
+             "out[1] = _mm512_and_si512(_mm512_permutex2var_epi8(m[0], hi, m[1]), mask);",
+             "out[1] = _mm512_and_si512(_mm512_permutex2var_epi8(m[0], lo, m[1]), mask);",
+             INT8_KEYS, "vpdpbusd's dword t holds token t's codes of the right 4 channels"),
+    Mutation("kivi_int8_keys_4bit_second_half_tokens", S + "cache/kivi/cpu_decode.cpp",
+             "out[2 + half] = _mm512_and_si512(_mm512_permutex2var_epi8(a, second, b), mask);",
+             "out[2 + half] = _mm512_and_si512(_mm512_permutex2var_epi8(a, first, b), mask);",
+             INT8_KEYS, "4-bit codes of tokens 16-31 come from the second qword of each channel row"),
+    Mutation("kivi_int8_keys_generic_without_zero_part", S + "cache/kivi/cpu_decode.cpp",
+             "out[g * stride + i] = std::fma(sq[g], static_cast<float>(total), zk[g]);",
+             "out[g * stride + i] = sq[g] * static_cast<float>(total);",
+             INT8_KEYS, "the generic integer path keeps the q . zero part of the score"),
+    Mutation("kivi_int8_keys_definition_levels", S + "cache/kivi/int8_keys.py",
+             "INT8_LEVELS = 127", "INT8_LEVELS = 63",
+             INT8_KEYS, "the PyTorch statement quantises to the symmetric int8 range [-127, 127]"),
+    Mutation("kivi_int8_keys_sinks_scored_from_codes", S + "cache/kivi/attention.py",
+             "            if view.sinks:  # sink tokens keep exact keys (and exact scores)",
+             "            if False:  # sink tokens keep exact keys (and exact scores)",
+             INT8_KEYS, "sink tokens keep exact scores under key_dot=int8, as the C++ kernel gives them"),
+    Mutation("kivi_int8_keys_allowed_pre_rope", S + "cache/kivi/config.py",
+             'require(self.key_space == "post_rope", "key_dot", self.key_dot,',
+             'require(True, "key_dot", self.key_dot,',
+             INT8_KEYS, "pre-RoPE codes are not what the query multiplies: the combination is refused"),
 ]

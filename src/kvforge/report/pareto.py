@@ -21,7 +21,8 @@ START, END = "<!-- kivi-pareto:start -->", "<!-- kivi-pareto:end -->"
 PARETO_FILES = {
     "smollm2-135m": ("eval/pareto_kivi_smollm2-135m.json", "eval/pareto_kivi_smollm2-135m_beyond_paper.json",
                      "eval/pareto_kivi_smollm2-135m_k4v2_g64.json", "eval/pareto_kivi_smollm2-135m_quality3.json",
-                     "eval/pareto_kivi_smollm2-135m_hf_quanto.json"),
+                     "eval/pareto_kivi_smollm2-135m_hf_quanto.json", "eval/pareto_kivi_smollm2-135m_key_dot_int8.json",
+                     "eval/pareto_kivi_smollm2-135m_quality2_key_dot_int8.json"),
     "gemma3-270m": ("eval/pareto_kivi_gemma3-270m.json", "eval/pareto_kivi_gemma3-270m_k4v2_g64.json",
                     "eval/pareto_kivi_gemma3-270m_2bit_keyside.json",
                     "eval/pareto_kivi_gemma3-270m_prerope_sinks_hadamard_values.json",

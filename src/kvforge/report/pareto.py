@@ -26,7 +26,8 @@ PARETO_FILES = {
     "gemma3-270m": ("eval/pareto_kivi_gemma3-270m.json", "eval/pareto_kivi_gemma3-270m_k4v2_g64.json",
                     "eval/pareto_kivi_gemma3-270m_2bit_keyside.json",
                     "eval/pareto_kivi_gemma3-270m_prerope_sinks_hadamard_values.json",
-                    "eval/pareto_kivi_gemma3-270m_prerope_sinks.json"),
+                    "eval/pareto_kivi_gemma3-270m_prerope_sinks.json", "eval/pareto_kivi_gemma3-270m_key_dot_int8.json",
+                    "eval/pareto_kivi_gemma3-270m_quality2_key_dot_int8.json"),
 }
 SAME_WINDOWS = ("model", "text_file")
 SAME_SETTINGS = ("context", "prefill_len", "windows", "mode")

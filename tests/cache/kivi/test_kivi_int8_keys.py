@@ -106,6 +106,28 @@ def test_kernel_equals_the_pytorch_path(bits, g, dim):
 
 
 @needs_kernel
+@pytest.mark.parametrize("bits,g,dim,group,seed", [(2, 64, 128, 5, 407), (2, 32, 96, 3, 100), (4, 64, 192, 2, 0)])
+def test_kernel_rounds_each_q8_like_the_pytorch_path(bits, g, dim, group, seed):
+    """Cases with a scaled query within an ulp of a rounding tie (the first one found by a
+    sweep): the PyTorch path must compute 127 / max as the kernel does (one float32
+    division; `127 / tensor` in torch is a reciprocal times 127), or a q8 rounds the other
+    way and the score moves by a whole step."""
+    r = max(2 * g, 64)
+    case = make_case(lengths_for(r, g)[-3:], g=g, r=r, dim=dim, bits=bits, group=group, seed=seed)
+    torch.testing.assert_close(kivi_decode_attention_cpu(**case, key_dot="int8"),
+                               kivi_decode_attention(**case, tile_pages=2, key_dot="int8"), rtol=1e-6, atol=1e-6)
+
+
+def test_a_vanishing_query_row_scores_only_the_zero_part():
+    view = random_pages(2, 32, dim=16)
+    qh = torch.full((2, 1, 1, 16), 1e-37)  # 127 / max|q * scale| overflows to inf
+    scores = int8_key_scores(qh, view, torch.tensor([[0]]))
+    assert torch.isfinite(scores).all()
+    zero_part = (qh[:, 0, 0] * view.k_zero[:, 0].float()).sum(-1)  # [H]
+    torch.testing.assert_close(scores[:, 0, 0], zero_part[:, None].expand(-1, 32))
+
+
+@needs_kernel
 @pytest.mark.parametrize("group", [1, 3, 9])
 @pytest.mark.parametrize("window", [None, 40, 333])
 def test_kernel_gqa_groups_and_windows(group, window):

@@ -584,14 +584,18 @@ inline void key_scores(const float* qsc, const float* zk, const uint8_t* codes, 
 // attention.py computes the same definition (parity-tested); a key code then costs 1/4 of
 // a VNNI instruction per head instead of one float FMA, which is what makes this faster.
 
-// q8 [NH, D] and sq [NH] of one page from qsc [NH, D]; sq = 0 (and q8 = 0) for a zero row.
+// Below this max |qsc| a row counts as zero (q8 = 0): 127 / max would overflow to inf near
+// float32's smallest normals (int8_keys.ZERO_ROW).
+constexpr float kZeroRow = 1e-30f;
+
+// q8 [NH, D] and sq [NH] of one page from qsc [NH, D]; q8 = 0 for a row below kZeroRow.
 inline void quantise_scaled_queries(const float* qsc, int64_t dim, int nh, int8_t* q8, float* sq) {
   for (int g = 0; g < nh; ++g) {
     const float* row = qsc + g * dim;
     float top = 0.f;
     for (int64_t c = 0; c < dim; ++c) top = std::max(top, std::fabs(row[c]));
     sq[g] = top / 127.f;
-    const float inv = top > 0.f ? 127.f / top : 0.f;
+    const float inv = top > kZeroRow ? 127.f / top : 0.f;
     for (int64_t c = 0; c < dim; ++c) q8[g * dim + c] = static_cast<int8_t>(std::nearbyint(row[c] * inv));
   }
 }
@@ -703,7 +707,7 @@ inline void quantise_scaled_queries_avx512(const float* qsc, int64_t dim, int nh
     for (int64_t c = 0; c < dim; c += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(row + c)));
     const float t = _mm512_reduce_max_ps(top);
     sq[g] = t / 127.f;
-    const __m512 inv = _mm512_set1_ps(t > 0.f ? 127.f / t : 0.f);
+    const __m512 inv = _mm512_set1_ps(t > kZeroRow ? 127.f / t : 0.f);
     for (int64_t c = 0; c < dim; c += 16) {
       const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + c), inv));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + g * dim + c), _mm512_cvtsepi32_epi8(rounded));

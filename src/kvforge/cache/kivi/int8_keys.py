@@ -29,13 +29,18 @@ from kvforge.cache.kivi.store import KIVILayerView
 
 KEY_DOTS = ("float", "int8")
 INT8_LEVELS = 127  # symmetric int8: q8 in [-127, 127]
+# A row whose max |qsc| is below this counts as zero (q8 = 0): 127 / max would overflow to
+# inf near float32's smallest normals, and inf * 0 is NaN. Far below any real score scale.
+ZERO_ROW = 1e-30
 
 
 def quantise_scaled_queries(qsc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """qsc [..., D] float32 -> (q8 [..., D] as float32 integers, step [..., 1]) with
-    qsc ~ q8 * step; a row of zeros gets q8 = 0 and step = 0."""
+    qsc ~ q8 * step; a row below ZERO_ROW gets q8 = 0. 127 / max is one float32 division
+    (not `127 / tensor`, which torch computes as a reciprocal times 127: two roundings), as
+    the C++ kernel does, so both round each q8 from the same float."""
     top = qsc.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(top > 0, INT8_LEVELS / top, torch.zeros_like(top))
+    inv = torch.where(top > ZERO_ROW, torch.full_like(top, INT8_LEVELS) / top, torch.zeros_like(top))
     return torch.round(qsc * inv), top / INT8_LEVELS
 
 

@@ -55,6 +55,7 @@
 #include "cpu_checks.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -621,6 +622,17 @@ void key_scores_int8_generic(const int8_t* q8, const float* sq, const float* zk,
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 #define KVFORGE_KIVI_VNNI 1
+// Index table of a two-source byte permute (vpermt2b) gathering 4 qwords into vpdpbusd's
+// layout: byte k of dword t (t < 16) takes byte t % 8 of qword first + k * step, from the
+// first source for t < 8 and the second for t >= 8 (index bit 6).
+constexpr std::array<uint8_t, 64> dword_gather(int first, int step) {
+  std::array<uint8_t, 64> index{};
+  for (int t = 0; t < 16; ++t) {
+    for (int k = 0; k < 4; ++k) index[4 * t + k] = static_cast<uint8_t>((t < 8 ? 0 : 64) + (first + k * step) * 8 + t % 8);
+  }
+  return index;
+}
+
 // Codes of 32 tokens x 8 channels (channels c0..c0+7) rearranged for vpdpbusd: out[0]
 // tokens 0-15 x channels 0-3, out[1] tokens 0-15 x channels 4-7, out[2] and out[3] the same
 // for tokens 16-31; dword t holds the 4 channels' codes of token t, one per byte. `block`:
@@ -640,25 +652,8 @@ inline void unpack_32x8(const uint8_t* block, __m512i out[4]) {
                            (base + 10) << 40 | (base + 12) << 48 | (base + 14) << 56;
       m[j] = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(ctrl), s);
     }
-    alignas(64) static const uint8_t idx[2][64] = {
-#define KV_IDX(CH0) \
-  {CH0 * 8 + 0, (CH0 + 1) * 8 + 0, (CH0 + 2) * 8 + 0, (CH0 + 3) * 8 + 0, CH0 * 8 + 1, (CH0 + 1) * 8 + 1, \
-   (CH0 + 2) * 8 + 1, (CH0 + 3) * 8 + 1, CH0 * 8 + 2, (CH0 + 1) * 8 + 2, (CH0 + 2) * 8 + 2, (CH0 + 3) * 8 + 2, \
-   CH0 * 8 + 3, (CH0 + 1) * 8 + 3, (CH0 + 2) * 8 + 3, (CH0 + 3) * 8 + 3, CH0 * 8 + 4, (CH0 + 1) * 8 + 4, \
-   (CH0 + 2) * 8 + 4, (CH0 + 3) * 8 + 4, CH0 * 8 + 5, (CH0 + 1) * 8 + 5, (CH0 + 2) * 8 + 5, (CH0 + 3) * 8 + 5, \
-   CH0 * 8 + 6, (CH0 + 1) * 8 + 6, (CH0 + 2) * 8 + 6, (CH0 + 3) * 8 + 6, CH0 * 8 + 7, (CH0 + 1) * 8 + 7, \
-   (CH0 + 2) * 8 + 7, (CH0 + 3) * 8 + 7, 64 + CH0 * 8 + 0, 64 + (CH0 + 1) * 8 + 0, 64 + (CH0 + 2) * 8 + 0, \
-   64 + (CH0 + 3) * 8 + 0, 64 + CH0 * 8 + 1, 64 + (CH0 + 1) * 8 + 1, 64 + (CH0 + 2) * 8 + 1, \
-   64 + (CH0 + 3) * 8 + 1, 64 + CH0 * 8 + 2, 64 + (CH0 + 1) * 8 + 2, 64 + (CH0 + 2) * 8 + 2, \
-   64 + (CH0 + 3) * 8 + 2, 64 + CH0 * 8 + 3, 64 + (CH0 + 1) * 8 + 3, 64 + (CH0 + 2) * 8 + 3, \
-   64 + (CH0 + 3) * 8 + 3, 64 + CH0 * 8 + 4, 64 + (CH0 + 1) * 8 + 4, 64 + (CH0 + 2) * 8 + 4, \
-   64 + (CH0 + 3) * 8 + 4, 64 + CH0 * 8 + 5, 64 + (CH0 + 1) * 8 + 5, 64 + (CH0 + 2) * 8 + 5, \
-   64 + (CH0 + 3) * 8 + 5, 64 + CH0 * 8 + 6, 64 + (CH0 + 1) * 8 + 6, 64 + (CH0 + 2) * 8 + 6, \
-   64 + (CH0 + 3) * 8 + 6, 64 + CH0 * 8 + 7, 64 + (CH0 + 1) * 8 + 7, 64 + (CH0 + 2) * 8 + 7, \
-   64 + (CH0 + 3) * 8 + 7}
-        KV_IDX(0), KV_IDX(4)};
-#undef KV_IDX
-    const __m512i lo = _mm512_load_si512(idx[0]), hi = _mm512_load_si512(idx[1]);
+    static constexpr std::array<uint8_t, 64> kLo = dword_gather(0, 1), kHi = dword_gather(4, 1);
+    const __m512i lo = _mm512_loadu_si512(kLo.data()), hi = _mm512_loadu_si512(kHi.data());
     out[0] = _mm512_and_si512(_mm512_permutex2var_epi8(m[0], lo, m[1]), mask);
     out[1] = _mm512_and_si512(_mm512_permutex2var_epi8(m[0], hi, m[1]), mask);
     out[2] = _mm512_and_si512(_mm512_permutex2var_epi8(m[2], lo, m[3]), mask);
@@ -666,27 +661,8 @@ inline void unpack_32x8(const uint8_t* block, __m512i out[4]) {
   } else {
     // Two registers of 4 channels; qword 2k = channel k's tokens 0-15, qword 2k+1 its
     // tokens 16-31. A: byte i of qword 2k(+1) = code(i (16 + i), k); B: code(8 + i (24 + i), k).
-    alignas(64) static const uint8_t idx[2][64] = {
-#define KV_IDX(HALF) \
-  {0 * 16 + HALF * 8 + 0, 1 * 16 + HALF * 8 + 0, 2 * 16 + HALF * 8 + 0, 3 * 16 + HALF * 8 + 0, \
-   0 * 16 + HALF * 8 + 1, 1 * 16 + HALF * 8 + 1, 2 * 16 + HALF * 8 + 1, 3 * 16 + HALF * 8 + 1, \
-   0 * 16 + HALF * 8 + 2, 1 * 16 + HALF * 8 + 2, 2 * 16 + HALF * 8 + 2, 3 * 16 + HALF * 8 + 2, \
-   0 * 16 + HALF * 8 + 3, 1 * 16 + HALF * 8 + 3, 2 * 16 + HALF * 8 + 3, 3 * 16 + HALF * 8 + 3, \
-   0 * 16 + HALF * 8 + 4, 1 * 16 + HALF * 8 + 4, 2 * 16 + HALF * 8 + 4, 3 * 16 + HALF * 8 + 4, \
-   0 * 16 + HALF * 8 + 5, 1 * 16 + HALF * 8 + 5, 2 * 16 + HALF * 8 + 5, 3 * 16 + HALF * 8 + 5, \
-   0 * 16 + HALF * 8 + 6, 1 * 16 + HALF * 8 + 6, 2 * 16 + HALF * 8 + 6, 3 * 16 + HALF * 8 + 6, \
-   0 * 16 + HALF * 8 + 7, 1 * 16 + HALF * 8 + 7, 2 * 16 + HALF * 8 + 7, 3 * 16 + HALF * 8 + 7, \
-   64 + 0 * 16 + HALF * 8 + 0, 64 + 1 * 16 + HALF * 8 + 0, 64 + 2 * 16 + HALF * 8 + 0, 64 + 3 * 16 + HALF * 8 + 0, \
-   64 + 0 * 16 + HALF * 8 + 1, 64 + 1 * 16 + HALF * 8 + 1, 64 + 2 * 16 + HALF * 8 + 1, 64 + 3 * 16 + HALF * 8 + 1, \
-   64 + 0 * 16 + HALF * 8 + 2, 64 + 1 * 16 + HALF * 8 + 2, 64 + 2 * 16 + HALF * 8 + 2, 64 + 3 * 16 + HALF * 8 + 2, \
-   64 + 0 * 16 + HALF * 8 + 3, 64 + 1 * 16 + HALF * 8 + 3, 64 + 2 * 16 + HALF * 8 + 3, 64 + 3 * 16 + HALF * 8 + 3, \
-   64 + 0 * 16 + HALF * 8 + 4, 64 + 1 * 16 + HALF * 8 + 4, 64 + 2 * 16 + HALF * 8 + 4, 64 + 3 * 16 + HALF * 8 + 4, \
-   64 + 0 * 16 + HALF * 8 + 5, 64 + 1 * 16 + HALF * 8 + 5, 64 + 2 * 16 + HALF * 8 + 5, 64 + 3 * 16 + HALF * 8 + 5, \
-   64 + 0 * 16 + HALF * 8 + 6, 64 + 1 * 16 + HALF * 8 + 6, 64 + 2 * 16 + HALF * 8 + 6, 64 + 3 * 16 + HALF * 8 + 6, \
-   64 + 0 * 16 + HALF * 8 + 7, 64 + 1 * 16 + HALF * 8 + 7, 64 + 2 * 16 + HALF * 8 + 7, 64 + 3 * 16 + HALF * 8 + 7}
-        KV_IDX(0), KV_IDX(1)};
-#undef KV_IDX
-    const __m512i first = _mm512_load_si512(idx[0]), second = _mm512_load_si512(idx[1]);
+    static constexpr std::array<uint8_t, 64> kFirst = dword_gather(0, 2), kSecond = dword_gather(1, 2);
+    const __m512i first = _mm512_loadu_si512(kFirst.data()), second = _mm512_loadu_si512(kSecond.data());
     constexpr int64_t kLow = 0 | 4LL << 8 | 8LL << 16 | 12LL << 24 | 16LL << 32 | 20LL << 40 | 24LL << 48 | 28LL << 56;
     const __m512i ctrl_a = _mm512_set1_epi64(kLow), ctrl_b = _mm512_set1_epi64(kLow + 0x2020202020202020LL);
     for (int half = 0; half < 2; ++half) {  // channels 0-3, then 4-7

@@ -2,7 +2,7 @@
 paged CPU kernel on the same sequences, timed alternately in one process.
 
     python benchmarks/kivi_kernel_micro.py [--threads 2 1] [--batch 16] [--context 2048]
-        [--repeats 15] [--baseline-source OLD.cpp] [--pre-rope] [--int8-keys]
+        [--repeats 15] [--baseline-source OLD.cpp] [--pre-rope] [--int8-keys] [--int8-values]
 
 Geometry defaults to smollm2-135m (3 kv heads, 9 query heads, head_dim 64) with KIVI's
 G=32, R=128. Every method gets a store of `--layers` layers (more than the last-level
@@ -16,7 +16,8 @@ also times another version of `cache/kivi/cpu_decode.cpp` (e.g. `git show HEAD:.
 under a renamed operator namespace, for before/after numbers in the same run. `--pre-rope`
 also times each bit width with its stored keys taken as pre-RoPE (`kivi:key_space=pre_rope`:
 the kernel RoPEs every key after dequantising it). `--int8-keys` also times each bit width
-with `kivi:key_dot=int8` (scaled query quantised to int8 per page, VNNI integer sums).
+with `kivi:key_dot=int8` (scaled query quantised to int8 per page, VNNI integer sums);
+`--int8-values` with `kivi:key_dot=int8,value_dot=int8` (softmax weights quantised too).
 
 On a machine shared with other work, run it with OMP_WAIT_POLICY=PASSIVE: OpenMP threads
 that spin while a sibling waits for a core made every 2-thread timing here 5x the 1-thread
@@ -130,6 +131,10 @@ def build_methods(options: argparse.Namespace, x: dict) -> dict[str, tuple[Calla
             methods[f"kivi-{bits}-int8"] = (
                 lambda i, args=args: kivi_decode_attention_cpu(*args(i), key_dot="int8"),
                 lambda i, args=args: kivi_decode_attention(*args(i), tile_pages=8, key_dot="int8"))
+        if options.int8_values:
+            methods[f"kivi-{bits}-int8-kv"] = (
+                lambda i, args=args: kivi_decode_attention_cpu(*args(i), key_dot="int8", value_dot="int8"),
+                lambda i, args=args: kivi_decode_attention(*args(i), tile_pages=8, key_dot="int8", value_dot="int8"))
         if options.pre_rope:
             keys = StoredKeys(RotaryEmbedding(dim, RopeConfig(theta=10000.0)))
             tables = keys.rope_tables(int(x["lengths"].max()))
@@ -175,6 +180,8 @@ def main() -> None:
     parser.add_argument("--baseline-source", default=None, help="another cache/kivi/cpu_decode.cpp to time too")
     parser.add_argument("--pre-rope", action="store_true", help="also time pre-RoPE stored keys")
     parser.add_argument("--int8-keys", action="store_true", help="also time kivi:key_dot=int8 (integer-domain scores)")
+    parser.add_argument("--int8-values", action="store_true",
+                        help="also time kivi:key_dot=int8,value_dot=int8 (integer-domain scores and value sums)")
     options = parser.parse_args()
     assert cpu_kernels_available() and cpu_kivi_kernel_available(), "a CPU kernel did not build"
     torch.manual_seed(0)

@@ -15,12 +15,13 @@ then `key_transform` (key_space.py; None: keys are stored as attention reads the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from kvforge.cache.host_sync import host_memory
 from kvforge.cache.kivi.int8_keys import int8_key_scores
+from kvforge.cache.kivi.int8_values import int8_value_sums
 from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView, dequantize_key_pages, dequantize_value_pages
 
@@ -38,12 +39,15 @@ class OnlineSoftmax:
         self.sum = probs.sum(dim=-1, keepdim=True)
         self.acc = torch.bmm(probs, values)
 
-    def add(self, scores: torch.Tensor, values: torch.Tensor) -> None:
+    def add(self, scores: torch.Tensor, values: torch.Tensor,
+            weigh: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """weigh(probs) -> [P, rows, D]: the weighted sum of the block's values when it is
+        not probs @ values (value_dot=int8); probs are relative to the new running max."""
         new_max = torch.maximum(self.max, scores.amax(dim=-1, keepdim=True))
         probs = torch.exp(scores - new_max)
         correction = torch.exp(self.max - new_max)
         self.sum = self.sum * correction + probs.sum(dim=-1, keepdim=True)
-        self.acc = self.acc * correction + torch.bmm(probs, values)
+        self.acc = self.acc * correction + (torch.bmm(probs, values) if weigh is None else weigh(probs))
         self.max = new_max
 
     def result(self) -> torch.Tensor:
@@ -158,14 +162,32 @@ def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     return out.reshape(length, heads, dim).to(q.dtype)
 
 
+def _int8_weigh(view: KIVILayerView, ids: torch.Tensor, values: torch.Tensor, quantised: torch.Tensor,
+                hidden: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """OnlineSoftmax's `weigh` for one decode tile under value_dot=int8: the tokens marked
+    quantised [B, m] through int8_value_sums, the other visible ones (ring, sinks) exactly
+    from `values` [H, B, m, D]; hidden [B, m] tokens' values are never read (they may be
+    NaN: storage never written)."""
+    heads, batch, tile, dim = values.shape
+    exact = values.masked_fill((quantised | hidden)[None, :, :, None], 0.0).reshape(heads * batch, tile, dim)
+
+    def weigh(probs: torch.Tensor) -> torch.Tensor:  # probs [pairs, group, m]
+        group = probs.shape[1]
+        sums = int8_value_sums(probs.view(heads, batch, group, tile), view, ids, quantised)
+        return torch.bmm(probs, exact) + sums.reshape(heads * batch, group, dim)
+
+    return weigh
+
+
 def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
                           page_table: torch.Tensor, first_page_position: torch.Tensor,
                           visible_from: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                           scale: float, tile_pages: int, key_transform: KeyTransform = None,
-                          key_dot: str = "float") -> torch.Tensor:
+                          key_dot: str = "float", value_dot: str = "float") -> torch.Tensor:
     """One query per sequence over its own exact K/V plus its stored tokens, float32.
     key_dot="int8" scores the quantised pages' keys as int8_keys.py defines (post-RoPE
-    keys only: key_transform must be None).
+    keys only: key_transform must be None); value_dot="int8" sums the quantised pages'
+    values as int8_values.py defines.
 
     q [B, heads, D]; k_self/v_self [B, H, D]; page_table [B, W] pages of tokens
     [first_page_position, nk); stored tokens [visible_from, lengths) are visible; slots [B]
@@ -183,13 +205,13 @@ def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.T
     state = OnlineSoftmax(torch.bmm(qh, own_k), own_v)
 
     def add(keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
-            scores: torch.Tensor | None = None) -> None:
+            scores: torch.Tensor | None = None, weigh: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         # keys/values [H, B, m, D]; hidden [B, m]; scores [pairs, group, m] if given
         hidden = hidden.repeat(kv_heads, 1)[:, None, :]  # [pairs, 1, m]
         if scores is None:
             scores = torch.bmm(qh, keys.reshape(pairs, -1, dim).transpose(1, 2))
         scores, values = _hide(scores, values.reshape(pairs, -1, dim), hidden)
-        state.add(scores, values)
+        state.add(scores, values, weigh)
 
     # The skips below read device values: taken on the CPU only (host_sync). Elsewhere a
     # tile nobody sees adds exp(-inf) = 0 to every sum, and ring values replace nothing
@@ -220,7 +242,10 @@ def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.T
                 exact = torch.bmm(qh, keys.reshape(pairs, -1, dim).transpose(1, 2))
                 sink = (k_pos < view.sinks).repeat(kv_heads, 1)[:, None, :]
                 scores = torch.where(sink, exact, scores)
-        add(keys if key_transform is None else key_transform(keys, k_pos), values, hidden, scores)
+        weigh = None
+        if value_dot == "int8":
+            weigh = _int8_weigh(view, ids, values, (k_pos < nv[:, None]) & (k_pos >= view.sinks) & ~hidden, hidden)
+        add(keys if key_transform is None else key_transform(keys, k_pos), values, hidden, scores, weigh)
     # Residual keys: tokens [nk, n) at offsets 0 .. n - nk - 1 of both residuals.
     k_pos = nk[:, None] + torch.arange(residual, device=q.device)[None]
     hidden = (k_pos >= lengths[:, None]) | (k_pos < visible_from[:, None])

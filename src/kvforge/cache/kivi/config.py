@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.cache.kivi.int8_keys import KEY_DOTS
+from kvforge.cache.kivi.int8_values import VALUE_DOTS
 from kvforge.cache.kivi.presets import apply_preset
 from kvforge.cache.kivi.quant import SUPPORTED_BITS
 from kvforge.errors import require
@@ -74,6 +75,10 @@ class KIVICacheConfig:
     # Decode scores of quantised keys: "float" (the paper's arithmetic) or "int8" (the scaled
     # query quantised to int8 per page, exact integer sums: int8_keys.py); one of KEY_DOTS.
     key_dot: str = "float"
+    # Decode sums of quantised values: "float" (the paper's arithmetic) or "int8" (the
+    # softmax weights times value scales quantised to 8 bits per page, exact integer sums:
+    # int8_values.py); one of VALUE_DOTS.
+    value_dot: str = "float"
     # Bits of key codes and of value codes; None: `bits`.
     key_bits: int | None = None
     value_bits: int | None = None
@@ -135,6 +140,12 @@ class KIVICacheConfig:
                     "needs key_space=post_rope (pre-RoPE keys are rotated after dequantisation, so their "
                     "codes are not what the query multiplies)")
             require(self.kbits in (2, 4), "key_dot", self.key_dot, f"needs 2- or 4-bit keys (key bits: {self.kbits})")
+        require(self.value_dot in VALUE_DOTS, "value_dot", self.value_dot, f"must be one of {list(VALUE_DOTS)}")
+        if self.value_dot == "int8":
+            require(self.vbits in (2, 4), "value_dot", self.value_dot,
+                    f"needs 2- or 4-bit values (value bits: {self.vbits})")
+            # w8 * code sums stay below 2^24 (exact in the PyTorch path's float32) up to 4,096 tokens a page.
+            require(kg <= 4096, "value_dot", self.value_dot, f"needs pages of <= 4096 tokens ({key_group})")
         require(self.residual_dtype is None or self.residual_dtype in RESIDUAL_DTYPES, "residual_dtype",
                 self.residual_dtype, f"must be one of {sorted(RESIDUAL_DTYPES)}")
         for name in ("prefill_tile_tokens", "decode_tile_tokens"):

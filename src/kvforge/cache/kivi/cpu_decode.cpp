@@ -362,7 +362,8 @@ struct Problem {
   const int64_t *page_table, *first, *from, *lengths, *slot_of;
   const float *rope_cos, *rope_sin;  // [D/2, rope_len] channel-major; nullptr: keys stored post-RoPE
   int64_t rope_len;
-  bool key_int8;  // key_dot=int8: integer-domain scores of quantised post-RoPE keys
+  bool key_int8;    // key_dot=int8: integer-domain scores of quantised post-RoPE keys
+  bool value_int8;  // value_dot=int8: integer-domain sums of quantised values
 };
 
 // Page columns [col_begin, col_end) of one (sequence, kv head) pair. with_self: this unit
@@ -391,6 +392,8 @@ Span span_of(const Problem& p, int64_t b) {
 struct Scratch {
   std::vector<float> qs, qsc, zk, scores, sv, zv, rows, kf, sq;
   std::vector<int8_t> q8;  // key_dot=int8: a page's scaled queries as int8 [nh, D]
+  std::vector<uint8_t> w8;  // value_dot=int8: a page's weights [nh, D/GV, G] and their steps and zero parts
+  std::vector<float> wstep, wzero;
   std::vector<const float*> row_ptrs;
   explicit Scratch(const Problem& p, int64_t tile) {
     const int64_t nh = std::min<int64_t>(p.group, kMaxHeadsPerPass), dim = p.dim;
@@ -401,6 +404,9 @@ struct Scratch {
     q8.resize(nh * dim);
     scores.resize(nh * tile);
     sv.resize(p.g * (dim / p.gv));  // a page's value scales: G tokens x D/GV groups
+    w8.resize(nh * (dim / p.gv) * p.g);
+    wstep.resize(nh * (dim / p.gv));
+    wzero.resize(nh * (dim / p.gv));
     zv.resize(p.g * (dim / p.gv));
     kf.resize(2 * dim);  // a pre-RoPE page's key scales and zeros as floats
     rows.resize(tile * dim);
@@ -864,6 +870,252 @@ inline void value_accumulate(const float* prob, int64_t stride, const float* sv,
   }
 }
 
+// ---- integer-domain value sums (`kivi:value_dot=int8`) ------------------------------------
+// sum_t p_t v_hat(t, c) = sum_t w(t, g) code(t, c) + sum_t p_t zero(t, g), w = p sigma >= 0,
+// for channel c in value group g. Here w is quantised per (page, query head, value group)
+// to unsigned 8 bits, w8 = round(w * 255 / max_t w) (ties to even; 0 for tokens outside
+// [t0, t1)), and the first sum is taken exactly in int32:
+// (max_t w / 255) * sum_t w8(t, g) code(t, c) + sum_t p_t zero(t, g). The PyTorch path of
+// attention.py computes the same definition (int8_values.py); a value code then costs 1/4
+// of a VNNI instruction per head instead of a dequantisation and one FMA per head.
+
+// Weights of one page for NH heads: w8[(g * cgs + cg) * G + t], wstep[g * cgs + cg] =
+// max_t w / 255 and wzero[g * cgs + cg] = sum_t p_t zero(t, cg), from the page's
+// probabilities prob[g * stride + t] and its value scales and zeros as floats, channel-group
+// major (svt, zvt [cgs, G]); tokens outside [t0, t1) get w8 = 0 and add no zero part.
+template <int NH>
+inline void quantise_value_weights(const float* prob, int64_t stride, const float* svt, const float* zvt, int64_t t0,
+                                   int64_t t1, int64_t G, int64_t cgs, uint8_t* w8, float* wstep, float* wzero) {
+  for (int g = 0; g < NH; ++g) {
+    const float* pg = prob + g * stride;
+    for (int64_t cg = 0; cg < cgs; ++cg) {
+      const float* sv = svt + cg * G;
+      const float* zv = zvt + cg * G;
+      float top = 0.f, zero = 0.f;
+      for (int64_t t = t0; t < t1; ++t) {
+        top = std::max(top, pg[t] * sv[t]);
+        zero += pg[t] * zv[t];
+      }
+      const float inv = top > kZeroRow ? 255.f / top : 0.f;
+      uint8_t* row = w8 + (g * cgs + cg) * G;
+      for (int64_t t = 0; t < G; ++t) {
+        row[t] = t >= t0 && t < t1 ? static_cast<uint8_t>(std::nearbyint(pg[t] * sv[t] * inv)) : 0;
+      }
+      wstep[g * cgs + cg] = top / 255.f;
+      wzero[g * cgs + cg] = zero;
+    }
+  }
+}
+
+#ifdef KVFORGE_KIVI_VNNI
+// The page's value scales (or zeros) [G, cgs] fp16 as floats channel-group major, out
+// [cgs, G] (G % 16 == 0).
+inline void group_major_floats(const c10::Half* in, int64_t G, int64_t cgs, float* out) {
+  const auto* raw = reinterpret_cast<const uint16_t*>(in);
+  auto halves = [&](int64_t i) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(raw + i)));
+  };
+  if (cgs == 1) {
+    for (int64_t t = 0; t < G; t += 16) _mm512_storeu_ps(out + t, halves(t));
+  } else if (cgs == 2) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t t = 0; t < G; t += 16) {
+      const __m512 a = halves(2 * t), b = halves(2 * t + 16);
+      _mm512_storeu_ps(out + t, _mm512_permutex2var_ps(a, even, b));
+      _mm512_storeu_ps(out + G + t, _mm512_permutex2var_ps(a, odd, b));
+    }
+  } else {
+    for (int64_t t = 0; t < G; ++t) {
+      for (int64_t cg = 0; cg < cgs; ++cg) out[cg * G + t] = static_cast<float>(in[t * cgs + cg]);
+    }
+  }
+}
+
+// quantise_value_weights in AVX-512 (G % 16 == 0): the same products and the same rounding
+// (cvtps rounds to nearest even, as std::nearbyint and torch.round do).
+template <int NH>
+inline void quantise_value_weights_avx512(const float* prob, int64_t stride, const float* svt, const float* zvt,
+                                          int64_t t0, int64_t t1, int64_t G, int64_t cgs, uint8_t* w8, float* wstep,
+                                          float* wzero) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  auto read = [&](int64_t t) {  // lanes of tokens t..t+15 inside [t0, t1)
+    const __m512i token = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(t)));
+    return static_cast<__mmask16>(_mm512_cmpge_epi32_mask(token, _mm512_set1_epi32(static_cast<int>(t0))) &
+                                  _mm512_cmplt_epi32_mask(token, _mm512_set1_epi32(static_cast<int>(t1))));
+  };
+  for (int g = 0; g < NH; ++g) {
+    const float* pg = prob + g * stride;
+    for (int64_t cg = 0; cg < cgs; ++cg) {
+      const float* sv = svt + cg * G;
+      const float* zv = zvt + cg * G;
+      __m512 top = _mm512_setzero_ps(), zero = _mm512_setzero_ps();
+      // Masked products: scales and zeros of tokens not read may be garbage (NaN * 0 = NaN).
+      for (int64_t t = 0; t < G; t += 16) {
+        const __mmask16 m = read(t);
+        const __m512 p = _mm512_loadu_ps(pg + t);
+        top = _mm512_max_ps(top, _mm512_maskz_mul_ps(m, p, _mm512_loadu_ps(sv + t)));
+        zero = _mm512_mask3_fmadd_ps(p, _mm512_loadu_ps(zv + t), zero, m);
+      }
+      const float high = _mm512_reduce_max_ps(top);
+      const __m512 inv = _mm512_set1_ps(high > kZeroRow ? 255.f / high : 0.f);
+      for (int64_t t = 0; t < G; t += 16) {
+        const __m512 w = _mm512_maskz_mul_ps(read(t), _mm512_loadu_ps(pg + t), _mm512_loadu_ps(sv + t));
+        const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(w, inv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + (g * cgs + cg) * G + t), _mm512_cvtusepi32_epi8(rounded));
+      }
+      wstep[g * cgs + cg] = high / 255.f;
+      wzero[g * cgs + cg] = _mm512_reduce_add_ps(zero);
+    }
+  }
+}
+#endif
+
+// The exact integer sums, any shape: acc[g * D + c] += wstep * sum_t w8(t, g) code(t, c) +
+// wzero for the page's value codes [G, D*b/8].
+template <int BITS, int NH>
+void value_sums_int8_generic(const uint8_t* w8, const float* wstep, const float* wzero, const uint8_t* codes,
+                             int64_t dim, int64_t GV, int64_t G, float* acc) {
+  const int64_t row_bytes = dim * BITS / 8, cgs = dim / GV;
+  for (int g = 0; g < NH; ++g) {
+    for (int64_t c = 0; c < dim; ++c) {
+      const int64_t cg = c / GV, bit = c * BITS;
+      const uint8_t* weights = w8 + (g * cgs + cg) * G;
+      int32_t total = 0;
+      for (int64_t t = 0; t < G; ++t) {
+        const int code = (codes[t * row_bytes + (bit >> 3)] >> (bit & 7)) & ((1 << BITS) - 1);
+        total += static_cast<int32_t>(weights[t]) * code;
+      }
+      acc[g * dim + c] += std::fma(wstep[g * cgs + cg], static_cast<float>(total), wzero[g * cgs + cg]);
+    }
+  }
+}
+
+#ifdef KVFORGE_KIVI_VNNI
+// Layout for vpdpbusd with lanes = channels: dword j of block k holds code(t0 + r, c0 + 16k + j)
+// in byte r, r < 4 (4 tokens of one channel). From X, 4 tokens' 16-byte slices of a row
+// (128 / BITS channels from c0; 128-bit lane r = token r): a byte permute brings into qword
+// i (channels 2i, 2i + 1 of the block, which share a byte) the 4 tokens' bytes holding them,
+// then vpmultishiftqb takes each code's bits to its byte.
+template <int BITS>
+constexpr std::array<uint8_t, 64> value_block_gather(int k) {
+  std::array<uint8_t, 64> index{};
+  for (int i = 0; i < 8; ++i) {
+    for (int r = 0; r < 8; ++r) index[8 * i + r] = static_cast<uint8_t>(16 * (r % 4) + 2 * BITS * k + 2 * i * BITS / 8);
+  }
+  return index;
+}
+
+template <int BITS>
+constexpr std::array<uint8_t, 64> value_block_shifts() {
+  std::array<uint8_t, 64> shift{};
+  for (int i = 0; i < 8; ++i) {
+    for (int h = 0; h < 2; ++h) {
+      for (int r = 0; r < 4; ++r) shift[8 * i + 4 * h + r] = static_cast<uint8_t>(8 * r + ((2 * i + h) * BITS) % 8);
+    }
+  }
+  return shift;
+}
+
+// value_sums_int8_generic for BITS in {2, 4}, G % 4 == 0, GV % 16 == 0 and D % (128 / BITS)
+// == 0 with VNNI: a chunk of 128 / BITS channels (16 bytes of a row) at a time, its NH x
+// (8 / BITS) int32 accumulators in registers across the page's tokens, 4 tokens per vpdpbusd.
+template <int BITS, int NH>
+void value_sums_int8_vnni(const uint8_t* w8, const float* wstep, const float* wzero, const uint8_t* codes,
+                          int64_t dim, int64_t GV, int64_t G, float* acc) {
+  constexpr int kChunk = 128 / BITS, kBlocks = 8 / BITS;
+  static constexpr std::array<uint8_t, 64> kShifts = value_block_shifts<BITS>();
+  static constexpr std::array<std::array<uint8_t, 64>, kBlocks> kGather = [] {
+    std::array<std::array<uint8_t, 64>, kBlocks> all{};
+    for (int k = 0; k < kBlocks; ++k) all[k] = value_block_gather<BITS>(k);
+    return all;
+  }();
+  const __m512i shifts = _mm512_loadu_si512(kShifts.data());
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>((1 << BITS) - 1));
+  __m512i gather[kBlocks];
+  for (int k = 0; k < kBlocks; ++k) gather[k] = _mm512_loadu_si512(kGather[k].data());
+  const int64_t row_bytes = dim * BITS / 8, cgs = dim / GV;
+  for (int64_t c0 = 0; c0 < dim; c0 += kChunk) {
+    __m512i sums[NH][kBlocks];
+    for (int g = 0; g < NH; ++g) {
+      for (int k = 0; k < kBlocks; ++k) sums[g][k] = _mm512_setzero_si512();
+    }
+    const uint8_t* column = codes + c0 * BITS / 8;
+    for (int64_t t = 0; t < G; t += 4) {
+      const uint8_t* rows = column + t * row_bytes;
+      __m512i x;
+      if (row_bytes == 16) {
+        x = _mm512_loadu_si512(rows);
+      } else {
+        auto slice = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + r * row_bytes)); };
+        x = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(slice(0)), slice(1), 1),
+                                                  slice(2), 2), slice(3), 3);
+      }
+      __m512i y[kBlocks];
+      for (int k = 0; k < kBlocks; ++k) {
+        y[k] = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(gather[k], x)), mask);
+      }
+      for (int g = 0; g < NH; ++g) {
+        for (int k = 0; k < kBlocks; ++k) {
+          const int64_t cg = (c0 + 16 * k) / GV;
+          int32_t w;
+          std::memcpy(&w, w8 + (g * cgs + cg) * G + t, 4);
+          sums[g][k] = _mm512_dpbusd_epi32(sums[g][k], _mm512_set1_epi32(w), y[k]);
+        }
+      }
+    }
+    for (int g = 0; g < NH; ++g) {
+      for (int k = 0; k < kBlocks; ++k) {
+        const int64_t c = c0 + 16 * k, cg = c / GV;
+        const __m512 step = _mm512_set1_ps(wstep[g * cgs + cg]), zero = _mm512_set1_ps(wzero[g * cgs + cg]);
+        const __m512 part = _mm512_fmadd_ps(step, _mm512_cvtepi32_ps(sums[g][k]), zero);
+        _mm512_storeu_ps(acc + g * dim + c, _mm512_add_ps(_mm512_loadu_ps(acc + g * dim + c), part));
+      }
+    }
+  }
+}
+#endif
+
+// The page's weights for NH heads into scratch.w8 / wstep / wzero (quantise_value_weights),
+// from its value scales and zeros vs, vz [G, cgs] (fp16).
+template <int NH>
+inline void value_weights(const float* prob, int64_t stride, const c10::Half* vs, const c10::Half* vz, int64_t t0,
+                          int64_t t1, int64_t G, int64_t cgs, Scratch& scratch) {
+  float* svt = scratch.sv.data();
+  float* zvt = scratch.zv.data();
+#ifdef KVFORGE_KIVI_VNNI
+  if (G % 16 == 0) {
+    group_major_floats(vs, G, cgs, svt);
+    group_major_floats(vz, G, cgs, zvt);
+    return quantise_value_weights_avx512<NH>(prob, stride, svt, zvt, t0, t1, G, cgs, scratch.w8.data(),
+                                             scratch.wstep.data(), scratch.wzero.data());
+  }
+#endif
+  for (int64_t t = 0; t < G; ++t) {
+    for (int64_t cg = 0; cg < cgs; ++cg) {
+      svt[cg * G + t] = static_cast<float>(vs[t * cgs + cg]);
+      zvt[cg * G + t] = static_cast<float>(vz[t * cgs + cg]);
+    }
+  }
+  quantise_value_weights<NH>(prob, stride, svt, zvt, t0, t1, G, cgs, scratch.w8.data(), scratch.wstep.data(),
+                             scratch.wzero.data());
+}
+
+// Integer-domain value sums of one page for NH heads (see above): the VNNI path where it
+// applies, else the generic one (the same integers, so the same sums).
+template <int BITS, int NH>
+inline void value_sums_int8(const uint8_t* w8, const float* wstep, const float* wzero, const uint8_t* codes,
+                            int64_t dim, int64_t GV, int64_t G, float* acc) {
+#ifdef KVFORGE_KIVI_VNNI
+  if constexpr (BITS == 2 || BITS == 4) {
+    if (G % 4 == 0 && GV % 16 == 0 && dim % (128 / BITS) == 0) {
+      return value_sums_int8_vnni<BITS, NH>(w8, wstep, wzero, codes, dim, GV, G, acc);
+    }
+  }
+#endif
+  value_sums_int8_generic<BITS, NH>(w8, wstep, wzero, codes, dim, GV, G, acc);
+}
+
 // Pages are scattered in the pool, so the hardware prefetcher cannot anticipate the jump
 // to the next page: its six arrays are requested (into L2) while the current tile runs.
 // always_inline: a separate function made only of prefetches is seen by GCC as free of
@@ -1000,12 +1252,16 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
         float* zv = scratch.zv.data();
         const c10::Half* vs = p.v_scale + base * v_params;
         const c10::Half* vz = p.v_zero + base * v_params;
-        for (int64_t i = 0; i < v_params; ++i) {
+        for (int64_t i = 0; !p.value_int8 && i < v_params; ++i) {
           sv[i] = static_cast<float>(vs[i]);
           zv[i] = static_cast<float>(vz[i]);
         }
         const uint8_t* vc = p.v_codes + base * G * v_row_bytes;
-        if ((p.gv / V::kLanes) % 2 == 0) {
+        if (p.value_int8) {
+          value_weights<NH>(prob, stride, vs, vz, q_begin, q_end, G, dim / p.gv, scratch);
+          value_sums_int8<VBITS, NH>(scratch.w8.data(), scratch.wstep.data(), scratch.wzero.data(), vc, dim, p.gv,
+                                     G, acc);
+        } else if ((p.gv / V::kLanes) % 2 == 0) {
           value_accumulate<V, VBITS, NH, 2>(prob, stride, sv, zv, vc, q_begin, q_end, dim, p.gv, acc);
         } else {
           value_accumulate<V, VBITS, NH, 1>(prob, stride, sv, zv, vc, q_begin, q_end, dim, p.gv, acc);
@@ -1155,7 +1411,7 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
                                  const at::Tensor& lengths, const at::Tensor& slots, double scale, int64_t bits,
                                  const c10::optional<at::Tensor>& k_sink, const c10::optional<at::Tensor>& v_sink,
                                  int64_t value_bits, const c10::optional<at::Tensor>& rope_cos,
-                                 const c10::optional<at::Tensor>& rope_sin, int64_t key_dot) {
+                                 const c10::optional<at::Tensor>& rope_sin, int64_t key_dot, int64_t value_dot) {
   constexpr const char* kOpName = "kivi_decode_attention";
   kvforge_checks::cpu(kOpName, {&q, &k_self, &v_self, &k_codes, &k_scale, &k_zero, &v_codes, &v_scale, &v_zero, &k_res,
                            &v_res, &page_table, &first_page_position, &visible_from, &lengths, &slots});
@@ -1171,6 +1427,8 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   TORCH_CHECK(key_dot == 0 || key_dot == 1, "key_dot must be 0 (float) or 1 (int8)");
   TORCH_CHECK(key_dot == 0 || (bits != 8 && !rope_cos.has_value()),
               "key_dot=int8 takes 2- or 4-bit keys stored post-RoPE");
+  TORCH_CHECK(value_dot == 0 || value_dot == 1, "value_dot must be 0 (float) or 1 (int8)");
+  TORCH_CHECK(value_dot == 0 || value_bits == 2 || value_bits == 4, "value_dot=int8 takes 2- or 4-bit values");
   TORCH_CHECK(value_bits == bits || (bits == 4 && value_bits == 2),
               "key/value bits must be equal, or 4-bit keys with 2-bit values");
   TORCH_CHECK(k_res.sizes() == v_res.sizes() && k_res.scalar_type() == v_res.scalar_type() && k_res.dim() == 4,
@@ -1228,7 +1486,7 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
                   page_table.data_ptr<int64_t>(), first_page_position.data_ptr<int64_t>(),
                   visible_from.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
                   rope_len ? rope_cos->data_ptr<float>() : nullptr, rope_len ? rope_sin->data_ptr<float>() : nullptr,
-                  rope_len, key_dot == 1};
+                  rope_len, key_dot == 1, value_dot == 1};
 
   // Units: each pair's visible quantised pages [col_lo, col_hi), cut into slices when the
   // batch alone would not give every thread several units (split-K).
@@ -1305,7 +1563,7 @@ TORCH_LIBRARY(kvforge_cpu_kivi, m) {
         "Tensor k_zero, Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor k_res, Tensor v_res, "
         "Tensor page_table, Tensor first_page_position, Tensor visible_from, Tensor lengths, Tensor slots, "
         "float scale, int bits, Tensor? k_sink=None, Tensor? v_sink=None, int value_bits=0, "
-        "Tensor? rope_cos=None, Tensor? rope_sin=None, int key_dot=0) -> Tensor");
+        "Tensor? rope_cos=None, Tensor? rope_sin=None, int key_dot=0, int value_dot=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_kivi, CPU, m) {

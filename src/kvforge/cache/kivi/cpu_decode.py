@@ -34,6 +34,7 @@ from kvforge.kernels.build import DISABLE_ENV, CppKernel
 __all__ = ["cpu_kivi_kernel_available", "kivi_decode_attention_cpu"]
 
 KEY_DOT_CODES = {"float": 0, "int8": 1}  # the kernel's `key_dot` argument
+VALUE_DOT_CODES = {"float": 0, "int8": 1}  # the kernel's `value_dot` argument
 
 # torch.ops.kvforge_cpu_kivi.kivi_decode_attention (TORCH_LIBRARY in the source).
 _KERNEL = CppKernel(name="kvforge_cpu_kivi_attention", source=Path(__file__).with_name("cpu_decode.cpp"),
@@ -50,10 +51,11 @@ def kivi_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: tor
                               page_table: torch.Tensor, first_page_position: torch.Tensor,
                               visible_from: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                               scale: float, rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-                              key_dot: str = "float") -> torch.Tensor:
+                              key_dot: str = "float", value_dot: str = "float") -> torch.Tensor:
     """Arguments as `kivi_decode_attention`; returns [B, heads, D] in q's dtype.
     rope_tables: with pre-RoPE stored keys, `StoredKeys.rope_tables` (cos, sin [D/2, T]).
-    key_dot: "float" or "int8" (`kivi:key_dot`, the definition in int8_keys.py).
+    key_dot: "float" or "int8" (`kivi:key_dot`, the definition in int8_keys.py); value_dot
+    likewise (`kivi:value_dot`, int8_values.py).
     Raises RuntimeError when the kernel is unavailable; check `cpu_kivi_kernel_available()`."""
     if not cpu_kivi_kernel_available():
         raise RuntimeError(f"the CPU KIVI attention kernel is not available (build failed or {DISABLE_ENV} is set)")
@@ -69,7 +71,7 @@ def kivi_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: tor
         view.k_res.contiguous(), view.v_res.contiguous(), _as(page_table, torch.int64),
         _as(first_page_position, torch.int64), _as(visible_from, torch.int64), _as(lengths, torch.int64),
         _as(slots, torch.int64), float(scale), int(view.bits), view.k_sink, view.v_sink, int(view.vbits),
-        *(rope_tables or (None, None)), KEY_DOT_CODES[key_dot])
+        *(rope_tables or (None, None)), KEY_DOT_CODES[key_dot], VALUE_DOT_CODES[value_dot])
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

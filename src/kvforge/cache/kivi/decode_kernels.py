@@ -47,7 +47,8 @@ def _triton_module() -> ModuleType:
 
 # What each compiled kernel reads beyond the paper's layout.
 KERNEL_OPTIONS: dict[str, frozenset[str]] = {
-    "cpp": frozenset({"sinks", "value_group", "key_bits=4,value_bits=2", "key_space=pre_rope", "key_dot=int8"}),
+    "cpp": frozenset({"sinks", "value_group", "key_bits=4,value_bits=2", "key_space=pre_rope", "key_dot=int8",
+                       "value_dot=int8"}),
     "triton": frozenset()}
 
 
@@ -63,6 +64,8 @@ def requested_options(config: KIVICacheConfig | None) -> list[str]:
         wanted.append("key_space=pre_rope" + (" with a key rotation" if config.rotates_keys else ""))
     if config.key_dot != "float":
         wanted.append(f"key_dot={config.key_dot}")
+    if config.value_dot != "float":
+        wanted.append(f"value_dot={config.value_dot}")
     if config.value_channels != config.key_tokens:
         wanted.append("value_group")
     if (config.kbits, config.vbits) == (4, 2):
@@ -114,7 +117,7 @@ def resolve_decode_kernel(requested: str, device: torch.device, config: KIVICach
 def kivi_decode(kernel: str, q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
                 page_table: torch.Tensor, first_page_position: torch.Tensor, visible_from: torch.Tensor,
                 lengths: torch.Tensor, slots: torch.Tensor, scale: float, tile_pages: int,
-                key_transform: KeyTransform = None, key_dot: str = "float") -> torch.Tensor:
+                key_transform: KeyTransform = None, key_dot: str = "float", value_dot: str = "float") -> torch.Tensor:
     """Decode attention with the resolved `kernel`; arguments as
     `attention.kivi_decode_attention` (`tile_pages` is used by the PyTorch path only; a
     compiled kernel was resolved only where it reads every option in use)."""
@@ -127,8 +130,9 @@ def kivi_decode(kernel: str, q: torch.Tensor, k_self: torch.Tensor, v_self: torc
             # resolve_decode_kernel keeps rotated pre-RoPE keys off this kernel.
             assert key_transform.rotation is None, "the C++ kernel cannot unrotate pre-RoPE keys"
             tables = key_transform.rope_tables(int(lengths.max()) if lengths.numel() else 0)
-        return kivi_decode_attention_cpu(*args, rope_tables=tables, key_dot=key_dot)
-    return kivi_decode_attention(*args, tile_pages=tile_pages, key_transform=key_transform, key_dot=key_dot)
+        return kivi_decode_attention_cpu(*args, rope_tables=tables, key_dot=key_dot, value_dot=value_dot)
+    return kivi_decode_attention(*args, tile_pages=tile_pages, key_transform=key_transform, key_dot=key_dot,
+                                 value_dot=value_dot)
 
 
 def _triton_over_view(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,

@@ -277,7 +277,8 @@ class KIVICache(CacheMethod):
                     d.visible_from, d.lengths, d.slots, spec.scale)
             out[d.rows] = kivi_decode(self.decode_kernel, *args,
                                       tile_pages=max(1, self.config.decode_tile_tokens // self.config.key_tokens),
-                                      key_transform=key_transform, key_dot=self.config.key_dot)
+                                      key_transform=key_transform, key_dot=self.config.key_dot,
+                                      value_dot=self.config.value_dot)
         if self.rotation is not None and self.config.rotates_values:
             out = unrotate(out, self.rotation)  # (P V H) H^T = P V
         return out

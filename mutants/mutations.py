@@ -24,6 +24,7 @@ S = "src/kvforge/"
 SHADOWKV = ("tests/cache/shadowkv/test_shadowkv_parts.py", "tests/cache/shadowkv/test_shadowkv.py")
 KIVI = ("tests/cache/kivi",)
 INT8_KEYS = ("tests/cache/kivi/test_kivi_int8_keys.py",)
+INT8_VALUES = ("tests/cache/kivi/test_kivi_int8_values.py",)
 BUDGET = ("tests/cache/test_budget_invariant.py",)
 RANK_ATTENTION = ("tests/cache/shadowkv/test_shadowkv_rank_attention.py",)
 
@@ -541,4 +542,44 @@ MUTATIONS: list[Mutation] = [
              'require(self.key_space == "post_rope", "key_dot", self.key_dot,',
              'require(True, "key_dot", self.key_dot,',
              INT8_KEYS, "pre-RoPE codes are not what the query multiplies: the combination is refused"),
+    # -- KIVI value_dot=int8 (issue 22) -------------------------------------------------------
+    Mutation("kivi_int8_values_truncated", S + "cache/kivi/cpu_decode.cpp",
+             "const __m512i levels = _mm512_cvtps_epi32(", "const __m512i levels = _mm512_cvttps_epi32(",
+             INT8_VALUES, "the weights round to nearest (ties to even) as the definition says"),
+    Mutation("kivi_int8_values_every_block_first_channels", S + "cache/kivi/cpu_decode.cpp",
+             "16 * (r % 4) + 2 * BITS * k + 2 * i * BITS / 8", "16 * (r % 4) + 2 * i * BITS / 8",
+             INT8_VALUES, "block k of a chunk gathers the bytes of channels 16k..16k+15"),
+    Mutation("kivi_int8_values_odd_channel_shift", S + "cache/kivi/cpu_decode.cpp",
+             "8 * r + ((2 * i + h) * BITS) % 8", "8 * r + ((2 * i) * BITS) % 8",
+             INT8_VALUES, "the odd channel of a byte pair takes its own bits"),
+    Mutation("kivi_int8_values_chunk_one_group", S + "cache/kivi/cpu_decode.cpp",
+             "const int64_t cg = (c0 + 16 * k) / GV;", "const int64_t cg = c0 / GV;",
+             INT8_VALUES, "each block of 16 channels takes the weights of its own value group"),
+    Mutation("kivi_int8_values_assembled_rows", S + "cache/kivi/cpu_decode.cpp",
+             "slice(2), 2), slice(3), 3);", "slice(1), 2), slice(3), 3);",
+             INT8_VALUES, "rows longer than 16 bytes: lane r of the assembled vector is token r's slice"),
+    Mutation("kivi_int8_values_generic_without_zero_part", S + "cache/kivi/cpu_decode.cpp",
+             "acc[g * dim + c] += std::fma(wstep[g * cgs + cg], static_cast<float>(total), wzero[g * cgs + cg]);",
+             "acc[g * dim + c] += wstep[g * cgs + cg] * static_cast<float>(total);",
+             INT8_VALUES, "the generic integer path keeps the p . zero part"),
+    Mutation("kivi_int8_values_weights_unmasked", S + "cache/kivi/cpu_decode.cpp",
+             "const __m512 w = _mm512_maskz_mul_ps(read(t), _mm512_loadu_ps(pg + t), _mm512_loadu_ps(sv + t));",
+             "const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(pg + t), _mm512_loadu_ps(sv + t));",
+             INT8_VALUES, "tokens whose values are in the ring (or hidden) get no weight on the page"),
+    Mutation("kivi_int8_values_zero_part_from_scales", S + "cache/kivi/cpu_decode.cpp",
+             "zero = _mm512_mask3_fmadd_ps(p, _mm512_loadu_ps(zv + t), zero, m);",
+             "zero = _mm512_mask3_fmadd_ps(p, _mm512_loadu_ps(sv + t), zero, m);",
+             INT8_VALUES, "the exact part sums p times the tokens' zero points"),
+    Mutation("kivi_int8_values_definition_levels", S + "cache/kivi/int8_values.py",
+             "WEIGHT_LEVELS = 255", "WEIGHT_LEVELS = 127",
+             INT8_VALUES, "the PyTorch statement quantises weights to the unsigned 8-bit range [0, 255]"),
+    Mutation("kivi_int8_values_definition_reads_every_token", S + "cache/kivi/int8_values.py",
+             "read = quantised.view(1, batch, 1, pages, g, 1)", "read = torch.ones_like(quantised).view(1, batch, 1, pages, g, 1)",
+             INT8_VALUES, "tokens not read from the page (ring, sinks, hidden) add nothing to the integer sums"),
+    Mutation("kivi_int8_values_sinks_from_codes", S + "cache/kivi/attention.py",
+             "(k_pos < nv[:, None]) & (k_pos >= view.sinks) & ~hidden", "(k_pos < nv[:, None]) & ~hidden",
+             INT8_VALUES, "sink tokens keep exact values under value_dot=int8, as the C++ kernel reads them"),
+    Mutation("kivi_int8_values_allowed_8_bits", S + "cache/kivi/config.py",
+             'require(self.vbits in (2, 4), "value_dot", self.value_dot,', 'require(True, "value_dot", self.value_dot,',
+             INT8_VALUES, "8-bit codes do not fit vpdpbusd's signed operand: the combination is refused"),
 ]

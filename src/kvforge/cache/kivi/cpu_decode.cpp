@@ -961,8 +961,8 @@ inline void quantise_value_weights_avx512(const float* prob, int64_t stride, con
       const __m512 inv = _mm512_set1_ps(high > kZeroRow ? 255.f / high : 0.f);
       for (int64_t t = 0; t < G; t += 16) {
         const __m512 w = _mm512_maskz_mul_ps(read(t), _mm512_loadu_ps(pg + t), _mm512_loadu_ps(sv + t));
-        const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(w, inv));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + (g * cgs + cg) * G + t), _mm512_cvtusepi32_epi8(rounded));
+        const __m512i levels = _mm512_cvtps_epi32(_mm512_mul_ps(w, inv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + (g * cgs + cg) * G + t), _mm512_cvtusepi32_epi8(levels));
       }
       wstep[g * cgs + cg] = high / 255.f;
       wzero[g * cgs + cg] = _mm512_reduce_add_ps(zero);

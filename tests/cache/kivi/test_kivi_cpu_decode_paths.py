@@ -10,6 +10,9 @@ would show in the output."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -84,6 +87,17 @@ def check(case: dict) -> torch.Tensor:
     return got
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `threads` inside the block, restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def lengths_for(r: int, g: int) -> list[int]:
     """Below, at and past residual flushes, and a few pages of quantised tokens."""
     return [0, 1, g - 1, r - 1, r, r + 1, 2 * r + g + 3, 5 * r + 7]
@@ -129,15 +143,11 @@ def test_sliding_windows(window, g):
 def test_long_sequences_split_over_threads(threads, window):
     # one (sequence, kv head) pair of thousands of tokens is cut into slices merged by
     # log-sum-exp; the result must not depend on the thread count
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = check(make_case([5000], kv_heads=1, group=4, window=window))
-        torch.set_num_threads(1 if threads == 2 else 2)
+    with torch_threads(1 if threads == 2 else 2):
         torch.testing.assert_close(kivi_decode_attention_cpu(**make_case([5000], kv_heads=1, group=4,
                                                                           window=window)), out, rtol=1e-6, atol=1e-6)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_only_the_own_token():

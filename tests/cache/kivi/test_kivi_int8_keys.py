@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kivi_cpu_decode_paths import lengths_for, make_case
+from test_kivi_cpu_decode_paths import lengths_for, make_case, torch_threads
 from test_kivi_options import DIM, HEADS, KV_HEADS, ROTARY, SCHEDULE, make_cache, run_and_check
 
 from kvforge.batch import ForwardBatch
@@ -139,14 +139,10 @@ def test_kernel_gqa_groups_and_windows(group, window):
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_split_over_threads(threads):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         case = make_case([5000], kv_heads=1, group=4, residual_dtype=torch.bfloat16)
         torch.testing.assert_close(kivi_decode_attention_cpu(**case, key_dot="int8"),
                                    kivi_decode_attention(**case, tile_pages=2, key_dot="int8"), rtol=1e-5, atol=1e-5)
-    finally:
-        torch.set_num_threads(previous)
 
 
 @needs_kernel

@@ -23,7 +23,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_kivi_cpu_decode_paths import lengths_for, make_case
+from test_kivi_cpu_decode_paths import lengths_for, make_case, torch_threads
 from test_kivi_int8_keys import collect
 from test_kivi_options import make_cache
 
@@ -216,12 +216,8 @@ def test_kernel_with_int8_keys_too():
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_split_over_threads(threads):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         kernel_against_pytorch(make_case([5000], kv_heads=1, group=4, residual_dtype=torch.bfloat16))
-    finally:
-        torch.set_num_threads(previous)
 
 
 @needs_kernel

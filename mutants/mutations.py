@@ -582,4 +582,15 @@ MUTATIONS: list[Mutation] = [
     Mutation("kivi_int8_values_allowed_8_bits", S + "cache/kivi/config.py",
              'require(self.vbits in (2, 4), "value_dot", self.value_dot,', 'require(True, "value_dot", self.value_dot,',
              INT8_VALUES, "8-bit codes do not fit vpdpbusd's signed operand: the combination is refused"),
+    # -- named models ---------------------------------------------------------------------------
+    Mutation("gemma3_file_assembled_in_place", S + "models/named_models.py",
+             "        if not final.is_file():\n            _assemble_into_place(module, final)\n",
+             "",
+             ("tests/models/test_loaders.py",), "the GGUF file appears whole or not at all (per-process file, renamed)"),
+    Mutation("gemma3_half_written_file_kept", S + "models/named_models.py",
+             "        except FileExistsError:  # a file left half-written (a killed or older in-place writer): rebuilt once\n"
+             "            _assemble_into_place(module, final)\n",
+             "        except FileExistsError:  # a file left half-written (a killed or older in-place writer): rebuilt once\n"
+             "            raise\n",
+             ("tests/models/test_loaders.py",), "a half-written file is rebuilt once, not a failure of every load"),
 ]

@@ -401,6 +401,7 @@ class SlowAssembler:
 
     def __init__(self, cache: Path) -> None:
         self.cache = cache
+        self.written: list[Path] = []  # every file it wrote
 
     def default_output_path(self) -> Path:
         return self.cache / "model.gguf"
@@ -412,6 +413,7 @@ class SlowAssembler:
             if target.read_bytes() != whole:
                 raise FileExistsError(f"{target} already exists with an unexpected sha256")
             return target
+        self.written.append(target)
         with target.open("wb") as out:
             for chunk in self.CHUNKS:
                 out.write(chunk)
@@ -443,6 +445,8 @@ def test_gemma3_file_assembled_by_two_processes_at_once(tmp_path: Path, monkeypa
     assert results == [fake.default_output_path()] * 2
     assert fake.default_output_path().read_bytes() == b"".join(fake.CHUNKS)
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]  # no partial file left behind
+    # Nobody wrote the shared path in place: a reader never sees it half-written.
+    assert fake.default_output_path() not in fake.written and len(fake.written) >= 1
 
 
 def test_gemma3_file_left_half_written_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

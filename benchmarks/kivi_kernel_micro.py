@@ -21,7 +21,9 @@ with `kivi:key_dot=int8` (scaled query quantised to int8 per page, VNNI integer 
 
 On a machine shared with other work, run it with OMP_WAIT_POLICY=PASSIVE: OpenMP threads
 that spin while a sibling waits for a core made every 2-thread timing here 5x the 1-thread
-one (measured on a 2-core VM at load ~3-7), whatever the kernel.
+one (measured on a 2-core VM at load ~3-7), whatever the kernel. Set it for this command
+only, never in the shell: `kvforge bench` runs under it are 1.4x slower for memory-bound
+systems and are flagged (`sleeping_threads`).
 """
 
 from __future__ import annotations

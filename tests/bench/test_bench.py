@@ -391,3 +391,49 @@ def test_the_read_probe_is_the_median_pass_not_a_lucky_one(monkeypatch):
     got = peak.measure_peak(torch.float32)
     assert got.read_gbps == pytest.approx(peak.READ_BYTES / 0.010 / 1e9)
     assert got.read_gbps_best == pytest.approx(peak.READ_BYTES / 0.006 / 1e9)
+
+
+def test_rounds_alternate_the_order_of_systems_and_merge_their_runs(monkeypatch):
+    """--rounds 3 over systems A, B runs A B, B A, A B; each system's result is its median
+    round (the upper of an even count), with every round's repeat times kept in order."""
+    import argparse
+
+    from kvforge.bench.common import BenchContext, System, measure_systems
+
+    calls: list[str] = []
+    seconds = {"A": iter([3.0, 1.0, 2.0]), "B": iter([5.0, 6.0, 4.0])}
+
+    def runner(ctx, system):
+        calls.append(system.name)
+        took = next(seconds[system.name])
+        return {"seconds": took, "seconds_all": [took], "marker": f"{system.name}{len(calls)}"}
+
+    args = argparse.Namespace(rounds=3, repeats=1)
+    ctx = BenchContext.__new__(BenchContext)
+    ctx.args, ctx.systems = args, [System("A", "kvforge"), System("B", "kvforge")]
+    merged = measure_systems(ctx, {"kvforge": runner})
+    assert calls == ["A", "B", "B", "A", "A", "B"]
+    assert [m["name"] for m in merged] == ["A", "B"]  # the command's order, whatever ran first
+    a, b = merged
+    assert a["seconds_all"] == [3.0, 1.0, 2.0] and a["seconds"] == 2.0 and a["marker"] == "A5"
+    assert b["seconds_all"] == [5.0, 6.0, 4.0] and b["seconds"] == 5.0 and b["marker"] == "B2"
+    assert a["seconds_min"] == 1.0 and a["rounds"] == 3
+    # one round: the runner's result as it is
+    args.rounds, calls[:] = 1, []
+    seconds.update({"A": iter([7.0]), "B": iter([8.0])})
+    single = measure_systems(ctx, {"kvforge": runner})
+    assert calls == ["A", "B"] and "rounds" not in single[0] and single[0]["seconds_all"] == [7.0]
+
+
+def test_throughput_rounds_end_to_end(tiny_bench, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["bench", "throughput", "--model", "tiny", "--cache", "full:block_size=8", "--compare", "kivi:group=8",
+                 "--num-requests", "2", "--input-len", "8", "--output-len", "2", "--kv-budget", "4MiB",
+                 "--threads", "1", "--warmup", "0", "--repeats", "1", "--rounds", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    printed = capsys.readouterr()
+    assert result["settings"]["rounds"] == 2
+    assert [len(s["seconds_all"]) for s in result["systems"]] == [2, 2]
+    assert "single_repeat" not in [f["kind"] for f in result["flags"]]  # 2 timed runs in all
+    log = printed.err + printed.out
+    assert "round 2/2: kvforge[kivi:group=8], kvforge[full:block_size=8]" in log

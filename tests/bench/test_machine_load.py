@@ -75,3 +75,30 @@ def test_a_swiftkv_prefill_ratio_above_its_flop_ratio_is_flagged_in_table_and_js
     assert "other programs used 1.00 of 2 cores" in machine_line(env, systems)
     # within the bound: no flag
     assert flop_bounds([_system("s", 1800.0, 53), _system("b", 1000.0, 100)])[0]["ratio"] < 100 / 53 * 1.1
+
+
+QUIET = {"foreign_cores": 0.0, "cpu_count": 2, "load_average_before": [0.1] * 3, "load_average_after": [1.0] * 3}
+
+
+def test_sleeping_openmp_threads_are_recorded_and_flagged(monkeypatch):
+    # A PASSIVE wait policy exported in the shell made a full-cache run 1.4x slower and moved
+    # a committed ratio: every result records the settings, and sleeping threads are flagged.
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME"):
+        monkeypatch.delenv(name, raising=False)
+    default = LoadProbe().report()
+    assert "OMP_WAIT_POLICY" not in default["thread_settings"]
+    assert [f["kind"] for f in flags({**QUIET, "thread_settings": default["thread_settings"]}, 3, 1.0)] == []
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    env = LoadProbe().report()
+    assert env["thread_settings"]["OMP_WAIT_POLICY"] == "passive"
+    warnings = flags({**QUIET, "thread_settings": env["thread_settings"]}, 3, 1.0)
+    assert [f["kind"] for f in warnings] == ["sleeping_threads"]
+    assert "OMP_WAIT_POLICY=passive" in warnings[0]["message"]
+    assert "thread settings OMP_WAIT_POLICY=passive" in machine_line({**QUIET, **env}, [])
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # spinning threads: the default behaviour
+    assert flags({**QUIET, "thread_settings": LoadProbe().report()["thread_settings"]}, 3, 1.0) == []
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")  # libgomp's other way to make waiting threads sleep at once
+    assert [f["kind"] for f in flags({**QUIET, "thread_settings": LoadProbe().report()["thread_settings"]}, 3,
+                                     1.0)] == ["sleeping_threads"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvforge.bench.common import BenchContext, log, measure_systems, start_measuring
+from kvforge.bench.common import BenchContext, log, measure_systems, start_measuring, timed_runs
 from kvforge.bench.machine_load import LoadProbe, flags
 from kvforge.bench.report import machine_line
 from kvforge.report.provenance import provenance
@@ -78,7 +78,7 @@ def finish_budgets(ctx: BenchContext, settings: dict[str, Any], systems: list[di
         "kv_budgets": list(ctx.kv_budgets), "systems": systems, "ratios": budget_ratios(systems, headline),
         "peak": ctx.peak.as_dict() if ctx.peak is not None else None,
         "environment": {"torch": torch.__version__, **load},
-        "flags": flags(load, ctx.args.repeats, max(spreads)),
+        "flags": flags(load, timed_runs(ctx.args), max(spreads)),
         "provenance": provenance(ctx.args),
     }
     result["trustworthy"] = not result["flags"]

@@ -53,6 +53,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT", default=None, help="write JSON to OUT and a plot to OUT.png")
     parser.add_argument("--repeats", type=_count(1), default=3, help="timed runs per system; median reported (3)")
     parser.add_argument("--warmup", type=_count(0), default=1, help="untimed runs per system first (1)")
+    parser.add_argument("--rounds", type=_count(1), default=1,
+                        help="measure the whole list of systems this many times, in reverse order every other "
+                             "round (A B, B A, ...), so drift of a shared machine over a long command touches "
+                             "every system alike; each round runs --warmup and --repeats again (1)")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the random prompt token ids (0)")
     parser.add_argument("--max-position-embeddings", type=_count(2), default=None, metavar="N",
                         help="raise the model's position limit to N for speed runs past its trained context "

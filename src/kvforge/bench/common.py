@@ -330,15 +330,52 @@ def start_measuring(ctx: BenchContext) -> None:
 
 
 def measure_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[str, Any]]:
-    """Every system, measured by the runner registered for its kind (after `start_measuring`)."""
-    results = []
+    """Every system, measured by the runner registered for its kind (after `start_measuring`).
+
+    With `--rounds R` > 1 the whole list is measured R times, in reverse order on every other
+    round (A B, B A, A B, ...), and each system's rounds are merged (`merge_rounds`). Systems
+    measured one after another see whatever the machine does meanwhile; a long command on a
+    shared machine drifts (one system's runs in a quiet hour, the next one's in a busy one),
+    and alternating spreads that drift over every system alike."""
     for system in ctx.systems:
         if system.kind not in runners:
             raise KVForgeError(f"no runner for system kind {system.kind!r}")
-        metrics = runners[system.kind](ctx, system)
-        results.append({"name": system.name, "kind": system.kind, **metrics})
-        gc.collect()  # the runner's engine (KV pool) or transformers model is garbage now
-    return results
+    rounds = timed_rounds(getattr(ctx, "args", None))
+    per_round: list[dict[str, dict[str, Any]]] = []
+    for index in range(rounds):
+        order = list(ctx.systems) if index % 2 == 0 else list(reversed(ctx.systems))
+        if rounds > 1:
+            log(f"round {index + 1}/{rounds}: {', '.join(system.name for system in order)}")
+        results = {}
+        for system in order:
+            metrics = runners[system.kind](ctx, system)
+            results[system.name] = {"name": system.name, "kind": system.kind, **metrics}
+            gc.collect()  # the runner's engine (KV pool) or transformers model is garbage now
+        per_round.append(results)
+    return [merge_rounds([results[system.name] for results in per_round]) for system in ctx.systems]
+
+
+def timed_rounds(args: Any) -> int:
+    """`--rounds` (1 where a benchmark has no such argument)."""
+    return int(getattr(args, "rounds", 1) or 1)
+
+
+def timed_runs(args: Any) -> int:
+    """Timed runs per system over the whole command: repeats in each of the rounds."""
+    return int(args.repeats) * timed_rounds(args)
+
+
+def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's results from several rounds as one: the counters of the round whose
+    chosen run is the median by time (the upper one of an even count, as `repeat_runs`), all
+    rounds' repeat times in `seconds_all` (in the order they ran) and the fastest in
+    `seconds_min`."""
+    if len(runs) == 1:
+        return runs[0]
+    ordered = sorted(runs, key=lambda run: run["seconds"])
+    chosen = ordered[len(ordered) // 2]
+    times = [t for run in runs for t in (run.get("seconds_all") or [run["seconds"]])]
+    return {**chosen, "seconds_all": times, "seconds_min": min(times), "rounds": len(runs)}
 
 
 def repeat_runs(label: str, once: Callable[[], dict[str, Any]], warmup: int, repeats: int) -> dict[str, Any]:

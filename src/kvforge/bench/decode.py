@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvforge.bench import hf_peer, llamacpp_peer
-from kvforge.bench.common import BenchContext, System, prepare, rate, repeat_runs, run_systems
+from kvforge.bench.common import BenchContext, System, prepare, rate, repeat_runs, run_systems, timed_rounds
 from kvforge.bench.flops import KVReadModel, decode_bytes, weight_bytes_per_step
 from kvforge.bench.report import Column, Panel, finish
 from kvforge.bench.throughput import step_split, timer_totals
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         system["fraction_of_read_bandwidth"] = system["achieved_gbps"] / ctx.peak.read_gbps
     settings = {
         "batch": args.batch, "context": args.context, "gen": args.gen, "timed_steps": args.gen - 1,
-        "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed, "kv_budget": ctx.kv_budget,
+        "repeats": args.repeats, "rounds": timed_rounds(args), "warmup": args.warmup, "seed": args.seed, "kv_budget": ctx.kv_budget,
         "prefill": "excluded (untimed); timing starts once every request has its first token",
         "hf_timing": "G-1 forward calls with a DynamicCache and argmax feedback: generate's loop "
                      "without its Python overhead, which favours transformers",

@@ -7,9 +7,17 @@ time: the cores they kept busy on average. On a 2-core machine, one other CPU-bo
 program shows as about 1.0 and halves what a 2-thread benchmark can get. The 1/5/15-minute
 load averages are kept too, but they lag by a minute, which the probe does not.
 
+The probe also records the OpenMP thread settings the process runs under
+(`thread_settings`). `OMP_WAIT_POLICY=PASSIVE` puts OpenMP threads to sleep between
+parallel regions: each of the ~200 small regions of a decode step then waits for a
+wake-up. That costs memory-bound systems (a full cache's long-context run: 1.4x slower,
+at 1.4 of 2 cores busy) far more than compute-bound ones, so ratios measured under it do
+not hold at the default setting; such runs are flagged.
+
 `flags` turns that and the other things a benchmark cannot vouch for into warnings that
-go into the printed table and the JSON: a loaded machine, a single repeat, repeats that
-disagree, and a ratio above what the work itself allows (its analytic bound).
+go into the printed table and the JSON: a loaded machine, sleeping OpenMP threads, a single
+repeat, repeats that disagree, and a ratio above what the work itself allows (its analytic
+bound).
 """
 
 from __future__ import annotations
@@ -25,6 +33,22 @@ from typing import Any
 FOREIGN_CORES_LIMIT = 0.25
 NOISY_SPREAD = 1.15  # slowest / fastest timed repeat above which the repeats disagree
 BOUND_TOLERANCE = 1.1  # a ratio may exceed its analytic bound by this much (rounding, caches)
+# Environment variables that change how OpenMP threads wait; recorded with every result.
+THREAD_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")
+
+
+def thread_settings() -> dict[str, str]:
+    """The OpenMP settings of THREAD_SETTINGS that are set in this process's environment."""
+    return {name: os.environ[name] for name in THREAD_SETTINGS if name in os.environ}
+
+
+def sleeping_threads(settings: dict[str, str]) -> str | None:
+    """The setting that makes OpenMP threads sleep between parallel regions, or None."""
+    if settings.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
+        return "OMP_WAIT_POLICY=" + settings["OMP_WAIT_POLICY"]
+    if settings.get("GOMP_SPINCOUNT", "").strip() == "0":
+        return "GOMP_SPINCOUNT=0"
+    return None
 
 
 def _machine_busy_seconds() -> float | None:
@@ -59,14 +83,16 @@ class LoadProbe:
     load_before: list[float] | None = field(default_factory=load_average)
 
     def report(self) -> dict[str, Any]:
-        """Foreign cores (None where /proc/stat is missing) and the load averages."""
+        """Foreign cores (None where /proc/stat is missing), the load averages and the
+        OpenMP thread settings."""
         wall = time.perf_counter() - self.started_wall
         busy = _machine_busy_seconds()
         foreign = None
         if busy is not None and self.started_busy is not None and wall > 0:
             foreign = max(0.0, (busy - self.started_busy - (_own_seconds() - self.started_own)) / wall)
         return {"foreign_cores": None if foreign is None else round(foreign, 3), "cpu_count": os.cpu_count(),
-                "load_average_before": self.load_before, "load_average_after": load_average()}
+                "load_average_before": self.load_before, "load_average_after": load_average(),
+                "thread_settings": thread_settings()}
 
 
 def flags(load: dict[str, Any], repeats: int | None = None, spread: float | None = None,
@@ -79,6 +105,12 @@ def flags(load: dict[str, Any], repeats: int | None = None, spread: float | None
                     "message": f"other programs kept {foreign:.2f} of {load.get('cpu_count')} cores busy during the "
                                f"measurement (load average {load.get('load_average_before')} before, "
                                f"{load.get('load_average_after')} after): speed figures are not trustworthy"})
+    sleeping = sleeping_threads(load.get("thread_settings") or {})
+    if sleeping is not None:
+        out.append({"kind": "sleeping_threads",
+                    "message": f"{sleeping}: OpenMP threads slept between parallel regions, which slows "
+                               "memory-bound systems most; speed figures and ratios are not comparable with a "
+                               "run at the default setting"})
     if repeats is not None and repeats < 2:
         out.append({"kind": "single_repeat",
                     "message": "one timed repeat: no spread to judge the noise by (use --repeats 3)"})

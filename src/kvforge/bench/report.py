@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvforge.bench.common import BenchContext, log
+from kvforge.bench.common import BenchContext, log, timed_runs
 from kvforge.bench.machine_load import LoadProbe, flags
 from kvforge.report.provenance import provenance
 from kvforge.sizes import format_bytes
@@ -61,7 +61,7 @@ def finish(ctx: BenchContext, benchmark: str, settings: dict[str, Any], headline
         system["repeat_spread"] = max(times) / min(times) if min(times) > 0 else math.inf
     ratio, all_ratios = ratios(headline, systems)
     load = (ctx.probe or LoadProbe()).report()
-    warnings = flags(load, ctx.args.repeats, max(s["repeat_spread"] for s in systems), bounds)
+    warnings = flags(load, timed_runs(ctx.args), max(s["repeat_spread"] for s in systems), bounds)
     result = {
         "benchmark": benchmark,
         "model": ctx.args.model,
@@ -117,8 +117,10 @@ def format_table(result: dict[str, Any], columns: Sequence[Column]) -> str:
 def machine_line(env: dict[str, Any], systems: Sequence[dict[str, Any]]) -> str:
     foreign = env.get("foreign_cores")
     spreads = ", ".join(f"{s['name']} {s['repeat_spread']:.2f}x" for s in systems if "repeat_spread" in s)
+    settings = " ".join(f"{k}={v}" for k, v in (env.get("thread_settings") or {}).items())
     return (f"machine: load average {env.get('load_average_before')} before, {env.get('load_average_after')} after; "
             f"other programs used {'?' if foreign is None else f'{foreign:.2f}'} of {env.get('cpu_count')} cores"
+            + (f"; thread settings {settings}" if settings else "")
             + (f"; repeat spread (slowest/fastest): {spreads}" if spreads else ""))
 
 

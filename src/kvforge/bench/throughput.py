@@ -53,7 +53,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvforge.bench import hf_peer
-from kvforge.bench.common import BenchContext, System, drain, prepare, rate, repeat_runs, run_systems
+from kvforge.bench.common import (
+    BenchContext,
+    System,
+    drain,
+    prepare,
+    rate,
+    repeat_runs,
+    run_systems,
+    timed_rounds,
+)
 from kvforge.bench.flops import attention_flops
 from kvforge.bench.report import Column, Panel, finish
 from kvforge.cache.base import CacheMethod
@@ -243,7 +252,7 @@ def _settings(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
         "shared_prefix": args.shared_prefix,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
         "admission": getattr(args, "admission", "optimistic"),
-        "hf_batch": args.hf_batch or min(args.num_requests, 16), "repeats": args.repeats,
+        "hf_batch": args.hf_batch or min(args.num_requests, 16), "repeats": args.repeats, "rounds": timed_rounds(args),
         "warmup": args.warmup, "seed": args.seed,
         "kv_budget": ctx.kv_budget if len(ctx.kv_budgets) == 1 else list(ctx.kv_budgets),
         "kvforge_timing": "all requests added at once, engine stepped to completion (detokenising included)",

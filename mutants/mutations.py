@@ -27,6 +27,8 @@ INT8_KEYS = ("tests/cache/kivi/test_kivi_int8_keys.py",)
 INT8_VALUES = ("tests/cache/kivi/test_kivi_int8_values.py",)
 BUDGET = ("tests/cache/test_budget_invariant.py",)
 RANK_ATTENTION = ("tests/cache/shadowkv/test_shadowkv_rank_attention.py",)
+ROUNDS = ("tests/bench/test_bench.py::test_rounds_alternate_the_order_of_systems_and_merge_their_runs",
+          "tests/bench/test_bench.py::test_throughput_rounds_end_to_end")
 
 MUTATIONS: list[Mutation] = [
     # -- ShadowKV ------------------------------------------------------------------------
@@ -593,4 +595,22 @@ MUTATIONS: list[Mutation] = [
              "        except FileExistsError:  # a file left half-written (a killed or older in-place writer): rebuilt once\n"
              "            raise\n",
              ("tests/models/test_loaders.py",), "a half-written file is rebuilt once, not a failure of every load"),
+    # -- benchmark trust ---------------------------------------------------------------------
+    Mutation("bench_passive_threads_not_flagged", S + "bench/machine_load.py",
+             'if settings.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":',
+             'if settings.get("OMP_WAIT_POLICY", "").strip() == "PASSIVE":',
+             ("tests/bench/test_machine_load.py",),
+             "a run with sleeping OpenMP threads (any spelling of PASSIVE) is flagged: it moved a committed ratio"),
+    Mutation("bench_rounds_same_order", S + "bench/common.py",
+             "order = list(ctx.systems) if index % 2 == 0 else list(reversed(ctx.systems))",
+             "order = list(ctx.systems)",
+             ROUNDS, "--rounds alternates the order so drift touches every system alike"),
+    Mutation("bench_rounds_keep_last_round", S + "bench/common.py",
+             "    times = [t for run in runs for t in (run.get(\"seconds_all\") or [run[\"seconds\"]])]\n",
+             "    times = list(runs[-1].get(\"seconds_all\") or [runs[-1][\"seconds\"]])\n",
+             ROUNDS, "merged rounds keep every round's repeat times (the spread and the flags)"),
+    Mutation("bench_rounds_first_round_chosen", S + "bench/common.py",
+             "    chosen = ordered[len(ordered) // 2]\n    times = [t for run",
+             "    chosen = runs[0]\n    times = [t for run",
+             ROUNDS, "a system's merged result is its median round, not whichever ran first"),
 ]

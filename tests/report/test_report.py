@@ -122,3 +122,20 @@ def test_a_flagged_file_carries_its_flags_into_the_readme_row():
         if doc.get("flags") and path in readme:
             row = next(line for line in readme.splitlines() if path in line)
             assert "(flagged:" in row, path
+
+
+def test_the_bf16_kivi_row_says_how_the_systems_were_ordered():
+    """A ratio from systems run one after another depends on their order on a drifting machine:
+    the row says which ran first, or that the run alternated them over rounds."""
+    from kvforge.report.rows import _kivi_long_context_int8
+
+    def system(name, tokens_per_s, attention_ms):
+        return {"name": name, "generated_tokens_per_s": tokens_per_s, "decode_attention_ms": attention_ms}
+
+    settings = {"num_requests": 32, "input_len": 2048, "output_len": 1024, "kv_budget": 300_000_000}
+    kivi, full = system("kvforge[kivi:key_dot=int8]", 150.0, 30.0), system("kvforge[full:storage_dtype=float16]",
+                                                                            100.0, 15.0)
+    alternated = _kivi_long_context_int8({"systems": [kivi, full], "settings": {**settings, "rounds": 2}})
+    assert "**1.50x**" in alternated and "2 rounds in alternating order" in alternated
+    assert "the full cache run first" in _kivi_long_context_int8({"systems": [full, kivi], "settings": settings})
+    assert "KIVI run first" in _kivi_long_context_int8({"systems": [kivi, full], "settings": {**settings, "rounds": 1}})

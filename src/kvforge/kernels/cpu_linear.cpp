@@ -63,11 +63,12 @@ constexpr int64_t kMinChunkFloats = 32 * 1024;
 constexpr int64_t kPrefetchTiles = 1;
 
 // Up to this many x-row groups per tile (M <= 18 with AVX-512), the later tile is prefetched
-// into L2 instead of L1. Measured on a 2-core Zen 4 (bf16, a model's 211 decode products,
-// 4 alternated runs each): M = 4 went from ~15.6 to ~12.2 ms and M = 16 from ~21.1 to ~17.5
-// ms a step, M = 1 unchanged; with the T0 hint the single-thread stream at M = 4 ran at 11
-// GB/s against 20 at M = 1 (the W loads stalled: the L1 prefetches evidently did not land in
-// time). At M = 32 (6 groups) T1 was ~8% slower than T0, so more groups keep T0.
+// into L2 instead of L1. Measured on a 2-core Zen 4 (bf16, smollm2-135m's 211 decode
+// products, 4 alternated runs each, medians): M = 4 went from ~15.1 to ~10.9 ms and M = 16
+// from ~19.0 to ~16.2 ms a step, M = 1 and M = 8 unchanged within noise. With the T0 hint the
+// single-thread stream at M = 4 ran at 11 GB/s against 20 at M = 1, its time in the W loads
+// (the L1 prefetches evidently did not land in time). At M = 32 (6 groups) T1 everywhere
+// was ~8% slower than T0, so more groups keep T0.
 constexpr int64_t kL2PrefetchMaxGroups = 3;
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))

@@ -163,7 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         system["fraction_of_read_bandwidth"] = system["achieved_gbps"] / ctx.peak.read_gbps
     settings = {
         "batch": args.batch, "context": args.context, "gen": args.gen, "timed_steps": args.gen - 1,
-        "repeats": args.repeats, "rounds": timed_rounds(args), "warmup": args.warmup, "seed": args.seed, "kv_budget": ctx.kv_budget,
+        "repeats": args.repeats, "rounds": timed_rounds(args), "warmup": args.warmup, "seed": args.seed,
+        "kv_budget": ctx.kv_budget,
         "prefill": "excluded (untimed); timing starts once every request has its first token",
         "hf_timing": "G-1 forward calls with a DynamicCache and argmax feedback: generate's loop "
                      "without its Python overhead, which favours transformers",

@@ -10,9 +10,9 @@ load averages are kept too, but they lag by a minute, which the probe does not.
 The probe also records the OpenMP thread settings the process runs under
 (`thread_settings`). `OMP_WAIT_POLICY=PASSIVE` puts OpenMP threads to sleep between
 parallel regions: each of the ~200 small regions of a decode step then waits for a
-wake-up. That costs memory-bound systems (a full cache's long-context run: 1.4x slower,
-at 1.4 of 2 cores busy) far more than compute-bound ones, so ratios measured under it do
-not hold at the default setting; such runs are flagged.
+wake-up. Measured on smollm2-135m in bf16 at 2K context, decode lost 1.3-1.6x under it
+(the full cache at batch 4, KIVI at batch 16), by a different amount per system, so
+ratios measured under it do not hold at the default setting; such runs are flagged.
 
 `flags` turns that and the other things a benchmark cannot vouch for into warnings that
 go into the printed table and the JSON: a loaded machine, sleeping OpenMP threads, a single
@@ -108,8 +108,8 @@ def flags(load: dict[str, Any], repeats: int | None = None, spread: float | None
     sleeping = sleeping_threads(load.get("thread_settings") or {})
     if sleeping is not None:
         out.append({"kind": "sleeping_threads",
-                    "message": f"{sleeping}: OpenMP threads slept between parallel regions, which slows "
-                               "memory-bound systems most; speed figures and ratios are not comparable with a "
+                    "message": f"{sleeping}: OpenMP threads slept between parallel regions, which slows each "
+                               "system by a different amount; speed figures and ratios are not comparable with a "
                                "run at the default setting"})
     if repeats is not None and repeats < 2:
         out.append({"kind": "single_repeat",

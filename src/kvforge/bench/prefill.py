@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         system["achieved_gflops"] = rate(system.get("flops_total", flops.total), seconds) / 1e9
         system["fraction_of_matmul_peak"] = system["achieved_gflops"] / ctx.peak.matmul_gflops
     settings = {
-        "prompt_len": args.prompt_len, "batch": args.batch, "repeats": args.repeats, "rounds": timed_rounds(args), "warmup": args.warmup,
+        "prompt_len": args.prompt_len, "batch": args.batch, "repeats": args.repeats, "rounds": timed_rounds(args),
+        "warmup": args.warmup,
         "seed": args.seed, "kv_budget": ctx.kv_budget, "max_num_batched_tokens": tokens,
         "flops": {"linear": flops.linear, "attention": flops.attention, "lm_head": flops.lm_head,
                   "total": flops.total},

@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     identical = systems[0]["replies"] == systems[1]["replies"]
     settings = {"shared_prefix": args.shared_prefix, "turns": args.turns, "question_len": args.question_len,
                 "output_len": args.output_len, "max_num_batched_tokens": args.max_num_batched_tokens,
-                "repeats": args.repeats, "rounds": timed_rounds(args), "warmup": args.warmup, "kv_budget": ctx.kv_budget,
+                "repeats": args.repeats, "rounds": timed_rounds(args), "warmup": args.warmup,
+                "kv_budget": ctx.kv_budget,
                 "timing": "time to first token of each turn's request; the prefix cache is emptied before each run"}
     columns = [Column("turn1_ttft", "turn 1 TTFT s", "{:.3f}"), Column("mean_ttft_turns_2_n", "turns 2-N TTFT s",
                                                                        "{:.3f}"),

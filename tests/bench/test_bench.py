@@ -216,7 +216,8 @@ def test_every_cpu_kernel_is_built_before_the_first_system_runs(monkeypatch, cap
                                                   "b": lambda: events.append("build b") or False})
     monkeypatch.setattr(peak, "measure_peak",
                         lambda dtype, device=None: events.append("peak") or peak.MachinePeak(1.0, 8, "float32", 1.0, 1))
-    ctx = SimpleNamespace(dtype=torch.float32, device="cpu", systems=[common.System("s", "kvforge")])
+    ctx = SimpleNamespace(dtype=torch.float32, device="cpu", systems=[common.System("s", "kvforge")],
+                          args=SimpleNamespace(repeats=1, rounds=1))
     results = common.run_systems(ctx, {"kvforge": lambda ctx, system: events.append("run") or {"x": 1}})
     assert events == ["build a", "build b", "peak", "run"]
     assert results == [{"name": "s", "kind": "kvforge", "x": 1}]
@@ -393,12 +394,12 @@ def test_the_read_probe_is_the_median_pass_not_a_lucky_one(monkeypatch):
     assert got.read_gbps_best == pytest.approx(peak.READ_BYTES / 0.006 / 1e9)
 
 
-def test_rounds_alternate_the_order_of_systems_and_merge_their_runs(monkeypatch):
+def test_rounds_alternate_the_order_of_systems_and_merge_their_runs():
     """--rounds 3 over systems A, B runs A B, B A, A B; each system's result is its median
     round (the upper of an even count), with every round's repeat times kept in order."""
-    import argparse
+    from types import SimpleNamespace
 
-    from kvforge.bench.common import BenchContext, System, measure_systems
+    from kvforge.bench.common import System, measure_systems
 
     calls: list[str] = []
     seconds = {"A": iter([3.0, 1.0, 2.0]), "B": iter([5.0, 6.0, 4.0])}
@@ -408,9 +409,8 @@ def test_rounds_alternate_the_order_of_systems_and_merge_their_runs(monkeypatch)
         took = next(seconds[system.name])
         return {"seconds": took, "seconds_all": [took], "marker": f"{system.name}{len(calls)}"}
 
-    args = argparse.Namespace(rounds=3, repeats=1)
-    ctx = BenchContext.__new__(BenchContext)
-    ctx.args, ctx.systems = args, [System("A", "kvforge"), System("B", "kvforge")]
+    args = SimpleNamespace(rounds=3, repeats=1)
+    ctx = SimpleNamespace(args=args, systems=[System("A", "kvforge"), System("B", "kvforge")])
     merged = measure_systems(ctx, {"kvforge": runner})
     assert calls == ["A", "B", "B", "A", "A", "B"]
     assert [m["name"] for m in merged] == ["A", "B"]  # the command's order, whatever ran first

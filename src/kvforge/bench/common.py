@@ -340,7 +340,7 @@ def measure_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[di
     for system in ctx.systems:
         if system.kind not in runners:
             raise KVForgeError(f"no runner for system kind {system.kind!r}")
-    rounds = timed_rounds(getattr(ctx, "args", None))
+    rounds = timed_rounds(ctx.args)
     per_round: list[dict[str, dict[str, Any]]] = []
     for index in range(rounds):
         order = list(ctx.systems) if index % 2 == 0 else list(reversed(ctx.systems))

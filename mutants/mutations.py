@@ -27,6 +27,7 @@ INT8_KEYS = ("tests/cache/kivi/test_kivi_int8_keys.py",)
 INT8_VALUES = ("tests/cache/kivi/test_kivi_int8_values.py",)
 BUDGET = ("tests/cache/test_budget_invariant.py",)
 RANK_ATTENTION = ("tests/cache/shadowkv/test_shadowkv_rank_attention.py",)
+KIVI_QUANT = ("tests/cache/kivi/test_kivi_cpu_quant.py", "tests/cache/kivi/test_kivi_quant.py")
 ROUNDS = ("tests/bench/test_bench.py::test_rounds_alternate_the_order_of_systems_and_merge_their_runs",
           "tests/bench/test_bench.py::test_throughput_rounds_end_to_end")
 
@@ -595,6 +596,29 @@ MUTATIONS: list[Mutation] = [
              "        except FileExistsError:  # a file left half-written (a killed or older in-place writer): rebuilt once\n"
              "            raise\n",
              ("tests/models/test_loaders.py",), "a half-written file is rebuilt once, not a failure of every load"),
+    # -- KIVI quantisation kernel --------------------------------------------------------------
+    Mutation("kivi_quant_kernel_no_round_toward", S + "cache/kivi/cpu_quant.cpp",
+             "if (down ? back > target : back < target) {", "if (false) {", KIVI_QUANT,
+             "zero rounds down and scale up to float16, so every element stays in range (bit for bit the reference)"),
+    Mutation("kivi_quant_kernel_ties_away_from_zero", S + "cache/kivi/cpu_quant.cpp",
+             "const float c = std::nearbyint((g[i] - zf) / safe);", "const float c = std::round((g[i] - zf) / safe);",
+             KIVI_QUANT, "codes round half to even, as torch.round does"),
+    Mutation("kivi_quant_kernel_packs_high_first", S + "cache/kivi/cpu_quant.cpp",
+             "byte |= static_cast<uint8_t>(codes[j * per_byte + i] << (i * bits));",
+             "byte |= static_cast<uint8_t>(codes[j * per_byte + i] << ((per_byte - 1 - i) * bits));", KIVI_QUANT,
+             "codes are packed little-end-first, the layout every reader unpacks"),
+    Mutation("kivi_quant_reference_ties_away_from_zero", S + "cache/kivi/quant.py",
+             "codes = torch.round((xg - zero.float().unsqueeze(-1)) / safe).clamp_(0, levels)",
+             "codes = torch.floor((xg - zero.float().unsqueeze(-1)) / safe + 0.5).clamp_(0, levels)", KIVI_QUANT,
+             "the definition rounds half to even"),
+    Mutation("kivi_residual_writes_every_row_always", S + "cache/kivi/method.py",
+             "key_rows_all=key[0] == every_row, value_rows_all=value[0] == every_row)",
+             "key_rows_all=True, value_rows_all=True)", KIVI,
+             "only a step whose every row stays in the residuals writes its K/V without gathering the rows"),
+    Mutation("kivi_decode_fast_path_in_mixed_steps", S + "cache/kivi/method.py",
+             "if decode is not None and not plan.prefills and decode.rows_in_order and q.shape[0] == decode.lengths.shape[0]:",
+             "if decode is not None and decode.rows_in_order:", KIVI,
+             "a step with prefill rows scatters the decode rows' output; only an all-decode step returns it as is"),
     # -- benchmark trust ---------------------------------------------------------------------
     Mutation("bench_passive_threads_not_flagged", S + "bench/machine_load.py",
              'if settings.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":',

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from kvforge.cache.full.cpu_decode import cpu_kernels_available
 from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available
+from kvforge.cache.kivi.cpu_quant import quantize_kernel_available
 from kvforge.cache.shadowkv.cpu_decode import cpu_shadowkv_kernel_available
 from kvforge.kernels.cpu_decode_layer import decode_layer_available
 from kvforge.kernels.cpu_fused import fused_ops_available
@@ -25,6 +26,7 @@ __all__ = ["CPU_KERNELS", "build_cpu_kernels"]
 CPU_KERNELS: dict[str, Callable[[], bool]] = {
     "paged attention": cpu_kernels_available,
     "KIVI attention": cpu_kivi_kernel_available,
+    "KIVI quantisation": quantize_kernel_available,
     "ShadowKV decode": cpu_shadowkv_kernel_available,
     "small-M linear": small_m_linear_available,
     "fused RMSNorm/RoPE": fused_ops_available,

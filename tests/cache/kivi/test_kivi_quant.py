@@ -1,4 +1,8 @@
-"""Group quantisation and bit packing (kvforge.cache.kivi.quant)."""
+"""Group quantisation and bit packing (kvforge.cache.kivi.quant).
+
+The definitional tests run on both implementations: `quantize` (the compiled CPU kernel
+where it builds) and `quantize_reference` (the PyTorch definition); parity between the two
+is tests/cache/kivi/test_kivi_cpu_quant.py."""
 
 import pytest
 import torch
@@ -8,10 +12,14 @@ from kvforge.cache.kivi.quant import (
     dequantize,
     pack_codes,
     quantize,
+    quantize_reference,
     quantized_bits_per_element,
     unpack_codes,
 )
 from kvforge.errors import ConfigError
+
+both_implementations = pytest.mark.parametrize("quantise", [quantize, quantize_reference],
+                                               ids=["quantize", "reference"])
 
 
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
@@ -30,29 +38,32 @@ def test_packing_layout_is_low_bits_first():
     assert pack_codes(torch.tensor([[5, 12]], dtype=torch.uint8), 4).tolist() == [[5 | (12 << 4)]]
 
 
+@both_implementations
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)
 @pytest.mark.parametrize("group", [8, 32, 64])
-def test_dequantisation_error_is_within_half_a_step(bits, group):
+def test_dequantisation_error_is_within_half_a_step(quantise, bits, group):
     generator = torch.Generator().manual_seed(group)
     # Mixed magnitudes, like keys with outlier channels.
     x = torch.randn(4, 6, 128, generator=generator) * torch.logspace(-2, 1, 128)
-    q = quantize(x, bits, group)
+    q = quantise(x, bits, group)
     assert q.scale.dtype == torch.float16 and q.zero.dtype == torch.float16
     error = (dequantize(q) - x).abs().reshape(4, 6, 128 // group, group)
     bound = q.scale.float().unsqueeze(-1) / 2
     assert bool((error <= bound * (1 + 1e-5) + 1e-6).all())
 
 
-def test_constant_groups_are_exact():
+@both_implementations
+def test_constant_groups_are_exact(quantise):
     x = torch.full((2, 64), 0.37)
-    assert torch.allclose(dequantize(quantize(x, 2, 32)), x, atol=1e-3)
+    assert torch.allclose(dequantize(quantise(x, 2, 32)), x, atol=1e-3)
     zeros = torch.zeros(2, 64)
-    assert torch.equal(dequantize(quantize(zeros, 4, 32)), zeros)
+    assert torch.equal(dequantize(quantise(zeros, 4, 32)), zeros)
 
 
-def test_codes_span_the_range():
+@both_implementations
+def test_codes_span_the_range(quantise):
     x = torch.linspace(-1, 1, 32).reshape(1, 32)
-    codes = unpack_codes(quantize(x, 2, 32).packed, 2)
+    codes = unpack_codes(quantise(x, 2, 32).packed, 2)
     assert codes.min().item() == 0 and codes.max().item() == 3
 
 

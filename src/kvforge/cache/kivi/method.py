@@ -53,11 +53,11 @@ from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.kivi.attention import kivi_chunk_attention
 from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig, default_residual_dtype
 from kvforge.cache.kivi.decode_kernels import kivi_decode, resolve_decode_kernel
-from kvforge.cache.kivi.key_space import StoredKeys
+from kvforge.cache.kivi.key_space import KeyTransform, StoredKeys
 from kvforge.cache.kivi.plan import Decode, Flush, GroupPlan, Prefill, ResidualWrites, SequenceState
 from kvforge.cache.kivi.prefill import kivi_chunk_attention_fast
 from kvforge.cache.kivi.rotation import hadamard_matrix, rotate, unrotate
-from kvforge.cache.kivi.store import KIVIStore, page_bytes, store_key_pages, store_value_tokens
+from kvforge.cache.kivi.store import KIVILayerView, KIVIStore, page_bytes, store_key_pages, store_value_tokens
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import RELEASED, LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
@@ -262,6 +262,11 @@ class KIVICache(CacheMethod):
             key_transform = StoredKeys(rope.rotary, self.rotation if self.config.rotates_keys else None)
         elif self.rotation is not None and self.config.rotates_keys:
             q = rotate(q, self.rotation)  # q H . k H = q . k
+        decode = plan.decode
+        if decode is not None and not plan.prefills and decode.rows_in_order and q.shape[0] == decode.lengths.shape[0]:
+            # Every row of the step decodes, in order: no gather of q/k/v, no scatter of out.
+            out = self._decode(decode, q, k_new, v_new, view, spec.scale, key_transform).to(q.dtype)
+            return unrotate(out, self.rotation) if self.rotation is not None and self.config.rotates_values else out
         out = torch.empty_like(q)
         tile = max(1, self.config.prefill_tile_tokens // self.config.key_tokens)
         chunk_attention = kivi_chunk_attention_fast if self.config.prefill_attention == "blockwise" \
@@ -271,17 +276,20 @@ class KIVICache(CacheMethod):
             out[rows] = chunk_attention(q[rows], k_new[rows], v_new[rows], view, p.pages,
                                         p.first_page_position, p.past_from, p.span.cached_len, p.slot,
                                         spec.scale, spec.sliding_window, tile, key_transform)
-        if plan.decode is not None:
-            d = plan.decode
-            args = (q[d.rows], k_new[d.rows], v_new[d.rows], view, d.page_table, d.first_page_position,
-                    d.visible_from, d.lengths, d.slots, spec.scale)
-            out[d.rows] = kivi_decode(self.decode_kernel, *args,
-                                      tile_pages=max(1, self.config.decode_tile_tokens // self.config.key_tokens),
-                                      key_transform=key_transform, key_dot=self.config.key_dot,
-                                      value_dot=self.config.value_dot)
+        if decode is not None:
+            out[decode.rows] = self._decode(decode, q[decode.rows], k_new[decode.rows], v_new[decode.rows], view,
+                                            spec.scale, key_transform)
         if self.rotation is not None and self.config.rotates_values:
             out = unrotate(out, self.rotation)  # (P V H) H^T = P V
         return out
+
+    def _decode(self, d: Decode, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, view: KIVILayerView,
+                scale: float, key_transform: KeyTransform) -> torch.Tensor:
+        """Decode attention of the plan's decode rows (q, k_new, v_new: those rows, in order)."""
+        return kivi_decode(self.decode_kernel, q, k_new, v_new, view, d.page_table, d.first_page_position,
+                           d.visible_from, d.lengths, d.slots, scale,
+                           tile_pages=max(1, self.config.decode_tile_tokens // self.config.key_tokens),
+                           key_transform=key_transform, key_dot=self.config.key_dot, value_dot=self.config.value_dot)
 
     def end_step(self, batch: ForwardBatch) -> None:
         writes = self._residual_writes
@@ -289,10 +297,11 @@ class KIVICache(CacheMethod):
         for group in range(self.groups.num_groups):  # before the residual writes overwrite the rings
             self._flush(group)
         for cache_layer, (k, v) in self._step_kv.items():
-            for store, values, (rows, slots, offsets) in ((self.store.k_res, k, writes.key),
-                                                          (self.store.v_res, v, writes.value)):
+            for store, values, (rows, slots, offsets), every_row in (
+                    (self.store.k_res, k, writes.key, writes.key_rows_all),
+                    (self.store.v_res, v, writes.value, writes.value_rows_all)):
                 if rows.numel():
-                    store[cache_layer][slots, :, offsets] = values[rows].to(self.residual_dtype)
+                    store[cache_layer][slots, :, offsets] = (values if every_row else values[rows]).to(self.residual_dtype)
             rows, slots, tokens = writes.sink
             if rows.numel() and self.store.k_sink is not None and self.store.v_sink is not None:
                 self.store.k_sink[cache_layer][slots, :, tokens] = k[rows].to(self.residual_dtype)
@@ -363,7 +372,9 @@ class KIVICache(CacheMethod):
                 sink[1].append(slot)
                 sink[2].append(t)
         as_tensors = lambda lists: tuple(self._tensor(x) for x in lists)  # noqa: E731
-        return ResidualWrites(as_tensors(key), as_tensors(value), as_tensors(sink))
+        every_row = list(range(batch.num_tokens))
+        return ResidualWrites(as_tensors(key), as_tensors(value), as_tensors(sink),
+                              key_rows_all=key[0] == every_row, value_rows_all=value[0] == every_row)
 
     def _kept_page(self, seq_id: int, group: int, logical: int) -> int:
         """Page id of a logical page, or RELEASED if the window dropped (or skipped) it."""
@@ -449,11 +460,13 @@ class KIVICache(CacheMethod):
             visible.append(past_from)
         width = max(1, max(len(t) for t in tables))
         padded = [t + [0] * (width - len(t)) for t in tables]  # padding is masked by position
+        starts = [s.query_start for s in spans]
         return Decode(
-            rows=self._tensor([s.query_start for s in spans]),
+            rows=self._tensor(starts),
             page_table=self._tensor(padded).reshape(len(spans), width),
             first_page_position=self._tensor(firsts),
             visible_from=self._tensor(visible),
             lengths=self._tensor([s.cached_len for s in spans]),
             slots=self._tensor([self._seqs[s.seq_id].slot for s in spans]),
+            rows_in_order=starts == list(range(len(spans))),
         )

@@ -46,6 +46,9 @@ class Decode:
     visible_from: torch.Tensor
     lengths: torch.Tensor
     slots: torch.Tensor
+    # rows is 0, 1, ..., n - 1 (known on the host): with no prefill in the step, the step's
+    # tensors are the decode rows as they are, and no row is gathered or scattered.
+    rows_in_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,3 +74,7 @@ class ResidualWrites:
     key: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, slots, offsets)
     value: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     sink: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, slots, token index < sinks)
+    # key/value rows are every row of the step in order (a decode step whose tokens all stay
+    # in the residuals): the step's K/V are written as they are, not gathered first.
+    key_rows_all: bool = False
+    value_rows_all: bool = False

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.cache.host_sync import host_memory
+from kvforge.cache.kivi.cpu_quant import quantize_groups
 from kvforge.errors import require
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -97,10 +98,23 @@ def _round_toward(target: torch.Tensor, direction: float) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, bits: int, group: int) -> QuantizedGroups:
-    """Quantise `x` [..., n] in groups of `group` along the last dimension (n % group == 0)."""
-    codes_per_byte(bits)
+    """Quantise `x` [..., n] in groups of `group` along the last dimension (n % group == 0).
+    On the CPU the compiled kernel (cpu_quant.py) computes it in one pass, bit for bit as
+    `quantize_reference`, which runs everywhere else."""
+    per_byte = codes_per_byte(bits)
     n = x.shape[-1]
     require(group > 0 and n % group == 0, "group", group, f"must divide the quantised length {n}")
+    require(n % per_byte == 0, "packed length", n, f"must be a multiple of {per_byte} for {bits}-bit codes")
+    fast = quantize_groups(x, bits, group)
+    if fast is not None:
+        return QuantizedGroups(*fast, bits, group)
+    return quantize_reference(x, bits, group)
+
+
+def quantize_reference(x: torch.Tensor, bits: int, group: int) -> QuantizedGroups:
+    """The definition `quantize` follows, in PyTorch ops (any device, dtype and autograd);
+    arguments validated by `quantize`."""
+    n = x.shape[-1]
     levels = (1 << bits) - 1
     xg = x.float().reshape(*x.shape[:-1], n // group, group)
     low = xg.amin(dim=-1)

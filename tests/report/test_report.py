@@ -139,3 +139,20 @@ def test_the_bf16_kivi_row_says_how_the_systems_were_ordered():
     assert "**1.50x**" in alternated and "2 rounds in alternating order" in alternated
     assert "the full cache run first" in _kivi_long_context_int8({"systems": [full, kivi], "settings": settings})
     assert "KIVI run first" in _kivi_long_context_int8({"systems": [kivi, full], "settings": {**settings, "rounds": 1}})
+
+
+def test_the_bf16_kivi_row_shows_each_runs_ratio():
+    """The merged ratio takes each system's median round; when one system's rounds differ
+    (drift), each run's own ratio shows beside it, in run order."""
+    from kvforge.report.rows import _kivi_long_context_int8
+
+    settings = {"num_requests": 32, "input_len": 2048, "output_len": 1024, "kv_budget": 300_000_000, "rounds": 2}
+    kivi = {"name": "kvforge[kivi:key_dot=int8]", "generated_tokens_per_s": 150.0, "decode_attention_ms": 30.0,
+            "seconds_all": [200.0, 200.0]}
+    full = {"name": "kvforge[full:storage_dtype=float16]", "generated_tokens_per_s": 80.0, "decode_attention_ms": 15.0,
+            "seconds_all": [330.0, 360.0]}
+    row = _kivi_long_context_int8({"systems": [kivi, full], "settings": settings})
+    assert "per run 1.65x, 1.80x" in row
+    single = _kivi_long_context_int8({"systems": [{**kivi, "seconds_all": [200.0]}, {**full, "seconds_all": [330.0]}],
+                                      "settings": {**settings, "rounds": 1}})
+    assert "per run" not in single

@@ -76,6 +76,11 @@ def _kivi_long_context_int8(doc: Document) -> str:
     rounds = st.get("rounds", 1)
     order = (f"{rounds} rounds in alternating order" if rounds > 1
              else "the full cache run first" if doc["systems"][0] is full else "KIVI run first")
+    # Each timed run's own ratio (the same tokens in each: the ratio of their seconds), so a
+    # round that ran slow for one system shows beside the merged figure.
+    runs = list(zip(full.get("seconds_all") or [], ours.get("seconds_all") or []))
+    if len(runs) > 1:
+        order += ", per run " + ", ".join(f"{theirs / mine:.2f}x" for theirs, mine in runs)
     return (f"bf16: **{ratio(ours)}x** generated tokens/s with {options(ours)}{beside} "
             f"({st['num_requests']} x {st['input_len']}+{st['output_len']} tokens, {st['kv_budget'] // 10**6}MB, "
             f"{order}); "

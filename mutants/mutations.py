@@ -620,7 +620,7 @@ MUTATIONS: list[Mutation] = [
              "if decode is not None and decode.rows_in_order:", KIVI,
              "a step with prefill rows scatters the decode rows' output; only an all-decode step returns it as is"),
     Mutation("report_kivi_row_hides_run_ratios", S + "report/rows.py",
-             "    if len(runs) > 1:\n        order +=", "    if len(runs) > 99:\n        order +=",
+             "    if len(runs) > 1:\n        return", "    if len(runs) > 99:\n        return",
              ("tests/report/test_report.py",), "a merged ratio shows each run's own ratio beside it (drift is visible)"),
     # -- benchmark trust ---------------------------------------------------------------------
     Mutation("bench_passive_threads_not_flagged", S + "bench/machine_load.py",

@@ -156,3 +156,17 @@ def test_the_bf16_kivi_row_shows_each_runs_ratio():
     single = _kivi_long_context_int8({"systems": [{**kivi, "seconds_all": [200.0]}, {**full, "seconds_all": [330.0]}],
                                       "settings": {**settings, "rounds": 1}})
     assert "per run" not in single
+
+
+def test_the_fp32_kivi_row_shows_each_runs_ratio_too():
+    from kvforge.report.rows import _kivi_long_context
+
+    def system(name, seconds_all):
+        return {"name": name, "peak_concurrent_sequences": 4, "generated_tokens_per_s": 100.0, "decode_seconds": 10.0,
+                "attention_gflops": 1.0, "seconds_all": seconds_all}
+
+    settings = {"num_requests": 32, "input_len": 2048, "output_len": 1024, "kv_budget": 300_000_000}
+    row = _kivi_long_context({"systems": [system("kvforge[kivi]", [300.0, 310.0]),
+                                          system("kvforge[full:storage_dtype=float16]", [450.0, 496.0])],
+                              "settings": settings})
+    assert "per run 1.50x, 1.60x" in row

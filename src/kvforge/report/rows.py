@@ -37,6 +37,16 @@ def _serve_kivi(doc: Document) -> str:
             f"({doc['settings']['kv_budget']} budget)")
 
 
+def _per_run(ours: dict, full: dict) -> str:
+    """", per run a.aax, b.bbx": each timed run's own ratio (the same tokens in each: the ratio
+    of their seconds, in run order), so a round that ran slow for one system shows beside the
+    merged figure; "" for a single run."""
+    runs = list(zip(full.get("seconds_all") or [], ours.get("seconds_all") or []))
+    if len(runs) > 1:
+        return ", per run " + ", ".join(f"{theirs / mine:.2f}x" for theirs, mine in runs)
+    return ""
+
+
 def _kivi_long_context(doc: Document) -> str:
     """Concurrency and generated tokens/s of the system under test (KIVI-2) against the fp16
     full cache, and beside them the time both spent in decode-only steps (the same tokens
@@ -50,7 +60,7 @@ def _kivi_long_context(doc: Document) -> str:
     st = doc["settings"]
     return (f"**{fmt(ours['peak_concurrent_sequences'] / full['peak_concurrent_sequences'], '{:.2f}')}x** sequences at once, "
             f"**{fmt(gen, '{:.2f}')}x** generated tokens/s ({st['num_requests']} x {st['input_len']}+"
-            f"{st['output_len']} tokens, {st['kv_budget'] // 10**6}MB); decode steps {decode:.2f}x less time, "
+            f"{st['output_len']} tokens, {st['kv_budget'] // 10**6}MB{_per_run(ours, full)}); decode steps {decode:.2f}x less time, "
             f"attention {attention:.2f}x less time per key")
 
 
@@ -76,11 +86,7 @@ def _kivi_long_context_int8(doc: Document) -> str:
     rounds = st.get("rounds", 1)
     order = (f"{rounds} rounds in alternating order" if rounds > 1
              else "the full cache run first" if doc["systems"][0] is full else "KIVI run first")
-    # Each timed run's own ratio (the same tokens in each: the ratio of their seconds), so a
-    # round that ran slow for one system shows beside the merged figure.
-    runs = list(zip(full.get("seconds_all") or [], ours.get("seconds_all") or []))
-    if len(runs) > 1:
-        order += ", per run " + ", ".join(f"{theirs / mine:.2f}x" for theirs, mine in runs)
+    order += _per_run(ours, full)
     return (f"bf16: **{ratio(ours)}x** generated tokens/s with {options(ours)}{beside} "
             f"({st['num_requests']} x {st['input_len']}+{st['output_len']} tokens, {st['kv_budget'] // 10**6}MB, "
             f"{order}); "

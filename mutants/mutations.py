@@ -621,7 +621,9 @@ MUTATIONS: list[Mutation] = [
              "a step with prefill rows scatters the decode rows' output; only an all-decode step returns it as is"),
     Mutation("report_kivi_row_hides_run_ratios", S + "report/rows.py",
              "    if len(runs) > 1:\n        return", "    if len(runs) > 99:\n        return",
-             ("tests/report/test_report.py",), "a merged ratio shows each run's own ratio beside it (drift is visible)"),
+             ("tests/report/test_report.py::test_the_bf16_kivi_row_shows_each_runs_ratio",
+              "tests/report/test_report.py::test_the_fp32_kivi_row_shows_each_runs_ratio_too"),
+             "a merged ratio shows each run's own ratio beside it (drift is visible)"),
     # -- benchmark trust ---------------------------------------------------------------------
     Mutation("bench_passive_threads_not_flagged", S + "bench/machine_load.py",
              'if settings.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":',

@@ -3,7 +3,7 @@
 `quant.quantize_reference` (about ten PyTorch ops, each a pass over the tensor) cost about
 0.2 s per 2,048-token prompt on smollm2-135m, bf16, 2 threads: the "rest" of a KIVI prefill
 step. `quantize_groups` computes the same result bit for bit (cpu_quant.cpp states the
-arithmetic; tests/cache/test_kivi_cpu_quant.py holds the two together) and returns None
+arithmetic; tests/cache/kivi/test_kivi_cpu_quant.py holds the two together) and returns None
 when the call is not eligible: another device, another dtype, autograd needed, or the kernel
 unavailable or disabled by `KVFORGE_DISABLE_CPU_KERNELS=1`. The caller then runs the
 reference.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvforge.kernels.build import DEFAULT_FLAG_SETS, FLOAT_IO_DTYPES, CppKernel, kernels_disabled
+from kvforge.kernels.build import DEFAULT_FLAG_SETS, FLOAT_IO_DTYPES, CppKernel
 
 __all__ = ["quantize_groups", "quantize_kernel_available"]
 
@@ -27,8 +27,9 @@ _KERNEL = CppKernel(name="kvforge_cpu_kivi_quant", source=Path(__file__).with_na
 
 
 def quantize_kernel_available() -> bool:
-    """True when the compiled kernel can be used (builds it on the first call)."""
-    return not kernels_disabled() and _KERNEL.available()
+    """True when the compiled kernel can be used (builds it on the first call; False while
+    kernels are disabled, which `CppKernel.available` reads on every call)."""
+    return _KERNEL.available()
 
 
 def quantize_groups(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -27,6 +27,7 @@ INT8_KEYS = ("tests/cache/kivi/test_kivi_int8_keys.py",)
 INT8_VALUES = ("tests/cache/kivi/test_kivi_int8_values.py",)
 BUDGET = ("tests/cache/test_budget_invariant.py",)
 RANK_ATTENTION = ("tests/cache/shadowkv/test_shadowkv_rank_attention.py",)
+CAUSAL = ("tests/kernels/test_cpu_causal_attention.py",)
 KIVI_QUANT = ("tests/cache/kivi/test_kivi_cpu_quant.py", "tests/cache/kivi/test_kivi_quant.py")
 ROUNDS = ("tests/bench/test_bench.py::test_rounds_alternate_the_order_of_systems_and_merge_their_runs",
           "tests/bench/test_bench.py::test_throughput_rounds_end_to_end")
@@ -434,6 +435,31 @@ MUTATIONS: list[Mutation] = [
     Mutation("cpu_linear_fast_path_strided_bias", S + "kernels/cpu_linear.py",
              "            bias = bias.contiguous()\n", "            pass\n",
              ("tests/kernels/test_cpu_linear.py",), "the kernel reads a bias as one contiguous vector"),
+    # -- bf16 causal prefill attention kernel (CPU) ------------------------------------------
+    Mutation("causal_kernel_hides_the_own_key", S + "kernels/cpu_causal_attention.cpp",
+             "visible[c] = _mm512_cmple_epi32_mask(", "visible[c] = _mm512_cmplt_epi32_mask(",
+             CAUSAL, "a query sees every key up to and including its own position"),
+    Mutation("causal_kernel_never_rescales", S + "kernels/cpu_causal_attention.cpp",
+             "const float correction = std::exp(m - new_max);",
+             "const float correction = std::isinf(m) ? 0.f : 1.f;",
+             CAUSAL, "a new running max rescales what earlier blocks summed (online softmax)"),
+    Mutation("causal_kernel_wrong_kv_head", S + "kernels/cpu_causal_attention.cpp",
+             "kv_head = head / group;", "kv_head = head % pr.kv_heads;",
+             CAUSAL, "query head h reads kv head h / group (grouped-query attention)"),
+    Mutation("causal_kernel_lse_without_max", S + "kernels/cpu_causal_attention.cpp",
+             "pr.lse[head * pr.n + q0 + r] = w.m[r] + std::log(w.l[r]);",
+             "pr.lse[head * pr.n + q0 + r] = std::log(w.l[r]);",
+             CAUSAL, "the log-sum-exp adds back the max the sums were taken under"),
+    Mutation("causal_kernel_skips_the_last_key_block", S + "kernels/cpu_causal_attention.cpp",
+             "(q0 + rows - 1 + pr.offset) / kKeyBlock + 1;", "(q0 + rows - 1 + pr.offset) / kKeyBlock;",
+             CAUSAL, "a unit reads key blocks through its last row's own key"),
+    Mutation("causal_kernel_ignores_a_short_window", S + "cache/attention.py",
+             "if trailing and (window is None or window >= m):", "if trailing and (window is None or window >= n):",
+             ("tests/cache/test_chunk_attention.py",), "the causal kernel has no window: only where it hides nothing"),
+    Mutation("kivi_prefill_own_part_lse_dropped", S + "cache/kivi/prefill.py",
+             "out, lse = own[0].float().transpose(0, 1).contiguous(), own[1]",
+             "out, lse = own[0].float().transpose(0, 1).contiguous(), torch.zeros_like(own[1])",
+             ("tests/cache/kivi/test_kivi_prefill.py",), "a chunk's own part is weighted by its log-sum-exp in the merge"),
     # -- throughput under KV budgets; AcrossKV from a SingleInputKV model -------------------
     Mutation("merge_all_layers_writes_own_layer", S + "bench/merge_all_layers.py",
              "self._cache.write(0, *args)", "self._cache.write(cache_layer, *args)",

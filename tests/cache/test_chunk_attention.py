@@ -61,3 +61,32 @@ def test_a_later_chunk_without_a_window_builds_no_mask(dtype, atol, monkeypatch)
     want = reference_attention(q, k, v, positions[past:], positions, 0.25, None)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize(("n", "past", "window"), [
+    (300, 0, None),      # aligned causal prompt: the kernel
+    (120, 500, None),    # a later chunk: the kernel, past and own keys in one pass
+    (50, 400, 1000),     # a window longer than every key range: the kernel
+    (50, 400, 300),      # a window shorter than the keys but untiled: masked SDPA, not the kernel
+    (700, 0, 64),        # tiled windows: masked SDPA per tile
+])
+def test_bf16_chunks_take_the_causal_kernel_exactly_where_every_earlier_key_is_visible(n, past, window,
+                                                                                       monkeypatch):
+    from kvforge.kernels.cpu_causal_attention import causal_attention_available
+
+    calls = []
+    kernel = attention.causal_attention
+    monkeypatch.setattr(attention, "causal_attention", lambda *args: calls.append(args) or kernel(*args))
+    torch.manual_seed(n + past)
+    heads, kv_heads, dim, m = 9, 3, 64, past + n
+    q = torch.randn(n, heads, dim).bfloat16()
+    k = torch.randn(m, kv_heads, dim).bfloat16()
+    v = torch.randn(m, kv_heads, dim).bfloat16()
+    got = chunk_attention(q, k.transpose(0, 1), v.transpose(0, 1), past, 0, 0.125, window)
+    positions = torch.arange(m)
+    want = reference_attention(q.float(), k.float(), v.float(), positions[past:], positions, 0.125, window)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    assert bool(calls) == (window is None or window >= m)
+    if calls and causal_attention_available():
+        assert torch.equal(got, kernel(*calls[0])[0])

@@ -3,7 +3,8 @@
 - `reference_attention`: the definition (explicit mask, float32 softmax). Tests compare
   every other path against it.
 - `chunk_attention`: a span of queries over a dense key range (prefill chunks), through
-  `scaled_dot_product_attention`.
+  `scaled_dot_product_attention`, or for bf16 on the CPU the causal kernel of
+  `kernels/cpu_causal_attention` (2.4x ATen's on a 2,048-token prompt).
 - `decode_attention`: one query per sequence for a batch of sequences, reading paged
   storage tile by tile with an online softmax, so no sequence's cache is copied whole.
 - `gathered_decode_attention`: the same result from one gather of every page and one
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kvforge.kernels.cpu_causal_attention import causal_attention
 
 # ATen's CPU flash attention, which returns the log-sum-exp beside the output (float32).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -63,6 +66,11 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_q_p
     group = q.shape[1] // k.shape[0]
     k = k.to(q.dtype)
     v = v.to(q.dtype)
+    trailing = first_q_position == first_k_position + m - n  # queries = the last n keys (n == m: all)
+    if trailing and (window is None or window >= m):
+        fast = causal_attention(q, k, v, scale)  # bf16 on the CPU, grouped K/V read in place
+        if fast is not None:
+            return fast[0]
     if group > 1:
         k = k.repeat_interleave(group, dim=0)
         v = v.repeat_interleave(group, dim=0)

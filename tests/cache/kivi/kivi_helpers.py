@@ -25,8 +25,9 @@ def triton_test_device() -> str:
     pytest.skip("no CUDA, and Triton's interpreter is off (TRITON_INTERPRET was set to 0)")
 
 
-def identity_rope(rows: int, dim: int) -> PositionedRope:
-    return PositionedRope(cos=torch.ones(rows, dim), sin=torch.zeros(rows, dim), rotary=None)
+def identity_rope(rows: int, dim: int, dtype: torch.dtype = torch.float32) -> PositionedRope:
+    """RoPE that leaves keys as they are, in the keys' dtype (float32 tables would promote bf16 keys)."""
+    return PositionedRope(cos=torch.ones(rows, dim, dtype=dtype), sin=torch.zeros(rows, dim, dtype=dtype), rotary=None)
 
 
 def stored_kv(cache: KIVICache, seq_id: int, cache_layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -66,7 +67,7 @@ def run_step(cache: KIVICache, work: dict[int, tuple[torch.Tensor, torch.Tensor,
     q = torch.cat([work[s][0] for s in ids])
     k = torch.cat([work[s][1] for s in ids])
     v = torch.cat([work[s][2] for s in ids])
-    rope = identity_rope(k.shape[0], k.shape[-1])
+    rope = identity_rope(k.shape[0], k.shape[-1], k.dtype)
     cache.begin_step(batch)
     out = None
     for layer in layers:

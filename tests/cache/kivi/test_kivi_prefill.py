@@ -129,3 +129,40 @@ def test_lse_merge_equals_attention_over_the_union():
     merge.add(*attention_with_lse(q, k[:, :3], v[:, :3], SCALE, visible=hidden))
     torch.testing.assert_close(merge.out, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(merge.lse, whole_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_chunks_attend_their_own_keys_through_the_causal_kernel(monkeypatch):
+    """bf16, head dim 64: each chunk's own part goes through kernels/cpu_causal_attention
+    (its log-sum-exp merged with the stored parts), within bf16 rounding of the float32
+    reference path over the same storage."""
+    from kvforge.kernels.cpu_causal_attention import causal_attention_available
+
+    calls = []
+    kernel = kivi_prefill.causal_attention
+    def spy(*args):
+        calls.append(kernel(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(kivi_prefill, "causal_attention", spy)
+    dim = 64
+    specs = [CacheLayerSpec(KV_HEADS, dim, dim ** -0.5, None)]
+    caches = {path: create_cache(f"kivi:bits=2,group={G},residual={R},decode_kernel=torch,prefill_attention={path},"
+                                 "prefill_tile_tokens=16,decode_tile_tokens=16",
+                                 CacheLayout.one_per_layer(specs), 1 << 24, torch.bfloat16)
+              for path in ("blockwise", "reference")}
+    torch.manual_seed(11)
+    chunks_after_stored = 0
+    for lengths in SCHEDULE:
+        work = {s: (torch.randn(m, HEADS, dim).bfloat16(), (torch.randn(m, KV_HEADS, dim) * 2).bfloat16(),
+                    torch.randn(m, KV_HEADS, dim).bfloat16()) for s, m in lengths.items()}
+        stored = {s: caches["blockwise"].num_cached_tokens(s) for s in work}
+        got = run_step(caches["blockwise"], work, [0])
+        want = run_step(caches["reference"], work, [0])
+        for seq in work:
+            torch.testing.assert_close(got[seq].float(), want[seq].float(), atol=3e-2, rtol=3e-2)
+            chunks_after_stored += work[seq][0].shape[0] > 1 and stored[seq] > 0
+    assert chunks_after_stored >= 8
+    assert len(calls) == sum(m > 1 for lengths in SCHEDULE for m in lengths.values())
+    if not causal_attention_available():
+        pytest.skip("the kernel's own path did not run (no AVX512-BF16 or kernels off)")
+    assert all(result is not None for result in calls)  # every chunk's own part took the kernel

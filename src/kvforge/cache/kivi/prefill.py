@@ -1,7 +1,8 @@
 """Fast attention of one prefill chunk over KIVI storage, matching `kivi_chunk_attention`.
 
 The chunk's queries see three parts, each attended separately and merged by log-sum-exp:
-1. the chunk's own exact K/V, causally, through one fused scaled-dot-product attention;
+1. the chunk's own exact K/V, causally, through one fused attention (ATen's flash kernel in
+   float32, or for bf16 on the CPU kernels/cpu_causal_attention, as the full cache does);
 2. the stored quantised pages, tile by tile: a tile of `tile_pages` pages is dequantised
    into float32 (its values from the residual ring for tokens in [nv, nk)) and attended by
    every query row at once, so the dequantisation is paid once per tile, not once per row,
@@ -27,6 +28,7 @@ from kvforge.cache.attention import _FLASH_CPU, LseMerge, visibility_mask
 from kvforge.cache.kivi.attention import stored_parts
 from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView
+from kvforge.kernels.cpu_causal_attention import causal_attention
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
@@ -79,14 +81,22 @@ def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
     group = heads // kv_heads
     q_pos = torch.arange(cached_len, cached_len + length, device=q.device)
 
-    # 1. Own chunk: heads-major [heads, L, D]; GQA by expanding the chunk's K/V (small).
+    # 1. Own chunk: heads-major [heads, L, D]. bf16 on the CPU: the causal kernel, which
+    # reads grouped K/V in place (its precision is the full cache's bf16 prefill); else
+    # float32 with GQA by expanding the chunk's K/V (small).
     qh = q.float().transpose(0, 1)
-    own_k = k_new.float().transpose(0, 1).repeat_interleave(group, dim=0)
-    own_v = v_new.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    own = None
     if window is None or window >= length:
-        out, lse = attention_with_lse(qh, own_k, own_v, scale, causal=True)
+        own = causal_attention(q, k_new.transpose(0, 1), v_new.transpose(0, 1), scale)
+    if own is not None:
+        out, lse = own[0].float().transpose(0, 1).contiguous(), own[1]
     else:
-        out, lse = attention_with_lse(qh, own_k, own_v, scale, visible=visibility_mask(q_pos, q_pos, window))
+        own_k = k_new.float().transpose(0, 1).repeat_interleave(group, dim=0)
+        own_v = v_new.float().transpose(0, 1).repeat_interleave(group, dim=0)
+        if window is None or window >= length:
+            out, lse = attention_with_lse(qh, own_k, own_v, scale, causal=True)
+        else:
+            out, lse = attention_with_lse(qh, own_k, own_v, scale, visible=visibility_mask(q_pos, q_pos, window))
     # Fold the query heads of each kv head into rows: [heads, L, D] -> [H, group * L, D]
     # (row j * L + i is query head h * group + j at position n + i).
     merge = LseMerge(out.reshape(kv_heads, group * length, dim), lse.reshape(kv_heads, group * length))

@@ -1,0 +1,354 @@
+// C++ source of the bf16 causal prefill attention CPU kernel (see cpu_causal_attention.py).
+//
+//   causal_attention(q [n, heads, D], k [kv_heads, m, D], v [kv_heads, m, D], scale)
+//     -> (out [n, heads, D] bf16, lse [heads, n] float32)
+//   Query i sits at key position i + m - n and sees keys j <= i + m - n (a prefill chunk
+//   that is the last n of m keys; n == m is a whole prompt). Query head h reads kv head
+//   h / (heads / kv_heads) (grouped-query attention, no copy of K/V per query head).
+//   lse = log sum_j exp(scale * q.k_j) over the visible keys, for merging partial attentions.
+//
+// Arithmetic, block by block (flash attention): scores are bf16 x bf16 products summed in
+// float32 by AVX512-BF16 `vdpbf16ps` (each product is exact in float32; the sums round),
+// times `scale` in float32. Per query row an online softmax over 64-key blocks keeps the
+// running max m and sum l in float32; a block's weights p = exp(s - m) are rounded to bf16
+// once, and those rounded weights are both what multiplies V (again by `vdpbf16ps`, into
+// float32 accumulators) and what l sums, so the output is exactly a convex combination of
+// value rows with the weights actually used. The output is rounded to bf16 once. This is
+// the precision of ATen's bf16 flash attention (float32 softmax, bf16 weights into the
+// value product); tests/kernels/test_cpu_causal_attention.py compares both against a
+// float64 definition.
+//
+// INVARIANTS:
+// - every key block a row reads holds at least one visible key for it in block 0 (key 0
+//   is visible to every query), so m is finite after the first block and a fully masked
+//   later block only multiplies by 1 and adds 0;
+// - masked and padding keys get weight exactly 0 (masked, not exp(-87)), and padding
+//   rows of the packed K/V are zero, so they add nothing and no NaN can enter;
+// - one (query head, 64-row block) unit is computed by one thread, in a fixed key order,
+//   so results do not depend on the thread count.
+//
+// The kernel needs AVX512-BF16 (Zen 4, Sapphire Rapids and later); built elsewhere it
+// compiles to `supported() == false` and the Python wrapper falls back to ATen.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define KVFORGE_BF16_DOT 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+bool supported() {
+#ifdef KVFORGE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef KVFORGE_BF16_DOT
+
+constexpr int64_t kQueryBlock = 64;  // query rows per work unit
+constexpr int64_t kKeyBlock = 64;    // keys per online-softmax update: four 16-key groups
+constexpr int kScoreRows = 8;        // rows per score micro-kernel: 8 x 2 accumulators
+constexpr int kValueRows = 6;        // rows per value micro-kernel: 6 x 4 accumulators (64 dims)
+
+// acc += a . b over bf16 pairs: lane t += a[2t] b[2t] + a[2t+1] b[2t+1], in float32.
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// exp(x) for x <= 0 within ~2 ulp: x = n ln2 + r (ln2 split in two for exactness of r), a
+// degree-6 polynomial in r, and 2^n applied by vscalefps. Inputs are clamped at -87 (their
+// exp is below float's normal range); the caller zeroes masked lanes itself.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row-major 2-D view of bf16 rows whose dims are contiguous: row i at data + i * stride.
+struct Rows {
+  const uint16_t* data;
+  int64_t stride;  // elements
+};
+
+// K of one kv head as 16-key groups of 32-bit words: word (g, dp, t) holds dims (2dp, 2dp+1)
+// of key 16g + t, so one 64-byte load gives a dim pair of 16 keys. Keys >= m are zero.
+void pack_keys(Rows k, int64_t m, int64_t dim, int64_t groups, uint32_t* out) {
+  const int64_t dpairs = dim / 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    uint32_t* block = out + g * dpairs * 16;
+    for (int64_t t = 0; t < 16; ++t) {
+      const int64_t key = g * 16 + t;
+      const auto* row = reinterpret_cast<const uint32_t*>(k.data + key * k.stride);
+      for (int64_t dp = 0; dp < dpairs; ++dp) block[dp * 16 + t] = key < m ? row[dp] : 0u;
+    }
+  }
+}
+
+// V of one kv head as key pairs: word (jp, d) holds (V[2jp][d], V[2jp+1][d]), so one 64-byte
+// load gives 16 dims of two keys. Keys >= m are zero.
+void pack_values(Rows v, int64_t m, int64_t dim, int64_t pairs, uint32_t* out) {
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    const int64_t j0 = 2 * jp, j1 = j0 + 1;
+    const uint16_t* r0 = v.data + j0 * v.stride;
+    const uint16_t* r1 = v.data + j1 * v.stride;
+    uint32_t* row = out + jp * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      const uint32_t lo = j0 < m ? r0[d] : 0u, hi = j1 < m ? r1[d] : 0u;
+      row[d] = lo | (hi << 16);
+    }
+  }
+}
+
+// s[r][0:32] = scale * (q_r . keys of two 16-key groups) for R query rows (q as words).
+template <int R>
+inline void score_rows(const uint32_t* q, int64_t q_stride, const uint32_t* keys, int64_t dpairs, float scale,
+                       float* s, int64_t s_stride) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint32_t* keys1 = keys + dpairs * 16;
+  for (int64_t dp = 0; dp < dpairs; ++dp) {
+    const __m512i k0 = _mm512_loadu_si512(keys + dp * 16), k1 = _mm512_loadu_si512(keys1 + dp * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512i b = _mm512_set1_epi32(static_cast<int>(q[r * q_stride + dp]));
+      acc[r][0] = dot_pairs(acc[r][0], k0, b);
+      acc[r][1] = dot_pairs(acc[r][1], k1, b);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * s_stride, _mm512_mul_ps(acc[r][0], sc));
+    _mm512_storeu_ps(s + r * s_stride + 16, _mm512_mul_ps(acc[r][1], sc));
+  }
+}
+
+// o[r][0:64] = o[r] * correction[r] + sum_jp (p[r][2jp], p[r][2jp+1]) . value pair jp, for
+// R rows; p holds bf16 weights read as words, `values` the packed pairs at dim offset d0.
+template <int R>
+inline void value_rows(const uint32_t* p, int64_t p_stride, const uint32_t* values, int64_t dim, int64_t pairs,
+                       const float* correction, float* o, int64_t o_stride) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    const __m512 c = _mm512_set1_ps(correction[r]);
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + 16 * i), c);
+  }
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    const uint32_t* row = values + jp * dim;
+    const __m512i v0 = _mm512_loadu_si512(row), v1 = _mm512_loadu_si512(row + 16);
+    const __m512i v2 = _mm512_loadu_si512(row + 32), v3 = _mm512_loadu_si512(row + 48);
+    for (int r = 0; r < R; ++r) {
+      const __m512i b = _mm512_set1_epi32(static_cast<int>(p[r * p_stride + jp]));
+      acc[r][0] = dot_pairs(acc[r][0], v0, b);
+      acc[r][1] = dot_pairs(acc[r][1], v1, b);
+      acc[r][2] = dot_pairs(acc[r][2], v2, b);
+      acc[r][3] = dot_pairs(acc[r][3], v3, b);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(o + r * o_stride + 16 * i, acc[r][i]);
+  }
+}
+
+// Calls fn(first_row, std::integral_constant<int, R'>) over `rows` in tiles of R rows, then
+// one tile of the remainder (R' < R): the micro-kernels' row counts are compile-time.
+template <int R, typename Fn>
+inline void row_tiles(int64_t rows, Fn&& fn) {
+  static_assert(R <= 8, "row_tiles handles remainders below 8");
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) fn(r, std::integral_constant<int, R>{});
+  const int64_t rest = rows - r;
+  auto tail = [&](auto n_) {
+    if constexpr (decltype(n_)::value < R) {
+      if (rest == decltype(n_)::value) fn(r, n_);
+    }
+  };
+  tail(std::integral_constant<int, 1>{});
+  tail(std::integral_constant<int, 2>{});
+  tail(std::integral_constant<int, 3>{});
+  tail(std::integral_constant<int, 4>{});
+  tail(std::integral_constant<int, 5>{});
+  tail(std::integral_constant<int, 6>{});
+  tail(std::integral_constant<int, 7>{});
+}
+
+struct Problem {
+  int64_t n, m, heads, kv_heads, dim, offset;  // offset = m - n: query i is key position i + offset
+  float scale;
+  const uint16_t* q;
+  int64_t q_row_stride, q_head_stride;  // elements
+  int64_t padded;                        // keys rounded up to kKeyBlock
+  const uint32_t *keys, *values;         // packed, per kv head: padded * dim / 2 words each
+  uint16_t* out;                         // [n, heads, dim]
+  float* lse;                            // [heads, n]
+};
+
+struct Scratch {
+  std::vector<float> s, o, m, l, correction;
+  std::vector<uint16_t> p;
+  explicit Scratch(int64_t dim)
+      : s(kQueryBlock * kKeyBlock),
+        o(kQueryBlock * dim),
+        m(kQueryBlock),
+        l(kQueryBlock),
+        correction(kQueryBlock),
+        p(kQueryBlock * kKeyBlock) {}
+};
+
+// Online softmax of one row over one key block: s (64 scores) -> bf16 weights p, updating
+// the row's max m and sum l; returns the factor the row's accumulator must be scaled by.
+// Keys j > limit (block-relative) are masked.
+inline float softmax_block(const float* s, int64_t limit, float& m, float& l, uint16_t* p) {
+  __m512 x[4];
+  __mmask16 visible[4];
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i last = _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(limit, kKeyBlock)));
+  __m512 block_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int c = 0; c < 4; ++c) {
+    x[c] = _mm512_loadu_ps(s + 16 * c);
+    visible[c] = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * c)), last);
+    block_max = _mm512_mask_max_ps(block_max, visible[c], block_max, x[c]);
+  }
+  const float new_max = std::max(m, _mm512_reduce_max_ps(block_max));
+  const float correction = std::exp(m - new_max);  // m = -inf on the first block: 0
+  const __m512 shift = _mm512_set1_ps(new_max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int c = 0; c < 4; ++c) {
+    const __m512 e = _mm512_maskz_mov_ps(visible[c], exp_nonpositive16(_mm512_sub_ps(x[c], shift)));
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * c), rounded);
+    // l sums the rounded weights: the ones the value product uses
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+  }
+  l = l * correction + _mm512_reduce_add_ps(sum);
+  m = new_max;
+  return correction;
+}
+
+void run_unit(const Problem& pr, int64_t head, int64_t query_block, Scratch& w) {
+  const int64_t dim = pr.dim, dpairs = dim / 2, group = pr.heads / pr.kv_heads, kv_head = head / group;
+  const int64_t q0 = query_block * kQueryBlock, rows = std::min(kQueryBlock, pr.n - q0);
+  const int64_t key_blocks = (q0 + rows - 1 + pr.offset) / kKeyBlock + 1;  // through the last row's last key
+  const uint32_t* keys = pr.keys + kv_head * pr.padded * dpairs;
+  const uint32_t* values = pr.values + kv_head * pr.padded * dpairs;
+  const auto* q = reinterpret_cast<const uint32_t*>(pr.q + q0 * pr.q_row_stride + head * pr.q_head_stride);
+  const int64_t q_stride = pr.q_row_stride / 2;  // words
+  std::fill(w.o.begin(), w.o.begin() + rows * dim, 0.f);
+  std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  const auto* p_words = reinterpret_cast<const uint32_t*>(w.p.data());
+  for (int64_t kb = 0; kb < key_blocks; ++kb) {
+    const uint32_t* block_keys = keys + kb * kKeyBlock * dpairs;
+    for (int64_t half = 0; half < 2; ++half) {  // keys [32 half, 32 half + 32) of the block
+      row_tiles<kScoreRows>(rows, [&](int64_t r0, auto r_) {
+        score_rows<decltype(r_)::value>(q + r0 * q_stride, q_stride, block_keys + half * 32 * dpairs, dpairs,
+                                        pr.scale, w.s.data() + r0 * kKeyBlock + half * 32, kKeyBlock);
+      });
+    }
+    const int64_t first_key = kb * kKeyBlock;
+    for (int64_t r = 0; r < rows; ++r) {
+      w.correction[r] = softmax_block(w.s.data() + r * kKeyBlock, q0 + r + pr.offset - first_key, w.m[r], w.l[r],
+                                      w.p.data() + r * kKeyBlock);
+    }
+    const uint32_t* block_values = values + kb * (kKeyBlock / 2) * dim;
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+      row_tiles<kValueRows>(rows, [&](int64_t r0, auto r_) {
+        value_rows<decltype(r_)::value>(p_words + r0 * (kKeyBlock / 2), kKeyBlock / 2, block_values + d0, dim,
+                                        kKeyBlock / 2, w.correction.data() + r0, w.o.data() + r0 * dim + d0, dim);
+      });
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
+    uint16_t* dst = pr.out + ((q0 + r) * pr.heads + head) * dim;
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * dim + d), inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(o));
+    }
+    pr.lse[head * pr.n + q0 + r] = w.m[r] + std::log(w.l[r]);
+  }
+}
+
+#endif  // KVFORGE_BF16_DOT
+
+std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    double scale) {
+  constexpr const char* op = "causal_attention";
+  TORCH_CHECK(supported(), op, ": this build has no AVX512-BF16 (check supported() first)");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              op, ": q, k and v must be bfloat16");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(), op,
+              ": q must be [n, heads, D], k and v the same [kv_heads, m, D]");
+  const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(0), m = k.size(1);
+  TORCH_CHECK(k.size(2) == dim && dim % 64 == 0, op, ": head dim must match and be a multiple of 64 (got ", dim, ")");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, op, ": heads (", heads, ") must be a multiple of kv_heads (",
+              kv_heads, ")");
+  TORCH_CHECK(n >= 1 && m >= n, op, ": need 1 <= n <= m (n = ", n, ", m = ", m, ")");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, op, ": the head dim must be contiguous");
+  TORCH_CHECK(q.stride(0) % 2 == 0 && q.stride(1) % 2 == 0 && k.stride(0) % 2 == 0 && k.stride(1) % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(q.data_ptr()) % 4 == 0 && reinterpret_cast<uintptr_t>(k.data_ptr()) % 4 == 0,
+              op, ": q and k rows must start on 4-byte boundaries (even strides)");
+  auto out = at::empty({n, heads, dim}, q.options());
+  auto lse = at::empty({heads, n}, q.options().dtype(at::kFloat));
+#ifdef KVFORGE_BF16_DOT
+  const int64_t padded = (m + kKeyBlock - 1) / kKeyBlock * kKeyBlock, dpairs = dim / 2;
+  std::vector<uint32_t> keys(kv_heads * padded * dpairs), values(kv_heads * padded * dpairs);
+  const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / 2;
+      if (i % 2 == 0) {
+        pack_keys({kd + h * k.stride(0), k.stride(1)}, m, dim, padded / 16, keys.data() + h * padded * dpairs);
+      } else {
+        pack_values({vd + h * v.stride(0), v.stride(1)}, m, dim, padded / 2, values.data() + h * padded * dpairs);
+      }
+    }
+  });
+  const Problem pr{n, m, heads, kv_heads, dim, m - n, static_cast<float>(scale),
+                   reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1), padded,
+                   keys.data(), values.data(), reinterpret_cast<uint16_t*>(out.data_ptr()), lse.data_ptr<float>()};
+  // Units (query head, 64-row block) from a shared counter, latest blocks (most keys) first,
+  // so two threads finish together whatever the causal triangle's imbalance.
+  const int64_t query_blocks = (n + kQueryBlock - 1) / kQueryBlock, units = query_blocks * heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), units), 1, [&](int64_t, int64_t) {
+    Scratch w(dim);
+    for (int64_t u = next++; u < units; u = next++) run_unit(pr, u % heads, query_blocks - 1 - u / heads, w);
+  });
+#endif
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvforge_cpu_causal, m) {
+  m.def("supported() -> bool", &supported);
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvforge_cpu_causal, CPU, m) { m.impl("causal_attention", &causal_attention); }

@@ -437,3 +437,35 @@ def test_throughput_rounds_end_to_end(tiny_bench, tmp_path, capsys):
     assert "single_repeat" not in [f["kind"] for f in result["flags"]]  # 2 timed runs in all
     log = printed.err + printed.out
     assert "round 2/2: kvforge[kivi:group=8], kvforge[full:block_size=8]" in log
+
+
+def test_throughput_headline_runs_untimed_and_splits_the_step_once_per_system(tiny_bench, tmp_path, monkeypatch):
+    """A recording step timer turns the fused decoder layer off, so the headline runs must
+    have none; the step split comes from one extra timed run per system, in round 1 only,
+    and survives the merge of the rounds."""
+    from kvforge.bench.common import BenchContext
+
+    made: list[tuple[str, bool]] = []
+    make_engine = BenchContext.make_engine
+
+    def recording(self, system, *args, step_timing=False, **kwargs):
+        made.append((system.name, step_timing))
+        return make_engine(self, system, *args, step_timing=step_timing, **kwargs)
+
+    monkeypatch.setattr(BenchContext, "make_engine", recording)
+    out = tmp_path / "r.json"
+    assert main(["bench", "throughput", "--model", "tiny", "--cache", "full:block_size=8", "--compare", "kivi:group=8",
+                 "--num-requests", "2", "--input-len", "8", "--output-len", "3", "--kv-budget", "4MiB",
+                 "--threads", "1", "--warmup", "0", "--repeats", "1", "--rounds", "2", "--json", str(out)]) == 0
+    full, kivi = "kvforge[full:block_size=8]", "kvforge[kivi:group=8]"
+    # round 1: each system's headline engine, then its timed one; round 2: headline engines only
+    assert made == [(full, False), (full, True), (kivi, False), (kivi, True), (kivi, False), (full, False)]
+    for system in json.loads(out.read_text())["systems"]:
+        assert system["decode_steps"] == 2 and system["split_run_seconds"] > 0
+        assert system["decode_ms_per_step"] > 0
+    made.clear()
+    assert main(["bench", "throughput", "--model", "tiny", "--cache", "full:block_size=8", "--num-requests", "2",
+                 "--input-len", "8", "--output-len", "2", "--kv-budget", "4MiB", "--threads", "1", "--warmup", "0",
+                 "--repeats", "1", "--no-step-split", "--json", str(out)]) == 0
+    assert made == [(full, False)]
+    assert "decode_steps" not in json.loads(out.read_text())["systems"][0]

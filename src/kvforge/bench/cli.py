@@ -94,6 +94,9 @@ def add_bench_parser(verbs: Any) -> argparse.ArgumentParser:
                             help="kvforge admission policy for every system: optimistic (admit when the next "
                                  "chunk fits, preempt later) or reserve (admit when prompt + max_tokens of every "
                                  "running request fit the budget; no preemption)")
+    throughput.add_argument("--no-step-split", dest="step_split", action="store_false",
+                            help="skip the extra timed run per kvforge system that splits a step into linear "
+                                 "layers, attention, sampling and the rest (the headline runs never have a timer)")
     throughput.add_argument("--hf-batch", type=_count(1), default=None,
                             help="transformers static batch size (default min(num_requests, 16))")
     prefix = kinds.add_parser("prefix", help="a conversation over a shared document, with and without prefix caching")

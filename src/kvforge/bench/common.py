@@ -155,6 +155,7 @@ class BenchContext:
     peak: Any = None  # MachinePeak, measured once before the systems run
     probe: Any = None  # LoadProbe started when the measurements start (machine_load.py)
     kv_budgets: tuple[int, ...] = ()  # every --kv-budget value, in the order given
+    split_done: set[tuple[str, int]] = field(default_factory=set)  # (system, budget) whose step split ran
     _loaded: dict[str | None, tuple[Any, Any]] = field(default_factory=dict, repr=False)
 
     @property
@@ -369,13 +370,15 @@ def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One system's results from several rounds as one: the counters of the round whose
     chosen run is the median by time (the upper one of an even count, as `repeat_runs`), all
     rounds' repeat times in `seconds_all` (in the order they ran) and the fastest in
-    `seconds_min`."""
+    `seconds_min`. Keys that only some rounds measured (bench throughput's step split runs
+    in the first round only) are kept from the round that has them."""
     if len(runs) == 1:
         return runs[0]
     ordered = sorted(runs, key=lambda run: run["seconds"])
     chosen = ordered[len(ordered) // 2]
     times = [t for run in runs for t in (run.get("seconds_all") or [run["seconds"]])]
-    return {**chosen, "seconds_all": times, "seconds_min": min(times), "rounds": len(runs)}
+    only_some = {key: value for run in runs for key, value in run.items() if key not in chosen}
+    return {**only_some, **chosen, "seconds_all": times, "seconds_min": min(times), "rounds": len(runs)}
 
 
 def repeat_runs(label: str, once: Callable[[], dict[str, Any]], warmup: int, repeats: int) -> dict[str, Any]:

@@ -138,6 +138,11 @@ class LLMEngine:
             raise ConfigError("kv_budget", capacity,
                               f"must hold this prompt of {len(prompt)} tokens ({needed} bytes needed)")
 
+    @property
+    def last_step_kind(self) -> str:
+        """"decode" when the latest step computed no prompt token (every row generating), else "prefill"."""
+        return self._last_step_kind
+
     # -- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, apply the stop rules; the outputs of every

@@ -460,6 +460,17 @@ MUTATIONS: list[Mutation] = [
              "out, lse = own[0].float().transpose(0, 1).contiguous(), own[1]",
              "out, lse = own[0].float().transpose(0, 1).contiguous(), torch.zeros_like(own[1])",
              ("tests/cache/kivi/test_kivi_prefill.py",), "a chunk's own part is weighted by its log-sum-exp in the merge"),
+    # -- fused decoder layer over kivi (CPU) ---------------------------------------------------
+    Mutation("kivi_fused_layer_keeps_no_kv", S + "cache/kivi/method.py",
+             "        self._step_kv[cache_layer] = (k, v)\n", "        pass\n",
+             ("tests/kernels/test_cpu_decode_layer.py",), "end_step stores the fused step's K/V in the residuals"),
+    Mutation("kivi_fused_layer_attends_keys_as_values", S + "kernels/cpu_decode_layer.cpp",
+             "widened(q), widened(k), widened(v), s[0]", "widened(q), widened(k), widened(k), s[0]",
+             ("tests/kernels/test_cpu_decode_layer.py",), "the own token's value row is v, not k"),
+    Mutation("kivi_fused_layer_takes_rotated_caches", S + "cache/kivi/method.py",
+             'if (self.decode_kernel != "cpp" or self.rotation is not None or',
+             'if (self.decode_kernel != "cpp" or',
+             ("tests/kernels/test_cpu_decode_layer.py",), "a rotated cache rotates q first: the op does not"),
     # -- throughput under KV budgets; AcrossKV from a SingleInputKV model -------------------
     Mutation("merge_all_layers_writes_own_layer", S + "bench/merge_all_layers.py",
              "self._cache.write(0, *args)", "self._cache.write(cache_layer, *args)",

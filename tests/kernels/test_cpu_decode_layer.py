@@ -177,3 +177,30 @@ def test_hooks_replaced_methods_and_forwarding_wrappers_get_the_eager_layers(fus
     runner.cache = Forwarding(runner.cache)
     decode_logits(runner, PROMPTS, steps=2)
     assert fused_calls == []
+
+
+# kivi: small groups and residuals, so keys flush and values leave the window during the steps.
+KIVI_CACHES = ["kivi:group=4,residual=8", "kivi:bits=4,group=4,residual=8,sinks=2",
+               "kivi:group=4,residual=8,key_dot=int8,value_dot=int8"]
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache", KIVI_CACHES)
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_bias", "mistral_window"])
+def test_fused_layer_over_kivi_equals_the_eager_layer_bitwise(name: str, cache: str, dtype: torch.dtype,
+                                                              fused_calls: list[int]) -> None:
+    model = make_pair(name)[1].to(dtype)
+    fused, eager = fused_and_eager(model, dtype, cache=cache, steps=20)
+    # Every layer of every decode step went through the op, flushes and window slides included.
+    assert fused_calls == [len(PROMPTS)] * (20 * model.config.num_layers)
+    assert torch.equal(fused, eager)
+
+
+@requires_kernel
+def test_kivi_settings_the_op_does_not_compute_run_eagerly(fused_calls: list[int]) -> None:
+    model = make_pair("llama_gqa")[1]
+    for cache in ("kivi:group=4,residual=8,key_space=pre_rope", "kivi:group=4,residual=8,rotation=hadamard",
+                  "kivi:group=4,residual=8,decode_kernel=torch"):
+        decode_logits(runner_for(model, torch.float32, cache), PROMPTS, steps=2)
+    assert fused_calls == []

@@ -16,19 +16,25 @@
 //     h  = hidden + linear(a as [B, heads * D], Wo, bo)
 //     y  = rms_norm(h, post_attention_layernorm.w)
 //     out = h + linear(silu(linear(y, Wg, bg)) * linear(y, Wu, bu), Wd, bd)
+//   llama_decode_layers_kivi(...) -> (hidden, keys, values): the same layers over a `kivi`
+//     cache; instead of the page stores each layer's k (after RoPE) and v are returned for
+//     the cache's end_step, and a = kivi_decode_attention(float(q), float(k), float(v), ...)
+//     narrowed to q's dtype (the KIVI cache's CPU kernel, as cache/kivi/cpu_decode.py calls it).
 //
 // INVARIANT: every step is the op the eager path (models/layers.py, models/llama.py,
-// cache/full/method.py) calls for a decode-only step, with the same inputs, in the same
-// order, so the result is bitwise equal to it (tests/kernels/test_cpu_decode_layer.py).
-// The kvforge ops it calls (small_m_linear, rms_norm, rope_rotate, paged_decode_attention)
-// are looked up in the dispatcher at the first call: their libraries must be loaded first
-// (cpu_decode_layer.py checks that they are available before using this op).
+// cache/full/method.py, cache/kivi/method.py) calls for a decode-only step, with the same
+// inputs, so the result is bitwise equal to it (tests/kernels/test_cpu_decode_layer.py).
+// The kvforge ops it calls (small_m_linear, rms_norm, rope_rotate, paged_decode_attention,
+// kivi_decode_attention) are looked up in the dispatcher at the first call: their libraries
+// must be loaded first (cpu_decode_layer.py checks that they are available before using this op).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cstring>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -69,6 +75,21 @@ const Ops& ops() {
   return handles;
 }
 
+// KIVI's CPU decode attention (cache/kivi/cpu_decode.cpp), looked up at the first KIVI call
+// only, so the full cache's path never needs its library.
+using KiviAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                 int64_t, const OptTensor&, const OptTensor&, int64_t, const OptTensor&,
+                                 const OptTensor&, int64_t, int64_t);
+
+const c10::TypedOperatorHandle<KiviAttention>& kivi_attention() {
+  static const c10::TypedOperatorHandle<KiviAttention> handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kvforge_cpu_kivi::kivi_decode_attention", "").typed<KiviAttention>();
+  return handle;
+}
+
 // pages [kv_heads, num_pages, block, D] (unit stride along D): rows [B, kv_heads, D]
 // (contiguous) stored at flat slots [B] (page * block + offset), as FullCache._store_rows
 // does. Same dtype: each row is copied (bitwise what index_copy_ stores); else index_copy_
@@ -103,46 +124,56 @@ void store_rows(const at::Tensor& pages, const at::Tensor& rows, const int64_t* 
   }
 }
 
-struct Plan {
+// What every layer of a run shares: RoPE tables, norm eps and the attention geometry.
+struct Shape {
   const at::Tensor& cos;
   const at::Tensor& sin;
+  double eps;
+  int64_t num_heads, num_kv_heads, head_dim;
+};
+
+// The full cache's decode plan of the run's layer group.
+struct Plan {
   const int64_t* write_slots;
   const at::Tensor& page_table;
   const at::Tensor& first_page_position;
   const at::Tensor& visible_from;
   const at::Tensor& visible_to;
   double scale;
-  double eps;
-  int64_t num_heads, num_kv_heads, head_dim;
 };
 
 constexpr size_t kWeightsPerLayer = 9;  // input norm, post norm, q, k, v, o, gate, up, down
 constexpr size_t kBiasesPerLayer = 7;   // q, k, v, o, gate, up, down
 
-// One layer: w = its kWeightsPerLayer weights, b0 = index of its first bias in `biases`.
+// One layer: w = its kWeightsPerLayer weights, b0 = index of its first bias in `biases`;
+// attend(q, k, v) (q and k after RoPE) stores K/V as the cache's `write` would and returns
+// what its `attend` would, [B, heads, D] in q's dtype.
+template <typename Attend>
 at::Tensor layer_forward(const at::Tensor& hidden, const at::Tensor* w, const c10::List<OptTensor>& biases,
-                         size_t b0, const at::Tensor& k_pages, const at::Tensor& v_pages, const Plan& plan,
-                         const at::Tensor& no_scales) {
+                         size_t b0, const Shape& shape, Attend&& attend) {
   const Ops& op = ops();
   const int64_t rows = hidden.size(0);
   auto bias = [&](size_t i) -> OptTensor { return biases.get(b0 + i); };
-  const at::Tensor x = op.rms_norm.call(hidden, w[0], plan.eps, false);
+  const at::Tensor x = op.rms_norm.call(hidden, w[0], shape.eps, false);
   // q, k and v in one call (each output bitwise what its own small_m_linear gives)
   const std::vector<at::Tensor> qkv = op.linear_many.call(x, {w[2], w[3], w[4]}, c10::List<OptTensor>({bias(0), bias(1), bias(2)}));
-  at::Tensor q = qkv[0].view({rows, plan.num_heads, plan.head_dim});
-  at::Tensor k = qkv[1].view({rows, plan.num_kv_heads, plan.head_dim});
-  const at::Tensor v = qkv[2].view({rows, plan.num_kv_heads, plan.head_dim});
-  k = op.rope.call(k, plan.cos, plan.sin);
-  store_rows(k_pages, k, plan.write_slots);
-  store_rows(v_pages, v, plan.write_slots);
-  q = op.rope.call(q, plan.cos, plan.sin);
-  const at::Tensor attended = op.attention.call(q, k, v, k_pages, v_pages, plan.page_table, plan.first_page_position,
-                                                plan.visible_from, plan.visible_to, plan.scale, no_scales, no_scales);
+  at::Tensor q = qkv[0].view({rows, shape.num_heads, shape.head_dim});
+  at::Tensor k = qkv[1].view({rows, shape.num_kv_heads, shape.head_dim});
+  const at::Tensor v = qkv[2].view({rows, shape.num_kv_heads, shape.head_dim});
+  k = op.rope.call(k, shape.cos, shape.sin);
+  q = op.rope.call(q, shape.cos, shape.sin);
+  const at::Tensor attended = attend(q, k, v);
   const at::Tensor h =
-      hidden + op.linear.call(attended.reshape({rows, plan.num_heads * plan.head_dim}), w[5], bias(3), false);
-  const at::Tensor y = op.rms_norm.call(h, w[1], plan.eps, false);
+      hidden + op.linear.call(attended.reshape({rows, shape.num_heads * shape.head_dim}), w[5], bias(3), false);
+  const at::Tensor y = op.rms_norm.call(h, w[1], shape.eps, false);
   const std::vector<at::Tensor> gate_up = op.linear_many.call(y, {w[6], w[7]}, c10::List<OptTensor>({bias(4), bias(5)}));
   return h + op.linear.call(at::silu(gate_up[0]) * gate_up[1], w[8], bias(6), false);
+}
+
+void check_run(const at::Tensor& hidden, at::TensorList weights, const c10::List<OptTensor>& biases, size_t layers) {
+  TORCH_CHECK(weights.size() == kWeightsPerLayer * layers && biases.size() == kBiasesPerLayer * layers,
+              "llama_decode_layers: per layer 9 weights and 7 biases");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "llama_decode_layers: hidden must be contiguous [B, H]");
 }
 
 // Layers i = 0 .. n-1 in order: weights[9 i .. 9 i + 8], biases[7 i .. 7 i + 6], k_pages[i],
@@ -154,22 +185,67 @@ at::Tensor llama_decode_layers(const at::Tensor& hidden, at::TensorList weights,
                                const at::Tensor& visible_to, double scale, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim) {
   const size_t layers = k_pages.size();
-  TORCH_CHECK(v_pages.size() == layers && weights.size() == kWeightsPerLayer * layers &&
-                  biases.size() == kBiasesPerLayer * layers,
-              "llama_decode_layers: per layer 9 weights, 7 biases, k and v pages");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "llama_decode_layers: hidden must be contiguous [B, H]");
+  TORCH_CHECK(v_pages.size() == layers, "llama_decode_layers: k and v pages per layer");
+  check_run(hidden, weights, biases, layers);
   TORCH_CHECK(write_slots.scalar_type() == at::kLong && write_slots.is_contiguous() &&
                   write_slots.numel() == hidden.size(0),
               "llama_decode_layers: write_slots must be contiguous int64 [B]");
-  const Plan plan{cos, sin, write_slots.const_data_ptr<int64_t>(), page_table, first_page_position, visible_from,
-                  visible_to, scale, eps, num_heads, num_kv_heads, head_dim};
+  const Shape shape{cos, sin, eps, num_heads, num_kv_heads, head_dim};
+  const Plan plan{write_slots.const_data_ptr<int64_t>(), page_table, first_page_position, visible_from, visible_to,
+                  scale};
   const at::Tensor no_scales = at::empty({0}, hidden.options().dtype(at::kFloat));
   at::Tensor h = hidden;
   for (size_t i = 0; i < layers; ++i) {
-    h = layer_forward(h, weights.data() + kWeightsPerLayer * i, biases, kBiasesPerLayer * i, k_pages[i], v_pages[i],
-                      plan, no_scales);
+    h = layer_forward(h, weights.data() + kWeightsPerLayer * i, biases, kBiasesPerLayer * i, shape,
+                      [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+                        store_rows(k_pages[i], k, plan.write_slots);
+                        store_rows(v_pages[i], v, plan.write_slots);
+                        return ops().attention.call(q, k, v, k_pages[i], v_pages[i], plan.page_table,
+                                                    plan.first_page_position, plan.visible_from, plan.visible_to,
+                                                    plan.scale, no_scales, no_scales);
+                      });
   }
   return h;
+}
+
+constexpr size_t kKiviTensorsPerLayer = 8;  // k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res
+
+// The same layers over a `kivi` cache (post-RoPE keys, no rotation, the C++ decode kernel):
+// per layer the step's keys and values are returned for the cache's end_step (what its
+// `write` keeps), and attention is `kivi_decode_attention` on q, k, v widened to float32 and
+// its output narrowed to q's dtype, as cache/kivi/cpu_decode.py calls it. Layer i's storage:
+// kivi[8 i .. 8 i + 7], sinks[2 i], sinks[2 i + 1].
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> llama_decode_layers_kivi(
+    const at::Tensor& hidden, at::TensorList weights, const c10::List<OptTensor>& biases, double eps,
+    const at::Tensor& cos, const at::Tensor& sin, at::TensorList kivi, const c10::List<OptTensor>& sinks,
+    const at::Tensor& page_table, const at::Tensor& first_page_position, const at::Tensor& visible_from,
+    const at::Tensor& lengths, const at::Tensor& slots, double scale, int64_t bits, int64_t value_bits,
+    int64_t key_dot, int64_t value_dot, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  const size_t layers = kivi.size() / kKiviTensorsPerLayer;
+  TORCH_CHECK(kivi.size() == kKiviTensorsPerLayer * layers && sinks.size() == 2 * layers,
+              "llama_decode_layers_kivi: per layer 8 storage tensors and 2 optional sinks");
+  check_run(hidden, weights, biases, layers);
+  const Shape shape{cos, sin, eps, num_heads, num_kv_heads, head_dim};
+  auto widened = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+  };
+  std::vector<at::Tensor> keys, values;
+  at::Tensor h = hidden;
+  for (size_t i = 0; i < layers; ++i) {
+    const at::Tensor* s = kivi.data() + kKiviTensorsPerLayer * i;
+    h = layer_forward(h, weights.data() + kWeightsPerLayer * i, biases, kBiasesPerLayer * i, shape,
+                      [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+                        keys.push_back(k);
+                        values.push_back(v);
+                        const at::Tensor out = kivi_attention().call(
+                            widened(q), widened(k), widened(v), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
+                            page_table, first_page_position, visible_from, lengths, slots, scale, bits,
+                            sinks.get(2 * i), sinks.get(2 * i + 1), value_bits, std::nullopt, std::nullopt, key_dot,
+                            value_dot);
+                        return out.scalar_type() == q.scalar_type() ? out : out.to(q.scalar_type());
+                      });
+  }
+  return {h, keys, values};
 }
 
 }  // namespace
@@ -179,8 +255,13 @@ TORCH_LIBRARY(kvforge_cpu_layer, m) {
         "Tensor(a!)[] k_pages, Tensor(b!)[] v_pages, Tensor write_slots, Tensor page_table, "
         "Tensor first_page_position, Tensor visible_from, Tensor visible_to, float scale, int num_heads, "
         "int num_kv_heads, int head_dim) -> Tensor");
+  m.def("llama_decode_layers_kivi(Tensor hidden, Tensor[] weights, Tensor?[] biases, float eps, Tensor cos, "
+        "Tensor sin, Tensor[] kivi, Tensor?[] sinks, Tensor page_table, Tensor first_page_position, "
+        "Tensor visible_from, Tensor lengths, Tensor slots, float scale, int bits, int value_bits, int key_dot, "
+        "int value_dot, int num_heads, int num_kv_heads, int head_dim) -> (Tensor, Tensor[], Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_layer, CPU, m) {
   m.impl("llama_decode_layers", &llama_decode_layers);
+  m.impl("llama_decode_layers_kivi", &llama_decode_layers_kivi);
 }

@@ -1,4 +1,4 @@
-"""One C++ call for the Llama-family decoder layers of a decode-only CPU step with the `full` cache.
+"""One C++ call for the Llama-family decoder layers of a decode-only CPU step with the `full` or `kivi` cache.
 
 At batch 1 the per-layer Python of a decode step (module calls, the eligibility checks of
 each kernel, the cache's plan lookups, ~20 ops dispatched from Python) costs about as much
@@ -13,8 +13,9 @@ runs every layer eagerly (the reference). A layer qualifies when it is exactly a
 LlamaDecoderLayer of the plain classes (CachedAttention without QK-norm, a SiLU GatedMLP,
 RMSNorms of one eps, nn.Linear projections; no forward hooks: `_layer_shape`) and the cache offers its
 decode-only plan (`FullCache.fused_decode_target`: every row one decoding sequence, 16/32-bit
-pages, the compiled attention kernel), with the plan and RoPE of the prefix's first layer
-(one cache layer group). The step qualifies under the conditions in which the eager layers
+pages, the compiled attention kernel; or `KIVICache.fused_decode_target`, a
+`KiviLayerTarget`: post-RoPE keys, no rotation, the C++ decode kernel, rows in order), with
+the plan and RoPE of the prefix's first layer (one cache layer group). The step qualifies under the conditions in which the eager layers
 would themselves take the compiled kernels (CPU, one float dtype for hidden, weights and
 RoPE tables, at most `MAX_ROWS` rows, no autograd) and with no step timer recording (its
 split needs the separate calls). `KVFORGE_DISABLE_CPU_KERNELS=1` or
@@ -27,7 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ from kvforge.step_timing import current_timer
 if TYPE_CHECKING:
     from kvforge.models.rope import PositionedRope
 
-__all__ = ["DISABLE_FUSED_ENV", "decode_layer_available", "decode_layers", "set_enabled"]
+__all__ = ["DISABLE_FUSED_ENV", "KiviLayerTarget", "decode_layer_available", "decode_layers", "set_enabled"]
 
 DISABLE_FUSED_ENV = "KVFORGE_DISABLE_FUSED_LAYER"
 
@@ -49,6 +50,21 @@ _KERNEL = CppKernel(name="kvforge_cpu_decode_layer", source=Path(__file__).with_
                     fallback="the layer's eager code", flag_sets=DEFAULT_FLAG_SETS)
 
 _enabled = os.environ.get(DISABLE_FUSED_ENV, "").strip() in ("", "0")
+
+
+class KiviLayerTarget(NamedTuple):
+    """What `KIVICache.fused_decode_target` hands the op for one cache layer: its storage
+    (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_res, v_res), its sinks (or None),
+    the group's decode plan (page_table, first_page_position, visible_from, lengths, slots:
+    the same tensor objects for every layer of the group) and the kernel's settings (scale,
+    bits, value_bits, key_dot, value_dot codes). After the op the cache receives each layer's
+    k and v through `fused_decode_written`, as its `write` would have kept them."""
+
+    cache_layer: int
+    storage: tuple[torch.Tensor, ...]
+    sinks: tuple[torch.Tensor | None, torch.Tensor | None]
+    plan: tuple[torch.Tensor, ...]
+    settings: tuple[float, int, int, int, int]
 _ready: bool | None = None  # all four libraries loaded (None: not checked yet)
 
 
@@ -104,6 +120,8 @@ def decode_layers(layers: Sequence[Any], rope_index: Sequence[int], hidden: torc
     target = target_of(cache, shape[4])
     if target is None:
         return hidden, 0
+    if isinstance(target, KiviLayerTarget):
+        return _kivi_layers(modules[:stop], rope_index, ropes, hidden, cache, shape, target)
     plan = target[2:]  # write slots, page table, positions, scale: one group's
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor | None] = []
@@ -133,6 +151,49 @@ def decode_layers(layers: Sequence[Any], rope_index: Sequence[int], hidden: torc
     out = torch.ops.kvforge_cpu_layer.llama_decode_layers(
         hidden, weights, biases, eps, rope.cos, rope.sin, k_pages, v_pages, *plan, num_heads, num_kv_heads, head_dim)
     return out, len(k_pages)
+
+
+def _kivi_layers(modules: Sequence[Any], rope_index: Sequence[int], ropes: Sequence[PositionedRope],
+                 hidden: torch.Tensor, cache: Any, shape: tuple[float, int, int, int, int],
+                 first: KiviLayerTarget) -> tuple[torch.Tensor, int]:
+    """`decode_layers` over a `kivi` cache: the longest prefix whose layers share the first
+    one's geometry, RoPE, decode plan and kernel settings; every row one decoding sequence."""
+    if hidden.shape[0] != first.plan[3].shape[0]:  # lengths: one per decoding row, in order
+        return hidden, 0
+    rope = ropes[rope_index[0]]
+    weights: list[torch.Tensor] = []
+    biases: list[torch.Tensor | None] = []
+    storage: list[torch.Tensor] = []
+    sinks: list[torch.Tensor | None] = []
+    cache_layers: list[int] = []
+    target_of = type(cache).fused_decode_target
+    for index, layer in enumerate(modules):
+        target = first
+        if index:
+            layer_shape = _layer_shape(layer)
+            if layer_shape is None or layer_shape[:4] != shape[:4] or ropes[rope_index[index]] is not rope:
+                break
+            target = target_of(cache, layer_shape[4])
+            if (not isinstance(target, KiviLayerTarget) or target.settings != first.settings
+                    or any(a is not b for a, b in zip(target.plan, first.plan))):
+                break
+        layer_weights, layer_biases = _parameters_of(layer)
+        if not _kernel_ready(layer_weights, layer_biases, hidden.dtype):
+            break
+        weights += layer_weights
+        biases += layer_biases
+        storage += target.storage
+        sinks += target.sinks
+        cache_layers.append(target.cache_layer)
+    if not cache_layers:
+        return hidden, 0
+    eps, num_heads, num_kv_heads, head_dim = shape[:4]
+    out, keys, values = torch.ops.kvforge_cpu_layer.llama_decode_layers_kivi(
+        hidden, weights, biases, eps, rope.cos, rope.sin, storage, sinks, *first.plan, *first.settings,
+        num_heads, num_kv_heads, head_dim)
+    for cache_layer, k, v in zip(cache_layers, keys, values):
+        cache.fused_decode_written(cache_layer, k, v)
+    return out, len(cache_layers)
 
 
 def _global_hooks() -> bool:

@@ -110,6 +110,9 @@ def test_cpu_decode_steps_call_the_chosen_kernel(monkeypatch, kernel: str, expec
         pytest.skip("the CPU KIVI kernel did not build (see the warning)")
     if expected == "triton" and triton_test_device() != "cpu":
         pytest.skip("on a CUDA machine the model runs on CUDA in test_triton_decode_matches_torch_path")
+    # The fused decoder layer calls the C++ kernel from C++ (tests/kernels/test_cpu_decode_layer.py):
+    # off here, so every call passes through the Python entry points spied on.
+    monkeypatch.setattr("kvforge.kernels.cpu_decode_layer._enabled", False)
     _, model = make_pair("llama_gqa")
     calls = spy_on_kernels(monkeypatch)
     decode_logits(runner_for(model, kernel, "cpu"), PROMPTS[:2], steps=2)

@@ -52,6 +52,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.kivi.attention import kivi_chunk_attention
 from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig, default_residual_dtype
+from kvforge.cache.kivi.cpu_decode import KEY_DOT_CODES, VALUE_DOT_CODES, cpu_kivi_kernel_available
 from kvforge.cache.kivi.decode_kernels import kivi_decode, resolve_decode_kernel
 from kvforge.cache.kivi.key_space import KeyTransform, StoredKeys
 from kvforge.cache.kivi.plan import Decode, Flush, GroupPlan, Prefill, ResidualWrites, SequenceState
@@ -63,6 +64,7 @@ from kvforge.cache.page_table import RELEASED, LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
 from kvforge.cache.step_plan import upload
 from kvforge.errors import ConfigError
+from kvforge.kernels.cpu_decode_layer import KiviLayerTarget
 from kvforge.models.rope import PositionedRope
 
 # Default split of the budget (max_sequences=None): 1 / SLOT_SHARE of it pays for residual
@@ -282,6 +284,37 @@ class KIVICache(CacheMethod):
         if self.rotation is not None and self.config.rotates_values:
             out = unrotate(out, self.rotation)  # (P V H) H^T = P V
         return out
+
+    def fused_decode_target(self, cache_layer: int) -> KiviLayerTarget | None:
+        """This layer's storage, plan and kernel settings for the fused decoder-layer op
+        (kernels/cpu_decode_layer.py), when the step is decode only with its rows in order and
+        `attend` would call the C++ kernel on q, k and v as they are: post-RoPE stored keys,
+        no rotation, `decode_kernel=cpp`, contiguous int64 plan tensors; else None. The op does
+        exactly what `write` and `attend` would (bitwise) and hands k and v back through
+        `fused_decode_written`."""
+        if (self.decode_kernel != "cpp" or self.rotation is not None or self.config.key_space != "post_rope"
+                or any(name in self.__dict__ for name in ("write", "attend", "end_step"))
+                or not cpu_kivi_kernel_available()):
+            return None  # (a method replaced on this instance, e.g. by a capture hook: eager)
+        group, index = self.groups.slot_of[cache_layer]
+        plan = self._plans[group]
+        d = plan.decode
+        if d is None or plan.prefills or not d.rows_in_order:
+            return None
+        steps = (d.page_table, d.first_page_position, d.visible_from, d.lengths, d.slots)
+        view = self.store.layer(index, cache_layer)
+        storage = (view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero, view.k_res,
+                   view.v_res)
+        if not all(t.is_cpu and t.is_contiguous() for t in (*steps, *storage)) or any(
+                t.dtype != torch.int64 for t in steps):
+            return None
+        settings = (float(self.layout.specs[cache_layer].scale), int(view.bits), int(view.vbits),
+                    KEY_DOT_CODES[self.config.key_dot], VALUE_DOT_CODES[self.config.value_dot])
+        return KiviLayerTarget(cache_layer, storage, (view.k_sink, view.v_sink), steps, settings)
+
+    def fused_decode_written(self, cache_layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The fused op's k (post-RoPE) and v of this layer: what `write` keeps for end_step."""
+        self._step_kv[cache_layer] = (k, v)
 
     def _decode(self, d: Decode, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, view: KIVILayerView,
                 scale: float, key_transform: KeyTransform) -> torch.Tensor:

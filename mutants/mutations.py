@@ -503,9 +503,10 @@ MUTATIONS: list[Mutation] = [
              ("tests/swiftkv/test_swiftkv_families.py",), "an AcrossKV group never mixes sliding and global layers"),
     # -- fused decode layer (CPU) -------------------------------------------------------------
     Mutation("fused_layer_stores_keys_before_rope", S + "kernels/cpu_decode_layer.cpp",
-             "  k = op.rope.call(k, plan.cos, plan.sin);\n  store_rows(k_pages, k, plan.write_slots);",
-             "  store_rows(k_pages, k, plan.write_slots);\n  k = op.rope.call(k, plan.cos, plan.sin);",
-             ("tests/kernels/test_cpu_decode_layer.py",), "the pages hold post-RoPE keys, as FullCache.write stores"),
+             "  k = op.rope.call(k, shape.cos, shape.sin);\n",
+             "  const at::Tensor unused_rotated_k = op.rope.call(k, shape.cos, shape.sin);\n",
+             ("tests/kernels/test_cpu_decode_layer.py",),
+             "the pages (and KIVI's step keys) hold post-RoPE keys, as the caches' write stores"),
     Mutation("fused_layer_rows_stored_head_major", S + "kernels/cpu_decode_layer.cpp",
              "std::memcpy(target, source + (b * heads + h) * dim * item",
              "std::memcpy(target, source + (h * count + b) * dim * item",

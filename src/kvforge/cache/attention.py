@@ -84,8 +84,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_q_p
     if aligned and (window is None or window >= n):
         out = F.scaled_dot_product_attention(qh, k[None], v[None], is_causal=True, scale=scale)
         return out[0].transpose(0, 1)
-    trailing = first_q_position == first_k_position + m - n and 0 < n < m  # queries = the last n keys
-    if trailing and (window is None or window >= m) and _FLASH_CPU is not None and q.device.type == "cpu":
+    if trailing and 0 < n < m and (window is None or window >= m) and _FLASH_CPU is not None and q.device.type == "cpu":
         return _past_and_own_attention(q, k, v, scale)
     return _masked_attention(q, k, v, first_q_position, first_k_position, scale, window)
 

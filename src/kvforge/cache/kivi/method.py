@@ -52,8 +52,9 @@ from kvforge.cache.base import CacheMethod
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.kivi.attention import kivi_chunk_attention
 from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig, default_residual_dtype
-from kvforge.cache.kivi.cpu_decode import KEY_DOT_CODES, VALUE_DOT_CODES, cpu_kivi_kernel_available
+from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available
 from kvforge.cache.kivi.decode_kernels import kivi_decode, resolve_decode_kernel
+from kvforge.cache.kivi.fused_target import layer_target
 from kvforge.cache.kivi.key_space import KeyTransform, StoredKeys
 from kvforge.cache.kivi.plan import Decode, Flush, GroupPlan, Prefill, ResidualWrites, SequenceState
 from kvforge.cache.kivi.prefill import kivi_chunk_attention_fast
@@ -301,16 +302,8 @@ class KIVICache(CacheMethod):
         d = plan.decode
         if d is None or plan.prefills or not d.rows_in_order:
             return None
-        steps = (d.page_table, d.first_page_position, d.visible_from, d.lengths, d.slots)
-        view = self.store.layer(index, cache_layer)
-        storage = (view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero, view.k_res,
-                   view.v_res)
-        if not all(t.is_cpu and t.is_contiguous() for t in (*steps, *storage)) or any(
-                t.dtype != torch.int64 for t in steps):
-            return None
-        settings = (float(self.layout.specs[cache_layer].scale), int(view.bits), int(view.vbits),
-                    KEY_DOT_CODES[self.config.key_dot], VALUE_DOT_CODES[self.config.value_dot])
-        return KiviLayerTarget(cache_layer, storage, (view.k_sink, view.v_sink), steps, settings)
+        return layer_target(cache_layer, self.store.layer(index, cache_layer), d, self.layout.specs[cache_layer].scale,
+                            self.config.key_dot, self.config.value_dot)
 
     def fused_decode_written(self, cache_layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """The fused op's k (post-RoPE) and v of this layer: what `write` keeps for end_step."""

@@ -14,10 +14,17 @@ block ids are free. A block's life cycle (prefix caching):
   oldest first. So cached blocks never block an allocation, and the pool (the budget)
   bounds everything.
 - Allocation is all-or-nothing so a failed request leaves no trace.
+- Free blocks are handed out lowest id first (a heap), so a sequence's blocks form
+  ascending runs of adjacent storage wherever the free blocks allow. The CPU decode
+  kernels read a sequence's pages in order, and adjacent ascending pages stream at about
+  twice the rate of scattered or descending ones (the hardware prefetcher follows them):
+  a LIFO free list handed the second run of a benchmark, or a server's later requests,
+  their pages in descending order.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -29,8 +36,8 @@ class BlockPool:
         if num_blocks < 1:
             raise ConfigError("num_blocks", num_blocks, "the pool needs at least one block")
         self.num_blocks = num_blocks
-        # LIFO free list: recently freed blocks are reused first (warm in caches).
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free: list[int] = list(range(num_blocks))  # a heap: lowest id first
+
         self._refs = [0] * num_blocks
         self._key_of: dict[int, Hashable] = {}
         self._block_of: dict[Hashable, int] = {}
@@ -70,7 +77,7 @@ class BlockPool:
         taken = []
         for _ in range(count):
             if self._free:
-                block = self._free.pop()
+                block = heapq.heappop(self._free)
             else:
                 block, _ = self._cached.popitem(last=False)
                 del self._block_of[self._key_of.pop(block)]
@@ -91,7 +98,7 @@ class BlockPool:
                 if block in self._key_of:
                     self._cached[block] = None  # newest at the end
                 else:
-                    self._free.append(block)
+                    heapq.heappush(self._free, block)
 
     # -- prefix caching -------------------------------------------------------------------
     def register(self, block: int, key: Hashable) -> None:
@@ -109,7 +116,7 @@ class BlockPool:
         blocks in use keep theirs."""
         for block in self._cached:
             del self._block_of[self._key_of.pop(block)]
-            self._free.append(block)
+            heapq.heappush(self._free, block)
         self._cached.clear()
 
     def lookup(self, key: Hashable) -> int | None:

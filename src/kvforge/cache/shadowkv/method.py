@@ -157,9 +157,7 @@ class ShadowKVCache(ShadowKVMemory, CacheMethod):
             if inner is not None:
                 inner.free(seq_id)
         if seq.compressed is not None:
-            # Freed highest id first: the LIFO free list then hands them out again in
-            # ascending order, as one run.
-            self.store.pool.free(sorted(seq.compressed.pages, reverse=True))  # type: ignore[union-attr]
+            self.store.pool.free(seq.compressed.pages)  # type: ignore[union-attr]
             self._fixed_bytes -= seq.compressed.fixed_bytes
 
     def num_cached_tokens(self, seq_id: int) -> int:

@@ -210,8 +210,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(f"max_abs_logit_diff         {report.max_abs_logit_diff:.3e}  "
           f"(prefill {report.prefill_max_abs_logit_diff:.3e}, decode {report.decode_max_abs_logit_diff:.3e})")
     print(f"argmax_agreement           {report.argmax_agreement:.4f}")
+    print(f"argmax_agreement_ties      {report.argmax_agreement_ties:.4f}  "
+          "(agrees where the exactly tied maximal logits of the two intersect)")
     for name, value in report.float32_agreement.items():
-        print(f"  {name + ' vs float32':<24} {value:.4f}")
+        ties = report.float32_agreement_ties.get(name)
+        print(f"  {name + ' vs float32':<24} {value:.4f}" + ("" if ties is None else f"  (ties {ties:.4f})"))
     print(f"greedy_match               {str(report.greedy_match).lower()}")
     _write_json(args.json, report.as_dict(), args)
     return 0

@@ -14,6 +14,9 @@ attention accumulate in float32 and round once; transformers rounds after every 
 logits differ by bf16 noise and a greedy continuation may fork at a near-tie. There the
 report adds each implementation's argmax agreement with transformers in float32 (loaded a
 third time): which of the two low-precision runs stays closer to the full-precision model.
+Low-precision logits often tie exactly (top-1 and top-2 round to the same bf16 value, and
+argmax then takes the lower id), so each agreement is also given tie-aware
+(`argmax_agreement_ties`): a position agrees when the two sets of exactly tied maxima meet.
 """
 
 from __future__ import annotations
@@ -56,11 +59,14 @@ class VerifyReport:
     prefill_max_abs_logit_diff: float
     decode_max_abs_logit_diff: float
     argmax_agreement: float
+    # a position agrees when the sets of exactly tied maximal logits of the two intersect
+    argmax_agreement_ties: float
     greedy_match: bool
     prompts: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     # below float32 only: argmax agreement of each implementation with transformers in float32
     float32_agreement: dict[str, float] = field(default_factory=dict)
+    float32_agreement_ties: dict[str, float] = field(default_factory=dict)  # same, tie-aware
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,7 +86,26 @@ def load_transformers_model(source: ModelSource, device: str | torch.device = "c
                                                      dtype=dtype, local_files_only=True)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, local_files_only=True)
-    return model.to(device=device, dtype=dtype).eval()
+    # Only the device: from_pretrained already made the weights `dtype`, and a further
+    # `.to(dtype)` would also round the RoPE inverse frequencies, which transformers keeps in
+    # float32 (bf16 ones move the angles of distant positions), so the reference would no
+    # longer be transformers as users run it.
+    return model.to(device=device).eval()
+
+
+def argmax_agreement(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Fraction of positions (rows of [positions, vocab] logits) whose argmax is the same."""
+    return (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+
+
+def argmax_agreement_ties(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Tie-aware argmax agreement: a position agrees when some token has the exact maximal
+    logit in both, i.e. the two sets of tied maxima intersect. In bf16 the top two logits
+    often round to the same value and argmax picks the lower id, so plain argmax agreement
+    counts as disagreements positions where either choice is equally right."""
+    ours_top = ours == ours.amax(-1, keepdim=True)
+    theirs_top = theirs == theirs.amax(-1, keepdim=True)
+    return (ours_top & theirs_top).any(-1).float().mean().item()
 
 
 def _passage_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
@@ -130,19 +155,24 @@ def run_verify(model_name: str, text_file: str | Path | None = None,
     split = len(passage) - DECODED_TOKENS
     ours = ours.float()
     diff = (ours - theirs).abs().amax(dim=-1)
-    agreement = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    agreement = argmax_agreement(ours, theirs)
+    agreement_ties = argmax_agreement_ties(ours, theirs)
     _log(f"passage of {len(passage)} tokens: max |logit diff| {diff.max().item():.2e}, "
-         f"argmax agreement {agreement:.4f}")
+         f"argmax agreement {agreement:.4f} (tie-aware {agreement_ties:.4f})")
     float32_agreement: dict[str, float] = {}
+    float32_agreement_ties: dict[str, float] = {}
     if dtype != torch.float32:
         full = load_transformers_model(source, device, torch.float32)
         with torch.inference_mode():
-            truth = full(torch.tensor([passage], device=device)).logits[0].float().argmax(-1)
+            truth = full(torch.tensor([passage], device=device)).logits[0].float()
         del full
-        float32_agreement = {name: (logits.argmax(-1) == truth).float().mean().item()
-                             for name, logits in (("kvforge", ours), ("transformers", theirs))}
+        pairs = (("kvforge", ours), ("transformers", theirs))
+        float32_agreement = {name: argmax_agreement(logits, truth) for name, logits in pairs}
+        float32_agreement_ties = {name: argmax_agreement_ties(logits, truth) for name, logits in pairs}
+        del truth
         _log("argmax agreement with transformers in float32: "
-             + ", ".join(f"{name} {value:.4f}" for name, value in float32_agreement.items()))
+             + ", ".join(f"{name} {value:.4f} (tie-aware {float32_agreement_ties[name]:.4f})"
+                         for name, value in float32_agreement.items()))
 
     chat = has_chat_template(tokenizer)
     prompts = [encode_prompt(tokenizer, p, chat=chat) for p in VERIFY_PROMPTS]
@@ -172,7 +202,9 @@ def run_verify(model_name: str, text_file: str | Path | None = None,
         prefill_max_abs_logit_diff=diff[:split].max().item(),
         decode_max_abs_logit_diff=diff[split:].max().item(),
         argmax_agreement=agreement,
+        argmax_agreement_ties=agreement_ties,
         float32_agreement=float32_agreement,
+        float32_agreement_ties=float32_agreement_ties,
         greedy_match=all(r["match"] for r in records),
         prompts=records,
         seconds=times,

@@ -43,10 +43,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#define KVFORGE_BF16_DOT 1
-#include <immintrin.h>
-#endif
+#include "cpu_bf16_attention.h"  // defines KVFORGE_BF16_DOT with AVX512-BF16
 
 namespace {
 
@@ -65,29 +62,9 @@ constexpr int64_t kKeyBlock = 64;    // keys per online-softmax update: four 16-
 constexpr int kScoreRows = 8;        // rows per score micro-kernel: 8 x 2 accumulators
 constexpr int kValueRows = 6;        // rows per value micro-kernel: 6 x 4 accumulators (64 dims)
 
-// acc += a . b over bf16 pairs: lane t += a[2t] b[2t] + a[2t+1] b[2t+1], in float32.
-inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-
-// exp(x) for x <= 0 within ~2 ulp: x = n ln2 + r (ln2 split in two for exactness of r), a
-// degree-6 polynomial in r, and 2^n applied by vscalefps. Inputs are clamped at -87 (their
-// exp is below float's normal range); the caller zeroes masked lanes itself.
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
+using kvforge_bf16::dot_pairs;
+using kvforge_bf16::softmax_block;
+static_assert(kKeyBlock == kvforge_bf16::kSoftmaxBlock, "a key block is one softmax block");
 
 // One row-major 2-D view of bf16 rows whose dims are contiguous: row i at data + i * stride.
 struct Rows {
@@ -217,36 +194,6 @@ struct Scratch {
         correction(kQueryBlock),
         p(kQueryBlock * kKeyBlock) {}
 };
-
-// Online softmax of one row over one key block: s (64 scores) -> bf16 weights p, updating
-// the row's max m and sum l; returns the factor the row's accumulator must be scaled by.
-// Keys j > limit (block-relative) are masked.
-inline float softmax_block(const float* s, int64_t limit, float& m, float& l, uint16_t* p) {
-  __m512 x[4];
-  __mmask16 visible[4];
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i last = _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(limit, kKeyBlock)));
-  __m512 block_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int c = 0; c < 4; ++c) {
-    x[c] = _mm512_loadu_ps(s + 16 * c);
-    visible[c] = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * c)), last);
-    block_max = _mm512_mask_max_ps(block_max, visible[c], block_max, x[c]);
-  }
-  const float new_max = std::max(m, _mm512_reduce_max_ps(block_max));
-  const float correction = std::exp(m - new_max);  // m = -inf on the first block: 0
-  const __m512 shift = _mm512_set1_ps(new_max);
-  __m512 sum = _mm512_setzero_ps();
-  for (int c = 0; c < 4; ++c) {
-    const __m512 e = _mm512_maskz_mov_ps(visible[c], exp_nonpositive16(_mm512_sub_ps(x[c], shift)));
-    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * c), rounded);
-    // l sums the rounded weights: the ones the value product uses
-    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
-  }
-  l = l * correction + _mm512_reduce_add_ps(sum);
-  m = new_max;
-  return correction;
-}
 
 void run_unit(const Problem& pr, int64_t head, int64_t query_block, Scratch& w) {
   const int64_t dim = pr.dim, dpairs = dim / 2, group = pr.heads / pr.kv_heads, kv_head = head / group;

@@ -23,10 +23,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_bf16_attention.h"  // defines KVFORGE_BF16_DOT with AVX512-BF16
 #include "cpu_checks.h"
 #include "cpu_convert.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -424,7 +426,84 @@ struct Problem {
   const int64_t* page_table;
   PageGeometry kg, vg;
   ScaleGeometry ks, vs;
+  // q's bf16 bits when the bf16 dot path runs (bf16 q and pages, see run_unit_dot), else null.
+  const uint16_t* q_bf16;
 };
+
+// The rows of one tile of a unit: K and V row pointers in the paged storage (and, float8
+// only, each row's scale), n <= kTile of them.
+template <typename scalar_t>
+struct TileRows {
+  const scalar_t* const* k;
+  const scalar_t* const* v;
+  const float* const* k_scale;
+  const float* const* v_scale;
+  int64_t n;
+};
+
+// Walks the unit's rows tile by tile in column order, calling fn(tile, prefetch_next) per
+// tile. prefetch_next(i) prefetches row i of the next tile (if it has one) into L2:
+// pages are scattered, so the hardware prefetcher, which follows streams within a page,
+// cannot anticipate the jump to the next page. Callers issue one such prefetch per row
+// they compute, so the outstanding misses stay within what the core can track
+// (prefetching into L1, hint 3, measured ~1.5x slower: the L1 miss buffers are the limit).
+template <typename scalar_t, typename Fn>
+void walk_tiles(const Unit& unit, const Problem& p, const scalar_t* k_pages, const scalar_t* v_pages, Fn&& fn) {
+  const int64_t block = p.kg.block;
+  const int64_t b = unit.pair / p.kv_heads;
+  const int64_t h = unit.pair % p.kv_heads;
+  const int64_t* table_row = p.page_table + b * p.table_width;
+  const scalar_t* k_head = k_pages + h * p.kg.stride_head;
+  const scalar_t* v_head = v_pages + h * p.vg.stride_head;
+  // Row pointers of the current tile (slot) and of the next one (slot ^ 1).
+  const scalar_t* k_src[2][kTile];
+  const scalar_t* v_src[2][kTile];
+  const float* k_scale[2][kTile];  // float8 only: each row's scale
+  const float* v_scale[2][kTile];
+  const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
+  auto page_at = [&](int64_t index) -> int64_t {
+    const int64_t page = table_row[index];
+    TORCH_CHECK(page >= 0 && page < p.kg.num_pages, "paged_decode_attention: page id ", page,
+                " out of range [0, ", p.kg.num_pages, ")");
+    return page;
+  };
+  // Fills slot `slot` with the rows of the tile starting at column `start`; returns its size.
+  auto locate = [&](int64_t start, int64_t slot) -> int64_t {
+    const int64_t n = std::min(kTile, unit.col_end - start);
+    int64_t index = start / block, row = start % block;
+    int64_t page = page_at(index);
+    for (int64_t t = 0; t < n; ++t, ++row) {
+      if (row == block) {
+        row = 0;
+        page = page_at(++index);
+      }
+      k_src[slot][t] = k_head + page * p.kg.stride_page + row * p.kg.stride_row;
+      v_src[slot][t] = v_head + page * p.vg.stride_page + row * p.vg.stride_row;
+      if constexpr (kFloat8<scalar_t>) {
+        k_scale[slot][t] = p.ks.data + h * p.ks.stride_head + page * p.ks.stride_page + row * p.ks.stride_row;
+        v_scale[slot][t] = p.vs.data + h * p.vs.stride_head + page * p.vs.stride_page + row * p.vs.stride_row;
+      }
+    }
+    return n;
+  };
+  int64_t slot = 0;
+  int64_t n = unit.col_begin < unit.col_end ? locate(unit.col_begin, 0) : 0;
+  for (int64_t start = unit.col_begin; start < unit.col_end; start += kTile, slot ^= 1) {
+    const int64_t next = start + kTile;
+    const int64_t next_n = next < unit.col_end ? locate(next, slot ^ 1) : 0;
+    auto prefetch_next = [&](int64_t t) {
+      if (t >= next_n) return;
+      const char* k = reinterpret_cast<const char*>(k_src[slot ^ 1][t]);
+      const char* v = reinterpret_cast<const char*>(v_src[slot ^ 1][t]);
+      for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+        __builtin_prefetch(k + offset, 0, 1);
+        __builtin_prefetch(v + offset, 0, 1);
+      }
+    };
+    fn(TileRows<scalar_t>{k_src[slot], v_src[slot], k_scale[slot], v_scale[slot], n}, prefetch_next);
+    n = next_n;
+  }
+}
 
 // Streaming softmax of one unit. Writes the unnormalised partial state: running max m[g],
 // sum l[g] and accumulator acc[g][:] for the `group` queries sharing the kv head. Every K
@@ -432,7 +511,7 @@ struct Problem {
 template <typename V, typename scalar_t>
 void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const scalar_t* v_pages,
               float* m, float* l, float* acc, std::vector<float>& scratch) {
-  const int64_t group = p.group, dim = p.dim, block = p.kg.block;
+  const int64_t group = p.group, dim = p.dim;
   const int64_t b = unit.pair / p.kv_heads;
   const int64_t h = unit.pair % p.kv_heads;
   // scratch: scaled queries [group, dim], scores [group, kTile], widened K and V tiles.
@@ -465,56 +544,8 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
     }
   }
 
-  const int64_t* table_row = p.page_table + b * p.table_width;
-  const scalar_t* k_head = k_pages + h * p.kg.stride_head;
-  const scalar_t* v_head = v_pages + h * p.vg.stride_head;
-  // Row pointers of the current tile and of the next one, which is prefetched while the
-  // current one is computed: pages are scattered, so the hardware prefetcher, which follows
-  // streams within a page, cannot anticipate the jump to the next page.
-  const scalar_t* k_src[2][kTile];
-  const scalar_t* v_src[2][kTile];
-  const float* k_scale[2][kTile];  // float8 only: each row's scale
-  const float* v_scale[2][kTile];
   const float* k_rows[kTile];
   const float* v_rows[kTile];
-  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
-  auto page_at = [&](int64_t index) -> int64_t {
-    const int64_t page = table_row[index];
-    TORCH_CHECK(page >= 0 && page < p.kg.num_pages, "paged_decode_attention: page id ", page,
-                " out of range [0, ", p.kg.num_pages, ")");
-    return page;
-  };
-  // Fills slot `slot` with the rows of the tile starting at column `start`; returns its size.
-  auto locate = [&](int64_t start, int64_t slot) -> int64_t {
-    const int64_t n = std::min(kTile, unit.col_end - start);
-    int64_t index = start / block, row = start % block;
-    int64_t page = page_at(index);
-    for (int64_t t = 0; t < n; ++t, ++row) {
-      if (row == block) {
-        row = 0;
-        page = page_at(++index);
-      }
-      k_src[slot][t] = k_head + page * p.kg.stride_page + row * p.kg.stride_row;
-      v_src[slot][t] = v_head + page * p.vg.stride_page + row * p.vg.stride_row;
-      if constexpr (kFloat8<scalar_t>) {
-        k_scale[slot][t] = p.ks.data + h * p.ks.stride_head + page * p.ks.stride_page + row * p.ks.stride_row;
-        v_scale[slot][t] = p.vs.data + h * p.vs.stride_head + page * p.vs.stride_page + row * p.vs.stride_row;
-      }
-    }
-    return n;
-  };
-  // Prefetches row t of the tile in `slot` (K and V) into L2 (locality hint 1). Issued one
-  // row per computed row, so the outstanding misses stay within what the core can track;
-  // prefetching into L1 (hint 3) measured ~1.5x slower, the L1 miss buffers being the limit.
-  auto prefetch_row = [&](int64_t slot, int64_t t) {
-    const char* k = reinterpret_cast<const char*>(k_src[slot][t]);
-    const char* v = reinterpret_cast<const char*>(v_src[slot][t]);
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) {
-      __builtin_prefetch(k + offset, 0, 1);
-      __builtin_prefetch(v + offset, 0, 1);
-    }
-  };
-
   // Online softmax update of query g over the tile's scores (turned into weights in place);
   // rescales acc[g] for the new running max.
   auto softmax_update = [&](int64_t g, int64_t n) {
@@ -532,11 +563,8 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
     m[g] = new_max;
   };
 
-  int64_t slot = 0;
-  int64_t n = unit.col_begin < unit.col_end ? locate(unit.col_begin, 0) : 0;
-  for (int64_t start = unit.col_begin; start < unit.col_end; start += kTile, slot ^= 1) {
-    const int64_t next = start + kTile;
-    const int64_t next_n = next < unit.col_end ? locate(next, slot ^ 1) : 0;
+  walk_tiles(unit, p, k_pages, v_pages, [&](const TileRows<scalar_t>& tile, auto&& prefetch_next) {
+    const int64_t n = tile.n;
     if constexpr (!kFloat8<scalar_t>) {
       if (group <= kMaxFusedGroup) {
         // Group-fused: every K and V row is loaded (and widened) in registers once and used
@@ -544,43 +572,207 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
         // score and per accumulator element as the path below, so the same results.
         const int64_t full = n - n % 4;
         for (int64_t t = 0; t < full; t += 4) {
-          for (int64_t i = t; i < std::min(t + 4, next_n); ++i) prefetch_row(slot ^ 1, i);
+          for (int64_t i = t; i < t + 4; ++i) prefetch_next(i);
           with_group(group, [&](auto g_) { scores4_group<V, scalar_t, decltype(g_)::value>(
-                                               qs, k_src[slot] + t, dim, scores + t); });
+                                               qs, tile.k + t, dim, scores + t); });
         }
         for (int64_t t = full; t < n; ++t) {  // rows past a multiple of 4: widened, as below
-          if (t < next_n) prefetch_row(slot ^ 1, t);
-          tile_rows<V, scalar_t>(k_src[slot] + t, k_scale[slot] + t, 1, dim, k_buffer, k_rows);
+          prefetch_next(t);
+          tile_rows<V, scalar_t>(tile.k + t, tile.k_scale + t, 1, dim, k_buffer, k_rows);
           for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot<V>(qs + g * dim, k_rows[0], dim);
         }
         for (int64_t g = 0; g < group; ++g) softmax_update(g, n);
         with_group(group, [&](auto g_) {
-          accumulate_group<V, scalar_t, decltype(g_)::value>(acc, scores, v_src[slot], n, dim);
+          accumulate_group<V, scalar_t, decltype(g_)::value>(acc, scores, tile.v, n, dim);
         });
-        n = next_n;
-        continue;
+        return;
       }
     }
     // Scores of the tile: each K row is loaded from storage once for the whole group.
-    tile_rows<V, scalar_t>(k_src[slot], k_scale[slot], n, dim, k_buffer, k_rows);
+    tile_rows<V, scalar_t>(tile.k, tile.k_scale, n, dim, k_buffer, k_rows);
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
-      for (int64_t i = t; i < std::min(t + 4, next_n); ++i) prefetch_row(slot ^ 1, i);
+      for (int64_t i = t; i < t + 4; ++i) prefetch_next(i);
       for (int64_t g = 0; g < group; ++g) dot4<V>(qs + g * dim, k_rows + t, dim, scores + g * kTile + t);
     }
     for (; t < n; ++t) {
-      if (t < next_n) prefetch_row(slot ^ 1, t);
+      prefetch_next(t);
       for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot<V>(qs + g * dim, k_rows[t], dim);
     }
     // Online softmax update, then the weighted values (each V row loaded once).
-    tile_rows<V, scalar_t>(v_src[slot], v_scale[slot], n, dim, v_buffer, v_rows);
+    tile_rows<V, scalar_t>(tile.v, tile.v_scale, n, dim, v_buffer, v_rows);
     for (int64_t g = 0; g < group; ++g) {
       softmax_update(g, n);
       accumulate<V>(acc + g * dim, scores + g * kTile, v_rows, n, dim);
     }
-    n = next_n;
+  });
+}
+
+// Whether bf16 q over bf16 pages takes the bf16 dot path (run_unit_dot). On by default;
+// the float path stays as the reference (tests switch it off through `set_bf16_dot`).
+std::atomic<bool> g_bf16_dot{true};
+
+#ifdef KVFORGE_BF16_DOT
+// ---- bf16 q over bf16 pages: AVX512-BF16 dot products -------------------------------------
+// Precision as cpu_bf16_attention.h states (and the causal prefill kernel has): scores are
+// scale * (q . k) with exact bf16 products summed in float32 by vdpbf16ps; float32 online
+// softmax per 64-row tile; weights rounded to bf16 once and used both for P V (vdpbf16ps
+// again) and for the normaliser. The float path above widens everything and keeps float32
+// weights; the two differ by the bf16 rounding of the weights (relative 2^-9 each).
+//
+// Value accumulators are kept in "pair order": V rows are read two at a time and
+// interleaved (vpunpck{l,h}wd) into (row t, row t+1) pairs of one dim, which vdpbf16ps
+// multiplies by the broadcast weight pair (p_t, p_t+1). Within each 32-dim chunk c, lane j
+// (0..15) of the unpack-low accumulator holds dim 32c + 8 (j / 4) + j % 4 and of the
+// unpack-high one dim 32c + 8 (j / 4) + 4 + j % 4. `pair_order_dim` maps a buffer index
+// (32c + 16 half + j) to its dim; the partial state is written back in dim order.
+inline int64_t pair_order_dim(int64_t index) {
+  const int64_t chunk = index / 32, half = (index / 16) % 2, lane = index % 16;
+  return 32 * chunk + 8 * (lane / 4) + 4 * half + lane % 4;
+}
+
+// s[g * kTile + t] = scale * (q_g . row t) for the G queries of q (bf16, [G, D]) and the n
+// rows of a tile. Query g's D / 32 vectors stay in registers while 16 rows stream past;
+// each row's 16-lane partial sums are reduced 16 rows at a time by one transposing tree.
+template <int D, int G, typename Prefetch>
+inline void scores_dot(const uint16_t* q, const uint16_t* const* rows, int64_t n, float scale, float* s,
+                       Prefetch&& prefetch_next) {
+  constexpr int kChunks = D / 32;
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - t0);
+    for (int64_t t = t0; t < t0 + m; ++t) prefetch_next(t);
+    for (int g = 0; g < G; ++g) {
+      __m512i qv[kChunks];
+      for (int c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_si512(q + g * D + 32 * c);
+      __m512 partial[16];
+      for (int64_t t = 0; t < 16; ++t) {
+        __m512 a = _mm512_setzero_ps();
+        if (t < m) {
+          for (int c = 0; c < kChunks; ++c) a = kvforge_bf16::dot_pairs(a, _mm512_loadu_si512(rows[t0 + t] + 32 * c), qv[c]);
+        }
+        partial[t] = a;
+      }
+      // Lanes past n hold 0 and land in s[n .. t0 + 16), inside the kTile scores of g.
+      _mm512_storeu_ps(s + g * kTile + t0, _mm512_mul_ps(kvforge_bf16::sums16(partial), sc));
+    }
   }
 }
+
+// acc[g] (pair order, [G, D]) += sum_t w[g * kTile + t] v_t over the tile's n rows, two rows
+// at a time; an odd last row is paired with a zero row (its partner's weight is 0 too).
+// Dims are done 64 at a time so that G x 4 accumulators stay in registers.
+template <int D, int G>
+inline void values_dot(const uint16_t* const* rows, int64_t n, const uint16_t* w, float* acc) {
+  alignas(64) static const uint16_t zero_row[D] = {};
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 a[G][4];
+    for (int g = 0; g < G; ++g) {
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm512_loadu_ps(acc + g * D + d0 + 16 * i);
+    }
+    for (int64_t t = 0; t < n; t += 2) {
+      const uint16_t* r0 = rows[t] + d0;
+      const uint16_t* r1 = t + 1 < n ? rows[t + 1] + d0 : zero_row;
+      const __m512i x0 = _mm512_loadu_si512(r0), x1 = _mm512_loadu_si512(r0 + 32);
+      const __m512i y0 = _mm512_loadu_si512(r1), y1 = _mm512_loadu_si512(r1 + 32);
+      const __m512i pairs[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
+                                _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
+      for (int g = 0; g < G; ++g) {
+        uint32_t word;  // (w_t, w_t+1): t is even, so the pair is one aligned 32-bit word
+        std::memcpy(&word, w + g * kTile + t, sizeof(word));
+        const __m512i weights = _mm512_set1_epi32(static_cast<int>(word));
+        for (int i = 0; i < 4; ++i) a[g][i] = kvforge_bf16::dot_pairs(a[g][i], pairs[i], weights);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + g * D + d0 + 16 * i, a[g][i]);
+    }
+  }
+}
+
+// The bf16 dot path of one unit: same partial state (m, l, acc in dim order) as run_unit.
+// Queries are handled up to 4 at a time (G4 <= 4: registers), rows tile by tile.
+template <int D>
+void run_unit_dot(const Unit& unit, const Problem& p, const c10::BFloat16* k_pages, const c10::BFloat16* v_pages,
+                  float* m, float* l, float* acc_out, std::vector<float>& scratch) {
+  const int64_t group = p.group;
+  const int64_t b = unit.pair / p.kv_heads;
+  const int64_t h = unit.pair % p.kv_heads;
+  // scratch: pair-order accumulators [group, D], scores [group, kTile], bf16 weights
+  // [group, kTile] (as kTile / 2 floats per query).
+  scratch.resize(group * D + group * kTile + group * kTile / 2);
+  float* acc = scratch.data();
+  float* scores = acc + group * D;
+  auto* weights = reinterpret_cast<uint16_t*>(scores + group * kTile);
+  const int64_t first_head = b * p.kv_heads * group + h * group;
+  const uint16_t* q = p.q_bf16 + first_head * D;
+  if (unit.with_self) {
+    // The own token is always visible: seeding with it (weight exactly 1) keeps every row
+    // finite. Its score is computed from the widened (exact) values in float32.
+    const float* ks = p.k_self + (b * p.kv_heads + h) * D;
+    const float* vs = p.v_self + (b * p.kv_heads + h) * D;
+    for (int64_t g = 0; g < group; ++g) {
+      m[g] = dot<NativeVec>(p.q + (first_head + g) * D, ks, D) * p.scale;
+      l[g] = 1.f;
+      for (int64_t i = 0; i < D; ++i) acc[g * D + i] = vs[pair_order_dim(i)];
+    }
+  } else {
+    for (int64_t g = 0; g < group; ++g) {
+      m[g] = -std::numeric_limits<float>::infinity();
+      l[g] = 0.f;
+    }
+    std::fill(acc, acc + group * D, 0.f);
+  }
+  walk_tiles(unit, p, k_pages, v_pages, [&](const TileRows<c10::BFloat16>& tile, auto&& prefetch_next) {
+    const auto* k_rows = reinterpret_cast<const uint16_t* const*>(tile.k);
+    const auto* v_rows = reinterpret_cast<const uint16_t* const*>(tile.v);
+    for (int64_t g0 = 0; g0 < group; g0 += kMaxFusedGroup) {
+      with_group(std::min(kMaxFusedGroup, group - g0), [&](auto g_) {
+        constexpr int G = decltype(g_)::value;
+        // (with more than 4 queries the later passes re-issue prefetches in flight: harmless)
+        scores_dot<D, G>(q + g0 * D, k_rows, tile.n, p.scale, scores + g0 * kTile, prefetch_next);
+      });
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float correction = kvforge_bf16::softmax_block(scores + g * kTile, tile.n - 1, m[g], l[g],
+                                                           weights + g * kTile);
+      if (correction != 1.f) {
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(acc + g * D + i, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + i), c));
+      }
+    }
+    for (int64_t g0 = 0; g0 < group; g0 += kMaxFusedGroup) {
+      with_group(std::min(kMaxFusedGroup, group - g0), [&](auto g_) {
+        values_dot<D, decltype(g_)::value>(v_rows, tile.n, weights + g0 * kTile, acc + g0 * D);
+      });
+    }
+  });
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t i = 0; i < D; ++i) acc_out[g * D + pair_order_dim(i)] = acc[g * D + i];
+  }
+}
+
+// Runs the unit on the bf16 dot path if it applies (bf16 q and pages, head dim 64, 128 or
+// 256); returns false otherwise, and the caller takes the float path.
+template <typename scalar_t>
+bool try_run_unit_dot(const Unit& unit, const Problem& p, const scalar_t* k_pages, const scalar_t* v_pages, float* m,
+                      float* l, float* acc, std::vector<float>& scratch) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (p.q_bf16 == nullptr) return false;
+    switch (p.dim) {
+      case 64:
+        return run_unit_dot<64>(unit, p, k_pages, v_pages, m, l, acc, scratch), true;
+      case 128:
+        return run_unit_dot<128>(unit, p, k_pages, v_pages, m, l, acc, scratch), true;
+      case 256:
+        return run_unit_dot<256>(unit, p, k_pages, v_pages, m, l, acc, scratch), true;
+      default:
+        return false;
+    }
+  }
+  return false;
+}
+#endif  // KVFORGE_BF16_DOT
 
 PageGeometry geometry(const at::Tensor& pages) {
   return {pages.size(1), pages.size(2), pages.stride(0), pages.stride(1), pages.stride(2)};
@@ -600,10 +792,17 @@ void run_units(const std::vector<Unit>& units, const Problem& problem, const at:
   const scalar_t* vp = v_pages.data_ptr<scalar_t>();
   const int64_t group = problem.group;
   const int64_t stride = group * (problem.dim + 2);
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+  // Threads take units from a shared counter: a thread slowed down (by another process or
+  // by a slower memory region) takes fewer, and both finish together.
+  const int64_t count = static_cast<int64_t>(units.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
     std::vector<float> scratch;
-    for (int64_t u = begin; u < end; ++u) {
+    for (int64_t u = next++; u < count; u = next++) {
       float* state = partial + u * stride;
+#ifdef KVFORGE_BF16_DOT
+      if (try_run_unit_dot(units[u], problem, kp, vp, state, state + group, state + 2 * group, scratch)) continue;
+#endif
       run_unit<V, scalar_t>(units[u], problem, kp, vp, state, state + group, state + 2 * group, scratch);
     }
   });
@@ -627,6 +826,28 @@ void dispatch_dtype(const std::vector<Unit>& units, const Problem& problem, cons
       TORCH_CHECK(false, "paged_decode_attention: storage dtype must be float32, bfloat16, float16, "
                   "float8_e4m3fn or float8_e5m2");
   }
+}
+
+// True when bf16 queries over bf16 pages take the bf16 dot path in this build.
+bool bf16_dot_applies(at::ScalarType io_dtype, at::ScalarType storage) {
+#ifdef KVFORGE_BF16_DOT
+  return io_dtype == at::kBFloat16 && storage == at::kBFloat16 && g_bf16_dot.load();
+#else
+  (void)io_dtype;
+  (void)storage;
+  return false;
+#endif
+}
+
+// Test hook: turns the bf16 dot path on or off for the process; returns the previous setting.
+bool set_bf16_dot(bool enabled) { return g_bf16_dot.exchange(enabled); }
+
+bool bf16_dot_supported() {
+#ifdef KVFORGE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
 }
 
 using kvforge_convert::floats_of;
@@ -711,7 +932,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_self,
   const Problem problem{kv_heads, group, dim, page_table.size(1), static_cast<float>(scale),
                         floats_of(q, q_buffer), floats_of(k_self, k_self_buffer), floats_of(v_self, v_self_buffer),
                         page_table.data_ptr<int64_t>(), geometry(k_pages), geometry(v_pages),
-                        scale_geometry(k_scales, float8), scale_geometry(v_scales, float8)};
+                        scale_geometry(k_scales, float8), scale_geometry(v_scales, float8),
+                        bf16_dot_applies(io_dtype, k_pages.scalar_type())
+                            ? reinterpret_cast<const uint16_t*>(q.data_ptr()) : nullptr};
   const int64_t stride = group * (dim + 2);
   std::vector<float> partial(units.size() * stride);
 #ifdef KVFORGE_NATIVE_VEC
@@ -765,6 +988,8 @@ TORCH_LIBRARY(kvforge_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_self, Tensor v_self, Tensor k_pages, "
         "Tensor v_pages, Tensor page_table, Tensor first_page_position, Tensor visible_from, "
         "Tensor visible_to, float scale, Tensor k_scales, Tensor v_scales) -> Tensor");
+  m.def("bf16_dot_supported() -> bool", &bf16_dot_supported);
+  m.def("set_bf16_dot(bool enabled) -> bool", &set_bf16_dot);
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu, CPU, m) {

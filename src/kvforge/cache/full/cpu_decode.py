@@ -8,6 +8,12 @@ states are merged, with `at::parallel_for` (so `torch.set_num_threads` applies).
 `heads // kv_heads` queries of a group are processed together, so each loaded row serves
 all of them.
 
+bf16 queries over bf16 pages take a bf16 dot-product path where the CPU has AVX512-BF16
+(head dims 64, 128, 256): vdpbf16ps for q.k and for P V, float32 softmax, weights rounded
+to bf16 once (the precision of ATen's bf16 flash attention; cpu_bf16_attention.h). It
+computes about twice as much per instruction as the widening float path, which stays the
+reference: `bf16_dot(False)` turns the dot path off for the process (tests compare them).
+
 The kernel is built lazily by `cpu_kernels_available()` with
 `torch.utils.cpp_extension.load` (needs a C++ compiler and `ninja`). Success or failure is
 cached for the process; a failure is logged once as a warning and callers fall back to the
@@ -16,13 +22,15 @@ PyTorch path. `KVFORGE_DISABLE_CPU_KERNELS=1` forces the fallback.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from kvforge.kernels.build import DISABLE_ENV, FLOAT_IO_DTYPES, CppKernel
 
-__all__ = ["DISABLE_ENV", "cpu_kernels_available", "paged_decode_attention_cpu"]
+__all__ = ["DISABLE_ENV", "bf16_dot", "bf16_dot_supported", "cpu_kernels_available", "paged_decode_attention_cpu"]
 
 # torch.ops.kvforge_cpu.paged_decode_attention (TORCH_LIBRARY in the source). The build
 # (flag fallbacks, fingerprinted build directory, lazy lock, warning) is `build.CppKernel`.
@@ -35,6 +43,24 @@ SOURCE = _KERNEL.source
 def cpu_kernels_available() -> bool:
     """True when the compiled kernel can be used (builds it on the first call)."""
     return _KERNEL.available()
+
+
+def bf16_dot_supported() -> bool:
+    """True when the built kernel has the bf16 dot path (AVX512-BF16 at build time)."""
+    return cpu_kernels_available() and bool(torch.ops.kvforge_cpu.bf16_dot_supported())
+
+
+@contextmanager
+def bf16_dot(enabled: bool) -> Iterator[None]:
+    """Within the block, bf16-over-bf16 decode attention takes the bf16 dot path (True, the
+    default) or the widening float path (False); process-wide, restored on exit."""
+    if not cpu_kernels_available():
+        raise RuntimeError("the CPU paged attention kernel is not available")
+    previous = torch.ops.kvforge_cpu.set_bf16_dot(enabled)
+    try:
+        yield
+    finally:
+        torch.ops.kvforge_cpu.set_bf16_dot(previous)
 
 
 def paged_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor,

@@ -90,7 +90,15 @@ def _kivi_long_context_int8(doc: Document) -> str:
     return (f"bf16: **{ratio(ours)}x** generated tokens/s with {options(ours)}{beside} "
             f"({st['num_requests']} x {st['input_len']}+{st['output_len']} tokens, {st['kv_budget'] // 10**6}MB, "
             f"{order}); "
-            f"decode attention {fmt(ours['decode_attention_ms'], '{:.1f}')}{attention} ms a step (timed run)")
+            f"decode attention {fmt(ours['decode_attention_ms'], '{:.1f}')}{attention} ms a step (timed run)"
+            + _read_bandwidth(doc))
+
+
+def _read_bandwidth(doc: Document) -> str:
+    """The machine's read bandwidth measured in the run, where it has one: memory-bound
+    systems (the fp16 full cache) slow down with it more than compute-bound ones."""
+    peak = (doc.get("peak") or {}).get("read_gbps")
+    return f"; read bandwidth {peak:.0f} GB/s in the run" if peak else ""
 
 
 def _kivi_front(doc: Document) -> str:
@@ -125,7 +133,8 @@ def _cpu_decode(doc: Document) -> str:
     ours = doc["systems"][0]
     s = doc["settings"]
     return (_against_peers(doc, f"batch-{s['batch']} decode ({s['context']}-token context), generated tokens/s:")
-            + f"; {ours['fraction_of_read_bandwidth']:.0%} of the read bandwidth")
+            + f"; {ours['fraction_of_read_bandwidth']:.0%} of the read bandwidth measured in the run"
+            + (f" ({doc['peak']['read_gbps']:.0f} GB/s)" if (doc.get("peak") or {}).get("read_gbps") else ""))
 
 
 def _cpu_prefill(doc: Document) -> str:
@@ -248,6 +257,8 @@ ROWS = [
         "bench/cpu_decode_b1_bf16_vs_llamacpp.json", _cpu_decode, "llama.cpp, same weights, same threads", ""),
     Row("CPU engine, bf16, batch 16", "", "bench/cpu_decode_b16_bf16_vs_llamacpp.json", _cpu_decode,
         "llama.cpp F16 and as shipped (Q4_1)", ""),
+    Row("CPU engine, bf16, batch 16", "", "bench/cpu_decode_b16_bf16_vs_hf.json", _cpu_decode,
+        "transformers, same weights and dtype", ""),
     Row("CPU engine, bf16, prefill", "", "bench/cpu_prefill_2048_bf16_vs_llamacpp.json", _cpu_prefill,
         "llama.cpp F16", ""),
 ]

@@ -94,10 +94,15 @@ def _kivi_long_context_int8(doc: Document) -> str:
             + _read_bandwidth(doc))
 
 
+def _run_read_gbps(doc: Document) -> float | None:
+    """The machine's read bandwidth measured in the run (GB/s), where the file has it."""
+    return (doc.get("peak") or {}).get("read_gbps")
+
+
 def _read_bandwidth(doc: Document) -> str:
-    """The machine's read bandwidth measured in the run, where it has one: memory-bound
-    systems (the fp16 full cache) slow down with it more than compute-bound ones."""
-    peak = (doc.get("peak") or {}).get("read_gbps")
+    """The run's read bandwidth as a row suffix: memory-bound systems (the fp16 full cache)
+    slow down with it more than compute-bound ones."""
+    peak = _run_read_gbps(doc)
     return f"; read bandwidth {peak:.0f} GB/s in the run" if peak else ""
 
 
@@ -134,7 +139,7 @@ def _cpu_decode(doc: Document) -> str:
     s = doc["settings"]
     return (_against_peers(doc, f"batch-{s['batch']} decode ({s['context']}-token context), generated tokens/s:")
             + f"; {ours['fraction_of_read_bandwidth']:.0%} of the read bandwidth measured in the run"
-            + (f" ({doc['peak']['read_gbps']:.0f} GB/s)" if (doc.get("peak") or {}).get("read_gbps") else ""))
+            + (f" ({peak:.0f} GB/s)" if (peak := _run_read_gbps(doc)) else ""))
 
 
 def _cpu_prefill(doc: Document) -> str:

@@ -691,7 +691,7 @@ inline void values_dot(const uint16_t* const* rows, int64_t n, const uint16_t* w
 }
 
 // The bf16 dot path of one unit: same partial state (m, l, acc in dim order) as run_unit.
-// Queries are handled up to 4 at a time (G4 <= 4: registers), rows tile by tile.
+// Queries are handled up to kMaxFusedGroup at a time (registers), rows tile by tile.
 template <int D>
 void run_unit_dot(const Unit& unit, const Problem& p, const c10::BFloat16* k_pages, const c10::BFloat16* v_pages,
                   float* m, float* l, float* acc_out, std::vector<float>& scratch) {
@@ -828,20 +828,6 @@ void dispatch_dtype(const std::vector<Unit>& units, const Problem& problem, cons
   }
 }
 
-// True when bf16 queries over bf16 pages take the bf16 dot path in this build.
-bool bf16_dot_applies(at::ScalarType io_dtype, at::ScalarType storage) {
-#ifdef KVFORGE_BF16_DOT
-  return io_dtype == at::kBFloat16 && storage == at::kBFloat16 && g_bf16_dot.load();
-#else
-  (void)io_dtype;
-  (void)storage;
-  return false;
-#endif
-}
-
-// Test hook: turns the bf16 dot path on or off for the process; returns the previous setting.
-bool set_bf16_dot(bool enabled) { return g_bf16_dot.exchange(enabled); }
-
 bool bf16_dot_supported() {
 #ifdef KVFORGE_BF16_DOT
   return true;
@@ -849,6 +835,14 @@ bool bf16_dot_supported() {
   return false;
 #endif
 }
+
+// True when bf16 queries over bf16 pages take the bf16 dot path in this build.
+bool bf16_dot_applies(at::ScalarType io_dtype, at::ScalarType storage) {
+  return bf16_dot_supported() && io_dtype == at::kBFloat16 && storage == at::kBFloat16 && g_bf16_dot.load();
+}
+
+// Test hook: turns the bf16 dot path on or off for the process; returns the previous setting.
+bool set_bf16_dot(bool enabled) { return g_bf16_dot.exchange(enabled); }
 
 using kvforge_convert::floats_of;
 using kvforge_convert::store_rounded;

@@ -3,6 +3,7 @@ paged CPU kernel on the same sequences, timed alternately in one process.
 
     python benchmarks/kivi_kernel_micro.py [--threads 2 1] [--batch 16] [--context 2048]
         [--repeats 15] [--baseline-source OLD.cpp] [--pre-rope] [--int8-keys] [--int8-values]
+        [--methods REGEX]
 
 Geometry defaults to smollm2-135m (3 kv heads, 9 query heads, head_dim 64) with KIVI's
 G=32, R=128. Every method gets a store of `--layers` layers (more than the last-level
@@ -40,7 +41,12 @@ import torch
 
 from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
 from kvforge.cache.kivi.attention import kivi_decode_attention
-from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
+from kvforge.cache.kivi.cpu_decode import (
+    KEY_DOT_CODES,
+    VALUE_DOT_CODES,
+    cpu_kivi_kernel_available,
+    kivi_decode_attention_cpu,
+)
 from kvforge.cache.kivi.key_space import StoredKeys
 from kvforge.cache.kivi.store import KIVILayerView
 from kvforge.config import RopeConfig
@@ -95,10 +101,13 @@ def baseline_op(path: Path) -> Callable:
     assert kernel.available(), "the baseline source did not build"
     op = torch.ops.kvforge_cpu_kivi_baseline.kivi_decode_attention
 
-    def call(q, k_self, v_self, view, page_table, first, visible_from, lengths, slots, scale):
+    def call(q, k_self, v_self, view, page_table, first, visible_from, lengths, slots, scale, key_dot="float",
+             value_dot="float"):
+        dots = () if key_dot == value_dot == "float" else (
+            None, None, 0, None, None, KEY_DOT_CODES[key_dot], VALUE_DOT_CODES[value_dot])
         return op(q, k_self, v_self, view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale,
                   view.v_zero, view.k_res, view.v_res, page_table, first, visible_from, lengths, slots, scale,
-                  view.bits)
+                  view.bits, *dots)
     return call
 
 
@@ -137,6 +146,10 @@ def build_methods(options: argparse.Namespace, x: dict) -> dict[str, tuple[Calla
             methods[f"kivi-{bits}-int8-kv"] = (
                 lambda i, args=args: kivi_decode_attention_cpu(*args(i), key_dot="int8", value_dot="int8"),
                 lambda i, args=args: kivi_decode_attention(*args(i), tile_pages=8, key_dot="int8", value_dot="int8"))
+            if baseline is not None:
+                methods[f"kivi-{bits}-int8-kv-baseline"] = (
+                    lambda i, args=args: baseline(*args(i), key_dot="int8", value_dot="int8"),
+                    methods[f"kivi-{bits}-int8-kv"][1])
         if options.pre_rope:
             keys = StoredKeys(RotaryEmbedding(dim, RopeConfig(theta=10000.0)))
             tables = keys.rope_tables(int(x["lengths"].max()))
@@ -184,11 +197,14 @@ def main() -> None:
     parser.add_argument("--int8-keys", action="store_true", help="also time kivi:key_dot=int8 (integer-domain scores)")
     parser.add_argument("--int8-values", action="store_true",
                         help="also time kivi:key_dot=int8,value_dot=int8 (integer-domain scores and value sums)")
+    parser.add_argument("--methods", default=None, help="time only the methods whose name matches this regex")
     options = parser.parse_args()
     assert cpu_kernels_available() and cpu_kivi_kernel_available(), "a CPU kernel did not build"
     torch.manual_seed(0)
     x = make_inputs(options)
     methods = build_methods(options, x)
+    if options.methods:
+        methods = {name: m for name, m in methods.items() if re.fullmatch(options.methods, name)}
     for name, (call, reference) in methods.items():
         if reference is not None:
             torch.testing.assert_close(call(0), reference(0), rtol=1e-4, atol=1e-4,
@@ -205,6 +221,8 @@ def main() -> None:
             row = "  ".join(f"{name} {value:6.2f}" for name, value in ns.items())
             ratios = "  ".join(f"{name}/{full} {ns[name] / ns[full]:.2f}" for name in ns if name.startswith("kivi")
                                for full in ns if full.startswith("full"))
+            ratios += "".join(f"  {name[:-len('-baseline')]}/baseline {ns[name[:-len('-baseline')]] / ns[name]:.3f}"
+                              for name in ns if name.endswith("-baseline") and name[:-len("-baseline")] in ns)
             print(f"threads={threads} {label:11s}: {row}\n{'':23s}{ratios}")
 
 

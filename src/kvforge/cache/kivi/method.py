@@ -59,7 +59,8 @@ from kvforge.cache.kivi.key_space import KeyTransform, StoredKeys
 from kvforge.cache.kivi.plan import Decode, Flush, GroupPlan, Prefill, ResidualWrites, SequenceState
 from kvforge.cache.kivi.prefill import kivi_chunk_attention_fast
 from kvforge.cache.kivi.rotation import hadamard_matrix, rotate, unrotate
-from kvforge.cache.kivi.store import KIVILayerView, KIVIStore, page_bytes, store_key_pages, store_value_tokens
+from kvforge.cache.kivi.step_writes import flush_group, write_residuals
+from kvforge.cache.kivi.store import KIVILayerView, KIVIStore, page_bytes
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import RELEASED, LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
@@ -321,23 +322,9 @@ class KIVICache(CacheMethod):
         writes = self._residual_writes
         assert writes is not None
         for group in range(self.groups.num_groups):  # before the residual writes overwrite the rings
-            self._flush(group)
-        # The rows that stay in the residuals, every written layer in one indexed write per
-        # ring (a write per layer and ring cost ~1 ms a step on a 30-layer model).
-        written = list(self._step_kv)
-        layer_index = upload(torch.tensor(written, dtype=torch.long), self.device)[:, None]
-        for store, which, (rows, slots, offsets), every_row in (
-                (self.store.k_res, 0, writes.key, writes.key_rows_all),
-                (self.store.v_res, 1, writes.value, writes.value_rows_all)):
-            if rows.numel():
-                values = torch.stack([self._step_kv[layer][which] for layer in written])
-                store[layer_index, slots[None], :, offsets[None]] = (
-                    values if every_row else values[:, rows]).to(self.residual_dtype)
-        for cache_layer, (k, v) in self._step_kv.items():
-            rows, slots, tokens = writes.sink
-            if rows.numel() and self.store.k_sink is not None and self.store.v_sink is not None:
-                self.store.k_sink[cache_layer][slots, :, tokens] = k[rows].to(self.residual_dtype)
-                self.store.v_sink[cache_layer][slots, :, tokens] = v[rows].to(self.residual_dtype)
+            flush_group(self.store, self._plans[group].flush, self.groups.layers[group], self._step_kv,
+                        self.residual_dtype, self.device)
+        write_residuals(self.store, writes, self._step_kv, self.residual_dtype, self.device)
         for span in batch.spans:
             self._seqs[span.seq_id].num_tokens = span.total_len
             self.pages.commit(span.seq_id, self.quantized_keys(span.total_len))
@@ -345,44 +332,6 @@ class KIVICache(CacheMethod):
         self._residual_writes = None
         self._step_kv = {}
         self._step_attention_keys = {}
-
-    def _flush(self, group: int) -> None:
-        """Quantise the tokens of this step that leave the residuals (the plan's `Flush`) into
-        their pages: one call for the whole layer group when every layer of it was written."""
-        flush = self._plans[group].flush
-        if not flush.key_pages.numel() and not flush.value_slots.numel():
-            return
-        layers = self.groups.layers[group]
-        if all(layer in self._step_kv for layer in layers):
-            parts = [(list(layers), self.store.all_layers(), True)]
-        else:  # some layer not written this step (not done by the engine): layer by layer
-            parts = [([layer], self.store.layer(index, layer), False)
-                     for index, layer in enumerate(layers) if layer in self._step_kv]
-        for written, view, whole_group in parts:
-            index = upload(torch.tensor(written, dtype=torch.long), self.device)
-
-            def leaving(res: torch.Tensor, which: int, source: tuple[torch.Tensor, torch.Tensor],
-                        rows: torch.Tensor, order: torch.Tensor, written: list[int] = written,
-                        index: torch.Tensor = index, whole_group: bool = whole_group) -> torch.Tensor:
-                """[layers, tokens, H, D] (no layer dim for one layer): residual reads, then
-                rows of the step, put back in token order, in residual_dtype."""
-                slots, offsets = source
-                old = res[index[:, None], slots, :, offsets]
-                if rows.numel():
-                    new = torch.stack([self._step_kv[layer][which][rows] for layer in written])
-                    old = torch.cat((old, new.to(self.residual_dtype)), dim=1)
-                tokens = old[:, order]
-                return tokens if whole_group else tokens[0]
-
-            if flush.key_pages.numel():
-                keys = leaving(self.store.k_res, 0, flush.key_res, flush.key_rows, flush.key_order)
-                fill_to, fill_from = flush.key_fill
-                if fill_to.numel():
-                    keys = keys.index_copy(-3, fill_to, keys.index_select(-3, fill_from))
-                store_key_pages(view, keys, flush.key_pages)
-            if flush.value_slots.numel():
-                values = leaving(self.store.v_res, 1, flush.value_res, flush.value_rows, flush.value_order)
-                store_value_tokens(view, values, flush.value_slots)
 
     # -- planning ---------------------------------------------------------------------
     def _tensor(self, values: list[int]) -> torch.Tensor:

@@ -84,10 +84,16 @@ def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
     # 1. Own chunk: heads-major [heads, L, D]. bf16 on the CPU: the causal kernel, which
     # reads grouped K/V in place (its precision is the full cache's bf16 prefill); else
     # float32 with GQA by expanding the chunk's K/V (small).
-    qh = q.float().transpose(0, 1)
     own = None
     if window is None or window >= length:
         own = causal_attention(q, k_new.transpose(0, 1), v_new.transpose(0, 1), scale)
+    if own is not None and cached_len <= past_from:
+        # Nothing stored is visible (a prompt's first chunk): the kernel's output [L, heads,
+        # D] in q's dtype is the answer. The merge below would widen it to float32 and round
+        # it back (exact), through ~5 chunk-sized float32 temporaries a layer; at 2,048
+        # tokens their fresh pages cost 30-900 ms a prefill step on this machine.
+        return own[0]
+    qh = q.float().transpose(0, 1)
     if own is not None:
         out, lse = own[0].float().transpose(0, 1).contiguous(), own[1]
     else:

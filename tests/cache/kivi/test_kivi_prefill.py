@@ -131,10 +131,13 @@ def test_lse_merge_equals_attention_over_the_union():
     torch.testing.assert_close(merge.lse, whole_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_chunks_attend_their_own_keys_through_the_causal_kernel(monkeypatch):
-    """bf16, head dim 64: each chunk's own part goes through kernels/cpu_causal_attention
-    (its log-sum-exp merged with the stored parts), within bf16 rounding of the float32
-    reference path over the same storage."""
+@pytest.mark.parametrize("window", [None, 128])
+def test_bf16_chunks_attend_their_own_keys_through_the_causal_kernel(monkeypatch, window):
+    """bf16, head dim 64: each chunk's own part goes through kernels/cpu_causal_attention,
+    within bf16 rounding of the float32 reference path over the same storage. Without a
+    window a later chunk's stored tokens go into the same kernel call; with one (128 >= every
+    chunk, < the longest sequence) the stored part is walked with its window mask and
+    merged by log-sum-exp."""
     from kvforge.kernels.cpu_causal_attention import causal_attention_available
 
     calls = []
@@ -145,7 +148,7 @@ def test_bf16_chunks_attend_their_own_keys_through_the_causal_kernel(monkeypatch
 
     monkeypatch.setattr(kivi_prefill, "causal_attention", spy)
     dim = 64
-    specs = [CacheLayerSpec(KV_HEADS, dim, dim ** -0.5, None)]
+    specs = [CacheLayerSpec(KV_HEADS, dim, dim ** -0.5, window)]
     caches = {path: create_cache(f"kivi:bits=2,group={G},residual={R},decode_kernel=torch,prefill_attention={path},"
                                  "prefill_tile_tokens=16,decode_tile_tokens=16",
                                  CacheLayout.one_per_layer(specs), 1 << 24, torch.bfloat16)

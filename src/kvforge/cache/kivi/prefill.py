@@ -13,7 +13,11 @@ sliding window or a partly released first page they are attended with no mask at
 query heads of a kv head are folded into rows ([H, group * L, D]), so grouped-query
 attention needs no copy of the dequantised K/V.
 
-No sequence's cache is ever dequantised whole: at most one tile plus the residual.
+bf16 on the CPU, where every row sees every stored token (no sliding window, nothing
+released) and at most MAX_PAST_IN_ONE_CALL tokens are stored, parts 1-3 are one call of the
+causal kernel instead, over the stored tokens rounded to bf16 followed by the chunk's own
+(`_past_and_own_in_one_call`). Otherwise no sequence's cache is ever dequantised whole: at
+most one tile plus the residual.
 
 `attention_with_lse` uses ATen's CPU flash-attention operator, which returns the
 log-sum-exp beside the output; elsewhere (other devices or dtypes) a plain float32 path
@@ -22,13 +26,15 @@ computes the same. Both are float32 throughout.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 
 from kvforge.cache.attention import _FLASH_CPU, LseMerge, visibility_mask
 from kvforge.cache.kivi.attention import stored_parts
 from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView
-from kvforge.kernels.cpu_causal_attention import causal_attention
+from kvforge.kernels.cpu_causal_attention import causal_attention, causal_attention_available
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
@@ -68,6 +74,40 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return out, lse
 
 
+# Stored tokens up to which a bf16 chunk attends them and its own K/V in one causal-kernel
+# call: their bf16 copy is 4 * H * D bytes a token (3 MiB a layer at 4,096 tokens on
+# smollm2-135m); longer pasts keep the tile walk, which never holds more than a tile.
+MAX_PAST_IN_ONE_CALL = 32768
+
+
+def _past_and_own_in_one_call(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, past_len: int,
+                              scale: float, parts: Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]]]
+                              ) -> torch.Tensor | None:
+    """A later chunk of a bf16 prompt whose rows all see every stored token (no window, none
+    released): the stored tokens (`parts()`, dequantised in float32, then rounded to bf16)
+    followed by the chunk's own K/V, through kernels/cpu_causal_attention in one call (the
+    chunk's queries are the last L of the past_len + L keys). Returns out [L, heads, D] or
+    None where the kernel does not apply (not bf16, too long a past, autograd, no kernel).
+
+    Precision: the stored keys and values are rounded to bf16 before the dot products, as
+    the full cache's bf16 pages are; the float32 tile walk keeps them in float32. Speed: an
+    8,000-token bf16 prompt in 2,048-token chunks (smollm2-135m, 2 threads) spent 15.6 s in
+    KIVI's attention with the walk (ATen's float32 attention per tile) and 8.7 s with this,
+    against the full cache's 8.6 s."""
+    if (q.dtype != torch.bfloat16 or not q.is_cpu or past_len > MAX_PAST_IN_ONE_CALL
+            or (torch.is_grad_enabled() and q.requires_grad) or not causal_attention_available()):
+        return None
+    keys, values = [], []
+    for _, k, v in parts():
+        keys.append(k.to(torch.bfloat16))
+        values.append(v.to(torch.bfloat16))
+    keys.append(k_new.transpose(0, 1))
+    values.append(v_new.transpose(0, 1))
+    result = causal_attention(q, torch.cat(keys, dim=1), torch.cat(values, dim=1), scale)
+    return None if result is None else result[0]
+
+
 def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, view: KIVILayerView,
                               pages: torch.Tensor, first_page_position: int, past_from: int, cached_len: int,
                               slot: int, scale: float, window: int | None, tile_pages: int,
@@ -80,6 +120,14 @@ def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
     kv_heads = k_new.shape[1]
     group = heads // kv_heads
     q_pos = torch.arange(cached_len, cached_len + length, device=q.device)
+
+    if window is None and past_from < cached_len and past_from <= first_page_position:
+        # Every stored token is visible to every row: bf16 on the CPU takes one kernel call.
+        whole = _past_and_own_in_one_call(q, k_new, v_new, cached_len - first_page_position, scale,
+                                          lambda: stored_parts(view, pages, first_page_position, past_from,
+                                                               cached_len, slot, tile_pages, key_transform))
+        if whole is not None:
+            return whole
 
     # 1. Own chunk: heads-major [heads, L, D]. bf16 on the CPU: the causal kernel, which
     # reads grouped K/V in place (its precision is the full cache's bf16 prefill); else

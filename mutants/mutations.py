@@ -462,7 +462,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/cache/kivi/test_kivi_prefill.py",),
              "a later chunk's own attention is returned alone only when nothing stored is visible"),
     Mutation("kivi_prefill_one_call_drops_the_past", S + "cache/kivi/prefill.py",
-             "    for _, k, v in parts():\n", "    for _, k, v in []:\n",
+             "    for _, k, v in parts:\n", "    for _, k, v in []:\n",
              ("tests/cache/kivi/test_kivi_prefill.py",),
              "a later bf16 chunk attends every stored token beside its own"),
     Mutation("kivi_prefill_one_call_ignores_the_window", S + "cache/kivi/prefill.py",

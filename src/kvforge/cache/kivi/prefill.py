@@ -26,7 +26,7 @@ computes the same. Both are float32 throughout.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -81,11 +81,11 @@ MAX_PAST_IN_ONE_CALL = 32768
 
 
 def _past_and_own_in_one_call(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, past_len: int,
-                              scale: float, parts: Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor,
-                                                                               torch.Tensor]]]
+                              scale: float, parts: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
                               ) -> torch.Tensor | None:
     """A later chunk of a bf16 prompt whose rows all see every stored token (no window, none
-    released): the stored tokens (`parts()`, dequantised in float32, then rounded to bf16)
+    released): the stored tokens (`parts`, a lazy `stored_parts` walk: nothing is dequantised
+    unless the kernel applies; dequantised in float32, then rounded to bf16)
     followed by the chunk's own K/V, through kernels/cpu_causal_attention in one call (the
     chunk's queries are the last L of the past_len + L keys). Returns out [L, heads, D] or
     None where the kernel does not apply (not bf16, too long a past, autograd, no kernel).
@@ -99,7 +99,7 @@ def _past_and_own_in_one_call(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
             or (torch.is_grad_enabled() and q.requires_grad) or not causal_attention_available()):
         return None
     keys, values = [], []
-    for _, k, v in parts():
+    for _, k, v in parts:
         keys.append(k.to(torch.bfloat16))
         values.append(v.to(torch.bfloat16))
     keys.append(k_new.transpose(0, 1))
@@ -124,8 +124,8 @@ def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
     if window is None and past_from < cached_len and past_from <= first_page_position:
         # Every stored token is visible to every row: bf16 on the CPU takes one kernel call.
         whole = _past_and_own_in_one_call(q, k_new, v_new, cached_len - first_page_position, scale,
-                                          lambda: stored_parts(view, pages, first_page_position, past_from,
-                                                               cached_len, slot, tile_pages, key_transform))
+                                          stored_parts(view, pages, first_page_position, past_from, cached_len,
+                                                       slot, tile_pages, key_transform))
         if whole is not None:
             return whole
 

@@ -5,7 +5,9 @@ residual rings and sink buffers (`write_residuals`).
 Order matters and is the caller's: a layer group's flush reads the rings before the
 residual writes overwrite them. Both work on every written layer at once (one indexed read
 or write per tensor, not one per layer: on a 30-layer model a write per layer and ring cost
-about 1 ms a step).
+about 1 ms a step). On the CPU the value flush from the rings and the ring writes are one
+C++ call each (`cpu_quant.flush_value_tokens`, `cpu_quant.write_ring_rows`), which write the
+same bytes as the PyTorch expressions here.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvforge.cache.kivi.cpu_quant import flush_value_tokens, write_ring_rows
 from kvforge.cache.kivi.plan import Flush, ResidualWrites
 from kvforge.cache.kivi.store import KIVIStore, store_key_pages, store_value_tokens
 from kvforge.cache.step_plan import upload
@@ -60,6 +63,11 @@ def flush_group(store: KIVIStore, flush: Flush, layers: Sequence[int], step_kv: 
                 keys = keys.index_copy(-3, fill_to, keys.index_select(-3, fill_from))
             store_key_pages(view, keys, flush.key_pages)
         if flush.value_slots.numel():
+            # Every leaving value still in a ring (a decode step's): the C++ op reads them there.
+            if whole_group and not flush.value_rows.numel() and flush_value_tokens(
+                    store.v_res, index, *flush.value_res, flush.value_order, view.v_codes, view.v_scale,
+                    view.v_zero, flush.value_slots, view.vbits, view.value_group):
+                continue
             values = leaving(store.v_res, 1, flush.value_res, flush.value_rows, flush.value_order)
             store_value_tokens(view, values, flush.value_slots)
 
@@ -69,13 +77,16 @@ def write_residuals(store: KIVIStore, writes: ResidualWrites, step_kv: StepKV, r
     """The step's rows that stay in the residual rings (every written layer in one indexed
     write per ring) and the sink tokens it wrote."""
     written = list(step_kv)
-    layer_index = _layer_index(written, device)[:, None]
+    layers = _layer_index(written, device)
     for ring, which, (rows, slots, offsets), every_row in (
             (store.k_res, 0, writes.key, writes.key_rows_all),
             (store.v_res, 1, writes.value, writes.value_rows_all)):
         if rows.numel():
-            values = torch.stack([step_kv[layer][which] for layer in written])
-            ring[layer_index, slots[None], :, offsets[None]] = (
+            sources = [step_kv[layer][which] for layer in written]
+            if write_ring_rows(ring, layers, sources, rows, slots, offsets):
+                continue
+            values = torch.stack(sources)
+            ring[layers[:, None], slots[None], :, offsets[None]] = (
                 values if every_row else values[:, rows]).to(residual_dtype)
     rows, slots, tokens = writes.sink
     if rows.numel() and store.k_sink is not None and store.v_sink is not None:

@@ -145,3 +145,42 @@ def test_disable_env_is_read_on_every_call(value, disabled, monkeypatch):
     assert kernels_disabled() is disabled
     monkeypatch.delenv(DISABLE_ENV)
     assert not kernels_disabled()
+
+
+# -- argmax_rows: the sampler's greedy choice --------------------------------------------------
+@requires_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 63, 64, 65, 1000, 49152])
+def test_argmax_rows_is_torch_argmax(dtype, vocab):
+    """Ties go to the first maximum, NaN (argmax's largest) to the first NaN, all -inf to 0,
+    inside and across the op's 64-element blocks."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(8, vocab, generator=gen).to(dtype)
+    x[1] = 0.0
+    x[2, -1] = float("nan")
+    x[3] = float("-inf")
+    x[4, -1] = float("inf")
+    if vocab > 70:
+        x[5, 66], x[5, 3], x[5, 70] = 9.0, 9.0, 9.0  # equal maxima in two blocks: the earliest wins
+        x[6, 65], x[6, 2] = float("nan"), float("nan")
+        x[7, 64] = 9.0
+    assert torch.equal(cpu_fused.argmax_rows(x), torch.argmax(x, dim=-1))
+    if vocab > 70:
+        assert cpu_fused.argmax_rows(x)[5:8].tolist() == [3, 2, 64]
+
+
+@requires_kernel
+def test_greedy_sampling_takes_argmax_rows_without_a_float_copy(monkeypatch):
+    from kvforge.engine import sampling
+    from kvforge.engine.sampling import SamplingParams
+
+    seen = []
+    monkeypatch.setattr(sampling, "argmax_rows", lambda x: seen.append(x.dtype) or cpu_fused.argmax_rows(x))
+    logits = torch.randn(5, 300).bfloat16()
+    greedy = [SamplingParams(temperature=0)] * 5
+    assert sampling.sample(logits, greedy).token_ids == torch.argmax(logits.float(), -1).tolist()
+    assert seen == [torch.bfloat16]
+    # a banned id, or a sampled row, takes the float32 path (the op is not asked)
+    top = int(torch.argmax(logits[0].float()))
+    out = sampling.sample(logits, greedy, banned=[[top]] + [None] * 4)
+    assert out.token_ids[0] != top and len(seen) == 1

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvforge.errors import require
+from kvforge.kernels.cpu_fused import argmax_rows
 
 # Cumulative probabilities carry float32 rounding (about 1e-7); a prefix whose sum is
 # within this of top_p counts as reaching it, so probs [0.5, 0.3, ...] with top_p=0.8
@@ -176,8 +177,6 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     bans: Sequence[Collection[int] | None] = [None] * rows if banned is None else banned
     require(len(bans) == rows, "banned", len(bans), f"must have one entry per logits row ({rows})")
 
-    # Masked float32 view/copy; elementwise, so a row's values do not depend on the others.
-    work = logits.detach().float()  # the logits themselves when already float32
     ban_rows: list[int] = []
     ban_cols: list[int] = []
     for i, ids in enumerate(bans):
@@ -185,6 +184,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             if 0 <= t < vocab:
                 ban_rows.append(i)
                 ban_cols.append(int(t))
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    # Every row greedy, nothing banned (a plain decode step): one pass over the logits as
+    # they are, no float32 copy (argmax_rows is torch.argmax; None where it does not apply).
+    fast = argmax_rows(logits.detach()) if len(greedy_rows) == rows and not ban_rows else None
+    # Masked float32 view/copy; elementwise, so a row's values do not depend on the others.
+    work = logits.detach() if fast is not None else logits.detach().float()  # no copy when float32
     if ban_rows:
         if work.data_ptr() == logits.data_ptr():
             work = work.clone()  # never write into the caller's logits
@@ -192,8 +197,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         work[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = -math.inf
 
     tokens = torch.empty(rows, dtype=torch.long, device=work.device)
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    if len(greedy_rows) == rows:
+    if fast is not None:
+        tokens = fast
+    elif len(greedy_rows) == rows:
         tokens = work.argmax(dim=-1)
     elif greedy_rows:
         index = torch.tensor(greedy_rows, device=work.device)

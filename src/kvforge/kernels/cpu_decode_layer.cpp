@@ -18,8 +18,7 @@
 //     out = h + linear(silu(linear(y, Wg, bg)) * linear(y, Wu, bu), Wd, bd)
 //   llama_decode_layers_kivi(...) -> (hidden, keys, values): the same layers over a `kivi`
 //     cache; instead of the page stores each layer's k (after RoPE) and v are returned for
-//     the cache's end_step, and a = kivi_decode_attention(float(q), float(k), float(v), ...)
-//     narrowed to q's dtype (the KIVI cache's CPU kernel, as cache/kivi/cpu_decode.py calls it).
+//     the cache's end_step, and a = kivi_decode_attention(q, k, v, ...) in q's dtype (the KIVI cache's CPU kernel, as cache/kivi/cpu_decode.py calls it).
 //
 // INVARIANT: every step is the op the eager path (models/layers.py, models/llama.py,
 // cache/full/method.py, cache/kivi/method.py) calls for a decode-only step, with the same
@@ -212,8 +211,9 @@ constexpr size_t kKiviTensorsPerLayer = 8;  // k_codes, k_scale, k_zero, v_codes
 
 // The same layers over a `kivi` cache (post-RoPE keys, no rotation, the C++ decode kernel):
 // per layer the step's keys and values are returned for the cache's end_step (what its
-// `write` keeps), and attention is `kivi_decode_attention` on q, k, v widened to float32 and
-// its output narrowed to q's dtype, as cache/kivi/cpu_decode.py calls it. Layer i's storage:
+// `write` keeps), and attention is `kivi_decode_attention` on q, k, v (of one 16/32-bit
+// dtype as they are, else widened to float32) with its output in q's dtype, as
+// cache/kivi/cpu_decode.py calls it. Layer i's storage:
 // kivi[8 i .. 8 i + 7], sinks[2 i], sinks[2 i + 1].
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> llama_decode_layers_kivi(
     const at::Tensor& hidden, at::TensorList weights, const c10::List<OptTensor>& biases, double eps,
@@ -226,8 +226,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> llama_d
               "llama_decode_layers_kivi: per layer 8 storage tensors and 2 optional sinks");
   check_run(hidden, weights, biases, layers);
   const Shape shape{cos, sin, eps, num_heads, num_kv_heads, head_dim};
-  auto widened = [](const at::Tensor& t) {
-    return t.scalar_type() == at::kFloat && t.is_contiguous() ? t : t.to(at::kFloat).contiguous();
+  // As cache/kivi/cpu_decode.py passes them: q, k, v of one dtype as they are (the kernel
+  // widens 16-bit ones itself and returns q's dtype), else widened to float32.
+  auto widened = [](const at::Tensor& t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    const at::ScalarType d = q.scalar_type();
+    const bool native = (d == at::kFloat || d == at::kBFloat16 || d == at::kHalf) && k.scalar_type() == d &&
+                        v.scalar_type() == d;
+    const at::ScalarType io = native ? d : at::kFloat;
+    return t.scalar_type() == io && t.is_contiguous() ? t : t.to(io).contiguous();
   };
   std::vector<at::Tensor> keys, values;
   at::Tensor h = hidden;
@@ -238,7 +244,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> llama_d
                         keys.push_back(k);
                         values.push_back(v);
                         const at::Tensor out = kivi_attention().call(
-                            widened(q), widened(k), widened(v), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
+                            widened(q, q, k, v), widened(k, q, k, v), widened(v, q, k, v), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
                             page_table, first_page_position, visible_from, lengths, slots, scale, bits,
                             sinks.get(2 * i), sinks.get(2 * i + 1), value_bits, std::nullopt, std::nullopt, key_dot,
                             value_dot);

@@ -1,4 +1,5 @@
-// C++ source of the fused elementwise CPU ops of a decoder layer (see cpu_fused.py).
+// C++ source of the fused elementwise CPU ops of a decoder layer, and the greedy argmax of
+// a decode step's logits (see cpu_fused.py).
 //
 // In eager PyTorch an RMSNorm is ~8 ops and a rotary embedding ~6, each a dispatch, an
 // allocation and a pass over memory; at decode (one row per sequence) the dispatches
@@ -11,6 +12,10 @@
 //   rope_rotate(x [R, heads, D], cos [R, D], sin [R, D]) -> [R, heads, D], x's dtype
 //     y[d] = T(float(x[d]) * float(cos[d]) + float(rot[d]) * float(sin[d])),
 //     rot = (-x[D/2:], x[:D/2]) (rotate-half); computed in float, rounded once.
+//   argmax_rows(x [R, V]) -> int64 [R]: torch.argmax(x, dim=-1), the index of the first
+//     maximum of each row; a row holding NaN gives its first NaN (argmax orders NaN above
+//     every number). Compares x's own values (widening to float is exact), so no float32
+//     copy of the logits is made.
 //
 // INVARIANTS: every output row depends only on its own input row (rows are split over
 // threads whole, and each row's sums run in one fixed order), so a row's result does not
@@ -25,8 +30,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace {
 
@@ -96,6 +103,43 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* y, int64_t rows, int64
   });
 }
 
+// First index in [0, v) where pred(element) holds, or v: blocks of 64 tested without a
+// branch per element (vectorised), the hit located inside its block.
+template <typename T, typename Pred>
+int64_t first_where(const T* row, int64_t v, Pred pred) {
+  constexpr int64_t kBlock = 64;
+  int64_t start = 0;
+  for (; start + kBlock <= v; start += kBlock) {
+    bool hit = false;
+#pragma omp simd reduction(| : hit)
+    for (int64_t i = 0; i < kBlock; ++i) hit |= pred(static_cast<float>(row[start + i]));
+    if (hit) break;
+  }
+  for (int64_t i = start; i < v; ++i) {
+    if (pred(static_cast<float>(row[i]))) return i;
+  }
+  return v;
+}
+
+template <typename T>
+void argmax_rows_of(const T* x, int64_t rows, int64_t v, int64_t* out) {
+  at::parallel_for(0, rows, grain_rows(v), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * v;
+      float top = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+      for (int64_t i = 0; i < v; ++i) {
+        const float f = static_cast<float>(row[i]);
+        top = f > top ? f : top;  // NaN never wins here: it is found below
+        nan |= f != f;
+      }
+      out[r] = nan ? first_where(row, v, [](float f) { return f != f; })
+                   : first_where(row, v, [top](float f) { return f == top; });
+    }
+  });
+}
+
 void check_same(const char* op, const at::Tensor& x, std::initializer_list<const at::Tensor*> others) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), op, ": x must be a contiguous CPU tensor");
   const at::ScalarType dtype = x.scalar_type();
@@ -158,6 +202,16 @@ at::Tensor rope_rotate(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   return y;
 }
 
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_same("argmax_rows", x, {});
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "argmax_rows: x must be [rows, V] with V > 0");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.size(0) == 0) return out;
+  KVFORGE_DISPATCH(x.scalar_type(), argmax_rows_of<T>(reinterpret_cast<const T*>(x.const_data_ptr()), x.size(0),
+                                                       x.size(1), out.data_ptr<int64_t>()))
+  return out;
+}
+
 #undef KVFORGE_DISPATCH
 
 }  // namespace
@@ -165,9 +219,11 @@ at::Tensor rope_rotate(const at::Tensor& x, const at::Tensor& cos, const at::Ten
 TORCH_LIBRARY(kvforge_cpu_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor");
   m.def("rope_rotate(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_rotate", &rope_rotate);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -1,10 +1,15 @@
-"""Fused CPU ops of a decoder layer (RMSNorm, rotary embedding), a C++ kernel built at first use.
+"""Fused CPU ops of a decoder layer (RMSNorm, rotary embedding) and the greedy argmax of a
+step's logits, a C++ kernel built at first use.
 
 Each replaces a chain of eager PyTorch ops by one call (see cpu_fused.cpp for the exact
 arithmetic). At decode, where a step has one row per sequence, those chains are dispatch
 overhead rather than work: with 30 layers about 600 dispatches per step.
 
-`rms_norm` and `rope_rotate` return None when the call is not eligible (another device,
+`argmax_rows` is `torch.argmax(x, dim=-1)` of a [rows, vocab] tensor in one vectorised pass
+per row on x's own dtype: the sampler's greedy path took about 0.6 ms a step on smollm2's
+bf16 logits at 17 rows (a float32 copy, then ATen's argmax).
+
+`rms_norm`, `rope_rotate` and `argmax_rows` return None when the call is not eligible (another device,
 float64, autograd needed, the kernel unavailable or disabled by
 `KVFORGE_DISABLE_CPU_KERNELS=1`); the caller then runs its PyTorch expression, which stays
 the reference (tests/kernels/test_cpu_fused.py holds the two together).
@@ -18,7 +23,7 @@ import torch
 
 from kvforge.kernels.build import DEFAULT_FLAG_SETS, FLOAT_IO_DTYPES, CppKernel, kernels_disabled
 
-__all__ = ["fused_ops_available", "rms_norm", "rope_rotate"]
+__all__ = ["argmax_rows", "fused_ops_available", "rms_norm", "rope_rotate"]
 
 # -ffp-contract=off: float32 RoPE stays exactly PyTorch's two rounded products and one sum.
 _KERNEL = CppKernel(name="kvforge_cpu_fused", source=Path(__file__).with_name("cpu_fused.cpp"),
@@ -59,3 +64,10 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     if not _eligible(x, cos, sin):
         return None
     return torch.ops.kvforge_cpu_fused.rope_rotate(x, cos, sin)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """`torch.argmax(x, dim=-1)` (int64 [rows]) of x [rows, V], or None."""
+    if x.dim() != 2 or x.shape[1] == 0 or not _eligible(x):
+        return None
+    return torch.ops.kvforge_cpu_fused.argmax_rows(x)

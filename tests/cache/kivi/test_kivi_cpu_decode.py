@@ -65,6 +65,34 @@ def test_kernel_matches_torch_path(bits, window, residual_dtype):
 
 
 @requires_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_queries_go_in_as_they_are_with_the_float32_result_rounded(dtype):
+    """bf16/fp16 q, k_self, v_self enter the op as they are (no conversion op): the result is
+    bit for bit the op on their float32 widening, rounded to their dtype once."""
+    lengths = [5, 40, 161]
+    cache = filled_cache(2, None, "bfloat16", lengths)
+    from kvforge.batch import ForwardBatch
+
+    batch = ForwardBatch.build(list(range(len(lengths))), [[0]] * len(lengths), lengths)
+    for seq, n in enumerate(lengths):
+        assert cache.allocate(seq, n + 1)
+    cache.begin_step(batch)
+    plan = cache._plans[0].decode
+    q = torch.randn(len(lengths), HEADS, DIM).to(dtype)
+    k_self, v_self = (torch.randn(len(lengths), KV_HEADS, DIM).to(dtype) for _ in range(2))
+    rest = (cache.store.layer(0, 0), plan.page_table, plan.first_page_position, plan.visible_from, plan.lengths,
+            plan.slots, DIM ** -0.5)
+    op = torch.ops.kvforge_cpu_kivi.kivi_decode_attention
+    view = rest[0]
+    raw = lambda a, b, c: op(a, b, c, view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale,  # noqa: E731
+                             view.v_zero, view.k_res, view.v_res, *rest[1:6], DIM ** -0.5, 2)
+    native = raw(q, k_self, v_self)
+    assert native.dtype == dtype
+    assert torch.equal(native, raw(q.float(), k_self.float(), v_self.float()).to(dtype))
+    assert torch.equal(kivi_decode_attention_cpu(q, k_self, v_self, *rest), native)
+
+
+@requires_kernel
 def test_cache_with_kernel_matches_torch_path():
     _, model = make_pair("gemma3_hybrid")
     prompts = [list(range(3, 40)), list(range(5, 12))]

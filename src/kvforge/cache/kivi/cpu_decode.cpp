@@ -43,8 +43,8 @@
 //   log-sum-exp) so a small batch still keeps every thread busy; threads take units
 //   dynamically, so sequences of different lengths do not leave a thread idle.
 //
-// Invariants relied on (checked on entry): every tensor contiguous; q, k_self, v_self
-// float32; heads % H == 0; D % G == 0; bits in {2, 4, 8}.
+// Invariants relied on (checked on entry): every tensor contiguous; q, k_self, v_self of
+// one dtype (float32, or bf16/fp16 widened on entry; the output has their dtype); heads % H == 0; D % G == 0; bits in {2, 4, 8}.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -1403,6 +1403,34 @@ void dispatch_bits(int64_t bits, int64_t value_bits, const std::vector<Unit>& un
   }
 }
 
+// t's elements as float32: in place for a float32 tensor, else widened into `storage`
+// (bf16 and fp16 widen exactly). t is contiguous (checked by the caller).
+const float* as_float(const at::Tensor& t, std::vector<float>& storage) {
+  if (t.scalar_type() == at::kFloat) return t.const_data_ptr<float>();
+  storage.resize(t.numel());
+  if (t.scalar_type() == at::kBFloat16) {
+    const auto* src = t.const_data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < t.numel(); ++i) storage[i] = static_cast<float>(src[i]);
+  } else {
+    const auto* src = t.const_data_ptr<c10::Half>();
+    for (int64_t i = 0; i < t.numel(); ++i) storage[i] = static_cast<float>(src[i]);
+  }
+  return storage.data();
+}
+
+// row[0, n) written at element `at` of out (float32, or rounded to out's 16-bit dtype).
+void store_row(at::Tensor& out, int64_t at, const float* row, int64_t n) {
+  if (out.scalar_type() == at::kFloat) {
+    std::memcpy(out.data_ptr<float>() + at, row, n * sizeof(float));
+  } else if (out.scalar_type() == at::kBFloat16) {
+    c10::BFloat16* dst = out.data_ptr<c10::BFloat16>() + at;
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(row[i]);
+  } else {
+    c10::Half* dst = out.data_ptr<c10::Half>() + at;
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::Half>(row[i]);
+  }
+}
+
 at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, const at::Tensor& v_self,
                                  const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& k_zero,
                                  const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& v_zero,
@@ -1415,7 +1443,10 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   constexpr const char* kOpName = "kivi_decode_attention";
   kvforge_checks::cpu(kOpName, {&q, &k_self, &v_self, &k_codes, &k_scale, &k_zero, &v_codes, &v_scale, &v_zero, &k_res,
                            &v_res, &page_table, &first_page_position, &visible_from, &lengths, &slots});
-  kvforge_checks::contiguous_of(kOpName, "q, k_self, v_self", at::kFloat, {&q, &k_self, &v_self});
+  const at::ScalarType io_dtype = q.scalar_type();
+  TORCH_CHECK(io_dtype == at::kFloat || io_dtype == at::kBFloat16 || io_dtype == at::kHalf, kOpName,
+              ": q must be float32, bfloat16 or float16");
+  kvforge_checks::contiguous_of(kOpName, "q, k_self, v_self", io_dtype, {&q, &k_self, &v_self});
   for (const at::Tensor* t : {&q, &k_self, &v_self}) TORCH_CHECK(t->dim() == 3, "q, k_self, v_self must be [B, *, D]");
   kvforge_checks::contiguous_of(kOpName, "page table, positions and slots", at::kLong,
                                 {&page_table, &first_page_position, &visible_from, &lengths, &slots});
@@ -1476,10 +1507,11 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch, "page_table must be [B, W]");
   kvforge_checks::per_sequence(kOpName, "positions and slots", batch, {&first_page_position, &visible_from, &lengths, &slots});
   const int64_t group = heads / kv_heads;
+  std::vector<float> q_wide, k_wide, v_wide;  // 16-bit q, k_self, v_self widened (exactly)
   const Problem p{batch, kv_heads, group, dim, g, k_res.size(2), pages, page_table.size(1), k_res.size(0), gv,
                   sinks, sinks ? k_sink->data_ptr() : nullptr, sinks ? v_sink->data_ptr() : nullptr,
-                  static_cast<float>(scale), q.data_ptr<float>(), k_self.data_ptr<float>(),
-                  v_self.data_ptr<float>(), k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
+                  static_cast<float>(scale), as_float(q, q_wide), as_float(k_self, k_wide),
+                  as_float(v_self, v_wide), k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
                   k_scale.data_ptr<c10::Half>(), k_zero.data_ptr<c10::Half>(), v_scale.data_ptr<c10::Half>(),
                   v_zero.data_ptr<c10::Half>(), k_res.data_ptr(), v_res.data_ptr(), res_dtype,
                   dim * static_cast<int64_t>(k_res.element_size()),
@@ -1531,13 +1563,14 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
   }
 
   // Merge the slices of each pair: out = sum_u acc_u e^(m_u - M) / sum_u l_u e^(m_u - M).
+  // In q's dtype: a 16-bit output is each float32 result rounded to nearest even, as
+  // Tensor.to rounds it (so callers need no conversion op of their own).
   at::Tensor out = at::empty({batch, heads, dim}, q.options());
-  float* op = out.data_ptr<float>();
+  std::vector<float> merged(dim);
   for (int64_t pair = 0; pair < batch * kv_heads; ++pair) {
     const int64_t u0 = first_unit[pair], u1 = first_unit[pair + 1];
     for (int64_t hg = 0; hg < group; ++hg) {
-      // pair = b * kv_heads + h; its query heads h * group + hg are contiguous in out.
-      float* dst = op + (pair * group + hg) * dim;
+      float* dst = merged.data();
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t u = u0; u < u1; ++u) top = std::max(top, partial[u * state + hg]);
       float sum = 0.f;
@@ -1551,6 +1584,8 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
       }
       const float inv = 1.f / sum;
       for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+      // pair = b * kv_heads + h; its query heads h * group + hg are contiguous in out.
+      store_row(out, (pair * group + hg) * dim, dst, dim);
     }
   }
   return out;

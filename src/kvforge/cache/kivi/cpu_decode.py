@@ -64,15 +64,21 @@ def kivi_decode_attention_cpu(q: torch.Tensor, k_self: torch.Tensor, v_self: tor
         raise ValueError("kivi_decode_attention_cpu takes CPU tensors only")
     # The store views are contiguous already (`.contiguous()` is then free); only the small
     # per-step tensors may need a conversion.
+    # q, k_self, v_self of one 16/32-bit float dtype go as they are (the op widens them and
+    # returns q's dtype, rounded as Tensor.to rounds); anything else is widened to float32.
+    io = q.dtype if q.dtype in _IO_DTYPES and k_self.dtype == v_self.dtype == q.dtype else torch.float32
     out = torch.ops.kvforge_cpu_kivi.kivi_decode_attention(
-        _as(q, torch.float32), _as(k_self, torch.float32), _as(v_self, torch.float32),
+        _as(q, io), _as(k_self, io), _as(v_self, io),
         view.k_codes.contiguous(), view.k_scale.contiguous(), view.k_zero.contiguous(),
         view.v_codes.contiguous(), view.v_scale.contiguous(), view.v_zero.contiguous(),
         view.k_res.contiguous(), view.v_res.contiguous(), _as(page_table, torch.int64),
         _as(first_page_position, torch.int64), _as(visible_from, torch.int64), _as(lengths, torch.int64),
         _as(slots, torch.int64), float(scale), int(view.bits), view.k_sink, view.v_sink, int(view.vbits),
         *(rope_tables or (None, None)), KEY_DOT_CODES[key_dot], VALUE_DOT_CODES[value_dot])
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+_IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

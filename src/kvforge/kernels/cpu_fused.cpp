@@ -34,6 +34,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -103,40 +108,68 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* y, int64_t rows, int64
   });
 }
 
-// First index in [0, v) where pred(element) holds, or v: blocks of 64 tested without a
-// branch per element (vectorised), the hit located inside its block.
-template <typename T, typename Pred>
-int64_t first_where(const T* row, int64_t v, Pred pred) {
-  constexpr int64_t kBlock = 64;
-  int64_t start = 0;
-  for (; start + kBlock <= v; start += kBlock) {
-    bool hit = false;
-#pragma omp simd reduction(| : hit)
-    for (int64_t i = 0; i < kBlock; ++i) hit |= pred(static_cast<float>(row[start + i]));
-    if (hit) break;
+// Row r of argmax_rows: its maximum (ignoring NaN) and whether it holds a NaN, in one pass;
+// then the first index holding that maximum (or the first NaN) in a second pass that stops
+// there. Plain loops (any ISA) and, with AVX-512, the same two passes 16 elements a step.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t v) {
+  float top = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  constexpr bool kWide = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+  auto load16 = [&](int64_t at) {
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm512_loadu_ps(row + at);
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + at));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    } else {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + at)));
+    }
+  };
+  if constexpr (kWide) {
+    __m512 best[4];
+    for (auto& b : best) b = _mm512_set1_ps(top);
+    __mmask16 unordered = 0;
+    for (; i + 64 <= v; i += 64) {
+      for (int k = 0; k < 4; ++k) {
+        const __m512 x = load16(i + 16 * k);
+        best[k] = _mm512_max_ps(x, best[k]);  // a NaN in x leaves best[k] as it was
+        unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      }
+    }
+    top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(best[0], best[1]), _mm512_max_ps(best[2], best[3])));
+    nan = unordered != 0;
   }
-  for (int64_t i = start; i < v; ++i) {
-    if (pred(static_cast<float>(row[i]))) return i;
+#endif
+  for (int64_t j = i; j < v; ++j) {
+    const float f = static_cast<float>(row[j]);
+    top = f > top ? f : top;
+    nan = nan || f != f;
   }
-  return v;
+  int64_t at = 0;
+#if defined(__AVX512F__)
+  if constexpr (kWide) {
+    const __m512 target = _mm512_set1_ps(top);
+    for (; at + 16 <= v; at += 16) {
+      const __m512 x = load16(at);
+      const __mmask16 hit = nan ? _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(x, target, _CMP_EQ_OQ);
+      if (hit) return at + __builtin_ctz(hit);
+    }
+  }
+#endif
+  for (; at < v; ++at) {
+    const float f = static_cast<float>(row[at]);
+    if (nan ? f != f : f == top) return at;
+  }
+  return v;  // not reached: the maximum (or a NaN) is in the row
 }
 
 template <typename T>
 void argmax_rows_of(const T* x, int64_t rows, int64_t v, int64_t* out) {
   at::parallel_for(0, rows, grain_rows(v), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* row = x + r * v;
-      float top = -std::numeric_limits<float>::infinity();
-      bool nan = false;
-#pragma omp simd reduction(max : top) reduction(| : nan)
-      for (int64_t i = 0; i < v; ++i) {
-        const float f = static_cast<float>(row[i]);
-        top = f > top ? f : top;  // NaN never wins here: it is found below
-        nan |= f != f;
-      }
-      out[r] = nan ? first_where(row, v, [](float f) { return f != f; })
-                   : first_where(row, v, [top](float f) { return f == top; });
-    }
+    for (int64_t r = begin; r < end; ++r) out[r] = argmax_row(x + r * v, v);
   });
 }
 

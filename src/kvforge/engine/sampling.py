@@ -196,14 +196,15 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         device = work.device
         work[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = -math.inf
 
-    tokens = torch.empty(rows, dtype=torch.long, device=work.device)
     if fast is not None:
         tokens = fast
     elif len(greedy_rows) == rows:
         tokens = work.argmax(dim=-1)
-    elif greedy_rows:
-        index = torch.tensor(greedy_rows, device=work.device)
-        tokens[index] = work.index_select(0, index).argmax(dim=-1)
+    else:
+        tokens = torch.empty(rows, dtype=torch.long, device=work.device)
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, device=work.device)
+            tokens[index] = work.index_select(0, index).argmax(dim=-1)
     for i, p in enumerate(params):
         if not p.greedy:
             tokens[i] = _sample_row(work[i], p, gens[i])

@@ -1564,7 +1564,8 @@ at::Tensor kivi_decode_attention(const at::Tensor& q, const at::Tensor& k_self, 
 
   // Merge the slices of each pair: out = sum_u acc_u e^(m_u - M) / sum_u l_u e^(m_u - M).
   // In q's dtype: a 16-bit output is each float32 result rounded to nearest even, as
-  // Tensor.to rounds it (so callers need no conversion op of their own).
+  // Tensor.to rounds it (so callers need no conversion op of their own); only a NaN's bit
+  // pattern may differ from Tensor.to's (c10 writes 0x7FC0, ATen's vector path 0xFFFF).
   at::Tensor out = at::empty({batch, heads, dim}, q.options());
   std::vector<float> merged(dim);
   for (int64_t pair = 0; pair < batch * kv_heads; ++pair) {

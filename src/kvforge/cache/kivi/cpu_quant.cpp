@@ -262,7 +262,8 @@ void flush_value_tokens(const at::Tensor& v_res, const at::Tensor& res_layers, c
 
 // The step's rows that stay in a residual ring (write_residuals): for layer j < len(rows)
 // and entry i < n, ring[res_layers[j], slots[i], :, offsets[i], :] = rows[j][src[i]] in the
-// ring's dtype (rounded to nearest even, as Tensor.to does). rows[j]: contiguous [B, H, D].
+// ring's dtype (rounded to nearest even, as Tensor.to does; a NaN's bit pattern may differ).
+// rows[j]: contiguous [B, H, D].
 void write_ring_rows(const at::Tensor& ring, const at::Tensor& res_layers, at::TensorList rows,
                      const at::Tensor& src, const at::Tensor& slots, const at::Tensor& offsets) {
   constexpr const char* kOpName = "write_ring_rows";

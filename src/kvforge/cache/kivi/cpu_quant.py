@@ -72,6 +72,8 @@ def flush_value_tokens(v_res: torch.Tensor, res_layers: torch.Tensor, slots: tor
     v_scale[j], v_zero[j]), in place; False (nothing written) when the kernel does not apply."""
     if not _all_cpu(v_res, v_codes, v_scale, v_zero) or v_res.dtype not in FLOAT_IO_DTYPES:
         return False
+    if not all(t.is_contiguous() for t in (v_res, v_codes, v_scale, v_zero)):
+        return False
     if not _plain_indices(res_layers, slots, offsets, order, flat_slots):
         return False
     if not quantize_kernel_available():
@@ -87,7 +89,10 @@ def write_ring_rows(ring: torch.Tensor, res_layers: torch.Tensor, rows: list[tor
     place; False (nothing written) when the kernel does not apply."""
     if not rows or not _all_cpu(ring, *rows) or ring.dtype not in FLOAT_IO_DTYPES:
         return False
-    if rows[0].dtype not in FLOAT_IO_DTYPES or any(not r.is_contiguous() for r in rows):
+    if rows[0].dtype not in FLOAT_IO_DTYPES or not ring.is_contiguous():
+        return False
+    if any(r.dtype != rows[0].dtype or r.dim() != 3 or r.shape != rows[0].shape or not r.is_contiguous()
+           for r in rows):
         return False
     if not _plain_indices(res_layers, src, slots, offsets):
         return False

@@ -55,15 +55,22 @@ def stored_kv(cache: KIVICache, seq_id: int, cache_layer: int) -> tuple[torch.Te
     return keys[start:], values[start:], start
 
 
+def step_batch(cache: KIVICache, lengths: dict[int, int]) -> tuple[ForwardBatch, list[int]]:
+    """Storage for `lengths[seq]` new tokens of each sequence, and the step's batch (token ids
+    0); also each sequence's token count before the step, in the batch's order."""
+    ids = list(lengths)
+    cached = [cache.num_cached_tokens(s) for s in ids]
+    for seq, have in zip(ids, cached):
+        assert cache.allocate(seq, have + lengths[seq])
+    return ForwardBatch.build(ids, [[0] * lengths[s] for s in ids], cached), cached
+
+
 def run_step(cache: KIVICache, work: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
              layers: list[int]) -> dict[int, torch.Tensor]:
     """One step: work[seq] = (q [L, heads, D], k [L, H, D], v [L, H, D]) written to and read
     from every cache layer in `layers` (same K/V in each). Returns the outputs of the last layer."""
     ids = list(work)
-    cached = [cache.num_cached_tokens(s) for s in ids]
-    for seq, have in zip(ids, cached):
-        assert cache.allocate(seq, have + work[seq][1].shape[0])
-    batch = ForwardBatch.build(ids, [[0] * work[s][1].shape[0] for s in ids], cached)
+    batch, _ = step_batch(cache, {s: work[s][1].shape[0] for s in ids})
     q = torch.cat([work[s][0] for s in ids])
     k = torch.cat([work[s][1] for s in ids])
     v = torch.cat([work[s][2] for s in ids])

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kivi_helpers import step_batch
 from test_kivi_cpu_decode_paths import lengths_for, make_case, torch_threads
 from test_kivi_options import DIM, HEADS, KV_HEADS, ROTARY, SCHEDULE, make_cache, run_and_check
 
-from kvforge.batch import ForwardBatch
 from kvforge.cache.kivi.attention import kivi_decode_attention
 from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
 from kvforge.cache.kivi.int8_keys import int8_key_scores
@@ -171,10 +171,7 @@ def collect(cache) -> list[torch.Tensor]:
     outs = []
     for lengths in SCHEDULE:
         ids = list(lengths)
-        cached = [cache.num_cached_tokens(s) for s in ids]
-        for seq, have in zip(ids, cached):
-            assert cache.allocate(seq, have + lengths[seq])
-        batch = ForwardBatch.build(ids, [[0] * lengths[s] for s in ids], cached)
+        batch, cached = step_batch(cache, lengths)
         positions = torch.cat([torch.arange(n, n + lengths[s]) for s, n in zip(ids, cached)])
         step_rope = ROTARY.at(positions, torch.float32)
         total = int(sum(lengths.values()))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import decode_logits, make_pair, make_runner
+from kivi_helpers import step_batch
 
-from kvforge.batch import ForwardBatch
 from kvforge.cache.attention import reference_attention
 from kvforge.cache.kivi.method import KIVICache
 from kvforge.cache.kivi.quant import dequantize, quantize
@@ -84,12 +84,9 @@ def run_and_check(cache: KIVICache, window: int | None, schedule: list[dict[int,
     checked = 0
     for lengths in schedule:
         ids = list(lengths)
-        cached = [cache.num_cached_tokens(s) for s in ids]
         work = {s: (torch.randn(m, HEADS, DIM), torch.randn(m, KV_HEADS, DIM) * 2 + 1, torch.randn(m, KV_HEADS, DIM))
                 for s, m in lengths.items()}
-        for seq, have in zip(ids, cached):
-            assert cache.allocate(seq, have + lengths[seq])
-        batch = ForwardBatch.build(ids, [[0] * lengths[s] for s in ids], cached)
+        batch, cached = step_batch(cache, lengths)
         positions = torch.cat([torch.arange(n, n + lengths[s]) for s, n in zip(ids, cached)])
         step_rope = ROTARY.at(positions, torch.float32)
         q = step_rope.apply(torch.cat([work[s][0] for s in ids]))

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kivi_helpers import identity_rope
+from kivi_helpers import identity_rope, step_batch
 
-from kvforge.batch import ForwardBatch
 from kvforge.cache.kivi import cpu_quant, step_writes
 from kvforge.cache.kivi.method import KIVICache
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
@@ -38,11 +37,7 @@ def drive(cache: KIVICache, model_dtype: torch.dtype, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     plan = [{0: 21, 1: 5}, {0: 1, 1: 1}] + [{0: 1, 1: 1}] * 14 + [{0: 1, 1: 1, 2: 30}] + [{0: 1, 1: 1, 2: 1}] * 12
     for step in plan:
-        ids = list(step)
-        cached = [cache.num_cached_tokens(s) for s in ids]
-        for seq, have in zip(ids, cached):
-            assert cache.allocate(seq, have + step[seq])
-        batch = ForwardBatch.build(ids, [[0] * step[s] for s in ids], cached)
+        batch, _ = step_batch(cache, step)
         rows = sum(step.values())
         rope = identity_rope(rows, DIM, model_dtype)
         cache.begin_step(batch)

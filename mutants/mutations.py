@@ -503,7 +503,7 @@ MUTATIONS: list[Mutation] = [
              "        self._step_kv[cache_layer] = (k, v)\n", "        pass\n",
              ("tests/kernels/test_cpu_decode_layer.py",), "end_step stores the fused step's K/V in the residuals"),
     Mutation("kivi_fused_layer_attends_keys_as_values", S + "kernels/cpu_decode_layer.cpp",
-             "widened(v, q, k, v), s[0]", "widened(k, q, k, v), s[0]",
+             "as(v, io), s[0]", "as(k, io), s[0]",
              ("tests/kernels/test_cpu_decode_layer.py",), "the own token's value row is v, not k"),
     Mutation("kivi_fused_layer_takes_rotated_caches", S + "cache/kivi/method.py",
              'if (self.decode_kernel != "cpp" or self.rotation is not None or',

@@ -18,7 +18,8 @@
 //     out = h + linear(silu(linear(y, Wg, bg)) * linear(y, Wu, bu), Wd, bd)
 //   llama_decode_layers_kivi(...) -> (hidden, keys, values): the same layers over a `kivi`
 //     cache; instead of the page stores each layer's k (after RoPE) and v are returned for
-//     the cache's end_step, and a = kivi_decode_attention(q, k, v, ...) in q's dtype (the KIVI cache's CPU kernel, as cache/kivi/cpu_decode.py calls it).
+//     the cache's end_step, and a = kivi_decode_attention(q, k, v, ...) in q's dtype (the
+//     KIVI cache's CPU kernel, as cache/kivi/cpu_decode.py calls it).
 //
 // INVARIANT: every step is the op the eager path (models/layers.py, models/llama.py,
 // cache/full/method.py, cache/kivi/method.py) calls for a decode-only step, with the same
@@ -228,12 +229,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> llama_d
   const Shape shape{cos, sin, eps, num_heads, num_kv_heads, head_dim};
   // As cache/kivi/cpu_decode.py passes them: q, k, v of one dtype as they are (the kernel
   // widens 16-bit ones itself and returns q's dtype), else widened to float32.
-  auto widened = [](const at::Tensor& t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  auto io_dtype = [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     const at::ScalarType d = q.scalar_type();
     const bool native = (d == at::kFloat || d == at::kBFloat16 || d == at::kHalf) && k.scalar_type() == d &&
                         v.scalar_type() == d;
-    const at::ScalarType io = native ? d : at::kFloat;
-    return t.scalar_type() == io && t.is_contiguous() ? t : t.to(io).contiguous();
+    return native ? d : at::kFloat;
+  };
+  auto as = [](const at::Tensor& t, at::ScalarType dtype) {
+    return t.scalar_type() == dtype && t.is_contiguous() ? t : t.to(dtype).contiguous();
   };
   std::vector<at::Tensor> keys, values;
   at::Tensor h = hidden;
@@ -243,8 +246,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> llama_d
                       [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                         keys.push_back(k);
                         values.push_back(v);
+                        const at::ScalarType io = io_dtype(q, k, v);
                         const at::Tensor out = kivi_attention().call(
-                            widened(q, q, k, v), widened(k, q, k, v), widened(v, q, k, v), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
+                            as(q, io), as(k, io), as(v, io), s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7],
                             page_table, first_page_position, visible_from, lengths, slots, scale, bits,
                             sinks.get(2 * i), sinks.get(2 * i + 1), value_bits, std::nullopt, std::nullopt, key_dot,
                             value_dot);

@@ -20,20 +20,18 @@ median of per-call ratios, so a load change on a shared machine hits both alike.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from baseline_kernel import build_baseline
 
 from kvforge.cache.attention import decode_attention
 from kvforge.cache.full.config import STORAGE_DTYPES
 from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
 from kvforge.cache.full.fp8 import is_fp8, quantize_per_token
-from kvforge.kernels.build import CppKernel
 
 LAYOUTS = ("scattered", "ascending")
 
@@ -74,17 +72,8 @@ def time_per_layer(fn, layers: int, repeats: int) -> tuple[float, float]:
 
 
 def baseline_op(path: Path) -> Callable:
-    """The kernel of another version of the source, under the namespace kvforge_cpu_baseline."""
-    text = re.sub(r"\bkvforge_cpu\b", "kvforge_cpu_baseline", path.read_text(encoding="utf-8"))
-    for header in ("cpu_bf16_attention.h", "cpu_checks.h", "cpu_convert.h"):  # relative to the real source
-        kernels = Path(paged_decode_attention_cpu.__code__.co_filename).parents[2] / "kernels"
-        text = text.replace(f'#include "{header}"', f'#include "{kernels / header}"')
-    copy = Path(tempfile.mkdtemp()) / "cpu_decode_baseline.cpp"
-    copy.write_text(text, encoding="utf-8")
-    kernel = CppKernel(name="kvforge_cpu_paged_baseline", source=copy, namespace="kvforge_cpu_baseline",
-                       op="paged_decode_attention", what="baseline paged attention kernel", fallback="nothing")
-    assert kernel.available(), "the baseline source did not build"
-    op = torch.ops.kvforge_cpu_baseline.paged_decode_attention
+    """The kernel of another version of cache/full/cpu_decode.cpp (see baseline_kernel.py)."""
+    op = build_baseline(path, namespace="kvforge_cpu", op="paged_decode_attention")
     empty = torch.empty(0)
 
     def call(q, k_self, v_self, k_pages, v_pages, table, first, visible_from, visible_to, scale,

@@ -32,12 +32,12 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from baseline_kernel import build_baseline
 
 from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
 from kvforge.cache.kivi.attention import kivi_decode_attention
@@ -50,7 +50,6 @@ from kvforge.cache.kivi.cpu_decode import (
 from kvforge.cache.kivi.key_space import StoredKeys
 from kvforge.cache.kivi.store import KIVILayerView
 from kvforge.config import RopeConfig
-from kvforge.kernels.build import CppKernel
 from kvforge.models.rope import RotaryEmbedding
 
 FULL_BLOCK = 16  # FullCache's default block_size
@@ -93,13 +92,7 @@ def make_inputs(options: argparse.Namespace) -> dict:
 
 def baseline_op(path: Path) -> Callable:
     """The kernel of another version of the source, under the namespace kvforge_cpu_kivi_baseline."""
-    text = re.sub(r"\bkvforge_cpu_kivi\b", "kvforge_cpu_kivi_baseline", path.read_text(encoding="utf-8"))
-    copy = Path(tempfile.mkdtemp()) / "cpu_decode_baseline.cpp"
-    copy.write_text(text, encoding="utf-8")
-    kernel = CppKernel(name="kvforge_cpu_kivi_baseline", source=copy, namespace="kvforge_cpu_kivi_baseline",
-                       op="kivi_decode_attention", what="baseline KIVI kernel", fallback="nothing")
-    assert kernel.available(), "the baseline source did not build"
-    op = torch.ops.kvforge_cpu_kivi_baseline.kivi_decode_attention
+    op = build_baseline(path, namespace="kvforge_cpu_kivi", op="kivi_decode_attention")
 
     def call(q, k_self, v_self, view, page_table, first, visible_from, lengths, slots, scale, key_dot="float",
              value_dot="float"):

@@ -441,28 +441,13 @@ struct TileRows {
   int64_t n;
 };
 
-// Walks the unit's rows tile by tile in column order, calling fn(tile, prefetch_next) per
-// tile. Two kinds of software prefetch (into L2; into L1, hint 3, measured ~1.5x slower:
-// the L1 miss buffers are the limit):
-// - jumps: `locate` notes the pages of a tile that do not follow the page before them in
-//   memory (a sequence's first page, or a page scattered in the pool); each of the next
-//   tile's is requested whole, at once, before the current tile is computed. The hardware
-//   prefetcher follows a run of adjacent pages on its own but cannot foresee a jump.
-//   Measured on 16 x 1,024-token sequences x 30 layers, 2 threads, against the kernel
-//   without it, alternated in one process: scattered pages 1.5-1.6x faster (bf16 and fp16
-//   pages), ascending pages (no jumps) unchanged (0.99-1.00x); `benchmarks/
-//   bench_decode_attention.py --baseline-source` repeats the comparison per layer.
-// - prefetch_next(i), which callers issue once per row they compute, requests row i of the
-//   next tile: on ascending pages this measured ~2% faster than without it. Alone it did
-//   not help scattered pages at all (spread over the tile's compute, it started each new
-//   page's stream too late, apparently).
-// Requests the K and V rows [0, count) into L2. Out of line: it runs once per scattered
-// page, and inlined into walk_tiles it made the kernel ~3% slower on ascending pages, where
-// it never runs. noipa, not just noinline: GCC finds a function made only of prefetches
-// free of side effects and deletes its calls.
+// Requests the K and V rows [0, count) into L2. Kept out of the hot loop's code (it runs
+// once per scattered page). noipa, not just noinline: GCC finds a function made only of
+// prefetches free of side effects and deletes its calls (measured: with noinline alone the
+// gain on scattered pages was gone).
 template <typename scalar_t>
 __attribute__((noipa)) void prefetch_rows(const scalar_t* const* k, const scalar_t* const* v, int64_t count,
-                                             int64_t row_bytes) {
+                                          int64_t row_bytes) {
   for (int64_t i = 0; i < count; ++i) {
     const char* kb = reinterpret_cast<const char*>(k[i]);
     const char* vb = reinterpret_cast<const char*>(v[i]);
@@ -473,6 +458,21 @@ __attribute__((noipa)) void prefetch_rows(const scalar_t* const* k, const scalar
   }
 }
 
+// Walks the unit's rows tile by tile in column order, calling fn(tile, prefetch_next) per
+// tile. Two kinds of software prefetch (into L2; into L1, hint 3, measured ~1.5x slower:
+// the L1 miss buffers are the limit):
+// - jumps: `locate` notes the pages of a tile that do not follow the page before them in
+//   memory (a sequence's first page, or a page scattered in the pool); each of the next
+//   tile's is requested whole, at once, before the current tile is computed. The hardware
+//   prefetcher follows a run of adjacent pages on its own but cannot foresee a jump.
+//   Measured on 16 x 1,024-token sequences x 30 layers, 2 threads, against the kernel
+//   without it, alternated in one process: scattered pages 1.5-1.6x faster (bf16 and fp16
+//   pages), ascending pages (no jumps) unchanged (0.99-1.00x; 0.97-1.00x per layer in
+//   `benchmarks/bench_decode_attention.py --baseline-source`, which repeats the comparison).
+// - prefetch_next(i), which callers issue once per row they compute, requests row i of the
+//   next tile: on ascending pages this measured ~2% faster than without it. Alone it did
+//   not help scattered pages at all (spread over the tile's compute, it started each new
+//   page's stream too late, apparently).
 template <typename scalar_t, typename Fn>
 void walk_tiles(const Unit& unit, const Problem& p, const scalar_t* k_pages, const scalar_t* v_pages, Fn&& fn) {
   const int64_t block = p.kg.block;
@@ -533,7 +533,7 @@ void walk_tiles(const Unit& unit, const Problem& p, const scalar_t* k_pages, con
   for (int64_t start = unit.col_begin; start < unit.col_end; start += kTile, slot ^= 1) {
     const int64_t next = start + kTile;
     const int64_t next_n = next < unit.col_end ? locate(next, slot ^ 1) : 0;
-    for (int64_t j = 0; j < jump_count[slot ^ 1]; ++j) {  // the next tile's jumps, each page whole
+    for (int64_t j = 0; next_n > 0 && j < jump_count[slot ^ 1]; ++j) {  // the next tile's jumps, each page whole
       const int64_t t = jumps[slot ^ 1][j];
       prefetch_rows(k_src[slot ^ 1] + t, v_src[slot ^ 1] + t, std::min(block, next_n - t), row_bytes);
     }

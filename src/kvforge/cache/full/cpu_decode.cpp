@@ -441,6 +441,12 @@ struct TileRows {
   int64_t n;
 };
 
+// Requests the `bytes` bytes at `row` into L2 (hint 1), one cache line at a time.
+__attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
+}
+
 // Requests the K and V rows [0, count) into L2. Kept out of the hot loop's code (it runs
 // once per scattered page). noipa, not just noinline: GCC finds a function made only of
 // prefetches free of side effects and deletes its calls (measured: with noinline alone the
@@ -449,12 +455,8 @@ template <typename scalar_t>
 __attribute__((noipa)) void prefetch_rows(const scalar_t* const* k, const scalar_t* const* v, int64_t count,
                                           int64_t row_bytes) {
   for (int64_t i = 0; i < count; ++i) {
-    const char* kb = reinterpret_cast<const char*>(k[i]);
-    const char* vb = reinterpret_cast<const char*>(v[i]);
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) {
-      __builtin_prefetch(kb + offset, 0, 1);
-      __builtin_prefetch(vb + offset, 0, 1);
-    }
+    prefetch_row(k[i], row_bytes);
+    prefetch_row(v[i], row_bytes);
   }
 }
 
@@ -487,10 +489,6 @@ void walk_tiles(const Unit& unit, const Problem& p, const scalar_t* k_pages, con
   const float* k_scale[2][kTile];  // float8 only: each row's scale
   const float* v_scale[2][kTile];
   const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
-  auto prefetch_row = [row_bytes](const scalar_t* row) __attribute__((always_inline)) {
-    const char* bytes = reinterpret_cast<const char*>(row);
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(bytes + offset, 0, 1);
-  };
   auto page_at = [&](int64_t index) -> int64_t {
     const int64_t page = table_row[index];
     TORCH_CHECK(page >= 0 && page < p.kg.num_pages, "paged_decode_attention: page id ", page,
@@ -539,8 +537,8 @@ void walk_tiles(const Unit& unit, const Problem& p, const scalar_t* k_pages, con
     }
     auto prefetch_next = [&](int64_t t) {
       if (t >= next_n) return;
-      prefetch_row(k_src[slot ^ 1][t]);
-      prefetch_row(v_src[slot ^ 1][t]);
+      prefetch_row(k_src[slot ^ 1][t], row_bytes);
+      prefetch_row(v_src[slot ^ 1][t], row_bytes);
     };
     fn(TileRows<scalar_t>{k_src[slot], v_src[slot], k_scale[slot], v_scale[slot], n}, prefetch_next);
     n = next_n;

@@ -81,6 +81,21 @@ inline void prefetch_line(const float* p, bool to_l2) {
   }
 }
 
+// y[0..4) = bf16(v[0..4)), each rounded exactly as c10::BFloat16(float) rounds: to nearest
+// even (bits + 0x7FFF + lowest kept bit, then the top half), NaN -> 0x7FC0. One vector
+// conversion instead of four scalar ones with a NaN test and branch each: at K = 576 those
+// were about a third of the instructions a row group executes (counted in the compiled
+// code). Measured on smollm2-135m's decode products, alternated with the scalar version:
+// 1.06x at M = 16, 1.07x at M = 17, 1.05x at M = 4.
+inline void store4_bf16(__m128 v, c10::BFloat16* y) {
+  const __m128i bits = _mm_castps_si128(v);
+  const __m128i lowest_kept = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
+  __m128i rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(bits, _mm_set1_epi32(0x7FFF)), lowest_kept), 16);
+  rounded = _mm_blendv_epi8(rounded, _mm_set1_epi32(0x7FC0), _mm_castps_si128(_mm_cmpunord_ps(v, v)));
+  // every lane is below 2^16 after the shift, so the unsigned saturating pack is exact
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(y), _mm_packus_epi32(rounded, rounded));
+}
+
 // [sum(a), sum(b), sum(c), sum(d)] of 8-lane vectors; each sum is
 // ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), independently of the other inputs.
 inline __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -321,10 +336,16 @@ inline void tile(const Problem<typename Isa::XT, T>& p, int64_t n0, int64_t m0, 
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) acc[r][i] = Isa::zero();
   }
+  // The prefetch cursor in locals (registers) for the K loop: through the reference, GCC
+  // reloads and stores it every step, as it cannot prove the stores below do not alias it.
+  const char* cursor = pf.cur;
+  const char* const cursor_end = pf.end;
+  const int64_t per_step = pf.per_step;
+  const bool to_l2 = pf.to_l2;
   int64_t k = 0;
   for (; k + L <= K; k += L) {
-    for (int64_t j = 0; j < pf.per_step && pf.cur < pf.end; ++j, pf.cur += kLineBytes) {
-      Isa::prefetch(reinterpret_cast<const float*>(pf.cur), pf.to_l2);
+    for (int64_t j = 0; j < per_step && cursor < cursor_end; ++j, cursor += kLineBytes) {
+      Isa::prefetch(reinterpret_cast<const float*>(cursor), to_l2);
     }
     Op wv[NR];
 #pragma GCC unroll 8
@@ -336,6 +357,7 @@ inline void tile(const Problem<typename Isa::XT, T>& p, int64_t n0, int64_t m0, 
       for (int r = 0; r < NR; ++r) acc[r][i] = Isa::madd(wv[r], xv, acc[r][i]);
     }
   }
+  pf.cur = cursor;
   if (k < K) {  // masked tail: same accumulators, zero lanes contribute exactly 0
     const int64_t rest = K - k;
     Op wv[NR];
@@ -355,6 +377,14 @@ inline void tile(const Problem<typename Isa::XT, T>& p, int64_t n0, int64_t m0, 
     Isa::reduce4(acc[0][i], NR > 1 ? acc[1 % NR][i] : z, NR > 2 ? acc[2 % NR][i] : z,
                  NR > 3 ? acc[3 % NR][i] : z, sums);
     T* y = p.y + (m0 + i) * p.n + n0;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    if constexpr (kIsBFloat16<T> && NR == 4) {  // the same sum (+ bias) and rounding, vectorised
+      __m128 v = _mm_loadu_ps(sums);
+      if (p.bias != nullptr) v = _mm_add_ps(v, _mm_loadu_ps(p.bias + n0));
+      store4_bf16(v, y);
+      continue;
+    }
+#endif
     if (p.bias != nullptr) {
       for (int r = 0; r < NR; ++r) y[r] = static_cast<T>(sums[r] + p.bias[n0 + r]);
     } else {

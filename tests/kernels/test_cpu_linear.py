@@ -238,26 +238,29 @@ def test_many_products_equal_their_own_calls_bitwise(dtype, m):
 
 @requires_kernel
 @pytest.mark.parametrize("widen", [False, True])
-@pytest.mark.parametrize("n", [8, 7])  # whole tiles of 4 outputs (vector rounding) and a partial one
+@pytest.mark.parametrize("n", [8, 7])  # whole tiles of 4 outputs (vector rounding); 7: the last tile is partial (scalar)
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_outputs_round_like_torch(widen, n, bias):
     """With small integer operands every float32 sum is exact whatever its order, so the one
     rounding left is float32 -> bf16, which must be torch's own bit for bit: to nearest,
-    ties to even (the sums below reach 9+ significant bits, so ties occur). A NaN output is
-    c10::BFloat16's NaN, 0x7FC0, on the vector and the scalar path alike (torch's tensor cast
-    writes another NaN pattern, so NaNs are compared apart)."""
+    ties to even (sums of 9 to 15 significant bits: exact ties occur). A NaN output is
+    c10::BFloat16's NaN, 0x7FC0, on the vector and the scalar path alike, even from a NaN
+    with its sign bit set (torch's tensor cast writes another NaN pattern, so NaNs are
+    compared apart)."""
     gen = torch.Generator().manual_seed(n)
     for m in (1, 6, 16):
         x = torch.randint(-16, 17, (m, 64), generator=gen).to(torch.bfloat16)
         weight = torch.randint(-16, 17, (n, 64), generator=gen).to(torch.bfloat16)
         b = torch.randint(-300, 301, (n,), generator=gen).to(torch.bfloat16) if bias else None
-        weight.view(torch.int16)[1, 5] = -64  # 0xFFC0, a NaN with its sign bit set: output 1 of every row is NaN
+        # 0xFFC0, a NaN with its sign bit set: outputs 1 (a whole tile) and n - 1 (the last
+        # tile: partial when n = 7) of every row are NaN
+        weight.view(torch.int16)[[1, n - 1], 5] = -64
         exact = F.linear(x.double(), weight.double(), None if b is None else b.double()).float()
         out = torch.ops.kvforge_cpu_linear.small_m_linear(x, weight, b, widen)
         expected = exact.to(torch.bfloat16)
-        ties = (exact != expected.float()).sum().item()
-        assert ties > 0, "the operands must produce sums that bf16 cannot hold"
+        halfway = (exact.view(torch.int32) & 0xFFFF) == 0x8000  # exactly between two bf16 values
+        assert halfway.sum().item() > 0, "the operands must produce ties"
         nan = expected.isnan()
-        assert nan[:, 1].all() and nan.sum() == m
-        assert torch.equal(out.view(torch.int16)[nan], torch.full((m,), 0x7FC0, dtype=torch.int16))
+        assert nan[:, [1, n - 1]].all() and nan.sum() == 2 * m
+        assert torch.equal(out.view(torch.int16)[nan], torch.full((2 * m,), 0x7FC0, dtype=torch.int16))
         assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan]), f"m={m}"

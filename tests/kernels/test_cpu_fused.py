@@ -184,3 +184,82 @@ def test_greedy_sampling_takes_argmax_rows_without_a_float_copy(monkeypatch):
     top = int(torch.argmax(logits[0].float()))
     out = sampling.sample(logits, greedy, banned=[[top]] + [None] * 4)
     assert out.token_ids[0] != top and len(seen) == 1
+
+
+def _silu_mul_definition(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up with the eager expression's roundings, silu in float64."""
+    s = (gate.double() * torch.sigmoid(gate.double())).to(gate.dtype)
+    return (s.double() * up.double()).to(gate.dtype)
+
+
+@requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("features", [1536, 37])  # 37: a masked last step in every row
+def test_silu_mul_matches_its_definition(dtype, features):
+    """Each element is T(T(silu(g)) * u): bf16 and f16 outputs equal the definition's (silu
+    exact, then the same two roundings) but where silu's last float bit decides a rounding;
+    float32 is within a few ulp. Large |g| included: silu(-90) is below float's normal
+    range and comes out as 0 (F.silu gives -0 there), silu(90) is 90."""
+    gen = torch.Generator().manual_seed(features)
+    gate = torch.randn(16, features, generator=gen) * 4
+    gate[0, :6] = torch.tensor([90.0, -90.0, 0.0, -0.0, 20.0, -20.0])
+    gate, up = gate.to(dtype), torch.randn(16, features, generator=gen).to(dtype)
+    out = cpu_fused.silu_mul(gate, up)
+    expected = _silu_mul_definition(gate, up)
+    assert out is not None and out.dtype == dtype and out.shape == gate.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=4e-7, atol=1e-30)
+    else:
+        assert (out == expected).float().mean().item() > 0.995
+        torch.testing.assert_close(out.double(), expected.double(), rtol=2 ** -7, atol=1e-30)
+    assert out[0, 1].item() == 0.0 and out[0, 0].item() == pytest.approx(90 * float(up[0, 0]), rel=1e-2)
+
+
+@requires_kernel
+def test_silu_mul_rounds_silu_before_the_product():
+    """bf16: silu(g) is rounded to bf16 before it multiplies u, as F.silu(g) * u does. A
+    single rounding of the float product would differ in many elements."""
+    gen = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(16, 1536, generator=gen).to(torch.bfloat16) for _ in range(2))
+    out = cpu_fused.silu_mul(gate, up)
+    once = (gate.double() * torch.sigmoid(gate.double()) * up.double()).to(torch.bfloat16)
+    assert (out != once).float().mean().item() > 0.05
+    assert (out == _silu_mul_definition(gate, up)).float().mean().item() > 0.995
+
+
+@requires_kernel
+def test_silu_mul_rows_are_independent():
+    """A row's result does not depend on the rows beside it (rows split over threads whole)."""
+    gen = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(40, 1000, generator=gen).to(torch.bfloat16) for _ in range(2))
+    full = cpu_fused.silu_mul(gate, up)
+    for r in (0, 17, 39):
+        assert torch.equal(cpu_fused.silu_mul(gate[r:r + 1], up[r:r + 1])[0], full[r])
+
+
+@requires_kernel
+def test_gated_mlp_uses_silu_mul_and_keeps_the_pytorch_path_for_others(monkeypatch):
+    from kvforge.models.layers import GatedMLP
+    calls = []
+    real = cpu_fused.silu_mul
+    monkeypatch.setattr("kvforge.models.layers.silu_mul", lambda g, u: calls.append(1) or real(g, u))
+    torch.manual_seed(0)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        silu_mlp = GatedMLP(64, 96, "silu", bias=False, dtype=torch.bfloat16)
+        out = silu_mlp(x)
+        assert calls == [1]
+        gate = x @ silu_mlp.gate_proj.weight.T
+        up = x @ silu_mlp.up_proj.weight.T
+        torch.testing.assert_close(out, (torch.nn.functional.silu(gate) * up) @ silu_mlp.down_proj.weight.T,
+                                   rtol=2e-2, atol=2e-2)
+        GatedMLP(64, 96, "gelu_pytorch_tanh", bias=False, dtype=torch.bfloat16)(x)
+        assert calls == [1]  # gelu: the PyTorch expression
+
+
+@requires_kernel
+def test_silu_mul_rejects_mismatched_shapes():
+    gate = torch.randn(2, 8)
+    assert cpu_fused.silu_mul(gate, torch.randn(2, 9)) is None
+    with pytest.raises(RuntimeError, match="silu_mul: gate and up must have one shape"):
+        torch.ops.kvforge_cpu_fused.silu_mul(gate, torch.randn(2, 9))

@@ -15,7 +15,7 @@
 //     a  = paged_decode_attention(q, k, v, pages, plan)        (the full cache's CPU kernel)
 //     h  = hidden + linear(a as [B, heads * D], Wo, bo)
 //     y  = rms_norm(h, post_attention_layernorm.w)
-//     out = h + linear(silu(linear(y, Wg, bg)) * linear(y, Wu, bu), Wd, bd)
+//     out = h + linear(silu_mul(linear(y, Wg, bg), linear(y, Wu, bu)), Wd, bd)   (GatedMLP's op)
 //   llama_decode_layers_kivi(...) -> (hidden, keys, values): the same layers over a `kivi`
 //     cache; instead of the page stores each layer's k (after RoPE) and v are returned for
 //     the cache's end_step, and a = kivi_decode_attention(q, k, v, ...) in q's dtype (the
@@ -24,8 +24,8 @@
 // INVARIANT: every step is the op the eager path (models/layers.py, models/llama.py,
 // cache/full/method.py, cache/kivi/method.py) calls for a decode-only step, with the same
 // inputs, so the result is bitwise equal to it (tests/kernels/test_cpu_decode_layer.py).
-// The kvforge ops it calls (small_m_linear, rms_norm, rope_rotate, paged_decode_attention,
-// kivi_decode_attention) are looked up in the dispatcher at the first call: their libraries
+// The kvforge ops it calls (small_m_linear, rms_norm, rope_rotate, silu_mul,
+// paged_decode_attention, kivi_decode_attention) are looked up in the dispatcher at the first call: their libraries
 // must be loaded first (cpu_decode_layer.py checks that they are available before using this op).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -47,6 +47,7 @@ struct Ops {
   c10::TypedOperatorHandle<LinearMany> linear_many;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool)> rms_norm;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)> rope;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> silu_mul;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, double, const at::Tensor&, const at::Tensor&)>
@@ -66,6 +67,9 @@ const Ops& ops() {
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("kvforge_cpu_fused::rope_rotate", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(),
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("kvforge_cpu_fused::silu_mul", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>(),
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("kvforge_cpu::paged_decode_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -167,7 +171,7 @@ at::Tensor layer_forward(const at::Tensor& hidden, const at::Tensor* w, const c1
       hidden + op.linear.call(attended.reshape({rows, shape.num_heads * shape.head_dim}), w[5], bias(3), false);
   const at::Tensor y = op.rms_norm.call(h, w[1], shape.eps, false);
   const std::vector<at::Tensor> gate_up = op.linear_many.call(y, {w[6], w[7]}, c10::List<OptTensor>({bias(4), bias(5)}));
-  return h + op.linear.call(at::silu(gate_up[0]) * gate_up[1], w[8], bias(6), false);
+  return h + op.linear.call(op.silu_mul.call(gate_up[0], gate_up[1]), w[8], bias(6), false);
 }
 
 void check_run(const at::Tensor& hidden, at::TensorList weights, const c10::List<OptTensor>& biases, size_t layers) {

@@ -12,6 +12,13 @@
 //   rope_rotate(x [R, heads, D], cos [R, D], sin [R, D]) -> [R, heads, D], x's dtype
 //     y[d] = T(float(x[d]) * float(cos[d]) + float(rot[d]) * float(sin[d])),
 //     rot = (-x[D/2:], x[:D/2]) (rotate-half); computed in float, rounded once.
+//   silu_mul(gate [R, F], up [R, F]) -> [R, F], gate's dtype: a gated MLP's act(gate) * up
+//     with the eager expression's two roundings: s = T(silu(float(g))), y = T(float(s) * float(u)),
+//     silu(v) = v / (1 + exp(-v)) computed as v / (1 + e) (v >= 0) or v e / (1 + e) (v < 0)
+//     with e = exp(-|v|) <= 1, so nothing overflows; e below float's normal range is taken as 0.
+//     One pass instead of two ops (silu, then mul) and their intermediate tensor. The exp is
+//     not ATen's, so results may differ from F.silu(g) * u in the last bit of s: GatedMLP and
+//     the fused decode layer both call this op, so they stay bitwise equal to each other.
 //   argmax_rows(x [R, V]) -> int64 [R]: torch.argmax(x, dim=-1), the index of the first
 //     maximum of each row; a row holding NaN gives its first NaN (argmax orders NaN above
 //     every number). Compares x's own values (widening to float is exact), so no float32
@@ -29,6 +36,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
+
+#include "cpu_bf16_attention.h"  // exp_nonpositive16 (with AVX512-BF16: KVFORGE_BF16_DOT)
 
 #include <algorithm>
 #include <cmath>
@@ -105,6 +114,82 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* y, int64_t rows, int64
         }
       }
     }
+  });
+}
+
+// Below this, exp(-|v|) is under float's normal range: silu_mul takes it as 0 (the vector
+// exp clamps its input there instead of underflowing).
+constexpr float kExpFloor = -87.f;
+
+inline float silu_of(float v) {
+  const float m = -std::fabs(v);
+  const float e = m < kExpFloor ? 0.f : std::exp(m);
+  return v >= 0.f ? v / (1.f + e) : v * e / (1.f + e);
+}
+
+#ifdef KVFORGE_BF16_DOT
+// 16 elements of a row (lanes past `mask` read as 0) widened to float, and back: bf16 by
+// c10::BFloat16's rule (nearest even, NaN -> 0x7FC0), so the vector and scalar roundings agree.
+template <typename T>
+inline __m512 load16_masked(const T* p, __mmask16 mask) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(mask, p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+  }
+}
+
+inline __m256i round_bf16x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lowest_kept), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// The vector silu_of: the same expression, with exp_nonpositive16 for the exp.
+inline __m512 silu16(__m512 v) {
+  const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v));
+  const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, _mm512_set1_ps(kExpFloor), _CMP_GE_OQ),
+                                       kvforge_bf16::exp_nonpositive16(m));
+  const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+  const __m512 numerator = _mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ), v, e);
+  return _mm512_div_ps(numerator, denominator);
+}
+#endif
+
+// y = T(float(T(silu(g))) * float(u)) for one row of f elements. bf16 and float32 rows run
+// 16 at a time, the last partial step masked, so every element of a row goes through the
+// same arithmetic wherever it sits; float16 rows, and CPUs without AVX512-BF16, use silu_of.
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* y, int64_t f) {
+#ifdef KVFORGE_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < f; i += 16) {
+      const __mmask16 mask = f - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (f - i)) - 1);
+      const __m512 s = silu16(load16_masked(g + i, mask));
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_mask_storeu_ps(y + i, mask, _mm512_mul_ps(s, load16_masked(u + i, mask)));
+      } else {
+        const __m512 s_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(s)), 16));
+        _mm256_mask_storeu_epi16(y + i, mask, round_bf16x16(_mm512_mul_ps(s_rounded, load16_masked(u + i, mask))));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < f; ++i) {
+    const T s = static_cast<T>(silu_of(static_cast<float>(g[i])));
+    y[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(u[i]));
+  }
+}
+
+template <typename T>
+void silu_mul_rows(const T* g, const T* u, T* y, int64_t rows, int64_t f) {
+  at::parallel_for(0, rows, grain_rows(f), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(g + r * f, u + r * f, y + r * f, f);
   });
 }
 
@@ -235,6 +320,19 @@ at::Tensor rope_rotate(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   return y;
 }
 
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  check_same("silu_mul", gate, {&up});
+  TORCH_CHECK(gate.dim() >= 1 && up.sizes() == gate.sizes(), "silu_mul: gate and up must have one shape, got ",
+              gate.sizes(), " and ", up.sizes());
+  at::Tensor y = at::empty(gate.sizes(), gate.options());
+  const int64_t f = gate.size(-1);
+  if (gate.numel() == 0) return y;
+  KVFORGE_DISPATCH(gate.scalar_type(), silu_mul_rows<T>(reinterpret_cast<const T*>(gate.const_data_ptr()),
+                                                        reinterpret_cast<const T*>(up.const_data_ptr()),
+                                                        reinterpret_cast<T*>(y.data_ptr()), gate.numel() / f, f))
+  return y;
+}
+
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_same("argmax_rows", x, {});
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "argmax_rows: x must be [rows, V] with V > 0");
@@ -253,10 +351,12 @@ TORCH_LIBRARY(kvforge_cpu_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool gemma) -> Tensor");
   m.def("rope_rotate(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_fused, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_rotate", &rope_rotate);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("silu_mul", &silu_mul);
 }

@@ -9,7 +9,10 @@ overhead rather than work: with 30 layers about 600 dispatches per step.
 vectorised passes per row: the sampler's greedy path took 0.44-0.83 ms a step on smollm2's
 bf16 logits at 17 rows (a float32 copy, then ATen's argmax), this 0.05 ms.
 
-`rms_norm`, `rope_rotate` and `argmax_rows` return None when the call is not eligible (another device,
+`silu_mul` is a gated MLP's `F.silu(gate) * up` in one pass (at batch 16 the two eager ops
+took about 23 us a layer on smollm2's bf16 activations).
+
+`rms_norm`, `rope_rotate`, `silu_mul` and `argmax_rows` return None when the call is not eligible (another device,
 float64, autograd needed, the kernel unavailable or disabled by
 `KVFORGE_DISABLE_CPU_KERNELS=1`); the caller then runs its PyTorch expression, which stays
 the reference (tests/kernels/test_cpu_fused.py holds the two together).
@@ -23,7 +26,7 @@ import torch
 
 from kvforge.kernels.build import DEFAULT_FLAG_SETS, FLOAT_IO_DTYPES, CppKernel, kernels_disabled
 
-__all__ = ["argmax_rows", "fused_ops_available", "rms_norm", "rope_rotate"]
+__all__ = ["argmax_rows", "fused_ops_available", "rms_norm", "rope_rotate", "silu_mul"]
 
 # -ffp-contract=off: float32 RoPE stays exactly PyTorch's two rounded products and one sum.
 _KERNEL = CppKernel(name="kvforge_cpu_fused", source=Path(__file__).with_name("cpu_fused.cpp"),
@@ -64,6 +67,13 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     if not _eligible(x, cos, sin):
         return None
     return torch.ops.kvforge_cpu_fused.rope_rotate(x, cos, sin)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """`F.silu(gate) * up` in one pass with the same two roundings (gate's dtype), or None."""
+    if gate.dim() < 1 or gate.shape != up.shape or not _eligible(gate, up):
+        return None
+    return torch.ops.kvforge_cpu_fused.silu_mul(gate, up)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:

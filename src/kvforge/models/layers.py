@@ -9,7 +9,7 @@ from torch import nn
 
 from kvforge.batch import ForwardBatch
 from kvforge.cache.base import CacheMethod
-from kvforge.kernels.cpu_fused import rms_norm
+from kvforge.kernels.cpu_fused import rms_norm, silu_mul
 from kvforge.kernels.cpu_linear import linear
 from kvforge.models.rope import PositionedRope
 
@@ -78,7 +78,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)
         up = linear(x, self.up_proj.weight, self.up_proj.bias)
-        return linear(self.activation(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        # SiLU through the fused CPU op when it applies: the fused decode layer calls the
+        # same op, so the two paths stay bitwise equal
+        gated = silu_mul(gate, up) if self.activation is F.silu else None
+        if gated is None:
+            gated = self.activation(gate) * up
+        return linear(gated, self.down_proj.weight, self.down_proj.bias)
 
 
 class CachedAttention(nn.Module):

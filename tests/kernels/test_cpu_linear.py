@@ -238,7 +238,8 @@ def test_many_products_equal_their_own_calls_bitwise(dtype, m):
 
 @requires_kernel
 @pytest.mark.parametrize("widen", [False, True])
-@pytest.mark.parametrize("n", [8, 7])  # whole tiles of 4 outputs (vector rounding); 7: the last tile is partial (scalar)
+# n = 8: whole tiles of 4 outputs (vector rounding); 7: the last tile is partial (scalar)
+@pytest.mark.parametrize("n", [8, 7])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_outputs_round_like_torch(widen, n, bias):
     """With small integer operands every float32 sum is exact whatever its order, so the one

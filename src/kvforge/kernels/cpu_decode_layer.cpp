@@ -25,8 +25,9 @@
 // cache/full/method.py, cache/kivi/method.py) calls for a decode-only step, with the same
 // inputs, so the result is bitwise equal to it (tests/kernels/test_cpu_decode_layer.py).
 // The kvforge ops it calls (small_m_linear, rms_norm, rope_rotate, silu_mul,
-// paged_decode_attention, kivi_decode_attention) are looked up in the dispatcher at the first call: their libraries
-// must be loaded first (cpu_decode_layer.py checks that they are available before using this op).
+// paged_decode_attention, kivi_decode_attention) are looked up in the dispatcher at the
+// first call: their libraries must be loaded first (cpu_decode_layer.py checks that they
+// are available before using this op).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>

@@ -394,6 +394,52 @@ def test_the_read_probe_is_the_median_pass_not_a_lucky_one(monkeypatch):
     assert got.read_gbps_best == pytest.approx(peak.READ_BYTES / 0.006 / 1e9)
 
 
+def test_the_read_probe_runs_before_and_after_the_systems_and_the_median_of_both_is_compared(monkeypatch):
+    """Three back-to-back decode runs here probed 29.5, 33.2 and 31.9 GB/s once, before
+    several minutes of timing: the machine's bandwidth moved under the run, and a run's
+    fraction of it by up to 9 points. The probe is taken again after the systems; the
+    roofline is the median of all passes, and each probe's median is kept."""
+    before = [0.010, 0.011, 0.010, 0.006, 0.010, 0.009, 0.010, 0.012, 0.010]  # median 0.010
+    after = [0.013, 0.012, 0.013, 0.014, 0.013, 0.011, 0.013, 0.016, 0.013]  # median 0.013
+    probes = iter([before, after])
+    monkeypatch.setattr(peak, "_timed_passes", lambda fn, repeats, sync=None: list(next(probes)))
+    monkeypatch.setattr(peak, "measure_matmul_gflops", lambda dtype: (1.0, 256))
+    first = peak.measure_peak(torch.float32)
+    assert first.read_gbps == first.read_gbps_before == pytest.approx(peak.READ_BYTES / 0.010 / 1e9)
+    assert first.read_gbps_after is None
+    got = peak.with_read_after(first)
+    gbps = lambda seconds: peak.READ_BYTES / seconds / 1e9  # noqa: E731
+    assert got.read_gbps_before == first.read_gbps_before
+    assert got.read_gbps_after == pytest.approx(gbps(0.013))
+    # 18 passes: the upper median is the 10th slowest-first, 0.011 s
+    assert got.read_gbps == pytest.approx(gbps(sorted(before + after)[8]))
+    assert got.read_gbps == pytest.approx(gbps(0.011))
+    assert got.read_gbps_best == pytest.approx(gbps(0.006))
+    assert got.read_passes_gbps == pytest.approx(tuple(gbps(s) for s in before + after))
+    assert got.as_dict()["read_gbps_after"] == got.read_gbps_after  # reaches the JSON
+
+
+def test_a_gpu_peak_is_not_reprobed_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(peak, "_timed_passes", lambda *a, **k: pytest.fail("probed the CPU"))
+    gpu = peak.MachinePeak(7e5, 8192, "bfloat16", 4e3, 1, device="cuda:0")
+    assert peak.with_read_after(gpu) is gpu
+
+
+def test_run_systems_probes_the_read_bandwidth_again_after_the_last_system(monkeypatch):
+    from types import SimpleNamespace
+
+    from kvforge.bench import common
+    events = []
+    first = peak.MachinePeak(1.0, 8, "float32", 30.0, 1, read_passes_gbps=(30.0,), read_gbps_before=30.0)
+    monkeypatch.setattr(common, "start_measuring", lambda ctx: events.append("start") or setattr(ctx, "peak", first))
+    monkeypatch.setattr(common, "measure_systems", lambda ctx, runners: events.append("systems") or [])
+    monkeypatch.setattr(peak, "measure_read_passes", lambda passes=peak.READ_PASSES: events.append("after") or [20.0])
+    ctx = SimpleNamespace(peak=None)
+    common.run_systems(ctx, {})
+    assert events == ["start", "systems", "after"]
+    assert (ctx.peak.read_gbps_after, ctx.peak.read_gbps, ctx.peak.read_passes_gbps) == (20.0, 30.0, (30.0, 20.0))
+
+
 def test_rounds_alternate_the_order_of_systems_and_merge_their_runs():
     """--rounds 3 over systems A, B runs A B, B A, A B; each system's result is its median
     round (the upper of an even count), with every round's repeat times kept in order."""

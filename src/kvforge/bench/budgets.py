@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 
-from kvforge.bench.common import BenchContext, log, measure_systems, start_measuring, timed_runs
+from kvforge.bench.common import (
+    BenchContext,
+    finish_measuring,
+    log,
+    measure_systems,
+    start_measuring,
+    timed_runs,
+)
 from kvforge.bench.machine_load import LoadProbe, flags
 from kvforge.bench.report import machine_line
 from kvforge.report.provenance import provenance
@@ -46,6 +53,7 @@ def run_budgets(ctx: BenchContext, runner: Callable[[BenchContext, Any], dict[st
         for result in measure_systems(ctx, {"kvforge": runner}):
             headline(result)
             runs[result.pop("name")].append({"kv_budget": budget, **{k: v for k, v in result.items() if k != "kind"}})
+    finish_measuring(ctx)
     systems = [{"name": name, "kind": kinds[name], "kv_bytes_per_token": entries[0].get("kv_bytes_per_token"),
                 "runs": entries} for name, entries in runs.items()]
     return finish_budgets(ctx, settings, systems)

@@ -303,7 +303,9 @@ Runner = Callable[[BenchContext, System], dict[str, Any]]
 def run_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[str, Any]]:
     """Measure every system with the runner registered for its kind, freeing between systems."""
     start_measuring(ctx)
-    return measure_systems(ctx, runners)
+    systems = measure_systems(ctx, runners)
+    finish_measuring(ctx)
+    return systems
 
 
 def start_measuring(ctx: BenchContext) -> None:
@@ -328,6 +330,19 @@ def start_measuring(ctx: BenchContext) -> None:
            if ctx.peak.read_gbps_best is not None else "")
         + f", on {ctx.peak.device}"
         + (f", {ctx.peak.threads} threads" if ctx.peak.device == "cpu" else ""))
+
+
+def finish_measuring(ctx: BenchContext) -> None:
+    """After the last timed region: the read probe again (CPU), so that the bandwidth the
+    systems are compared with is the median of passes taken before and after them
+    (peak.with_read_after)."""
+    from kvforge.bench.peak import with_read_after
+
+    ctx.peak = with_read_after(ctx.peak)
+    if ctx.peak.read_gbps_after is not None:
+        log(f"read bandwidth after the systems {ctx.peak.read_gbps_after:.1f} GB/s (before "
+            f"{ctx.peak.read_gbps_before:.1f}); compared with: {ctx.peak.read_gbps:.1f} GB/s, the median of "
+            f"{len(ctx.peak.read_passes_gbps)} passes")
 
 
 def measure_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[str, Any]]:

@@ -13,7 +13,13 @@
   decode figures compared with it are medians too.
 
 Both are taken before any system runs; on a machine shared with other jobs they move with
-the load, which is why they are measured here rather than quoted.
+the load, which is why they are measured here rather than quoted. On the CPU the read
+probe runs again after the last system (`with_read_after`), and `read_gbps` becomes the
+median of the passes of both probes: the bandwidth of a 2-core VM here moved between 29.5
+and 33.2 GB/s across three back-to-back decode runs, so one probe before a several-minute
+run moved a run's "fraction of the read bandwidth" by up to 9 points for that reason
+alone. Both probes' medians are kept (`read_gbps_before`, `read_gbps_after`), so a run
+whose machine changed under it shows it.
 
 On a GPU (`device`), both are measured there, the bench's roofline being the GPU's: the
 matmul at n = 8192 and the read over 2 GiB (the CPU's probe sizes fit in an H100's L2 or
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -48,6 +54,11 @@ class MachinePeak:
     threads: int
     device: str = "cpu"
     read_gbps_best: float | None = None  # the fastest read pass (CPU probe; None on a GPU)
+    # CPU only: every read pass in GB/s, in order (the probe before the systems, then the one
+    # after them once `with_read_after` has run), and each probe's median.
+    read_passes_gbps: tuple[float, ...] = ()
+    read_gbps_before: float | None = None
+    read_gbps_after: float | None = None
 
     def as_dict(self) -> dict[str, float | int | str | None]:
         return asdict(self)
@@ -95,13 +106,36 @@ def measure_matmul_gflops(dtype: torch.dtype, repeats: int = 5) -> tuple[float, 
     return 2 * size**3 / seconds / 1e9, size
 
 
-def measure_read_gbps(passes: int = READ_PASSES) -> tuple[float, float]:
-    """(median, best) GB/s of `passes` torch.sum passes over READ_BYTES; the median is a
-    measured pass (the upper one for an even count), as bench's repeats use."""
+def measure_read_passes(passes: int = READ_PASSES) -> list[float]:
+    """GB/s of each of `passes` torch.sum passes over READ_BYTES, in order."""
     require(passes >= 1, "passes", passes, "must be at least 1")
     data = torch.ones(READ_BYTES // 4, dtype=torch.float32)
-    seconds = sorted(_timed_passes(lambda: data.sum(), passes))
-    return READ_BYTES / seconds[len(seconds) // 2] / 1e9, READ_BYTES / seconds[0] / 1e9
+    return [READ_BYTES / seconds / 1e9 for seconds in _timed_passes(lambda: data.sum(), passes)]
+
+
+def median_pass(gbps: list[float] | tuple[float, ...]) -> float:
+    """The median of measured passes, itself a measured pass (the upper one for an even
+    count), as bench's repeats use."""
+    ordered = sorted(gbps)
+    return ordered[len(ordered) // 2]
+
+
+def measure_read_gbps(passes: int = READ_PASSES) -> tuple[float, float]:
+    """(median, best) GB/s of `passes` torch.sum passes over READ_BYTES."""
+    gbps = measure_read_passes(passes)
+    return median_pass(gbps), max(gbps)
+
+
+def with_read_after(peak: MachinePeak, passes: int = READ_PASSES) -> MachinePeak:
+    """`peak` with a second read probe, taken now (after the systems ran): read_gbps becomes
+    the median of both probes' passes, read_gbps_best the best of them. A GPU peak (best of
+    its repeats, on a lent machine that runs nothing else) is returned unchanged."""
+    if peak.device != "cpu" or not peak.read_passes_gbps:
+        return peak
+    after = measure_read_passes(passes)
+    every = (*peak.read_passes_gbps, *after)
+    return replace(peak, read_gbps=median_pass(every), read_gbps_best=max(every), read_passes_gbps=every,
+                   read_gbps_after=median_pass(after))
 
 
 def measure_device_peak(dtype: torch.dtype, device: torch.device, repeats: int = 5) -> tuple[float, float]:
@@ -131,6 +165,8 @@ def measure_peak(dtype: torch.dtype, device: torch.device | None = None) -> Mach
         return MachinePeak(matmul_gflops=gflops, matmul_size=DEVICE_MATMUL_SIZE, matmul_dtype=name,
                            read_gbps=gbps, threads=torch.get_num_threads(), device=str(device))
     gflops, size = measure_matmul_gflops(dtype)
-    read, read_best = measure_read_gbps()
+    passes = measure_read_passes()
+    read = median_pass(passes)
     return MachinePeak(matmul_gflops=gflops, matmul_size=size, matmul_dtype=name, read_gbps=read,
-                       threads=torch.get_num_threads(), read_gbps_best=read_best)
+                       threads=torch.get_num_threads(), read_gbps_best=max(passes),
+                       read_passes_gbps=tuple(passes), read_gbps_before=read)

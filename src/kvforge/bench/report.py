@@ -94,7 +94,9 @@ def format_table(result: dict[str, Any], columns: Sequence[Column]) -> str:
     if peak:
         lines.append(f"measured peak: matmul {peak['matmul_gflops']:.1f} GFLOP/s, "
                      f"read {peak['read_gbps']:.1f} GB/s"
-                     + (f" (best pass {peak['read_gbps_best']:.1f})" if peak.get("read_gbps_best") else ""))
+                     + (f" (best pass {peak['read_gbps_best']:.1f})" if peak.get("read_gbps_best") else "")
+                     + (f"; median before the systems {peak['read_gbps_before']:.1f}, after {peak['read_gbps_after']:.1f}"
+                        if peak.get("read_gbps_after") else ""))
     names = [s["name"] for s in result["systems"]]
     width = max(len("system"), *(len(n) for n in names)) + 2
     widths = [max(len(c.header), 10) + 2 for c in columns]

@@ -59,6 +59,29 @@ def test_lm_head_size():
 
 
 @requires_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prefetch_distance_changes_no_result(dtype):
+    """How far ahead W is prefetched (8 KiB by default: 2 tiles at K = 576 in bf16) is a
+    speed setting only: every distance, including one past the end of a thread's range,
+    gives the same bits; a negative one is refused with the parameter named."""
+    set_distance = torch.ops.kvforge_cpu_linear.set_prefetch_bytes
+    x, weight, bias = operands(16, 576, 203, bias=True)
+    x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
+    previous = set_distance(0)
+    try:
+        reference = kernel(x, weight, bias)
+        for distance in (1, 4608, 8192, 1 << 20, 1 << 40):
+            set_distance(distance)
+            for m in (1, 4, 16):
+                assert torch.equal(kernel(x[:m], weight, bias), reference[:m]), (distance, m)
+        with pytest.raises(RuntimeError, match="bytes must be >= 0"):
+            set_distance(-1)
+    finally:
+        set_distance(previous)
+    assert previous == 8192
+
+
+@requires_kernel
 @pytest.mark.parametrize("k,n", [(576, 1536), (20, 7), (1, 5), (1536, 192), (33, 4)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rows_do_not_depend_on_the_batch(k, n, threads):

@@ -42,6 +42,7 @@
 #include "cpu_convert.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -59,8 +60,16 @@ constexpr int kNR = 4;  // W rows per tile (the four outputs one reduce4 produce
 // Minimum W floats per parallel chunk: below this a thread hand-off costs more than it saves.
 constexpr int64_t kMinChunkFloats = 32 * 1024;
 
-// How many tiles ahead W is software-prefetched (1, 2, 4 and 8 measured about the same).
-constexpr int64_t kPrefetchTiles = 1;
+// How far ahead W is software-prefetched: ceil(this / tile bytes) tiles (a tile is kNR rows
+// of K weights: 4.5 KiB at K = 576 in bf16, so 2 tiles ahead; 12 KiB at K = 1536, so 1).
+// Measured on smollm2-135m's decode steps in bf16, 2 threads, blocks of 8 steps alternated in
+// one process against 1 tile ahead (the previous rule): batch 1 at 1,024 tokens 0.96x,
+// 0.87x, 0.98x and 1.00x the step time in four runs, batch 4 at 2,048 tokens 0.93x, batch
+// 16 0.99x (compute-bound there); the linear layers alone (30 layers' products alternated
+// call by call, 7 runs) 0.83-0.97x at M = 1, median 0.90x. In a C++ stream of W at M = 1 (no engine), 1 tile ahead read
+// 18-27 GB/s and 2 tiles 32-41; 3, 4 and 8 tiles were slower than 2. Settable for A/B runs
+// (`set_prefetch_bytes`).
+std::atomic<int64_t> g_prefetch_bytes{8192};
 
 // Up to this many x-row groups per tile (M <= 18 with AVX-512), the later tile is prefetched
 // into L2 instead of L1. Measured on a 2-core Zen 4 (bf16, smollm2-135m's 211 decode
@@ -435,6 +444,11 @@ void run_many(const std::vector<Problem<typename Isa::XT, T>>& ps) {
   const int64_t tile_lines = (kNR * p0.k * static_cast<int64_t>(sizeof(T)) + kLineBytes - 1) / kLineBytes;
   const int64_t per_step = (tile_lines + steps - 1) / steps;
   const int64_t row_bytes = p0.k * static_cast<int64_t>(sizeof(T));
+  const int64_t tile_bytes = kNR * row_bytes;
+  // in tiles (at least the next one; at most `tiles`, which keeps the row arithmetic below
+  // far from overflow)
+  const int64_t ahead =
+      std::clamp<int64_t>((g_prefetch_bytes.load() + tile_bytes - 1) / tile_bytes, 1, std::max<int64_t>(1, tiles));
   // Each thread gets a contiguous range of tiles, so its W reads are sequential streams.
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     size_t s = static_cast<size_t>(std::upper_bound(first_tile.begin(), first_tile.end(), begin) -
@@ -449,10 +463,11 @@ void run_many(const std::vector<Problem<typename Isa::XT, T>>& ps) {
       const int64_t n0 = local * kNR;
       const char* w_bytes = reinterpret_cast<const char*>(p.w);
       const int64_t local_end = std::min(end, first_tile[s + 1]) - first_tile[s];
-      const char* range_end = w_bytes + std::min(local_end * kNR, p.n) * row_bytes;
-      // While tile t runs, prefetch tile t + kPrefetchTiles (within this thread's range of this product).
-      pf.cur = std::min(range_end, w_bytes + (n0 + kPrefetchTiles * kNR) * row_bytes);
-      pf.end = std::min(range_end, w_bytes + (n0 + (kPrefetchTiles + 1) * kNR) * row_bytes);
+      const int64_t range_rows = std::min(local_end * kNR, p.n);
+      // While tile t runs, prefetch tile t + ahead (within this thread's range of this product;
+      // clamped as row counts, so no pointer past the weights is ever formed).
+      pf.cur = w_bytes + std::min(range_rows, n0 + ahead * kNR) * row_bytes;
+      pf.end = w_bytes + std::min(range_rows, n0 + (ahead + 1) * kNR) * row_bytes;
       if (local < p.n / kNR) {
         tile_column<Isa, T, kNR>(p, n0, pf);
       } else {
@@ -595,11 +610,19 @@ std::vector<at::Tensor> small_m_linear_many(const at::Tensor& x, at::TensorList 
   return linear_many(x, w, b, false);
 }
 
+// Test and benchmark hook: sets how far ahead W is prefetched (bytes; 0 means the next
+// tile); returns the previous setting.
+int64_t set_prefetch_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "set_prefetch_bytes: bytes must be >= 0, got ", bytes);
+  return g_prefetch_bytes.exchange(bytes);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvforge_cpu_linear, m) {
   m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias=None, bool widen=False) -> Tensor");
   m.def("small_m_linear_many(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
+  m.def("set_prefetch_bytes(int bytes) -> int", &set_prefetch_bytes);
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_linear, CPU, m) {

@@ -15,11 +15,12 @@
 Both are taken before any system runs; on a machine shared with other jobs they move with
 the load, which is why they are measured here rather than quoted. On the CPU the read
 probe runs again after the last system (`with_read_after`), and `read_gbps` becomes the
-median of the passes of both probes: the bandwidth of a 2-core VM here moved between 29.5
-and 33.2 GB/s across three back-to-back decode runs, so one probe before a several-minute
-run moved a run's "fraction of the read bandwidth" by up to 9 points for that reason
-alone. Both probes' medians are kept (`read_gbps_before`, `read_gbps_after`), so a run
-whose machine changed under it shows it.
+median of the passes of both probes. The bandwidth of the 2-core VM this was built on
+moved between 29.5 and 33.2 GB/s across three back-to-back decode runs, and within single
+runs from 30.4 to 41.3 GB/s and from 20.9 to 37.7 GB/s (before and after), so one probe
+before a several-minute run could move its "fraction of the read bandwidth" by a third.
+Both probes' medians are kept (`read_gbps_before`, `read_gbps_after`), so a run whose
+machine changed under it shows it.
 
 On a GPU (`device`), both are measured there, the bench's roofline being the GPU's: the
 matmul at n = 8192 and the read over 2 GiB (the CPU's probe sizes fit in an H100's L2 or

@@ -66,9 +66,9 @@ constexpr int64_t kMinChunkFloats = 32 * 1024;
 // one process against 1 tile ahead (the previous rule): batch 1 at 1,024 tokens 0.96x,
 // 0.87x, 0.98x and 1.00x the step time in four runs, batch 4 at 2,048 tokens 0.93x, batch
 // 16 0.99x (compute-bound there); the linear layers alone (30 layers' products alternated
-// call by call, 7 runs) 0.83-0.97x at M = 1, median 0.90x. In a C++ stream of W at M = 1 (no engine), 1 tile ahead read
-// 18-27 GB/s and 2 tiles 32-41; 3, 4 and 8 tiles were slower than 2. Settable for A/B runs
-// (`set_prefetch_bytes`).
+// call by call, 7 runs) 0.83-0.97x at M = 1, median 0.90x. In a C++ stream of W at M = 1
+// (no engine), 1 tile ahead read 18-27 GB/s and 2 tiles 32-41; 3, 4 and 8 tiles were slower
+// than 2. Settable for A/B runs (`set_prefetch_bytes`).
 std::atomic<int64_t> g_prefetch_bytes{8192};
 
 // Up to this many x-row groups per tile (M <= 18 with AVX-512), the later tile is prefetched
@@ -447,8 +447,8 @@ void run_many(const std::vector<Problem<typename Isa::XT, T>>& ps) {
   const int64_t tile_bytes = kNR * row_bytes;
   // in tiles (at least the next one; at most `tiles`, which keeps the row arithmetic below
   // far from overflow)
-  const int64_t ahead =
-      std::clamp<int64_t>((g_prefetch_bytes.load() + tile_bytes - 1) / tile_bytes, 1, std::max<int64_t>(1, tiles));
+  const int64_t wanted = (g_prefetch_bytes.load() + tile_bytes - 1) / tile_bytes;
+  const int64_t ahead = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, tiles));
   // Each thread gets a contiguous range of tiles, so its W reads are sequential streams.
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     size_t s = static_cast<size_t>(std::upper_bound(first_tile.begin(), first_tile.end(), begin) -

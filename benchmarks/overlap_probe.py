@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -41,6 +42,7 @@ from bench_decode_attention import make_case  # noqa: E402
 from kvforge.bench.peak import READ_BYTES  # noqa: E402
 from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu  # noqa: E402
 from kvforge.kernels import cpu_linear  # noqa: E402
+from kvforge.report.provenance import provenance  # noqa: E402
 
 HIDDEN = 576
 STREAM_MATRICES = 24  # 24 x [3072, 576] bf16 = 85 MB, well past a 32 MB last-level cache
@@ -140,10 +142,12 @@ def main() -> None:
                      "cache_ms_all": [t * 1e3 for t in times[name]["cache"]]})
     if options.json:
         Path(options.json).write_text(json.dumps({
-            "benchmark": "overlap_probe", "command": " ".join(["python", *sys.argv]), "threads": options.threads,
+            "benchmark": "overlap_probe", "threads": options.threads,
             "rounds": options.rounds, "read_gbps": 1 / seconds_per_byte / 1e9,
             "read_gbps_all": [1 / x / 1e9 for x in per_byte], "load_before": load_before,
-            "load_after": load_after, "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
+            "load_after": load_after, "torch": torch.__version__, "rows": rows,
+            "provenance": {**provenance(), "command": "python " + " ".join(shlex.quote(a) for a in sys.argv)}},
+            indent=1) + "\n")
 
 
 if __name__ == "__main__":

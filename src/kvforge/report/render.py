@@ -251,6 +251,17 @@ def _vllm_prefill(doc: Document) -> str:
     return head + table(["model", "prompt tokens/s", "seconds", "KV layers", "fast prefill"], rows)
 
 
+def _overlap_probe(doc: Document) -> str:
+    """benchmarks/overlap_probe.py: each decode kernel in cache and streamed, with the read probe."""
+    rows = [[r["case"], fmt(r["cache_ms"], "{:.2f}"), fmt(r["stream_ms"], "{:.2f}"), fmt(r["memory_ms"], "{:.2f}"),
+             fmt(r["stream_ms"] / r["cache_ms"], "{:.2f}"), fmt(r["overlap"], "{:.2f}")] for r in doc["rows"]]
+    head = (f"{doc['threads']} threads, medians of {doc['rounds']} alternated rounds; read bandwidth "
+            f"{doc['read_gbps']:.1f} GB/s (median of the rounds' probes); load average "
+            f"{', '.join(f'{x:.2f}' for x in doc['load_before'])} before; "
+            "overlap 1: the streamed run costs max(in cache, memory), 0: their sum\n\n")
+    return head + table(["kernel", "in cache ms", "streamed ms", "memory ms", "streamed / in cache", "overlap"], rows)
+
+
 def _demo(doc: Document) -> str:
     rows = [[r["system"], fmt(r["kv_bytes_per_sequence"] / 2**20, "{:.1f}"), fmt(r["prefill_seconds"], "{:.2f}"),
              fmt(r["decode_tokens_per_s"], "{:.1f}"), r["answer_start"].replace("|", "\\|")] for r in doc["rows"]]
@@ -299,6 +310,7 @@ def _gpu_check_seeds(doc: Document) -> str:
 RENDERERS: dict[str, Callable[[Document], str]] = {
     "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench prefix": _bench,
     "bench serve": _serve, "bench vllm_swiftkv_prefill": _vllm_prefill, "bench throughput_budgets": _budgets,
+    "bench overlap_probe": _overlap_probe,
     "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "eval shadowkv-front": _eval,
     "eval shadowkv-ranks": _eval,
     "swiftkv evaluate": _swiftkv_evaluate, "swiftkv early-exit": _early_exit,

@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include "cpu_bf16_attention.h"  // exp_nonpositive16 (with AVX512-BF16: KVFORGE_BF16_DOT)
+#include "cpu_bf16_round.h"
 
 #include <algorithm>
 #include <cmath>
@@ -141,14 +142,6 @@ inline __m512 load16_masked(const T* p, __mmask16 mask) {
   }
 }
 
-inline __m256i round_bf16x16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lowest_kept), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 // The vector silu_of: the same expression, with exp_nonpositive16 for the exp.
 inline __m512 silu16(__m512 v) {
   const __m512 m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v));
@@ -173,8 +166,9 @@ void silu_mul_row(const T* g, const T* u, T* y, int64_t f) {
       if constexpr (std::is_same_v<T, float>) {
         _mm512_mask_storeu_ps(y + i, mask, _mm512_mul_ps(s, load16_masked(u + i, mask)));
       } else {
-        const __m512 s_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(s)), 16));
-        _mm256_mask_storeu_epi16(y + i, mask, round_bf16x16(_mm512_mul_ps(s_rounded, load16_masked(u + i, mask))));
+        using kvforge_bf16_round::bits16;
+        const __m512 s_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits16(s)), 16));
+        _mm256_mask_storeu_epi16(y + i, mask, bits16(_mm512_mul_ps(s_rounded, load16_masked(u + i, mask))));
       }
     }
     return;

@@ -39,6 +39,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_bf16_round.h"
 #include "cpu_convert.h"
 
 #include <algorithm>
@@ -88,21 +89,6 @@ inline void prefetch_line(const float* p, bool to_l2) {
   } else {
     _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
   }
-}
-
-// y[0..4) = bf16(v[0..4)), each rounded exactly as c10::BFloat16(float) rounds: to nearest
-// even (bits + 0x7FFF + lowest kept bit, then the top half), NaN -> 0x7FC0. One vector
-// conversion instead of four scalar ones with a NaN test and branch each: at K = 576 those
-// were about a third of the instructions a row group executes (counted in the compiled
-// code). Measured on smollm2-135m's decode products, alternated with the scalar version:
-// 1.06x at M = 16, 1.07x at M = 17, 1.05x at M = 4.
-inline void store4_bf16(__m128 v, c10::BFloat16* y) {
-  const __m128i bits = _mm_castps_si128(v);
-  const __m128i lowest_kept = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
-  __m128i rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(bits, _mm_set1_epi32(0x7FFF)), lowest_kept), 16);
-  rounded = _mm_blendv_epi8(rounded, _mm_set1_epi32(0x7FC0), _mm_castps_si128(_mm_cmpunord_ps(v, v)));
-  // every lane is below 2^16 after the shift, so the unsigned saturating pack is exact
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(y), _mm_packus_epi32(rounded, rounded));
 }
 
 // [sum(a), sum(b), sum(c), sum(d)] of 8-lane vectors; each sum is
@@ -387,10 +373,16 @@ inline void tile(const Problem<typename Isa::XT, T>& p, int64_t n0, int64_t m0, 
                  NR > 3 ? acc[3 % NR][i] : z, sums);
     T* y = p.y + (m0 + i) * p.n + n0;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if constexpr (kIsBFloat16<T> && NR == 4) {  // the same sum (+ bias) and rounding, vectorised
+    if constexpr (kIsBFloat16<T> && NR == 4) {
+      // The same sum (+ bias) and rounding (c10::BFloat16's rule, cpu_bf16_round.h) for the
+      // tile's 4 outputs in one vector conversion rather than four scalar ones with a NaN
+      // test and branch each: at K = 576 those were about a third of the instructions a row
+      // group executes (counted in the compiled code). Measured on smollm2-135m's decode
+      // products, alternated with the scalar version: 1.06x at M = 16, 1.07x at M = 17,
+      // 1.05x at M = 4.
       __m128 v = _mm_loadu_ps(sums);
       if (p.bias != nullptr) v = _mm_add_ps(v, _mm_loadu_ps(p.bias + n0));
-      store4_bf16(v, y);
+      kvforge_bf16_round::store4(v, y);
       continue;
     }
 #endif

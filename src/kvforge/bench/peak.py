@@ -121,12 +121,6 @@ def median_pass(gbps: list[float] | tuple[float, ...]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def measure_read_gbps(passes: int = READ_PASSES) -> tuple[float, float]:
-    """(median, best) GB/s of `passes` torch.sum passes over READ_BYTES."""
-    gbps = measure_read_passes(passes)
-    return median_pass(gbps), max(gbps)
-
-
 def with_read_after(peak: MachinePeak, passes: int = READ_PASSES) -> MachinePeak:
     """`peak` with a second read probe, taken now (after the systems ran): read_gbps becomes
     the median of both probes' passes, read_gbps_best the best of them. A GPU peak (best of

@@ -23,6 +23,7 @@ class Mutation:
 S = "src/kvforge/"
 SHADOWKV = ("tests/cache/shadowkv/test_shadowkv_parts.py", "tests/cache/shadowkv/test_shadowkv.py")
 KIVI = ("tests/cache/kivi",)
+AMX_LINEAR = "tests/kernels/test_cpu_linear_amx.py"
 INT8_KEYS = ("tests/cache/kivi/test_kivi_int8_keys.py",)
 INT8_VALUES = ("tests/cache/kivi/test_kivi_int8_values.py",)
 BUDGET = ("tests/cache/test_budget_invariant.py",)
@@ -596,6 +597,27 @@ MUTATIONS: list[Mutation] = [
              "first_tile[i + 1] = first_tile[i] + ps[i].n / kNR;",
              ("tests/kernels/test_cpu_linear.py::test_many_products_equal_their_own_calls_bitwise",),
              "every output row of every product is computed"),
+    # -- the small-M linear's AMX path: killed only on a CPU with AMX-BF16 (its tests skip
+    #    elsewhere, and these survive there by construction) ---------------------------------
+    Mutation("amx_second_x_block_not_multiplied", S + "kernels/cpu_amx_linear.h",
+             "if constexpr (XB == 2) _tile_dpbf16ps(1, 4, 7);", "",
+             (AMX_LINEAR,), "x rows 16-31 are multiplied with the first W block too"),
+    Mutation("amx_second_w_block_reads_the_first", S + "kernels/cpu_amx_linear.h",
+             "_tile_loadd(5, w0 + kRows * k + c * kChunk, stride);", "_tile_loadd(5, w0 + c * kChunk, stride);",
+             (AMX_LINEAR,), "the second W block of a unit is W rows 16-31 of it"),
+    Mutation("amx_drops_the_bias", S + "kernels/cpu_amx_linear.h",
+             "if (p.bias != nullptr) v = _mm512_add_ps(v, bias);", "",
+             (AMX_LINEAR,), "AMX outputs get their bias"),
+    Mutation("amx_packs_pairs_in_the_wrong_lanes", S + "kernels/cpu_amx_linear.h",
+             "std::memcpy(tile + r * 2 * kRows + 2 * j, src + 2 * r, 4);",
+             "std::memcpy(tile + r * 2 * kRows + 2 * j, src + r, 4);",
+             (AMX_LINEAR,), "a B tile row holds one k pair (2r, 2r + 1) of each x row"),
+    Mutation("amx_skips_x_blocks_past_two", S + "kernels/cpu_amx_linear.h",
+             "for (int64_t b0 = 0; b0 < blocks; b0 += 2) {", "for (int64_t b0 = 0; b0 < std::min<int64_t>(blocks, 2); b0 += 2) {",
+             (AMX_LINEAR,), "M > 32 takes further passes over each W unit"),
+    Mutation("amx_ignores_its_switch", S + "kernels/cpu_linear.cpp",
+             "return kvforge_amx::switch_on().load() && kvforge_amx::granted()", "return kvforge_amx::granted()",
+             (AMX_LINEAR,), "set_amx(False) sends bf16 to the AVX512-BF16 path"),
     Mutation("merge_all_layers_passes_the_fused_target_through", S + "bench/merge_all_layers.py",
              "every layer to one; passing the call through would reach the wrong layer).\"\"\"\n        return None",
              "every layer to one; passing the call through would reach the wrong layer).\"\"\"\n"

@@ -288,3 +288,20 @@ def test_bf16_outputs_round_like_torch(widen, n, bias):
         assert nan[:, [1, n - 1]].all() and nan.sum() == 2 * m
         assert torch.equal(out.view(torch.int16)[nan], torch.full((2 * m,), 0x7FC0, dtype=torch.int16))
         assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan]), f"m={m}"
+
+
+@requires_kernel
+def test_a_cpu_with_amx_gets_the_native_build():
+    """On a Linux CPU that lists AMX-BF16 the kernel is built for it (-march=native) and the
+    tile state is granted: a compile error in the native build would otherwise fall back to
+    the portable flags without failing anything but the speed (it happened once, silently)."""
+    import sys
+    from pathlib import Path
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("AMX is used on Linux only")
+    flags = {flag for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+             for flag in line.split(":", 1)[1].split()}
+    if not {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
+        pytest.skip("this CPU has no AMX-BF16")
+    assert torch.ops.kvforge_cpu_linear.amx_supported()

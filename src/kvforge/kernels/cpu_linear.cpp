@@ -13,6 +13,8 @@
 // kL2PrefetchMaxGroups row groups, into L1 beyond), spread over the
 // K steps of all the groups. Tiles are split over threads with at::parallel_for.
 //
+// bf16 on a CPU with AMX (and a fitting shape) takes the tile path of cpu_amx_linear.h instead.
+//
 // Registers `torch.ops.kvforge_cpu_linear.small_m_linear` through TORCH_LIBRARY (no
 // pybind11/Python headers, like cache/full/cpu_decode.cpp).
 //
@@ -39,6 +41,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_amx_linear.h"  // defines KVFORGE_AMX_LINEAR with AMX-BF16 (Linux)
 #include "cpu_bf16_round.h"
 #include "cpu_convert.h"
 
@@ -490,6 +493,18 @@ using Isa = NativeIsa;
 using Isa = Portable;
 #endif
 
+// Whether a bf16 product takes the AMX path: AMX granted to the process, the switch on, and
+// its shape fits. Never depends on M (the M-invariance).
+bool amx_applies(int64_t k, const at::Tensor& weight) {
+#if defined(KVFORGE_AMX_LINEAR)
+  return kvforge_amx::switch_on().load() && kvforge_amx::granted() && kvforge_amx::shape_fits(k, weight.size(0));
+#else
+  (void)k;
+  (void)weight;
+  return false;
+#endif
+}
+
 template <typename T>
 void run_typed(const at::Tensor& x, const std::vector<const at::Tensor*>& weights,
                const std::vector<const at::Tensor*>& biases, std::vector<at::Tensor>& ys, bool widen) {
@@ -498,9 +513,29 @@ void run_typed(const at::Tensor& x, const std::vector<const at::Tensor*>& weight
     return biases[i] == nullptr ? nullptr : kvforge_convert::floats_of(*biases[i], bias_buffers[i]);
   };
 #if defined(KVFORGE_BF16_DOT)
-  if (kIsBFloat16<T> && !widen) {  // x stays bf16: the dot instruction reads it as is
-    std::vector<Problem<c10::BFloat16, T>> ps;
+  if (kIsBFloat16<T> && !widen) {  // x stays bf16: the tile or dot instructions read it as is
+    // Each product takes the AMX path if its shape fits, else the AVX512-BF16 path, as its
+    // own call would (so every output equals its own call's bitwise).
+    std::vector<size_t> rest;
+#if defined(KVFORGE_AMX_LINEAR)
+    std::vector<kvforge_amx::Product> tiled;
     for (size_t i = 0; i < weights.size(); ++i) {
+      if (!amx_applies(x.size(1), *weights[i])) {
+        rest.push_back(i);
+        continue;
+      }
+      tiled.push_back({reinterpret_cast<const uint16_t*>(weights[i]->const_data_ptr()), bias_of(i),
+                       reinterpret_cast<uint16_t*>(ys[i].data_ptr()), weights[i]->size(0)});
+    }
+    if (!tiled.empty()) {
+      kvforge_amx::linear(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), x.size(0), x.size(1), tiled);
+    }
+#else
+    for (size_t i = 0; i < weights.size(); ++i) rest.push_back(i);
+#endif
+    if (rest.empty()) return;
+    std::vector<Problem<c10::BFloat16, T>> ps;
+    for (size_t i : rest) {
       ps.push_back({reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr()),
                     reinterpret_cast<const T*>(weights[i]->const_data_ptr()), bias_of(i),
                     reinterpret_cast<T*>(ys[i].data_ptr()), x.size(0), x.size(1), weights[i]->size(0)});
@@ -609,12 +644,35 @@ int64_t set_prefetch_bytes(int64_t bytes) {
   return g_prefetch_bytes.exchange(bytes);
 }
 
+// Whether this build and process can take the AMX path (AMX-BF16 compiled in, granted by
+// the kernel); the switch is not consulted.
+bool amx_supported() {
+#if defined(KVFORGE_AMX_LINEAR)
+  return kvforge_amx::granted();
+#else
+  return false;
+#endif
+}
+
+// Test and benchmark hook: turns the AMX path on or off for the process; returns the
+// previous setting.
+bool set_amx(bool enabled) {
+#if defined(KVFORGE_AMX_LINEAR)
+  return kvforge_amx::switch_on().exchange(enabled);
+#else
+  (void)enabled;
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvforge_cpu_linear, m) {
   m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias=None, bool widen=False) -> Tensor");
   m.def("small_m_linear_many(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
   m.def("set_prefetch_bytes(int bytes) -> int", &set_prefetch_bytes);
+  m.def("amx_supported() -> bool", &amx_supported);
+  m.def("set_amx(bool enabled) -> bool", &set_amx);
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_linear, CPU, m) {

@@ -618,6 +618,10 @@ MUTATIONS: list[Mutation] = [
     Mutation("amx_ignores_its_switch", S + "kernels/cpu_linear.cpp",
              "return kvforge_amx::switch_on().load() && kvforge_amx::granted()", "return kvforge_amx::granted()",
              (AMX_LINEAR,), "set_amx(False) sends bf16 to the AVX512-BF16 path"),
+    Mutation("native_build_fails_silently", S + "kernels/cpu_amx.h",
+             "#define KVFORGE_AMX 1\n", "#define KVFORGE_AMX 1\n#error a native-only compile error\n",
+             ("tests/kernels/test_native_builds.py",),
+             "a kernel whose -march=native build fails is reported, not silently built portable (AMX CPUs only)"),
     Mutation("merge_all_layers_passes_the_fused_target_through", S + "bench/merge_all_layers.py",
              "every layer to one; passing the call through would reach the wrong layer).\"\"\"\n        return None",
              "every layer to one; passing the call through would reach the wrong layer).\"\"\"\n"

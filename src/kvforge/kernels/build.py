@@ -91,6 +91,7 @@ class CppKernel:
         self.fallback = fallback
         self.flag_sets = flag_sets
         self.build_seconds: float | None = None  # time of the successful load (compile or cache)
+        self.loaded_flags: tuple[str, ...] | None = None  # the flag set that built (None: none yet)
         self._lock = threading.Lock()
         self._built: bool | None = None  # None: not tried yet
 
@@ -145,6 +146,7 @@ class CppKernel:
                                is_python_module=False, verbose=False)
         getattr(getattr(torch.ops, self.namespace), self.op)  # raises if not registered
         self.build_seconds = time.perf_counter() - start
+        self.loaded_flags = flags
         action = "loaded cached build of" if cached else "compiled"
         logger.info("kvforge: %s the %s in %.1f s (%s, flags %s)", action, self.what, self.build_seconds,
                     build_dir, " ".join(flags))

@@ -5,6 +5,8 @@ With M <= 32 rows BLAS gemm streams the weights at a fraction of the memory band
 cache (see cpu_linear.cpp). Weights may be float32, bfloat16 or float16 (x, W and bias of one
 dtype, as F.linear wants); products and sums are float32 and the result is rounded once to
 that dtype, so 2-byte weights halve the bytes a decode step reads without bf16 accumulation.
+On a CPU with AMX, bf16 products whose shapes fit run as tile multiplies instead
+(cpu_amx_linear.h; the choice depends on the shapes, never on M).
 `linear` dispatches to it for eligible calls and to `torch.nn.functional.linear` otherwise
 (prefill, float64, autograd, no kernel).
 

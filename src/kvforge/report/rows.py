@@ -269,6 +269,8 @@ ROWS = [
         "transformers, same weights and dtype", ""),
     Row("CPU engine, bf16, batch 16, Xeon (AMX)", "", "bench/cpu_decode_b16_bf16_vs_hf_xeon_amx.json", _cpu_decode,
         "transformers, same weights and dtype", ""),
+    Row("CPU engine, bf16, batch 16, Xeon (AMX)", "", "bench/cpu_decode_b16_bf16_vs_llamacpp_xeon_amx.json",
+        _cpu_decode, "llama.cpp F16 and as shipped (Q4_1), built without its AMX backend", ""),
     Row("CPU engine, bf16, prefill", "", "bench/cpu_prefill_2048_bf16_vs_llamacpp.json", _cpu_prefill,
         "llama.cpp F16", ""),
 ]

@@ -267,6 +267,8 @@ ROWS = [
         "llama.cpp F16 and as shipped (Q4_1)", ""),
     Row("CPU engine, bf16, batch 16", "", "bench/cpu_decode_b16_bf16_vs_hf.json", _cpu_decode,
         "transformers, same weights and dtype", ""),
+    Row("CPU engine, bf16, Xeon (AMX)", "", "bench/cpu_decode_b1_bf16_vs_llamacpp_xeon_amx.json", _cpu_decode,
+        "llama.cpp F16, built without its AMX backend", ""),
     Row("CPU engine, bf16, batch 16, Xeon (AMX)", "", "bench/cpu_decode_b16_bf16_vs_hf_xeon_amx.json", _cpu_decode,
         "transformers, same weights and dtype", ""),
     Row("CPU engine, bf16, batch 16, Xeon (AMX)", "", "bench/cpu_decode_b16_bf16_vs_llamacpp_xeon_amx.json",

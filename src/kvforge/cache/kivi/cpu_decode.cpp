@@ -1179,6 +1179,10 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
     prefetch(p.v_scale + base * v_params, v_params * 2);
     prefetch(p.v_zero + base * v_params, v_params * 2);
   };
+  auto prefetch_page = [&](int64_t base) __attribute__((always_inline)) {
+    prefetch_keys(base);
+    prefetch_values(base);
+  };
   auto prefetch_ring = [&](const void* base, int64_t t_begin, int64_t t_end) __attribute__((always_inline)) {
     const char* rows = static_cast<const char*>(base);
     for (int64_t t = t_begin; t < t_end; ++t) prefetch(rows + (ring + t % R) * p.res_row_bytes, p.res_row_bytes);
@@ -1205,10 +1209,7 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
   // prefetch instructions, and spreading them made the kernel 0.89-0.92x the time
   // (benchmarks/kivi_kernel_micro.py --int8-values, batch 17 x 2,048). Requesting only each
   // array's first lines (leaving the rest to the hardware) was 1.5x slower.
-  for (int64_t k = u.col_begin; k < std::min(u.col_begin + tile_pages, u.col_end); ++k) {
-    prefetch_keys(page_at(k));
-    prefetch_values(page_at(k));
-  }
+  for (int64_t k = u.col_begin; k < std::min(u.col_begin + tile_pages, u.col_end); ++k) prefetch_page(page_at(k));
   prefetch_tile_ring(u.col_begin);
 
   // Quantised keys: the unit's page columns, a tile of pages per softmax update.

@@ -703,9 +703,9 @@ inline void scores_dot(const uint16_t* q, const uint16_t* const* rows, int64_t n
 // (walk_tiles) leaves rows in L2, and the loop's loads waited on L2 -> L1: perf put ~26% of
 // the kernel's samples on two V-row loads. Measured on the Xeon (AMX, 2 threads; batch 16
 // x 1,024 tokens, smollm2-135m's heads, ascending pages, alternated call by call with the
-// kernel without it): 0.86x the time with 16 rows ahead plus the tile's first 16 requested
-// before its softmax; 0.92-0.94x with 4-16 ahead alone; 24 ahead no better than 16; the
-// same into L1 for K rows added nothing measurable.
+// kernel without it): 0.86-0.90x the time with 16 rows ahead plus the tile's first 16
+// requested before its softmax; 0.92-0.94x with 4-16 ahead alone; 24 ahead no better than
+// 16; the same into L1 for K rows added nothing measurable.
 constexpr int64_t kValuesL1Ahead = 16;
 
 // Requests the 128 bytes at `p` (64 bf16 dims of a row) into L1.

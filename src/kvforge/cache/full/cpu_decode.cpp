@@ -339,9 +339,27 @@ inline void scores4_group(const float* qs, const scalar_t* const* rows, int64_t 
   for (int g = 0; g < G; ++g) V::sum4(s[g][0], s[g][1], s[g][2], s[g][3], scores + g * kTile);
 }
 
+// V rows the values loops (accumulate_group; values_dot on the bf16 dot path) request into L1
+// ahead of their use, plus each tile's first ones before its softmax. The tile-ahead prefetch
+// (walk_tiles) leaves rows in L2, and the loops' loads waited on L2 -> L1: perf put ~26% of
+// the bf16 kernel's samples on two V-row loads. Measured on a 2-core Xeon (AMX; batch 16 x
+// 1,024 tokens, smollm2-135m's heads, 2 threads, alternated call by call with the kernel
+// without it), time ratios on ascending / scattered pages: bf16 dot path 0.86-0.90x /
+// 0.96x (4 x 2,048 at head dim 128: 0.86x / 0.93x; head dim 256 neutral); float32 pages
+// 0.91-0.93x / 0.94-0.96x; float16 0.89-0.95x / 0.97-1.00x. With 4-16 rows ahead and no
+// early request 0.92-0.94x (bf16); 24 ahead no better than 16; the same into L1 for K rows
+// added nothing measurable.
+constexpr int64_t kValuesL1Ahead = 16;
+
+// Requests the `bytes` bytes at `p` into L1 (hint 3), one cache line at a time.
+inline void prefetch_l1(const void* p, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char*>(p) + offset, 0, 3);
+}
+
 // acc[g][:dim] += sum_t weights[g * kTile + t] * rows[t][:dim] for the G queries: each
 // stored row chunk is loaded and widened once for all of them. Per element: the same FMA
-// chain over t as `accumulate`.
+// chain over t as `accumulate`. Each row step requests the row kValuesL1Ahead further on into
+// L1 (the caller requested the first ones).
 template <typename V, typename scalar_t, int G>
 inline void accumulate_group(float* acc, const float* weights, const scalar_t* const* rows, int64_t n,
                              int64_t dim) {
@@ -354,6 +372,7 @@ inline void accumulate_group(float* acc, const float* weights, const scalar_t* c
       for (int c = 0; c < C; ++c) a[g][c] = V::load(acc + g * dim + d + c * L);
     }
     for (int64_t t = 0; t < n; ++t) {
+      if (t + kValuesL1Ahead < n) prefetch_l1(rows[t + kValuesL1Ahead] + d, C * L * static_cast<int64_t>(sizeof(scalar_t)));
       V r[C];
       for (int c = 0; c < C; ++c) r[c] = V::load(rows[t] + d + c * L);
       for (int g = 0; g < G; ++g) {
@@ -621,6 +640,10 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
           tile_rows<V, scalar_t>(tile.k + t, tile.k_scale + t, 1, dim, k_buffer, k_rows);
           for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot<V>(qs + g * dim, k_rows[0], dim);
         }
+        // The tile's first V rows (their first 64 dims) into L1 while the softmax runs.
+        for (int64_t t = 0; t < std::min(n, kValuesL1Ahead); ++t) {
+          prefetch_l1(tile.v[t], std::min<int64_t>(dim, 64) * static_cast<int64_t>(sizeof(scalar_t)));
+        }
         for (int64_t g = 0; g < group; ++g) softmax_update(g, n);
         with_group(group, [&](auto g_) {
           accumulate_group<V, scalar_t, decltype(g_)::value>(acc, scores, tile.v, n, dim);
@@ -699,21 +722,6 @@ inline void scores_dot(const uint16_t* q, const uint16_t* const* rows, int64_t n
   }
 }
 
-// V rows the values loop requests into L1 ahead of its use. The tile-ahead prefetch
-// (walk_tiles) leaves rows in L2, and the loop's loads waited on L2 -> L1: perf put ~26% of
-// the kernel's samples on two V-row loads. Measured on the Xeon (AMX, 2 threads; batch 16
-// x 1,024 tokens, smollm2-135m's heads, ascending pages, alternated call by call with the
-// kernel without it): 0.86-0.90x the time with 16 rows ahead plus the tile's first 16
-// requested before its softmax; 0.92-0.94x with 4-16 ahead alone; 24 ahead no better than
-// 16; the same into L1 for K rows added nothing measurable.
-constexpr int64_t kValuesL1Ahead = 16;
-
-// Requests the 128 bytes at `p` (64 bf16 dims of a row) into L1.
-inline void prefetch_chunk_l1(const uint16_t* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(p) + 64, _MM_HINT_T0);
-}
-
 // acc[g] (pair order, [G, D]) += sum_t w[g * kTile + t] v_t over the tile's n rows, two rows
 // at a time; an odd last row is paired with a zero row (its partner's weight is 0 too).
 // Dims are done 64 at a time so that G x 4 accumulators stay in registers. The caller has
@@ -731,8 +739,8 @@ inline void values_dot(const uint16_t* const* rows, int64_t n, const uint16_t* w
       const uint16_t* r0 = rows[t] + d0;
       const uint16_t* r1 = t + 1 < n ? rows[t + 1] + d0 : zero_row;
       if (t + kValuesL1Ahead + 1 < n) {
-        prefetch_chunk_l1(rows[t + kValuesL1Ahead] + d0);
-        prefetch_chunk_l1(rows[t + kValuesL1Ahead + 1] + d0);
+        prefetch_l1(rows[t + kValuesL1Ahead] + d0, 64 * sizeof(uint16_t));
+        prefetch_l1(rows[t + kValuesL1Ahead + 1] + d0, 64 * sizeof(uint16_t));
       }
       const __m512i x0 = _mm512_loadu_si512(r0), x1 = _mm512_loadu_si512(r0 + 32);
       const __m512i y0 = _mm512_loadu_si512(r1), y1 = _mm512_loadu_si512(r1 + 32);
@@ -795,7 +803,7 @@ void run_unit_dot(const Unit& unit, const Problem& p, const c10::BFloat16* k_pag
       });
     }
     // The tile's first V rows into L1 while the softmax runs (values_dot requests the rest).
-    for (int64_t t = 0; t < std::min(tile.n, kValuesL1Ahead); ++t) prefetch_chunk_l1(v_rows[t]);
+    for (int64_t t = 0; t < std::min(tile.n, kValuesL1Ahead); ++t) prefetch_l1(v_rows[t], 64 * sizeof(uint16_t));
     for (int64_t g = 0; g < group; ++g) {
       const float correction = kvforge_bf16::softmax_block(scores + g * kTile, tile.n - 1, m[g], l[g],
                                                            weights + g * kTile);

@@ -26,6 +26,7 @@
 #include "cpu_bf16_attention.h"  // defines KVFORGE_BF16_DOT with AVX512-BF16
 #include "cpu_checks.h"
 #include "cpu_convert.h"
+#include "cpu_prefetch.h"
 
 #include <algorithm>
 #include <atomic>
@@ -351,11 +352,6 @@ inline void scores4_group(const float* qs, const scalar_t* const* rows, int64_t 
 // added nothing measurable.
 constexpr int64_t kValuesL1Ahead = 16;
 
-// Requests the `bytes` bytes at `p` into L1 (hint 3), one cache line at a time.
-inline void prefetch_l1(const void* p, int64_t bytes) {
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(static_cast<const char*>(p) + offset, 0, 3);
-}
-
 // acc[g][:dim] += sum_t weights[g * kTile + t] * rows[t][:dim] for the G queries: each
 // stored row chunk is loaded and widened once for all of them. Per element: the same FMA
 // chain over t as `accumulate`. Each row step requests the row kValuesL1Ahead further on into
@@ -372,7 +368,7 @@ inline void accumulate_group(float* acc, const float* weights, const scalar_t* c
       for (int c = 0; c < C; ++c) a[g][c] = V::load(acc + g * dim + d + c * L);
     }
     for (int64_t t = 0; t < n; ++t) {
-      if (t + kValuesL1Ahead < n) prefetch_l1(rows[t + kValuesL1Ahead] + d, C * L * static_cast<int64_t>(sizeof(scalar_t)));
+      if (t + kValuesL1Ahead < n) kvforge_prefetch::to_l1(rows[t + kValuesL1Ahead] + d, C * L * static_cast<int64_t>(sizeof(scalar_t)));
       V r[C];
       for (int c = 0; c < C; ++c) r[c] = V::load(rows[t] + d + c * L);
       for (int g = 0; g < G; ++g) {
@@ -460,12 +456,6 @@ struct TileRows {
   int64_t n;
 };
 
-// Requests the `bytes` bytes at `row` into L2 (hint 1), one cache line at a time.
-__attribute__((always_inline)) inline void prefetch_row(const void* row, int64_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
-}
-
 // Requests the K and V rows [0, count) into L2. Kept out of the hot loop's code (it runs
 // once per scattered page). noipa, not just noinline: GCC finds a function made only of
 // prefetches free of side effects and deletes its calls (measured: with noinline alone the
@@ -474,8 +464,8 @@ template <typename scalar_t>
 __attribute__((noipa)) void prefetch_rows(const scalar_t* const* k, const scalar_t* const* v, int64_t count,
                                           int64_t row_bytes) {
   for (int64_t i = 0; i < count; ++i) {
-    prefetch_row(k[i], row_bytes);
-    prefetch_row(v[i], row_bytes);
+    kvforge_prefetch::to_l2(k[i], row_bytes);
+    kvforge_prefetch::to_l2(v[i], row_bytes);
   }
 }
 
@@ -556,8 +546,8 @@ void walk_tiles(const Unit& unit, const Problem& p, const scalar_t* k_pages, con
     }
     auto prefetch_next = [&](int64_t t) {
       if (t >= next_n) return;
-      prefetch_row(k_src[slot ^ 1][t], row_bytes);
-      prefetch_row(v_src[slot ^ 1][t], row_bytes);
+      kvforge_prefetch::to_l2(k_src[slot ^ 1][t], row_bytes);
+      kvforge_prefetch::to_l2(v_src[slot ^ 1][t], row_bytes);
     };
     fn(TileRows<scalar_t>{k_src[slot], v_src[slot], k_scale[slot], v_scale[slot], n}, prefetch_next);
     n = next_n;
@@ -642,7 +632,7 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
         }
         // The tile's first V rows (their first 64 dims) into L1 while the softmax runs.
         for (int64_t t = 0; t < std::min(n, kValuesL1Ahead); ++t) {
-          prefetch_l1(tile.v[t], std::min<int64_t>(dim, 64) * static_cast<int64_t>(sizeof(scalar_t)));
+          kvforge_prefetch::to_l1(tile.v[t], std::min<int64_t>(dim, 64) * static_cast<int64_t>(sizeof(scalar_t)));
         }
         for (int64_t g = 0; g < group; ++g) softmax_update(g, n);
         with_group(group, [&](auto g_) {
@@ -739,8 +729,8 @@ inline void values_dot(const uint16_t* const* rows, int64_t n, const uint16_t* w
       const uint16_t* r0 = rows[t] + d0;
       const uint16_t* r1 = t + 1 < n ? rows[t + 1] + d0 : zero_row;
       if (t + kValuesL1Ahead + 1 < n) {
-        prefetch_l1(rows[t + kValuesL1Ahead] + d0, 64 * sizeof(uint16_t));
-        prefetch_l1(rows[t + kValuesL1Ahead + 1] + d0, 64 * sizeof(uint16_t));
+        kvforge_prefetch::to_l1(rows[t + kValuesL1Ahead] + d0, 64 * sizeof(uint16_t));
+        kvforge_prefetch::to_l1(rows[t + kValuesL1Ahead + 1] + d0, 64 * sizeof(uint16_t));
       }
       const __m512i x0 = _mm512_loadu_si512(r0), x1 = _mm512_loadu_si512(r0 + 32);
       const __m512i y0 = _mm512_loadu_si512(r1), y1 = _mm512_loadu_si512(r1 + 32);
@@ -803,7 +793,7 @@ void run_unit_dot(const Unit& unit, const Problem& p, const c10::BFloat16* k_pag
       });
     }
     // The tile's first V rows into L1 while the softmax runs (values_dot requests the rest).
-    for (int64_t t = 0; t < std::min(tile.n, kValuesL1Ahead); ++t) prefetch_l1(v_rows[t], 64 * sizeof(uint16_t));
+    for (int64_t t = 0; t < std::min(tile.n, kValuesL1Ahead); ++t) kvforge_prefetch::to_l1(v_rows[t], 64 * sizeof(uint16_t));
     for (int64_t g = 0; g < group; ++g) {
       const float correction = kvforge_bf16::softmax_block(scores + g * kTile, tile.n - 1, m[g], l[g],
                                                            weights + g * kTile);

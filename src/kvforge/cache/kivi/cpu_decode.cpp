@@ -53,6 +53,7 @@
 #include <torch/library.h>
 
 #include "cpu_checks.h"
+#include "cpu_prefetch.h"
 
 #include <algorithm>
 #include <array>
@@ -1117,13 +1118,9 @@ inline void value_sums_int8(const uint8_t* w8, const float* wstep, const float* 
 }
 
 // Pages are scattered in the pool, so the hardware prefetcher cannot anticipate the jump
-// to the next page: its six arrays are requested (into L2) while the current tile runs.
-// always_inline: a separate function made only of prefetches is seen by GCC as free of
-// side effects ("const"), and its calls are deleted.
-__attribute__((always_inline)) inline void prefetch(const void* base, int64_t bytes) {
-  const char* p = static_cast<const char*>(base);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 1);
-}
+// to the next page: its six arrays are requested (into L2, kvforge_prefetch::to_l2) while
+// the current tile runs.
+using kvforge_prefetch::to_l2;
 
 // One unit for query heads [h0, h0 + NH) of its kv group. m, l, acc: the unit's partial
 // state for those heads (acc [NH * D]).
@@ -1170,14 +1167,14 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
     return h * p.pages + page;
   };
   auto prefetch_keys = [&](int64_t base) __attribute__((always_inline)) {
-    prefetch(p.k_codes + base * dim * k_row_bytes, dim * k_row_bytes);
-    prefetch(p.k_scale + base * dim, dim * 2);
-    prefetch(p.k_zero + base * dim, dim * 2);
+    to_l2(p.k_codes + base * dim * k_row_bytes, dim * k_row_bytes);
+    to_l2(p.k_scale + base * dim, dim * 2);
+    to_l2(p.k_zero + base * dim, dim * 2);
   };
   auto prefetch_values = [&](int64_t base) __attribute__((always_inline)) {
-    prefetch(p.v_codes + base * G * v_row_bytes, G * v_row_bytes);
-    prefetch(p.v_scale + base * v_params, v_params * 2);
-    prefetch(p.v_zero + base * v_params, v_params * 2);
+    to_l2(p.v_codes + base * G * v_row_bytes, G * v_row_bytes);
+    to_l2(p.v_scale + base * v_params, v_params * 2);
+    to_l2(p.v_zero + base * v_params, v_params * 2);
   };
   auto prefetch_page = [&](int64_t base) __attribute__((always_inline)) {
     prefetch_keys(base);
@@ -1185,7 +1182,7 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
   };
   auto prefetch_ring = [&](const void* base, int64_t t_begin, int64_t t_end) __attribute__((always_inline)) {
     const char* rows = static_cast<const char*>(base);
-    for (int64_t t = t_begin; t < t_end; ++t) prefetch(rows + (ring + t % R) * p.res_row_bytes, p.res_row_bytes);
+    for (int64_t t = t_begin; t < t_end; ++t) to_l2(rows + (ring + t % R) * p.res_row_bytes, p.res_row_bytes);
   };
   const int64_t res_begin = std::max(sp.nk, sp.lo);  // first residual token
   // The ring rows the tile of page columns from `col` reads (its tokens in [nv, nk)); past

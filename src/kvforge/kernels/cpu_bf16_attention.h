@@ -83,25 +83,25 @@ inline float softmax_block(const float* s, int64_t limit, float& m, float& l, ui
   return correction;
 }
 
-// Lane i of the result = the sum of the 16 lanes of v[i] (a transposing tree: 45 shuffles
-// and adds for 16 sums). The order of additions is fixed, so equal inputs give equal sums.
-inline __m512 sums16(const __m512* v) {
-  __m512 pairs[8];  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of (a, b) = v[2i], v[2i+1]
-  for (int i = 0; i < 8; ++i) {
+// Lane i of the result = the sum of the 16 lanes of v[i], for 8 vectors (a transposing
+// tree: 24 shuffles and adds). The order of additions is fixed, so equal inputs give equal
+// sums: within each 128-bit lane (x0 + x2) + (x1 + x3), then over the four 128-bit lanes
+// (L0 + L1) + (L2 + L3).
+inline __m256 sums8(const __m512* v) {
+  __m512 pairs[4];  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of (a, b) = v[2i], v[2i+1]
+  for (int i = 0; i < 4; ++i) {
     pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   }
-  __m512 quads[4];  // per 128-bit lane: the partial sums (within that lane) of v[4i .. 4i+3]
-  for (int i = 0; i < 4; ++i) {
+  __m512 quads[2];  // per 128-bit lane: the partial sums (within that lane) of v[4i .. 4i+3]
+  for (int i = 0; i < 2; ++i) {
     const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
     quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   // Fold the four 128-bit lanes: first neighbours (0+1, 2+3), then the two halves.
-  const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(h01, h23, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 h = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_castps512_ps256(_mm512_add_ps(_mm512_shuffle_f32x4(h, h, _MM_SHUFFLE(3, 1, 2, 0)),
+                                              _mm512_shuffle_f32x4(h, h, _MM_SHUFFLE(2, 0, 3, 1))));
 }
 
 }  // namespace kvforge_bf16

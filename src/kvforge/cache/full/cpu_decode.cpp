@@ -469,34 +469,39 @@ __attribute__((noipa)) void prefetch_rows(const scalar_t* const* k, const scalar
   }
 }
 
-// Walks the unit's rows tile by tile in column order, calling fn(tile, prefetch_next) per
-// tile. Two kinds of software prefetch (into L2; into L1, hint 3, measured ~1.5x slower:
+// Walks the unit's rows tile by tile in column order. With Ahead = 1 it calls
+// fn(tile, prefetch_next) per tile; with Ahead = 2, fn(tile, next tile, prefetch_next) (the
+// next tile's n is 0 past the end), prefetch_next then requesting rows of the tile after
+// that one. Two kinds of software prefetch (into L2; into L1, hint 3, measured ~1.5x slower:
 // the L1 miss buffers are the limit):
 // - jumps: `locate` notes the pages of a tile that do not follow the page before them in
-//   memory (a sequence's first page, or a page scattered in the pool); each of the next
-//   tile's is requested whole, at once, before the current tile is computed. The hardware
-//   prefetcher follows a run of adjacent pages on its own but cannot foresee a jump.
+//   memory (a sequence's first page, or a page scattered in the pool); each of the tile
+//   Ahead tiles on is requested whole, at once, before the current tile is computed. The
+//   hardware prefetcher follows a run of adjacent pages on its own but cannot foresee a jump.
 //   Measured on 16 x 1,024-token sequences x 30 layers, 2 threads, against the kernel
 //   without it, alternated in one process: scattered pages 1.5-1.6x faster (bf16 and fp16
 //   pages), ascending pages (no jumps) unchanged (0.99-1.00x; 0.97-1.00x per layer in
 //   `benchmarks/bench_decode_attention.py --baseline-source`, which repeats the comparison).
 // - prefetch_next(i), which callers issue once per row they compute, requests row i of the
-//   next tile: on ascending pages this measured ~2% faster than without it. Alone it did
-//   not help scattered pages at all (spread over the tile's compute, it started each new
-//   page's stream too late, apparently).
-template <typename scalar_t, typename Fn>
+//   tile Ahead tiles on: on ascending pages this measured ~2% faster than without it. Alone
+//   it did not help scattered pages at all (spread over the tile's compute, it started each
+//   new page's stream too late, apparently).
+template <int Ahead = 1, typename scalar_t, typename Fn>
 void walk_tiles(const Unit& unit, const Problem& p, const scalar_t* k_pages, const scalar_t* v_pages, Fn&& fn) {
+  static_assert(Ahead == 1 || Ahead == 2, "walk_tiles: one or two tiles ahead");
+  constexpr int kSlots = Ahead + 1;
   const int64_t block = p.kg.block;
   const int64_t b = unit.pair / p.kv_heads;
   const int64_t h = unit.pair % p.kv_heads;
   const int64_t* table_row = p.page_table + b * p.table_width;
   const scalar_t* k_head = k_pages + h * p.kg.stride_head;
   const scalar_t* v_head = v_pages + h * p.vg.stride_head;
-  // Row pointers of the current tile (slot) and of the next one (slot ^ 1).
-  const scalar_t* k_src[2][kTile];
-  const scalar_t* v_src[2][kTile];
-  const float* k_scale[2][kTile];  // float8 only: each row's scale
-  const float* v_scale[2][kTile];
+  // Row pointers of the tiles in flight: the current one and the Ahead after it, in a ring.
+  const scalar_t* k_src[kSlots][kTile];
+  const scalar_t* v_src[kSlots][kTile];
+  const float* k_scale[kSlots][kTile];  // float8 only: each row's scale
+  const float* v_scale[kSlots][kTile];
+  int64_t rows[kSlots] = {};
   const int64_t row_bytes = p.dim * static_cast<int64_t>(sizeof(scalar_t));
   auto page_at = [&](int64_t index) -> int64_t {
     const int64_t page = table_row[index];
@@ -509,10 +514,14 @@ void walk_tiles(const Unit& unit, const Problem& p, const scalar_t* k_pages, con
       p.kg.stride_page == block * p.kg.stride_row && p.vg.stride_page == block * p.vg.stride_row;
   // jumps[slot][0 .. jump_count[slot]): the tile rows where a page starts that does not
   // follow the one before it in memory (a sequence's first page, or one scattered in the pool).
-  int64_t jumps[2][kTile];
-  int64_t jump_count[2] = {0, 0};
-  // Fills slot `slot` with the rows of the tile starting at column `start`; returns its size.
-  auto locate = [&](int64_t start, int64_t slot) -> int64_t {
+  int64_t jumps[kSlots][kTile];
+  int64_t jump_count[kSlots] = {};
+  // Fills slot `slot` with the rows of the tile starting at column `start` (none past the
+  // unit's end); returns its size.
+  auto locate = [&](int64_t start, int slot) -> int64_t {
+    rows[slot] = 0;
+    jump_count[slot] = 0;
+    if (start >= unit.col_end) return 0;
     const int64_t n = std::min(kTile, unit.col_end - start);
     int64_t index = start / block, row = start % block;
     int64_t page = page_at(index);
@@ -533,24 +542,34 @@ void walk_tiles(const Unit& unit, const Problem& p, const scalar_t* k_pages, con
       }
     }
     jump_count[slot] = count;
+    rows[slot] = n;
     return n;
   };
-  int64_t slot = 0;
-  int64_t n = unit.col_begin < unit.col_end ? locate(unit.col_begin, 0) : 0;
-  for (int64_t start = unit.col_begin; start < unit.col_end; start += kTile, slot ^= 1) {
-    const int64_t next = start + kTile;
-    const int64_t next_n = next < unit.col_end ? locate(next, slot ^ 1) : 0;
-    for (int64_t j = 0; next_n > 0 && j < jump_count[slot ^ 1]; ++j) {  // the next tile's jumps, each page whole
-      const int64_t t = jumps[slot ^ 1][j];
-      prefetch_rows(k_src[slot ^ 1] + t, v_src[slot ^ 1] + t, std::min(block, next_n - t), row_bytes);
+  auto tile_at = [&](int slot) {
+    return TileRows<scalar_t>{k_src[slot], v_src[slot], k_scale[slot], v_scale[slot], rows[slot]};
+  };
+  for (int i = 0; i < Ahead; ++i) locate(unit.col_begin + i * kTile, i);
+  // The tiles between the first and the far one are computed before any prefetch_next
+  // reaches them: requested whole now.
+  for (int i = 1; i < Ahead; ++i) prefetch_rows(k_src[i], v_src[i], rows[i], row_bytes);
+  int slot = 0;
+  for (int64_t start = unit.col_begin; start < unit.col_end; start += kTile, slot = (slot + 1) % kSlots) {
+    const int far = (slot + Ahead) % kSlots;
+    const int64_t far_n = locate(start + Ahead * kTile, far);
+    for (int64_t j = 0; j < jump_count[far]; ++j) {  // the far tile's jumps, each page whole
+      const int64_t t = jumps[far][j];
+      prefetch_rows(k_src[far] + t, v_src[far] + t, std::min(block, far_n - t), row_bytes);
     }
     auto prefetch_next = [&](int64_t t) {
-      if (t >= next_n) return;
-      kvforge_prefetch::to_l2(k_src[slot ^ 1][t], row_bytes);
-      kvforge_prefetch::to_l2(v_src[slot ^ 1][t], row_bytes);
+      if (t >= far_n) return;
+      kvforge_prefetch::to_l2(k_src[far][t], row_bytes);
+      kvforge_prefetch::to_l2(v_src[far][t], row_bytes);
     };
-    fn(TileRows<scalar_t>{k_src[slot], v_src[slot], k_scale[slot], v_scale[slot], n}, prefetch_next);
-    n = next_n;
+    if constexpr (Ahead == 1) {
+      fn(tile_at(slot), prefetch_next);
+    } else {
+      fn(tile_at(slot), tile_at((slot + 1) % kSlots), prefetch_next);
+    }
   }
 }
 
@@ -684,50 +703,70 @@ inline int64_t pair_order_dim(int64_t index) {
   return 32 * chunk + 8 * (lane / 4) + 4 * half + lane % 4;
 }
 
+// Rows of one step of the bf16 dot path's pipeline: the scores of the next tile's rows
+// [r, r + kPipelineRows) are computed, then the values of the current tile's same rows, so
+// the K and V streams are read side by side. Tile by tile (all scores, softmax, all values)
+// the loads of each phase came from one stream at a time. A kernel with the arithmetic taken
+// out (one load per cache line) showed it: the same loads in the pipelined order took 0.84x
+// the time of the tile-by-tile order, and that order alone took 0.85-0.91x of the whole
+// kernel's time, so the loads, not the arithmetic, set the kernel's pace. Measured on a
+// 2-core Xeon (AMX; 2 threads, 30 layers, pages streamed, alternated call by call with the
+// kernel without it, ratios of times): batch 16 x 1,024 at smollm2's heads 0.90-0.93x on
+// ascending pages, 0.93-0.97x scattered; 4 x 2,048 at head dim 128, 4 queries per KV head,
+// 0.92-0.93x; 1 x 4,096 at head dim 256 0.99-1.02x. Steps of 16 rows: 0.95-0.97x; of 32:
+// 1.01x.
+// Scores are reduced 8 rows at a time for this (sums8), with the same additions per row as
+// the 16-row reduction, so the kernel's results did not change.
+constexpr int64_t kPipelineRows = 8;
+
 // s[g * kTile + t] = scale * (q_g . row t) for the G queries of q (bf16, [G, D]) and the n
-// rows of a tile. Query g's D / 32 vectors stay in registers while 16 rows stream past;
-// each row's 16-lane partial sums are reduced 16 rows at a time by one transposing tree.
+// rows of a tile. Query g's D / 32 vectors stay in registers while 8 rows stream past; each
+// row's 16-lane partial sums are reduced 8 rows at a time by one transposing tree (sums8:
+// the same additions per row as the 16-row tree it replaced, so the same scores).
 template <int D, int G, typename Prefetch>
 inline void scores_dot(const uint16_t* q, const uint16_t* const* rows, int64_t n, float scale, float* s,
                        Prefetch&& prefetch_next) {
   constexpr int kChunks = D / 32;
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - t0);
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    const int64_t m = std::min<int64_t>(8, n - t0);
     for (int64_t t = t0; t < t0 + m; ++t) prefetch_next(t);
     for (int g = 0; g < G; ++g) {
       __m512i qv[kChunks];
       for (int c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_si512(q + g * D + 32 * c);
-      __m512 partial[16];
-      for (int64_t t = 0; t < 16; ++t) {
+      __m512 partial[8];
+      for (int64_t t = 0; t < 8; ++t) {
         __m512 a = _mm512_setzero_ps();
         if (t < m) {
           for (int c = 0; c < kChunks; ++c) a = kvforge_bf16::dot_pairs(a, _mm512_loadu_si512(rows[t0 + t] + 32 * c), qv[c]);
         }
         partial[t] = a;
       }
-      // Lanes past n hold 0 and land in s[n .. t0 + 16), inside the kTile scores of g.
-      _mm512_storeu_ps(s + g * kTile + t0, _mm512_mul_ps(kvforge_bf16::sums16(partial), sc));
+      // Lanes past n hold 0 and land in s[n .. t0 + 8), inside the kTile scores of g.
+      _mm256_storeu_ps(s + g * kTile + t0, _mm256_mul_ps(kvforge_bf16::sums8(partial), sc));
     }
   }
 }
 
-// acc[g] (pair order, [G, D]) += sum_t w[g * kTile + t] v_t over the tile's n rows, two rows
-// at a time; an odd last row is paired with a zero row (its partner's weight is 0 too).
-// Dims are done 64 at a time so that G x 4 accumulators stay in registers. The caller has
-// requested the first kValuesL1Ahead rows into L1; each step requests the two rows
-// kValuesL1Ahead further on (the tile's last row, when n is odd, is left to the loads).
+// acc[g] (pair order, [G, D]) += sum_t w[g * kTile + t] v_t over the rows [begin, end) of a
+// tile of n rows, two rows at a time; an odd last row is paired with a zero row (its
+// partner's weight is 0 too). `begin` is even and `end` even or n, so consecutive ranges
+// pair the rows as one call over [0, n) would, in the same order. Dims are done 64 at a time
+// so that G x 4 accumulators stay in registers. The caller has requested the first
+// kValuesL1Ahead rows into L1; each step requests the two rows kValuesL1Ahead further on in
+// the tile (the tile's last row, when n is odd, is left to the loads).
 template <int D, int G>
-inline void values_dot(const uint16_t* const* rows, int64_t n, const uint16_t* w, float* acc) {
+inline void values_dot(const uint16_t* const* rows, int64_t begin, int64_t end, int64_t n, const uint16_t* w,
+                       float* acc) {
   alignas(64) static const uint16_t zero_row[D] = {};
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     __m512 a[G][4];
     for (int g = 0; g < G; ++g) {
       for (int i = 0; i < 4; ++i) a[g][i] = _mm512_loadu_ps(acc + g * D + d0 + 16 * i);
     }
-    for (int64_t t = 0; t < n; t += 2) {
+    for (int64_t t = begin; t < end; t += 2) {
       const uint16_t* r0 = rows[t] + d0;
-      const uint16_t* r1 = t + 1 < n ? rows[t + 1] + d0 : zero_row;
+      const uint16_t* r1 = t + 1 < end ? rows[t + 1] + d0 : zero_row;
       if (t + kValuesL1Ahead + 1 < n) {
         kvforge_prefetch::to_l1(rows[t + kValuesL1Ahead] + d0, 64 * sizeof(uint16_t));
         kvforge_prefetch::to_l1(rows[t + kValuesL1Ahead + 1] + d0, 64 * sizeof(uint16_t));
@@ -782,16 +821,23 @@ void run_unit_dot(const Unit& unit, const Problem& p, const c10::BFloat16* k_pag
     }
     std::fill(acc, acc + group * D, 0.f);
   }
-  walk_tiles(unit, p, k_pages, v_pages, [&](const TileRows<c10::BFloat16>& tile, auto&& prefetch_next) {
-    const auto* k_rows = reinterpret_cast<const uint16_t* const*>(tile.k);
-    const auto* v_rows = reinterpret_cast<const uint16_t* const*>(tile.v);
+  // Pipelined (see kPipelineRows): the scores of tile i + 1 are computed beside the values of
+  // tile i, kPipelineRows rows of each in turn; the first tile's scores come alone.
+  auto scores_of = [&](const uint16_t* const* k_rows, int64_t n, int64_t first, auto&& prefetch) {
     for (int64_t g0 = 0; g0 < group; g0 += kMaxFusedGroup) {
       with_group(std::min(kMaxFusedGroup, group - g0), [&](auto g_) {
         constexpr int G = decltype(g_)::value;
         // (with more than 4 queries the later passes re-issue prefetches in flight: harmless)
-        scores_dot<D, G>(q + g0 * D, k_rows, tile.n, p.scale, scores + g0 * kTile, prefetch_next);
+        scores_dot<D, G>(q + g0 * D, k_rows + first, n, p.scale, scores + g0 * kTile + first,
+                         [&](int64_t t) { prefetch(first + t); });
       });
     }
+  };
+  bool scored = false;  // whether `scores` holds the current tile's scores
+  walk_tiles<2>(unit, p, k_pages, v_pages,
+                [&](const TileRows<c10::BFloat16>& tile, const TileRows<c10::BFloat16>& next, auto&& prefetch_next) {
+    const auto* v_rows = reinterpret_cast<const uint16_t* const*>(tile.v);
+    if (!scored) scores_of(reinterpret_cast<const uint16_t* const*>(tile.k), tile.n, 0, [](int64_t) {});
     // The tile's first V rows into L1 while the softmax runs (values_dot requests the rest).
     for (int64_t t = 0; t < std::min(tile.n, kValuesL1Ahead); ++t) kvforge_prefetch::to_l1(v_rows[t], 64 * sizeof(uint16_t));
     for (int64_t g = 0; g < group; ++g) {
@@ -802,11 +848,19 @@ void run_unit_dot(const Unit& unit, const Problem& p, const c10::BFloat16* k_pag
         for (int64_t i = 0; i < D; i += 16) _mm512_storeu_ps(acc + g * D + i, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + i), c));
       }
     }
-    for (int64_t g0 = 0; g0 < group; g0 += kMaxFusedGroup) {
-      with_group(std::min(kMaxFusedGroup, group - g0), [&](auto g_) {
-        values_dot<D, decltype(g_)::value>(v_rows, tile.n, weights + g0 * kTile, acc + g0 * D);
-      });
+    const auto* next_k = reinterpret_cast<const uint16_t* const*>(next.k);
+    for (int64_t first = 0; first < std::max(tile.n, next.n); first += kPipelineRows) {
+      if (first < next.n) scores_of(next_k, std::min(kPipelineRows, next.n - first), first, prefetch_next);
+      if (first < tile.n) {
+        const int64_t end = std::min(first + kPipelineRows, tile.n);
+        for (int64_t g0 = 0; g0 < group; g0 += kMaxFusedGroup) {
+          with_group(std::min(kMaxFusedGroup, group - g0), [&](auto g_) {
+            values_dot<D, decltype(g_)::value>(v_rows, first, end, tile.n, weights + g0 * kTile, acc + g0 * D);
+          });
+        }
+      }
     }
+    scored = next.n > 0;
   });
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t i = 0; i < D; ++i) acc_out[g * D + pair_order_dim(i)] = acc[g * D + i];

@@ -833,11 +833,11 @@ void run_unit_dot(const Unit& unit, const Problem& p, const c10::BFloat16* k_pag
       });
     }
   };
-  bool scored = false;  // whether `scores` holds the current tile's scores
+  bool first_tile = true;  // later tiles' scores were computed beside the tile before
   walk_tiles<2>(unit, p, k_pages, v_pages,
                 [&](const TileRows<c10::BFloat16>& tile, const TileRows<c10::BFloat16>& next, auto&& prefetch_next) {
     const auto* v_rows = reinterpret_cast<const uint16_t* const*>(tile.v);
-    if (!scored) scores_of(reinterpret_cast<const uint16_t* const*>(tile.k), tile.n, 0, [](int64_t) {});
+    if (first_tile) scores_of(reinterpret_cast<const uint16_t* const*>(tile.k), tile.n, 0, [](int64_t) {});
     // The tile's first V rows into L1 while the softmax runs (values_dot requests the rest).
     for (int64_t t = 0; t < std::min(tile.n, kValuesL1Ahead); ++t) kvforge_prefetch::to_l1(v_rows[t], 64 * sizeof(uint16_t));
     for (int64_t g = 0; g < group; ++g) {
@@ -860,7 +860,7 @@ void run_unit_dot(const Unit& unit, const Problem& p, const c10::BFloat16* k_pag
         }
       }
     }
-    scored = next.n > 0;
+    first_tile = false;
   });
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t i = 0; i < D; ++i) acc_out[g * D + pair_order_dim(i)] = acc[g * D + i];

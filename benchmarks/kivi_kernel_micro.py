@@ -50,7 +50,7 @@ from kvforge.cache.kivi.cpu_decode import (
 from kvforge.cache.kivi.key_space import StoredKeys
 from kvforge.cache.kivi.store import KIVILayerView
 from kvforge.config import RopeConfig
-from kvforge.models.rope import RotaryEmbedding
+from kvforge.rope import RotaryEmbedding
 
 FULL_BLOCK = 16  # FullCache's default block_size
 

@@ -39,10 +39,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode_attention import make_case  # noqa: E402
 
-from kvforge.bench.peak import READ_BYTES  # noqa: E402
 from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu  # noqa: E402
 from kvforge.kernels import cpu_linear  # noqa: E402
-from kvforge.report.provenance import provenance  # noqa: E402
+from kvforge.tools.bench.peak import READ_BYTES  # noqa: E402
+from kvforge.tools.report.provenance import provenance  # noqa: E402
 
 HIDDEN = 576
 STREAM_MATRICES = 24  # 24 x [3072, 576] bf16 = 85 MB, well past a 32 MB last-level cache

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.errors import require
-from kvforge.eval.shadowkv_front import front, spectra_of_front
-from kvforge.report.provenance import provenance
+from kvforge.tools.eval.shadowkv_front import front, spectra_of_front
+from kvforge.tools.report.provenance import provenance
 
 
 def _load(path: str) -> dict[str, Any]:

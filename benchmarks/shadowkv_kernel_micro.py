@@ -40,7 +40,7 @@ from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.store import ChunkStore
 from kvforge.config import RopeConfig
 from kvforge.kernels.build import CppKernel
-from kvforge.models.rope import RotaryEmbedding
+from kvforge.rope import RotaryEmbedding
 
 PHASES = ("selection", "rebuild", "fetch", "attention")
 WINDOW = 288  # local 32 + generated_window 256: the defaults' exact tail capacity

@@ -1,5 +1,5 @@
 """The per-layer ranks ShadowKV settings choose on one passage, measured by compressing it
-through the cache (kvforge.eval.shadowkv_ranks); the front reads them with `--ranks`.
+through the cache (kvforge.tools.eval.shadowkv_ranks); the front reads them with `--ranks`.
 
     python benchmarks/shadowkv_ranks.py --model gemma3-270m --tokens 32704 \
         --cache shadowkv:rank=attention [--cache ...] --out docs/results/eval/shadowkv_ranks_gemma3-270m.json
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from kvforge.analysis.cli import load_model_and_tokenizer, passage_tokens
-from kvforge.eval.shadowkv_ranks import measure_ranks
-from kvforge.report.provenance import provenance
+from kvforge.tools.analysis.cli import load_model_and_tokenizer, passage_tokens
+from kvforge.tools.eval.shadowkv_ranks import measure_ranks
+from kvforge.tools.report.provenance import provenance
 
 
 def main() -> None:

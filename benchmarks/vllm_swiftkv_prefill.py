@@ -133,7 +133,7 @@ def main() -> None:
 
     for name in systems:  # warm-up, untimed
         measure(name)
-    from kvforge.bench.machine_load import LoadProbe, flags
+    from kvforge.tools.bench.machine_load import LoadProbe, flags
 
     probe = LoadProbe()  # other programs' CPU time during the timed repeats
     workers_before, timed_start = descendant_cpu_seconds(), time.perf_counter()
@@ -166,7 +166,7 @@ def main() -> None:
     spread = max(max(s["seconds"]) / min(s["seconds"]) for s in systems.values())
     result["flags"] = flags(result["environment"], args.repeats, spread)
     result["target"] = 1.5
-    from kvforge.report.provenance import provenance
+    from kvforge.tools.report.provenance import provenance
 
     result["provenance"] = {**provenance(), "command": "python " + " ".join(shlex.quote(a) for a in sys.argv)}
     result["load_after"] = load_snapshot()

@@ -16,7 +16,7 @@ from kvforge.cache.registry import create_cache
 from kvforge.config import ModelConfig, SwiftKVConfig
 from kvforge.engine.runner import ModelRunner
 from kvforge.models.registry import build_model
-from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
+from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
 
 torch.set_num_threads(2)
 

@@ -15,7 +15,6 @@ import transformers
 import uvicorn
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from kvforge.bench.serve_server import free_loopback_port as free_port  # noqa: F401 (re-exported)
 from kvforge.cache.registry import create_cache
 from kvforge.config import ModelConfig
 from kvforge.engine.async_engine import AsyncEngine
@@ -25,6 +24,7 @@ from kvforge.models.registry import build_model
 from kvforge.serve.app import create_app
 from kvforge.serve.metrics import ServerMetrics
 from kvforge.serve.served_model import ServedModel
+from kvforge.tools.bench.serve_server import free_loopback_port as free_port  # noqa: F401 (re-exported)
 
 MODEL_NAME = "tiny"
 VOCAB = 128

@@ -12,10 +12,10 @@ import argparse
 import pytest
 import torch
 
-from kvforge.bench.serve_server import free_loopback_port
 from kvforge.cli import build_parser, main
 from kvforge.devices import resolve_device
 from kvforge.errors import ConfigError
+from kvforge.tools.bench.serve_server import free_loopback_port
 
 SWIFTKV_DIR = "models/swiftkv-smollm2-135m-l15"  # tests run from the repository root
 
@@ -32,11 +32,11 @@ def _stop(value, *args, **kwargs):
 def no_bench_probes(monkeypatch):
     """Benchmarks skip the kernel builds and peak probes that precede loading; the thread
     count, which the commands set, is restored."""
-    from kvforge.bench.peak import MachinePeak
+    from kvforge.tools.bench.peak import MachinePeak
 
     monkeypatch.setattr("kvforge.prebuild.build_cpu_kernels", lambda: ({}, 0.0))
     peak = MachinePeak(matmul_gflops=1.0, matmul_size=1, matmul_dtype="float32", read_gbps=1.0, threads=1)
-    monkeypatch.setattr("kvforge.bench.peak.measure_peak", lambda dtype, device=None: peak)
+    monkeypatch.setattr("kvforge.tools.bench.peak.measure_peak", lambda dtype, device=None: peak)
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
@@ -48,7 +48,7 @@ def stop_at_load(monkeypatch, no_bench_probes):
     their loader."""
     monkeypatch.setattr("kvforge.models.loader.resolve_device", _stop)
     monkeypatch.setattr("kvforge.engine.llm.resolve_device", _stop)
-    monkeypatch.setattr("kvforge.verify.load_transformers_model", lambda source, device, dtype=None: _stop(device))
+    monkeypatch.setattr("kvforge.tools.verify.load_transformers_model", lambda source, device, dtype=None: _stop(device))
 
 
 # Every command that runs a model, as far as its first model load.
@@ -89,8 +89,8 @@ def _parsed(argv: list[str]) -> argparse.Namespace:
 
 
 def test_the_transformers_peer_of_bench_and_eval_runs_on_the_same_device(stop_at_load):
-    from kvforge.bench.common import prepare
-    from kvforge.eval.context import EvalContext
+    from kvforge.tools.bench.common import prepare
+    from kvforge.tools.eval.context import EvalContext
 
     bench = prepare(_parsed(["bench", "decode", "--device", "meta", "--compare", "hf", "--threads", "1"]), 16)
     with pytest.raises(Reached, match="meta"):
@@ -100,9 +100,9 @@ def test_the_transformers_peer_of_bench_and_eval_runs_on_the_same_device(stop_at
 
 
 def test_bench_serve_starts_its_servers_on_its_device():
-    from kvforge.bench.common import System
-    from kvforge.bench.serve import _serve_args
     from kvforge.cache.registry import parse_cache_spec
+    from kvforge.tools.bench.common import System
+    from kvforge.tools.bench.serve import _serve_args
 
     args = _parsed(["bench", "serve", "--device", "cuda:1"])
     server_argv = _serve_args(args, System("s", "kvforge", parse_cache_spec("full")))

@@ -25,8 +25,8 @@ def stop_at_dtype(monkeypatch, no_bench_probes):  # noqa: F811 -- test_devices' 
 
     # Every module that binds parse_dtype at import is imported first (else it would bind the
     # stub for good) and patched, so the first check a command makes is the one that stops it.
-    binders = ("kvforge.models.loader", "kvforge.engine.llm", "kvforge.swiftkv.side_by_side", "kvforge.verify",
-               "kvforge.eval.ruler", "kvforge.eval.niah", "kvforge.eval.perplexity", "kvforge.bench.common")
+    binders = ("kvforge.models.loader", "kvforge.engine.llm", "kvforge.tools.swiftkv.side_by_side", "kvforge.tools.verify",
+               "kvforge.tools.eval.ruler", "kvforge.tools.eval.niah", "kvforge.tools.eval.perplexity", "kvforge.tools.bench.common")
     for where in binders:
         importlib.import_module(where)
     for where in binders:

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvforge.bench.serve_server import free_loopback_port
+from kvforge.tools.bench.serve_server import free_loopback_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.cache.step_plan import upload
 from kvforge.errors import ConfigError
+from kvforge.step_plan import upload
 
 
 @dataclass(frozen=True)

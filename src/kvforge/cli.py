@@ -10,17 +10,17 @@ from typing import Any
 
 import torch
 
-from kvforge.analysis.cli import add_analyze_parser, run_analyze
-from kvforge.bench.cli import add_bench_parser, run_bench
-from kvforge.demo import add_demo_parser, cmd_demo
 from kvforge.devices import add_device_arg, resolve_device
 from kvforge.errors import KVForgeError, require
-from kvforge.eval.cli import add_eval_parser, run_eval
-from kvforge.gpu_check.cli import add_gpu_check_parser, run_gpu_check
-from kvforge.report.cli import add_report_parser, run_report
-from kvforge.report.provenance import command_line, provenance
 from kvforge.serve.server import add_serve_args, run_serve
-from kvforge.swiftkv.cli import add_swiftkv_parser, run_swiftkv
+from kvforge.tools.analysis.cli import add_analyze_parser, run_analyze
+from kvforge.tools.bench.cli import add_bench_parser, run_bench
+from kvforge.tools.demo import add_demo_parser, cmd_demo
+from kvforge.tools.eval.cli import add_eval_parser, run_eval
+from kvforge.tools.gpu_check.cli import add_gpu_check_parser, run_gpu_check
+from kvforge.tools.report.cli import add_report_parser, run_report
+from kvforge.tools.report.provenance import command_line, provenance
+from kvforge.tools.swiftkv.cli import add_swiftkv_parser, run_swiftkv
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_KV_BUDGET = "1GiB"
@@ -132,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--swiftkv", default=None, metavar="DIR", help="SwiftKV checkpoint laid over --model")
     _add_json_arg(info)
 
-    add_bench_parser(verbs)  # kvforge bench prefill | decode | throughput (kvforge.bench.cli)
-    add_eval_parser(verbs)  # kvforge eval ppl | niah (kvforge.eval.cli)
-    add_swiftkv_parser(verbs)  # kvforge swiftkv init | flops (kvforge.swiftkv.cli)
+    add_bench_parser(verbs)  # kvforge bench prefill | decode | throughput (kvforge.tools.bench.cli)
+    add_eval_parser(verbs)  # kvforge eval ppl | niah (kvforge.tools.eval.cli)
+    add_swiftkv_parser(verbs)  # kvforge swiftkv init | flops (kvforge.tools.swiftkv.cli)
     add_analyze_parser(verbs)  # kvforge analyze layer-similarity | key-spectra | kv-channels | all
     add_demo_parser(verbs)  # kvforge demo: five systems on one long prompt (make demo)
     add_report_parser(verbs)  # kvforge report: docs/results.md and README's table from result JSON
@@ -201,7 +201,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from kvforge.verify import run_verify
+    from kvforge.tools.verify import run_verify
 
     report = run_verify(args.model, text_file=args.text_file, passage_tokens=args.passage_tokens,
                         device=args.device, dtype=args.dtype)

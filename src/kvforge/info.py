@@ -20,7 +20,7 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
     source = resolve_model_source(name_or_path)
     config = load_model_config(source)
     if swiftkv is not None:
-        from kvforge.swiftkv.checkpoint import overlay_config
+        from kvforge.models.swiftkv_checkpoint import overlay_config
 
         config = overlay_config(config, swiftkv)
     layout = model_class(config).layout_for(config)

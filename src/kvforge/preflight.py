@@ -33,7 +33,7 @@ def model_context(model: str, swiftkv: str | None = None, max_position_embedding
 
         require(Path(swiftkv).expanduser().is_dir(), "swiftkv", swiftkv,
                 "must be a SwiftKV checkpoint directory (see kvforge swiftkv init)")
-        from kvforge.swiftkv.checkpoint import overlay_config
+        from kvforge.models.swiftkv_checkpoint import overlay_config
 
         config = overlay_config(config, swiftkv)
     return config.max_position_embeddings

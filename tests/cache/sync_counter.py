@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kvforge.cache.host_sync import device_code_paths
+from kvforge.host_sync import device_code_paths
 
 _HOST = "_kvforge_host_tensor"
 _TENSOR_READS = {"tolist", "numpy", "cpu"}

@@ -27,11 +27,11 @@ import torch
 from conftest import decode_logits, make_pair, make_runner
 from sync_counter import SyncCounter
 
-from kvforge.cache import host_sync
+from kvforge import host_sync
 from kvforge.config import SwiftKVConfig
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.models.registry import build_model
-from kvforge.swiftkv.checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
+from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
 
 PROMPTS = [list(range(3, 43)), list(range(5, 70)), list(range(1, 31))]  # 40, 65 and 30 tokens
 SHADOWKV = "shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=8,rank=3,budget=8,kernel=0"
@@ -99,7 +99,7 @@ def test_shadowkv_sparse_decode_synchronises_once_per_global_layer():
     per_layer = Counter(s.region for s in counter.in_regions("layer"))
     assert per_layer == {f"layer {layer} attend": 9 for layer in range(layers)}
     assert {(s.op, s.where.split(":")[0]) for s in counter.in_regions("layer")} == {
-        ("Tensor.tolist", "kvforge/cache/host_sync.py")}
+        ("Tensor.tolist", "kvforge/host_sync.py")}
     assert counter.in_regions("begin_step") == [] and counter.in_regions("model") == []
     # Folding writes values to the slow tier (host memory): the only other transfers, one
     # page list and one values copy per global layer of each fold.

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.cache.host_sync import device_code_paths
-from kvforge.cache.step_plan import pack, upload
+from kvforge.host_sync import device_code_paths
+from kvforge.step_plan import pack, upload
 
 
 @dataclass(frozen=True)

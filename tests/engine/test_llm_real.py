@@ -46,7 +46,7 @@ def test_bad_prompt_fails_alone(llm):
 
 @pytest.mark.slow
 def test_batch_invariance_real_model(llm):
-    from kvforge.text_data import heldout_text
+    from kvforge.tools.text_data import heldout_text
 
     ids = llm.tokenizer.encode(heldout_text())
     lengths = [10, 40, 150, 300, 600, 900, 1200, 1500]
@@ -62,7 +62,7 @@ def test_batch_invariance_real_model(llm):
 @pytest.mark.slow
 def test_budget_for_two_of_six_real_model(llm):
     from kvforge.engine.llm import LLM
-    from kvforge.text_data import heldout_text
+    from kvforge.tools.text_data import heldout_text
 
     ids = llm.tokenizer.encode(heldout_text())
     prompt_len, max_tokens = 300, 40

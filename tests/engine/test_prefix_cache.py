@@ -19,7 +19,7 @@ from kvforge.engine.prefix_cache import page_keys
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.engine.sampling import SamplingParams
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "swiftkv"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tools" / "swiftkv"))
 from swiftkv_helpers import swiftkv_model  # noqa: E402
 
 GREEDY = SamplingParams.greedy_params(max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=2)

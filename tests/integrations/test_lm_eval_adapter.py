@@ -234,7 +234,7 @@ def test_smollm2_matches_lm_eval_hf_model():
     model on transformers with the same weights."""
     from lm_eval.models.huggingface import HFLM
 
-    from kvforge.bench.hf_peer import load_hf_peer
+    from kvforge.tools.bench.hf_peer import load_hf_peer
 
     ours = KVForgeLM(model="smollm2-135m", batch_size=8, threads=2)
     reference = HFLM(pretrained=load_hf_peer(ours.llm.source, torch.float32), tokenizer=ours.tokenizer,

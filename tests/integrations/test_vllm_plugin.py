@@ -46,7 +46,7 @@ from kvforge.integrations.vllm.weights import (
     required_swiftkv_names,
     weight_target,
 )
-from kvforge.swiftkv.checkpoint import swiftkv_tensor_names
+from kvforge.models.swiftkv_checkpoint import swiftkv_tensor_names
 
 REPO = Path(__file__).resolve().parents[2]
 COMMITTED_L15 = REPO / "models" / "swiftkv-smollm2-135m-l15"
@@ -274,7 +274,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import torch
 
     from kvforge.integrations.vllm.base_checkpoint import write_base_checkpoint
-    from kvforge.swiftkv.export import export_full_checkpoint
+    from kvforge.tools.swiftkv.export import export_full_checkpoint
 
     torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("vllm_ckpts")

@@ -9,7 +9,7 @@ import torch
 from kvforge.kernels import cpu_fused
 from kvforge.kernels.build import DISABLE_ENV
 from kvforge.models.layers import GemmaRMSNorm, RMSNorm
-from kvforge.models.rope import rotate_half
+from kvforge.rope import rotate_half
 
 requires_kernel = pytest.mark.skipif(not cpu_fused.fused_ops_available(),
                                      reason="the fused CPU ops could not be built or are disabled")

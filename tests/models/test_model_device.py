@@ -18,7 +18,7 @@ from kvforge.cache.registry import create_cache
 from kvforge.config import SwiftKVConfig
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.models.registry import build_model
-from kvforge.models.rope import rope_inverse_frequencies
+from kvforge.rope import rope_inverse_frequencies
 
 
 def reachable_tensors(obj, path: str = "model", seen: set[int] | None = None):

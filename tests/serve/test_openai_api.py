@@ -15,7 +15,7 @@ from server_helpers import MODEL_NAME, char_tokenizer, make_engine, serve, tiny_
 
 from kvforge.cache.registry import create_cache
 from kvforge.engine.runner import ModelRunner
-from kvforge.eval.loglikelihood import ScoreSettings, score_continuations
+from kvforge.tools.eval.loglikelihood import ScoreSettings, score_continuations
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import torch
 from kvforge.batch import ForwardBatch
 from kvforge.cache.layout import CacheLayout
 from kvforge.errors import ConfigError
-from kvforge.models.rope import PositionedRope
+from kvforge.rope import PositionedRope
 
 
 class CacheMethod(ABC):

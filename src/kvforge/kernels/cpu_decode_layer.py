@@ -39,7 +39,7 @@ from kvforge.kernels.build import DEFAULT_FLAG_SETS, FLOAT_IO_DTYPES, CppKernel,
 from kvforge.step_timing import current_timer
 
 if TYPE_CHECKING:
-    from kvforge.models.rope import PositionedRope
+    from kvforge.rope import PositionedRope
 
 __all__ = ["DISABLE_FUSED_ENV", "KiviLayerTarget", "decode_layer_available", "decode_layers", "set_enabled"]
 

@@ -23,7 +23,7 @@ from kvforge.config import ModelConfig, RopeConfig
 from kvforge.errors import ModelLoadError
 from kvforge.kernels.cpu_decode_layer import decode_layers
 from kvforge.kernels.cpu_linear import linear
-from kvforge.models.rope import RotaryEmbedding
+from kvforge.rope import RotaryEmbedding
 
 
 class DecoderStack(nn.Module):

@@ -18,7 +18,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.config import ModelConfig
 from kvforge.models.causal_lm import CausalLM
 from kvforge.models.layers import CachedAttention, GatedMLP, GemmaRMSNorm
-from kvforge.models.rope import PositionedRope
+from kvforge.rope import PositionedRope
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -11,7 +11,7 @@ from kvforge.batch import ForwardBatch
 from kvforge.cache.base import CacheMethod
 from kvforge.kernels.cpu_fused import rms_norm, silu_mul
 from kvforge.kernels.cpu_linear import linear
-from kvforge.models.rope import PositionedRope
+from kvforge.rope import PositionedRope
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.config import ModelConfig
 from kvforge.models.causal_lm import CausalLM
 from kvforge.models.layers import CachedAttention, GatedMLP, RMSNorm
-from kvforge.models.rope import PositionedRope
+from kvforge.rope import PositionedRope
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -46,7 +46,7 @@ from kvforge.kernels.cpu_decode_layer import decode_layers
 from kvforge.kernels.cpu_linear import linear
 from kvforge.models.causal_lm import CausalLM
 from kvforge.models.layers import GemmaRMSNorm
-from kvforge.models.rope import PositionedRope
+from kvforge.rope import PositionedRope
 
 
 class SwiftKVAttention(nn.Module):

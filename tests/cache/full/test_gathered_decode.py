@@ -164,7 +164,7 @@ def test_the_plan_marks_padded_tables(lengths, compact):
         parse_cache_spec("full:decode_gather_max_bytes=-1").config()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu/run_on_device.sh tests)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (benchmarks/gpu/run_on_device.sh tests)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 13])
 @pytest.mark.parametrize("fp8", [False, True])

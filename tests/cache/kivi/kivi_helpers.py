@@ -8,7 +8,7 @@ import torch
 from kvforge.batch import ForwardBatch
 from kvforge.cache.kivi.method import KIVICache
 from kvforge.cache.kivi.store import dequantize_key_pages, dequantize_value_pages
-from kvforge.models.rope import PositionedRope
+from kvforge.rope import PositionedRope
 
 
 def triton_test_device() -> str:

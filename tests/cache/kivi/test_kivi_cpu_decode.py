@@ -120,7 +120,7 @@ def test_rope_tables_shorter_than_a_sequence_are_refused():
     from kvforge.batch import ForwardBatch
     from kvforge.cache.kivi.key_space import StoredKeys
     from kvforge.config import RopeConfig
-    from kvforge.models.rope import RotaryEmbedding
+    from kvforge.rope import RotaryEmbedding
 
     lengths = [20, 100]
     cache = filled_cache(2, None, "float32", lengths)

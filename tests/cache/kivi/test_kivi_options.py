@@ -19,7 +19,7 @@ from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.cache.registry import create_cache, parse_cache_spec
 from kvforge.config import RopeConfig
 from kvforge.errors import ConfigError
-from kvforge.models.rope import RotaryEmbedding
+from kvforge.rope import RotaryEmbedding
 
 HEADS, KV_HEADS, DIM, G, R = 6, 2, 16, 8, 32
 ROTARY = RotaryEmbedding(DIM, RopeConfig(theta=100.0))  # fast rotation: positions matter

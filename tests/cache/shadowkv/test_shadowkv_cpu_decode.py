@@ -17,7 +17,7 @@ from kvforge.cache.shadowkv.state import CompressedSequence, buffer_rows
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.store import ChunkStore
 from kvforge.config import RopeConfig
-from kvforge.models.rope import RotaryEmbedding
+from kvforge.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu_shadowkv_kernel_available(), reason="the CPU ShadowKV kernel did not build")
 

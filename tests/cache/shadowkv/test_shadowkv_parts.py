@@ -20,7 +20,7 @@ from kvforge.cache.shadowkv.select import (
     top_chunks,
 )
 from kvforge.config import RopeConfig
-from kvforge.models.rope import RotaryEmbedding
+from kvforge.rope import RotaryEmbedding
 
 
 def test_landmarks_are_chunk_means():

@@ -22,7 +22,7 @@ from kvforge.cache.shadowkv.config import RANK_STEP, ShadowKVConfig
 from kvforge.cache.shadowkv.query_samples import QuerySampler
 from kvforge.config import RopeConfig
 from kvforge.errors import ConfigError
-from kvforge.models.rope import RotaryEmbedding
+from kvforge.rope import RotaryEmbedding
 
 HEADS, GROUP, DIM, N, M = 2, 2, 8, 48, 5
 

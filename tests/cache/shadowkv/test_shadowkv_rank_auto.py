@@ -17,7 +17,7 @@ from kvforge.cache.shadowkv.compress import compress_layer
 from kvforge.cache.shadowkv.config import ShadowKVConfig
 from kvforge.cache.shadowkv.lowrank import key_spectrum, rank_for_energy
 from kvforge.config import RopeConfig
-from kvforge.models.rope import RotaryEmbedding
+from kvforge.rope import RotaryEmbedding
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "gemma3_hybrid"])

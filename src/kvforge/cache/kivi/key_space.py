@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.models.rope import RotaryEmbedding, rotate_half
+from kvforge.rope import RotaryEmbedding, rotate_half
 
 
 @dataclass(frozen=True)

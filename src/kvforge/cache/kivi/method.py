@@ -64,10 +64,10 @@ from kvforge.cache.kivi.store import KIVILayerView, KIVIStore, page_bytes
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import RELEASED, LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
-from kvforge.cache.step_plan import upload
 from kvforge.errors import ConfigError
 from kvforge.kernels.cpu_decode_layer import KiviLayerTarget
-from kvforge.models.rope import PositionedRope
+from kvforge.rope import PositionedRope
+from kvforge.step_plan import upload
 
 # Default split of the budget (max_sequences=None): 1 / SLOT_SHARE of it pays for residual
 # slots. A 2-bit sequence of n tokens costs one slot (R tokens at 16 bits, about 5.3 R

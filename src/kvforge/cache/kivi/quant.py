@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.cache.host_sync import host_memory
 from kvforge.cache.kivi.cpu_quant import quantize_groups
 from kvforge.errors import require
+from kvforge.host_sync import host_memory
 
 SUPPORTED_BITS = (2, 4, 8)
 PARAM_DTYPE = torch.float16  # dtype of the per-group scale and zero point

@@ -19,7 +19,7 @@ import torch
 from kvforge.cache.kivi.cpu_quant import flush_value_tokens, write_ring_rows
 from kvforge.cache.kivi.plan import Flush, ResidualWrites
 from kvforge.cache.kivi.store import KIVIStore, store_key_pages, store_value_tokens
-from kvforge.cache.step_plan import upload
+from kvforge.step_plan import upload
 
 StepKV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # cache layer -> the step's (k, v) rows
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.models.rope import PositionedRope
+from kvforge.rope import PositionedRope
 
 
 @dataclass(frozen=True)

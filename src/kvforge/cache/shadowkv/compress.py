@@ -24,7 +24,7 @@ import torch
 from kvforge.cache.shadowkv.lowrank import KeySpectrum, key_spectrum, project
 from kvforge.cache.shadowkv.select import chunk_landmarks, chunk_min_cosine, outlier_chunks
 from kvforge.cache.shadowkv.state import LayerState, buffer_rows
-from kvforge.models.rope import PositionedRope
+from kvforge.rope import PositionedRope
 
 
 @dataclass(frozen=True)

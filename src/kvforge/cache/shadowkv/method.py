@@ -45,9 +45,9 @@ from kvforge.cache.shadowkv.state import CompressedSequence, buffer_rows, grown_
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.store import ChunkStore
 from kvforge.cache.shadowkv.threads import cpu_threads
-from kvforge.cache.step_plan import upload
 from kvforge.errors import ConfigError
-from kvforge.models.rope import PositionedRope
+from kvforge.rope import PositionedRope
+from kvforge.step_plan import upload
 
 
 @dataclass

@@ -38,15 +38,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvforge.cache.host_sync import HostCopy
 from kvforge.cache.shadowkv.attention import Part, masked_attention, sparse_attention
 from kvforge.cache.shadowkv.cpu_decode import cpu_shadowkv_kernel_available, shadowkv_decode_cpu
 from kvforge.cache.shadowkv.select import chunk_scores, top_chunks
 from kvforge.cache.shadowkv.state import CompressedSequence, LayerState
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.store import ChunkStore
-from kvforge.cache.step_plan import upload
-from kvforge.models.rope import PositionedRope, rotate_half
+from kvforge.host_sync import HostCopy
+from kvforge.rope import PositionedRope, rotate_half
+from kvforge.step_plan import upload
 
 
 @dataclass

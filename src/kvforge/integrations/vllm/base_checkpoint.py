@@ -21,8 +21,8 @@ def write_base_checkpoint(model: str, out: str | Path, dtype: torch.dtype = torc
     self-contained `LlamaForCausalLM` directory; a SwiftKV checkpoint is refused."""
     from kvforge.errors import ConfigError
     from kvforge.models.loader import load_model_config, load_state_dict, resolve_model_source
+    from kvforge.models.swiftkv_checkpoint import write_checkpoint
     from kvforge.models.tokenizer import load_tokenizer
-    from kvforge.swiftkv.checkpoint import write_checkpoint
 
     source = resolve_model_source(model)
     config = load_model_config(source)

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# One GPU session's checks, in order of value, each bounded in time, every log packed into $OUT/results.tgz.
+# Run from the repository root on the device machine (its python3 holds torch, triton and
+# transformers; kvforge runs from src/ uninstalled). Needs .gpu/smollm2-stats, written here
+# by `python benchmarks/gpu/stand_in.py stats smollm2-135m .gpu/smollm2-stats` (the real
+# weights are over the transfer limit; see stand_in.py). Usage:
+#   bash benchmarks/gpu/run_on_device.sh [check|bench|bench-shadowkv|bench-kivi|profile|tests|all]...
+# (default all = check, bench and profile; bench = bench-shadowkv and bench-kivi). PROFILE_SPECS
+# (space-separated cache specs) picks what `profile` looks at.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+# Logs and JSON land in $WORK; after every step they are packed into $OUT/results.tgz (the
+# device tool returns at most 8 files, and a step cut short keeps what the others wrote).
+WORK=${WORK:-/tmp/gpu-work}
+mkdir -p "$OUT" "$WORK"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export KVFORGE_CACHE_DIR=/tmp/kvforge-cache
+PY=${PY:-python3}
+MODEL=/tmp/smollm2-stand-in
+SWIFTKV=models/swiftkv-smollm2-135m-l15
+STEPS=${*:-all}
+DEVICE=${DEVICE:-cuda}
+# On the GPU nothing needs the C++ CPU kernels (gpu-check's CPU reference runs the PyTorch
+# paths), and building them there cost the H100's test step most of its time limit.
+[[ $DEVICE == cuda* ]] && export KVFORGE_DISABLE_CPU_KERNELS=1
+# SMOKE=1: the same steps at toy sizes, to try the script on a CPU before spending device time
+if [[ ${SMOKE:-0} == 1 ]]; then
+    SIZES=tiny; KIVI_SHAPE=(--batch 2 --context 256 --gen 4); SHADOW_SHAPE=(--batch 1 --context 2304 --gen 4)
+    PROFILE_SHAPE=(--batch 2 --context 256 --timed 2 --profiled 1 --threads 2)
+else
+    SIZES=tiny,real; KIVI_SHAPE=(--batch 16 --context 2048 --gen 64); SHADOW_SHAPE=(--batch 4 --context 16384 --gen 32)
+    PROFILE_SHAPE=(--batch 16 --context 2048)
+fi
+
+# all = check, bench and profile; the kernel tests (tests) ran on the first H200 and run when named.
+# Limits from the H200 runs of 2026-11-26: gpu-check's rows took ~160 s and its speed section
+# ~60 s more; ShadowKV at 16K x 4 took ~7 s a run per system (4 runs each, 4 systems).
+has() {
+    [[ " $STEPS " == *" $1 "* || ( $1 != tests && " $STEPS " == *" all "* ) \
+       || ( $1 == bench-* && " $STEPS " == *" bench "* ) ]]
+}
+# The speed section of gpu-check runs only when named (check-speed): the benches below cover it.
+SPEED=(--skip-speed); [[ " $STEPS " == *" check-speed "* ]] && SPEED=()
+step() {  # step NAME SECONDS CMD...: run bounded, log to $WORK/NAME.log, report rc and time
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    echo "=== $name (limit ${limit}s): $*"
+    timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - start)) s"
+    tail -n "${TAIL:-25}" "$WORK/$name.log"
+    tar czf "$OUT/results.tgz" -C "$WORK" .
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+    nproc
+} 2>&1 | tee "$WORK/env.log"
+
+[[ -d $MODEL ]] || $PY benchmarks/gpu/stand_in.py build .gpu/smollm2-stats "$MODEL" || exit 1
+
+# The stand-in's keys are random, so rank=auto keeps ~191 of 192 directions (nothing to
+# compress); rank=32 is the paper's rule (KV width / 6), the speed a real model's low-rank
+# keys would see. `full` decodes through one gather + SDPA on CUDA (decode_kernel=auto),
+# `full:decode_kernel=torch` through the tiled loop that the first runs measured.
+common=(--model "$MODEL" --device "$DEVICE" --dtype bfloat16 --warmup 1)
+if has bench-shadowkv; then
+    TAIL=14 step bench-shadowkv 160 $PY -m kvforge bench decode "${common[@]}" --repeats 2 \
+        --cache shadowkv:rank=32 --compare full,hf "${SHADOW_SHAPE[@]}" --max-position-embeddings 32768 \
+        --json "$WORK/bench-shadowkv.json"
+fi
+if has bench-kivi; then
+    TAIL=14 step bench-kivi 120 $PY -m kvforge bench decode "${common[@]}" --repeats 3 --cache kivi:bits=2 \
+        --compare full,full:decode_kernel=torch,hf "${KIVI_SHAPE[@]}" --json "$WORK/bench-kivi.json"
+fi
+if has profile; then
+    read -r -a specs <<< "${PROFILE_SPECS:-full kivi:bits=2}"
+    TAIL=0 step profile 90 $PY benchmarks/gpu/profile_decode.py --model "$MODEL" --device "$DEVICE" \
+        "${PROFILE_SHAPE[@]}" "${specs[@]/#/--spec=}" --json "$WORK/profile.json"
+fi
+if has check; then
+    TAIL=40 step gpu-check 260 $PY -m kvforge.tools.gpu_check --device "$DEVICE" --sizes "$SIZES" --model "$MODEL" \
+        --swiftkv "$SWIFTKV" "${SPEED[@]}" --json "$WORK/gpu-check.json"
+fi
+if has tests; then
+    # The engine-level and gathered-path CUDA cases first: the H100's run of 2026-11-26 ran
+    # out of time before reaching them.
+    TAIL=15 step cuda-tests 150 $PY -m pytest -q -x -p no:cacheprovider \
+        "tests/cache/kivi/test_kivi_decode_kernels.py::test_triton_decode_matches_torch_path" \
+        "tests/cache/full/test_gathered_decode.py::test_cuda_matches_the_cpu_tiled_path" \
+        "tests/cache/shadowkv/test_shadowkv.py::test_cuda_path_with_exact_settings_equals_the_cpu_full_cache" \
+        "tests/cache/shadowkv/test_shadowkv_rank_attention.py::test_cuda_rank_attention_picks_the_cpu_ranks_and_matches_its_outputs" \
+        "tests/cache/kivi/test_kivi_int8_values.py::test_cuda_pytorch_path_matches_the_cpu" \
+        tests/cache/kivi/test_kivi_triton_decode.py
+fi

@@ -1,0 +1,121 @@
+"""The output of `kvforge bench serve`: one table row per system and rate, the JSON
+document (per-request records included) and a plot of latency percentiles and throughput
+against the request rate."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from kvforge.tools.bench.common import log
+from kvforge.tools.bench.report import machine_line
+
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+
+
+def _rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _cell(value: Any, pattern: str = "{:.1f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def decode_step_split(rate: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """The decode-step split of one rate's run, with its parts as "name ms, ...", if measured."""
+    split = (rate.get("step_split") or {}).get("decode")
+    if not split:
+        return []
+    return [(split, ", ".join(f"{k} {v:.1f}" for k, v in split["ms_by_part"].items()))]
+
+
+def format_serve_table(result: dict[str, Any]) -> str:
+    settings = result["settings"]
+    lines = [f"serve: {result['model']}{' + SwiftKV ' + result['swiftkv'] if result.get('swiftkv') else ''} "
+             f"{result['dtype']}, {result['threads']} threads; {settings['num_prompts']} requests per rate, "
+             f"input {settings['input_len']}, output {settings['output_len']} tokens, KV budget {settings['kv_budget']}"]
+    header = ("system", "rate", "done", "fail", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+              "TPOT p99", "ITL p50", "E2E p50", "goodput", "running", "preempt")
+    rows = [header]
+    for system in result["systems"]:
+        for rate in system["rates"]:
+            rows.append((system["name"], _rate_label(rate["request_rate"]), str(rate["completed"]), str(rate["failed"]),
+                         f"{rate['request_throughput']:.3f}", f"{rate['output_token_throughput']:.1f}",
+                         _cell(rate["ttft_ms"]["median"]), _cell(rate["ttft_ms"]["p99"]),
+                         _cell(rate["tpot_ms"]["median"]), _cell(rate["tpot_ms"]["p99"]),
+                         _cell(rate["itl_ms"]["median"]), _cell(rate["e2e_ms"]["median"]),
+                         f"{rate['goodput']:.3f}",
+                         _cell(rate.get("server_running_mean"), "{:.1f}") + "/" + _cell(rate.get("server_running_max"), "{:.0f}"),
+                         _cell(rate.get("preemptions"), "{}")))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+              for row in rows]
+    lines.append("latencies in ms (client clock); running = server requests running, mean/max; goodput in req/s")
+    for system in result["systems"]:
+        for rate in system["rates"]:
+            for split, parts in decode_step_split(rate):
+                lines.append(f"{system['name']} @ {_rate_label(rate['request_rate'])}: decode step "
+                             f"{split['ms_per_step']:.1f} ms over {split['steps']} steps ({parts})")
+            for error in rate.get("errors", []):
+                lines.append(f"{system['name']} @ {_rate_label(rate['request_rate'])}: error: {error}")
+    for name, value in result["ratios"].items():
+        if value is not None:
+            lines.append(f"median TTFT at {_rate_label(result['systems'][0]['rates'][0]['request_rate'])} req/s: "
+                         f"{name} / {result['systems'][0]['name']} = {value:.2f}x")
+    for name, value in result["throughput_ratios_at_highest_rate"].items():
+        if value is not None:
+            lines.append(f"request throughput at {_rate_label(result['systems'][0]['rates'][-1]['request_rate'])} "
+                         f"req/s: {result['systems'][0]['name']} / {name} = {value:.2f}x")
+    lines.append(machine_line(result["environment"], []))
+    lines.extend(f"WARNING: {flag['message']}" for flag in result.get("flags", []))
+    return "\n".join(lines)
+
+
+def write_serve_outputs(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    png = path.with_suffix(".png")
+    plot_serve(result, png)
+    log(f"wrote {path} and {png}")
+
+
+def plot_serve(result: dict[str, Any], path: Path) -> None:
+    """TTFT, TPOT and end-to-end latency (median solid, p99 dashed) and request throughput
+    against the request rate; `inf` is the last position on the categorical x axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r["request_rate"] for r in result["systems"][0]["rates"]]
+    positions = list(range(len(rates)))
+    figure, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    panels = [("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("e2e_ms", "end-to-end latency (ms)")]
+    for index, system in enumerate(result["systems"]):
+        colour = COLOURS[index % len(COLOURS)]
+        by_rate = system["rates"]
+        for axis, (key, label) in zip(axes, panels):
+            axis.plot(positions, [r[key]["median"] for r in by_rate], "o-", color=colour,
+                      label=f"{system['name']} p50")
+            axis.plot(positions, [r[key]["p99"] for r in by_rate], "s--", color=colour, alpha=0.6,
+                      label=f"{system['name']} p99")
+            axis.set_title(label, fontsize=10)
+        axes[3].plot(positions, [r["request_throughput"] for r in by_rate], "o-", color=colour, label=system["name"])
+    axes[3].set_title("request throughput (req/s)", fontsize=10)
+    for axis in axes:
+        axis.set_xticks(positions)
+        axis.set_xticklabels([_rate_label(r) for r in rates])
+        axis.set_xlabel("request rate (req/s)")
+        axis.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    axes[3].legend(fontsize=7)
+    settings = result["settings"]
+    figure.suptitle(f"kvforge bench serve: {result['model']} {result['dtype']}, {result['threads']} threads, "
+                    f"{settings['num_prompts']} requests per rate, input {settings['input_len']}, output "
+                    f"{settings['output_len']}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -51,7 +51,7 @@ class LLMEngine:
         lifetimes_fit = None
         if self.config.admission == "reserve":
             def lifetimes_fit(requests: list[Request]) -> bool:
-                return cache.fits_together([min(r.num_prompt_tokens + r.params.max_tokens, self.max_model_len)
+                return cache.memory.fits_together([min(r.num_prompt_tokens + r.params.max_tokens, self.max_model_len)
                                             for r in requests])
         self.prefix = PrefixCache(cache) if self.config.prefix_caching else None
         self.scheduler = Scheduler(cache, self.config.max_num_batched_tokens, self.config.max_num_seqs,
@@ -132,9 +132,9 @@ class LLMEngine:
             raise ConfigError("prompt length", len(prompt),
                               f"must be < max_model_len={self.max_model_len} (room for at least one "
                               "generated token)")
-        needed = self.cache.sequence_bytes(len(prompt) + 1)
-        capacity = self.cache.memory_capacity()["fast"]
-        if not self.cache.fits_together([len(prompt) + 1]):
+        needed = self.cache.memory.sequence_bytes(len(prompt) + 1)
+        capacity = self.cache.memory.capacity["fast"]
+        if not self.cache.memory.fits_together([len(prompt) + 1]):
             raise ConfigError("kv_budget", capacity,
                               f"must hold this prompt of {len(prompt)} tokens ({needed} bytes needed)")
 
@@ -166,7 +166,7 @@ class LLMEngine:
         items = [self._item(chunk) for chunk in scheduled.chunks]
         if self.prefix is not None:
             self.prefix.before_step(scheduled.chunks)
-        logits = self.runner.step(items)
+        logits = self.runner.execute(items)  # the scheduler allocated
         now = time.perf_counter()
         sampling: list[Request] = []
         sample_rows: list[int] = []

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvforge.batch import ForwardBatch
-from kvforge.cache.base import CacheMethod
+from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.config import ModelConfig
 from kvforge.models.causal_lm import CausalLM
 from kvforge.models.layers import CachedAttention, GatedMLP, GemmaRMSNorm
@@ -41,9 +40,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
         self.post_feedforward_layernorm = norm()
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
-                rope: PositionedRope, *later: Any) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), batch, cache, rope, *later)
+    def forward(self, hidden: torch.Tensor, cache: CacheMethod, meta: StepMetadata, rope: PositionedRope,
+                *later: Any) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), cache, meta, rope, *later)
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(mlp)

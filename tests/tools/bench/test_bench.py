@@ -251,9 +251,9 @@ def test_admissible_sequences_counts_every_store_of_a_split_budget():
 
     layout = CacheLayout.one_per_layer([CacheLayerSpec(2, 32, 0.2)] * 2)
     full = create_cache("full", layout, 1 << 22, torch.float32)
-    assert admissible_sequences(full, 100) == (1 << 22) // full.sequence_bytes(100)
+    assert admissible_sequences(full, 100) == (1 << 22) // full.memory.sequence_bytes(100)
     kivi = create_cache("kivi:max_sequences=2", layout, 1 << 22, torch.float32)
-    assert kivi.memory_capacity()["fast"] // kivi.sequence_bytes(100) > 2
+    assert kivi.memory.capacity["fast"] // kivi.memory.sequence_bytes(100) > 2
     assert admissible_sequences(kivi, 100) == 2
 
 
@@ -299,7 +299,7 @@ def test_decode_attention_work_matches_hand_computation():
     # one layer per page group; a page = 2 tokens x (K, V) x 2 heads x 4 dims x 4 bytes = 128 bytes.
     # 5 tokens: global layer ceil(5/2) = 3 pages, sliding layer window - 1 = 2 kept tokens in
     # 1 page + 1 page of slack = 2 pages; 2 tokens: 1 + (1 + 1) pages
-    assert cache.sequence_bytes(5) == 5 * 128 and cache.sequence_bytes(2) == 3 * 128
+    assert cache.memory.sequence_bytes(5) == 5 * 128 and cache.memory.sequence_bytes(2) == 3 * 128
     num_bytes, flops = decode_attention_work(cache, config, {5: 2, 2: 1})
     assert num_bytes == 2 * 5 * 128 + 3 * 128
     # 64 FLOPs per (key, layer): 5 keys see 3 (sliding) + 5 (global); 2 keys see 2 + 2
@@ -353,7 +353,7 @@ def test_throughput_splits_each_kvforge_decode_step(tiny_bench, tmp_path, capsys
             assert system[f"{kind}_ms_per_step"] == pytest.approx(system[f"{kind}_seconds"] / system[f"{kind}_steps"] * 1e3)
             assert system[f"{kind}_linear_ms"] > 0 and system[f"{kind}_attention_ms"] > 0  # the timer records
         cache = create_cache(system["name"].removeprefix("kvforge[").removesuffix("]"), layout, 4 << 20, torch.float32)
-        assert system["attention_bytes_per_decode_step"] == sum(cache.sequence_bytes(n) for n in (17, 18, 19))
+        assert system["attention_bytes_per_decode_step"] == sum(cache.memory.sequence_bytes(n) for n in (17, 18, 19))
         # 2 layers x 4 heads x 16 dims x 4 FLOPs per key; 3 sequences once at 17, 18 and 19 keys
         assert system["attention_flops_per_decode_step"] == 2 * 4 * 16 * 4 * (17 + 18 + 19)
         assert decode_attention_work(cache, tiny_bench.config, {17: 3, 18: 3, 19: 3}) == (

@@ -69,7 +69,7 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     engine = engine_for(step_timing=False)
     run = repeat_runs(system.name, functools.partial(_decode_once, engine, prompts, params, system.name),
                       args.warmup, args.repeats)
-    run["kv_bytes_per_token"] = engine.cache.kv_bytes_per_token()
+    run["kv_bytes_per_token"] = engine.cache.memory.kv_bytes_per_token()
     run["bytes_per_step_model"] = KVReadModel.of_cache(engine.cache)
     del engine  # its pages are freed before the next engine takes its own
     # Where a decode step's time goes: one more run, on an engine whose step timer wraps every

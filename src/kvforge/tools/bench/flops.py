@@ -124,7 +124,7 @@ class KVReadModel:
         """What a kvforge cache method stores (its storage dtype, its layer sharing)."""
         layout = cache.layout
         return cls(tuple(layout.specs[c].sliding_window for c in layout.layer_to_cache),
-                   tuple(cache.bytes_per_token(c) for c in layout.layer_to_cache))
+                   tuple(cache.memory.bytes_per_token(c) for c in layout.layer_to_cache))
 
     @classmethod
     def of_dense(cls, config: ModelConfig, element_size: int) -> KVReadModel:

@@ -122,7 +122,8 @@ class DistillStack(nn.Module):
         captured: dict[str, torch.Tensor] = {}
         with torch.autocast(token_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
             with torch.no_grad():
-                hidden = teacher.embed(token_ids)
+                # [B * S, hidden] throughout: every unit's output is a tensor of its own (no view)
+                hidden = teacher.embed(token_ids.reshape(-1))
                 inputs = dense_inputs(teacher, token_ids, segment_ids, hidden.dtype)
             student, later_kv, early = None, {}, None
             for unit in self.units:

@@ -17,7 +17,7 @@ the SwiftKV wiring and autograd on (`forward_hidden`).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
@@ -166,5 +166,9 @@ class DistillModel(nn.Module):
     # -- forward ----------------------------------------------------------------------
     def forward_hidden(self, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None,
                        hidden_layer: int | None = None, autocast: bool = False) -> HiddenPair:
-        """Teacher (no grad) and student (grad) hidden states for one batch; layers < l once."""
-        return self.stack(token_ids, segment_ids, hidden_layer, autocast)
+        """Teacher (no grad) and student (grad) hidden states for one batch; layers < l once.
+        The stack works on [B * S, hidden] rows (an FSDP module's outputs must not be views);
+        the pair comes back as [B, S, hidden]."""
+        pair = self.stack(token_ids, segment_ids, hidden_layer, autocast)
+        shape = (*token_ids.shape, -1)
+        return HiddenPair(*(None if (t := getattr(pair, f.name)) is None else t.view(shape) for f in fields(pair)))

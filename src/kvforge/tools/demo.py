@@ -41,8 +41,8 @@ class DemoRow:
     answer: str
 
 
-def add_demo_parser(verbs: Any) -> None:
-    demo = verbs.add_parser("demo", help="base, SwiftKV, KIVI, ShadowKV and SwiftKV+KIVI on one long prompt")
+def add_demo_args(demo: argparse.ArgumentParser) -> None:
+    """The arguments of `kvforge demo`, on its parser."""
     demo.add_argument("--model", default="smollm2-135m", help="base model (smollm2-135m)")
     demo.add_argument("--swiftkv", default=DEFAULT_SWIFTKV, metavar="DIR", help=f"SwiftKV model ({DEFAULT_SWIFTKV})")
     demo.add_argument("--prompt-tokens", type=int, default=3000, help="tokens of the passage (3000)")

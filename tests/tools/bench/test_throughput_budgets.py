@@ -16,7 +16,8 @@ from kvforge.cli import main
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.errors import ConfigError
 from kvforge.tools.bench import common, peak
-from kvforge.tools.bench.common import parse_budgets, parse_compare
+from kvforge.tools.bench.common import parse_budgets
+from kvforge.tools.bench.compare import parse_compare
 from kvforge.tools.bench.merge_all_layers import MergedLayersCache, merged_layout
 from kvforge.tools.bench.throughput import admissible_sequences
 from kvforge.tools.report.render import render_document

@@ -33,17 +33,12 @@ from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import KVForgeError, require
 from kvforge.tools.bench import hf_peer, llamacpp_peer
-from kvforge.tools.bench.common import (
-    BenchContext,
-    System,
-    prepare,
-    rate,
-    repeat_runs,
-    run_systems,
-    timed_rounds,
-)
+from kvforge.tools.bench.common import BenchContext, prepare
 from kvforge.tools.bench.flops import KVReadModel, decode_bytes, weight_bytes_per_step
-from kvforge.tools.bench.report import Column, Panel, finish
+from kvforge.tools.bench.measure import rate, repeat_runs, run_systems, timed_rounds
+from kvforge.tools.bench.plot import Panel
+from kvforge.tools.bench.report import Column, finish
+from kvforge.tools.bench.systems import System
 from kvforge.tools.bench.throughput import step_split, timer_totals
 
 HEADLINE = "generated_tokens_per_s"

@@ -60,19 +60,12 @@ from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import KVForgeError, require
 from kvforge.step_timing import PARTS, STEP_KINDS, StepTimer
 from kvforge.tools.bench import hf_peer
-from kvforge.tools.bench.common import (
-    BenchContext,
-    System,
-    drain,
-    log,
-    prepare,
-    rate,
-    repeat_runs,
-    run_systems,
-    timed_rounds,
-)
+from kvforge.tools.bench.common import BenchContext, drain, log, prepare
 from kvforge.tools.bench.flops import attention_flops
-from kvforge.tools.bench.report import Column, Panel, finish
+from kvforge.tools.bench.measure import rate, repeat_runs, run_systems, timed_rounds
+from kvforge.tools.bench.plot import Panel
+from kvforge.tools.bench.report import Column, finish
+from kvforge.tools.bench.systems import System
 
 HEADLINE = "total_tokens_per_s"
 

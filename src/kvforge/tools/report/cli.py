@@ -37,8 +37,8 @@ were measured while other programs used the machine.
 """
 
 
-def add_report_parser(verbs: Any) -> None:
-    report = verbs.add_parser("report", help="render docs/results.md and README's results table from result JSON")
+def add_report_args(report: argparse.ArgumentParser) -> None:
+    """The arguments of `kvforge report`, on its parser."""
     report.add_argument("directory", nargs="?", default="docs/results", help="result files (docs/results)")
     report.add_argument("--out", default="docs/results.md", help="the full report (docs/results.md)")
     report.add_argument("--readme", default="README.md", help="README whose results block is rewritten")
@@ -99,8 +99,7 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def _redraw_plots(results: dict[str, dict[str, Any]], directory: Path) -> None:
-    from kvforge.tools.bench.plot import plot_result
-    from kvforge.tools.bench.report import Panel
+    from kvforge.tools.bench.plot import Panel, plot_result
     from kvforge.tools.bench.serve_report import plot_serve
 
     for path, doc in results.items():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvforge.tools.report.render import fmt, table
+from kvforge.tools.report.markdown import fmt, table
 
 START, END = "<!-- kivi-pareto:start -->", "<!-- kivi-pareto:end -->"
 PARETO_FILES = {

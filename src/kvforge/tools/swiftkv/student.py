@@ -17,7 +17,7 @@ the SwiftKV wiring and autograd on (`forward_hidden`).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
 import torch
 from torch import nn
@@ -30,23 +30,10 @@ from kvforge.models.llama import LlamaForCausalLM
 from kvforge.models.registry import model_class
 from kvforge.models.swiftkv import SwiftKVForCausalLM
 from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, swiftkv_tensor_names
-from kvforge.tools.swiftkv.layer_units import DistillStack, later_layer_modules
+from kvforge.tools.swiftkv.layer_units import DistillStack, HiddenPair, later_layer_modules
 from kvforge.tools.swiftkv.sharding import full_tensor, shard_like
 
 TEACHER_CLASSES = (LlamaForCausalLM, Gemma3ForCausalLM)
-
-
-@dataclass(frozen=True)
-class HiddenPair:
-    """Final hidden states (before the final norm) of teacher and student, [B, S, hidden],
-    and both inputs of the hidden-loss layer when one was asked for."""
-
-    teacher: torch.Tensor
-    student: torch.Tensor | None  # None when only the early-exit head trains
-    teacher_at: torch.Tensor | None = None
-    student_at: torch.Tensor | None = None
-    # The early-exit head's hidden state (before the final norm) when the student has one.
-    student_early: torch.Tensor | None = None
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:

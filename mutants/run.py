@@ -2,18 +2,23 @@
 
 Each mutation (mutations.py) names a file, an exact snippet that must occur in it once,
 its replacement, and the tests that should fail because of it. The runner copies the
-repository's `src/` and `tests/` (and what the tests read: `models/`, `pyproject.toml`)
-to a scratch directory once, checks that every mutation's tests pass unmutated there,
-then for each mutation: applies it to the scratch copy, runs its tests with the scratch
-`src/` first on the import path, restores the file, and records "killed" (a test failed
-or timed out) or "survived" (every test passed: a bug the suite lets through).
+repository's `src/` and `tests/` (and what the tests read: `models/`, `examples/`,
+`docs/`, `README.md`, `pyproject.toml`) to a scratch directory once, checks that every
+selected mutation's tests pass unmutated there, then for each mutation: applies it to the
+scratch copy, runs its tests with the scratch `src/` first on the import path, restores
+the file, and records "killed" (a test failed or timed out) or "survived" (every test
+passed: a bug the suite lets through).
 
-    python mutants/run.py                 # all mutations (`make mutants`)
-    python mutants/run.py --only NAME ... # some of them
-    python mutants/run.py --list
+    python mutants/run.py                        # all mutations (`make mutants`)
+    python mutants/run.py --only NAME ...        # the named ones
+    python mutants/run.py --area serve engine    # those in src/kvforge/serve/, src/kvforge/engine/
+    python mutants/run.py --files src/kvforge/engine/detokenizer.py ...  # by path prefix
+    python mutants/run.py --area serve --list    # list a selection without running it
 
+--only, --area and --files may be combined: a mutation is run when any of them selects it.
 Exit status 1 if any mutation survived or a snippet is missing, so a refactor that moves
-the code under a mutation is caught too. Writes mutants/last_run.json.
+the code under a mutation is caught too. Writes mutants/last_run.json; a run of part of
+the list says so there ("partial": true, and what selected it).
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mutations import MUTATIONS, Mutation  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ("src", "tests", "models", "pyproject.toml")
+# Everything the tests read from the repository (a test reading a path not copied fails
+# unmutated, in the baseline).
+COPIED = ("src", "tests", "models", "examples", "docs", "README.md", "pyproject.toml")
+PACKAGE = "src/kvforge/"
 TIMEOUT_S = 900
 
 
@@ -61,20 +69,42 @@ def _check(mutation: Mutation, scratch: Path) -> str | None:
     return None
 
 
+def select(mutations: list[Mutation], only: list[str] | None, areas: list[str] | None,
+           files: list[str] | None) -> list[Mutation]:
+    """The mutations named in `only`, in a package area (`serve` -> src/kvforge/serve/), or
+    in a file whose path (from the repository root) starts with one of `files`; all of
+    them when nothing selects."""
+    if only is None and areas is None and files is None:
+        return list(mutations)
+    prefixes = tuple([PACKAGE + area.strip("/") + "/" for area in areas or ()]
+                     + [path.removeprefix("./") for path in files or ()])
+    return [m for m in mutations if m.name in (only or ()) or (prefixes and m.file.startswith(prefixes))]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", default=None, help="names of the mutations to run")
-    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME", help="names of the mutations to run")
+    parser.add_argument("--area", nargs="+", default=None, metavar="AREA",
+                        help=f"package folders under {PACKAGE} (serve, engine, cache/kivi, ...)")
+    parser.add_argument("--files", nargs="+", default=None, metavar="PATH",
+                        help="path prefixes from the repository root (src/kvforge/engine/sampling.py, ...)")
+    parser.add_argument("--list", action="store_true", help="list the selected mutations and exit")
     args = parser.parse_args()
-    mutations = [m for m in MUTATIONS if args.only is None or m.name in args.only]
-    if args.list:
-        for m in MUTATIONS:
-            print(f"{m.name:40s} {m.file}: {m.why}")
-        return 0
     unknown = set(args.only or ()) - {m.name for m in MUTATIONS}
     if unknown:
         print(f"unknown mutations: {sorted(unknown)}", file=sys.stderr)
         return 2
+    mutations = select(MUTATIONS, args.only, args.area, args.files)
+    if args.list:
+        for m in mutations:
+            print(f"{m.name:40s} {m.file}: {m.why}")
+        return 0
+    if not mutations:
+        print("no mutation matches the selection", file=sys.stderr)
+        return 2
+    partial = len(mutations) < len(MUTATIONS)
+    selection = {key: value for key, value in (("only", args.only), ("area", args.area), ("files", args.files))
+                 if value is not None}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvforge-mutants-") as tmp:
         scratch = Path(tmp)
@@ -112,7 +142,8 @@ def main() -> int:
           + (f"; survived: {', '.join(survived)}" if survived else ""))
     (ROOT / "mutants" / "last_run.json").write_text(json.dumps(
         {"killed": len(results) - len(survived), "total": len(results), "minutes": round(total / 60, 1),
-         "results": results}, indent=2) + "\n")
+         "partial": partial, "selection": selection, "list_size": len(MUTATIONS), "results": results},
+        indent=2) + "\n")
     return 1 if survived else 0
 
 

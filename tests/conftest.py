@@ -13,8 +13,9 @@ import torch
 import transformers
 
 from kvforge.cache.registry import create_cache
-from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.config import SwiftKVConfig
 from kvforge.engine.runner import ModelRunner
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.models.registry import build_model
 from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
 
@@ -67,7 +68,7 @@ def make_pair(name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Modul
         if "norm" in key or key.endswith("bias"):
             state[key] = torch.randn_like(state[key]) * 0.2 + (0 if "gemma" in name else 1.0) * ("norm" in key)
     hf.load_state_dict(state)
-    ours = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), dtype=torch.float32)
+    ours = build_model(config_from_hf_dict(hf_config.to_dict()), dtype=torch.float32)
     ours.load_hf_state_dict(hf.state_dict())
     return hf, ours
 

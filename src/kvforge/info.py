@@ -11,7 +11,7 @@ from kvforge.cache.registry import create_cache
 from kvforge.config import SLIDING_ATTENTION, ModelConfig
 from kvforge.errors import ConfigError
 from kvforge.models.loader import load_model_config, resolve_model_source
-from kvforge.models.registry import model_class
+from kvforge.models.registry import model_class, num_parameters
 
 REPORT_CONTEXTS = (1024, 8192, 32768)
 
@@ -58,7 +58,7 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
         "format": source.kind,
         "architecture": config.architecture,
         "model_type": config.model_type,
-        "parameters": config.num_parameters(),
+        "parameters": num_parameters(config),
         "layers": config.num_layers,
         "sliding_window_layers": sliding,
         "sliding_window": config.sliding_window,

@@ -22,7 +22,8 @@ from kvforge.rope import PositionedRope
 
 class Gemma3DecoderLayer(nn.Module):
     """`attention`: as in LlamaDecoderLayer (a SwiftKV later layer's, given its `later`
-    arguments), by default the layer's own CachedAttention with QK-norm."""
+    arguments), by default the layer's own CachedAttention, with QK-norm as `config.qk_norm`
+    says (the family's config parser sets it)."""
 
     def __init__(self, config: ModelConfig, cache_layer: int, dtype: torch.dtype,
                  device: torch.device | str, attention: nn.Module | None = None) -> None:
@@ -33,7 +34,8 @@ class Gemma3DecoderLayer(nn.Module):
         if attention is None:
             attention = CachedAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias,
                                         c.attention_out_bias, cache_layer,
-                                        qk_norm_eps=c.rms_norm_eps, dtype=dtype, device=device)
+                                        qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, dtype=dtype,
+                                        device=device)
         self.self_attn = attention
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvforge.errors import ModelLoadError
 
 _GGUF_MAGIC = b"GGUF"
@@ -27,6 +29,15 @@ _MAX_ARRAY_VALUES = 1024
 # GGUF metadata value types (gguf.GGUFValueType): type id -> struct format of a scalar.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+
+
+def float32_decimal(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips in float32.
+
+    GGUF stores 1e-5 as 9.99999974e-06; config.json says 1e-05. Using the short decimal makes
+    configs from GGUF and from config.json compare equal.
+    """
+    return float(str(np.float32(value)))
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from kvforge.rope import PositionedRope
 class SwiftKVAttention(nn.Module):
     """Attention of a later layer: its own queries, its group's cache layer for K/V.
 
-    With QK-norm (`config.architecture == "gemma3"`) it keeps the layer's `q_norm`, and a
+    With QK-norm (`config.qk_norm`: Gemma3) it keeps the layer's `q_norm`, and a
     leader its `k_norm`, applied to its group's keys (`norm_keys`) by the model's fused K/V
     write; a non-leader has no `k_norm` (its keys are its leader's)."""
 
@@ -68,7 +68,7 @@ class SwiftKVAttention(nn.Module):
             self.k_proj_swiftkv = nn.Linear(c.hidden_size, kv, bias=c.attention_bias, **kw)
             self.v_proj_swiftkv = nn.Linear(c.hidden_size, kv, bias=c.attention_bias, **kw)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_out_bias, **kw)
-        qk_norm = c.architecture == "gemma3"
+        qk_norm = c.qk_norm
         self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, **kw) if qk_norm else None
         self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, **kw) if qk_norm and leader else None
 

@@ -11,8 +11,8 @@ import pytest
 from server_helpers import char_tokenizer, make_engine, serve, tiny_model
 
 from kvforge.cli import build_parser
-from kvforge.config import ModelConfig
 from kvforge.errors import ConfigError
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.tools.bench import serve as bench_serve
 from kvforge.tools.bench.serve_client import RequestRecord, poisson_schedule
 from kvforge.tools.bench.serve_stats import SLO, distribution_ms, step_split, summarize
@@ -77,7 +77,7 @@ def test_step_split_per_decode_step():
 def tiny_sources(monkeypatch):
     """The bench's model lookups answered by the tiny model's tokenizer and config."""
     tokenizer = char_tokenizer()
-    config = ModelConfig.from_hf_dict({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+    config = config_from_hf_dict({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
                                        "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
                                        "num_hidden_layers": 2, "max_position_embeddings": 512})
     monkeypatch.setattr(bench_serve, "resolve_model_source", lambda name: name)

@@ -339,7 +339,9 @@ def _flops_config(args: argparse.Namespace) -> ModelConfig:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-        return replace(ModelConfig.from_hf_dict(data), swiftkv=None)
+        from kvforge.models.hf_config import config_from_hf_dict
+
+        return replace(config_from_hf_dict(data), swiftkv=None)
     from kvforge.models.loader import load_model_config, resolve_model_source
 
     return replace(load_model_config(resolve_model_source(args.model or "smollm2-135m")), swiftkv=None)

@@ -1,6 +1,6 @@
 """Teacher and student of SwiftKV knowledge recovery on ONE frozen copy of the base weights.
 
-The teacher is the base `LlamaForCausalLM` or `Gemma3ForCausalLM` (original wiring,
+The teacher is its family's base CausalLM (Llama, Gemma3, ...: original wiring,
 requires_grad off). The student is its SwiftKV variant whose modules are the teacher's own
 (embedding, layers < l, the later layers' norms, o_proj, q_norm and MLP, final norm, head;
 a leader's k_norm is a frozen copy, read with the leaders' K/V), plus the trainable
@@ -25,15 +25,12 @@ from torch import nn
 from kvforge.config import SwiftKVConfig
 from kvforge.errors import ConfigError
 from kvforge.models.causal_lm import CausalLM
-from kvforge.models.gemma3 import Gemma3ForCausalLM
-from kvforge.models.llama import LlamaForCausalLM
+from kvforge.models.family import family_of
 from kvforge.models.registry import model_class
 from kvforge.models.swiftkv import SwiftKVForCausalLM
 from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, swiftkv_tensor_names
 from kvforge.tools.swiftkv.layer_units import DistillStack, HiddenPair, later_layer_modules
 from kvforge.tools.swiftkv.sharding import full_tensor, shard_like
-
-TEACHER_CLASSES = (LlamaForCausalLM, Gemma3ForCausalLM)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -51,9 +48,11 @@ class DistillModel(nn.Module):
                  init: dict[str, torch.Tensor] | None = None, activation_checkpointing: bool = False,
                  early_exit_only: bool = False) -> None:
         super().__init__()
-        if type(base) not in TEACHER_CLASSES:
-            raise ConfigError("model", type(base).__name__, "the teacher must be a base Llama-family or Gemma3 "
-                                                            "model (not a SwiftKV checkpoint)")
+        teacher_class = family_of(base.config).causal_lm
+        if type(base) is not teacher_class:
+            raise ConfigError("model", type(base).__name__, f"the teacher must be its family's base model "
+                                                            f"({teacher_class.__name__}: base Llama-family, Gemma3, "
+                                                            f"...), not a SwiftKV checkpoint")
         if base.config.final_logit_softcapping:
             raise ConfigError("final_logit_softcapping", base.config.final_logit_softcapping,
                               "distillation's chunked KL reads the head's plain logits: soft-capped models "

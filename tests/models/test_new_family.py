@@ -53,9 +53,9 @@ class ParallelDecoderLayer(nn.Module):
                                          c.attention_out_bias, cache_layer, dtype=dtype, device=device)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
 
-    def forward(self, hidden, batch, cache, rope):
+    def forward(self, hidden, cache, meta, rope):
         x = self.input_layernorm(hidden)
-        return hidden + self.self_attn(x, batch, cache, rope) + self.mlp(x)
+        return hidden + self.self_attn(x, cache, meta, rope) + self.mlp(x)
 
 
 class ParallelForCausalLM(CausalLM):

@@ -124,7 +124,7 @@ def _read_bandwidth(doc: Document) -> str:
 
 def _kivi_front(doc: Document) -> str:
     """The paper's 2-bit and 4-bit settings with their stored bits; the options beyond the
-    paper are in README's KIVI table (their runs are separate files)."""
+    paper are in the methods guide's KIVI table (their runs are separate files)."""
     named = {s.get("cache"): s for s in doc["systems"]}
     parts = [f"{cache.removeprefix('kivi:')} **{fmt(named[cache]['delta_pct'], '{:+.1f}')}%** at "
              f"{fmt(named[cache].get('stored_bits_per_element'), '{:.0f}')} bits/element"

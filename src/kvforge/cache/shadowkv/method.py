@@ -111,8 +111,6 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         self._seqs: dict[int, SequenceEntry] = {}
         self._fixed_bytes = 0
         self._reserved_pages = 0
-        # rank=attention: the compressing prompts' last queries (records nothing otherwise)
-        self._queries = QuerySampler(enabled=config.rank == "attention")
 
     # -- statistics -------------------------------------------------------------------
     def statistics(self) -> dict[str, float]:
@@ -174,13 +172,13 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         if decoding:
             groups.append(self._group(decoding))
         groups.extend(self._group([span]) for span in multi)
-        self._queries.clear()
         return ShadowKVStepMetadata(
             batch,
             exact=self.exact.begin_step(exact_batch) if self.exact is not None and exact_batch is not None else None,
             sliding=self.sliding.begin_step(batch) if self.sliding is not None else None,
             exact_rows=exact_rows, compressing=tuple(compressing), compressed_spans=tuple(decoding + multi),
-            groups=tuple(groups), any_compressed=bool(decoding or multi))
+            groups=tuple(groups), any_compressed=bool(decoding or multi),
+            queries=QuerySampler(enabled=self.config.rank == "attention"))
 
     def _group(self, spans: list[SequenceSpan]) -> SparseGroup:
         states = [self._seqs[s.seq_id].compressed for s in spans]
@@ -222,7 +220,7 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
             assert self.sliding is not None and meta.sliding is not None
             return self.sliding.attend(index, meta.sliding, q, rope)
         assert self.exact is not None
-        self._queries.record(cache_layer, meta.batch, meta.compressing, q)
+        meta.queries.record(cache_layer, meta.batch, meta.compressing, q)
         if meta.exact_batch is meta.batch:
             return self.exact.attend(index, meta.exact, q, rope)  # type: ignore[arg-type]
         out = torch.empty_like(q)
@@ -263,7 +261,7 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         if cache_layer in self.sliding_layers:
             assert self.sliding is not None and meta.sliding is not None
             return self.sliding.attend_rows(index, meta.sliding, q, rope, rows)
-        self._queries.record(cache_layer, meta.batch, meta.compressing, q, rows)
+        meta.queries.record(cache_layer, meta.batch, meta.compressing, q, rows)
         if meta.exact_batch is meta.batch:
             assert self.exact is not None and meta.exact is not None
             return self.exact.attend_rows(index, meta.exact, q, rope, rows)

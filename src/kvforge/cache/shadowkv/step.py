@@ -14,6 +14,7 @@ import torch
 from kvforge.batch import ForwardBatch, SequenceSpan
 from kvforge.cache.base import StepMetadata
 from kvforge.cache.full.plan import FullStepMetadata
+from kvforge.cache.shadowkv.query_samples import QuerySampler
 from kvforge.cache.shadowkv.sparse import SparseGroup
 from kvforge.rope import PositionedRope
 from kvforge.step_plan import upload
@@ -29,6 +30,8 @@ class ShadowKVStepMetadata(StepMetadata):
     compressed_spans: tuple[SequenceSpan, ...]
     groups: tuple[SparseGroup, ...]
     any_compressed: bool
+    # rank=attention: the compressing prompts' last queries, from this step's attention calls
+    queries: QuerySampler
     exact_ropes: dict[int, PositionedRope] = field(default_factory=dict)  # sub-ropes of exact rows
     # attend_rows of a mixed step: the rows asked for and where they go (None: generic path),
     # located once for every later layer

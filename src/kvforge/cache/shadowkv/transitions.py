@@ -14,7 +14,6 @@ from kvforge.cache.layout import CacheLayout
 from kvforge.cache.shadowkv.allocator import ShadowKVAllocator
 from kvforge.cache.shadowkv.compress import append_coefficients, compress_layer, fold_chunks
 from kvforge.cache.shadowkv.config import ShadowKVConfig
-from kvforge.cache.shadowkv.query_samples import QuerySampler
 from kvforge.cache.shadowkv.state import CompressedSequence, buffer_rows, grown_capacity
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.step import ShadowKVStepMetadata
@@ -31,7 +30,6 @@ class ShadowKVTransitions(ShadowKVAllocator):
     coefficient_dtype: torch.dtype
     global_layers: list[int]
     stats: ShadowKVStats
-    _queries: QuerySampler
     _inner_index: dict[int, int]
 
     def _compress(self, span: SequenceSpan, meta: ShadowKVStepMetadata) -> None:
@@ -64,7 +62,7 @@ class ShadowKVTransitions(ShadowKVAllocator):
                 keys = self.exact.k_store[slot].index_select(1, table).flatten(1, 2)[:, :n].to(self.compute_dtype)
                 values = self.exact.v_store[slot].index_select(1, table).flatten(1, 2)[:, :n].to(self.compute_dtype)
                 cache_layer = self.global_layers[index]
-                layer_rank = config.rank_rule(self._queries.sample(cache_layer, span.seq_id),
+                layer_rank = config.rank_rule(meta.queries.sample(cache_layer, span.seq_id),
                                               self.layout.specs[cache_layer].scale)
                 layer, data = compress_layer(keys, values, meta.layer_ropes[index], prefix, layer_rank, chunk,
                                              config.outliers, config.window_capacity, chunks_per_step,

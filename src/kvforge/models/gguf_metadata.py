@@ -1,10 +1,10 @@
 """A small reader of GGUF file headers: metadata fields and the tensor directory.
 
-Used instead of `gguf.GGUFReader` for speed: GGUFReader builds numpy views of every
-element of every metadata array, which takes ~10 s for Gemma3's 262K-entry vocabulary
-(2 s for SmolLM2); this reader skips long arrays and reads a whole header in well under a
-second. Tensor *data* is still decoded by the `gguf` package. The tests cross-check this
-reader with GGUFReader.
+Used instead of `gguf.GGUFReader` for speed: GGUFReader builds numpy views of every element
+of every metadata array, which is slow for a large vocabulary (Gemma3's has 262K entries);
+this reader skips long arrays (docs/benchmarks.md#measurements-behind-design-choices).
+Tensor *data* is still decoded by the `gguf` package. The tests cross-check this reader with
+GGUFReader.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ def run_demo(model_name: str, swiftkv: str, prompt_tokens: int, max_tokens: int,
     from kvforge.prebuild import build_cpu_kernels
 
     # Every C++ kernel is built (or its cached build loaded) before anything is timed: a
-    # kernel first used mid-demo once compiled inside KIVI's timed decode (0.6 tok/s shown).
+    # kernel first used mid-demo once compiled inside KIVI's timed decode and slowed the
+    # speed shown (docs/benchmarks.md#measurements-behind-design-choices).
     # A cached build is recompiled when another checkout of the source tree (a CI clone, a
     # mutation run) loaded it last, since the build records the include path.
     if device == "cpu":

@@ -37,8 +37,9 @@ def start_measuring(ctx: BenchContext) -> None:
     from kvforge.tools.bench.machine_load import LoadProbe
     from kvforge.tools.bench.peak import READ_PASSES, measure_peak
 
-    # Every kernel is built before the first timed region (a compile once cost 26 s of a
-    # timed ShadowKV decode when --warmup 0 left nothing to build it earlier).
+    # Every kernel is built before the first timed region (a compile once landed in a timed
+    # ShadowKV decode when --warmup 0 left nothing to build it earlier;
+    # docs/benchmarks.md#measurements-behind-design-choices).
     kernels, seconds = build_cpu_kernels()
     ready = [name for name, ok in kernels.items() if ok]
     missing = [name for name, ok in kernels.items() if not ok]

@@ -73,7 +73,7 @@ from kvforge.rope import PositionedRope
 # slots. A 2-bit sequence of n tokens costs one slot (R tokens at 16 bits, about 5.3 R
 # tokens' worth of pages) plus n tokens of pages, so a quarter balances slots and pages for
 # sequences of about 16 R = 2,048 tokens, the long contexts KIVI is for (half balanced them
-# at ~700 tokens and held 12 instead of 18 sequences of 3,072 tokens in 300MB on smollm2).
+# at ~700 tokens and held fewer long sequences: docs/benchmarks.md#kvforgecachekivi).
 # Shorter workloads set max_sequences.
 SLOT_SHARE = 4
 

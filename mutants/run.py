@@ -16,6 +16,10 @@ passed: a bug the suite lets through).
     python mutants/run.py --area serve --list    # list a selection without running it
 
 --only, --area and --files may be combined: a mutation is run when any of them selects it.
+--jobs N (default: one per core, at most 4) runs N mutations side by side, each in its own
+scratch copy with its share of the cores (KVFORGE_TEST_THREADS, read by tests/conftest.py):
+most of a mutation's time is single-threaded (interpreter start, imports, collection, a
+kernel's compile), so two jobs on two cores finish the list sooner than one.
 Exit status 1 if any mutation survived or a snippet is missing, so a refactor that moves
 the code under a mutation is caught too. Writes mutants/last_run.json; a run of part of
 the list says so there ("partial": true, and what selected it).
@@ -30,7 +34,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -42,10 +48,14 @@ ROOT = Path(__file__).resolve().parents[1]
 COPIED = ("src", "tests", "models", "examples", "docs", "README.md", "pyproject.toml")
 PACKAGE = "src/kvforge/"
 TIMEOUT_S = 900
+# The baseline runs every selected mutation's tests at once: most of the suite for a full run.
+BASELINE_TIMEOUT_S = 3600
 
 
-def _pytest(scratch: Path, tests: tuple[str, ...]) -> tuple[bool, float, str]:
-    env = {**os.environ, "PYTHONPATH": str(scratch / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
+def _pytest(scratch: Path, tests: tuple[str, ...], threads: int,
+            timeout: int = TIMEOUT_S) -> tuple[bool, float, str]:
+    env = {**os.environ, "PYTHONPATH": str(scratch / "src"), "PYTHONDONTWRITEBYTECODE": "1",
+           "KVFORGE_TEST_THREADS": str(threads)}
     # The scratch copy lives in /tmp, where "../shared beside the repository" is not: point the
     # tests that read the held-out text at the repository's own copy.
     shared_text = ROOT.parent / "shared" / "data" / "wikitext-2-raw-test.txt"
@@ -54,9 +64,9 @@ def _pytest(scratch: Path, tests: tuple[str, ...]) -> tuple[bool, float, str]:
     start = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
-                              cwd=scratch, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+                              cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return False, time.perf_counter() - start, f"timeout after {TIMEOUT_S} s"
+        return False, time.perf_counter() - start, f"timeout after {timeout} s"
     tail = (done.stdout + done.stderr).strip().splitlines()
     return done.returncode == 0, time.perf_counter() - start, tail[-1] if tail else ""
 
@@ -67,6 +77,28 @@ def _check(mutation: Mutation, scratch: Path) -> str | None:
     if count != 1:
         return f"{mutation.name}: the original snippet occurs {count} times in {mutation.file} (must be once)"
     return None
+
+
+def _copy_repository(scratch: Path) -> None:
+    for name in COPIED:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, scratch / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        elif source.exists():
+            shutil.copy2(source, scratch / name)
+
+
+def _run_one(mutation: Mutation, scratch: Path, threads: int) -> dict:
+    """Apply one mutation to `scratch`, run its tests, restore the file."""
+    path = scratch / mutation.file
+    original = path.read_text()
+    path.write_text(original.replace(mutation.original, mutation.replacement))
+    try:
+        passed, seconds, last = _pytest(scratch, mutation.tests, threads)
+    finally:
+        path.write_text(original)
+    return {"name": mutation.name, "file": mutation.file, "status": "SURVIVED" if passed else "killed",
+            "seconds": round(seconds, 1), "tests": list(mutation.tests), "last_line": last}
 
 
 def select(mutations: list[Mutation], only: list[str] | None, areas: list[str] | None,
@@ -89,7 +121,13 @@ def main() -> int:
     parser.add_argument("--files", nargs="+", default=None, metavar="PATH",
                         help="path prefixes from the repository root (src/kvforge/engine/sampling.py, ...)")
     parser.add_argument("--list", action="store_true", help="list the selected mutations and exit")
+    cores = os.cpu_count() or 1
+    parser.add_argument("--jobs", type=int, default=min(4, cores), metavar="N",
+                        help="mutations run side by side, each in its own scratch copy (default: %(default)s)")
     args = parser.parse_args()
+    if args.jobs < 1:
+        print(f"--jobs must be at least 1, got {args.jobs}", file=sys.stderr)
+        return 2
     unknown = set(args.only or ()) - {m.name for m in MUTATIONS}
     if unknown:
         print(f"unknown mutations: {sorted(unknown)}", file=sys.stderr)
@@ -106,43 +144,53 @@ def main() -> int:
     selection = {key: value for key, value in (("only", args.only), ("area", args.area), ("files", args.files))
                  if value is not None}
     started = time.perf_counter()
+    jobs = min(args.jobs, len(mutations))
+    threads = max(1, cores // jobs)
     with tempfile.TemporaryDirectory(prefix="kvforge-mutants-") as tmp:
-        scratch = Path(tmp)
-        for name in COPIED:
-            source = ROOT / name
-            if source.is_dir():
-                shutil.copytree(source, scratch / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-            elif source.exists():
-                shutil.copy2(source, scratch / name)
-        problems = [p for p in (_check(m, scratch) for m in mutations) if p]
+        scratches = [Path(tmp) / f"job{index}" for index in range(jobs)]
+        for scratch in scratches:
+            _copy_repository(scratch)
+        problems = [p for p in (_check(m, scratches[0]) for m in mutations) if p]
         if problems:
             print("\n".join(problems), file=sys.stderr)
             return 1
         tests = tuple(sorted({t for m in mutations for t in m.tests}))
-        ok, seconds, last = _pytest(scratch, tests)
+        ok, seconds, last = _pytest(scratches[0], tests, cores, BASELINE_TIMEOUT_S)
         print(f"baseline: the {len(tests)} test targets {'pass' if ok else 'FAIL'} unmutated ({seconds:.0f} s): {last}")
         if not ok:
             return 1
-        results = []
-        for index, mutation in enumerate(mutations, 1):
-            path = scratch / mutation.file
-            original = path.read_text()
-            path.write_text(original.replace(mutation.original, mutation.replacement))
-            try:
-                passed, seconds, last = _pytest(scratch, mutation.tests)
-            finally:
-                path.write_text(original)
-            status = "SURVIVED" if passed else "killed"
-            results.append({"name": mutation.name, "file": mutation.file, "status": status,
-                            "seconds": round(seconds, 1), "tests": list(mutation.tests), "last_line": last})
-            print(f"[{index}/{len(mutations)}] {status:8s} {mutation.name} ({seconds:.0f} s): {last}", flush=True)
+        # Each job takes the next mutation in the list when it is free; a scratch copy is
+        # mutated by its own job only, so at most one mutation is applied to it at a time.
+        results: list[dict | None] = [None] * len(mutations)
+        pending = iter(range(len(mutations)))
+        lock = threading.Lock()
+        finished = 0
+
+        def run_share(job: int) -> None:
+            nonlocal finished
+            while True:
+                with lock:
+                    index = next(pending, None)
+                if index is None:
+                    return
+                result = _run_one(mutations[index], scratches[job], threads)
+                with lock:
+                    results[index] = result
+                    finished += 1
+                    print(f"[{finished}/{len(mutations)}] {result['status']:8s} {result['name']} "
+                          f"({result['seconds']:.0f} s): {result['last_line']}", flush=True)
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for future in [pool.submit(run_share, job) for job in range(jobs)]:
+                future.result()
+    results = [r for r in results if r is not None]
     survived = [r["name"] for r in results if r["status"] == "SURVIVED"]
     total = time.perf_counter() - started
     print(f"{len(results) - len(survived)} of {len(results)} mutations killed in {total / 60:.1f} min"
           + (f"; survived: {', '.join(survived)}" if survived else ""))
     (ROOT / "mutants" / "last_run.json").write_text(json.dumps(
         {"killed": len(results) - len(survived), "total": len(results), "minutes": round(total / 60, 1),
-         "partial": partial, "selection": selection, "list_size": len(MUTATIONS), "results": results},
+         "partial": partial, "selection": selection, "jobs": jobs, "list_size": len(MUTATIONS), "results": results},
         indent=2) + "\n")
     return 1 if survived else 0
 

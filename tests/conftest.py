@@ -19,7 +19,9 @@ from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.models.registry import build_model
 from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
 
-torch.set_num_threads(2)
+# Two threads by default (the CI machine's cores); `mutants/run.py --jobs N` runs N pytest
+# processes side by side and gives each its share of the cores through this variable.
+torch.set_num_threads(int(os.environ.get("KVFORGE_TEST_THREADS", "2")))
 
 # Without a GPU the Triton kernel runs in Triton's CPU interpreter, so `make test` checks it.
 # `triton.jit` reads TRITON_INTERPRET when kvforge.cache.kivi.triton_decode is imported, and

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import MODEL_NAME, char_tokenizer, make_engine, serve, tiny_model
 
 from kvforge.cache.registry import create_cache
+from kvforge.engine.loglikelihood import ScoreSettings, score_continuations
 from kvforge.engine.runner import ModelRunner
-from kvforge.tools.eval.loglikelihood import ScoreSettings, score_continuations
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ pretrained), cache (a spec such as `kivi:bits=2`; `;` may separate its options s
 splits model_args at commas), cache_opt (`k=v;k=v`), any other key that is an option of the
 cache method (`cache=kivi,bits=2,residual=32`), swiftkv (checkpoint dir), dtype, kv_budget,
 threads, max_batch_tokens, max_length, max_gen_toks, score_mode (prefill | cached | decode,
-see kvforge.tools.eval.loglikelihood), add_bos_token, seed. lm-eval's --batch_size is the number of
+see kvforge.engine.loglikelihood), add_bos_token, seed. lm-eval's --batch_size is the number of
 sequences per scoring step and per generation batch ("auto" -> 16); --device falls back to
 the CPU when CUDA is missing (its default is cuda:0).
 
@@ -23,7 +23,7 @@ Requests are answered as lm-eval's Hugging Face model (`hf`) answers them: the s
 context/continuation split (TemplateLM), BOS-or-EOS prefix for an empty context, left
 truncation to max_length, rolling windows for loglikelihood_rolling, stop strings cut from
 the generated text. Log-likelihoods come from the cache method under test
-(`eval.loglikelihood.score_continuations` on the engine's runner and cache); generation is
+(`engine.loglikelihood.score_continuations` on the engine's runner and cache); generation is
 `LLM.generate`.
 """
 
@@ -42,9 +42,9 @@ from lm_eval.api.model import TemplateLM
 from tqdm.auto import tqdm
 
 from kvforge.engine.llm import LLM
+from kvforge.engine.loglikelihood import SCORE_MODES, ScoreSettings, score_continuations
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import ConfigError, KVForgeError, require
-from kvforge.tools.eval.loglikelihood import SCORE_MODES, ScoreSettings, score_continuations
 
 logger = logging.getLogger(__name__)
 

@@ -131,16 +131,3 @@ def test_hf_quantized_cache_runs_when_installed(tiny_models, package: str, entry
     exact = score_hf(hf, lambda: _dynamic(hf), windows, settings)
     assert quantized[0][1] == exact[0][1] == 39
     assert quantized[0][0] != exact[0][0]
-
-
-def test_token_nll_in_row_chunks_equals_log_softmax(monkeypatch):
-    """The chunked float64 NLL (bounded memory for large vocabularies) equals a whole
-    log_softmax, across chunk boundaries and with a batch dimension."""
-    import kvforge.tools.eval.perplexity as perplexity
-
-    monkeypatch.setattr(perplexity, "NLL_ROWS", 7)
-    torch.manual_seed(0)
-    logits, targets = torch.randn(2, 30, 50), torch.randint(0, 50, (2, 30))
-    expected = -torch.log_softmax(logits.double(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-    torch.testing.assert_close(perplexity.token_nll(logits, targets), expected, atol=1e-12, rtol=0)
-    assert perplexity.window_nll(logits[0], targets[0].tolist()) == pytest.approx(float(expected[0].sum()), abs=1e-9)

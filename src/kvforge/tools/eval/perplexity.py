@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
+from kvforge.engine.loglikelihood import token_nll, window_nll
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.errors import require
 from kvforge.integrations.transformers import cache_argument
@@ -79,28 +80,6 @@ def make_windows(token_ids: Sequence[int], context: int, max_windows: int | None
         count = min(count, max_windows)
     prefix = [bos] if bos is not None else []
     return [prefix + list(token_ids[i * body:(i + 1) * body]) for i in range(count)]
-
-
-# Rows whose float64 log-probabilities exist at once: a 4096-token window of a 262k-token
-# vocabulary would otherwise need 8.6 GB per float64 copy.
-NLL_ROWS = 256
-
-
-def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """-log softmax(logits)[..., target] in float64 for logits [..., N, V] and targets
-    [..., N], computed NLL_ROWS rows at a time so memory stays bounded."""
-    parts = []
-    for start in range(0, logits.shape[-2], NLL_ROWS):
-        chunk = logits[..., start:start + NLL_ROWS, :].double()
-        picked = chunk.gather(-1, targets[..., start:start + NLL_ROWS].unsqueeze(-1)).squeeze(-1)
-        parts.append(torch.logsumexp(chunk, dim=-1) - picked)
-    return torch.cat(parts, dim=-1)
-
-
-def window_nll(logits: torch.Tensor, targets: Sequence[int]) -> float:
-    """Sum over rows of -log softmax(logits)[target], in float64."""
-    index = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
-    return float(token_nll(logits, index).sum())
 
 
 def steps_per_batch(settings: PplSettings) -> int:

@@ -1,4 +1,4 @@
-"""Continuation log-likelihoods through ModelRunner batches (kvforge.tools.eval.loglikelihood):
+"""Continuation log-likelihoods through ModelRunner batches (kvforge.engine.loglikelihood):
 the pieces of each mode, agreement with transformers for the exact cache in every mode and
 for any batching, and a compressed cache (KIVI) scoring what it stores."""
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import make_pair, make_runner
 
+from kvforge.engine import loglikelihood
+from kvforge.engine.loglikelihood import ScoreSettings, score_continuations, split_pieces
 from kvforge.engine.runner import StepItem
 from kvforge.errors import ConfigError
-from kvforge.tools.eval.loglikelihood import ScoreSettings, score_continuations, split_pieces
 
 KIVI = "kivi:bits=2,group=8,residual=8"
 
@@ -139,3 +140,14 @@ def test_sequences_are_released(pair):
     runner = make_runner(pair[1])
     score_continuations(runner, _requests(), ScoreSettings("cached", first_seq_id=100))
     assert all(runner.cache.num_cached_tokens(100 + s) == 0 for s in range(len(_requests())))
+
+
+def test_token_nll_in_row_chunks_equals_log_softmax(monkeypatch):
+    """The chunked float64 NLL (bounded memory for large vocabularies) equals a whole
+    log_softmax, across chunk boundaries and with a batch dimension."""
+    monkeypatch.setattr(loglikelihood, "NLL_ROWS", 7)
+    torch.manual_seed(0)
+    logits, targets = torch.randn(2, 30, 50), torch.randint(0, 50, (2, 30))
+    expected = -torch.log_softmax(logits.double(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    torch.testing.assert_close(loglikelihood.token_nll(logits, targets), expected, atol=1e-12, rtol=0)
+    assert loglikelihood.window_nll(logits[0], targets[0].tolist()) == pytest.approx(float(expected[0].sum()), abs=1e-9)

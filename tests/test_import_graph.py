@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-ENGINE = ("kvforge.engine", "kvforge.cache", "kvforge.models", "kvforge.kernels", "kvforge.serve")
+ENGINE = ("kvforge.engine", "kvforge.cache", "kvforge.models", "kvforge.kernels", "kvforge.serve", "kvforge.integrations")
 # Top-level modules that belong to the tooling's side: the command line dispatches to it.
 ABOVE_THE_ENGINE = ("kvforge.cli", "kvforge.__main__", "kvforge.commands")
 TOOLS = "kvforge.tools"

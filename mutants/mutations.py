@@ -401,8 +401,10 @@ MUTATIONS: list[Mutation] = [
     Mutation("distill_stack_student_skips_swiftkv_query", S + "models/swiftkv.py",
              "q = linear(x, self.q_proj_swiftkv.weight, self.q_proj_swiftkv.bias)",
              "q = linear(x, self.q_proj_swiftkv.weight.detach(), self.q_proj_swiftkv.bias)",
-             ("tests/tools/swiftkv/test_distill_trainer.py", "tests/tools/swiftkv/test_swiftkv_model.py"),
-             "later layers' queries come from q_proj_swiftkv (the trained projection)"),
+             ("tests/tools/swiftkv/test_distill_families.py::"
+              "test_every_parameter_belongs_to_one_unit_and_the_trained_ones_get_gradients",
+              "tests/tools/swiftkv/test_swiftkv_model.py"),
+             "the distillation's gradient reaches q_proj_swiftkv, the projection later layers' queries come from"),
     # -- SwiftKV early exit ------------------------------------------------------------------
     Mutation("early_exit_prompt_rows_exit_too", S + "models/swiftkv.py",
              "decode_rows = {span.query_end - 1 for span in batch.spans if span.decode}",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvforge.cache.softmax_merge import LseMerge, OnlineSoftmax
 from kvforge.kernels.cpu_causal_attention import causal_attention
 
 # ATen's CPU flash attention, which returns the log-sum-exp beside the output (float32).
@@ -108,21 +109,6 @@ def _past_and_own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return merge.out[0].transpose(0, 1).to(q.dtype)
 
 
-class LseMerge:
-    """Running merge of partial attentions over disjoint key sets: out = sum_i w_i out_i with
-    w_i = exp(lse_i - lse), lse = log sum_i exp(lse_i). Seeded with a part in which every row
-    sees at least one key, so the running lse is finite and later -inf rows add nothing."""
-
-    def __init__(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        self.out, self.lse = out, lse
-
-    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        total = torch.logaddexp(self.lse, lse)
-        self.out = self.out * torch.exp(self.lse - total)[..., None] + out * torch.exp(lse - total)[..., None]
-        self.lse = total
-
-
-
 def _window_tile(window: int) -> int:
     """Queries per tile of windowed chunk attention: one window (at least 128 for few calls)."""
     return max(window, 128)
@@ -188,9 +174,7 @@ def decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor
     v_own = v_self.float().transpose(0, 1).reshape(pairs, 1, dim)
     # The step's own key is always visible: it seeds the running max/sum, so every row is
     # finite from the start and fully masked tiles can never produce NaN.
-    running_max = torch.bmm(qh, k_own)  # [pairs, group, 1]
-    running_sum = torch.ones_like(running_max)
-    acc = v_own.expand(pairs, group, dim).clone()
+    state = OnlineSoftmax.one_key(torch.bmm(qh, k_own), v_own)  # [pairs, group, 1], [pairs, 1, dim]
     num_pages = page_table.shape[1]
     offsets = torch.arange(tile_pages * block, device=q.device)
     for start in range(0, num_pages, tile_pages):
@@ -208,14 +192,8 @@ def decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor
         scores.masked_fill_(hidden[:, None, :], float("-inf"))
         # Hidden slots may never have been written (storage comes from torch.empty) and can
         # hold NaN/inf bits: 0 * NaN would poison the sum, so their values are zeroed too.
-        v = v.masked_fill(hidden[:, :, None], 0.0)
-        new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
-        probs = torch.exp(scores - new_max)
-        correction = torch.exp(running_max - new_max)
-        running_sum = running_sum * correction + probs.sum(dim=-1, keepdim=True)
-        acc = acc * correction + torch.bmm(probs, v)
-        running_max = new_max
-    out = (acc / running_sum).view(kv_heads, batch, group, dim).transpose(0, 1)
+        state.add(scores, v.masked_fill(hidden[:, :, None], 0.0))
+    out = state.result().view(kv_heads, batch, group, dim).transpose(0, 1)
     return out.reshape(batch, heads, dim).to(q.dtype)
 
 

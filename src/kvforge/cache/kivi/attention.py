@@ -23,35 +23,8 @@ from kvforge.cache.kivi.int8_keys import int8_key_scores
 from kvforge.cache.kivi.int8_values import int8_value_sums
 from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView, dequantize_key_pages, dequantize_value_pages
+from kvforge.cache.softmax_merge import OnlineSoftmax
 from kvforge.host_sync import host_memory
-
-
-class OnlineSoftmax:
-    """Running max / sum / weighted values over key tiles, per (kv head, query row).
-
-    Seeded with a block where every row sees at least one key (the query's own token), so
-    the running max is finite from the start and fully hidden later tiles add nothing."""
-
-    def __init__(self, scores: torch.Tensor, values: torch.Tensor) -> None:
-        # scores [P, rows, m] (hidden = -inf), values [P, m, D], both float32
-        self.max = scores.amax(dim=-1, keepdim=True)
-        probs = torch.exp(scores - self.max)
-        self.sum = probs.sum(dim=-1, keepdim=True)
-        self.acc = torch.bmm(probs, values)
-
-    def add(self, scores: torch.Tensor, values: torch.Tensor,
-            weigh: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """weigh(probs) -> [P, rows, D]: the weighted sum of the block's values when it is
-        not probs @ values (value_dot=int8); probs are relative to the new running max."""
-        new_max = torch.maximum(self.max, scores.amax(dim=-1, keepdim=True))
-        probs = torch.exp(scores - new_max)
-        correction = torch.exp(self.max - new_max)
-        self.sum = self.sum * correction + probs.sum(dim=-1, keepdim=True)
-        self.acc = self.acc * correction + (torch.bmm(probs, values) if weigh is None else weigh(probs))
-        self.max = new_max
-
-    def result(self) -> torch.Tensor:
-        return self.acc / self.sum
 
 
 def _hide(scores: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +126,7 @@ def kivi_chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     own_k, own_v = k_new.float().transpose(0, 1), v_new.float().transpose(0, 1)
     scores, values = _hide(torch.bmm(qh, own_k.transpose(1, 2)), own_v,
                            hidden_at(torch.arange(n, n + length, device=device)))
-    state = OnlineSoftmax(scores, values)
+    state = OnlineSoftmax.first_tile(scores, values)
     for k_pos, keys, values in stored_parts(view, pages, first_page_position, past_from, n, slot, tile_pages,
                                             key_transform):
         scores, values = _hide(torch.bmm(qh, keys.transpose(1, 2)), values, hidden_at(k_pos))
@@ -202,7 +175,7 @@ def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.T
     qh = (q.float() * scale).view(batch, kv_heads, group, dim).transpose(0, 1).reshape(pairs, group, dim)
     own_k = k_self.float().transpose(0, 1).reshape(pairs, dim, 1)
     own_v = v_self.float().transpose(0, 1).reshape(pairs, 1, dim)
-    state = OnlineSoftmax(torch.bmm(qh, own_k), own_v)
+    state = OnlineSoftmax.first_tile(torch.bmm(qh, own_k), own_v)
 
     def add(keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
             scores: torch.Tensor | None = None, weigh: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:

@@ -31,6 +31,7 @@ import math
 import torch
 
 from kvforge.cache.kivi.quant import QuantizedGroups, dequantize
+from kvforge.cache.softmax_merge import OnlineSoftmax
 
 
 def kivi_decode_attention_reference(
@@ -46,9 +47,8 @@ def kivi_decode_attention_reference(
     qh = (q.float() * scale).view(batch, kv_heads, heads // kv_heads, dim)
     # The step's own key seeds the running max and sum, so every row stays finite even
     # when a page has no visible token.
-    running_max = torch.einsum("bhgd,bhd->bhg", qh, k_self.float())
-    running_sum = torch.ones_like(running_max)
-    acc = v_self.float()[:, :, None, :].expand_as(qh).clone()
+    state = OnlineSoftmax.one_key(torch.einsum("bhgd,bhd->bhg", qh, k_self.float())[..., None],
+                                  v_self.float()[:, :, None, :])
     nk, nv, visible_from, n, first_page_position = (
         t.to(q.device, torch.long)[:, None] for t in (nk, nv, visible_from, n, first_page_position))
     slots = slots.to(q.device, torch.long)
@@ -75,13 +75,8 @@ def kivi_decode_attention_reference(
         # since 0 * NaN would poison the sum.
         v = v.masked_fill(~visible[:, None, :, None], 0.0)
         scores = torch.einsum("bhgd,bhtd->bhgt", qh, k).masked_fill(~visible[:, None, None, :], float("-inf"))
-        new_max = torch.maximum(running_max, scores.amax(dim=-1))
-        probs = torch.exp(scores - new_max[..., None])
-        correction = torch.exp(running_max - new_max)
-        running_sum = running_sum * correction + probs.sum(dim=-1)
-        acc = acc * correction[..., None] + torch.einsum("bhgt,bhtd->bhgd", probs, v)
-        running_max = new_max
-    return (acc / running_sum[..., None]).reshape(batch, heads, dim).to(q.dtype)
+        state.add(scores, v, weigh=lambda probs, v=v: torch.einsum("bhgt,bhtd->bhgd", probs, v))
+    return state.result().reshape(batch, heads, dim).to(q.dtype)
 
 
 def _residual_rows(ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

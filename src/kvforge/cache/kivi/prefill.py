@@ -30,10 +30,11 @@ from collections.abc import Iterator
 
 import torch
 
-from kvforge.cache.attention import _FLASH_CPU, LseMerge, visibility_mask
+from kvforge.cache.attention import _FLASH_CPU, visibility_mask
 from kvforge.cache.kivi.attention import stored_parts
 from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView
+from kvforge.cache.softmax_merge import LseMerge
 from kvforge.kernels.cpu_causal_attention import causal_attention, causal_attention_available
 
 

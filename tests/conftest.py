@@ -13,12 +13,15 @@ import torch
 import transformers
 
 from kvforge.cache.registry import create_cache
-from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.config import SwiftKVConfig
 from kvforge.engine.runner import ModelRunner
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.models.registry import build_model
 from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
 
-torch.set_num_threads(2)
+# Two threads by default (the CI machine's cores); `mutants/run.py --jobs N` runs N pytest
+# processes side by side and gives each its share of the cores through this variable.
+torch.set_num_threads(int(os.environ.get("KVFORGE_TEST_THREADS", "2")))
 
 # Without a GPU the Triton kernel runs in Triton's CPU interpreter, so `make test` checks it.
 # `triton.jit` reads TRITON_INTERPRET when kvforge.cache.kivi.triton_decode is imported, and
@@ -67,7 +70,7 @@ def make_pair(name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Modul
         if "norm" in key or key.endswith("bias"):
             state[key] = torch.randn_like(state[key]) * 0.2 + (0 if "gemma" in name else 1.0) * ("norm" in key)
     hf.load_state_dict(state)
-    ours = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), dtype=torch.float32)
+    ours = build_model(config_from_hf_dict(hf_config.to_dict()), dtype=torch.float32)
     ours.load_hf_state_dict(hf.state_dict())
     return hf, ours
 

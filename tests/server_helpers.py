@@ -16,10 +16,10 @@ import uvicorn
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from kvforge.cache.registry import create_cache
-from kvforge.config import ModelConfig
 from kvforge.engine.async_engine import AsyncEngine
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.models.registry import build_model
 from kvforge.serve.app import create_app
 from kvforge.serve.metrics import ServerMetrics
@@ -52,7 +52,7 @@ def tiny_model(seed: int = 0, layers: int = 2) -> torch.nn.Module:
                                          num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
                                          max_position_embeddings=CONTEXT, eos_token_id=2, bos_token_id=1)
     torch.manual_seed(seed)
-    model = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()), dtype=torch.float32)
+    model = build_model(config_from_hf_dict(hf_config.to_dict()), dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" not in name:

@@ -1,12 +1,18 @@
-"""CLI: clear errors for bad input, info on a tiny checkpoint, generation end to end."""
+"""CLI: clear errors for bad input, info on a tiny checkpoint, generation end to end; the top
+level imports a verb's module only when that verb is parsed."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from kvforge.cli import main
+import kvforge
+from kvforge.cli import VERBS, load_function, main
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -38,3 +44,31 @@ def test_info_json(tmp_path, capsys):
     assert info["kv_cache"]["float32"]["bytes_per_token"] == 2 * 4 * 2 * 8 * 4
     assert info["kv_cache"]["bfloat16"]["bytes_per_token"] == 2 * 4 * 2 * 8 * 2
     assert "4 heads, 2 KV heads, head_dim 8" in capsys.readouterr().out
+
+
+def test_help_imports_no_verb_module_and_not_torch():
+    """`kvforge --help` lists the verbs from kvforge.cli.VERBS alone: no verb's module, and so
+    not torch, is imported (run in a fresh interpreter: this one has imported both)."""
+    probe = ("import sys\nfrom kvforge.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as exc:\n"
+             "    assert exc.code == 0, exc.code\nprint('\\n'.join(sys.modules), file=sys.stderr)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(kvforge.__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    imported = set(done.stderr.split())
+    verb_modules = {reference.partition(":")[0] for verb in VERBS for reference in (verb.add_args, verb.run)}
+    assert "torch" not in imported
+    assert not verb_modules & imported, sorted(verb_modules & imported)
+    assert "{" + ",".join(verb.name for verb in VERBS) + ",lm-eval}" in done.stdout
+
+
+def test_every_verb_names_functions_that_exist():
+    for verb in VERBS:
+        assert callable(load_function(verb.add_args)) and callable(load_function(verb.run)), verb.name
+
+
+@pytest.mark.parametrize("argv", [["bench", "prefill", "--help"], ["swiftkv", "--help"], ["info", "-h"]])
+def test_a_verbs_help_builds_that_verb(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: kvforge {' '.join(w for w in argv if not w.startswith('-'))} ")

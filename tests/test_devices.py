@@ -12,7 +12,7 @@ import argparse
 import pytest
 import torch
 
-from kvforge.cli import build_parser, main
+from kvforge.cli import build_full_parser, main
 from kvforge.devices import resolve_device
 from kvforge.errors import ConfigError
 from kvforge.tools.bench.serve_server import free_loopback_port
@@ -85,7 +85,7 @@ def test_every_command_loads_its_model_on_the_device_asked_for(argv, stop_at_loa
 
 
 def _parsed(argv: list[str]) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    return build_full_parser().parse_args(argv)
 
 
 def test_the_transformers_peer_of_bench_and_eval_runs_on_the_same_device(stop_at_load):
@@ -101,8 +101,8 @@ def test_the_transformers_peer_of_bench_and_eval_runs_on_the_same_device(stop_at
 
 def test_bench_serve_starts_its_servers_on_its_device():
     from kvforge.cache.registry import parse_cache_spec
-    from kvforge.tools.bench.common import System
     from kvforge.tools.bench.serve import _serve_args
+    from kvforge.tools.bench.systems import System
 
     args = _parsed(["bench", "serve", "--device", "cuda:1"])
     server_argv = _serve_args(args, System("s", "kvforge", parse_cache_spec("full")))
@@ -127,7 +127,7 @@ NO_MODEL_RUN = {("info",), ("swiftkv", "init"), ("swiftkv", "flops"), ("swiftkv"
 def commands_without(option: str, exempt: set[tuple[str, ...]]) -> list[str]:
     """Commands with --model (model-running ones: not NO_MODEL_RUN, not `exempt`) lacking `option`."""
     missing = []
-    for path, parser in _verbs(build_parser()):
+    for path, parser in _verbs(build_full_parser()):
         options = {flag for action in parser._actions for flag in action.option_strings}
         if "--model" in options and path not in NO_MODEL_RUN | exempt and option not in options:
             missing.append(" ".join(path))

@@ -1,237 +1,94 @@
-"""Command line: `kvforge generate | chat | serve | bench | eval | swiftkv | analyze | demo | report | verify | info | gpu-check`."""
+"""Command line: `kvforge generate | chat | serve | bench | eval | swiftkv | analyze | demo | report | verify | info | gpu-check`.
+
+The top level knows each verb by its name, one line of help and where its code lives
+(`VERBS`). Only the verb a command line names is imported, to add its arguments and run it,
+so `kvforge --help` imports no verb's module (and with them torch).
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import sys
-from pathlib import Path
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from kvforge.devices import add_device_arg, resolve_device
-from kvforge.errors import KVForgeError, require
-from kvforge.serve.server import add_serve_args, run_serve
-from kvforge.tools.analysis.cli import add_analyze_parser, run_analyze
-from kvforge.tools.bench.cli import add_bench_parser, run_bench
-from kvforge.tools.demo import add_demo_parser, cmd_demo
-from kvforge.tools.eval.cli import add_eval_parser, run_eval
-from kvforge.tools.gpu_check.cli import add_gpu_check_parser, run_gpu_check
-from kvforge.tools.report.cli import add_report_parser, run_report
-from kvforge.tools.report.provenance import command_line, provenance
-from kvforge.tools.swiftkv.cli import add_swiftkv_parser, run_swiftkv
-
-DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_KV_BUDGET = "1GiB"
+from kvforge.errors import KVForgeError
+from kvforge.tools.report.provenance import command_line
 
 
-def _add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None:
-    """--model and --threads; --device too unless the command builds no model (info)."""
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"named model (smollm2-135m, gemma3-270m), a .gguf file or a Hugging Face "
-                             f"checkpoint directory (default {DEFAULT_MODEL})")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    if device:
-        add_device_arg(parser)
+@dataclass(frozen=True)
+class Verb:
+    """`add_args` and `run` are "module:function": the function filling the verb's parser
+    and the one running the parsed command (it returns the exit status)."""
+
+    name: str
+    add_args: str
+    run: str
+    help: str
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    parser.add_argument("--cache", default="full", help="cache method, optionally name:key=value,...")
-    parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
-                        help="cache method option (repeatable)")
-    parser.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET, help="KV-cache memory budget, e.g. 512MB")
-    parser.add_argument("--swiftkv", default=None, metavar="DIR",
-                        help="SwiftKV checkpoint directory laid over --model (see `kvforge swiftkv init`)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="tokens computed per engine step (prefill chunk size)")
-    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                        help="recompute every prompt in full (default: reuse the K/V of cached prefixes)")
-    parser.add_argument("--early-exit", type=float, default=None, metavar="P",
-                        help="SwiftKV early exit: a decode token whose early-exit head gives its top token "
-                             "probability >= P skips the later layers (needs a model with the head; off)")
+def load_function(reference: str) -> Callable[..., Any]:
+    """The function a "module:function" reference names (importing its module)."""
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt")
-    parser.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0 = off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-    parser.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+VERBS: tuple[Verb, ...] = (
+    Verb("generate", "kvforge.commands:add_generate_args", "kvforge.commands:cmd_generate",
+         "generate text for one or more prompts"),
+    Verb("chat", "kvforge.commands:add_chat_args", "kvforge.commands:cmd_chat",
+         "interactive chat (type /reset to forget, /exit to quit)"),
+    Verb("serve", "kvforge.commands:add_serve_args", "kvforge.serve.server:run_serve",
+         "OpenAI-compatible HTTP server (127.0.0.1:8000 by default)"),
+    Verb("verify", "kvforge.commands:add_verify_args", "kvforge.commands:cmd_verify",
+         "compare kvforge with transformers on the same weights"),
+    Verb("info", "kvforge.commands:add_info_args", "kvforge.commands:cmd_info",
+         "architecture, parameters and KV bytes per token"),
+    Verb("bench", "kvforge.tools.bench.cli:add_bench_args", "kvforge.tools.bench.cli:run_bench",
+         "measure prefill, decode or serving throughput"),
+    Verb("eval", "kvforge.tools.eval.cli:add_eval_args", "kvforge.tools.eval.cli:run_eval",
+         "quality: perplexity, pass-key retrieval (side by side)"),
+    Verb("swiftkv", "kvforge.tools.swiftkv.cli:add_swiftkv_args", "kvforge.tools.swiftkv.cli:run_swiftkv",
+         "SwiftKV checkpoints (init, distill, evaluate) and FLOP accounting (flops)"),
+    Verb("analyze", "kvforge.tools.analysis.cli:add_analyze_args", "kvforge.tools.analysis.cli:run_analyze",
+         "analysis figures: layer-input similarity (SwiftKV), key spectra (ShadowKV), K/V outlier channels (KIVI)"),
+    Verb("demo", "kvforge.tools.demo:add_demo_args", "kvforge.tools.demo:cmd_demo",
+         "base, SwiftKV, KIVI, ShadowKV and SwiftKV+KIVI on one long prompt"),
+    Verb("report", "kvforge.tools.report.cli:add_report_args", "kvforge.tools.report.cli:run_report",
+         "render docs/results.md and README's results table from result JSON"),
+    Verb("gpu-check", "kvforge.tools.gpu_check.cli:add_gpu_check_args", "kvforge.tools.gpu_check.cli:run_gpu_check",
+         "every cache method on a device against the CPU reference, then bench speed against transformers"),
+)
+VERB_NAMES = tuple(verb.name for verb in VERBS)
+# `kvforge lm-eval ARGS...` is dispatched in main() before parsing: ARGS are lm_eval's own.
+LM_EVAL_HELP = "lm-evaluation-harness with --model kvforge registered (arguments as lm_eval's)"
 
 
-def _sampling_params(args: argparse.Namespace):
-    from kvforge.engine.sampling import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-
-
-def _make_llm(args: argparse.Namespace):
-    from kvforge.engine.llm import LLM
-
-    return LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt, dtype=args.dtype,
-               kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
-               prefix_caching=args.prefix_caching, device=args.device, early_exit=args.early_exit)
-
-
-def _add_json_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", metavar="OUT", default=None, help="also write the result as JSON")
-
-
-def _write_json(path: str | None, payload: dict[str, Any], args: argparse.Namespace | None = None) -> None:
-    if path:
-        payload = {**payload, "provenance": provenance(args)}
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {path}", file=sys.stderr)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verbs: Collection[str] = ()) -> argparse.ArgumentParser:
+    """The top-level parser: every verb with its help, and the arguments (which import the
+    verb's module) of those named in `verbs` only. A verb left out parses no arguments."""
     parser = argparse.ArgumentParser(prog="kvforge", description="KV-cache reshaping for LLM inference")
-    verbs = parser.add_subparsers(dest="verb", required=True)
-
-    gen = verbs.add_parser("generate", help="generate text for one or more prompts")
-    _add_model_args(gen)
-    _add_engine_args(gen)
-    _add_sampling_args(gen)
-    gen.add_argument("prompts", nargs="+", help="prompt text(s)")
-    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    _add_json_arg(gen)
-
-    chat = verbs.add_parser("chat", help="interactive chat (type /reset to forget, /exit to quit)")
-    _add_model_args(chat)
-    _add_engine_args(chat)
-    _add_sampling_args(chat)
-    chat.add_argument("--system", default=None, help="system message")
-    chat.add_argument("--stats", action="store_true", help="after each reply: prompt tokens, those reused, TTFT")
-
-    serve = verbs.add_parser("serve", help="OpenAI-compatible HTTP server (127.0.0.1:8000 by default)")
-    _add_model_args(serve)
-    _add_engine_args(serve)
-    add_serve_args(serve)
-
-    ver = verbs.add_parser("verify", help="compare kvforge with transformers on the same weights")
-    _add_model_args(ver)
-    ver.add_argument("--dtype", default="float32",
-                     help="float32 | bfloat16 | float16: both implementations run in it (float32)")
-    ver.add_argument("--text-file", default=None,
-                     help="text whose held-out part supplies the passage (default: "
-                          "../shared/data/wikitext-2-raw-test.txt)")
-    ver.add_argument("--passage-tokens", type=int, default=256,
-                     help="length of the scored passage (longer than a sliding window to test it)")
-    _add_json_arg(ver)
-
-    info = verbs.add_parser("info", help="architecture, parameters and KV bytes per token")
-    _add_model_args(info, device=False)  # config and byte counts only: no model is built
-    info.add_argument("--swiftkv", default=None, metavar="DIR", help="SwiftKV checkpoint laid over --model")
-    _add_json_arg(info)
-
-    add_bench_parser(verbs)  # kvforge bench prefill | decode | throughput (kvforge.tools.bench.cli)
-    add_eval_parser(verbs)  # kvforge eval ppl | niah (kvforge.tools.eval.cli)
-    add_swiftkv_parser(verbs)  # kvforge swiftkv init | flops (kvforge.tools.swiftkv.cli)
-    add_analyze_parser(verbs)  # kvforge analyze layer-similarity | key-spectra | kv-channels | all
-    add_demo_parser(verbs)  # kvforge demo: five systems on one long prompt (make demo)
-    add_report_parser(verbs)  # kvforge report: docs/results.md and README's table from result JSON
-    add_gpu_check_parser(verbs)  # kvforge gpu-check: cache methods on a device vs the CPU reference
-    # `kvforge lm-eval ARGS...` is dispatched in main() before parsing: ARGS are lm_eval's own.
-    verbs.add_parser("lm-eval", add_help=False,
-                     help="lm-evaluation-harness with --model kvforge registered (arguments as lm_eval's)")
+    subparsers = parser.add_subparsers(dest="verb", required=True)
+    for verb in VERBS:
+        sub = subparsers.add_parser(verb.name, help=verb.help)
+        if verb.name in verbs:
+            load_function(verb.add_args)(sub)
+    subparsers.add_parser("lm-eval", add_help=False, help=LM_EVAL_HELP)
     return parser
 
 
-def _check_before_loading(args: argparse.Namespace) -> None:
-    """What generate and chat can check from the config alone: max_tokens within the context."""
-    from kvforge.preflight import model_context
-
-    context = model_context(args.model, args.swiftkv)
-    require(args.max_tokens < context, "max_tokens", args.max_tokens,
-            f"must be < {context}: {args.model}'s context is {context} tokens, prompt included")
+def build_full_parser() -> argparse.ArgumentParser:
+    """Every verb with its arguments (imports every verb's module): for tests that walk them all."""
+    return build_parser(VERB_NAMES)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from kvforge.preflight import require_prompts
-
-    params = _sampling_params(args)  # validated before the model loads
-    require_prompts(args.prompts)  # empty is refused with and without the chat template
-    _check_before_loading(args)
-    llm = _make_llm(args)
-    chat = not args.raw and llm.is_chat_model
-    prompts = [[{"role": "user", "content": text}] if chat else text for text in args.prompts]
-    outputs = []
-    if len(prompts) == 1:
-        for output in llm.stream(prompts, params):
-            print(output.new_text, end="", flush=True)
-            if output.finished:
-                outputs.append(output)
-        print()
-    else:
-        outputs = llm.generate(prompts, params)
-        for text, output in zip(args.prompts, outputs):
-            print(f"### {text}\n{output.text}\n")
-    errors = [o.error for o in outputs if o.error]
-    for error in errors:
-        print(f"kvforge generate: error: {error}", file=sys.stderr)
-    _write_json(args.json, {"outputs": [_output_record(text, o) for text, o in zip(args.prompts, outputs)]}, args)
-    return 2 if errors else 0
-
-
-def _output_record(prompt: str, output: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "text": output.text, "token_ids": output.token_ids,
-            "finish_reason": output.finish_reason, "error": output.error,
-            "metrics": vars(output.metrics)}
-
-
-def cmd_chat(args: argparse.Namespace) -> int:
-    params = _sampling_params(args)
-    _check_before_loading(args)
-    llm = _make_llm(args)
-    if not llm.is_chat_model:
-        print(f"kvforge chat: error: {args.model} has no chat template; use `kvforge generate --raw`",
-              file=sys.stderr)
-        return 2
-    from kvforge.chat import run_chat
-
-    return run_chat(args, llm, params)
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    from kvforge.tools.verify import run_verify
-
-    report = run_verify(args.model, text_file=args.text_file, passage_tokens=args.passage_tokens,
-                        device=args.device, dtype=args.dtype)
-    print(f"model                      {report.model} ({report.dtype})")
-    print(f"passage tokens             {report.passage_tokens}")
-    print(f"max_abs_logit_diff         {report.max_abs_logit_diff:.3e}  "
-          f"(prefill {report.prefill_max_abs_logit_diff:.3e}, decode {report.decode_max_abs_logit_diff:.3e})")
-    print(f"argmax_agreement           {report.argmax_agreement:.4f}")
-    print(f"argmax_agreement_ties      {report.argmax_agreement_ties:.4f}  "
-          "(agrees where the exactly tied maximal logits of the two intersect)")
-    for name, value in report.float32_agreement.items():
-        ties = report.float32_agreement_ties.get(name)
-        print(f"  {name + ' vs float32':<24} {value:.4f}" + ("" if ties is None else f"  (ties {ties:.4f})"))
-    print(f"greedy_match               {str(report.greedy_match).lower()}")
-    _write_json(args.json, report.as_dict(), args)
-    return 0
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    from kvforge.info import format_info, model_info
-
-    info = model_info(args.model, swiftkv=args.swiftkv)
-    print(format_info(info))
-    _write_json(args.json, info, args)
-    return 0
-
-
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": run_serve, "verify": cmd_verify, "info": cmd_info,
-            "bench": run_bench, "eval": run_eval, "swiftkv": run_swiftkv,
-            "analyze": run_analyze, "demo": cmd_demo, "report": run_report, "gpu-check": run_gpu_check}
+def named_verb(argv: list[str]) -> str | None:
+    """The verb argparse will dispatch on: the first word that is not an option (the top
+    level has no option taking a value), when it is one of VERBS."""
+    word = next((word for word in argv if not word.startswith("-")), None)
+    return word if word in VERB_NAMES else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,14 +100,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvforge lm-eval: error: {exc} (pip install 'kvforge[lm-eval]')", file=sys.stderr)
             return 2
         return lm_eval_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    verb = named_verb(argv)
+    args = build_parser([verb] if verb else []).parse_args(argv)
     args.command_line = command_line(argv)  # recorded in the JSON of measuring commands
     if getattr(args, "threads", None):
+        import torch  # the verb that has --threads has imported it already
+
         torch.set_num_threads(args.threads)
     try:
         if getattr(args, "device", None) is not None:  # before the command loads or writes anything
+            from kvforge.devices import resolve_device
+
             resolve_device(args.device)
-        return COMMANDS[args.verb](args)
+        return load_function(VERBS[VERB_NAMES.index(args.verb)].run)(args)
     except KVForgeError as exc:
         print(f"kvforge {args.verb}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,10 @@
 """Model configuration: one validated dataclass for every supported decoder.
 
-`ModelConfig.from_hf_dict` reads a Hugging Face `config.json` (transformers 4.x and 5.x
-spellings of RoPE parameters both work); the GGUF loader builds the same object from GGUF
-metadata. Everything downstream (models, cache layout, memory accounting) reads only this.
+`kvforge.models.hf_config.config_from_hf_dict` builds it from a Hugging Face `config.json`
+(each model family parses its own part, models/family.py); the GGUF loader goes through the
+same function. Everything downstream (models, cache layout, memory accounting) reads only
+this. It knows no family by name: `architecture` names a registered family, checked where
+the registry is known (building a model, reading a config.json).
 """
 
 from __future__ import annotations
@@ -17,28 +19,6 @@ SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 RopeType = Literal["default", "linear", "llama3"]
-Architecture = Literal["llama", "gemma3"]
-
-# model_type (config.json) -> decoder family implemented in kvforge.models
-MODEL_TYPE_TO_ARCHITECTURE: dict[str, Architecture] = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "llama",
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-    "llama_swiftkv": "llama",
-    "qwen2_swiftkv": "llama",
-    "gemma3_text_swiftkv": "gemma3",
-}
-# The authors name each family's SwiftKV config.json `<family>_swiftkv`: the family's own
-# fields (Qwen2's q/k/v biases and sliding-window fields included) plus `swiftkv`,
-# `num_key_value_layers` and `key_value_group_size`. SwiftKV model_type -> family model_type.
-# (They publish no Gemma3 SwiftKV: `gemma3_text_swiftkv` is kvforge's name by that rule.)
-SWIFTKV_MODEL_TYPES: dict[str, str] = {"llama_swiftkv": "llama", "qwen2_swiftkv": "qwen2",
-                                       "gemma3_text_swiftkv": "gemma3_text"}
-# family model_type -> the `architectures` entry of its SwiftKV checkpoints
-SWIFTKV_ARCHITECTURE_NAMES: dict[str, str] = {"llama": "LlamaSwiftKVForCausalLM", "qwen2": "Qwen2SwiftKVForCausalLM",
-                                              "gemma3_text": "Gemma3SwiftKVForCausalLM"}
 EARLY_EXIT_KEY = "early_exit_head"  # kvforge's config.json key (the authors' format has none)
 
 
@@ -160,7 +140,7 @@ class SwiftKVConfig:
 class ModelConfig:
     """Shape and behaviour of a decoder-only model. Validated on construction."""
 
-    architecture: Architecture
+    architecture: str  # a registered model family (models/family.py): "llama", "gemma3", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -183,6 +163,8 @@ class ModelConfig:
     # One entry per layer, FULL_ATTENTION or SLIDING_ATTENTION; empty means all full.
     layer_types: tuple[str, ...] = ()
     query_pre_attn_scalar: float | None = None
+    # Gemma-style (1 + w) RMSNorm of each query and key head before RoPE (Gemma3)
+    qk_norm: bool = False
     final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -190,8 +172,8 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        require(self.architecture in ("llama", "gemma3"), "architecture", self.architecture,
-                "supported architectures are llama (Llama/Mistral/Qwen2/SmolLM2) and gemma3")
+        require(isinstance(self.architecture, str) and self.architecture != "", "architecture", self.architecture,
+                "must name a model family")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -237,121 +219,3 @@ class ModelConfig:
         if self.is_sliding(layer) and self.local_rope is not None:
             return self.local_rope
         return self.rope
-
-    def num_parameters(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h
-        if self.attention_bias:
-            attn += q + 2 * kv
-        if self.attention_out_bias:
-            attn += h
-        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        norms = 2 * h if self.architecture == "llama" else 4 * h + 2 * self.head_dim
-        per_layer = attn + mlp + norms
-        head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
-
-    # ----------------------------------------------------------------------------------
-    @classmethod
-    def from_hf_dict(cls, config: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dictionary."""
-        model_type = config.get("model_type")
-        if model_type == "gemma3" and "text_config" in config:
-            text = dict(config["text_config"])
-            text.setdefault("model_type", "gemma3_text")
-            return cls.from_hf_dict(text)
-        if model_type not in MODEL_TYPE_TO_ARCHITECTURE:
-            raise ConfigError("model_type", model_type,
-                              f"supported model types are {sorted(MODEL_TYPE_TO_ARCHITECTURE)}")
-        architecture = MODEL_TYPE_TO_ARCHITECTURE[model_type]
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        num_layers = int(config["num_hidden_layers"])
-        head_dim = config.get("head_dim") or hidden // heads
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        common: dict[str, Any] = dict(
-            architecture=architecture,
-            model_type=model_type,
-            vocab_size=int(config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-        if model_type in SWIFTKV_MODEL_TYPES:
-            common["swiftkv"] = SwiftKVConfig.from_hf(config)
-        if architecture == "gemma3":
-            return cls._gemma3_from_hf(config, common)
-        return cls._llama_from_hf(config, common)
-
-    @classmethod
-    def _llama_from_hf(cls, config: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
-        family = SWIFTKV_MODEL_TYPES.get(common["model_type"], common["model_type"])
-        params = config.get("rope_parameters")
-        if params:  # transformers 5.x: one dict holding theta and scaling
-            rope = RopeConfig.from_hf(params.get("rope_theta", config.get("rope_theta", 10000.0)), params)
-        else:
-            rope = RopeConfig.from_hf(config.get("rope_theta", 10000.0), config.get("rope_scaling"))
-        window = config.get("sliding_window")
-        layer_types = config.get("layer_types")
-        if family == "qwen2":
-            # Qwen2 ignores sliding_window unless use_sliding_window is set.
-            if not config.get("use_sliding_window", False):
-                window, layer_types = None, None
-            elif not layer_types:
-                start = int(config.get("max_window_layers", common["num_layers"]))
-                layer_types = [SLIDING_ATTENTION if i >= start else FULL_ATTENTION
-                               for i in range(common["num_layers"])]
-        if window and not layer_types:
-            layer_types = [SLIDING_ATTENTION] * common["num_layers"]  # Mistral: every layer slides
-        return cls(
-            **common,
-            rope=rope,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=True if family == "qwen2" else bool(config.get("attention_bias", False)),
-            attention_out_bias=family != "qwen2" and bool(config.get("attention_bias", False)),
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            hidden_act=config.get("hidden_act", "silu"),
-            sliding_window=int(window) if window and layer_types else None,
-            layer_types=tuple(layer_types or ()),
-        )
-
-    @classmethod
-    def _gemma3_from_hf(cls, config: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
-        params = config.get("rope_parameters")
-        if params and FULL_ATTENTION in params:  # transformers 5.x
-            full = params[FULL_ATTENTION]
-            local = params.get(SLIDING_ATTENTION, {"rope_theta": 10000.0})
-            rope = RopeConfig.from_hf(full.get("rope_theta", 1_000_000.0), full)
-            local_rope = RopeConfig.from_hf(local.get("rope_theta", 10000.0), local)
-        else:
-            rope = RopeConfig.from_hf(config.get("rope_theta", 1_000_000.0), config.get("rope_scaling"))
-            local_rope = RopeConfig(theta=float(config.get("rope_local_base_freq", 10000.0)))
-        layer_types = config.get("layer_types")
-        if not layer_types:
-            pattern = int(config.get("sliding_window_pattern", 6))
-            layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
-                           for i in range(common["num_layers"])]
-        common["max_position_embeddings"] = int(config.get("max_position_embeddings", 131072))
-        return cls(
-            **common,
-            rope=rope,
-            local_rope=local_rope,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-            attention_bias=bool(config.get("attention_bias", False)),
-            hidden_act=config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh",
-            sliding_window=int(config.get("sliding_window") or 4096),
-            layer_types=tuple(layer_types),
-            query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)),
-            final_logit_softcapping=config.get("final_logit_softcapping"),
-        )

@@ -11,7 +11,7 @@ from kvforge.cache.registry import create_cache
 from kvforge.config import SLIDING_ATTENTION, ModelConfig
 from kvforge.errors import ConfigError
 from kvforge.models.loader import load_model_config, resolve_model_source
-from kvforge.models.registry import model_class
+from kvforge.models.registry import model_class, num_parameters
 
 REPORT_CONTEXTS = (1024, 8192, 32768)
 
@@ -40,10 +40,10 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
             cache = create_cache(spec, layout, 1 << 30, torch.float32, "cpu")
         except ConfigError:  # e.g. kivi's group does not divide this model's head_dim
             continue
-        per_sequence = {str(n): cache.sequence_bytes(n) for n in REPORT_CONTEXTS
+        per_sequence = {str(n): cache.memory.sequence_bytes(n) for n in REPORT_CONTEXTS
                         if n <= config.max_position_embeddings}
-        kv[name] = {"bytes_per_token": cache.kv_bytes_per_token(), "bytes_per_sequence": per_sequence}
-        compressed = getattr(cache, "compressed_sequence_bytes", None)
+        kv[name] = {"bytes_per_token": cache.memory.kv_bytes_per_token(), "bytes_per_sequence": per_sequence}
+        compressed = getattr(cache.memory, "compressed_sequence_bytes", None)
         if compressed is not None:  # shadowkv: per tier once compressed (exact below min_context)
             tiers = {n: compressed(int(n)) for n in per_sequence}
             kv[name]["bytes_per_sequence"] = {n: t["fast"] for n, t in tiers.items()}
@@ -58,7 +58,7 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
         "format": source.kind,
         "architecture": config.architecture,
         "model_type": config.model_type,
-        "parameters": config.num_parameters(),
+        "parameters": num_parameters(config),
         "layers": config.num_layers,
         "sliding_window_layers": sliding,
         "sliding_window": config.sliding_window,

@@ -1,10 +1,11 @@
 """Build every C++ CPU kernel before a measurement, so that no compile is ever timed.
 
 Each kernel builds lazily at its first use (`kvforge.kernels.build.CppKernel`). In a
-benchmark that first use can fall inside a timed region: with `--warmup 0`, ShadowKV's
-first decode step once spent 26 s compiling. `build_cpu_kernels` triggers all the builds
-up front; a kernel that cannot be built is reported unavailable exactly as at first use
-(its PyTorch fallback is what the measurement then runs).
+benchmark that first use can fall inside a timed region: with `--warmup 0`, ShadowKV's first
+decode step once included a whole compile
+(docs/benchmarks.md#measurements-behind-design-choices). `build_cpu_kernels` triggers all
+the builds up front; a kernel that cannot be built is reported unavailable exactly as at
+first use (its PyTorch fallback is what the measurement then runs).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class TimedCache:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)
 
-    def fused_decode_target(self, cache_layer: int) -> None:
+    def fused_decode_target(self, cache_layer: int, meta: Any) -> None:
         """Never: a fused decoder-layer op would store and attend past the timer."""
         return None
 

@@ -32,7 +32,7 @@ def _run(spec: str, arch: str, budget: int, admission: str = "optimistic") -> LL
     for length in (30, 41, 27, 35, 50, 33):
         prompt = torch.randint(3, 90, (length,), generator=generator).tolist()
         engine.add_request(prompt, SamplingParams.greedy_params(max_tokens=30, ignore_eos=True))
-    capacity = cache.memory_capacity()
+    capacity = cache.memory.capacity
     steps = 0
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -51,7 +51,7 @@ def _tight_budget(spec: str, arch: str) -> int:
     """About two sequences of the longest kind (prompt 50 + 30 generated): room for some, not all."""
     _, model = make_pair(arch)
     probe = create_cache(spec, model.cache_layout(), 1 << 24, torch.float32)
-    return int(2 * probe.sequence_bytes(80))
+    return int(2 * probe.memory.sequence_bytes(80))
 
 
 @pytest.mark.parametrize("spec", METHODS)

@@ -68,7 +68,7 @@ def device_bytes(spec: str, layout: CacheLayout, budget: int, dtype: torch.dtype
     meta = torch.device("meta")
     cache = create_cache(spec, layout, budget, dtype, meta)
     assert isinstance(cache, CacheMethod)
-    return device_storage_bytes(cache, meta), cache.memory_capacity()["fast"]
+    return device_storage_bytes(cache, meta), cache.memory.capacity["fast"]
 
 
 def device_ratio(spec: str, layout: CacheLayout, budget: int, dtype: torch.dtype) -> float:

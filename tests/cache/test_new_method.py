@@ -1,18 +1,19 @@
-"""Adding a cache method takes a config, a CacheMethod and the registry decorator, nothing
-in the model or engine: a tiny method defined here (each sequence's post-RoPE K/V in
-growing tensors, attention by the reference definition) runs in the engine by name and
-gives the `full` method's greedy tokens."""
+"""Adding a cache method takes a config, a MemorySpec, a StepMetadata, a CacheMethod and the
+registry decorator, nothing in the model or engine: a tiny method defined here (each
+sequence's post-RoPE K/V in growing tensors, attention by the reference definition) runs in
+the engine by name and gives the `full` method's greedy tokens."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 from conftest import make_pair
 
 from kvforge.cache.attention import reference_attention
-from kvforge.cache.base import CacheMethod
+from kvforge.cache.base import CacheMethod, StepMetadata
+from kvforge.cache.memory import MemorySpec
 from kvforge.cache.registry import create_cache, parse_cache_spec, register_cache_method
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
@@ -28,33 +29,47 @@ class ListCacheConfig:
         require(self.max_sequences >= 1, "max_sequences", self.max_sequences, "must be >= 1")
 
 
-@register_cache_method("test_list", ListCacheConfig)
-class ListCache(CacheMethod):
-    def __init__(self, layout, config, budget_bytes, compute_dtype, device):
-        super().__init__(layout, compute_dtype, device)
-        self.config, self.budget = config, budget_bytes
-        self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.lengths: dict[int, int] = {}
-        self.step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+@dataclass(frozen=True)
+class ListMemory(MemorySpec):
+    """Every token costs its float32 K and V in every cache layer; the budget is the capacity."""
+
+    num_cache_layers: int
+    token_bytes: int
+    budget: int
 
     def bytes_per_token(self, cache_layer):
-        return 2 * self.layout.num_kv_heads * self.layout.head_dim * 4
+        return self.token_bytes
 
     def sequence_bytes(self, num_tokens):
         return int(self.kv_bytes_per_token() * num_tokens)
 
-    def memory_usage(self):
-        return {"fast": sum(self.sequence_bytes(n) for n in self.lengths.values()), "slow": 0}
-
-    def memory_capacity(self):
+    @property
+    def capacity(self):
         return {"fast": self.budget, "slow": 0}
 
-    def can_allocate(self, seq_id, num_tokens):
-        others = sum(self.sequence_bytes(n) for s, n in self.lengths.items() if s != seq_id)
-        return len(self.lengths) < self.config.max_sequences and others + self.sequence_bytes(num_tokens) <= self.budget
+
+@dataclass
+class ListStep(StepMetadata):
+    step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@register_cache_method("test_list", ListCacheConfig)
+class ListCache(CacheMethod[ListStep]):
+    def __init__(self, layout, config, budget_bytes, compute_dtype, device):
+        super().__init__(layout, compute_dtype, device)
+        self.config = config
+        self.memory = ListMemory(layout.num_cache_layers, 2 * layout.num_kv_heads * layout.head_dim * 4, budget_bytes)
+        self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def memory_usage(self):
+        return {"fast": sum(self.memory.sequence_bytes(n) for n in self.lengths.values()), "slow": 0}
 
     def allocate(self, seq_id, num_tokens):
-        if not self.can_allocate(seq_id, num_tokens):
+        others = sum(self.memory.sequence_bytes(n) for s, n in self.lengths.items() if s != seq_id)
+        if seq_id not in self.lengths and len(self.lengths) >= self.config.max_sequences:
+            return False
+        if others + self.memory.sequence_bytes(num_tokens) > self.memory.budget:
             return False
         self.kv.setdefault(seq_id, [(torch.empty(0), torch.empty(0))] * self.layout.num_cache_layers)
         self.lengths.setdefault(seq_id, 0)
@@ -67,14 +82,18 @@ class ListCache(CacheMethod):
     def num_cached_tokens(self, seq_id):
         return self.lengths.get(seq_id, 0)
 
-    def write(self, cache_layer, batch, k_pre, v, rope):
-        self.step_kv[cache_layer] = (rope.apply(k_pre), v)
+    def begin_step(self, batch):
+        self.check_batch(batch)
+        return ListStep(batch)
 
-    def attend(self, cache_layer, batch, q, rope):
-        k_step, v_step = self.step_kv[cache_layer]
+    def write(self, cache_layer, meta, k_pre, v, rope):
+        meta.step_kv[cache_layer] = (rope.apply(k_pre), v)
+
+    def attend(self, cache_layer, meta, q, rope):
+        k_step, v_step = meta.step_kv[cache_layer]
         spec = self.layout.specs[cache_layer]
         out = torch.empty_like(q)
-        for span in batch.spans:
+        for span in meta.batch.spans:
             rows = slice(span.query_start, span.query_end)
             k_old, v_old = self.kv[span.seq_id][cache_layer]
             k = torch.cat([k_old, k_step[rows]]) if span.cached_len else k_step[rows]
@@ -84,16 +103,15 @@ class ListCache(CacheMethod):
                                             spec.sliding_window)
         return out
 
-    def end_step(self, batch):
-        for span in batch.spans:
+    def end_step(self, meta):
+        for span in meta.batch.spans:
             rows = slice(span.query_start, span.query_end)
             layers = self.kv[span.seq_id]
-            for layer, (k_step, v_step) in self.step_kv.items():
+            for layer, (k_step, v_step) in meta.step_kv.items():
                 k_old, v_old = layers[layer]
                 layers[layer] = ((torch.cat([k_old, k_step[rows]]), torch.cat([v_old, v_step[rows]]))
                                  if span.cached_len else (k_step[rows], v_step[rows]))
             self.lengths[span.seq_id] = span.total_len
-        self.step_kv = {}
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "gemma3_hybrid"])

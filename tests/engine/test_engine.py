@@ -39,7 +39,7 @@ def run_all(engine, requests):
             if out.finished:
                 finished[out.request_id] = out
         used = engine.cache.memory_usage()["fast"]
-        assert used <= engine.cache.memory_capacity()["fast"]
+        assert used <= engine.cache.memory.capacity["fast"]
         peak = max(peak, used)
     return [finished[i] for i in ids], peak
 
@@ -67,7 +67,7 @@ def test_batch_invariance_with_chunked_mixed_steps(arch):
 def test_memory_pressure_two_of_six_fit():
     _, model = make_pair("llama_gqa")
     per_sequence = create_cache("full:block_size=4", model.cache_layout(), 1 << 22,
-                                torch.float32).sequence_bytes(40 + 24)
+                                torch.float32).memory.sequence_bytes(40 + 24)
     requests = [(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
                 for p in prompts_of([40] * 6, seed=4)]
     engine = make_engine(budget=2 * per_sequence, batched_tokens=64)

@@ -68,7 +68,7 @@ def test_budget_for_two_of_six_real_model(llm):
     prompt_len, max_tokens = 300, 40
     prompts = [ids[i * 400:i * 400 + prompt_len] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    budget = 2 * llm.engine.cache.sequence_bytes(prompt_len + max_tokens)
+    budget = 2 * llm.engine.cache.memory.sequence_bytes(prompt_len + max_tokens)
     tight = LLM("smollm2-135m", kv_budget=budget, max_num_batched_tokens=256)
     engine = tight.engine
     outputs: dict[str, object] = {}

@@ -44,7 +44,7 @@ def _engine(model, spec="full:block_size=4", budget=1 << 22, batched=24, prefix=
 def _run(engine, prompts, params=GREEDY, check_budget=True) -> list:
     ids = [engine.add_request(p, params) for p in prompts]
     done = {}
-    capacity = engine.cache.memory_capacity()
+    capacity = engine.cache.memory.capacity
     while engine.has_unfinished_requests():
         for out in engine.step():
             assert out.error is None
@@ -127,7 +127,7 @@ def test_same_prompt_twice_in_one_step_and_prompt_logprobs_skip_the_cache():
 def test_references_return_after_preemption_and_abort_and_eviction_keeps_the_budget():
     _, model = make_pair("llama_gqa")
     per_sequence = create_cache("full:block_size=4", model.cache_layout(), 1 << 22,
-                                torch.float32).sequence_bytes(60)
+                                torch.float32).memory.sequence_bytes(60)
     prompts = _shared_prompts(count=6, shared=29, seed=3)
     params = SamplingParams.greedy_params(max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=2)
     reference = _run(_engine(model, prefix=False, budget=1 << 22), prompts, params)
@@ -252,7 +252,7 @@ def test_kept_sequences_are_evicted_before_anyone_is_preempted():
     _, model = make_pair("llama_gqa")
     # Four residual slots (more than the pages can fill at once), so pages run out first.
     spec = "kivi:bits=2,group=4,residual=8,max_sequences=4"
-    per_sequence = create_cache(spec, model.cache_layout(), 1 << 22, torch.float32).sequence_bytes(40)
+    per_sequence = create_cache(spec, model.cache_layout(), 1 << 22, torch.float32).memory.sequence_bytes(40)
     engine = _engine(model, spec, budget=int(2.5 * per_sequence), batched=16)
     prompts = [torch.randint(3, 90, (30,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
     for prompt in prompts:  # one at a time: each keeps a snapshot, evicted later for the next

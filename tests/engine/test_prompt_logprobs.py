@@ -42,7 +42,7 @@ def test_prompt_logprobs_match_the_definition_for_any_chunking(batched_tokens):
 def test_prompt_logprobs_survive_preemption_unchanged():
     _, model = make_pair("llama_gqa")
     per_sequence = create_cache("full:block_size=4", model.cache_layout(), 1 << 22,
-                                torch.float32).sequence_bytes(40 + 24)
+                                torch.float32).memory.sequence_bytes(40 + 24)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
     prompts = prompts_of([40] * 6, seed=4)
     engine = make_engine(budget=2 * per_sequence, batched_tokens=64)

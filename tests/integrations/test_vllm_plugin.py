@@ -46,6 +46,7 @@ from kvforge.integrations.vllm.weights import (
     required_swiftkv_names,
     weight_target,
 )
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.models.swiftkv_checkpoint import swiftkv_tensor_names
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,7 +122,7 @@ def test_register_without_vllm_fails_clearly() -> None:
 def _config(layers: int, group: int) -> ModelConfig:
     data = json.loads((COMMITTED_L15 / "config.json").read_text())
     data.update(num_key_value_layers=layers, key_value_group_size=group)
-    return ModelConfig.from_hf_dict(data)
+    return config_from_hf_dict(data)
 
 
 def _llama_names(num_layers: int, tied: bool) -> list[str]:

@@ -1,4 +1,5 @@
-"""The fused decoder-layer op (kernels/cpu_decode_layer.py) against the eager layer: bitwise
+"""The fused decoder-layer op (kernels/cpu_decode_layer.py, chosen by models/fused_decode.py)
+against the eager layer: bitwise
 equal logits over prefill + many decode steps on every Llama-family architecture, in float32
 and bfloat16, with SwiftKV models (earlier layers fused, later ones eager), and the rules that
 keep it off (prefill steps, a recording step timer, float8 pages, more than MAX_ROWS rows,
@@ -14,6 +15,7 @@ from kvforge.cache.registry import create_cache
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.kernels import cpu_decode_layer
 from kvforge.kernels.cpu_decode_layer import decode_layer_available
+from kvforge.models import fused_decode
 from kvforge.step_timing import StepTimer, recording
 
 requires_kernel = pytest.mark.skipif(
@@ -30,15 +32,14 @@ PROMPTS = [list(range(3, 30)), [7, 8], list(range(40, 52))]
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records, for every step, the batch size of each layer that the fused op computed."""
     calls: list[int] = []
-    original = cpu_decode_layer.decode_layers
+    original = fused_decode.fused_prefix
 
-    def spy(layers, rope_index, hidden, cache, ropes, stop=None):
-        out, done = original(layers, rope_index, hidden, cache, ropes, stop)
+    def spy(layers, rope_index, hidden, cache, meta, ropes, stop, layer_class):
+        out, done = original(layers, rope_index, hidden, cache, meta, ropes, stop, layer_class)
         calls.extend([hidden.shape[0]] * done)
         return out, done
 
-    monkeypatch.setattr("kvforge.models.causal_lm.decode_layers", spy)
-    monkeypatch.setattr("kvforge.models.swiftkv.decode_layers", spy)
+    monkeypatch.setattr("kvforge.models.llama.fused_prefix", spy)
     return calls
 
 
@@ -144,9 +145,10 @@ def test_switch_turns_it_off(fused_calls: list[int]) -> None:
 
 
 @requires_kernel
-def test_hooks_replaced_methods_and_forwarding_wrappers_get_the_eager_layers(fused_calls: list[int]) -> None:
-    """What the op would skip: a forward hook on a layer's module, a cache method replaced on
-    the instance (as analysis/capture.py does), a wrapper that forwards attributes."""
+def test_hooks_and_caches_that_offer_no_target_get_the_eager_layers(fused_calls: list[int]) -> None:
+    """What the op would skip: a forward hook on a layer's module; a cache (here a wrapper
+    that sees every write) whose `fused_decode_target` offers nothing. A wrapper that only
+    forwards hands out the wrapped cache's targets and is fused."""
     model = make_pair("llama_gqa")[1]
     seen: list[int] = []
     handle = model.model.layers[1].mlp.register_forward_hook(lambda *args: seen.append(1))
@@ -158,14 +160,8 @@ def test_hooks_replaced_methods_and_forwarding_wrappers_get_the_eager_layers(fus
     assert len(seen) == 2 * 4  # the hook fired on every step of both runs (1 prefill + 3 decode)
     assert torch.equal(fused, eager)
 
-    fused_calls.clear()
-    runner = runner_for(model, torch.float32)
-    original_write = runner.cache.write
-    writes: list[int] = []
-    runner.cache.write = lambda layer, *args: writes.append(layer) or original_write(layer, *args)
-    decode_logits(runner, PROMPTS, steps=2)
-    assert fused_calls == [] and len(writes) == 3 * model.config.num_layers
-
+    # The op runs only where the cache offers a target: a wrapper that sees every write
+    # (as a tool recording K/V would) says it offers none, and gets every write.
     class Forwarding:
         def __init__(self, cache):
             self._cache = cache
@@ -173,10 +169,28 @@ def test_hooks_replaced_methods_and_forwarding_wrappers_get_the_eager_layers(fus
         def __getattr__(self, name):
             return getattr(self._cache, name)
 
+    class CountingWrites(Forwarding):
+        def __init__(self, cache):
+            super().__init__(cache)
+            self.writes: list[int] = []
+
+        def write(self, layer, *args):
+            self.writes.append(layer)
+            return self._cache.write(layer, *args)
+
+        def fused_decode_target(self, cache_layer, meta):
+            return None
+
+    fused_calls.clear()
+    runner = runner_for(model, torch.float32)
+    runner.cache = counting = CountingWrites(runner.cache)
+    counted = decode_logits(runner, PROMPTS, steps=2)
+    assert fused_calls == [] and len(counting.writes) == 3 * model.config.num_layers
+    # A wrapper that changes nothing hands out the wrapped cache's targets: fused, same logits.
     runner = runner_for(model, torch.float32)
     runner.cache = Forwarding(runner.cache)
-    decode_logits(runner, PROMPTS, steps=2)
-    assert fused_calls == []
+    assert torch.equal(decode_logits(runner, PROMPTS, steps=2), counted)
+    assert fused_calls == [len(PROMPTS)] * (2 * model.config.num_layers)
 
 
 # kivi: small groups and residuals, so keys flush and values leave the window during the steps.

@@ -22,12 +22,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvforge.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from kvforge.config import FULL_ATTENTION, SLIDING_ATTENTION
 from kvforge.errors import ConfigError, ModelLoadError
 from kvforge.models import named_models
 from kvforge.models.gguf_checkpoint import read_gguf_config, read_gguf_state_dict, unpermute_qk
 from kvforge.models.gguf_metadata import read_gguf_metadata
 from kvforge.models.hf_checkpoint import normalize_hf_name, read_hf_config, read_hf_state_dict
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.models.loader import (
     ModelSource,
     load_model_config,
@@ -191,7 +192,7 @@ def test_llama_gguf_config_matches_config_json(tmp_path: Path) -> None:
     path = tmp_path / "tiny-llama.gguf"
     write_tiny_llama_gguf(path, tiny_llama_hf_tensors(), with_vocab_size=False)  # vocab from token list
     config = read_gguf_config(path)
-    assert config == ModelConfig.from_hf_dict(LLAMA_HF)
+    assert config == config_from_hf_dict(LLAMA_HF)
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 16)
     assert config.vocab_size == 40 and config.rms_norm_eps == 1e-5
     assert not config.tie_word_embeddings and config.eos_token_ids == (2,)
@@ -254,7 +255,7 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="gpt2.*llama, qwen2, gemma3"):
         read_gguf_config(path)
     with pytest.raises(ModelLoadError, match="gpt2"):
-        read_gguf_state_dict(path, ModelConfig.from_hf_dict(LLAMA_HF))
+        read_gguf_state_dict(path, config_from_hf_dict(LLAMA_HF))
 
 
 def test_not_a_gguf_file(tmp_path: Path) -> None:
@@ -320,7 +321,7 @@ def test_sharded_safetensors_directory(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_HF))
 
-    assert read_hf_config(tmp_path) == ModelConfig.from_hf_dict(LLAMA_HF)
+    assert read_hf_config(tmp_path) == config_from_hf_dict(LLAMA_HF)
     state = read_hf_state_dict(tmp_path)
     assert sorted(state) == names and all(torch.equal(state[k], hf[k]) for k in names)
 

@@ -196,7 +196,7 @@ def test_health_and_metrics_parse(client, server):
     assert samples["kvforge_prompt_tokens_total"] >= len("metrics")
     assert samples["kvforge_request_finished_total{finished_reason=length}"] >= 1
     assert samples["kvforge_time_to_first_token_seconds_count"] >= 1
-    assert samples["kvforge_kv_cache_bytes_capacity{tier=fast}"] == server.llm_engine.cache.memory_capacity()["fast"]
+    assert samples["kvforge_kv_cache_bytes_capacity{tier=fast}"] == server.llm_engine.cache.memory.capacity["fast"]
     assert samples["kvforge_kv_cache_bytes_used{tier=fast}"] == 0  # nothing in flight
     assert samples["kvforge_num_requests_running"] == 0
     parts = {(k, p): samples[f"kvforge_engine_step_part_seconds_total{{kind={k},part={p}}}"]

@@ -1,13 +1,21 @@
 """The cache-method interface: how K/V are stored and how attention reads them.
 
-The model computes Q (with RoPE), pre-RoPE K and V, then for each layer calls
-`write(cache_layer, batch, k_pre, v, rope)` followed by `attend(cache_layer, batch, q, rope)`.
-A method decides the storage (full precision, quantised, low-rank + offloaded) and the
-attention over it. New methods register with `@register_cache_method` and never touch
-model files.
+The model computes Q (with RoPE), pre-RoPE K and V; a cache method decides the storage
+(full precision, quantised, low-rank + offloaded) and the attention over it. New methods
+register with `@register_cache_method` (registry.py) and never touch model files.
+
+A method plays four roles, as an attention backend does in vLLM v1:
+- **memory** (`cache.memory`, a `MemorySpec`, memory.py): what storage costs, declared at
+  construction; admission and the scheduler's reservations read only this;
+- **allocator** (`allocate`, `free`, `num_cached_tokens`, `memory_usage`, and the optional
+  prefix-sharing and forking capabilities): driven by the scheduler, once per step;
+- **step metadata** (`begin_step(batch)` -> the method's `StepMetadata` subclass): built
+  once per step, in one place, from the batch and the allocator's tables; every layer's
+  `write` / `attend`, `end_step` and the fused decode op read that one object;
+- **attention** (`write`, `attend`, `attend_rows`, per layer).
 
 Step protocol (the model drives it):
-  begin_step(batch) -> [write(l), attend(l)] for each model layer -> end_step(batch)
+  meta = begin_step(batch) -> [write(l, meta), attend(l, meta)] for each model layer -> end_step(meta)
 `write` for a cache layer happens before any `attend` that reads it in the same step.
 Several model layers may attend to one cache layer (AcrossKV); only one writes it.
 
@@ -20,60 +28,69 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 import torch
 
 from kvforge.batch import ForwardBatch
 from kvforge.cache.layout import CacheLayout
+from kvforge.cache.memory import MemorySpec
 from kvforge.errors import ConfigError
 from kvforge.rope import PositionedRope
 
+if TYPE_CHECKING:
+    from kvforge.kernels.cpu_decode_layer import DecodeLayerRun
 
-class CacheMethod(ABC):
+
+@dataclass
+class StepMetadata:
+    """What a cache method knows of one step: built by `begin_step`, read by the step's
+    `write`, `attend`, `attend_rows` and `end_step` calls, and by the fused decode op.
+    Methods subclass it with their plans (page tables, slots, lengths) and the step's own
+    K/V as `write` hands them over; one object lives exactly one step."""
+
+    batch: ForwardBatch
+
+
+Meta = TypeVar("Meta", bound=StepMetadata)
+
+
+class FusedDecodeTarget(ABC):
+    """What a fused decode-layers op (kernels/cpu_decode_layer.py) needs of one cache layer
+    in a decode-only step, offered by a method that opts in through `fused_decode_target`.
+
+    `plan` holds the step's plan tensors of the layer's group (the same objects for every
+    layer of the group) and `settings` the kernel's scalar settings; layers whose targets
+    `join` the first one's run in one op call. The op does exactly what the layers' `write`
+    and `attend` would (bitwise: the kernels' parity tests decide)."""
+
+    plan: tuple[torch.Tensor, ...]
+    settings: tuple[float | int, ...]
+
+    def joins(self, first: FusedDecodeTarget) -> bool:
+        """Whether this layer can run in the op call that `first` (the run's first layer) starts."""
+        return (type(self) is type(first) and self.settings == first.settings
+                and len(self.plan) == len(first.plan) and all(a is b for a, b in zip(self.plan, first.plan)))
+
+    @classmethod
+    @abstractmethod
+    def run_layers(cls, targets: Sequence[FusedDecodeTarget], hidden: torch.Tensor,
+                   layers: DecodeLayerRun) -> torch.Tensor:
+        """Run the fused op over consecutive layers (`layers`: their weights and shape,
+        `targets`: their cache layers, each joining the first) and return their output."""
+
+
+class CacheMethod(ABC, Generic[Meta]):
     name: ClassVar[str]
+    memory: MemorySpec
 
     def __init__(self, layout: CacheLayout, compute_dtype: torch.dtype, device: torch.device) -> None:
         self.layout = layout
         self.compute_dtype = compute_dtype
         self.device = torch.device(device)
 
-    # -- memory accounting ------------------------------------------------------------
-    @abstractmethod
-    def bytes_per_token(self, cache_layer: int) -> float:
-        """Bytes one stored token costs in one cache layer (K and V, all KV heads)."""
-
-    def kv_bytes_per_token(self) -> float:
-        """Bytes one token costs over all cache layers, ignoring sliding-window bounds."""
-        return sum(self.bytes_per_token(layer) for layer in range(self.layout.num_cache_layers))
-
-    @abstractmethod
-    def sequence_bytes(self, num_tokens: int) -> int:
-        """Bytes a sequence of `num_tokens` tokens holds at most (windows bound it)."""
-
-    def fits_together(self, token_counts: Sequence[int]) -> bool:
-        """Whether sequences of these lengths fit the cache at once, each holding at most what
-        `sequence_bytes` says (reserving admission; a prompt that fits nowhere is refused).
-        Methods whose budget is split between stores check every store."""
-        return sum(self.sequence_bytes(n) for n in token_counts) <= self.memory_capacity()["fast"]
-
-    @abstractmethod
-    def memory_usage(self) -> dict[str, int]:
-        """Bytes in use per storage tier, e.g. {"fast": ..., "slow": ...}."""
-
-    @abstractmethod
-    def memory_capacity(self) -> dict[str, int]:
-        """Bytes available per storage tier (the budget)."""
-
-    def statistics(self) -> dict[str, float]:
-        """Method-specific counters (hit rates, compression ratios, ...)."""
-        return {}
-
-    # -- sequences --------------------------------------------------------------------
-    @abstractmethod
-    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
-        """Whether `allocate(seq_id, num_tokens)` would succeed now."""
-
+    # -- allocator --------------------------------------------------------------------
     @abstractmethod
     def allocate(self, seq_id: int, num_tokens: int) -> bool:
         """Make room for the step that brings `seq_id` to `num_tokens` tokens."""
@@ -86,9 +103,22 @@ class CacheMethod(ABC):
     def num_cached_tokens(self, seq_id: int) -> int:
         """Tokens of the sequence the cache accounts for (0 if unknown)."""
 
+    @abstractmethod
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes in use per storage tier, e.g. {"fast": ..., "slow": ...}."""
+
+    def statistics(self) -> dict[str, float]:
+        """Method-specific counters (hit rates, compression ratios, ...)."""
+        return {}
+
     # -- one forward step -------------------------------------------------------------
-    def begin_step(self, batch: ForwardBatch) -> None:
-        """Check the batch against the cache state and prepare per-step metadata."""
+    @abstractmethod
+    def begin_step(self, batch: ForwardBatch) -> Meta:
+        """The step's metadata: checks the batch against the cache state (`check_batch`) and
+        plans the step once for every layer."""
+
+    def check_batch(self, batch: ForwardBatch) -> None:
+        """Every span must start where the cache's copy of its sequence ends."""
         for span in batch.spans:
             have = self.num_cached_tokens(span.seq_id)
             if have != span.cached_len:
@@ -96,23 +126,16 @@ class CacheMethod(ABC):
                                   f"sequence {span.seq_id} has {have} cached tokens")
 
     @abstractmethod
-    def write(self, cache_layer: int, batch: ForwardBatch, k_pre: torch.Tensor, v: torch.Tensor,
+    def write(self, cache_layer: int, meta: Meta, k_pre: torch.Tensor, v: torch.Tensor,
               rope: PositionedRope) -> None:
         """Store the step's keys (before RoPE) and values [T, kv_heads, head_dim]."""
 
     @abstractmethod
-    def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
-               rope: PositionedRope) -> torch.Tensor:
+    def attend(self, cache_layer: int, meta: Meta, q: torch.Tensor, rope: PositionedRope) -> torch.Tensor:
         """Attention output [T, heads, head_dim] for the step's queries (RoPE applied).
         Each query sees the sequence's earlier tokens and the step's own tokens up to it."""
 
-    def fused_decode_target(self, cache_layer: int) -> tuple | None:
-        """What a fused decoder-layer op needs to store and attend this step's K/V itself
-        (kernels/cpu_decode_layer.py), or None when the method offers no such path (the
-        default) or not for this step: the layer then calls `write` and `attend`."""
-        return None
-
-    def attend_rows(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor, rope: PositionedRope,
+    def attend_rows(self, cache_layer: int, meta: Meta, q: torch.Tensor, rope: PositionedRope,
                     rows: torch.Tensor) -> torch.Tensor:
         """Attention for a subset of the step's query rows (`rows` [R] into the batch, q
         [R, heads, head_dim]); each query sees exactly what `attend` would show it. Used
@@ -121,13 +144,20 @@ class CacheMethod(ABC):
         This generic version runs `attend` with zero queries elsewhere and keeps the
         requested rows (correct for any method, but it pays for every row); methods
         override it to attend for the requested rows only."""
-        full = q.new_zeros((batch.num_tokens, *q.shape[1:]))
+        full = q.new_zeros((meta.batch.num_tokens, *q.shape[1:]))
         full[rows] = q
-        return self.attend(cache_layer, batch, full, rope)[rows]
+        return self.attend(cache_layer, meta, full, rope)[rows]
 
     @abstractmethod
-    def end_step(self, batch: ForwardBatch) -> None:
+    def end_step(self, meta: Meta) -> None:
         """Commit the step: sequences now hold `span.total_len` tokens."""
+
+    def fused_decode_target(self, cache_layer: int, meta: Meta) -> FusedDecodeTarget | None:
+        """This layer's `FusedDecodeTarget` for the step, or None (the default: the method
+        offers no fused path, or not for this step), and the layer then calls `write` and
+        `attend`. A method opts in by overriding this; a subclass that changes what `write`
+        or `attend` compute must return None here."""
+        return None
 
     # -- prefix caching (engine.prefix_cache drives it) ----------------------------------
     # Page sharing: methods whose stored pages are final once full set `prefix_block_size`
@@ -161,18 +191,3 @@ class CacheMethod(ABC):
         """Start the new sequence `target` in the state of `source` (which goes on
         unchanged); False, changing nothing, if memory for it cannot be had now."""
         raise NotImplementedError(f"{type(self).__name__} cannot fork sequences")
-
-
-class PagedPoolMemory:
-    """Memory accounting of methods whose whole storage is pages of one block pool on the
-    fast tier (`full`): usage and capacity are page counts times `page_bytes`."""
-
-    pages: Any  # kvforge.cache.page_table.PageTable
-    page_bytes: int
-
-    def memory_usage(self) -> dict[str, int]:
-        return {"fast": self.pages.pool.num_used * self.page_bytes, "slow": 0}
-
-    def memory_capacity(self) -> dict[str, int]:
-        return {"fast": self.pages.pool.num_blocks * self.page_bytes, "slow": 0}
-

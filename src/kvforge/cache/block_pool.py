@@ -14,12 +14,12 @@ block ids are free. A block's life cycle (prefix caching):
   oldest first. So cached blocks never block an allocation, and the pool (the budget)
   bounds everything.
 - Allocation is all-or-nothing so a failed request leaves no trace.
-- Free blocks are handed out lowest id first (a heap), so a sequence's blocks form
-  ascending runs of adjacent storage wherever the free blocks allow. The CPU decode
-  kernels read a sequence's pages in order, and adjacent ascending pages stream at about
-  twice the rate of scattered or descending ones (the hardware prefetcher follows them):
-  a LIFO free list handed the second run of a benchmark, or a server's later requests,
-  their pages in descending order.
+- Free blocks are handed out lowest id first (a heap), so a sequence's blocks form ascending
+  runs of adjacent storage wherever the free blocks allow. The CPU decode kernels read a
+  sequence's pages in order, and adjacent ascending pages stream faster than scattered or
+  descending ones (the hardware prefetcher follows them;
+  docs/benchmarks.md#measurements-behind-design-choices): a LIFO free list handed the second
+  run of a benchmark, or a server's later requests, their pages in descending order.
 """
 
 from __future__ import annotations

@@ -62,6 +62,25 @@ class LayerGroups:
                 slot_of[layer] = (group, index)
         return cls(size, tuple(groups), tuple(windows), tuple(slot_of))
 
+    def max_pages_per_sequence(self, block_size: int, num_tokens: int) -> int:
+        """Pages of `block_size` tokens one sequence of `num_tokens` tokens holds at most
+        (steady state + one page of slack per sliding group for the partially filled page)."""
+        total = 0
+        for window in self.windows:
+            kept = num_tokens if window is None else min(num_tokens, window - 1)
+            total += math.ceil(kept / block_size) + (0 if window is None else 1)
+        return total
+
+    def max_pages_during_step(self, block_size: int, num_tokens: int) -> int:
+        """Pages one sequence holds at most while a step brings it to `num_tokens` tokens: a
+        sliding group still holds the pages of its previous window (released at `commit`)
+        beside those of the new one, each window at most ceil((w - 1) / block) + 1 pages."""
+        total = 0
+        for window in self.windows:
+            pages = math.ceil(num_tokens / block_size)
+            total += pages if window is None else min(pages, 2 * (math.ceil((window - 1) / block_size) + 1))
+        return total
+
 
 @dataclass
 class _SequencePages:
@@ -106,25 +125,10 @@ class PageTable:
         return self.pool.can_allocate(self.pages_for_growth(seq_id, num_tokens))
 
     def max_pages_per_sequence(self, num_tokens: int) -> int:
-        """Pages one sequence of `num_tokens` tokens holds at most (steady state + one page
-        of slack per group for the partially filled page)."""
-        total = 0
-        for group in range(self.groups.num_groups):
-            window = self.groups.windows[group]
-            kept = num_tokens if window is None else min(num_tokens, window - 1)
-            total += math.ceil(kept / self.block_size) + (0 if window is None else 1)
-        return total
+        return self.groups.max_pages_per_sequence(self.block_size, num_tokens)
 
     def max_pages_during_step(self, num_tokens: int) -> int:
-        """Pages one sequence holds at most while a step brings it to `num_tokens` tokens: a
-        sliding group still holds the pages of its previous window (released at `commit`)
-        beside those of the new one, each window at most ceil((w - 1) / block) + 1 pages."""
-        total = 0
-        for group in range(self.groups.num_groups):
-            window = self.groups.windows[group]
-            pages = math.ceil(num_tokens / self.block_size)
-            total += pages if window is None else min(pages, 2 * (math.ceil((window - 1) / self.block_size) + 1))
-        return total
+        return self.groups.max_pages_during_step(self.block_size, num_tokens)
 
     # -- lifecycle --------------------------------------------------------------------
     def allocate(self, seq_id: int, num_tokens: int) -> bool:

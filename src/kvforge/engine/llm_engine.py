@@ -51,7 +51,7 @@ class LLMEngine:
         lifetimes_fit = None
         if self.config.admission == "reserve":
             def lifetimes_fit(requests: list[Request]) -> bool:
-                return cache.fits_together([min(r.num_prompt_tokens + r.params.max_tokens, self.max_model_len)
+                return cache.memory.fits_together([min(r.num_prompt_tokens + r.params.max_tokens, self.max_model_len)
                                             for r in requests])
         self.prefix = PrefixCache(cache) if self.config.prefix_caching else None
         self.scheduler = Scheduler(cache, self.config.max_num_batched_tokens, self.config.max_num_seqs,
@@ -97,7 +97,7 @@ class LLMEngine:
         aborted = self.scheduler.abort(ids)
         for request in aborted:
             self._requests.pop(request.request_id, None)
-        return [RequestOutput.of(r, [], "") for r in aborted]
+        return [RequestOutput.of(r, [], r.release_text()) for r in aborted]
 
     def prefix_statistics(self) -> dict[str, float]:
         """Prefix-cache counters (empty with prefix caching off)."""
@@ -132,9 +132,9 @@ class LLMEngine:
             raise ConfigError("prompt length", len(prompt),
                               f"must be < max_model_len={self.max_model_len} (room for at least one "
                               "generated token)")
-        needed = self.cache.sequence_bytes(len(prompt) + 1)
-        capacity = self.cache.memory_capacity()["fast"]
-        if not self.cache.fits_together([len(prompt) + 1]):
+        needed = self.cache.memory.sequence_bytes(len(prompt) + 1)
+        capacity = self.cache.memory.capacity["fast"]
+        if not self.cache.memory.fits_together([len(prompt) + 1]):
             raise ConfigError("kv_budget", capacity,
                               f"must hold this prompt of {len(prompt)} tokens ({needed} bytes needed)")
 
@@ -157,7 +157,7 @@ class LLMEngine:
         for request in scheduled.dropped:
             request.error = "the KV-cache budget cannot hold this sequence even alone"
             self._requests.pop(request.request_id, None)
-            outputs[request.request_id] = RequestOutput.of(request, [], "")
+            outputs[request.request_id] = RequestOutput.of(request, [], request.release_text())
         if not scheduled.chunks:
             return list(outputs.values())
         self.steps += 1
@@ -166,7 +166,7 @@ class LLMEngine:
         items = [self._item(chunk) for chunk in scheduled.chunks]
         if self.prefix is not None:
             self.prefix.before_step(scheduled.chunks)
-        logits = self.runner.step(items)
+        logits = self.runner.execute(items)  # the scheduler allocated
         now = time.perf_counter()
         sampling: list[Request] = []
         sample_rows: list[int] = []
@@ -236,22 +236,23 @@ class LLMEngine:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         stopped = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-        new_text = ""
         if request.detokenizer is not None and not stopped:
-            new_text = request.detokenizer.add(token)
+            request.detokenizer.add(token)
             request.output_text = request.detokenizer.text
-            if params.stop and request.num_output_tokens >= params.min_tokens:
-                cut = find_stop(request.output_text, params.stop, request.stop_search_from)
+            if params.stop:
+                # A stop string counts once min_tokens tokens exist: it must end in the
+                # text of a token past that point (one ending earlier never stops).
+                if request.num_output_tokens >= params.min_tokens:
+                    cut = find_stop(request.output_text, params.stop, request.stop_search_from)
+                    if cut is not None:
+                        request.output_text = request.output_text[:cut]
+                        stopped = True
                 request.stop_search_from = len(request.output_text)
-                if cut is not None:
-                    new_text = new_text[:max(0, len(new_text) - (len(request.output_text) - cut))]
-                    request.output_text = request.output_text[:cut]
-                    stopped = True
         if stopped:
             self.scheduler.finish(request, FinishReason.STOP)
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             self.scheduler.finish(request, FinishReason.LENGTH)
-        output = RequestOutput.of(request, [token], new_text)
+        output = RequestOutput.of(request, [token], request.release_text())
         if request.is_finished:
             self._requests.pop(request.request_id, None)
         return output

@@ -32,7 +32,10 @@ class RequestMetricsReport:
 @dataclass(frozen=True)
 class RequestOutput:
     """State of a request after a step. `new_token_ids`/`new_text` are what this step added
-    (the streaming delta); `token_ids`/`text` are everything so far."""
+    (the streaming delta); `token_ids`/`text` are everything so far. `text` is always the
+    concatenation of every `new_text` of the request: while it runs, a suffix of the
+    generated text that a stop string may still claim is held back (Request.release_text),
+    so no delta shows text the final output cuts."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -58,7 +61,7 @@ class RequestOutput:
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
             token_ids=list(request.output_token_ids),
-            text=request.output_text,
+            text=request.released_text,
             new_token_ids=new_token_ids,
             new_text=new_text,
             finished=request.is_finished,

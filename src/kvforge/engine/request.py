@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.engine.sampling import SamplingParams, TopLogprobs
+from kvforge.engine.sampling import SamplingParams, TopLogprobs, pending_stop_length
 
 
 class RequestStatus(enum.Enum):
@@ -69,6 +69,9 @@ class Request:
     detokenizer: Any = None  # IncrementalDetokenizer (set by the engine when it has a tokenizer)
     # Position in the output text from which stop strings are searched next.
     stop_search_from: int = 0
+    # Characters of output_text delivered so far (RequestOutput.text); the rest is held
+    # back while a stop string may still claim it (see release_text).
+    num_released_chars: int = 0
     # Names of the request's full pages for prefix caching (engine/prefix_cache.py), kept
     # as they are computed.
     page_keys: list[bytes] = field(default_factory=list)
@@ -98,6 +101,25 @@ class Request:
         if start >= split:
             return self.output_token_ids[start - split:end - split]
         return prompt[start:] + self.output_token_ids[:end - split]
+
+    @property
+    def released_text(self) -> str:
+        """The output text delivered so far: the join of every delta."""
+        return self.output_text[:self.num_released_chars]
+
+    def release_text(self) -> str:
+        """The output text not delivered yet that no stop string can still claim, marked
+        delivered: while the request runs, a suffix that is a proper prefix of a stop string
+        stays back; once it has finished, everything left goes.
+
+        The released part never shrinks: a stop string found later starts at or after it,
+        because every suffix that could begin a match was held back."""
+        end = len(self.output_text)
+        if not self.is_finished:
+            end -= pending_stop_length(self.output_text, self.params.stop)
+        piece = self.output_text[self.num_released_chars:end]
+        self.num_released_chars = max(self.num_released_chars, end)
+        return piece
 
     def finish(self, reason: FinishReason) -> None:
         self.status = RequestStatus.FINISHED

@@ -1,8 +1,9 @@
 """Executes one forward step for several sequences: prefill chunks and decode tokens mixed.
 
-The runner turns per-sequence work items into a `ForwardBatch`, makes room in the cache,
-and calls the model. It does not decide *what* runs in a step (that is the scheduler's
-job); it only checks that the step is runnable.
+The runner turns per-sequence work items into a `ForwardBatch` and calls the model. It
+does not decide *what* runs in a step, nor make room for it: in the engine the scheduler
+allocates each sequence's storage once per step and the engine calls `execute`; drivers
+without a scheduler call `step`, which allocates first.
 """
 
 from __future__ import annotations
@@ -39,7 +40,23 @@ class ModelRunner:
         self.max_positions = model.config.max_position_embeddings
 
     def step(self, items: Sequence[StepItem]) -> torch.Tensor:
-        """Run one step; returns logits [sum of num_logits, vocab], items in order."""
+        """Make room for the step in the cache, as a scheduler would, then run it (drivers
+        without a scheduler: evaluation, verification, tests). Returns logits [sum of
+        num_logits, vocab], items in order."""
+        cached = self._cached_lens(items)
+        for item, have in zip(items, cached):
+            total = have + len(item.token_ids)
+            if not self.cache.allocate(item.seq_id, total):
+                raise CacheCapacityError(
+                    f"KV cache budget exhausted: sequence {item.seq_id} needs room for {total} tokens")
+        return self._run(items, cached)
+
+    def execute(self, items: Sequence[StepItem]) -> torch.Tensor:
+        """Run a step whose storage the scheduler has allocated (the engine's path: one
+        `allocate` per sequence and step, by the scheduler)."""
+        return self._run(items, self._cached_lens(items))
+
+    def _cached_lens(self, items: Sequence[StepItem]) -> list[int]:
         if not items:
             raise ConfigError("items", [], "a step needs at least one sequence")
         cached = [self.cache.num_cached_tokens(item.seq_id) for item in items]
@@ -48,9 +65,9 @@ class ModelRunner:
             if total > self.max_positions:
                 raise ConfigError("sequence length", total,
                                   f"must be <= max_position_embeddings={self.max_positions}")
-            if not self.cache.allocate(item.seq_id, total):
-                raise CacheCapacityError(
-                    f"KV cache budget exhausted: sequence {item.seq_id} needs room for {total} tokens")
+        return cached
+
+    def _run(self, items: Sequence[StepItem], cached: list[int]) -> torch.Tensor:
         batch = ForwardBatch.build(
             [item.seq_id for item in items], [item.token_ids for item in items], cached,
             [item.num_logits for item in items], device=self.device, decode=[item.decode for item in items])

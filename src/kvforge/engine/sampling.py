@@ -55,7 +55,9 @@ class SamplingParams:
     """How one request chooses its tokens and when it stops. Validated on construction."""
 
     max_tokens: int = 128
-    min_tokens: int = 0  # stop ids and EOS are banned until this many tokens are produced
+    # Stop ids and EOS are banned until this many tokens are produced; a stop string counts
+    # only if it ends in the text of a later token.
+    min_tokens: int = 0
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables top-p
@@ -311,3 +313,16 @@ def find_stop(text: str, stops: Sequence[str], search_from: int) -> int | None:
         if found >= 0 and (best is None or found < best):
             best = found
     return best
+
+
+def pending_stop_length(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string:
+    the text a stop string may still claim when more text follows. A stream holds it back
+    (a delta never shows text the final output will not have)."""
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest

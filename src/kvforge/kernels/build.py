@@ -53,8 +53,9 @@ DEFAULT_FLAG_SETS: tuple[tuple[str, ...], ...] = (
 )
 
 
-# `os.environ.get` encodes the key and decodes the value on every call (~2.5 us); this runs
-# twice per linear layer of every decode step (about 2 ms a step on smollm2 at batch 1). On
+# `os.environ.get` encodes the key and decodes the value on every call, and this runs
+# twice per linear layer of every decode step: a visible part of a small model's batch-1
+# step (docs/benchmarks.md#measurements-behind-design-choices). On
 # CPython, os.environ keeps the raw values in `_data` (updated by os.environ[...] = and by
 # monkeypatch.setenv alike), so one dict lookup finds whether the variable is set at all.
 _RAW_ENVIRON = getattr(os.environ, "_data", None)

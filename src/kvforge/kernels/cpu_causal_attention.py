@@ -1,13 +1,12 @@
 """Causal prefill attention for bf16 on the CPU, a C++ kernel built at first use.
 
-A prompt's attention is about half of a bf16 prefill here: ATen's CPU flash attention
-runs a 2,048-token causal prompt of smollm2-135m (9 heads of 64) at ~41 ms a layer, about
-117 GFLOP/s on 2 cores, and is no faster for bf16 than for float32. This kernel does the
-same flash attention with AVX512-BF16 dot products (`vdpbf16ps`: bf16 pairs into float32)
-for both the score and the value products, reads grouped-query K/V without copying them
-per query head, and returns the log-sum-exp beside the output for merging partial
-attentions (see cpu_causal_attention.cpp for the exact arithmetic: the precision of
-ATen's bf16 path, float32 softmax with bf16 weights).
+A prompt's attention is a large part of a bf16 prefill, and ATen's CPU flash attention is no
+faster for bf16 than for float32 (docs/benchmarks.md#measurements-behind-design-choices).
+This kernel does the same flash attention with AVX512-BF16 dot products (`vdpbf16ps`: bf16
+pairs into float32) for both the score and the value products, reads grouped-query K/V
+without copying them per query head, and returns the log-sum-exp beside the output for
+merging partial attentions (see cpu_causal_attention.cpp for the exact arithmetic: the
+precision of ATen's bf16 path, float32 softmax with bf16 weights).
 
 `causal_attention` returns None when the call is not eligible: not bf16, another device,
 autograd needed, a head dim that is not a multiple of 64, a CPU without AVX512-BF16, or

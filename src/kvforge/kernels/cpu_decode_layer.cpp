@@ -49,10 +49,6 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double, bool)> rms_norm;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)> rope;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&)> silu_mul;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, double, const at::Tensor&, const at::Tensor&)>
-      attention;
 };
 
 const Ops& ops() {
@@ -71,17 +67,26 @@ const Ops& ops() {
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("kvforge_cpu_fused::silu_mul", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>(),
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("kvforge_cpu::paged_decode_attention", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, const at::Tensor&, const at::Tensor&)>(),
   };
   return handles;
 }
 
-// KIVI's CPU decode attention (cache/kivi/cpu_decode.cpp), looked up at the first KIVI call
-// only, so the full cache's path never needs its library.
+// Each cache method's attention is looked up at its first call only: a step over one
+// method's storage never needs the other method's library (the method offers its fused
+// target only once its own kernel is loaded).
+
+// The full cache's paged decode attention (cache/full/cpu_decode.cpp).
+using FullAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, double, const at::Tensor&, const at::Tensor&);
+
+const c10::TypedOperatorHandle<FullAttention>& full_attention() {
+  static const c10::TypedOperatorHandle<FullAttention> handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow("kvforge_cpu::paged_decode_attention", "").typed<FullAttention>();
+  return handle;
+}
+
+// KIVI's CPU decode attention (cache/kivi/cpu_decode.cpp).
 using KiviAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -205,7 +210,7 @@ at::Tensor llama_decode_layers(const at::Tensor& hidden, at::TensorList weights,
                       [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                         store_rows(k_pages[i], k, plan.write_slots);
                         store_rows(v_pages[i], v, plan.write_slots);
-                        return ops().attention.call(q, k, v, k_pages[i], v_pages[i], plan.page_table,
+                        return full_attention().call(q, k, v, k_pages[i], v_pages[i], plan.page_table,
                                                     plan.first_page_position, plan.visible_from, plan.visible_to,
                                                     plan.scale, no_scales, no_scales);
                       });

@@ -6,11 +6,11 @@ arithmetic). At decode, where a step has one row per sequence, those chains are 
 overhead rather than work: with 30 layers about 600 dispatches per step.
 
 `argmax_rows` is `torch.argmax(x, dim=-1)` of a [rows, vocab] tensor on x's own dtype, two
-vectorised passes per row: the sampler's greedy path took 0.44-0.83 ms a step on smollm2's
-bf16 logits at 17 rows (a float32 copy, then ATen's argmax), this 0.05 ms.
+vectorised passes per row, where the sampler's greedy path made a float32 copy and then ran
+ATen's argmax (docs/benchmarks.md#where-the-decode-speed-comes-from).
 
-`silu_mul` is a gated MLP's `F.silu(gate) * up` in one pass (at batch 16 the two eager ops
-took about 23 us a layer on smollm2's bf16 activations).
+`silu_mul` is a gated MLP's `F.silu(gate) * up` in one pass instead of two eager ops
+(docs/benchmarks.md#measurements-behind-design-choices).
 
 `rms_norm`, `rope_rotate`, `silu_mul` and `argmax_rows` return None when the call is not eligible (another device,
 float64, autograd needed, the kernel unavailable or disabled by

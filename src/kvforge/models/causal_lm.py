@@ -17,13 +17,12 @@ import torch
 from torch import nn
 
 from kvforge.batch import ForwardBatch
-from kvforge.cache.base import CacheMethod
+from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.config import ModelConfig, RopeConfig
 from kvforge.errors import ModelLoadError
-from kvforge.kernels.cpu_decode_layer import decode_layers
 from kvforge.kernels.cpu_linear import linear
-from kvforge.rope import RotaryEmbedding
+from kvforge.rope import PositionedRope, RotaryEmbedding
 
 
 class DecoderStack(nn.Module):
@@ -65,7 +64,7 @@ class CausalLM(nn.Module):
     # -- architecture hooks -----------------------------------------------------------
     @abstractmethod
     def make_layer(self, layer: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-        """Decoder layer `layer`, whose forward is (h, batch, cache, rope) -> h."""
+        """Decoder layer `layer`, whose forward is (h, cache, meta, rope) -> h."""
 
     @abstractmethod
     def make_norm(self, dim: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module: ...
@@ -86,17 +85,21 @@ class CausalLM(nn.Module):
 
     # -- forward ----------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, cache: CacheMethod) -> torch.Tensor:
-        cache.begin_step(batch)
+        meta = cache.begin_step(batch)
         hidden = self.embed(batch.token_ids)
         ropes = [rotary.at(batch.positions, hidden.dtype) for rotary in self.rotaries]
-        # Decode-only CPU steps: the leading Llama-family layers in one C++ call when they
-        # qualify (bitwise what the loop below computes; kernels/cpu_decode_layer.py).
-        hidden, done = decode_layers(self.model.layers, self.rope_index, hidden, cache, ropes)
-        for index in range(done, len(self.model.layers)):
-            hidden = self.model.layers[index](hidden, batch, cache, ropes[self.rope_index[index]])
+        hidden = self.run_layers(hidden, cache, meta, ropes, 0, len(self.model.layers))
         logits = self.logits(hidden[batch.logit_rows])
-        cache.end_step(batch)
+        cache.end_step(meta)
         return logits
+
+    def run_layers(self, hidden: torch.Tensor, cache: CacheMethod, meta: StepMetadata,
+                   ropes: list[PositionedRope], start: int, stop: int) -> torch.Tensor:
+        """Layers [start, stop) on every row of the step, one by one (families with a fused
+        path override this and fall back to it)."""
+        for index in range(start, stop):
+            hidden = self.model.layers[index](hidden, cache, meta, ropes[self.rope_index[index]])
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # lm_head through the small-M CPU kernel when eligible (decode), else F.linear.

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvforge.batch import ForwardBatch
-from kvforge.cache.base import CacheMethod
+from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.config import ModelConfig
 from kvforge.models.causal_lm import CausalLM
 from kvforge.models.layers import CachedAttention, GatedMLP, GemmaRMSNorm
@@ -23,7 +22,8 @@ from kvforge.rope import PositionedRope
 
 class Gemma3DecoderLayer(nn.Module):
     """`attention`: as in LlamaDecoderLayer (a SwiftKV later layer's, given its `later`
-    arguments), by default the layer's own CachedAttention with QK-norm."""
+    arguments), by default the layer's own CachedAttention, with QK-norm as `config.qk_norm`
+    says (the family's config parser sets it)."""
 
     def __init__(self, config: ModelConfig, cache_layer: int, dtype: torch.dtype,
                  device: torch.device | str, attention: nn.Module | None = None) -> None:
@@ -34,16 +34,17 @@ class Gemma3DecoderLayer(nn.Module):
         if attention is None:
             attention = CachedAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias,
                                         c.attention_out_bias, cache_layer,
-                                        qk_norm_eps=c.rms_norm_eps, dtype=dtype, device=device)
+                                        qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, dtype=dtype,
+                                        device=device)
         self.self_attn = attention
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
         self.post_feedforward_layernorm = norm()
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
-                rope: PositionedRope, *later: Any) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), batch, cache, rope, *later)
+    def forward(self, hidden: torch.Tensor, cache: CacheMethod, meta: StepMetadata, rope: PositionedRope,
+                *later: Any) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), cache, meta, rope, *later)
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(mlp)

@@ -7,43 +7,44 @@ Two design decisions:
   package (`gguf.quants.dequantize`), so every quantisation type it knows is supported.
 * The state dict uses Hugging Face names and layouts (the ones `config.json` checkpoints
   use), so the models only ever see one representation:
-  - llama.cpp permutes the rows of Q/K projections of the `llama` architecture (it wants
-    rotary pairs adjacent, HF keeps them half a head apart); we undo that permutation.
+  - llama.cpp permutes the rows of Q/K projections of some architectures (`llama`: it
+    wants rotary pairs adjacent, HF keeps them half a head apart); we undo that permutation.
   - llama.cpp stores Gemma RMSNorm weights as (1 + w); HF stores w and applies (1 + w),
     so we subtract 1 from every Gemma3 `*norm.weight`.
+  Which architecture needs which, its tensor names and its config defaults are its model
+  family's registry entry (models/family.py: `GGUFArchitecture`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvforge.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from kvforge.config import ModelConfig
 from kvforge.errors import ModelLoadError
-from kvforge.models.gguf_metadata import GGUFMetadata, GGUFTensorInfo, read_gguf_metadata
+from kvforge.models.family import GGUFArchitecture, gguf_index
+from kvforge.models.gguf_metadata import GGUFMetadata, GGUFTensorInfo, float32_decimal, read_gguf_metadata
+from kvforge.models.hf_config import config_from_hf_dict
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
-# general.architecture -> the model_type ModelConfig.from_hf_dict understands
-_GGUF_ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3_text"}
 
 # ======================================================================================
 # Config
 # ======================================================================================
-def _f32(value: Any) -> float:
-    """A float32 metadata value as the shortest decimal that round-trips in float32.
-
-    GGUF stores 1e-5 as 9.99999974e-06; config.json says 1e-05. Using the short decimal makes
-    configs from GGUF and from config.json compare equal.
-    """
-    return float(str(np.float32(value)))
+def gguf_architecture(meta: GGUFMetadata) -> GGUFArchitecture:
+    """What the registered families know of the file's `general.architecture`."""
+    arch = meta.get("general.architecture")
+    known = gguf_index()
+    if arch not in known:
+        raise ModelLoadError(f"{meta.path}: GGUF architecture {arch!r} is not supported; "
+                             f"supported architectures are {', '.join(known)}")
+    return known[arch]
 
 
 def _uniform_int(meta: GGUFMetadata, key: str, default: Any = None) -> int | None:
@@ -59,10 +60,8 @@ def _uniform_int(meta: GGUFMetadata, key: str, default: Any = None) -> int | Non
 
 def gguf_to_hf_config_dict(meta: GGUFMetadata) -> dict[str, Any]:
     """Translate GGUF metadata into a Hugging Face config.json-style dictionary."""
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"{meta.path}: GGUF architecture {arch!r} is not supported; "
-                             f"supported architectures are {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    architecture = gguf_architecture(meta)
+    arch = architecture.name
 
     def need(suffix: str) -> Any:
         key = f"{arch}.{suffix}"
@@ -95,7 +94,7 @@ def gguf_to_hf_config_dict(meta: GGUFMetadata) -> dict[str, Any]:
             eos_ids.append(int(meta.fields[key]))
 
     config: dict[str, Any] = {
-        "model_type": _GGUF_ARCH_TO_MODEL_TYPE[arch],
+        "model_type": architecture.model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
@@ -103,28 +102,22 @@ def gguf_to_hf_config_dict(meta: GGUFMetadata) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": float32_decimal(need("attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": int(need("context_length")),
-        "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rope_theta": float32_decimal(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(meta, arch),
         # llama.cpp omits output.weight when the LM head shares the embedding matrix.
         "tie_word_embeddings": "output.weight" not in meta.tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids,
     }
-    window = meta.get(f"{arch}.attention.sliding_window")
-    if arch == "gemma3":
-        _add_gemma3_defaults(meta, config, window)
-    elif window:
-        # llama (Mistral): every layer slides. qwen2: from_hf_dict ignores the window unless
-        # use_sliding_window is set, and GGUF has no such flag, so Qwen2 stays full attention.
-        config["sliding_window"] = int(window)
+    architecture.add_config(meta, config)
     return config
 
 
 def _rope_scaling(meta: GGUFMetadata, arch: str) -> dict[str, Any] | None:
     """`{arch}.rope.scaling.*` -> HF rope_scaling. Llama3-style scaling lives in a tensor."""
-    if arch == "llama" and "rope_freqs.weight" in meta.tensors:
+    if "rope_freqs.weight" in meta.tensors:
         # llama.cpp bakes Llama-3.1 scaling into per-frequency factors (rope_freqs) and does not
         # keep factor/low_freq_factor/high_freq_factor in the metadata. Guessing them back
         # from the tensor is fragile, so we refuse rather than run with the wrong rotary.
@@ -136,37 +129,17 @@ def _rope_scaling(meta: GGUFMetadata, arch: str) -> dict[str, Any] | None:
     if kind != "linear":
         raise ModelLoadError(f"{meta.path}: rope scaling type {kind!r} is not supported (only linear)")
     scaling: dict[str, Any] = {"rope_type": "linear",
-                               "factor": _f32(meta.get(f"{arch}.rope.scaling.factor", 1.0))}
+                               "factor": float32_decimal(meta.get(f"{arch}.rope.scaling.factor", 1.0))}
     original = meta.get(f"{arch}.rope.scaling.original_context_length")
     if original:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling
 
 
-def _add_gemma3_defaults(meta: GGUFMetadata, config: dict[str, Any], window: Any) -> None:
-    """Gemma3 fields GGUF does not carry, filled as transformers' Gemma3TextConfig does."""
-    n_layers = config["num_hidden_layers"]
-    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):  # newer llama.cpp: one bool per layer, True = sliding
-        layer_types = [SLIDING_ATTENTION if flag else FULL_ATTENTION for flag in pattern]
-    else:  # layer i is global iff (i + 1) % pattern == 0
-        layer_types = [SLIDING_ATTENTION if (i + 1) % int(pattern) else FULL_ATTENTION for i in range(n_layers)]
-    config.update(
-        layer_types=layer_types,
-        sliding_window=int(window or 4096),
-        rope_local_base_freq=_f32(meta.get("gemma3.rope.freq_base_swa", 10000.0)),
-        hidden_activation="gelu_pytorch_tanh",
-        # transformers' default is 256; the 270M/1B/4B/12B use head_dim (=256). Only the 27B
-        # (head_dim 128) scales by hidden/heads; llama.cpp recognises it by its 62 layers.
-        query_pre_attn_scalar=256.0 if n_layers != 62 else config["hidden_size"] / config["num_attention_heads"],
-        final_logit_softcapping=meta.get("gemma3.final_logit_softcapping"),
-    )
-
-
 def read_gguf_config(path: str | Path) -> ModelConfig:
     """ModelConfig of a GGUF file, from its metadata alone (fast: no tensor data is read)."""
     meta = read_gguf_metadata(path)
-    return ModelConfig.from_hf_dict(gguf_to_hf_config_dict(meta))
+    return config_from_hf_dict(gguf_to_hf_config_dict(meta))
 
 
 # ======================================================================================
@@ -177,36 +150,17 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_BLOCK_NAMES_COMMON = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-}
-_BLOCK_NAMES_LLAMA = {**_BLOCK_NAMES_COMMON, "ffn_norm": "post_attention_layernorm"}
-_BLOCK_NAMES_GEMMA3 = {
-    **_BLOCK_NAMES_COMMON,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
-    """Hugging Face name of a GGUF tensor, or None for tensors kvforge does not use."""
+def hf_tensor_name(gguf_name: str, block_names: Mapping[str, str]) -> str | None:
+    """Hugging Face name of a GGUF tensor, or None for tensors kvforge does not use;
+    `block_names`: the architecture's blk.N.<part> -> HF path inside model.layers.N."""
     block = _BLOCK_RE.fullmatch(gguf_name)
     if block:
         layer, part, kind = block.groups()
-        table = _BLOCK_NAMES_GEMMA3 if arch == "gemma3" else _BLOCK_NAMES_LLAMA
-        return f"model.layers.{layer}.{table[part]}.{kind}" if part in table else None
+        return f"model.layers.{layer}.{block_names[part]}.{kind}" if part in block_names else None
     top = _GLOBAL_RE.fullmatch(gguf_name)
     if top and top.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[top.group(1)]}.{top.group(2)}"
@@ -271,10 +225,7 @@ def read_gguf_state_dict(path: str | Path, config: ModelConfig, dtype: torch.dty
     the model needed but did not get, so skipping can never hide a missing weight.
     """
     meta = read_gguf_metadata(path)
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"{meta.path}: GGUF architecture {arch!r} is not supported; "
-                             f"supported architectures are {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    architecture = gguf_architecture(meta)
     if meta.byte_order != "<":
         raise ModelLoadError(f"{meta.path}: big-endian GGUF tensor data is not supported")
 
@@ -283,17 +234,17 @@ def read_gguf_state_dict(path: str | Path, config: ModelConfig, dtype: torch.dty
     skipped: list[str] = []
     try:
         for info in _iter_tensors(meta, progress):
-            name = hf_tensor_name(info.name, arch)
+            name = hf_tensor_name(info.name, architecture.block_names)
             if name is None:
                 skipped.append(info.name)
                 continue
             values = _dequantize(data, info)
-            if arch == "llama" and ".attn_q." in info.name:
+            if architecture.permuted_qk and ".attn_q." in info.name:
                 values = unpermute_qk(values, config.num_heads)
-            elif arch == "llama" and ".attn_k." in info.name:
+            elif architecture.permuted_qk and ".attn_k." in info.name:
                 values = unpermute_qk(values, config.num_kv_heads)
-            elif arch == "gemma3" and info.name.endswith("norm.weight"):
-                values = values - 1.0
+            elif architecture.norm_weight_offset and info.name.endswith("norm.weight"):
+                values = values - architecture.norm_weight_offset
             state[name] = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
     finally:
         del data  # drop the mapping; the tensors above own their memory

@@ -1,10 +1,10 @@
 """A small reader of GGUF file headers: metadata fields and the tensor directory.
 
-Used instead of `gguf.GGUFReader` for speed: GGUFReader builds numpy views of every
-element of every metadata array, which takes ~10 s for Gemma3's 262K-entry vocabulary
-(2 s for SmolLM2); this reader skips long arrays and reads a whole header in well under a
-second. Tensor *data* is still decoded by the `gguf` package. The tests cross-check this
-reader with GGUFReader.
+Used instead of `gguf.GGUFReader` for speed: GGUFReader builds numpy views of every element
+of every metadata array, which is slow for a large vocabulary (Gemma3's has 262K entries);
+this reader skips long arrays (docs/benchmarks.md#measurements-behind-design-choices).
+Tensor *data* is still decoded by the `gguf` package. The tests cross-check this reader with
+GGUFReader.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvforge.errors import ModelLoadError
 
@@ -27,6 +29,15 @@ _MAX_ARRAY_VALUES = 1024
 # GGUF metadata value types (gguf.GGUFValueType): type id -> struct format of a scalar.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+
+
+def float32_decimal(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips in float32.
+
+    GGUF stores 1e-5 as 9.99999974e-06; config.json says 1e-05. Using the short decimal makes
+    configs from GGUF and from config.json compare equal.
+    """
+    return float(str(np.float32(value)))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import torch
 
 from kvforge.config import ModelConfig
 from kvforge.errors import ModelLoadError
+from kvforge.models.hf_config import config_from_hf_dict
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -50,7 +51,7 @@ def read_hf_config_dict(directory: str | Path) -> dict[str, Any]:
 
 def read_hf_config(directory: str | Path) -> ModelConfig:
     """ModelConfig of a Hugging Face checkpoint directory (ConfigError on unsupported values)."""
-    return ModelConfig.from_hf_dict(read_hf_config_dict(directory))
+    return config_from_hf_dict(read_hf_config_dict(directory))
 
 
 def safetensors_files(directory: str | Path) -> list[Path]:

@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.batch import ForwardBatch
-from kvforge.cache.base import CacheMethod
+from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.kernels.cpu_fused import rms_norm, silu_mul
 from kvforge.kernels.cpu_linear import linear
 from kvforge.rope import PositionedRope
@@ -110,14 +109,13 @@ class CachedAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
-                rope: PositionedRope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: CacheMethod, meta: StepMetadata, rope: PositionedRope) -> torch.Tensor:
         rows = x.shape[0]
         q = linear(x, self.q_proj.weight, self.q_proj.bias).view(rows, self.num_heads, self.head_dim)
         k = linear(x, self.k_proj.weight, self.k_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
         v = linear(x, self.v_proj.weight, self.v_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cache.write(self.cache_layer, batch, k, v, rope)
-        out = cache.attend(self.cache_layer, batch, rope.apply(q), rope)
+        cache.write(self.cache_layer, meta, k, v, rope)
+        out = cache.attend(self.cache_layer, meta, rope.apply(q), rope)
         return linear(out.reshape(rows, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)

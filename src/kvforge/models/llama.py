@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvforge.batch import ForwardBatch
-from kvforge.cache.base import CacheMethod
+from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.config import ModelConfig
 from kvforge.models.causal_lm import CausalLM
+from kvforge.models.fused_decode import fused_prefix
 from kvforge.models.layers import CachedAttention, GatedMLP, RMSNorm
 from kvforge.rope import PositionedRope
 
@@ -35,9 +35,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
-                rope: PositionedRope, *later: Any) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch, cache, rope, *later)
+    def forward(self, hidden: torch.Tensor, cache: CacheMethod, meta: StepMetadata, rope: PositionedRope,
+                *later: Any) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cache, meta, rope, *later)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -47,3 +47,12 @@ class LlamaForCausalLM(CausalLM):
 
     def make_norm(self, dim: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
         return RMSNorm(dim, self.config.rms_norm_eps, dtype, device)
+
+    def run_layers(self, hidden: torch.Tensor, cache: CacheMethod, meta: StepMetadata,
+                   ropes: list[PositionedRope], start: int, stop: int) -> torch.Tensor:
+        # Decode-only CPU steps: the leading layers in one C++ call when they qualify
+        # (bitwise what the eager layers compute; models/fused_decode.py).
+        if start == 0:
+            hidden, start = fused_prefix(self.model.layers, self.rope_index, hidden, cache, meta, ropes, stop,
+                                         LlamaDecoderLayer)
+        return super().run_layers(hidden, cache, meta, ropes, start, stop)

@@ -110,8 +110,8 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32",
     `swiftkv`: a SwiftKV checkpoint directory whose config and tensors are laid over the
     base model (params-only or full). A SwiftKV checkpoint passed as the model itself works
     too; a params-only one names its base model in its config."""
-    from kvforge.models.registry import build_model  # lazy: the registry imports the model zoo
     from kvforge.models import swiftkv_checkpoint as swiftkv_ckpt
+    from kvforge.models.registry import build_model  # lazy: the registry imports the model zoo
 
     torch_dtype = parse_dtype(dtype)
     device = resolve_device(device)  # before any file is read

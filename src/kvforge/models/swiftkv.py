@@ -38,11 +38,10 @@ import torch
 from torch import nn
 
 from kvforge.batch import ForwardBatch
-from kvforge.cache.base import CacheMethod
+from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.config import ModelConfig, SwiftKVConfig
 from kvforge.errors import require
-from kvforge.kernels.cpu_decode_layer import decode_layers
 from kvforge.kernels.cpu_linear import linear
 from kvforge.models.causal_lm import CausalLM
 from kvforge.models.layers import GemmaRMSNorm
@@ -52,7 +51,7 @@ from kvforge.rope import PositionedRope
 class SwiftKVAttention(nn.Module):
     """Attention of a later layer: its own queries, its group's cache layer for K/V.
 
-    With QK-norm (`config.architecture == "gemma3"`) it keeps the layer's `q_norm`, and a
+    With QK-norm (`config.qk_norm`: Gemma3) it keeps the layer's `q_norm`, and a
     leader its `k_norm`, applied to its group's keys (`norm_keys`) by the model's fused K/V
     write; a non-leader has no `k_norm` (its keys are its leader's)."""
 
@@ -69,7 +68,7 @@ class SwiftKVAttention(nn.Module):
             self.k_proj_swiftkv = nn.Linear(c.hidden_size, kv, bias=c.attention_bias, **kw)
             self.v_proj_swiftkv = nn.Linear(c.hidden_size, kv, bias=c.attention_bias, **kw)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_out_bias, **kw)
-        qk_norm = c.architecture == "gemma3"
+        qk_norm = c.qk_norm
         self.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, **kw) if qk_norm else None
         self.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps, **kw) if qk_norm and leader else None
 
@@ -77,7 +76,7 @@ class SwiftKVAttention(nn.Module):
         """A leader's keys [rows, kv_heads, head_dim] as its group's cache stores them."""
         return self.k_norm(k) if self.k_norm is not None else k
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: CacheMethod, rope: PositionedRope,
+    def forward(self, x: torch.Tensor, cache: CacheMethod, meta: StepMetadata, rope: PositionedRope,
                 rows_rope: PositionedRope, rows: torch.Tensor) -> torch.Tensor:
         """x: the rows `rows` of the step only (its logit rows, less early exits); `rope`
         covers the whole step, `rows_rope` those rows."""
@@ -85,7 +84,7 @@ class SwiftKVAttention(nn.Module):
         q = linear(x, self.q_proj_swiftkv.weight, self.q_proj_swiftkv.bias).view(n, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        out = cache.attend_rows(self.cache_layer, batch, rows_rope.apply(q), rope, rows)
+        out = cache.attend_rows(self.cache_layer, meta, rows_rope.apply(q), rope, rows)
         return linear(out.reshape(n, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
 
 
@@ -178,16 +177,14 @@ class SwiftKVForCausalLM(CausalLM):
     # -- forward ----------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, cache: CacheMethod) -> torch.Tensor:
         first_later = self.swiftkv.num_key_value_layers
-        cache.begin_step(batch)
+        meta = cache.begin_step(batch)
         hidden = self.embed(batch.token_ids)
         ropes = [rotary.at(batch.positions, hidden.dtype) for rotary in self.rotaries]
         layers = self.model.layers
-        # The earlier layers are plain layers: fused on decode-only CPU steps (CausalLM.forward).
-        hidden, done = decode_layers(layers, self.rope_index, hidden, cache, ropes, stop=first_later)
-        for index in range(done, first_later):
-            hidden = layers[index](hidden, batch, cache, ropes[self.rope_index[index]])
+        # The earlier layers are the architecture's own (fused where the family can).
+        hidden = self.run_layers(hidden, cache, meta, ropes, 0, first_later)
         if first_later < len(layers):
-            self._write_later_kv(hidden, batch, cache, ropes)
+            self._write_later_kv(hidden, cache, meta, ropes)
             hidden = hidden[batch.logit_rows]
             watching = self.early_exit_threshold is not None or self.early_exit_probe is not None
             exits = self._early_exits(hidden, batch) if watching else None
@@ -199,7 +196,7 @@ class SwiftKVForCausalLM(CausalLM):
                 rows_ropes = [rotary.at(rows_positions, hidden.dtype) for rotary in self.rotaries]
                 for index in range(first_later, len(layers)):
                     r = self.rope_index[index]
-                    hidden = layers[index](hidden, batch, cache, ropes[r], rows_ropes[r], rows)
+                    hidden = layers[index](hidden, cache, meta, ropes[r], rows_ropes[r], rows)
             logits = self.logits(hidden)
             if exits is not None:
                 logits = exits.merge(logits)
@@ -209,7 +206,7 @@ class SwiftKVForCausalLM(CausalLM):
                                                      final.tolist()))
         else:
             logits = self.logits(hidden[batch.logit_rows])
-        cache.end_step(batch)
+        cache.end_step(meta)
         return logits
 
     # -- early exit -------------------------------------------------------------------
@@ -250,7 +247,7 @@ class SwiftKVForCausalLM(CausalLM):
         return _EarlyExits(len(logit_rows), torch.tensor(kept, dtype=torch.long, device=hidden.device),
                            index[confident], early[confident], index, top, early.argmax(dim=-1))
 
-    def _write_later_kv(self, hidden: torch.Tensor, batch: ForwardBatch, cache: CacheMethod,
+    def _write_later_kv(self, hidden: torch.Tensor, cache: CacheMethod, meta: StepMetadata,
                         ropes: list[PositionedRope]) -> None:
         """SingleInputKV: every leader's K/V from norm_swiftkv(h_l), in one GEMM."""
         rows = hidden.shape[0]
@@ -260,7 +257,7 @@ class SwiftKVForCausalLM(CausalLM):
         per_leader = kv.view(rows, -1, 2, heads, dim)
         for slot, leader in enumerate(self.swiftkv.leaders(self.config.num_layers)):
             k, v = self.model.layers[leader].self_attn.norm_keys(per_leader[:, slot, 0]), per_leader[:, slot, 1]
-            cache.write(self.swiftkv.cache_layer_of(leader), batch, k, v, ropes[self.rope_index[leader]])
+            cache.write(self.swiftkv.cache_layer_of(leader), meta, k, v, ropes[self.rope_index[leader]])
 
     def leader_attentions(self) -> list[SwiftKVAttention]:
         return [self.model.layers[i].self_attn for i in self.swiftkv.leaders(self.config.num_layers)]

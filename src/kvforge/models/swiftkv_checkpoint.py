@@ -33,20 +33,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from kvforge.config import (
-    EARLY_EXIT_KEY,
-    SWIFTKV_ARCHITECTURE_NAMES,
-    SWIFTKV_MODEL_TYPES,
-    ModelConfig,
-    RopeConfig,
-    SwiftKVConfig,
-)
-from kvforge.errors import ConfigError, ModelLoadError, require
+from kvforge.config import EARLY_EXIT_KEY, ModelConfig, RopeConfig, SwiftKVConfig
+from kvforge.errors import ModelLoadError
+from kvforge.models.family import HFLayout, family_of, swiftkv_model_types
 from kvforge.models.hf_checkpoint import CONFIG_FILE, SINGLE_FILE, read_hf_config_dict, read_hf_state_dict
+from kvforge.models.hf_config import config_from_hf_dict
 
 BASE_MODEL_KEY = "kvforge_base_model"
-BASE_ARCHITECTURE_NAMES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "gemma3_text": "Gemma3ForCausalLM"}
 EARLY_EXIT_TENSORS = ("model.early_exit_proj.weight",)
 PARAMS_ONLY_KEY = "kvforge_params_only"
 _PROJECTION_SUFFIXES = (".weight", ".bias")
@@ -139,24 +132,18 @@ def model_state_for_swiftkv(state: dict[str, torch.Tensor], config: ModelConfig)
 
 
 # -- config.json ---------------------------------------------------------------------------
+def config_layout(config: ModelConfig) -> HFLayout:
+    """The config.json layout whose fields state this model (its family's `hf_layout_of`:
+    e.g. `llama` or `qwen2` by where the attention biases are, `gemma3_text`); ConfigError
+    when the family has none that can, or a SwiftKV config on a family without SwiftKV."""
+    family = family_of(config)
+    family.model_class(config.swiftkv is not None)
+    return family.layout(family.hf_layout_of(config))
+
+
 def config_family(config: ModelConfig) -> str:
-    """The config.json family (its base model_type) whose fields state this model:
-    `gemma3_text`, or for Llama-family models the one that states its attention biases:
-    `llama` (one `attention_bias` for q/k/v and o) or `qwen2` (biases on q/k/v, none on o)."""
-    if config.architecture == "gemma3":
-        local = config.local_rope or config.rope
-        require(local.rope_type == "default", "local_rope", local.rope_type,
-                "a gemma3 config.json states only the local RoPE base (rope_local_base_freq), no scaling")
-        require(not config.attention_out_bias, "attention_out_bias", True, "a gemma3 config.json has no o_proj bias")
-        require(not config.mlp_bias, "mlp_bias", True, "a gemma3 config.json has no MLP bias")
-        return "gemma3_text"
-    if config.attention_bias == config.attention_out_bias:
-        return "llama"
-    if config.attention_bias:
-        return "qwen2"
-    raise ConfigError("attention_bias", (config.attention_bias, config.attention_out_bias),
-                      "a bias on o_proj without q/k/v biases has no config.json layout (llama: one "
-                      "attention_bias for q/k/v and o; qwen2: q/k/v biases only)")
+    """The model_type of `config_layout`: `llama`, `qwen2`, `gemma3_text`, ..."""
+    return config_layout(config).model_type
 
 
 def _rope_scaling(rope: RopeConfig) -> dict[str, Any] | None:
@@ -169,43 +156,17 @@ def _rope_scaling(rope: RopeConfig) -> dict[str, Any] | None:
     return scaling
 
 
-def _window_fields(config: ModelConfig, family: str) -> dict[str, Any]:
-    """Sliding-window fields in the family's spelling; `layer_types` always states which
-    layers slide, so the config reads back layer for layer."""
-    if config.sliding_window is None:
-        return {"use_sliding_window": False} if family == "qwen2" else {}
-    out: dict[str, Any] = {"sliding_window": config.sliding_window, "layer_types": list(config.layer_types)}
-    if family == "qwen2":
-        # Qwen2 slides only with use_sliding_window, from layer max_window_layers on.
-        first_sliding = next(i for i in range(config.num_layers) if config.is_sliding(i))
-        out.update(use_sliding_window=True, max_window_layers=first_sliding)
-    return out
-
-
-def _gemma3_fields(config: ModelConfig) -> dict[str, Any]:
-    """What a gemma3_text config.json states beyond the shape (read by `_gemma3_from_hf`)."""
-    return {
-        "rope_local_base_freq": (config.local_rope or config.rope).theta,
-        "sliding_window": config.sliding_window,
-        "layer_types": list(config.layer_types),
-        "query_pre_attn_scalar": config.query_pre_attn_scalar,
-        "final_logit_softcapping": config.final_logit_softcapping,
-        "hidden_activation": config.hidden_act,
-        "attention_bias": config.attention_bias,
-    }
-
-
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     """A Hugging Face config.json dictionary for a ModelConfig (SwiftKV fields included when
-    set), in the layout of its family (`config_family`): llama (`llama` / `llama_swiftkv`),
+    set), in the layout of its family (`config_layout`): llama (`llama` / `llama_swiftkv`),
     Qwen2 (`qwen2` / `qwen2_swiftkv`, as the authors name their Qwen2 SwiftKV models) or
     Gemma3 (`gemma3_text` / `gemma3_text_swiftkv`: the authors publish no Gemma3 SwiftKV, so
     kvforge names it by their `<model_type>_swiftkv` rule). Inverse of
-    ModelConfig.from_hf_dict for these models."""
-    family = config_family(config)
+    `config_from_hf_dict` for these models."""
+    layout = config_layout(config)
     out: dict[str, Any] = {
-        "architectures": [BASE_ARCHITECTURE_NAMES[family]],
-        "model_type": family,
+        "architectures": [layout.architecture],
+        "model_type": layout.model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -222,15 +183,9 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "eos_token_id": list(config.eos_token_ids) if len(config.eos_token_ids) != 1 else config.eos_token_ids[0],
         "torch_dtype": "float32",
     }
-    if family == "gemma3_text":
-        out.update(_gemma3_fields(config))
-    else:
-        out.update(mlp_bias=config.mlp_bias, hidden_act=config.hidden_act)
-        if family == "llama":  # Qwen2's biases are implied by its model_type
-            out["attention_bias"] = config.attention_bias
-        out.update(_window_fields(config, family))
+    out.update(family_of(config).hf_fields_of(config, layout.model_type))
     if config.swiftkv is not None:
-        out.update(architectures=[SWIFTKV_ARCHITECTURE_NAMES[family]], model_type=f"{family}_swiftkv", swiftkv=True,
+        out.update(architectures=[layout.swiftkv_architecture], model_type=layout.swiftkv_model_type, swiftkv=True,
                    num_key_value_layers=config.swiftkv.num_key_value_layers,
                    key_value_group_size=config.swiftkv.key_value_group_size)
         if config.swiftkv.early_exit_head:
@@ -270,10 +225,10 @@ def overlay_config(base: ModelConfig, directory: str | Path) -> ModelConfig:
     """The base config with the SwiftKV fields of the checkpoint in `directory`; the two
     must describe the same network shape."""
     data = read_hf_config_dict(directory)
-    if data.get("model_type") not in SWIFTKV_MODEL_TYPES:
+    if data.get("model_type") not in swiftkv_model_types():
         raise ModelLoadError(f"{directory} is not a SwiftKV checkpoint: config.json has model_type "
-                             f"{data.get('model_type')!r}, expected one of {sorted(SWIFTKV_MODEL_TYPES)}")
-    theirs = ModelConfig.from_hf_dict(data)
+                             f"{data.get('model_type')!r}, expected one of {swiftkv_model_types()}")
+    theirs = config_from_hf_dict(data)
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "attention_bias", "attention_out_bias"):
         if getattr(theirs, field) != getattr(base, field):

@@ -5,13 +5,13 @@ checkpoint directory) with `local_files_only=True`, so nothing is ever fetched f
 For GGUF files transformers rebuilds a fast tokenizer from the embedded vocabulary and
 chat template (`tokenizer.chat_template`), and honours `tokenizer.ggml.add_bos_token`.
 
-That GGUF conversion is slow (measured: ~5 s for SmolLM2's 49K vocabulary, ~16 s for
-Gemma3's 262K), so the converted tokenizer is saved once with `save_pretrained` and
-reloaded from there (0.1 s / 2 s). The cache key covers the file (resolved path, size,
-mtime) and the transformers version, which owns the conversion; the round trip was checked
-to give identical ids, special tokens and chat template on both real models. Location:
-$KVFORGE_CACHE_DIR/tokenizers, else ~/.cache/kvforge/tokenizers. Any cache failure falls
-back to converting from the GGUF file.
+That GGUF conversion is slow, the more so the larger the vocabulary, so the converted
+tokenizer is saved once with `save_pretrained` and reloaded from there, which is faster
+(docs/benchmarks.md#measurements-behind-design-choices). The cache key covers the file
+(resolved path, size, mtime) and the transformers version, which owns the conversion; the
+round trip was checked to give identical ids, special tokens and chat template on both real
+models. Location: $KVFORGE_CACHE_DIR/tokenizers, else ~/.cache/kvforge/tokenizers. Any cache
+failure falls back to converting from the GGUF file.
 """
 
 from __future__ import annotations

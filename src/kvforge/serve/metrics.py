@@ -80,7 +80,7 @@ class ServerMetrics:
         self.waiting.set(len(scheduler.waiting))
         for tier, value in cache.memory_usage().items():
             self.kv_used.labels(tier=tier, **self._labels).set(value)
-        for tier, value in cache.memory_capacity().items():
+        for tier, value in cache.memory.capacity.items():
             self.kv_capacity.labels(tier=tier, **self._labels).set(value)
         for name, value in cache.statistics().items():
             if isinstance(value, (int, float)) and math.isfinite(value):

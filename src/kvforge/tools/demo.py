@@ -41,8 +41,8 @@ class DemoRow:
     answer: str
 
 
-def add_demo_parser(verbs: Any) -> None:
-    demo = verbs.add_parser("demo", help="base, SwiftKV, KIVI, ShadowKV and SwiftKV+KIVI on one long prompt")
+def add_demo_args(demo: argparse.ArgumentParser) -> None:
+    """The arguments of `kvforge demo`, on its parser."""
     demo.add_argument("--model", default="smollm2-135m", help="base model (smollm2-135m)")
     demo.add_argument("--swiftkv", default=DEFAULT_SWIFTKV, metavar="DIR", help=f"SwiftKV model ({DEFAULT_SWIFTKV})")
     demo.add_argument("--prompt-tokens", type=int, default=3000, help="tokens of the passage (3000)")
@@ -96,7 +96,8 @@ def run_demo(model_name: str, swiftkv: str, prompt_tokens: int, max_tokens: int,
     from kvforge.prebuild import build_cpu_kernels
 
     # Every C++ kernel is built (or its cached build loaded) before anything is timed: a
-    # kernel first used mid-demo once compiled inside KIVI's timed decode (0.6 tok/s shown).
+    # kernel first used mid-demo once compiled inside KIVI's timed decode and slowed the
+    # speed shown (docs/benchmarks.md#measurements-behind-design-choices).
     # A cached build is recompiled when another checkout of the source tree (a CI clone, a
     # mutation run) loaded it last, since the build records the include path.
     if device == "cpu":

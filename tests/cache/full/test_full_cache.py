@@ -21,9 +21,9 @@ def test_bytes_per_token_formula(storage):
     layout = CacheLayout.one_per_layer([CacheLayerSpec(kv_heads, head_dim, 0.25)] * layers)
     cache = create_cache(f"full:storage_dtype={storage}", layout, 1 << 24, torch.float32)
     expected = 2 * layers * kv_heads * head_dim * BYTES[storage]
-    assert cache.kv_bytes_per_token() == expected
+    assert cache.memory.kv_bytes_per_token() == expected
     # a whole number of pages: exactly the formula per token
-    assert cache.sequence_bytes(16 * 7) == expected * 16 * 7
+    assert cache.memory.sequence_bytes(16 * 7) == expected * 16 * 7
 
 
 def test_sliding_layers_bounded_by_window():
@@ -34,8 +34,8 @@ def test_sliding_layers_bounded_by_window():
     for tokens in (10, 64, 1000, 5000):
         global_bytes = 2 * per_layer * -(-tokens // block) * block
         sliding_bound = 4 * per_layer * (-(-(window - 1) // block) + 1) * block
-        assert cache.sequence_bytes(tokens) <= global_bytes + sliding_bound
-    assert cache.sequence_bytes(5000) - cache.sequence_bytes(1000) == 2 * per_layer * 4000
+        assert cache.memory.sequence_bytes(tokens) <= global_bytes + sliding_bound
+    assert cache.memory.sequence_bytes(5000) - cache.memory.sequence_bytes(1000) == 2 * per_layer * 4000
 
 
 def test_budget_too_small_for_one_block():

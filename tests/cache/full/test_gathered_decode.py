@@ -11,6 +11,7 @@ from decode_cases import make_case
 
 from kvforge.cache.attention import decode_attention, gathered_decode_attention, hidden_slots
 from kvforge.cache.full.fp8 import FP8_DTYPES, quantize_per_token
+from kvforge.cache.full.plan import DecodePlan, plan_decode
 from kvforge.cache.registry import parse_cache_spec
 from kvforge.errors import ConfigError
 
@@ -91,13 +92,13 @@ def test_option_values():
 
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_window", "gemma3_hybrid"])
 def test_model_decode_same_logits_through_the_gathered_path(name, monkeypatch):
-    from kvforge.cache.full import method
+    from kvforge.cache.full import method, plan
 
     _, model = make_pair(name)
     calls, masks = [], []
     monkeypatch.setattr(method, "gathered_decode_attention",
                         lambda *args, **kwargs: calls.append(1) or gathered_decode_attention(*args, **kwargs))
-    monkeypatch.setattr(method, "hidden_slots", lambda *args: masks.append(1) or hidden_slots(*args))
+    monkeypatch.setattr(plan, "hidden_slots", lambda *args: masks.append(1) or hidden_slots(*args))
     prompts = [list(range(3, 30)), [7, 8], list(range(40, 52))]
     logits = {kernel: decode_logits(make_runner(model, cache=f"full:block_size=4,decode_kernel={kernel}"),
                                     prompts, steps=12) for kernel in ("gather", "torch")}
@@ -120,7 +121,7 @@ def _choices(monkeypatch, spec: str, tables: list[int], device: str = "meta", q_
     full.config = parse_cache_spec(spec).config()
     full.block_size = full.config.block_size
     width, batch = max(tables), len(tables)
-    plan = method._DecodePlan(
+    plan = DecodePlan(
         seq_ids=tuple(range(batch)), rows=torch.arange(batch), page_table=torch.zeros(batch, width, dtype=torch.long),
         first_page_position=torch.zeros(batch, dtype=torch.long), visible_from=torch.zeros(batch, dtype=torch.long),
         visible_to=torch.tensor(tables) * full.block_size, every_row=True,
@@ -148,18 +149,15 @@ def test_auto_keeps_the_tiled_path_for_padded_or_large_gathers(monkeypatch):
 
 @pytest.mark.parametrize("lengths,compact", [([40, 36, 30], True), ([256, 4, 4, 4, 4], False)])
 def test_the_plan_marks_padded_tables(lengths, compact):
-    """`_plan_decode` decides compact_tables from the real page lists, on the host."""
+    """`plan_decode` decides compact_tables from the real page lists, on the host."""
     from types import SimpleNamespace
 
     from kvforge.batch import SequenceSpan
-    from kvforge.cache.full import method
 
-    full = object.__new__(method.FullCache)
-    full.block_size = 4
-    full.pages = SimpleNamespace(first_kept_token=lambda group, n: 0,
-                                 require_slots=lambda seq, group, start, end: list(range(-(-end // 4))))
+    pages = SimpleNamespace(block_size=4, first_kept_token=lambda group, n: 0,
+                            require_slots=lambda seq, group, start, end: list(range(-(-end // 4))))
     spans = [SequenceSpan(seq_id=i, query_start=i, query_len=1, cached_len=n) for i, n in enumerate(lengths)]
-    assert full._plan_decode(0, spans, every_row=True).compact_tables is compact
+    assert plan_decode(pages, 0, spans, every_row=True).compact_tables is compact
     with pytest.raises(ConfigError, match="decode_gather_max_bytes"):
         parse_cache_spec("full:decode_gather_max_bytes=-1").config()
 

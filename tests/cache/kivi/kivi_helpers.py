@@ -75,11 +75,11 @@ def run_step(cache: KIVICache, work: dict[int, tuple[torch.Tensor, torch.Tensor,
     k = torch.cat([work[s][1] for s in ids])
     v = torch.cat([work[s][2] for s in ids])
     rope = identity_rope(k.shape[0], k.shape[-1], k.dtype)
-    cache.begin_step(batch)
+    meta = cache.begin_step(batch)
     out = None
     for layer in layers:
-        cache.write(layer, batch, k, v, rope)
-        out = cache.attend(layer, batch, q, rope)
-    cache.end_step(batch)
+        cache.write(layer, meta, k, v, rope)
+        out = cache.attend(layer, meta, q, rope)
+    cache.end_step(meta)
     assert out is not None
     return {s: out[span.query_start:span.query_end] for s, span in zip(ids, batch.spans)}

@@ -149,12 +149,12 @@ def test_bytes_per_token_within_5_percent_of_analytic(bits):
     layout = CacheLayout.one_per_layer([CacheLayerSpec(3, 64, 0.125)] * layers)
     cache = create_cache(f"kivi:bits={bits}", layout, 1 << 26, torch.float32)
     analytic = 2 * layers * 3 * 64 * quantized_bits_per_element(bits, 32) / 8
-    assert abs(cache.kv_bytes_per_token() / analytic - 1) <= 0.05
+    assert abs(cache.memory.kv_bytes_per_token() / analytic - 1) <= 0.05
     # The marginal cost of a stored token in sequence_bytes is the same quantised rate.
-    marginal = (cache.sequence_bytes(128 * 20) - cache.sequence_bytes(128 * 4)) / (128 * 16)
+    marginal = (cache.memory.sequence_bytes(128 * 20) - cache.memory.sequence_bytes(128 * 4)) / (128 * 16)
     assert abs(marginal / analytic - 1) <= 0.05
     if bits == 2:
-        assert abs(cache.kv_bytes_per_token() / (2 * layers * 3 * 64 * 2) - 0.1875) < 1e-9
+        assert abs(cache.memory.kv_bytes_per_token() / (2 * layers * 3 * 64 * 2) - 0.1875) < 1e-9
 
 
 def test_residual_counts_against_the_budget():
@@ -164,22 +164,21 @@ def test_residual_counts_against_the_budget():
     residual = 2 * 3 * KV_HEADS * R * DIM * 4
     assert cache.slot_pages * cache.page_bytes >= residual
     assert cache.slot_pages * cache.page_bytes < residual + cache.page_bytes
-    assert cache.sequence_bytes(1) == cache.slot_pages * cache.page_bytes
+    assert cache.memory.sequence_bytes(1) == cache.slot_pages * cache.page_bytes
     tokens = 200
     admitted = 0
-    while cache.can_allocate(admitted, tokens):
-        assert cache.allocate(admitted, tokens)
+    while cache.allocate(admitted, tokens):
         admitted += 1
-    capacity = cache.memory_capacity()["fast"]
+    capacity = cache.memory.capacity["fast"]
     # The budget is split once between residual slots and pages: whichever runs out first
     # bounds the admitted sequences, never more than the bytes alone allow.
     pages_each = cache.pages.max_pages_per_sequence(cache.quantized_keys(tokens))
     assert admitted == min(cache.num_slots, cache.pages.pool.num_blocks // pages_each) >= 2
-    assert admitted <= capacity // cache.sequence_bytes(tokens)
-    assert cache.memory_usage()["fast"] == admitted * cache.sequence_bytes(tokens)
+    assert admitted <= capacity // cache.memory.sequence_bytes(tokens)
+    assert cache.memory_usage()["fast"] == admitted * cache.memory.sequence_bytes(tokens)
     for seq in range(admitted):
         cache.free(seq)
-    assert cache.memory_usage()["fast"] == 0 and cache.can_allocate(0, tokens)
+    assert cache.memory_usage()["fast"] == 0 and cache.allocate(0, tokens)
 
 
 def test_bad_configs_fail_with_clear_messages():

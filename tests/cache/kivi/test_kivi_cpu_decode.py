@@ -50,8 +50,8 @@ def test_kernel_matches_torch_path(bits, window, residual_dtype):
     batch = ForwardBatch.build(list(range(len(lengths))), [[0]] * len(lengths), lengths)
     for seq, n in enumerate(lengths):
         assert cache.allocate(seq, n + 1)
-    cache.begin_step(batch)
-    plan = cache._plans[0].decode
+    meta = cache.begin_step(batch)
+    plan = meta.groups[0].decode
     view = cache.store.layer(0, 0)
     q = torch.randn(len(lengths), HEADS, DIM)
     k_self, v_self = torch.randn(len(lengths), KV_HEADS, DIM), torch.randn(len(lengths), KV_HEADS, DIM)
@@ -76,8 +76,8 @@ def test_16_bit_queries_go_in_as_they_are_with_the_float32_result_rounded(dtype)
     batch = ForwardBatch.build(list(range(len(lengths))), [[0]] * len(lengths), lengths)
     for seq, n in enumerate(lengths):
         assert cache.allocate(seq, n + 1)
-    cache.begin_step(batch)
-    plan = cache._plans[0].decode
+    meta = cache.begin_step(batch)
+    plan = meta.groups[0].decode
     q = torch.randn(len(lengths), HEADS, DIM).to(dtype)
     k_self, v_self = (torch.randn(len(lengths), KV_HEADS, DIM).to(dtype) for _ in range(2))
     rest = (cache.store.layer(0, 0), plan.page_table, plan.first_page_position, plan.visible_from, plan.lengths,
@@ -127,8 +127,8 @@ def test_rope_tables_shorter_than_a_sequence_are_refused():
     batch = ForwardBatch.build([0, 1], [[0]] * 2, lengths)
     for seq, n in enumerate(lengths):
         assert cache.allocate(seq, n + 1)
-    cache.begin_step(batch)
-    plan = cache._plans[0].decode
+    meta = cache.begin_step(batch)
+    plan = meta.groups[0].decode
     q, k_self, v_self = torch.randn(2, HEADS, DIM), torch.randn(2, KV_HEADS, DIM), torch.randn(2, KV_HEADS, DIM)
     args = (q, k_self, v_self, cache.store.layer(0, 0), plan.page_table, plan.first_page_position,
             plan.visible_from, plan.lengths, plan.slots, DIM ** -0.5)

@@ -177,11 +177,11 @@ def collect(cache) -> list[torch.Tensor]:
         total = int(sum(lengths.values()))
         q = step_rope.apply(torch.randn(total, HEADS, DIM))
         k, v = torch.randn(total, KV_HEADS, DIM) * 2 + 1, torch.randn(total, KV_HEADS, DIM)
-        cache.begin_step(batch)
+        meta = cache.begin_step(batch)
         for layer in (0, 1):
-            cache.write(layer, batch, k, v, step_rope)
-            out = cache.attend(layer, batch, q, step_rope)
-        cache.end_step(batch)
+            cache.write(layer, meta, k, v, step_rope)
+            out = cache.attend(layer, meta, q, step_rope)
+        cache.end_step(meta)
         outs.append(out)
     return outs
 

@@ -39,15 +39,15 @@ def test_sequence_bytes_match_the_analytic_value(residual_dtype):
     G = 32); each sequence adds its K and V residual of R tokens, rounded up to whole pages."""
     cache = smollm2_like(f"kivi:bits=2,residual_dtype={residual_dtype}")
     per_token = 2 * LAYERS * KV_HEADS * DIM * quantized_bits_per_element(2, 32) / 8
-    assert per_token == 0.1875 * 2 * LAYERS * KV_HEADS * DIM * 2 == cache.kv_bytes_per_token()
+    assert per_token == 0.1875 * 2 * LAYERS * KV_HEADS * DIM * 2 == cache.memory.kv_bytes_per_token()
     element = 2 if residual_dtype == "float16" else 4
     residual = 2 * LAYERS * KV_HEADS * 128 * DIM * element
     assert cache.residual_bytes == residual
     for tokens in (1, 1000, 2048):
         quantised = (tokens // 128) * 128 * per_token
         analytic = quantised + residual
-        assert analytic <= cache.sequence_bytes(tokens) <= analytic + cache.page_bytes * (1 + math.ceil(128 / 32))
-    assert abs(cache.sequence_bytes(2048) / (2048 * per_token + residual) - 1) < 0.05
+        assert analytic <= cache.memory.sequence_bytes(tokens) <= analytic + cache.page_bytes * (1 + math.ceil(128 / 32))
+    assert abs(cache.memory.sequence_bytes(2048) / (2048 * per_token + residual) - 1) < 0.05
 
 
 # -- the budget split between residual slots and quantised pages ---------------------------
@@ -60,10 +60,10 @@ def test_slots_and_pages_split_the_budget():
     assert cache.num_slots == (budget_pages // 4) // cache.slot_pages
     assert cache.store.k_res.shape[1] == cache.num_slots
     assert cache.pages.pool.num_blocks == budget_pages - cache.num_slots * cache.slot_pages
-    assert cache.memory_capacity()["fast"] <= 512_000_000
+    assert cache.memory.capacity["fast"] <= 512_000_000
     for seq in range(cache.num_slots):
         assert cache.allocate(seq, 10)
-    assert cache.pages.pool.num_free > 0 and not cache.can_allocate(cache.num_slots, 10)
+    assert cache.pages.pool.num_free > 0 and not cache.allocate(cache.num_slots, 10)
     assert cache.memory_usage()["fast"] == cache.num_slots * cache.slot_pages * cache.page_bytes
     cache.free(0)
     assert cache.allocate(cache.num_slots, 10)
@@ -72,7 +72,7 @@ def test_slots_and_pages_split_the_budget():
 def test_max_sequences_sets_the_slots():
     cache = smollm2_like("kivi:max_sequences=3")
     assert cache.num_slots == 3 == cache.store.v_res.shape[1]
-    assert all(cache.allocate(seq, 300) for seq in range(3)) and not cache.can_allocate(3, 1)
+    assert all(cache.allocate(seq, 300) for seq in range(3)) and not cache.allocate(3, 1)
     with pytest.raises(ConfigError, match="max_sequences.*100000.*must be <="):
         smollm2_like("kivi:max_sequences=100000")
     with pytest.raises(ConfigError, match="max_sequences.*0"):
@@ -85,6 +85,6 @@ def test_fits_together_checks_slots_and_pages():
     cache = smollm2_like("kivi:max_sequences=2")
     pages = cache.pages.pool.num_blocks
     longest = pages * cache.config.group  # quantised keys filling every page (one layer group)
-    assert cache.fits_together([longest]) and not cache.fits_together([longest + cache.config.residual])
-    assert cache.fits_together([1, 1]) and not cache.fits_together([1, 1, 1])
-    assert cache.sequence_bytes(1) * 3 <= cache.memory_capacity()["fast"]  # the bytes would fit
+    assert cache.memory.fits_together([longest]) and not cache.memory.fits_together([longest + cache.config.residual])
+    assert cache.memory.fits_together([1, 1]) and not cache.memory.fits_together([1, 1, 1])
+    assert cache.memory.sequence_bytes(1) * 3 <= cache.memory.capacity["fast"]  # the bytes would fit

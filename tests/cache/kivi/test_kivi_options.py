@@ -92,11 +92,11 @@ def run_and_check(cache: KIVICache, window: int | None, schedule: list[dict[int,
         q = step_rope.apply(torch.cat([work[s][0] for s in ids]))
         k = torch.cat([work[s][1] for s in ids])
         v = torch.cat([work[s][2] for s in ids])
-        cache.begin_step(batch)
+        meta = cache.begin_step(batch)
         for layer in (0, 1):
-            cache.write(layer, batch, k, v, step_rope)
-            out = cache.attend(layer, batch, q, step_rope)
-        cache.end_step(batch)
+            cache.write(layer, meta, k, v, step_rope)
+            out = cache.attend(layer, meta, q, step_rope)
+        cache.end_step(meta)
         for seq, n, span in zip(ids, cached, batch.spans):
             q_s, k_s, v_s = work[seq]
             old_k, old_v = history.get(seq, (torch.empty(0, KV_HEADS, DIM), torch.empty(0, KV_HEADS, DIM)))
@@ -210,7 +210,7 @@ def test_bytes_count_sinks_and_value_groups():
     mixed = create_cache(f"kivi:group={G},residual={R},key_bits=4,value_bits=2", layout, 1 << 22, torch.float32)
     assert isinstance(mixed, KIVICache)
     assert mixed.page_bytes == 3 * KV_HEADS * (G * DIM * (4 + 2) // 8 + 2 * DIM * 2 + 2 * G * (DIM // G) * 2)
-    assert sinks.memory_capacity()["fast"] <= 1 << 22
+    assert sinks.memory.capacity["fast"] <= 1 << 22
 
 
 @pytest.mark.parametrize(("spec", "message"), [

@@ -40,12 +40,12 @@ def drive(cache: KIVICache, model_dtype: torch.dtype, seed: int) -> None:
         batch, _ = step_batch(cache, step)
         rows = sum(step.values())
         rope = identity_rope(rows, DIM, model_dtype)
-        cache.begin_step(batch)
+        meta = cache.begin_step(batch)
         for layer in range(LAYERS):
             k = (torch.randn(rows, KV_HEADS, DIM, generator=generator) * (layer + 1)).to(model_dtype)
             v = (torch.randn(rows, KV_HEADS, DIM, generator=generator) - layer).to(model_dtype)
-            cache.write(layer, batch, k, v, rope)
-        cache.end_step(batch)
+            cache.write(layer, meta, k, v, rope)
+        cache.end_step(meta)
 
 
 def assert_same_store(a: KIVICache, b: KIVICache) -> None:

@@ -213,10 +213,10 @@ def _cache_step(cache, seq: int, cached: int, k_pre, v, q_pre, rope_table, num_l
     assert cache.allocate(seq, cached + count)
     batch = ForwardBatch.build([seq], [[0] * count], [cached], [num_logits])
     rope = rope_table.at(batch.positions, torch.float32)
-    cache.begin_step(batch)
-    cache.write(0, batch, k_pre, v, rope)
-    out = cache.attend(0, batch, rope.apply(q_pre), rope)
-    cache.end_step(batch)
+    meta = cache.begin_step(batch)
+    cache.write(0, meta, k_pre, v, rope)
+    out = cache.attend(0, meta, rope.apply(q_pre), rope)
+    cache.end_step(meta)
     return out
 
 

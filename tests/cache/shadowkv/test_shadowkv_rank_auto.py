@@ -131,7 +131,7 @@ def test_float16_coefficients_are_the_rounded_projection_and_half_the_bytes():
     prompts = [list(range(3, 40)), list(range(5, 70))]
     spec = f"shadowkv:{SMALL},rank=6,budget=8"
     half, single = make_runner(model, cache=spec), make_runner(model, cache=spec + ",coefficient_dtype=compute")
-    assert half.cache.coefficient_element == 2 and single.cache.coefficient_element == 4
+    assert half.cache.memory.sizes.coefficient_element == 2 and single.cache.memory.sizes.coefficient_element == 4
     out_half, out_single = decode_logits(half, prompts, 6), decode_logits(single, prompts, 6)
     torch.testing.assert_close(out_half, out_single, atol=2e-2, rtol=0)
     assert not torch.equal(out_half, out_single)  # the storage is really 16-bit
@@ -151,4 +151,4 @@ def test_compressed_global_bytes_is_what_a_compressed_sequence_holds():
     for seq_id, prompt in enumerate(prompts):
         state = cache._seqs[seq_id].compressed
         held = _held_bytes(state) + len(state.pages) * cache.fast_chunk_bytes
-        assert cache.compressed_global_bytes(len(prompt), state.ranks) == held
+        assert cache.memory.compressed_global_bytes(len(prompt), state.ranks) == held

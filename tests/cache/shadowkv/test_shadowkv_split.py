@@ -32,9 +32,17 @@ def test_the_shares_are_the_budget():
         cache = make(budget, options)
         split = cache.split
         assert split.exact + split.sliding + split.chunk_pages * cache.fast_chunk_bytes + split.fixed == budget
-        assert cache.exact.memory_capacity()["fast"] <= split.exact  # type: ignore[union-attr]
-        assert cache.sliding.memory_capacity()["fast"] <= split.sliding  # type: ignore[union-attr]
+        assert cache.exact.memory.capacity["fast"] <= split.exact  # type: ignore[union-attr]
+        assert cache.sliding.memory.capacity["fast"] <= split.sliding  # type: ignore[union-attr]
         assert cache.store.num_pages <= split.chunk_pages  # type: ignore[union-attr]
+
+
+def _allocates(cache, num_tokens: int) -> bool:
+    """Whether a fresh sequence of `num_tokens` tokens can be allocated now (then freed again)."""
+    if not cache.allocate(0, num_tokens):
+        return False
+    cache.free(0)
+    return True
 
 
 def test_a_budget_too_small_to_compress_holds_one_sequence_as_far_as_its_bytes_do():
@@ -43,15 +51,15 @@ def test_a_budget_too_small_to_compress_holds_one_sequence_as_far_as_its_bytes_d
     allocated in a fresh cache; no length fits whose bytes do not."""
     probe = make(1 << 22)
     for tokens in (5, 12, 20):
-        budget = probe.sequence_bytes(tokens) + probe.fast_chunk_bytes + 100
+        budget = probe.memory.sequence_bytes(tokens) + probe.fast_chunk_bytes + 100
         cache = make(budget)
         for n in range(1, 60):
-            fits = cache.fits_together([n])
-            if cache.sequence_bytes(n) <= budget - cache.fast_chunk_bytes:
+            fits = cache.memory.fits_together([n])
+            if cache.memory.sequence_bytes(n) <= budget - cache.fast_chunk_bytes:
                 assert fits, (tokens, n)
             if fits:
-                assert cache.sequence_bytes(n) <= budget and cache.can_allocate(0, n), (tokens, n)
-        assert cache.fits_together([tokens]) and not cache.fits_together([40])
+                assert cache.memory.sequence_bytes(n) <= budget and _allocates(cache, n), (tokens, n)
+        assert cache.memory.fits_together([tokens]) and not cache.memory.fits_together([40])
 
 
 @pytest.mark.parametrize("budget", [200_000, 1 << 22])
@@ -64,11 +72,11 @@ def test_the_default_split_holds_a_long_sequence_or_many_short_ones(budget):
     cache, long = make(budget), make(budget, ",split_context=200")
     half = (budget - cache.fast_chunk_bytes) // 2
     for n in range(1, 400, 7):
-        if cache.sequence_bytes(n) <= half:
-            assert cache.fits_together([n]) and cache.can_allocate(0, n), n
-    k = max(1, half // cache.sequence_bytes(24) // 4)
-    assert cache.fits_together([24] * k)
-    assert not long.fits_together([24] * (budget // cache.sequence_bytes(24)))
+        if cache.memory.sequence_bytes(n) <= half:
+            assert cache.memory.fits_together([n]) and _allocates(cache, n), n
+    k = max(1, half // cache.memory.sequence_bytes(24) // 4)
+    assert cache.memory.fits_together([24] * k)
+    assert not long.memory.fits_together([24] * (budget // cache.memory.sequence_bytes(24)))
 
 
 @pytest.mark.parametrize("budget", [1 << 20, 1 << 22, 1 << 24])
@@ -80,7 +88,7 @@ def test_compressed_sequences_of_any_length_run_out_of_state_before_chunk_pages(
     page_bytes = cache.store.num_pages * cache.fast_chunk_bytes  # type: ignore[union-attr]
     checked = 0
     for n in (24, 48, 100, 400, 1000, 5000):
-        parts = cache._sequence_parts(n)
+        parts = cache.memory.sizes.sequence_parts(n)
         by_state = cache.split.fixed // parts["fixed"]
         assert page_bytes // parts["chunks"] >= by_state, n
         checked += by_state > 0
@@ -95,7 +103,7 @@ def test_allocate_keeps_each_store_within_its_share():
     while admitted < 100 and cache.allocate(admitted, 20):  # exact sequences (below min_context)
         admitted += 1
     assert 0 < admitted < 100
-    assert cache.memory_usage()["fast"] + cache.sequence_bytes(20) <= cache.memory_capacity()["fast"]
+    assert cache.memory_usage()["fast"] + cache.memory.sequence_bytes(20) <= cache.memory.capacity["fast"]
     inner = [c for c in (cache.exact, cache.sliding) if c is not None]
     assert any(c.pages.pool.num_free < c.pages.pages_for_growth(admitted, 20) for c in inner)
 

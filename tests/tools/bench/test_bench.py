@@ -15,8 +15,8 @@ import torch
 from kvforge.cli import main
 from kvforge.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from kvforge.errors import ConfigError
-from kvforge.tools.bench import common, peak
-from kvforge.tools.bench.common import parse_compare, unique_names
+from kvforge.tools.bench import common, measure, peak
+from kvforge.tools.bench.compare import parse_compare
 from kvforge.tools.bench.flops import (
     KVReadModel,
     attention_flops,
@@ -26,6 +26,7 @@ from kvforge.tools.bench.flops import (
     prefill_flops,
     weight_bytes_per_step,
 )
+from kvforge.tools.bench.systems import System, unique_names
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -216,9 +217,9 @@ def test_every_cpu_kernel_is_built_before_the_first_system_runs(monkeypatch, cap
                                                   "b": lambda: events.append("build b") or False})
     monkeypatch.setattr(peak, "measure_peak",
                         lambda dtype, device=None: events.append("peak") or peak.MachinePeak(1.0, 8, "float32", 1.0, 1))
-    ctx = SimpleNamespace(dtype=torch.float32, device="cpu", systems=[common.System("s", "kvforge")],
+    ctx = SimpleNamespace(dtype=torch.float32, device="cpu", systems=[System("s", "kvforge")],
                           args=SimpleNamespace(repeats=1, rounds=1))
-    results = common.run_systems(ctx, {"kvforge": lambda ctx, system: events.append("run") or {"x": 1}})
+    results = measure.run_systems(ctx, {"kvforge": lambda ctx, system: events.append("run") or {"x": 1}})
     assert events == ["build a", "build b", "peak", "run"]
     assert results == [{"name": "s", "kind": "kvforge", "x": 1}]
     err = capsys.readouterr().err
@@ -251,9 +252,9 @@ def test_admissible_sequences_counts_every_store_of_a_split_budget():
 
     layout = CacheLayout.one_per_layer([CacheLayerSpec(2, 32, 0.2)] * 2)
     full = create_cache("full", layout, 1 << 22, torch.float32)
-    assert admissible_sequences(full, 100) == (1 << 22) // full.sequence_bytes(100)
+    assert admissible_sequences(full, 100) == (1 << 22) // full.memory.sequence_bytes(100)
     kivi = create_cache("kivi:max_sequences=2", layout, 1 << 22, torch.float32)
-    assert kivi.memory_capacity()["fast"] // kivi.sequence_bytes(100) > 2
+    assert kivi.memory.capacity["fast"] // kivi.memory.sequence_bytes(100) > 2
     assert admissible_sequences(kivi, 100) == 2
 
 
@@ -299,7 +300,7 @@ def test_decode_attention_work_matches_hand_computation():
     # one layer per page group; a page = 2 tokens x (K, V) x 2 heads x 4 dims x 4 bytes = 128 bytes.
     # 5 tokens: global layer ceil(5/2) = 3 pages, sliding layer window - 1 = 2 kept tokens in
     # 1 page + 1 page of slack = 2 pages; 2 tokens: 1 + (1 + 1) pages
-    assert cache.sequence_bytes(5) == 5 * 128 and cache.sequence_bytes(2) == 3 * 128
+    assert cache.memory.sequence_bytes(5) == 5 * 128 and cache.memory.sequence_bytes(2) == 3 * 128
     num_bytes, flops = decode_attention_work(cache, config, {5: 2, 2: 1})
     assert num_bytes == 2 * 5 * 128 + 3 * 128
     # 64 FLOPs per (key, layer): 5 keys see 3 (sliding) + 5 (global); 2 keys see 2 + 2
@@ -353,7 +354,7 @@ def test_throughput_splits_each_kvforge_decode_step(tiny_bench, tmp_path, capsys
             assert system[f"{kind}_ms_per_step"] == pytest.approx(system[f"{kind}_seconds"] / system[f"{kind}_steps"] * 1e3)
             assert system[f"{kind}_linear_ms"] > 0 and system[f"{kind}_attention_ms"] > 0  # the timer records
         cache = create_cache(system["name"].removeprefix("kvforge[").removesuffix("]"), layout, 4 << 20, torch.float32)
-        assert system["attention_bytes_per_decode_step"] == sum(cache.sequence_bytes(n) for n in (17, 18, 19))
+        assert system["attention_bytes_per_decode_step"] == sum(cache.memory.sequence_bytes(n) for n in (17, 18, 19))
         # 2 layers x 4 heads x 16 dims x 4 FLOPs per key; 3 sequences once at 17, 18 and 19 keys
         assert system["attention_flops_per_decode_step"] == 2 * 4 * 16 * 4 * (17 + 18 + 19)
         assert decode_attention_work(cache, tiny_bench.config, {17: 3, 18: 3, 19: 3}) == (
@@ -428,14 +429,13 @@ def test_a_gpu_peak_is_not_reprobed_on_the_cpu(monkeypatch):
 def test_run_systems_probes_the_read_bandwidth_again_after_the_last_system(monkeypatch):
     from types import SimpleNamespace
 
-    from kvforge.tools.bench import common
     events = []
     first = peak.MachinePeak(1.0, 8, "float32", 30.0, 1, read_passes_gbps=(30.0,), read_gbps_before=30.0)
-    monkeypatch.setattr(common, "start_measuring", lambda ctx: events.append("start") or setattr(ctx, "peak", first))
-    monkeypatch.setattr(common, "measure_systems", lambda ctx, runners: events.append("systems") or [])
+    monkeypatch.setattr(measure, "start_measuring", lambda ctx: events.append("start") or setattr(ctx, "peak", first))
+    monkeypatch.setattr(measure, "measure_systems", lambda ctx, runners: events.append("systems") or [])
     monkeypatch.setattr(peak, "measure_read_passes", lambda passes=peak.READ_PASSES: events.append("after") or [20.0])
     ctx = SimpleNamespace(peak=None)
-    common.run_systems(ctx, {})
+    measure.run_systems(ctx, {})
     assert events == ["start", "systems", "after"]
     assert (ctx.peak.read_gbps_after, ctx.peak.read_gbps, ctx.peak.read_passes_gbps) == (20.0, 30.0, (30.0, 20.0))
 
@@ -445,7 +445,7 @@ def test_rounds_alternate_the_order_of_systems_and_merge_their_runs():
     round (the upper of an even count), with every round's repeat times kept in order."""
     from types import SimpleNamespace
 
-    from kvforge.tools.bench.common import System, measure_systems
+    from kvforge.tools.bench.measure import measure_systems
 
     calls: list[str] = []
     seconds = {"A": iter([3.0, 1.0, 2.0]), "B": iter([5.0, 6.0, 4.0])}

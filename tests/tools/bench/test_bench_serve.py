@@ -10,18 +10,16 @@ import math
 import pytest
 from server_helpers import char_tokenizer, make_engine, serve, tiny_model
 
-from kvforge.config import ModelConfig
+from kvforge.cli import build_parser
 from kvforge.errors import ConfigError
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.tools.bench import serve as bench_serve
-from kvforge.tools.bench.cli import add_bench_parser
 from kvforge.tools.bench.serve_client import RequestRecord, poisson_schedule
 from kvforge.tools.bench.serve_stats import SLO, distribution_ms, step_split, summarize
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_bench_parser(parser.add_subparsers(dest="verb"))
-    return parser.parse_args(["bench", "serve", *argv])
+    return build_parser(["bench"]).parse_args(["bench", "serve", *argv])
 
 
 def test_poisson_schedule_is_seeded_and_has_the_rate():
@@ -79,7 +77,7 @@ def test_step_split_per_decode_step():
 def tiny_sources(monkeypatch):
     """The bench's model lookups answered by the tiny model's tokenizer and config."""
     tokenizer = char_tokenizer()
-    config = ModelConfig.from_hf_dict({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+    config = config_from_hf_dict({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
                                        "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
                                        "num_hidden_layers": 2, "max_position_embeddings": 512})
     monkeypatch.setattr(bench_serve, "resolve_model_source", lambda name: name)
@@ -123,7 +121,7 @@ def test_bad_options_fail_before_any_server(tiny_sources):
 def test_each_server_runs_the_model_its_system_names():
     """`SPEC@DIR` starts its server on that SwiftKV checkpoint; `SPEC@base` and the base
     system on the base model; plain specs on --swiftkv's model."""
-    from kvforge.tools.bench.common import parse_compare
+    from kvforge.tools.bench.compare import parse_compare
 
     args = parse(["--swiftkv", "ckpt/l15", "--compare", "full@ckpt/g5,full@base,kivi"])
     g5, base, kivi = parse_compare(args.compare, swiftkv=args.swiftkv)

@@ -19,14 +19,14 @@ import pytest
 
 from kvforge.cli import main
 from kvforge.errors import ConfigError
-from kvforge.tools.bench import llamacpp_peer
-from kvforge.tools.bench.common import parse_compare
+from kvforge.tools.bench import llamacpp_option, llamacpp_peer
+from kvforge.tools.bench.compare import parse_compare
 
 
 @pytest.fixture
 def installed(monkeypatch):
     """Parsing as if llama-cpp-python were installed (nothing is imported by parsing)."""
-    monkeypatch.setattr(llamacpp_peer, "installed", lambda: True)
+    monkeypatch.setattr(llamacpp_option, "installed", lambda: True)
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -38,7 +38,7 @@ def test_names_parse_to_weights_and_systems(installed):
         ("llama.cpp[f16]", "llama.cpp", "f16"), ("hf", "hf", None),
         ("llama.cpp[as-shipped]", "llama.cpp", "as-shipped"), ("llama.cpp[bf16]", "llama.cpp", "bf16"),
         ("llama.cpp[f32]", "llama.cpp", "f32"), ("kvforge[full]", "kvforge", None)]
-    assert llamacpp_peer.is_peer("llama.cpp:f16") and not llamacpp_peer.is_peer("llama.cppx")
+    assert llamacpp_option.is_peer("llama.cpp:f16") and not llamacpp_option.is_peer("llama.cppx")
 
 
 @pytest.mark.parametrize("text", ["llama.cpp:q4_1", "llama.cpp:", "llama.cpp:F16", "llama.cpp:f16,bits=2"])
@@ -64,7 +64,7 @@ def test_other_verbs_refuse_the_peer_before_loading(installed, verb, capsys):
 @pytest.mark.parametrize("verb", ["prefill", "decode"])
 def test_missing_llama_cpp_says_how_to_install_it(monkeypatch, verb, capsys):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # find_spec and import both see no module
-    assert not llamacpp_peer.installed()
+    assert not llamacpp_option.installed()
     assert main(["bench", verb, "--compare", "llama.cpp"]) == 2
     err = capsys.readouterr().err
     assert "pip install -e '.[peers]'" in err and "compiling llama.cpp" in err
@@ -72,13 +72,13 @@ def test_missing_llama_cpp_says_how_to_install_it(monkeypatch, verb, capsys):
 
 def test_the_peer_needs_a_gguf_model_on_the_cpu(installed):
     systems = parse_compare("full,llama.cpp", llama_cpp=True)
-    llamacpp_peer.check_run(systems, "gguf", "cpu")
+    llamacpp_option.check_run(systems, "gguf", "cpu")
     with pytest.raises(ConfigError, match="needs a GGUF model"):
-        llamacpp_peer.check_run(systems, "hf_dir", "cpu")
+        llamacpp_option.check_run(systems, "hf_dir", "cpu")
     with pytest.raises(ConfigError) as info:
-        llamacpp_peer.check_run(systems, "gguf", "cuda")
+        llamacpp_option.check_run(systems, "gguf", "cuda")
     assert info.value.parameter == "device" and info.value.value == "cuda"
-    llamacpp_peer.check_run(parse_compare("full"), "hf_dir", "cuda")  # no llama.cpp system, nothing to check
+    llamacpp_option.check_run(parse_compare("full"), "hf_dir", "cuda")  # no llama.cpp system, nothing to check
 
 
 def test_only_llama_cpp_errors_reach_stderr(capsys):

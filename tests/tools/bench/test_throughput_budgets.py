@@ -16,7 +16,8 @@ from kvforge.cli import main
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.errors import ConfigError
 from kvforge.tools.bench import common, peak
-from kvforge.tools.bench.common import parse_budgets, parse_compare
+from kvforge.tools.bench.common import parse_budgets
+from kvforge.tools.bench.compare import parse_compare
 from kvforge.tools.bench.merge_all_layers import MergedLayersCache, merged_layout
 from kvforge.tools.bench.throughput import admissible_sequences
 from kvforge.tools.report.render import render_document
@@ -99,7 +100,7 @@ def test_one_step_prompt_equals_the_base_model_and_the_budget_holds_layers_times
     merged = ModelRunner(model, merged_cache)
     item = StepItem(0, prompt, num_logits=len(prompt))
     assert torch.equal(merged.step([item]), base.step([item]))
-    assert merged_cache.kv_bytes_per_token() * 3 == base.cache.kv_bytes_per_token()
+    assert merged_cache.memory.kv_bytes_per_token() * 3 == base.cache.memory.kv_bytes_per_token()
     budget = 3 * 64 * 3 * 2 * 2 * 16 * 4  # three 64-token sequences: layers x (K, V) x heads x dims x fp32
     budget_cache = create_cache("full:block_size=4", model.cache_layout(), budget, torch.float32)
     merged_budget = MergedLayersCache(create_cache("full:block_size=4", merged_layout(model.cache_layout()), budget,

@@ -34,5 +34,5 @@ def test_table_sorts_by_bits_marks_the_front_and_lists_the_residual():
     assert lines[2].startswith("| kvforge[kivi:bits=2,x] | 3.10 |")  # beaten on both axes
     assert lines[3].startswith("| kvforge[full] * | 32.00 | - | 10.000 | +0.00% |")
     assert len(lines) == 4
-    assert "3 windows of 2048 tokens" in text and "(docs/results/eval/p.json)" in text
-    assert "(docs/results/eval/q.json)" in text and "r.json" not in text
+    assert "3 windows of 2048 tokens" in text and "(results/eval/p.json)" in text
+    assert "(results/eval/q.json)" in text and "r.json" not in text

@@ -45,7 +45,7 @@ def test_front_ranks_and_bytes_follow_the_rule_and_the_accounting(tmp_path):
     assert auto["ranks"] == [max(16, r) for r in expected] and expected[0] < expected[1]
     assert fixed["ranks"] == [32, 32]
     cache = create_cache("shadowkv:rank=32", _layout(model), 1 << 30, torch.float32, "cpu")
-    assert fixed["fast_bytes"] == cache.compressed_global_bytes(4096, 32)
+    assert fixed["fast_bytes"] == cache.memory.compressed_global_bytes(4096, 32)
     assert doc["full"]["global_bytes"] == 2 * 4096 * 2 * width * 4  # K and V of both layers, fp32
     assert fixed["times_smaller"] == pytest.approx(doc["full"]["global_bytes"] / fixed["fast_bytes"])
     assert auto["delta_pct"] == pytest.approx(10.0)
@@ -153,7 +153,7 @@ def test_rank_attention_rows_take_their_measured_ranks_and_need_them(tmp_path):
     row = front(model, spectra, full, runs, rank_file=measured)["systems"][0]
     assert row["ranks"] == [24, 40]  # the default attention_error: one setting, two spellings
     cache = create_cache("shadowkv:rank=attention", _layout(model), 1 << 30, torch.float32, "cpu")
-    assert row["fast_bytes"] == cache.compressed_global_bytes(4096, [24, 40])
+    assert row["fast_bytes"] == cache.memory.compressed_global_bytes(4096, [24, 40])
     with pytest.raises(ConfigError, match="ranks"):
         front(model, spectra, full, runs)  # no measurement: refused, not guessed from the spectra
     with pytest.raises(ConfigError, match="ranks"):

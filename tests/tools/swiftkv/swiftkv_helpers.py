@@ -8,7 +8,8 @@ import torch
 import transformers
 from conftest import TINY, make_pair
 
-from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.config import SwiftKVConfig
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.models.registry import build_model
 from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
 
@@ -73,6 +74,6 @@ def qwen2_pair(layers: int, seed: int = 3):
         for name, p in hf.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.copy_(torch.randn_like(p) * 0.2 + (1.0 if "norm" in name else 0.0))
-    base = build_model(ModelConfig.from_hf_dict(hf_config.to_dict()))
+    base = build_model(config_from_hf_dict(hf_config.to_dict()))
     base.load_hf_state_dict(hf.state_dict())
     return hf, base

@@ -13,10 +13,11 @@ from safetensors.torch import load_file, save_file
 from swiftkv_helpers import swiftkv_model
 
 from kvforge.cli import main
-from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.config import SwiftKVConfig
 from kvforge.engine.runner import StepItem
 from kvforge.errors import ConfigError, ModelLoadError
 from kvforge.models.dense import dense_logits
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.models.loader import load_model
 from kvforge.models.swiftkv_checkpoint import (
     hf_config_dict,
@@ -194,7 +195,7 @@ def test_qwen2_sliding_layers_read_back_layer_for_layer():
                      + ("sliding_attention",) * 2, swiftkv=SwiftKVConfig(2, 2))
     hf = hf_config_dict(config)
     assert (hf["use_sliding_window"], hf["max_window_layers"], hf["sliding_window"]) == (True, 2, 6)
-    assert ModelConfig.from_hf_dict(hf) == replace(config, model_type="qwen2_swiftkv")
+    assert config_from_hf_dict(hf) == replace(config, model_type="qwen2_swiftkv")
 
 
 def test_an_out_projection_bias_alone_is_refused():

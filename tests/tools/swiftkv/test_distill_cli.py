@@ -68,7 +68,7 @@ def test_recipe_file_flags_and_written_recipe_agree(tmp_path):
     from kvforge.cli import build_parser
     from kvforge.tools.swiftkv.recipe import recipe_from_args
 
-    args = build_parser().parse_args(["swiftkv", "distill", "--recipe", str(path), "--seq-len", "64", "--out", "b"])
+    args = build_parser(["swiftkv"]).parse_args(["swiftkv", "distill", "--recipe", str(path), "--seq-len", "64", "--out", "b"])
     recipe = recipe_from_args(args)
     assert (recipe.num_key_value_layers, recipe.learning_rate, recipe.seq_len, recipe.bf16, recipe.out) == \
         (22, 2e-4, 64, True, "b")  # flags override the file; YAML's "2e-4" string is a number

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvforge.cli import main
-from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.config import SwiftKVConfig
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.tools.bench.flops import prefill_flops
 from kvforge.tools.swiftkv.flops import flops_table, prompt_token_flops
 
@@ -18,7 +19,7 @@ LLAMA_70B = json.loads((Path(__file__).parents[3] / "examples" / "llama-3.1-70b-
 
 
 def test_llama_70b_matches_the_paper_within_5_percent():
-    config = ModelConfig.from_hf_dict(LLAMA_70B)
+    config = config_from_hf_dict(LLAMA_70B)
     rows = flops_table(config, 131072, [SwiftKVConfig(60), SwiftKVConfig(40), SwiftKVConfig(40, 4)])
     paper = [302, 228, 154, 153]  # GFLOP per prompt token, SwiftKV paper Table 1
     for row, expected in zip(rows, paper):
@@ -27,7 +28,7 @@ def test_llama_70b_matches_the_paper_within_5_percent():
 
 
 def test_parts_by_hand_on_a_small_config():
-    config = ModelConfig.from_hf_dict(dict(model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=6,
+    config = config_from_hf_dict(dict(model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=6,
                                            num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
                                            max_position_embeddings=64))
     base = prompt_token_flops(config, context=3)
@@ -39,7 +40,7 @@ def test_parts_by_hand_on_a_small_config():
 
 
 def test_bench_prefill_flops_of_a_swiftkv_model():
-    config = ModelConfig.from_hf_dict(LLAMA_70B)
+    config = config_from_hf_dict(LLAMA_70B)
     base = prefill_flops(config, 1000)
     half = prefill_flops(replace(config, swiftkv=SwiftKVConfig(40)), 1000)
     assert half.lm_head == base.lm_head

@@ -11,11 +11,12 @@ import torch
 from conftest import make_pair, make_runner
 from swiftkv_helpers import GEMMA3_MIXED_TYPES, gemma3_across_kv_pair, qwen2_pair, swiftkv_model
 
-from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.config import SwiftKVConfig
 from kvforge.engine.runner import StepItem
 from kvforge.errors import ConfigError
 from kvforge.models.dense import dense_logits
 from kvforge.models.gemma3_swiftkv import Gemma3SwiftKVForCausalLM
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.models.loader import load_model
 from kvforge.models.swiftkv_checkpoint import hf_config_dict, initial_swiftkv_tensors, write_checkpoint
 
@@ -146,7 +147,7 @@ def test_gemma3_checkpoint_loads_back_identical(tmp_path):
     hf = hf_config_dict(model.config)
     assert (hf["model_type"], hf["architectures"]) == ("gemma3_text_swiftkv", ["Gemma3SwiftKVForCausalLM"])
     assert hf["layer_types"] == list(GEMMA3_MIXED_TYPES) and hf["rope_local_base_freq"] == 10000.0
-    assert ModelConfig.from_hf_dict(hf) == replace(model.config, model_type="gemma3_text_swiftkv")
+    assert config_from_hf_dict(hf) == replace(model.config, model_type="gemma3_text_swiftkv")
     write_checkpoint(tmp_path / "gemma3", model.config, model.state_dict(), torch.float32)
     loaded, _ = load_model(tmp_path / "gemma3")
     assert loaded.state_dict().keys() == model.state_dict().keys()

@@ -101,8 +101,8 @@ def test_across_kv_cache_bytes_drop_by_the_exact_fraction():
     budget = 1 << 20
     from kvforge.cache.registry import create_cache
 
-    base_bytes = create_cache("full", base.cache_layout(), budget, torch.float32).kv_bytes_per_token()
-    swift_bytes = create_cache("full", model.cache_layout(), budget, torch.float32).kv_bytes_per_token()
+    base_bytes = create_cache("full", base.cache_layout(), budget, torch.float32).memory.kv_bytes_per_token()
+    swift_bytes = create_cache("full", model.cache_layout(), budget, torch.float32).memory.kv_bytes_per_token()
     layers, first, group = 5, 1, 2
     assert 1 - swift_bytes / base_bytes == pytest.approx((layers - first) * (1 - 1 / group) / layers)
 

@@ -28,9 +28,9 @@ def test_cache_layer_and_leader_tables(first_later, g, cache_layers, leaders):
 
 
 def test_the_model_layout_follows_the_table():
-    from kvforge.config import ModelConfig
+    from kvforge.models.hf_config import config_from_hf_dict
 
-    config = ModelConfig.from_hf_dict({"model_type": "llama_swiftkv", "vocab_size": 32, "hidden_size": 16,
+    config = config_from_hf_dict({"model_type": "llama_swiftkv", "vocab_size": 32, "hidden_size": 16,
                                        "intermediate_size": 24, "num_attention_heads": 4, "num_key_value_heads": 2,
                                        "num_hidden_layers": 8, "max_position_embeddings": 64,
                                        "swiftkv": True, "num_key_value_layers": 2, "key_value_group_size": 3})

@@ -11,8 +11,9 @@ all of them.
 bf16 queries over bf16 pages take a bf16 dot-product path where the CPU has AVX512-BF16
 (head dims 64, 128, 256): vdpbf16ps for q.k and for P V, float32 softmax, weights rounded
 to bf16 once (the precision of ATen's bf16 flash attention; cpu_bf16_attention.h). It
-needs about half the instructions per row of the widening float path: on scattered pages
-it measured 1.2-1.5x faster, on ascending pages (memory-bound) the same. The float path
+needs about half the instructions per row of the widening float path, which pays on
+scattered pages and not on ascending ones, where the kernel waits on memory
+(docs/benchmarks.md#measurements-behind-design-choices). The float path
 stays the reference: `bf16_dot(False)` turns the dot path off for the process.
 
 The kernel is built lazily by `cpu_kernels_available()` with

@@ -16,89 +16,29 @@ decode kernel (parity-tested against the PyTorch path).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from kvforge.batch import ForwardBatch, SequenceSpan
-from kvforge.cache.attention import (
-    chunk_attention,
-    decode_attention,
-    gathered_decode_attention,
-    hidden_slots,
-    select_pages,
-)
-from kvforge.cache.base import CacheMethod, PagedPoolMemory
+from kvforge.batch import ForwardBatch
+from kvforge.cache.attention import chunk_attention, decode_attention, gathered_decode_attention, select_pages
+from kvforge.cache.base import CacheMethod
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.full.config import STORAGE_DTYPES, FullCacheConfig
 from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
 from kvforge.cache.full.fp8 import SCALE_BYTES, SCALE_DTYPE, dequantize, is_fp8, quantize_per_token
+from kvforge.cache.full.fused_target import FullFusedTarget
+from kvforge.cache.full.memory import PagedMemorySpec
+from kvforge.cache.full.plan import DecodePlan, FullStepMetadata, RowQueries, locate_rows, plan_step
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
 from kvforge.errors import ConfigError
 from kvforge.rope import PositionedRope
-from kvforge.step_plan import upload
-
-
-@dataclass(frozen=True)
-class _DecodePlan:
-    seq_ids: tuple[int, ...]
-    rows: torch.Tensor  # [B] rows of the batch with a single new token
-    page_table: torch.Tensor  # [B, P]
-    first_page_position: torch.Tensor  # [B]
-    visible_from: torch.Tensor  # [B]
-    visible_to: torch.Tensor  # [B] == cached_len
-    # True when the step is decode only and `rows` is 0..B-1: q, k and v then need no
-    # gather and the kernel's output is the layer's output (no scatter).
-    every_row: bool
-    # Host-side: the batch's tables padded to the widest hold at most twice the real pages
-    # (plus one per sequence), so a gather of the padded table stays proportional to the cache.
-    compact_tables: bool
-    slots: int  # page_table's width in token slots (pages x block size)
-
-    @functools.cached_property
-    def hidden(self) -> torch.Tensor:
-        """The gathered path's mask, `hidden_slots` [B, slots]: made on first use, so once per
-        step for all of the group's layers (plans are rebuilt every step)."""
-        return hidden_slots(self.first_page_position, self.visible_from, self.visible_to, self.slots)
-
-
-@dataclass(frozen=True)
-class _PrefillPlan:
-    span: SequenceSpan
-    pages: torch.Tensor  # pages holding the visible past, in order
-    past_from: int  # first visible past position
-    first_page_position: int
-
-
-@dataclass(frozen=True)
-class _RowQueries:
-    """attend_rows of a step: where each sequence's queries are among the requested rows,
-    and for the decode plan's sequences the row each reads and writes, and whether it has one."""
-    queries: dict[int, tuple[int, int]]  # seq -> (first row in q, count)
-    read: torch.Tensor  # [B]
-    write: torch.Tensor  # [B] (rows requested: the spare row past them)
-    keep: torch.Tensor  # [B, 1, 1] bool
-
-
-@dataclass(frozen=True)
-class _GroupPlan:
-    write_rows: torch.Tensor | None  # rows stored in this group (None: all rows)
-    write_slots: torch.Tensor  # flat slot (page * block + offset) per stored row
-    decode: _DecodePlan | None
-    prefills: tuple[_PrefillPlan, ...]
-
-
-# What the fused decoder-layer op does in place of a layer's write + attend: a subclass or an
-# instance that replaces one of these gets the eager layers (fused_decode_target is None).
-_FUSED_METHODS = ("write", "attend", "_attend", "_store_rows", "_decode_attention")
 
 
 @register_cache_method("full", FullCacheConfig)
-class FullCache(PagedPoolMemory, CacheMethod):
+class FullCache(CacheMethod[FullStepMetadata]):
     def __init__(self, layout: CacheLayout, config: FullCacheConfig, budget_bytes: int,
                  compute_dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(layout, compute_dtype, device)
@@ -110,8 +50,8 @@ class FullCache(PagedPoolMemory, CacheMethod):
         self.fp8 = is_fp8(self.storage_dtype)
         # K and V rows of one token and layer (plus their scales when float8)
         row_bytes = layout.head_dim * element + (SCALE_BYTES if self.fp8 else 0)
-        self._token_layer_bytes = 2 * layout.num_kv_heads * row_bytes
-        self.page_bytes = self.groups.group_size * self.block_size * self._token_layer_bytes
+        token_layer_bytes = 2 * layout.num_kv_heads * row_bytes
+        self.page_bytes = self.groups.group_size * self.block_size * token_layer_bytes
         num_pages = budget_bytes // self.page_bytes
         minimum = self.groups.num_groups * self.page_bytes
         if num_pages < self.groups.num_groups:
@@ -120,6 +60,8 @@ class FullCache(PagedPoolMemory, CacheMethod):
                 f"must hold at least one block per layer group: {self.groups.num_groups} group(s) x "
                 f"{self.page_bytes} bytes = {minimum} bytes (block_size={self.block_size})")
         self.budget_bytes = budget_bytes
+        self.memory = PagedMemorySpec(layout.num_cache_layers, self.groups, self.block_size, token_layer_bytes,
+                                      self.page_bytes, num_pages)
         self.pages = PageTable(BlockPool(num_pages), self.block_size, self.groups)
         shape = (self.groups.group_size, layout.num_kv_heads, num_pages, self.block_size, layout.head_dim)
         self.k_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
@@ -127,25 +69,19 @@ class FullCache(PagedPoolMemory, CacheMethod):
         # float8: the scale of each stored row [group_size, kv_heads, num_pages, block]
         self.k_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None
         self.v_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None
-        self._plans: list[_GroupPlan] = []
-        cls = type(self)
-        # fused_decode_target's static conditions: 16/32-bit pages read by the CPU kernel,
-        # and write/attend as defined here (a subclass that changes them is not what the
-        # fused op does).
-        self._fusable_writes = (self.k_scales is None and self.config.decode_kernel == "auto"
-                                and self.device.type == "cpu"
-                                and all(getattr(cls, name) is _FUSED_ORIGINALS[name] for name in _FUSED_METHODS))
-        self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # attend_rows: the rows, and where each sequence's queries are (None: not trailing
-        # runs), located once per step
-        self._row_queries: tuple[torch.Tensor, _RowQueries | None] | None = None
 
-    # -- memory accounting ------------------------------------------------------------
-    def bytes_per_token(self, cache_layer: int) -> float:
-        return float(self._token_layer_bytes)
+    # -- allocator --------------------------------------------------------------------
+    def allocate(self, seq_id: int, num_tokens: int) -> bool:
+        return self.pages.allocate(seq_id, num_tokens)
 
-    def sequence_bytes(self, num_tokens: int) -> int:
-        return self.pages.max_pages_per_sequence(num_tokens) * self.page_bytes
+    def free(self, seq_id: int) -> None:
+        self.pages.free(seq_id)
+
+    def num_cached_tokens(self, seq_id: int) -> int:
+        return self.pages.num_tokens(seq_id)
+
+    def memory_usage(self) -> dict[str, int]:
+        return {"fast": self.pages.pool.num_used * self.page_bytes, "slow": 0}
 
     def statistics(self) -> dict[str, float]:
         pool = self.pages.pool
@@ -171,40 +107,21 @@ class FullCache(PagedPoolMemory, CacheMethod):
     def forget_prefixes(self) -> None:
         self.pages.pool.forget_cached()
 
-    # -- sequences --------------------------------------------------------------------
-    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
-        return self.pages.can_allocate(seq_id, num_tokens)
-
-    def allocate(self, seq_id: int, num_tokens: int) -> bool:
-        return self.pages.allocate(seq_id, num_tokens)
-
-    def free(self, seq_id: int) -> None:
-        self.pages.free(seq_id)
-
-    def num_cached_tokens(self, seq_id: int) -> int:
-        return self.pages.num_tokens(seq_id)
-
     # -- step -------------------------------------------------------------------------
-    def begin_step(self, batch: ForwardBatch) -> None:
-        super().begin_step(batch)
-        # Planned on the host, then one copy to the device: no transfer inside the layer loop.
-        self._plans = upload([self._plan_group(group, batch) for group in range(self.groups.num_groups)],
-                             self.device)
-        self._step_kv = {}
-        self._row_queries = None
+    def begin_step(self, batch: ForwardBatch) -> FullStepMetadata:
+        self.check_batch(batch)
+        return plan_step(self.pages, batch, self.device)
 
-    def end_step(self, batch: ForwardBatch) -> None:
-        for span in batch.spans:
+    def end_step(self, meta: FullStepMetadata) -> None:
+        for span in meta.batch.spans:
             self.pages.commit(span.seq_id, span.total_len)
-        self._plans = []
-        self._step_kv = {}
 
-    def write(self, cache_layer: int, batch: ForwardBatch, k_pre: torch.Tensor, v: torch.Tensor,
+    def write(self, cache_layer: int, meta: FullStepMetadata, k_pre: torch.Tensor, v: torch.Tensor,
               rope: PositionedRope) -> None:
         k = rope.apply(k_pre)
-        self._step_kv[cache_layer] = (k, v)
+        meta.step_kv[cache_layer] = (k, v)
         group, index = self.groups.slot_of[cache_layer]
-        plan = self._plans[group]
+        plan = meta.groups[group]
         if plan.write_rows is not None:
             k, v = k[plan.write_rows], v[plan.write_rows]
         for store, scales, values in ((self.k_store, self.k_scales, k), (self.v_store, self.v_scales, v)):
@@ -225,64 +142,48 @@ class FullCache(PagedPoolMemory, CacheMethod):
         flat.view(torch.uint8).index_copy_(1, slots, codes.view(torch.uint8))
         scales.view(heads, -1).index_copy_(1, slots, row_scales)
 
-    def fused_decode_target(self, cache_layer: int) -> tuple | None:
-        """(k_pages, v_pages, write_slots, page_table, first_page_position, visible_from,
-        visible_to, scale) of this layer for the fused decoder-layer op, when the step is
-        decode only with every row a sequence in order (so `write` would store every row at
-        `write_slots` and `attend` would call the CPU kernel on the whole batch), the pages are
-        16/32-bit and the kernel is used; else None. The op then does exactly what `write`
-        and `attend` would (bitwise), so nothing of this layer is left in `_step_kv`."""
-        if not self._fusable_writes or any(name in self.__dict__ for name in _FUSED_METHODS):
-            return None  # (a method replaced on this instance, e.g. by a capture hook: eager)
+    def fused_decode_target(self, cache_layer: int, meta: FullStepMetadata) -> FullFusedTarget | None:
+        """The layer's pages and its group's plan when the step is decode only with every row
+        a sequence in order (so `write` would store every row at `write_slots` and `attend`
+        would call the CPU kernel on the whole batch), the pages are 16/32-bit and the CPU
+        kernel is used; else None. The op then does exactly what `write` and `attend` would
+        (bitwise), so nothing of this layer is left in `meta.step_kv`."""
+        if (self.k_scales is not None or self.config.decode_kernel != "auto" or self.device.type != "cpu"
+                or not cpu_kernels_available()):
+            return None
         group, index = self.groups.slot_of[cache_layer]
-        plan = self._plans[group]
+        plan = meta.groups[group]
         d = plan.decode
-        if d is None or not d.every_row or plan.write_rows is not None or not cpu_kernels_available():
+        if d is None or not d.every_row or plan.write_rows is not None:
             return None
-        return (self.k_store[index], self.v_store[index], plan.write_slots, d.page_table, d.first_page_position,
-                d.visible_from, d.visible_to, self.layout.specs[cache_layer].scale)
+        return FullFusedTarget(self.k_store[index], self.v_store[index],
+                               (plan.write_slots, d.page_table, d.first_page_position, d.visible_from, d.visible_to),
+                               (self.layout.specs[cache_layer].scale,))
 
-    def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
+    def attend(self, cache_layer: int, meta: FullStepMetadata, q: torch.Tensor,
                rope: PositionedRope) -> torch.Tensor:
-        queries = {span.seq_id: (span.query_start, span.query_len) for span in batch.spans}
-        return self._attend(cache_layer, q, queries)
+        queries = {span.seq_id: (span.query_start, span.query_len) for span in meta.batch.spans}
+        return self._attend(cache_layer, meta, q, queries)
 
-    def attend_rows(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor, rope: PositionedRope,
+    def attend_rows(self, cache_layer: int, meta: FullStepMetadata, q: torch.Tensor, rope: PositionedRope,
                     rows: torch.Tensor) -> torch.Tensor:
-        if self._row_queries is None:  # the same rows for every later layer: locate them once
-            self._row_queries = (rows, self._locate_rows(batch, rows))
-        if self._row_queries[0] is not rows or self._row_queries[1] is None:
+        if meta.row_queries is None:  # the same rows for every later layer: locate them once
+            meta.row_queries = (rows, locate_rows(meta, rows, self.device))
+        if meta.row_queries[0] is not rows or meta.row_queries[1] is None:
             # other rows than planned, or not trailing runs per span: the generic path
-            return super().attend_rows(cache_layer, batch, q, rope, rows)
-        return self._attend(cache_layer, q, self._row_queries[1].queries, self._row_queries[1])
+            return super().attend_rows(cache_layer, meta, q, rope, rows)
+        located = meta.row_queries[1]
+        return self._attend(cache_layer, meta, q, located.queries, located)
 
-    def _locate_rows(self, batch: ForwardBatch, rows: torch.Tensor) -> _RowQueries | None:
-        counts = batch.trailing_counts(rows)
-        if counts is None:
-            return None
-        queries: dict[int, tuple[int, int]] = {}
-        offset = 0
-        for span, count in zip(batch.spans, counts):
-            queries[span.seq_id] = (offset, count)
-            offset += count
-        decode = self._plans[0].decode if self._plans else None
-        located = [queries[seq] for seq in decode.seq_ids] if decode is not None else []
-        # A one-token span without a requested row reads row 0 (zeroed by `keep`) and
-        # writes the spare row past the rows requested.
-        read = torch.tensor([first if count else 0 for first, count in located], dtype=torch.long)
-        write = torch.tensor([first if count else offset for first, count in located], dtype=torch.long)
-        read, write = upload((read, write), self.device)
-        return _RowQueries(queries, read, write, (write < offset)[:, None, None])
-
-    def _attend(self, cache_layer: int, q: torch.Tensor, queries: dict[int, tuple[int, int]],
-                located: _RowQueries | None = None) -> torch.Tensor:
+    def _attend(self, cache_layer: int, meta: FullStepMetadata, q: torch.Tensor,
+                queries: dict[int, tuple[int, int]], located: RowQueries | None = None) -> torch.Tensor:
         """Attention for the query rows of each sequence: `queries[seq] = (first row in q,
         count)`, the last `count` tokens of the sequence's span (every token unless `located`
         places the decode queries among fewer rows)."""
         spec = self.layout.specs[cache_layer]
         group, index = self.groups.slot_of[cache_layer]
-        plan = self._plans[group]
-        k_new, v_new = self._step_kv[cache_layer]
+        plan = meta.groups[group]
+        k_new, v_new = meta.step_kv[cache_layer]
         k_pages, v_pages = self.k_store[index], self.v_store[index]
         k_scales = self.k_scales[index] if self.k_scales is not None else None
         v_scales = self.v_scales[index] if self.v_scales is not None else None
@@ -321,7 +222,7 @@ class FullCache(PagedPoolMemory, CacheMethod):
                                                 k_scales, v_scales, spec.scale)
         return out if located is None else out[:-1]
 
-    def _decode_attention(self, d: _DecodePlan, q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor,
+    def _decode_attention(self, d: DecodePlan, q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor,
                           k_pages: torch.Tensor, v_pages: torch.Tensor, k_scales: torch.Tensor | None,
                           v_scales: torch.Tensor | None, scale: float) -> torch.Tensor:
         """One query per decode sequence (row i of q is sequence i of `d`), [B, heads, D]."""
@@ -335,74 +236,13 @@ class FullCache(PagedPoolMemory, CacheMethod):
         return decode_attention(*args, tile_pages=max(1, self.config.decode_tile_tokens // self.block_size),
                                 k_scales=k_scales, v_scales=v_scales)
 
-    def _gather_fits(self, d: _DecodePlan, q: torch.Tensor, k_pages: torch.Tensor) -> bool:
+    def _gather_fits(self, d: DecodePlan, q: torch.Tensor, k_pages: torch.Tensor) -> bool:
         """Whether `auto` may take the gathered path: compact tables and a K (or V) copy of at
         most decode_gather_max_bytes (shapes only: deciding never synchronises)."""
         batch, width = d.page_table.shape
         rows = batch * width * k_pages.shape[2] * k_pages.shape[0]  # [kv_heads, B, W * block]
         element = max(q.element_size(), 4 if k_pages.element_size() == 1 else k_pages.element_size())
         return d.compact_tables and rows * k_pages.shape[-1] * element <= self.config.decode_gather_max_bytes
-
-    # -- planning ---------------------------------------------------------------------
-    def _plan_group(self, group: int, batch: ForwardBatch) -> _GroupPlan:
-        """Per-step metadata of one layer group, shared by every layer in it."""
-        block = self.block_size
-        rows: list[int] = []
-        slots: list[int] = []
-        decode_spans: list[SequenceSpan] = []
-        prefills: list[_PrefillPlan] = []
-        for span in batch.spans:
-            stored_from = max(span.cached_len, self.pages.first_kept_token(group, span.total_len))
-            pages = self.pages.require_slots(span.seq_id, group, stored_from, span.total_len)
-            first_page = stored_from // block
-            for position in range(stored_from, span.total_len):
-                rows.append(span.query_start + position - span.cached_len)
-                slots.append(pages[position // block - first_page] * block + position % block)
-            if span.query_len == 1:
-                decode_spans.append(span)
-            else:
-                past_from = self.pages.first_kept_token(group, span.cached_len)
-                past = self.pages.require_slots(span.seq_id, group, past_from, span.cached_len)
-                prefills.append(_PrefillPlan(span, torch.tensor(past, dtype=torch.long), past_from,
-                                             (past_from // block) * block))
-        write_rows = None if len(rows) == batch.num_tokens else torch.tensor(rows, dtype=torch.long)
-        every_row = (not prefills and len(decode_spans) == batch.num_tokens
-                     and all(s.query_start == i for i, s in enumerate(decode_spans)))
-        return _GroupPlan(
-            write_rows=write_rows,
-            write_slots=torch.tensor(slots, dtype=torch.long),
-            decode=self._plan_decode(group, decode_spans, every_row) if decode_spans else None,
-            prefills=tuple(prefills),
-        )
-
-    def _plan_decode(self, group: int, spans: list[SequenceSpan], every_row: bool) -> _DecodePlan:
-        block = self.block_size
-        tables: list[list[int]] = []
-        first_positions: list[int] = []
-        visible_from: list[int] = []
-        for span in spans:
-            start = self.pages.first_kept_token(group, span.cached_len)
-            tables.append(self.pages.require_slots(span.seq_id, group, start, span.cached_len))
-            first_positions.append((start // block) * block)
-            visible_from.append(start)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]  # padding is masked by position
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731 (host: see upload)
-        return _DecodePlan(
-            seq_ids=tuple(s.seq_id for s in spans),
-            rows=as_tensor([s.query_start for s in spans]),
-            page_table=as_tensor(padded).reshape(len(spans), width),
-            first_page_position=as_tensor(first_positions),
-            visible_from=as_tensor(visible_from),
-            visible_to=as_tensor([s.cached_len for s in spans]),
-            every_row=every_row,
-            compact_tables=width * len(tables) <= 2 * sum(len(t) for t in tables) + len(tables),
-            slots=width * block,
-        )
-
-
-# The methods as this module defines them (a monkeypatched FullCache differs from these too).
-_FUSED_ORIGINALS = {name: getattr(FullCache, name) for name in _FUSED_METHODS}
 
 
 def _gather_rows(pages: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:

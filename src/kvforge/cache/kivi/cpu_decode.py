@@ -14,9 +14,9 @@ prefetched while a tile runs. Work units are page slices of (sequence, kv head) 
 taken dynamically by the threads and merged by log-sum-exp (split-K), so a small batch of
 long sequences still uses every thread; float32 accumulation, online softmax per tile.
 
-Measured on the smollm2-135m geometry (`benchmarks/kivi_kernel_micro.py`): ~0.6x the time
-per (token, kv head) of the fp16 full-precision paged kernel for 2-bit codes, ~0.7x for
-4-bit, on one thread of an AVX-512 CPU.
+Reading codes instead of 16-bit rows, it takes less time per (token, kv head) than the
+fp16 full-precision paged kernel, at 2 and at 4 bits (`benchmarks/kivi_kernel_micro.py`;
+docs/benchmarks.md#measurements-behind-design-choices).
 
 Built lazily by `cpu_kivi_kernel_available()` through `kernels.build.CppKernel` (warn-once
 fallback to the PyTorch path; `KVFORGE_DISABLE_CPU_KERNELS=1` disables it).

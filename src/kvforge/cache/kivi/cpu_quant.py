@@ -1,20 +1,21 @@
 """KIVI's group quantisation on the CPU in one pass, and a decode step's writes, a C++ kernel
 built at first use.
 
-`quant.quantize_reference` (about ten PyTorch ops, each a pass over the tensor) cost about
-0.2 s per 2,048-token prompt on smollm2-135m, bf16, 2 threads: the "rest" of a KIVI prefill
-step. `quantize_groups` computes the same result bit for bit (cpu_quant.cpp states the
-arithmetic; tests/cache/kivi/test_kivi_cpu_quant.py holds the two together) and returns None
-when the call is not eligible: another device, another dtype, autograd needed, or the kernel
+`quant.quantize_reference` (about ten PyTorch ops, each a pass over the tensor) was the
+"rest" of a KIVI prefill step (docs/benchmarks.md#measurements-behind-design-choices).
+`quantize_groups` computes the same result bit for bit (cpu_quant.cpp states the arithmetic;
+tests/cache/kivi/test_kivi_cpu_quant.py holds the two together) and returns None when the
+call is not eligible: another device, another dtype, autograd needed, or the kernel
 unavailable or disabled by `KVFORGE_DISABLE_CPU_KERNELS=1`. The caller then runs the
 reference.
 
 `flush_value_tokens` and `write_ring_rows` are what `step_writes.py` does at the end of a
 step (values leaving the residual rings quantised into their pages; the step's rows written
-into the rings), for every layer in one call each. Their PyTorch expressions cost about
-1.5 ms a decode step on smollm2-135m (a gather, a stack, three index copies and two indexed
-writes per ring, each a dispatch and an allocation); the ops write the same bytes in place
-and return False when not eligible, and the caller then runs the expressions.
+into the rings), for every layer in one call each. Their PyTorch expressions are a gather, a
+stack, three index copies and two indexed writes per ring, each a dispatch and an
+allocation, in every decode step (docs/benchmarks.md#measurements-behind-design-choices);
+the ops write the same bytes in place and return False when not eligible, and the caller
+then runs the expressions.
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ dequantisation: key_space.py); `rotation` (rotation.py: keys/values stored rotat
 orthonormal Hadamard matrix H; post-RoPE rotated keys are matched by attending with q H,
 rotated values by multiplying the attention output by H^T).
 
-Step protocol: `write` keeps the step's K/V as stored (and the attention keys when they
-differ); `attend` reads the state as it was
-before the step plus the step's own exact K/V; `end_step` first quantises the tokens that
+Step protocol (the step's metadata: plan.py, built by planner.py; token counts and the
+memory declaration: memory.py): `write` keeps the step's K/V as stored in the metadata
+(and the attention keys when they differ); `attend` reads the state as it was before the
+step plus the step's own exact K/V; `end_step` first quantises the tokens that
 leave the residuals in this step into their (new) pages, reading the old residuals (one
 call per layer group, every layer at once), then writes the step's tokens that stay in the
 residuals (only then can ring slots be overwritten) and commits the lengths.
@@ -43,43 +44,42 @@ residuals (only then can ring slots be overwritten) and commits the lengths.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
-from kvforge.batch import ForwardBatch, SequenceSpan
+from kvforge.batch import ForwardBatch
 from kvforge.cache.base import CacheMethod
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.kivi.attention import kivi_chunk_attention
 from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig, default_residual_dtype
 from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available
 from kvforge.cache.kivi.decode_kernels import kivi_decode, resolve_decode_kernel
-from kvforge.cache.kivi.fused_target import layer_target
+from kvforge.cache.kivi.fused_target import KiviFusedTarget, layer_target
 from kvforge.cache.kivi.key_space import KeyTransform, StoredKeys
-from kvforge.cache.kivi.plan import Decode, Flush, GroupPlan, Prefill, ResidualWrites, SequenceState
+from kvforge.cache.kivi.memory import KiviMemorySpec, quantized_keys, quantized_values
+from kvforge.cache.kivi.plan import Decode, KiviStepMetadata, SequenceState
+from kvforge.cache.kivi.planner import KiviPlanner
 from kvforge.cache.kivi.prefill import kivi_chunk_attention_fast
 from kvforge.cache.kivi.rotation import hadamard_matrix, rotate, unrotate
 from kvforge.cache.kivi.step_writes import flush_group, write_residuals
 from kvforge.cache.kivi.store import KIVILayerView, KIVIStore, page_bytes
 from kvforge.cache.layout import CacheLayout
-from kvforge.cache.page_table import RELEASED, LayerGroups, PageTable
+from kvforge.cache.page_table import LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
 from kvforge.errors import ConfigError
-from kvforge.kernels.cpu_decode_layer import KiviLayerTarget
 from kvforge.rope import PositionedRope
-from kvforge.step_plan import upload
 
 # Default split of the budget (max_sequences=None): 1 / SLOT_SHARE of it pays for residual
 # slots. A 2-bit sequence of n tokens costs one slot (R tokens at 16 bits, about 5.3 R
 # tokens' worth of pages) plus n tokens of pages, so a quarter balances slots and pages for
 # sequences of about 16 R = 2,048 tokens, the long contexts KIVI is for (half balanced them
-# at ~700 tokens and held 12 instead of 18 sequences of 3,072 tokens in 300MB on smollm2).
+# at ~700 tokens and held fewer long sequences: docs/benchmarks.md#kvforgecachekivi).
 # Shorter workloads set max_sequences.
 SLOT_SHARE = 4
 
 
 @register_cache_method("kivi", KIVICacheConfig)
-class KIVICache(CacheMethod):
+class KIVICache(CacheMethod[KiviStepMetadata]):
     def __init__(self, layout: CacheLayout, config: KIVICacheConfig, budget_bytes: int,
                  compute_dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(layout, compute_dtype, device)
@@ -125,44 +125,25 @@ class KIVICache(CacheMethod):
         self.store = KIVIStore(self.groups.group_size, layout.num_cache_layers, heads, dim, num_pages, num_slots,
                                bits, g, r, self.residual_dtype, self.device, value_group=vg, sinks=config.sinks,
                                value_bits=value_bits)
+        self.memory = KiviMemorySpec(layout.num_cache_layers, self.groups, g, r, self.page_bytes, self.slot_pages,
+                                     num_slots, num_pages)
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._seqs: dict[int, SequenceState] = {}
-        self._plans: list[GroupPlan] = []
-        self._residual_writes: ResidualWrites | None = None
-        # Per cache layer of the step: (keys, values) as stored; attention keys where they
-        # differ from the stored ones (key_space=pre_rope: post-RoPE, not rotated).
-        self._step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._step_attention_keys: dict[int, torch.Tensor] = {}
+        self._planner = KiviPlanner(config, self.pages, self._seqs)
 
     # -- token counts -------------------------------------------------------------------
     def quantized_keys(self, num_tokens: int) -> int:
         """nk: tokens whose keys are quantised when a sequence holds `num_tokens`."""
-        return (num_tokens // self.config.residual) * self.config.residual
+        return quantized_keys(num_tokens, self.config.residual)
 
     def quantized_values(self, num_tokens: int) -> int:
         """nv: tokens whose values are quantised when a sequence holds `num_tokens`."""
-        return max(0, num_tokens - self.config.residual)
+        return quantized_values(num_tokens, self.config.residual)
 
-    # -- memory accounting ------------------------------------------------------------
-    def bytes_per_token(self, cache_layer: int) -> float:
-        """Quantised bytes per stored token and cache layer (codes + float16 scale/zero)."""
-        return self.page_bytes / (self.config.key_tokens * self.groups.group_size)
-
-    def sequence_bytes(self, num_tokens: int) -> int:
-        return (self.pages.max_pages_per_sequence(self.quantized_keys(num_tokens)) + self.slot_pages) \
-            * self.page_bytes
-
-    def fits_together(self, token_counts: Sequence[int]) -> bool:
-        pages = sum(self.pages.max_pages_per_sequence(self.quantized_keys(n)) for n in token_counts)
-        return len(token_counts) <= self.num_slots and pages <= self.pages.pool.num_blocks
-
+    # -- allocator --------------------------------------------------------------------
     def memory_usage(self) -> dict[str, int]:
         used = self.pages.pool.num_used + self.slot_pages * len(self._seqs)
         return {"fast": used * self.page_bytes, "slow": 0}
-
-    def memory_capacity(self) -> dict[str, int]:
-        return {"fast": (self.pages.pool.num_blocks + self.slot_pages * self.num_slots) * self.page_bytes,
-                "slow": 0}
 
     def statistics(self) -> dict[str, float]:
         pool = self.pages.pool
@@ -170,22 +151,21 @@ class KIVICache(CacheMethod):
         return {"pages_used": pool.num_used, "pages_total": pool.num_blocks, "residual_pages": reserved,
                 "residual_slots": self.num_slots,
                 "sequences": len(self._seqs), "bytes_per_token_ratio_vs_fp16":
-                    self.kv_bytes_per_token() / (4 * self.layout.num_cache_layers * self.layout.num_kv_heads
+                    self.memory.kv_bytes_per_token() / (4 * self.layout.num_cache_layers * self.layout.num_kv_heads
                                                  * self.layout.head_dim)}
 
-    # -- sequences --------------------------------------------------------------------
-    def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
+    def _fits(self, seq_id: int, num_tokens: int) -> bool:
         if seq_id not in self._seqs and not self._free_slots:
             return False
         return self.pages.can_allocate(seq_id, self.quantized_keys(num_tokens))
 
     def allocate(self, seq_id: int, num_tokens: int) -> bool:
-        if not self.can_allocate(seq_id, num_tokens):
+        if not self._fits(seq_id, num_tokens):
             return False
         if seq_id not in self._seqs:
             self._seqs[seq_id] = SequenceState(self._free_slots.pop())
         allocated = self.pages.allocate(seq_id, self.quantized_keys(num_tokens))
-        assert allocated, "checked by can_allocate"
+        assert allocated, "checked by _fits"
         return True
 
     def free(self, seq_id: int) -> None:
@@ -226,19 +206,14 @@ class KIVICache(CacheMethod):
         return self._seqs[seq_id].slot
 
     # -- step -------------------------------------------------------------------------
-    def begin_step(self, batch: ForwardBatch) -> None:
-        super().begin_step(batch)
+    def begin_step(self, batch: ForwardBatch) -> KiviStepMetadata:
+        self.check_batch(batch)
         missing = [span.seq_id for span in batch.spans if span.seq_id not in self._seqs]
         if missing:
             raise ConfigError("seq_id", missing[0], "call allocate() for the step before running it")
-        # Planned on the host, then one copy to the device (step_plan): none in the layer loop.
-        self._plans, self._residual_writes = upload(
-            ([self._plan_group(group, batch) for group in range(self.groups.num_groups)],
-             self._plan_residual_writes(batch)), self.device)
-        self._step_kv = {}
-        self._step_attention_keys = {}
+        return self._planner.step(batch, self.device)
 
-    def write(self, cache_layer: int, batch: ForwardBatch, k_pre: torch.Tensor, v: torch.Tensor,
+    def write(self, cache_layer: int, meta: KiviStepMetadata, k_pre: torch.Tensor, v: torch.Tensor,
               rope: PositionedRope) -> None:
         # Tokens leaving the residuals are quantised at end_step, all layers of a group in one
         # call: attend never reads them from pages in this step (it reads the state before it).
@@ -249,18 +224,18 @@ class KIVICache(CacheMethod):
             keys = rotate(keys, self.rotation)
         if self.rotation is not None and self.config.rotates_values:
             v = rotate(v, self.rotation)
-        self._step_kv[cache_layer] = (keys, v)
+        meta.step_kv[cache_layer] = (keys, v)
         if pre:
-            self._step_attention_keys[cache_layer] = k_post
+            meta.attention_keys[cache_layer] = k_post
 
-    def attend(self, cache_layer: int, batch: ForwardBatch, q: torch.Tensor,
+    def attend(self, cache_layer: int, meta: KiviStepMetadata, q: torch.Tensor,
                rope: PositionedRope) -> torch.Tensor:
         spec = self.layout.specs[cache_layer]
         group, index = self.groups.slot_of[cache_layer]
-        plan = self._plans[group]
+        plan = meta.groups[group]
         view = self.store.layer(index, cache_layer)
-        k_new, v_new = self._step_kv[cache_layer]
-        k_new = self._step_attention_keys.get(cache_layer, k_new)
+        k_new, v_new = meta.step_kv[cache_layer]
+        k_new = meta.attention_keys.get(cache_layer, k_new)
         key_transform = None
         if self.config.key_space == "pre_rope":
             key_transform = StoredKeys(rope.rotary, self.rotation if self.config.rotates_keys else None)
@@ -287,28 +262,22 @@ class KIVICache(CacheMethod):
             out = unrotate(out, self.rotation)  # (P V H) H^T = P V
         return out
 
-    def fused_decode_target(self, cache_layer: int) -> KiviLayerTarget | None:
-        """This layer's storage, plan and kernel settings for the fused decoder-layer op
-        (kernels/cpu_decode_layer.py), when the step is decode only with its rows in order and
-        `attend` would call the C++ kernel on q, k and v as they are: post-RoPE stored keys,
-        no rotation, `decode_kernel=cpp`, contiguous int64 plan tensors; else None. The op does
-        exactly what `write` and `attend` would (bitwise) and hands k and v back through
-        `fused_decode_written`."""
+    def fused_decode_target(self, cache_layer: int, meta: KiviStepMetadata) -> KiviFusedTarget | None:
+        """This layer's storage, plan and kernel settings for the fused decode op, when the
+        step is decode only with its rows in order and `attend` would call the C++ kernel on
+        q, k and v as they are: post-RoPE stored keys, no rotation, `decode_kernel=cpp`,
+        contiguous int64 plan tensors; else None. The op does exactly what `write` and
+        `attend` would (bitwise) and hands k and v back to `meta.step_kv`."""
         if (self.decode_kernel != "cpp" or self.rotation is not None or self.config.key_space != "post_rope"
-                or any(name in self.__dict__ for name in ("write", "attend", "end_step"))
                 or not cpu_kivi_kernel_available()):
-            return None  # (a method replaced on this instance, e.g. by a capture hook: eager)
+            return None
         group, index = self.groups.slot_of[cache_layer]
-        plan = self._plans[group]
+        plan = meta.groups[group]
         d = plan.decode
         if d is None or plan.prefills or not d.rows_in_order:
             return None
         return layer_target(cache_layer, self.store.layer(index, cache_layer), d, self.layout.specs[cache_layer].scale,
-                            self.config.key_dot, self.config.value_dot)
-
-    def fused_decode_written(self, cache_layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The fused op's k (post-RoPE) and v of this layer: what `write` keeps for end_step."""
-        self._step_kv[cache_layer] = (k, v)
+                            self.config.key_dot, self.config.value_dot, meta)
 
     def _decode(self, d: Decode, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, view: KIVILayerView,
                 scale: float, key_transform: KeyTransform) -> torch.Tensor:
@@ -318,138 +287,11 @@ class KIVICache(CacheMethod):
                            tile_pages=max(1, self.config.decode_tile_tokens // self.config.key_tokens),
                            key_transform=key_transform, key_dot=self.config.key_dot, value_dot=self.config.value_dot)
 
-    def end_step(self, batch: ForwardBatch) -> None:
-        writes = self._residual_writes
-        assert writes is not None
+    def end_step(self, meta: KiviStepMetadata) -> None:
         for group in range(self.groups.num_groups):  # before the residual writes overwrite the rings
-            flush_group(self.store, self._plans[group].flush, self.groups.layers[group], self._step_kv,
+            flush_group(self.store, meta.groups[group].flush, self.groups.layers[group], meta.step_kv,
                         self.residual_dtype, self.device)
-        write_residuals(self.store, writes, self._step_kv, self.residual_dtype, self.device)
-        for span in batch.spans:
+        write_residuals(self.store, meta.residual_writes, meta.step_kv, self.residual_dtype, self.device)
+        for span in meta.batch.spans:
             self._seqs[span.seq_id].num_tokens = span.total_len
             self.pages.commit(span.seq_id, self.quantized_keys(span.total_len))
-        self._plans = []
-        self._residual_writes = None
-        self._step_kv = {}
-        self._step_attention_keys = {}
-
-    # -- planning ---------------------------------------------------------------------
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        """A plan tensor on the host (begin_step uploads the whole plan at once)."""
-        return torch.tensor(values, dtype=torch.long)
-
-    def _plan_residual_writes(self, batch: ForwardBatch) -> ResidualWrites:
-        r = self.config.residual
-        key: tuple[list[int], list[int], list[int]] = ([], [], [])
-        value: tuple[list[int], list[int], list[int]] = ([], [], [])
-        sink: tuple[list[int], list[int], list[int]] = ([], [], [])
-        for span in batch.spans:
-            slot, n, end = self._seqs[span.seq_id].slot, span.cached_len, span.total_len
-            for lists, first in ((key, self.quantized_keys(end)), (value, self.quantized_values(end))):
-                for t in range(max(n, first), end):
-                    lists[0].append(span.query_start + t - n)
-                    lists[1].append(slot)
-                    lists[2].append(t % r)
-            for t in range(n, min(end, self.config.sinks)):
-                sink[0].append(span.query_start + t - n)
-                sink[1].append(slot)
-                sink[2].append(t)
-        as_tensors = lambda lists: tuple(self._tensor(x) for x in lists)  # noqa: E731
-        every_row = list(range(batch.num_tokens))
-        return ResidualWrites(as_tensors(key), as_tensors(value), as_tensors(sink),
-                              key_rows_all=key[0] == every_row, value_rows_all=value[0] == every_row)
-
-    def _kept_page(self, seq_id: int, group: int, logical: int) -> int:
-        """Page id of a logical page, or RELEASED if the window dropped (or skipped) it."""
-        table = self.pages.pages(seq_id, group)
-        return table[logical] if logical < len(table) else RELEASED
-
-    def _plan_group(self, group: int, batch: ForwardBatch) -> GroupPlan:
-        g, r, sinks = self.config.key_tokens, self.config.residual, self.config.sinks
-        key_sources: list[tuple[int, int, int, int]] = []  # (token order, kind, a, b)
-        key_pages: list[int] = []
-        fill_to: list[int] = []
-        fill_from: list[int] = []
-        value_sources: list[tuple[int, int, int, int]] = []
-        value_slots: list[int] = []
-        decode_spans: list[SequenceSpan] = []
-        prefills: list[Prefill] = []
-        for span in batch.spans:
-            seq = self._seqs[span.seq_id]
-            n, end = span.cached_len, span.total_len
-
-            def source(t: int, slot: int = seq.slot, n: int = n, first_row: int = span.query_start
-                       ) -> tuple[int, int, int]:
-                # (0, slot, offset): still in the residual; (1, row, 0): a row of this step
-                return (0, slot, t % r) if t < n else (1, first_row + t - n, 0)
-
-            for logical in range(self.quantized_keys(n) // g, self.quantized_keys(end) // g):
-                page = self._kept_page(span.seq_id, group, logical)
-                if page == RELEASED:
-                    continue  # outside the window of this group: never read again
-                key_pages.append(page)
-                first = len(key_sources)
-                if logical * g < sinks < (logical + 1) * g:  # the page mixes sinks and later tokens
-                    fill_to.extend(range(first, first + sinks - logical * g))
-                    fill_from.extend([first + sinks - logical * g] * (sinks - logical * g))
-                for t in range(logical * g, (logical + 1) * g):
-                    key_sources.append((len(key_sources), *source(t)))
-            for t in range(self.quantized_values(n), self.quantized_values(end)):
-                page = self._kept_page(span.seq_id, group, t // g)
-                if page == RELEASED:
-                    continue
-                value_slots.append(page * g + t % g)
-                value_sources.append((len(value_sources), *source(t)))
-            if span.query_len == 1:
-                decode_spans.append(span)
-            else:
-                past_from, pages, first = self._past_pages(span, group)
-                prefills.append(Prefill(span, self._tensor(pages), first, past_from, seq.slot))
-        key_res, key_rows, key_order = self._sources(key_sources)
-        value_res, value_rows, value_order = self._sources(value_sources)
-        flush = Flush(key_res, key_rows, key_order, self._tensor(key_pages),
-                       (self._tensor(fill_to), self._tensor(fill_from)), value_res, value_rows, value_order, self._tensor(value_slots))
-        return GroupPlan(flush, self._plan_decode(group, decode_spans) if decode_spans else None,
-                          tuple(prefills))
-
-    def _sources(self, sources: list[tuple[int, int, int, int]]
-                 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """Split token sources into residual reads and row reads; the permutation that
-        restores token order after concatenating [residual reads, row reads]."""
-        from_res = [s for s in sources if s[1] == 0]
-        from_rows = [s for s in sources if s[1] == 1]
-        order = [0] * len(sources)
-        for position, s in enumerate(from_res + from_rows):
-            order[s[0]] = position
-        return ((self._tensor([s[2] for s in from_res]), self._tensor([s[3] for s in from_res])),
-                self._tensor([s[2] for s in from_rows]), self._tensor(order))
-
-    def _past_pages(self, span: SequenceSpan, group: int) -> tuple[int, list[int], int]:
-        """(first visible past token, pages of quantised keys from it, position of the first page)."""
-        g = self.config.key_tokens
-        past_from = self.pages.first_kept_token(group, span.cached_len)
-        nk = self.quantized_keys(span.cached_len)
-        pages = self.pages.require_slots(span.seq_id, group, past_from, nk) if nk > past_from else []
-        return past_from, pages, (past_from // g) * g
-
-    def _plan_decode(self, group: int, spans: list[SequenceSpan]) -> Decode:
-        tables: list[list[int]] = []
-        firsts: list[int] = []
-        visible: list[int] = []
-        for span in spans:
-            past_from, pages, first = self._past_pages(span, group)
-            tables.append(pages)
-            firsts.append(first)
-            visible.append(past_from)
-        width = max(1, max(len(t) for t in tables))
-        padded = [t + [0] * (width - len(t)) for t in tables]  # padding is masked by position
-        starts = [s.query_start for s in spans]
-        return Decode(
-            rows=self._tensor(starts),
-            page_table=self._tensor(padded).reshape(len(spans), width),
-            first_page_position=self._tensor(firsts),
-            visible_from=self._tensor(visible),
-            lengths=self._tensor([s.cached_len for s in spans]),
-            slots=self._tensor([self._seqs[s.seq_id].slot for s in spans]),
-            rows_in_order=starts == list(range(len(spans))),
-        )

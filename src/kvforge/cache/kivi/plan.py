@@ -6,11 +6,12 @@ device once (step_plan.upload), read by every layer of the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvforge.batch import SequenceSpan
+from kvforge.cache.base import StepMetadata
 
 
 @dataclass
@@ -78,3 +79,14 @@ class ResidualWrites:
     # in the residuals): the step's K/V are written as they are, not gathered first.
     key_rows_all: bool = False
     value_rows_all: bool = False
+
+
+@dataclass
+class KiviStepMetadata(StepMetadata):
+    groups: list[GroupPlan]  # one per layer group
+    residual_writes: ResidualWrites
+    # Per cache layer of the step: (keys, values) as stored, from `write` (or the fused op);
+    # and the attention keys where they differ from the stored ones (key_space=pre_rope:
+    # post-RoPE, not rotated).
+    step_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    attention_keys: dict[int, torch.Tensor] = field(default_factory=dict)

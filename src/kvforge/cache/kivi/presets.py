@@ -4,7 +4,7 @@ A preset fills fields of KIVICacheConfig; a field it sets must be left at its de
 the user (ConfigError otherwise), so `kivi:preset=quality2,bits=4` is refused rather than
 silently meaning one or the other. Options a preset does not set stay free
 (`kivi:preset=quality2,max_sequences=32`). Why each preset is what it is: the Pareto table
-in README.md and docs/cache-methods.md (measured in docs/results/eval/).
+in docs/cache-methods.md (measured in docs/results/eval/).
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 2-bit error is almost all in the keys (rotating or pre-RoPE-quantising the values
     # changed nothing; every key-side option helped), so keys get 4 bits and values keep
     # 2: 4.0 stored bits per element (2-bit: 3.0, 4-bit: 5.0, each with fp16 scale and zero
-    # per group of 32) for +3.7% decode perplexity on smollm2-135m where 2-bit costs +25.6%,
-    # +2.9% on gemma3-270m (README's KIVI table). The C++ decode kernel reads it, so it keeps
-    # KIVI's CPU decode speed.
+    # per group of 32) for a small part of 2-bit's decode perplexity loss, on smollm2-135m
+    # and on gemma3-270m (the KIVI table of docs/cache-methods.md). The C++ decode kernel
+    # reads it, so it keeps KIVI's CPU decode speed.
     "quality2": {"key_bits": 4, "value_bits": 2},
     # Below 3.5 stored bits per element: 4-bit pre-RoPE keys per channel over pages of 128
     # tokens (4.25 bits), 2-bit values per token over groups of 64 channels after a Hadamard
     # rotation (2.5 bits), the first 4 tokens exact: 3.39 bits per element at 4,096 tokens.
-    # On gemma3-270m, whose single 256-wide KV head made quality2's 2-bit values cost
-    # +2.9%, the rotation and the sinks take the values' error down (measured: README's
-    # KIVI table). The C++ decode kernel reads it (keys RoPE'd in registers).
+    # On gemma3-270m, whose single 256-wide KV head made quality2's 2-bit values its main
+    # loss, the rotation and the sinks take the values' error down (measured: the KIVI
+    # table of docs/cache-methods.md). The C++ decode kernel reads it (keys RoPE'd in registers).
     "quality3": {"key_bits": 4, "value_bits": 2, "key_group": 128, "value_group": 64, "sinks": 4,
                  "rotation": "hadamard_values", "key_space": "pre_rope"},
 }

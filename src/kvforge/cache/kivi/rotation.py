@@ -6,7 +6,7 @@ H H^T = I and rotating costs D^2 multiply-adds per row (D = head_dim: 64 or 256 
 A rotation spreads a channel whose magnitude stands out over every channel, which narrows
 the range of a group that spans channels (values, quantised per token over channel
 groups); keys are quantised per channel over tokens, where it mixes channels of different
-ranges instead, so whether it helps keys is measured, not assumed (README Pareto table).
+ranges instead, so whether it helps keys is measured, not assumed (the KIVI table of docs/cache-methods.md).
 
 Where it applies (method.py): rotated keys are stored as k H and queries rotated the same
 way, so q H (k H)^T = q k^T: attention scores are unchanged by the rotation itself, only by

@@ -2,12 +2,13 @@
 residuals, quantised into their pages (`flush_group`), then the step's rows that stay in the
 residual rings and sink buffers (`write_residuals`).
 
-Order matters and is the caller's: a layer group's flush reads the rings before the
-residual writes overwrite them. Both work on every written layer at once (one indexed read
-or write per tensor, not one per layer: on a 30-layer model a write per layer and ring cost
-about 1 ms a step). On the CPU the value flush from the rings and the ring writes are one
-C++ call each (`cpu_quant.flush_value_tokens`, `cpu_quant.write_ring_rows`), which write the
-same bytes as the PyTorch expressions here.
+Order matters and is the caller's: a layer group's flush reads the rings before the residual
+writes overwrite them. Both work on every written layer at once (one indexed read or write
+per tensor, not one per layer: a write per layer and ring is a dispatch per layer and ring
+in every step; docs/benchmarks.md#measurements-behind-design-choices). On the CPU the value
+flush from the rings and the ring writes are one C++ call each
+(`cpu_quant.flush_value_tokens`, `cpu_quant.write_ring_rows`), which write the same bytes as
+the PyTorch expressions here.
 """
 
 from __future__ import annotations

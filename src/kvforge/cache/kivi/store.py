@@ -111,8 +111,8 @@ class KIVIStore:
         self.k_sink = empty(num_cache_layers, num_slots, h, sinks, d, dtype=residual_dtype) if sinks else None
         self.v_sink = empty(num_cache_layers, num_slots, h, sinks, d, dtype=residual_dtype) if sinks else None
         # layer() views, built once: the storage tensors above are never replaced, and a
-        # decode step asks for every layer's view (about ten selects each, 0.5 ms a step on
-        # a 30-layer model).
+        # decode step asks for every layer's view (about ten selects each, every step;
+        # docs/benchmarks.md#measurements-behind-design-choices).
         self._layer_views: dict[tuple[int, int], KIVILayerView] = {}
 
     def all_layers(self) -> KIVILayerView:

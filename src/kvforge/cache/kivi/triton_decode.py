@@ -19,8 +19,9 @@ match the reference to ~1e-6; a tensor-core (fp16/bf16 operand) variant is not w
 
 Split-K (flash-decoding): with one program per (sequence, kv head) pair a batch of 16 on a
 3-KV-head model runs 48 programs on a GPU of 132 multiprocessors, each walking the whole
-context alone (measured on an H100: 0.7 ms per layer at 16 x 2,048 tokens, 86% of the
-step's device time). The token range is therefore cut into `splits` equal parts of a
+context alone (on an H100 this kernel then took most of the step's device time;
+docs/benchmarks.md#measurements-behind-design-choices).
+The token range is therefore cut into `splits` equal parts of a
 multiple of `BLOCK_T` tokens; each program writes its unnormalised accumulator, running
 max and running sum, and `_combine_kernel` merges the parts (weights exp(max_s - max)).
 The step's own token seeds split 0 only. The number of splits comes from the page

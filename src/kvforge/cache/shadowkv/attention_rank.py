@@ -2,10 +2,10 @@
 the keys' energy alone.
 
 Why: the share of the keys' squared norm a rank retains does not tell how much attention
-changes. On smollm2-135m a layer needs about 150 of 192 directions for 99.9% of the key
+changes. On smollm2-135m a layer needs most of its directions to hold nearly all of the key
 energy, yet its decode perplexity barely moves with the rank; gemma3-270m's global layers,
-which attend far back, need their tail (the front in docs/cache-methods.md). Measuring the
-attention change itself separates the two.
+which attend far back, need their tail (docs/cache-methods.md#quality-settings and the front
+there). Measuring the attention change itself separates the two.
 
 The rule: at compression, the last few queries of the prompt (post-RoPE, seen by the
 compressing step's attention) attend over the layer's keys twice: exact, and with every

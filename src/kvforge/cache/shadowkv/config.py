@@ -4,15 +4,16 @@ Defaults follow the paper's setting for Llama-3-8B (chunks of 8 tokens, 48 outli
 except two, each read from the model instead (the paper's values stay as `rank=paper` and
 `budget=paper`):
 - rank: the paper fixes it at about 1/6 of kv_heads x head_dim (160 of 1024), far too few
-  directions for a model with one 256-wide KV head (gemma3-270m: +16.5% decode perplexity
-  at 8K) and more than smollm2-135m needs. `rank=attention` (default) measures, per layer
+  directions for a model with one 256-wide KV head (gemma3-270m's decode perplexity at 8K
+  rises far above the full cache's; docs/benchmarks.md#measurements-behind-design-choices)
+  and more than smollm2-135m needs. `rank=attention` (default) measures, per layer
   and sequence at compression, how much rank-r keys change the attention output of the
   prompt's last queries (attention_rank.py) and keeps a rank whose change is at most
   `attention_error`; `rank=auto` reads only the pre-RoPE key spectrum: the smallest rank
   whose retained share of the key energy reaches `energy`. Both stay within
   [rank_min, kv width]. Key energy alone cannot tell the two models apart (smollm2 needs
-  150 of 192 directions for 99.9% of its energy yet barely uses them; gemma3 needs its
-  tail), the attention change can;
+  most of its directions for nearly all of its energy yet barely uses them; gemma3 needs
+  its tail; docs/cache-methods.md#quality-settings), the attention change can;
 - sparse budget: the paper's 1.56% of the context (at least 128 tokens) per KV head;
   `budget=auto` also gives every layer at least `layer_budget` selected tokens over its
   KV heads (a one-KV-head model selects for all its query heads from one budget).

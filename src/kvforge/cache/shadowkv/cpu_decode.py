@@ -8,7 +8,8 @@ straight into the slots, and attention over outliers + selected slots + exact wi
 The PyTorch path stays the reference; the kernel's picks, slot ids and outputs equal its
 (tests/cache/shadowkv/test_shadowkv_cpu_decode.py), up to float32 rounding and the order of exactly tied
 scores. It exists because the PyTorch path issues dozens of small operations per layer and
-sequence: at 8K tokens, batch 4, that overhead alone was ~56 ms per decode step.
+sequence, whose overhead alone is a large part of a long-context decode step
+(docs/benchmarks.md#measurements-behind-design-choices).
 
 Work is split by (sequence, KV head) pair over torch's intra-op threads (each pair writes
 only its own buffer rows, slot ids and output heads). Per pair the kernel also times its

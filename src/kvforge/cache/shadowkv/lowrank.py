@@ -11,8 +11,8 @@ The right singular vectors come from the eigenvectors of the Gram matrix K^T K [
 one GEMM over the n tokens plus a small symmetric eigensolve, much cheaper than an SVD of
 the tall matrix at long context. The eigensolve runs in float64 on one thread (a W x W
 problem is too small to share; with two threads on a busy machine MKL's solver was seen to
-take a second instead of milliseconds). At full rank B is square and orthogonal, so
-A @ B reproduces K to rounding.
+be far slower than on one; docs/benchmarks.md#measurements-behind-design-choices). At full
+rank B is square and orthogonal, so A @ B reproduces K to rounding.
 """
 
 from __future__ import annotations

@@ -24,9 +24,6 @@ class QuerySampler:
         self.limit = limit
         self._kept: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def clear(self) -> None:
-        self._kept.clear()
-
     def record(self, cache_layer: int, batch: ForwardBatch, spans: tuple[SequenceSpan, ...], q: torch.Tensor,
                rows: torch.Tensor | None = None) -> None:
         """q [R, heads, D] post-RoPE: batch rows 0..R-1, or the batch rows `rows` [R]."""

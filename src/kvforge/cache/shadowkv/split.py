@@ -20,8 +20,8 @@ proportions, and the compressed state between chunk pages and per-sequence state
 ratio of what one more token costs each (`_per_token_mix`). A min_context sequence's
 per-sequence state is mostly its fixed-size buffers, so its own proportions would give the
 chunk pages so few that longer compressed sequences ran out of pages with most of the
-state's share unused (smollm2-135m, 4 x 4,096 tokens under 1 GiB: 3 decoded at a time, a
-quarter of the budget in use); by the per-token ratio the pages run out only once the
+state's share unused (docs/benchmarks.md#measurements-behind-design-choices);
+by the per-token ratio the pages run out only once the
 state's share is used too (at the largest rank, which compression never exceeds). If the
 budget cannot hold even one min_context sequence, nothing ever compresses and the whole
 budget goes to the longest sequence it holds. With `split_context` the whole budget is

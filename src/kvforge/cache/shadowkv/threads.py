@@ -1,11 +1,11 @@
 """Thread count of ShadowKV's small-operation phases on the CPU.
 
-The sparse decode path runs many small tensor operations per (sequence, layer): scores
-over a few thousand landmarks, a few hundred rebuilt rows, a softmax over ~1000 keys.
-With an OpenMP pool of two threads on a machine whose cores are busy, each such operation
-waited for the second thread: a [3, 3, 64] x [3, 64, 700] bmm took 8 ms with 2 threads
-and 27 us with 1 (measured here under load), so these phases run on `threads` threads
-(the tiny eigensolve of the key basis too). Large operations (model weights, the
+The sparse decode path runs many small tensor operations per (sequence, layer): scores over
+a few thousand landmarks, a few hundred rebuilt rows, a softmax over ~1000 keys. With an
+OpenMP pool of two threads on a machine whose cores are busy, each such operation waited for
+the second thread and took far longer than on one
+(docs/benchmarks.md#measurements-behind-design-choices), so these phases run on `threads`
+threads (the tiny eigensolve of the key basis too). Large operations (model weights, the
 compression of a whole sequence) keep torch's setting.
 """
 

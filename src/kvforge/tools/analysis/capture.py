@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.batch import ForwardBatch
-from kvforge.cache.base import CacheMethod
+from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.cache.registry import create_cache
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.errors import ConfigError, require
@@ -68,7 +67,7 @@ def _recording_writes(cache: CacheMethod) -> Iterator[_KVRecord]:
     record = _KVRecord({}, {}, {})
     original = cache.write
 
-    def write(cache_layer: int, batch: ForwardBatch, k_pre: torch.Tensor, v: torch.Tensor,
+    def write(cache_layer: int, meta: StepMetadata, k_pre: torch.Tensor, v: torch.Tensor,
               rope: PositionedRope) -> None:
         if cache_layer in record.keys_pre:
             raise ConfigError("cache_layer", cache_layer, "analysis expects one write per cache layer "
@@ -76,7 +75,7 @@ def _recording_writes(cache: CacheMethod) -> Iterator[_KVRecord]:
         record.keys_pre[cache_layer] = k_pre.detach().float().to("cpu", copy=True)
         record.keys_post[cache_layer] = rope.apply(k_pre).detach().float().to("cpu", copy=True)
         record.values[cache_layer] = v.detach().float().to("cpu", copy=True)
-        original(cache_layer, batch, k_pre, v, rope)
+        original(cache_layer, meta, k_pre, v, rope)
 
     cache.write = write  # type: ignore[method-assign]
     try:

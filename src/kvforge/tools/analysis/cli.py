@@ -19,10 +19,8 @@ from kvforge.tools.bench.cli import _count
 CHARS_PER_TOKEN_BOUND = 8  # text prefix encoded first; real text averages ~4 chars per token
 
 
-def add_analyze_parser(verbs: Any) -> argparse.ArgumentParser:
-    """Register `analyze` on the top-level subparsers."""
-    parser = verbs.add_parser("analyze", help="analysis figures: layer-input similarity (SwiftKV), key spectra "
-                                              "(ShadowKV), K/V outlier channels (KIVI)")
+def add_analyze_args(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `kvforge analyze`, on its parser."""
     parser.add_argument("kind", choices=(*KINDS, "all"), help="analysis to run (all: every one, one forward pass)")
     parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
@@ -35,7 +33,6 @@ def add_analyze_parser(verbs: Any) -> argparse.ArgumentParser:
     parser.add_argument("--layer", type=int, default=None,
                         help="representative layer of kv-channels (default: the middle layer)")
     parser.add_argument("--out", default=None, help="output directory (default analysis/<model>/)")
-    return parser
 
 
 def load_model_and_tokenizer(model: str, dtype: str, device: str = "cpu") -> tuple[Any, Any, str]:

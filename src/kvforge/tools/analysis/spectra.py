@@ -35,7 +35,8 @@ def cumulative_energy(matrix: torch.Tensor) -> torch.Tensor:
     require(matrix.dim() == 2, "matrix", tuple(matrix.shape), "must be 2-D [tokens, channels]")
     x = matrix.double()
     # s^2 are the eigenvalues of the smaller Gram matrix (in float64 the squaring costs no
-    # accuracy that matters at the energy levels we read), ~10x faster than an SVD.
+    # accuracy that matters at the energy levels we read), and much faster than an SVD
+    # (docs/benchmarks.md#measurements-behind-design-choices).
     gram = x.T @ x if x.shape[0] >= x.shape[1] else x @ x.T
     squares = torch.linalg.eigvalsh(gram).flip(0).clamp_min(0.0)
     total = squares.sum()

@@ -25,15 +25,9 @@ from typing import Any
 import torch
 
 from kvforge.sizes import format_bytes
-from kvforge.tools.bench.common import (
-    BenchContext,
-    finish_measuring,
-    log,
-    measure_systems,
-    start_measuring,
-    timed_runs,
-)
+from kvforge.tools.bench.common import BenchContext, log
 from kvforge.tools.bench.machine_load import LoadProbe, flags
+from kvforge.tools.bench.measure import finish_measuring, measure_systems, start_measuring, timed_runs
 from kvforge.tools.bench.report import machine_line
 from kvforge.tools.report.provenance import provenance
 

@@ -64,9 +64,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "smollm2-135m (8192)")
 
 
-def add_bench_parser(verbs: Any) -> argparse.ArgumentParser:
-    """Register `bench` and its sub-verbs on the top-level subparsers."""
-    bench = verbs.add_parser("bench", help="measure prefill, decode or serving throughput")
+def add_bench_args(bench: argparse.ArgumentParser) -> None:
+    """The sub-verbs of `kvforge bench` and their arguments, on its parser."""
     kinds = bench.add_subparsers(dest="bench_verb", required=True)
 
     prefill = kinds.add_parser("prefill", help="prompt tokens/s to the first token (one engine step)")
@@ -108,7 +107,6 @@ def add_bench_parser(verbs: Any) -> argparse.ArgumentParser:
     prefix.add_argument("--max-num-batched-tokens", type=_count(1), default=2048, help="tokens per engine step (2048)")
     prefix.add_argument("--text-file", default=None, help="text whose held-out part gives the document and questions")
     _add_serve(kinds)
-    return bench
 
 
 def _add_serve(kinds: Any) -> None:
@@ -153,7 +151,7 @@ PEER_VERBS = ("prefill", "decode")  # the bench verbs that run the llama.cpp pee
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench_verb not in PEER_VERBS:  # before anything loads (bench prefix ignores --compare otherwise)
-        from kvforge.tools.bench.llamacpp_peer import is_peer, parse
+        from kvforge.tools.bench.llamacpp_option import is_peer, parse
 
         for entry in (piece.strip() for text in args.compare for piece in text.split(",")):
             if is_peer(entry):

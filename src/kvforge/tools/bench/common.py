@@ -1,27 +1,22 @@
-"""What every benchmark shares: the systems under comparison, the context (model, prompts,
-options), engine construction and timing.
-
-Timing rule: each system runs `warmup` untimed times (first-call costs: thread pools,
-oneDNN/BLAS kernel selection, first touch of the KV pool), then `repeats` timed times; the
-reported run is the one with the median time (the upper median for an even count), so its
-other counters belong to the same run. All repeat times are kept in `seconds_all`.
+"""What every benchmark shares: its context (options validated before anything loads, the
+model described, its weights loaded once and shared, prompts), engines built on it, and the
+log. The systems are in systems.py and compare.py, the measuring and its timing rule in
+measure.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from kvforge.cache.registry import CacheSpec, create_cache, parse_cache_spec, split_spec_list
+from kvforge.cache.registry import create_cache, parse_cache_spec
 from kvforge.config import ModelConfig
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
@@ -35,100 +30,9 @@ from kvforge.models.loader import (
 )
 from kvforge.models.tokenizer import load_tokenizer
 from kvforge.sizes import parse_bytes
-
-
-@dataclass(frozen=True)
-class System:
-    """One configuration measured: kvforge with a cache spec, the transformers peer, or the
-    llama.cpp peer (bench.llamacpp_peer)."""
-
-    name: str
-    kind: Literal["kvforge", "hf", "llama.cpp"]
-    cache: CacheSpec | None = None
-    # kvforge systems: run the --swiftkv model when one is given (False: SwiftKV's base model).
-    swiftkv: bool = True
-    # kvforge systems: this system's own SwiftKV checkpoint (`--compare SPEC@DIR`), over --swiftkv
-    checkpoint: str | None = None
-    # kvforge systems: every layer computes its K/V but one cache layer is stored (merge_all_layers.py)
-    merge_all_layers: bool = False
-    # kvforge systems: the engine's prefix caching (None: as --prefix-caching says; benchmarks
-    # repeat their prompts, so it is off unless asked for)
-    prefix_caching: bool | None = None
-    # llama.cpp systems: the weights it runs (llamacpp_peer.WEIGHTS: f16, bf16, f32, as-shipped)
-    weights: str | None = None
-
-
-def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None = None,
-                  swiftkv: str | None = None, llama_cpp: bool = False) -> list[System]:
-    """`--compare` values -> systems. Each value is a comma-separated list of `hf`, `base`
-    (the --swiftkv model's base model with the cache under test), `merge-all-layers` (the
-    base model with the cache under test, one cache layer for all: merge_all_layers.py),
-    `llama.cpp[:WEIGHTS]` (only where `llama_cpp` says the benchmark has that peer) or cache
-    specs; a spec's own `k=v` options may continue after commas
-    (`full:storage_dtype=bfloat16,block_size=32`). With --swiftkv, cache-spec systems run
-    the SwiftKV model too; `SPEC@DIR` runs the SwiftKV checkpoint DIR, `SPEC@base` the base
-    model, whatever --swiftkv says."""
-    from kvforge.tools.bench import llamacpp_peer  # imports this module: only imported when parsing
-    from kvforge.tools.bench.merge_all_layers import NAME as MERGE_ALL_LAYERS
-
-    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING, MERGE_ALL_LAYERS, llamacpp_peer.PEER))
-    systems = []
-    for item in items:
-        if item == "hf":
-            systems.append(System("hf", "hf"))
-        elif llamacpp_peer.is_peer(item):
-            weights = llamacpp_peer.parse(item, allowed=llama_cpp)
-            systems.append(System(llamacpp_peer.system_name(weights), "llama.cpp", weights=weights))
-        elif item == NO_PREFIX_CACHING:
-            spec = under_test or parse_cache_spec("full")
-            systems.append(System(f"{_kvforge_name(spec, swiftkv)}, no prefix caching", "kvforge", spec,
-                                  prefix_caching=False))
-        elif item == "base":
-            if swiftkv is None:
-                raise ConfigError("compare", item, "'base' is SwiftKV's base model and needs --swiftkv DIR")
-            spec = under_test or parse_cache_spec("full")
-            systems.append(System(f"base[{spec}]", "kvforge", spec, swiftkv=False))
-        elif item == MERGE_ALL_LAYERS:
-            spec = under_test or parse_cache_spec("full")
-            systems.append(System(f"{MERGE_ALL_LAYERS}[{spec}]", "kvforge", spec, swiftkv=False, merge_all_layers=True))
-        else:
-            systems.append(_cache_system(item, swiftkv))
-    return systems
-
-
-def _cache_system(item: str, swiftkv: str | None) -> System:
-    """A `SPEC`, `SPEC@DIR` (the SwiftKV checkpoint DIR) or `SPEC@base` (the base model) entry."""
-    text, at, where = item.partition("@")
-    require(not at or bool(where.strip()), "compare", item, "SPEC@ must name a SwiftKV checkpoint directory or base")
-    try:
-        spec = parse_cache_spec(text)
-    except ConfigError as exc:
-        raise ConfigError("compare", item, "each entry must be hf, base, merge-all-layers, llama.cpp[:WEIGHTS] "
-                                           f"or a cache spec, optionally @DIR or @base ({exc})") from exc
-    where = where.strip()
-    if not at:
-        return System(_kvforge_name(spec, swiftkv), "kvforge", spec)
-    if where == "base":
-        return System(f"base[{spec}]", "kvforge", spec, swiftkv=False)
-    return System(f"swiftkv {Path(where).name}[{spec}]", "kvforge", spec, checkpoint=where)
-
-
-NO_PREFIX_CACHING = "no-prefix-caching"  # --compare: the system under test without prefix caching
-
-
-def _kvforge_name(spec: CacheSpec, swiftkv: str | None) -> str:
-    return f"swiftkv[{spec}]" if swiftkv else f"kvforge[{spec}]"
-
-
-def unique_names(systems: list[System]) -> list[System]:
-    """`--cache full --compare full` measures the same thing twice; keep JSON keys distinct."""
-    seen: dict[str, int] = {}
-    out = []
-    for system in systems:
-        seen[system.name] = seen.get(system.name, 0) + 1
-        name = system.name if seen[system.name] == 1 else f"{system.name}#{seen[system.name]}"
-        out.append(dataclasses.replace(system, name=name))
-    return out
+from kvforge.tools.bench.compare import parse_compare
+from kvforge.tools.bench.llamacpp_option import check_run
+from kvforge.tools.bench.systems import System, kvforge_name, unique_names
 
 
 def log(message: str) -> None:
@@ -262,14 +166,12 @@ def prepare(args: argparse.Namespace, tokens_per_sequence: int, llama_cpp: bool 
     swiftkv = getattr(args, "swiftkv", None)
     prefix = bool(getattr(args, "prefix_caching", False))
     systems = unique_names([dataclasses.replace(s, prefix_caching=prefix if s.prefix_caching is None else s.prefix_caching)
-                            for s in (System(_kvforge_name(under_test, swiftkv), "kvforge", under_test),
+                            for s in (System(kvforge_name(under_test, swiftkv), "kvforge", under_test),
                                       *parse_compare(args.compare, under_test, swiftkv, llama_cpp))])
     budgets = parse_budgets(args.kv_budget, several_budgets)
     torch.set_num_threads(args.threads)  # before any measurement, including the peak
     source = resolve_model_source(args.model)
     if llama_cpp:
-        from kvforge.tools.bench.llamacpp_peer import check_run
-
         check_run(systems, source.kind, args.device)
     config = load_model_config(source)
     if getattr(args, "max_position_embeddings", None):
@@ -297,121 +199,3 @@ def check_checkpoints(config: ModelConfig, model: str, swiftkv: str | None, syst
                               f"SPEC@DIR must name a SwiftKV checkpoint of {model} ({exc})") from exc
 
 
-Runner = Callable[[BenchContext, System], dict[str, Any]]
-
-
-def run_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[str, Any]]:
-    """Measure every system with the runner registered for its kind, freeing between systems."""
-    start_measuring(ctx)
-    systems = measure_systems(ctx, runners)
-    finish_measuring(ctx)
-    return systems
-
-
-def start_measuring(ctx: BenchContext) -> None:
-    """Before the first timed region: build every kernel, start the load probe, measure the
-    machine's peaks."""
-    from kvforge.prebuild import build_cpu_kernels
-    from kvforge.tools.bench.machine_load import LoadProbe
-    from kvforge.tools.bench.peak import READ_PASSES, measure_peak
-
-    # Every kernel is built before the first timed region (a compile once cost 26 s of a
-    # timed ShadowKV decode when --warmup 0 left nothing to build it earlier).
-    kernels, seconds = build_cpu_kernels()
-    ready = [name for name, ok in kernels.items() if ok]
-    missing = [name for name, ok in kernels.items() if not ok]
-    log(f"C++ kernels ready in {seconds:.1f} s: {', '.join(ready) or 'none'}"
-        + (f"; PyTorch fallback for: {', '.join(missing)}" if missing else ""))
-    ctx.probe = LoadProbe()
-    ctx.peak = measure_peak(ctx.dtype, torch.device(ctx.device))
-    log(f"matmul peak {ctx.peak.matmul_gflops:.1f} GFLOP/s ({ctx.peak.matmul_dtype}, n={ctx.peak.matmul_size}), "
-        f"read bandwidth {ctx.peak.read_gbps:.1f} GB/s"
-        + (f" (median of {READ_PASSES} passes; best {ctx.peak.read_gbps_best:.1f})"
-           if ctx.peak.read_gbps_best is not None else "")
-        + f", on {ctx.peak.device}"
-        + (f", {ctx.peak.threads} threads" if ctx.peak.device == "cpu" else ""))
-
-
-def finish_measuring(ctx: BenchContext) -> None:
-    """After the last timed region: the read probe again (CPU), so that the bandwidth the
-    systems are compared with is the median of passes taken before and after them
-    (peak.with_read_after)."""
-    from kvforge.tools.bench.peak import with_read_after
-
-    ctx.peak = with_read_after(ctx.peak)
-    if ctx.peak.read_gbps_after is not None:
-        log(f"read bandwidth after the systems {ctx.peak.read_gbps_after:.1f} GB/s (before "
-            f"{ctx.peak.read_gbps_before:.1f}); compared with: {ctx.peak.read_gbps:.1f} GB/s, the median of "
-            f"{len(ctx.peak.read_passes_gbps)} passes")
-
-
-def measure_systems(ctx: BenchContext, runners: Mapping[str, Runner]) -> list[dict[str, Any]]:
-    """Every system, measured by the runner registered for its kind (after `start_measuring`).
-
-    With `--rounds R` > 1 the whole list is measured R times, in reverse order on every other
-    round (A B, B A, A B, ...), and each system's rounds are merged (`merge_rounds`). Systems
-    measured one after another see whatever the machine does meanwhile; a long command on a
-    shared machine drifts (one system's runs in a quiet hour, the next one's in a busy one),
-    and alternating spreads that drift over every system alike."""
-    for system in ctx.systems:
-        if system.kind not in runners:
-            raise KVForgeError(f"no runner for system kind {system.kind!r}")
-    rounds = timed_rounds(ctx.args)
-    per_round: list[dict[str, dict[str, Any]]] = []
-    for index in range(rounds):
-        order = list(ctx.systems) if index % 2 == 0 else list(reversed(ctx.systems))
-        if rounds > 1:
-            log(f"round {index + 1}/{rounds}: {', '.join(system.name for system in order)}")
-        results = {}
-        for system in order:
-            metrics = runners[system.kind](ctx, system)
-            results[system.name] = {"name": system.name, "kind": system.kind, **metrics}
-            gc.collect()  # the runner's engine (KV pool) or transformers model is garbage now
-        per_round.append(results)
-    return [merge_rounds([results[system.name] for results in per_round]) for system in ctx.systems]
-
-
-def timed_rounds(args: Any) -> int:
-    """`--rounds` (1 where a benchmark has no such argument)."""
-    return int(getattr(args, "rounds", 1) or 1)
-
-
-def timed_runs(args: Any) -> int:
-    """Timed runs per system over the whole command: repeats in each of the rounds."""
-    return int(args.repeats) * timed_rounds(args)
-
-
-def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One system's results from several rounds as one: the counters of the round whose
-    chosen run is the median by time (the upper one of an even count, as `repeat_runs`), all
-    rounds' repeat times in `seconds_all` (in the order they ran) and the fastest in
-    `seconds_min`. Keys that only some rounds measured (bench throughput's step split runs
-    in the first round only) are kept from the round that has them."""
-    if len(runs) == 1:
-        return runs[0]
-    ordered = sorted(runs, key=lambda run: run["seconds"])
-    chosen = ordered[len(ordered) // 2]
-    times = [t for run in runs for t in (run.get("seconds_all") or [run["seconds"]])]
-    only_some = {key: value for run in runs for key, value in run.items() if key not in chosen}
-    return {**only_some, **chosen, "seconds_all": times, "seconds_min": min(times), "rounds": len(runs)}
-
-
-def repeat_runs(label: str, once: Callable[[], dict[str, Any]], warmup: int, repeats: int) -> dict[str, Any]:
-    """Run `once` (which times itself and returns {"seconds": ..., counters...}) warmup +
-    repeats times; return the median-time run with `seconds_all`."""
-    for index in range(warmup):
-        run = once()
-        log(f"{label}: warmup {index + 1}/{warmup} {run['seconds']:.3f} s")
-    runs = []
-    for index in range(repeats):
-        run = once()
-        runs.append(run)
-        log(f"{label}: run {index + 1}/{repeats} {run['seconds']:.3f} s")
-    ordered = sorted(runs, key=lambda r: r["seconds"])
-    chosen = ordered[len(ordered) // 2]
-    # The fastest run too: on a shared machine the gap between median and min shows noise.
-    return {**chosen, "seconds_all": [r["seconds"] for r in runs], "seconds_min": ordered[0]["seconds"]}
-
-
-def rate(amount: float, seconds: float) -> float:
-    return amount / seconds if seconds > 0 else float("inf")

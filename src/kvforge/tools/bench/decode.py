@@ -33,17 +33,12 @@ from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import KVForgeError, require
 from kvforge.tools.bench import hf_peer, llamacpp_peer
-from kvforge.tools.bench.common import (
-    BenchContext,
-    System,
-    prepare,
-    rate,
-    repeat_runs,
-    run_systems,
-    timed_rounds,
-)
+from kvforge.tools.bench.common import BenchContext, prepare
 from kvforge.tools.bench.flops import KVReadModel, decode_bytes, weight_bytes_per_step
-from kvforge.tools.bench.report import Column, Panel, finish
+from kvforge.tools.bench.measure import rate, repeat_runs, run_systems, timed_rounds
+from kvforge.tools.bench.plot import Panel
+from kvforge.tools.bench.report import Column, finish
+from kvforge.tools.bench.systems import System
 from kvforge.tools.bench.throughput import step_split, timer_totals
 
 HEADLINE = "generated_tokens_per_s"
@@ -69,7 +64,7 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
     engine = engine_for(step_timing=False)
     run = repeat_runs(system.name, functools.partial(_decode_once, engine, prompts, params, system.name),
                       args.warmup, args.repeats)
-    run["kv_bytes_per_token"] = engine.cache.kv_bytes_per_token()
+    run["kv_bytes_per_token"] = engine.cache.memory.kv_bytes_per_token()
     run["bytes_per_step_model"] = KVReadModel.of_cache(engine.cache)
     del engine  # its pages are freed before the next engine takes its own
     # Where a decode step's time goes: one more run, on an engine whose step timer wraps every

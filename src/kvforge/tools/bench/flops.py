@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvforge.cache.base import CacheMethod
 from kvforge.config import ModelConfig
+from kvforge.models.registry import num_parameters
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def weight_bytes_per_step(config: ModelConfig, element_size: int) -> int:
     """Weight bytes a decode step reads: all parameters but the embedding table, plus lm_head."""
     table = config.vocab_size * config.hidden_size
     untied_head = 0 if config.tie_word_embeddings else table  # already in num_parameters()
-    body = config.num_parameters() - table - untied_head
+    body = num_parameters(config) - table - untied_head
     return (body + table) * element_size
 
 
@@ -124,7 +125,7 @@ class KVReadModel:
         """What a kvforge cache method stores (its storage dtype, its layer sharing)."""
         layout = cache.layout
         return cls(tuple(layout.specs[c].sliding_window for c in layout.layer_to_cache),
-                   tuple(cache.bytes_per_token(c) for c in layout.layer_to_cache))
+                   tuple(cache.memory.bytes_per_token(c) for c in layout.layer_to_cache))
 
     @classmethod
     def of_dense(cls, config: ModelConfig, element_size: int) -> KVReadModel:

@@ -3,7 +3,7 @@
 GGUF model, thread count and prompt token ids. Needs the optional `peers` extra
 (llama-cpp-python, which compiles llama.cpp from source).
 
-WEIGHTS (validated by `parse`):
+WEIGHTS (llamacpp_option.py, where `--compare` entries are parsed):
   f16 (the default), bf16, f32   a GGUF converted from the file kvforge loads by llama.cpp's
                                  own quantize (`llama_model_quantize`, allow_requantize, every
                                  2-D weight to that type), cached under
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import importlib.util
 import os
 import time
 from collections.abc import Sequence
@@ -30,17 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.errors import KVForgeError, require
-from kvforge.tools.bench.common import BenchContext, System, log
+from kvforge.tools.bench.common import BenchContext, log
+from kvforge.tools.bench.llamacpp_option import WEIGHTS
 from kvforge.tools.bench.llamacpp_session import Session, load_library
+from kvforge.tools.bench.systems import System
 from kvforge.user_cache import user_cache_dir
 
-PEER = "llama.cpp"
-# llama_ftype of each converted weight type (llama.h); None: the source file itself
-WEIGHTS: dict[str, int | None] = {"f16": 1, "bf16": 32, "f32": 0, "as-shipped": None}
-DEFAULT_WEIGHTS = "f16"
-INSTALL = ("pip install -e '.[peers]' (it builds llama-cpp-python, compiling llama.cpp from source: "
-           "a few minutes; see docs/benchmarks.md)")
-VERBS = "`kvforge bench prefill` and `kvforge bench decode`"
 KV_ELEMENT_BYTES = 2  # llama.cpp's default KV cache type is F16
 TIMING = {
     "prefill": "the prompts as separate sequences in one llama_batch (filled untimed), one llama_decode "
@@ -48,42 +42,6 @@ TIMING = {
     "decode": "prompts prefilled untimed, then G-1 lock-step llama_decode calls of one token per sequence "
               "with each sequence's greedy argmax fed back",
 }
-
-
-def is_peer(item: str) -> bool:
-    """Whether a --compare entry names this peer (`llama.cpp` or `llama.cpp:WEIGHTS`)."""
-    return item == PEER or item.startswith(PEER + ":")
-
-
-def parse(item: str, allowed: bool = True) -> str:
-    """A --compare entry -> its weights; ConfigError when this verb has no llama.cpp peer,
-    the weights are unknown, or llama-cpp-python is not installed."""
-    require(allowed, "compare", item, f"the llama.cpp peer runs in {VERBS} only")
-    _, colon, weights = item.partition(":")
-    weights = weights if colon else DEFAULT_WEIGHTS
-    require(weights in WEIGHTS, "compare", item,
-            f"llama.cpp weights must be one of {', '.join(WEIGHTS)} (llama.cpp means llama.cpp:{DEFAULT_WEIGHTS})")
-    require(installed(), "compare", item, f"the llama.cpp peer needs the llama-cpp-python package: {INSTALL}")
-    return weights
-
-
-def installed() -> bool:
-    """Whether llama_cpp can be found (found, not imported: importing loads the library)."""
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def system_name(weights: str) -> str:
-    return f"{PEER}[{weights}]"
-
-
-def check_run(systems: Sequence[System], source_kind: str, device: str) -> None:
-    """Before anything loads: llama.cpp reads GGUF files and runs on the CPU (this build)."""
-    for system in systems:
-        if system.kind != PEER:
-            continue
-        require(source_kind == "gguf", "compare", system.name,
-                "the llama.cpp peer needs a GGUF model (a named model or a .gguf file as --model)")
-        require(device == "cpu", "device", device, "the llama.cpp peer runs on the CPU: use --device cpu")
 
 
 def cache_root() -> Path:

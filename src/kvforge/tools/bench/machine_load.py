@@ -10,9 +10,9 @@ load averages are kept too, but they lag by a minute, which the probe does not.
 The probe also records the OpenMP thread settings the process runs under
 (`thread_settings`). `OMP_WAIT_POLICY=PASSIVE` puts OpenMP threads to sleep between
 parallel regions: each of the ~200 small regions of a decode step then waits for a
-wake-up. Measured on smollm2-135m in bf16 at 2K context, decode lost 1.3-1.6x under it
-(the full cache at batch 4, KIVI at batch 16), by a different amount per system, so
-ratios measured under it do not hold at the default setting; such runs are flagged.
+wake-up. Decode loses time under it, by a different amount per system
+(docs/benchmarks.md#how-a-benchmark-runs), so ratios measured under it do not hold at the
+default setting; such runs are flagged.
 
 `flags` turns that and the other things a benchmark cannot vouch for into warnings that
 go into the printed table and the JSON: a loaded machine, sleeping OpenMP threads, a single

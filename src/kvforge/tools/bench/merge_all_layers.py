@@ -44,7 +44,7 @@ class MergedLayersCache:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)
 
-    def fused_decode_target(self, cache_layer: int) -> None:
+    def fused_decode_target(self, cache_layer: int, meta: Any) -> None:
         """Never: a fused decoder-layer op would write and attend past this wrapper (it maps
         every layer to one; passing the call through would reach the wrong layer)."""
         return None

@@ -7,20 +7,19 @@
 - read bandwidth: torch.sum over a 256 MiB float32 tensor (far larger than the caches), in
   GB/s: the median of READ_PASSES passes (the best pass is kept as `read_gbps_best`). Decode
   is bound by reading weights and KV, so its GB/s are compared with this. Not the best pass:
-  on this shared machine a single pass now and then reads far above the rest (52 GB/s once
-  in 20 passes that otherwise read 31-33), and a best-of-5 rule turned that into the
-  roofline of a whole run (one run's probe read 47.6 GB/s, the next ones 28-31). The
-  decode figures compared with it are medians too.
+  on this shared machine a single pass now and then reads far above the rest, and a
+  best-of-5 rule turned that into the roofline of a whole run
+  (docs/benchmarks.md#measurements-behind-design-choices). The decode figures compared with
+  it are medians too.
 
 Both are taken before any system runs; on a machine shared with other jobs they move with
-the load, which is why they are measured here rather than quoted. On the CPU the read
-probe runs again after the last system (`with_read_after`), and `read_gbps` becomes the
-median of the passes of both probes. The bandwidth of the 2-core VM this was built on
-moved between 29.5 and 33.2 GB/s across three back-to-back decode runs, and within single
-runs from 30.4 to 41.3 GB/s and from 20.9 to 37.7 GB/s (before and after), so one probe
-before a several-minute run could move its "fraction of the read bandwidth" by a third.
-Both probes' medians are kept (`read_gbps_before`, `read_gbps_after`), so a run whose
-machine changed under it shows it.
+the load, which is why they are measured here rather than quoted. On the CPU the read probe
+runs again after the last system (`with_read_after`), and `read_gbps` becomes the median of
+the passes of both probes. The bandwidth of the 2-core VM this was built on moved across
+back-to-back decode runs, and more within single runs (before and after), so one probe
+before a several-minute run could misstate its "fraction of the read bandwidth"
+(docs/benchmarks.md#measurements-behind-design-choices). Both probes' medians are kept
+(`read_gbps_before`, `read_gbps_after`), so a run whose machine changed under it shows it.
 
 On a GPU (`device`), both are measured there, the bench's roofline being the GPU's: the
 matmul at n = 8192 and the read over 2 GiB (the CPU's probe sizes fit in an H100's L2 or

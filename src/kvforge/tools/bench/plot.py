@@ -8,11 +8,20 @@ where one applies (matmul GFLOP/s for prefill, read GB/s for decode).
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvforge.tools.bench.report import Panel
+
+@dataclass(frozen=True)
+class Panel:
+    """A second plot panel: one metric per system against a measured machine reference."""
+
+    key: str
+    label: str
+    reference: float | None = None
+    reference_label: str = ""
+
 
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 

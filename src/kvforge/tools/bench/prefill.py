@@ -24,18 +24,12 @@ from typing import Any
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import require
 from kvforge.tools.bench import hf_peer, llamacpp_peer
-from kvforge.tools.bench.common import (
-    BenchContext,
-    System,
-    drain,
-    prepare,
-    rate,
-    repeat_runs,
-    run_systems,
-    timed_rounds,
-)
+from kvforge.tools.bench.common import BenchContext, drain, prepare
 from kvforge.tools.bench.flops import prefill_flops
-from kvforge.tools.bench.report import Column, Panel, finish
+from kvforge.tools.bench.measure import rate, repeat_runs, run_systems, timed_rounds
+from kvforge.tools.bench.plot import Panel
+from kvforge.tools.bench.report import Column, finish
+from kvforge.tools.bench.systems import System
 
 HEADLINE = "prompt_tokens_per_s"
 

@@ -23,8 +23,10 @@ from typing import Any
 
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import KVForgeError, require
-from kvforge.tools.bench.common import BenchContext, System, log, prepare, run_systems, timed_rounds
+from kvforge.tools.bench.common import BenchContext, log, prepare
+from kvforge.tools.bench.measure import run_systems, timed_rounds
 from kvforge.tools.bench.report import Column, finish
+from kvforge.tools.bench.systems import System
 
 HEADLINE = "first_tokens_per_s_turns_2_n"  # 1 / mean TTFT of turns 2..N: the ratio is TTFT off / on
 

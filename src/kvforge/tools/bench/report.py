@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from kvforge.sizes import format_bytes
-from kvforge.tools.bench.common import BenchContext, log, timed_runs
+from kvforge.tools.bench.common import BenchContext, log
 from kvforge.tools.bench.machine_load import LoadProbe, flags
+from kvforge.tools.bench.measure import timed_runs
+from kvforge.tools.bench.plot import Panel, plot_result
 from kvforge.tools.report.provenance import provenance
 
 
@@ -31,16 +33,6 @@ class Column:
     key: str  # metric key in a system's dict
     header: str
     fmt: str = "{:.1f}"
-
-
-@dataclass(frozen=True)
-class Panel:
-    """A second plot panel: one metric per system against a measured machine reference."""
-
-    key: str
-    label: str
-    reference: float | None = None
-    reference_label: str = ""
 
 
 def ratios(headline: str, systems: Sequence[dict[str, Any]]) -> tuple[float | None, dict[str, float]]:
@@ -176,8 +168,6 @@ def step_split_lines(systems: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def write_outputs(result: dict[str, Any], path: Path, panel: Panel | None) -> None:
-    from kvforge.tools.bench.plot import plot_result
-
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     png = path.with_suffix(".png")

@@ -33,11 +33,13 @@ from tqdm.auto import tqdm
 from kvforge.cache.registry import parse_cache_spec
 from kvforge.errors import ConfigError, require
 from kvforge.models.loader import load_model_config, resolve_model_source
-from kvforge.tools.bench.common import System, log, parse_compare
+from kvforge.tools.bench.common import log
+from kvforge.tools.bench.compare import parse_compare
 from kvforge.tools.bench.machine_load import LoadProbe, flags
 from kvforge.tools.bench.serve_client import RequestRecord, poisson_schedule, run_schedule
 from kvforge.tools.bench.serve_server import ServerProcess, ServerWatch, scrape
 from kvforge.tools.bench.serve_stats import SLO, step_split, summarize
+from kvforge.tools.bench.systems import System
 from kvforge.tools.report.provenance import provenance
 from kvforge.tools.text_data import heldout_text
 

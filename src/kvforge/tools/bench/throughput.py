@@ -31,7 +31,7 @@ detokenising, Python). On CUDA the timer synchronises around every timed call, w
 lowers the headline there; on CPU it costs little.
 
 Attention rates of the decode steps (an approximation, stated in the JSON's settings):
-  bytes = for each decode token, `cache.sequence_bytes(n)` of its sequence, n = the keys
+  bytes = for each decode token, `cache.memory.sequence_bytes(n)` of its sequence, n = the keys
           it attends (every token of the sequence after the step): what the cache method's
           own accounting says such a sequence holds (page-rounded, sliding windows bound it,
           KIVI's full-precision residual slot included). It is the KV read per layer when
@@ -60,19 +60,12 @@ from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import KVForgeError, require
 from kvforge.step_timing import PARTS, STEP_KINDS, StepTimer
 from kvforge.tools.bench import hf_peer
-from kvforge.tools.bench.common import (
-    BenchContext,
-    System,
-    drain,
-    log,
-    prepare,
-    rate,
-    repeat_runs,
-    run_systems,
-    timed_rounds,
-)
+from kvforge.tools.bench.common import BenchContext, drain, log, prepare
 from kvforge.tools.bench.flops import attention_flops
-from kvforge.tools.bench.report import Column, Panel, finish
+from kvforge.tools.bench.measure import rate, repeat_runs, run_systems, timed_rounds
+from kvforge.tools.bench.plot import Panel
+from kvforge.tools.bench.report import Column, finish
+from kvforge.tools.bench.systems import System
 
 HEADLINE = "total_tokens_per_s"
 
@@ -120,8 +113,8 @@ def _headline_runs(ctx: BenchContext, system: System, prompts: list[list[int]],
                 "engine_steps": engine.steps - steps_before, "kv_bytes_peak": peak_kv}
 
     run = repeat_runs(system.name, once, args.warmup, args.repeats)
-    run["kv_bytes_per_token"] = cache.kv_bytes_per_token()
-    run["kv_bytes_capacity"] = cache.memory_capacity()["fast"]
+    run["kv_bytes_per_token"] = cache.memory.kv_bytes_per_token()
+    run["kv_bytes_capacity"] = cache.memory.capacity["fast"]
     run["kv_budget_fraction_used"] = run["kv_bytes_peak"] / run["kv_bytes_capacity"]
     # Whole sequences (prompt + output) the budget holds by the cache's own accounting.
     run["admissible_sequences"] = admissible_sequences(cache, args.shared_prefix + args.input_len + args.output_len)
@@ -205,8 +198,8 @@ def step_split(before: Mapping[str, Mapping[str, float]],
 def decode_attention_work(cache: CacheMethod, config: ModelConfig, decode_keys: Mapping[int, int]) -> tuple[int, int]:
     """(bytes, FLOPs) of the attention of decode tokens, `decode_keys[n]` of which attended
     n keys (their sequence holds n tokens after the step). Per token: bytes =
-    `cache.sequence_bytes(n)`, FLOPs = `attention_flops(config, 1, n - 1)` (module docstring)."""
-    num_bytes = sum(count * cache.sequence_bytes(n) for n, count in decode_keys.items())
+    `cache.memory.sequence_bytes(n)`, FLOPs = `attention_flops(config, 1, n - 1)` (module docstring)."""
+    num_bytes = sum(count * cache.memory.sequence_bytes(n) for n, count in decode_keys.items())
     flops = sum(count * attention_flops(config, 1, cached=n - 1) for n, count in decode_keys.items())
     return num_bytes, flops
 
@@ -224,10 +217,10 @@ def attention_rates(num_bytes: int, flops: int, seconds: float, steps: int) -> d
 def admissible_sequences(cache: CacheMethod, num_tokens: int) -> int:
     """The most sequences of `num_tokens` tokens the cache holds at once (`fits_together`,
     every store of a split budget checked; at most what the bytes alone allow)."""
-    lo, hi = 0, cache.memory_capacity()["fast"] // cache.sequence_bytes(num_tokens)
+    lo, hi = 0, cache.memory.capacity["fast"] // cache.memory.sequence_bytes(num_tokens)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if cache.fits_together([num_tokens] * mid) else (lo, mid - 1)
+        lo, hi = (mid, hi) if cache.memory.fits_together([num_tokens] * mid) else (lo, mid - 1)
     return lo
 
 
@@ -302,7 +295,7 @@ def _settings(args: argparse.Namespace, ctx: BenchContext) -> dict[str, Any]:
         "hf_timing": "model.generate on static batches of hf_batch, min_new_tokens = max_new_tokens",
         "step_split": "kvforge engines time their steps (timed runs only): ms per decode / prefill-containing "
                       "step = linear + attention (cache write + attend) + sampling + rest",
-        "attention_work": "approximation: bytes = cache.sequence_bytes(n) per decode token attending n keys "
+        "attention_work": "approximation: bytes = cache.memory.sequence_bytes(n) per decode token attending n keys "
                           "(what the cache's accounting says the sequence holds); FLOPs = 4 * heads * head_dim "
                           "per visible key and layer (sliding windows respected); rates over attention seconds",
     }

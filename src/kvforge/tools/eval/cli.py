@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Any
 
 from kvforge.devices import add_device_arg
 from kvforge.tools.bench.cli import _count
@@ -36,9 +35,8 @@ def _add_common(parser: argparse.ArgumentParser, default_model: str) -> None:
     parser.add_argument("--json", metavar="OUT", default=None, help="write per-sample results as JSON to OUT")
 
 
-def add_eval_parser(verbs: Any) -> argparse.ArgumentParser:
-    """Register `eval` and its sub-verbs on the top-level subparsers."""
-    evaluate = verbs.add_parser("eval", help="quality: perplexity, pass-key retrieval (side by side)")
+def add_eval_args(evaluate: argparse.ArgumentParser) -> None:
+    """The sub-verbs of `kvforge eval` and their arguments, on its parser."""
     kinds = evaluate.add_subparsers(dest="eval_verb", required=True)
 
     ppl = kinds.add_parser("ppl", help="perplexity on held-out text, prefill or token-by-token decode")
@@ -82,7 +80,6 @@ def add_eval_parser(verbs: Any) -> argparse.ArgumentParser:
     ruler.add_argument("--chat", action="store_true", help="render prompts with the model's chat template")
     ruler.add_argument("--batch", type=_count(1), default=2, help="kvforge prompts run together (2)")
     ruler.add_argument("--prefill-chunk", type=_count(1), default=2048, help="kvforge prefill chunk (2048)")
-    return evaluate
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -115,7 +115,8 @@ def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[
     # Cache layer c is model layer c here (no SwiftKV): the global layers' curves.
     curves = {c: torch.tensor(next(e for e in spectra["layers"] if e["layer"] == c)["keys_pre_rope"]["energy"],
                               dtype=torch.float64) for c in probe.global_layers}
-    full_bytes = paged_sequence_bytes(probe.exact_layout, probe.config.block_size, probe.element, num_tokens)
+    sizes = probe.memory.sizes
+    full_bytes = paged_sequence_bytes(sizes.exact_layout, probe.config.block_size, sizes.element, num_tokens)
     ruler_settings, ruler_scores = _ruler_by_seed(model, ruler) if ruler else (None, {})
     measured = _measured_ranks(model, rank_file, int(spectra["num_tokens"])) if rank_file else {}
     systems = []
@@ -128,7 +129,7 @@ def front(model: str, spectra: dict[str, Any], full: dict[str, Any], runs: list[
                 continue
             cache = create_cache(spec, layout, 1 << 30, torch.float32, "cpu")
             ranks = _ranks_of(spec, cache, curves, measured)
-            fast = cache.compressed_global_bytes(num_tokens, ranks)
+            fast = cache.memory.compressed_global_bytes(num_tokens, ranks)
             systems.append({"name": system["name"], "cache": spec, "ppl": system["ppl"],
                             "delta_pct": 100 * (system["ppl"] / full_system["ppl"] - 1), "ranks": ranks,
                             "fast_bytes": fast, "times_smaller": full_bytes / fast,

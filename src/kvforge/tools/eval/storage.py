@@ -24,7 +24,7 @@ from kvforge.cache.base import CacheMethod
 def kvforge_storage(cache: CacheMethod, window: int) -> dict[str, Any]:
     layout = cache.layout
     elements = 2 * sum(spec.num_kv_heads * spec.head_dim for spec in layout.specs)
-    bits = cache.kv_bytes_per_token() * 8 / elements
+    bits = cache.memory.kv_bytes_per_token() * 8 / elements
     out: dict[str, Any] = {"quantized_bits_per_element": bits, "stored_bits_per_element": bits}
     config = getattr(cache, "config", None)
     residual_dtype = getattr(cache, "residual_dtype", None)

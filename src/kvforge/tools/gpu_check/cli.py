@@ -11,7 +11,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -48,13 +47,6 @@ def add_gpu_check_args(parser: argparse.ArgumentParser) -> None:
                         help=f"SwiftKV checkpoint laid over --model ({DEFAULT_SWIFTKV})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids (0)")
     parser.add_argument("--json", metavar="OUT", default=None, help="write the result as JSON")
-
-
-def add_gpu_check_parser(verbs: Any) -> None:
-    """Register `gpu-check` on the top-level subparsers."""
-    parser = verbs.add_parser("gpu-check", help="every cache method on a device against the CPU reference, "
-                                                "then bench speed against transformers")
-    add_gpu_check_args(parser)
 
 
 def settings_from(args: argparse.Namespace) -> CheckSettings:

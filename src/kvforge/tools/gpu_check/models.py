@@ -20,6 +20,7 @@ import torch
 
 from kvforge.config import ModelConfig, SwiftKVConfig
 from kvforge.models.causal_lm import CausalLM
+from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.models.loader import load_model
 from kvforge.models.registry import build_model
 from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, model_state_for_swiftkv
@@ -66,7 +67,7 @@ class ModelPair:
 
 
 def _tiny_base_state(seed: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    config = ModelConfig.from_hf_dict(TINY_HF_CONFIG)
+    config = config_from_hf_dict(TINY_HF_CONFIG)
     model = build_model(config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

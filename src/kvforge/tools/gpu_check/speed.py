@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from kvforge.tools.bench.cli import add_bench_args
+from kvforge.tools.report.provenance import command_line
+
 # verb -> its size arguments: small enough to take seconds on a GPU (and minutes on a CPU)
 SPEED_RUNS: dict[str, list[str]] = {
     "prefill": ["--prompt-len", "512", "--batch", "1"],
@@ -25,6 +28,14 @@ SPEED_RUNS: dict[str, list[str]] = {
     "throughput": ["--num-requests", "8", "--input-len", "256", "--output-len", "32"],
 }
 REPEATS = ["--repeats", "3", "--warmup", "1"]
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    """A top-level parser with `kvforge bench` alone, its arguments as the command line's
+    (`kvforge.cli` builds `bench` with the same function), so parsed args carry `verb`."""
+    parser = argparse.ArgumentParser(prog="kvforge")
+    add_bench_args(parser.add_subparsers(dest="verb", required=True).add_parser("bench"))
+    return parser
 
 
 def _bench_parser(parser: argparse.ArgumentParser, verb: str) -> argparse.ArgumentParser:
@@ -57,10 +68,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 def run_speed(device: torch.device, model: str, swiftkv: str, kv_budget: str,
               progress: Callable[[str], None]) -> dict[str, Any]:
-    from kvforge.cli import build_parser  # the top-level CLI registers this command: import late
-    from kvforge.tools.report.provenance import command_line
-
-    parser = build_parser()
+    parser = bench_parser()
     out: dict[str, Any] = {}
     for verb in SPEED_RUNS:
         with_device = bench_takes_device(parser, verb)

@@ -1,14 +1,13 @@
-"""`kvforge report [DIR]`: docs/results.md and README.md's results table, rendered from the
-committed result files under DIR (docs/results by default).
+"""`kvforge report [DIR]`: docs/results.md, README.md's results table and the methods guide's
+quality tables, rendered from the committed result files under DIR (docs/results by default).
 
 - docs/results.md: one section per JSON file (render.py), in path order.
 - README.md: the block between `<!-- results:start -->` and `<!-- results:end -->` is the
-  headline table (headline.py), each figure read from a named file; the block between
+  headline table (headline.py), each figure read from a named file.
+- docs/cache-methods.md (the methods guide, since README stays short): the block between
   `<!-- kivi-pareto:start -->` and `<!-- kivi-pareto:end -->` is KIVI's quality/memory
-  table (pareto.py).
-- docs/cache-methods.md: the block between `<!-- shadowkv-front:start -->` and
-  `<!-- shadowkv-front:end -->` is ShadowKV's quality/memory table (shadowkv_front.py; in the
-  methods guide, since README stays short).
+  table (pareto.py), the block between `<!-- shadowkv-front:start -->` and
+  `<!-- shadowkv-front:end -->` ShadowKV's (shadowkv_front.py).
 - `--check`: render in memory and exit 1 if either file differs from what is on disk (the
   report test does the same), so a table can never drift from its JSON.
 - `--plots`: redraw the PNG next to each bench JSON from the JSON alone.
@@ -37,13 +36,13 @@ were measured while other programs used the machine.
 """
 
 
-def add_report_parser(verbs: Any) -> None:
-    report = verbs.add_parser("report", help="render docs/results.md and README's results table from result JSON")
+def add_report_args(report: argparse.ArgumentParser) -> None:
+    """The arguments of `kvforge report`, on its parser."""
     report.add_argument("directory", nargs="?", default="docs/results", help="result files (docs/results)")
     report.add_argument("--out", default="docs/results.md", help="the full report (docs/results.md)")
     report.add_argument("--readme", default="README.md", help="README whose results block is rewritten")
     report.add_argument("--methods", default="docs/cache-methods.md",
-                        help="cache methods guide whose ShadowKV table is rewritten")
+                        help="cache methods guide whose KIVI and ShadowKV tables are rewritten")
     report.add_argument("--check", action="store_true", help="change nothing; exit 1 if a file is out of date")
     report.add_argument("--plots", action="store_true", help="also redraw the plots of bench results")
 
@@ -79,10 +78,10 @@ def run_report(args: argparse.Namespace) -> int:
     results = load_results(directory)
     rendered = {Path(args.out): render_results(results, directory.as_posix().rstrip("/"))}
     readme = Path(args.readme)
-    text = replace_block(readme.read_text(), headline_table(results), str(readme))
-    rendered[readme] = replace_block(text, pareto.pareto_block(results), str(readme), pareto.START, pareto.END)
+    rendered[readme] = replace_block(readme.read_text(), headline_table(results), str(readme))
     methods = Path(args.methods)
-    rendered[methods] = replace_block(methods.read_text(), shadowkv_front.front_block(results), str(methods),
+    text = replace_block(methods.read_text(), pareto.pareto_block(results), str(methods), pareto.START, pareto.END)
+    rendered[methods] = replace_block(text, shadowkv_front.front_block(results), str(methods),
                                       shadowkv_front.START, shadowkv_front.END)
     stale = [path for path, text in rendered.items() if not path.exists() or path.read_text() != text]
     if args.check:
@@ -99,8 +98,7 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def _redraw_plots(results: dict[str, dict[str, Any]], directory: Path) -> None:
-    from kvforge.tools.bench.plot import plot_result
-    from kvforge.tools.bench.report import Panel
+    from kvforge.tools.bench.plot import Panel, plot_result
     from kvforge.tools.bench.serve_report import plot_serve
 
     for path, doc in results.items():

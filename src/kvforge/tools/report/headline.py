@@ -4,28 +4,9 @@ measured against and the paper's own figure (quoted from the paper, not measured
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
 from kvforge.errors import ConfigError
-from kvforge.tools.report.render import table
-
-Document = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Row:
-    technique: str
-    saves: str
-    file: str  # relative to docs/results
-    measured: Callable[[Document], str]
-    baseline: str
-    paper: str
-
-
-def at_rate(system: Document, rate: float | str) -> Document:
-    return next(r for r in system["rates"] if r["request_rate"] == rate)
+from kvforge.tools.report.markdown import Document, table
+from kvforge.tools.report.rows import ROWS
 
 
 def _caveat(doc: Document) -> str:
@@ -38,10 +19,8 @@ def _caveat(doc: Document) -> str:
 
 
 def headline_table(results: dict[str, Document]) -> str:
-    from kvforge.tools.report.rows import ROWS as rows  # rows.py names the files; it imports Row from here
-
     lines = []
-    for row in rows:
+    for row in ROWS:
         if row.file not in results:
             raise ConfigError("README results row", row.technique, f"needs docs/results/{row.file}, which is missing")
         lines.append([row.technique, row.saves, row.measured(results[row.file]) + _caveat(results[row.file]),

@@ -1,5 +1,6 @@
-"""README's KIVI quality/memory table (between `<!-- kivi-pareto:start -->` and
-`<!-- kivi-pareto:end -->`), rendered from the committed `eval ppl` files in PARETO_FILES.
+"""KIVI's quality/memory table in the methods guide (docs/cache-methods.md, between
+`<!-- kivi-pareto:start -->` and `<!-- kivi-pareto:end -->`), rendered from the committed
+`eval ppl` files in PARETO_FILES.
 
 One table per model: every system of its files with its stored bits per K/V element
 (eval/storage.py: codes + scales/zeros + sinks amortised over the window; the residual is
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvforge.tools.report.render import fmt, table
+from kvforge.tools.report.markdown import fmt, table
 
 START, END = "<!-- kivi-pareto:start -->", "<!-- kivi-pareto:end -->"
 PARETO_FILES = {
@@ -82,7 +83,7 @@ def pareto_table(docs: dict[str, dict[str, Any]]) -> str:
              fmt(r["ppl"], "{:.3f}"), fmt(100 * (r["ppl"] / base["ppl"] - 1), "{:+.2f}%")]
             for r, f in zip(rows, front)]
     s = first["settings"]
-    sources = ", ".join(f"[{path.rsplit('/', 1)[-1]}](docs/results/{path})" for path in joined)
+    sources = ", ".join(f"[{path.rsplit('/', 1)[-1]}](results/{path})" for path in joined)
     head = (f"**{first['model']}**: decode perplexity, {s['windows']} windows of {s['context']} tokens "
             f"(prefill {s['prefill_len']}), against {base['name']} ({sources}); * on the Pareto front\n\n")
     return head + table(["system", "bits/element", "residual", "perplexity", "vs baseline"], body)

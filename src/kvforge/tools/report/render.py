@@ -9,28 +9,13 @@ compare. Files written before results recorded their command say so instead of g
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvforge.tools.bench.serve_report import decode_step_split
-
-Document = dict[str, Any]
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(c) for c in row] for row in rows]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in cells]
-    return "\n".join(lines)
-
-
-def fmt(value: Any, pattern: str = "{:.1f}") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float) and math.isinf(value):
-        return "inf"
-    return pattern.format(value)
+from kvforge.tools.report.markdown import Document, fmt, table
+from kvforge.tools.report.shadowkv_front import front_table
 
 
 def kind_of(doc: Document) -> str:
@@ -191,8 +176,6 @@ def _eval(doc: Document) -> str:
                 f"{s['seed']}; scores in %\n\n")
         return head + table(["system", "average", *s["tasks"]], rows)
     if kind == "shadowkv-front":
-        from kvforge.tools.report.shadowkv_front import front_table
-
         return front_table(doc)
     if kind == "shadowkv-ranks":
         rows = [[x["cache"], fmt(sum(x["ranks"]) / len(x["ranks"]), "{:.1f}"), " ".join(map(str, x["ranks"]))]

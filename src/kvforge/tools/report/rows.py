@@ -4,8 +4,24 @@ how it is read. The paper column quotes the papers (their hardware and models), 
 
 from __future__ import annotations
 
-from kvforge.tools.report.headline import Document, Row, at_rate
-from kvforge.tools.report.render import fmt
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvforge.tools.report.markdown import Document, fmt
+
+
+@dataclass(frozen=True)
+class Row:
+    technique: str
+    saves: str
+    file: str  # relative to docs/results
+    measured: Callable[[Document], str]
+    baseline: str
+    paper: str
+
+
+def at_rate(system: Document, rate: float | str) -> Document:
+    return next(r for r in system["rates"] if r["request_rate"] == rate)
 
 
 def _prefill(doc: Document) -> str:
@@ -108,7 +124,7 @@ def _read_bandwidth(doc: Document) -> str:
 
 def _kivi_front(doc: Document) -> str:
     """The paper's 2-bit and 4-bit settings with their stored bits; the options beyond the
-    paper are in README's KIVI table (their runs are separate files)."""
+    paper are in the methods guide's KIVI table (their runs are separate files)."""
     named = {s.get("cache"): s for s in doc["systems"]}
     parts = [f"{cache.removeprefix('kivi:')} **{fmt(named[cache]['delta_pct'], '{:+.1f}')}%** at "
              f"{fmt(named[cache].get('stored_bits_per_element'), '{:.0f}')} bits/element"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvforge.tools.report.render import fmt, table
+from kvforge.tools.report.markdown import fmt, table
 
 START, END = "<!-- shadowkv-front:start -->", "<!-- shadowkv-front:end -->"
 FRONT_FILES = ("eval/shadowkv_front_gemma3-270m.json", "eval/shadowkv_front_smollm2-135m.json")

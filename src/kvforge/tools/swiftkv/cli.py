@@ -10,7 +10,6 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from kvforge.config import ModelConfig, SwiftKVConfig
 from kvforge.devices import add_device_arg, add_dtype_arg
@@ -25,9 +24,8 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"must be integers separated by commas, got {text!r}") from None
 
 
-def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
-    swift = verbs.add_parser("swiftkv", help="SwiftKV checkpoints (init, distill, evaluate) and FLOP accounting "
-                                             "(flops)")
+def add_swiftkv_args(swift: argparse.ArgumentParser) -> None:
+    """The sub-verbs of `kvforge swiftkv` and their arguments, on its parser."""
     kinds = swift.add_subparsers(dest="swiftkv_verb", required=True)
 
     init = kinds.add_parser("init", help="write a SwiftKV checkpoint initialised from a base model")
@@ -129,7 +127,6 @@ def add_swiftkv_parser(verbs: Any) -> argparse.ArgumentParser:
     export.add_argument("--model", default=None,
                         help="base model (default: the base named by a params-only checkpoint)")
     export.add_argument("--dtype", default="float32", help="dtype of the written tensors (float32)")
-    return swift
 
 
 def run_swiftkv(args: argparse.Namespace) -> int:
@@ -342,7 +339,9 @@ def _flops_config(args: argparse.Namespace) -> ModelConfig:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"cannot read {path}: {exc}") from exc
-        return replace(ModelConfig.from_hf_dict(data), swiftkv=None)
+        from kvforge.models.hf_config import config_from_hf_dict
+
+        return replace(config_from_hf_dict(data), swiftkv=None)
     from kvforge.models.loader import load_model_config, resolve_model_source
 
     return replace(load_model_config(resolve_model_source(args.model or "smollm2-135m")), swiftkv=None)

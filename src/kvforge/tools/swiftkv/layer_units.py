@@ -22,16 +22,41 @@ with the teacher under no_grad and layers < l run once for both.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kvforge.config import SwiftKVConfig
+from kvforge.models.causal_lm import CausalLM
 from kvforge.models.dense import DenseInputs, LaterKV, dense_inputs, dense_layer, swiftkv_later_kv
+from kvforge.models.swiftkv import SwiftKVForCausalLM
 
-if TYPE_CHECKING:
-    from kvforge.tools.swiftkv.student import DistillModel, HiddenPair
+
+class DistillPair(Protocol):
+    """What the units are cut from (student.DistillModel): the frozen teacher, the student
+    wired on its modules, the SwiftKV setting and what trains."""
+
+    teacher: CausalLM
+    student: SwiftKVForCausalLM
+    swift: SwiftKVConfig
+    train_later_layers: bool
+    early_exit_only: bool
+
+
+@dataclass(frozen=True)
+class HiddenPair:
+    """Final hidden states (before the final norm) of teacher and student, [B, S, hidden],
+    and both inputs of the hidden-loss layer when one was asked for."""
+
+    teacher: torch.Tensor
+    student: torch.Tensor | None  # None when only the early-exit head trains
+    teacher_at: torch.Tensor | None = None
+    student_at: torch.Tensor | None = None
+    # The early-exit head's hidden state (before the final norm) when the student has one.
+    student_early: torch.Tensor | None = None
 
 
 def later_layer_modules(layer: nn.Module) -> list[str]:
@@ -43,7 +68,7 @@ def later_layer_modules(layer: nn.Module) -> list[str]:
 class LayerUnit(nn.Module):
     """Layer `index` of teacher (no grad) and student (grad, from layer l on)."""
 
-    def __init__(self, model: DistillModel, index: int, activation_checkpointing: bool = False) -> None:
+    def __init__(self, model: DistillPair, index: int, activation_checkpointing: bool = False) -> None:
         super().__init__()
         self.index = index
         self.is_later = model.swift.is_later(index)
@@ -79,7 +104,7 @@ class LayerUnit(nn.Module):
 class SwiftKVInputUnit(nn.Module):
     """`norm_swiftkv` and the group leaders' K/V projections: the later layers' caches."""
 
-    def __init__(self, model: DistillModel) -> None:
+    def __init__(self, model: DistillPair) -> None:
         super().__init__()
         student = model.student
         self.norm_swiftkv = student.model.norm_swiftkv
@@ -96,7 +121,7 @@ class DistillStack(nn.Module):
     """Embedding, per-layer units and the SwiftKV input unit; its forward is the pair of
     final hidden states (and the hidden-loss layer's inputs when asked)."""
 
-    def __init__(self, model: DistillModel, activation_checkpointing: bool = False) -> None:
+    def __init__(self, model: DistillPair, activation_checkpointing: bool = False) -> None:
         super().__init__()
         teacher = model.teacher
         self.embed_tokens = teacher.model.embed_tokens
@@ -116,13 +141,12 @@ class DistillStack(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None,
                 hidden_layer: int | None = None, autocast: bool = False) -> HiddenPair:
-        from kvforge.tools.swiftkv.student import HiddenPair
-
         teacher = self._teacher[0]
         captured: dict[str, torch.Tensor] = {}
         with torch.autocast(token_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
             with torch.no_grad():
-                hidden = teacher.embed(token_ids)
+                # [B * S, hidden] throughout: every unit's output is a tensor of its own (no view)
+                hidden = teacher.embed(token_ids.reshape(-1))
                 inputs = dense_inputs(teacher, token_ids, segment_ids, hidden.dtype)
             student, later_kv, early = None, {}, None
             for unit in self.units:

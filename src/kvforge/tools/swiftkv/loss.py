@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.tools.swiftkv.student import HiddenPair
+from kvforge.tools.swiftkv.layer_units import HiddenPair
 
 
 def reference_kl_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -18,13 +18,12 @@ Invariants:
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-if TYPE_CHECKING:
-    from kvforge.tools.swiftkv.student import DistillModel
+from kvforge.tools.swiftkv.layer_units import DistillStack
 
 MIXED_PRECISIONS = ("none", "bfloat16")
 
@@ -66,7 +65,13 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str,
     optimizer.load_state_dict(state)
 
 
-def shard_distill_model(model: DistillModel, device: torch.device, mixed_precision: str = "none") -> None:
+class WithStack(Protocol):
+    """A model whose forward runs through a DistillStack (student.DistillModel)."""
+
+    stack: DistillStack
+
+
+def shard_distill_model(model: WithStack, device: torch.device, mixed_precision: str = "none") -> None:
     """Shard `model` in place over every process of the initialised process group."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -1,6 +1,6 @@
 """Teacher and student of SwiftKV knowledge recovery on ONE frozen copy of the base weights.
 
-The teacher is the base `LlamaForCausalLM` or `Gemma3ForCausalLM` (original wiring,
+The teacher is its family's base CausalLM (Llama, Gemma3, ...: original wiring,
 requires_grad off). The student is its SwiftKV variant whose modules are the teacher's own
 (embedding, layers < l, the later layers' norms, o_proj, q_norm and MLP, final norm, head;
 a leader's k_norm is a frozen copy, read with the leaders' K/V), plus the trainable
@@ -17,7 +17,7 @@ the SwiftKV wiring and autograd on (`forward_hidden`).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import fields, replace
 
 import torch
 from torch import nn
@@ -25,28 +25,12 @@ from torch import nn
 from kvforge.config import SwiftKVConfig
 from kvforge.errors import ConfigError
 from kvforge.models.causal_lm import CausalLM
-from kvforge.models.gemma3 import Gemma3ForCausalLM
-from kvforge.models.llama import LlamaForCausalLM
+from kvforge.models.family import family_of
 from kvforge.models.registry import model_class
 from kvforge.models.swiftkv import SwiftKVForCausalLM
 from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, swiftkv_tensor_names
-from kvforge.tools.swiftkv.layer_units import DistillStack, later_layer_modules
+from kvforge.tools.swiftkv.layer_units import DistillStack, HiddenPair, later_layer_modules
 from kvforge.tools.swiftkv.sharding import full_tensor, shard_like
-
-TEACHER_CLASSES = (LlamaForCausalLM, Gemma3ForCausalLM)
-
-
-@dataclass(frozen=True)
-class HiddenPair:
-    """Final hidden states (before the final norm) of teacher and student, [B, S, hidden],
-    and both inputs of the hidden-loss layer when one was asked for."""
-
-    teacher: torch.Tensor
-    student: torch.Tensor | None  # None when only the early-exit head trains
-    teacher_at: torch.Tensor | None = None
-    student_at: torch.Tensor | None = None
-    # The early-exit head's hidden state (before the final norm) when the student has one.
-    student_early: torch.Tensor | None = None
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -64,9 +48,11 @@ class DistillModel(nn.Module):
                  init: dict[str, torch.Tensor] | None = None, activation_checkpointing: bool = False,
                  early_exit_only: bool = False) -> None:
         super().__init__()
-        if type(base) not in TEACHER_CLASSES:
-            raise ConfigError("model", type(base).__name__, "the teacher must be a base Llama-family or Gemma3 "
-                                                            "model (not a SwiftKV checkpoint)")
+        teacher_class = family_of(base.config).causal_lm
+        if type(base) is not teacher_class:
+            raise ConfigError("model", type(base).__name__, f"the teacher must be its family's base model "
+                                                            f"({teacher_class.__name__}: base Llama-family, Gemma3, "
+                                                            f"...), not a SwiftKV checkpoint")
         if base.config.final_logit_softcapping:
             raise ConfigError("final_logit_softcapping", base.config.final_logit_softcapping,
                               "distillation's chunked KL reads the head's plain logits: soft-capped models "
@@ -166,5 +152,9 @@ class DistillModel(nn.Module):
     # -- forward ----------------------------------------------------------------------
     def forward_hidden(self, token_ids: torch.Tensor, segment_ids: torch.Tensor | None = None,
                        hidden_layer: int | None = None, autocast: bool = False) -> HiddenPair:
-        """Teacher (no grad) and student (grad) hidden states for one batch; layers < l once."""
-        return self.stack(token_ids, segment_ids, hidden_layer, autocast)
+        """Teacher (no grad) and student (grad) hidden states for one batch; layers < l once.
+        The stack works on [B * S, hidden] rows (an FSDP module's outputs must not be views);
+        the pair comes back as [B, S, hidden]."""
+        pair = self.stack(token_ids, segment_ids, hidden_layer, autocast)
+        shape = (*token_ids.shape, -1)
+        return HiddenPair(*(None if (t := getattr(pair, f.name)) is None else t.view(shape) for f in fields(pair)))

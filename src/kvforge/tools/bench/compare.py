@@ -1,0 +1,65 @@
+"""`--compare`: the systems a benchmark measures beside the one under test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvforge.cache.registry import CacheSpec, parse_cache_spec, split_spec_list
+from kvforge.errors import ConfigError, require
+from kvforge.tools.bench import llamacpp_option
+from kvforge.tools.bench.merge_all_layers import NAME as MERGE_ALL_LAYERS
+from kvforge.tools.bench.systems import System, kvforge_name
+
+NO_PREFIX_CACHING = "no-prefix-caching"  # --compare: the system under test without prefix caching
+
+
+def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None = None,
+                  swiftkv: str | None = None, llama_cpp: bool = False) -> list[System]:
+    """`--compare` values -> systems. Each value is a comma-separated list of `hf`, `base`
+    (the --swiftkv model's base model with the cache under test), `merge-all-layers` (the
+    base model with the cache under test, one cache layer for all: merge_all_layers.py),
+    `llama.cpp[:WEIGHTS]` (only where `llama_cpp` says the benchmark has that peer) or cache
+    specs; a spec's own `k=v` options may continue after commas
+    (`full:storage_dtype=bfloat16,block_size=32`). With --swiftkv, cache-spec systems run
+    the SwiftKV model too; `SPEC@DIR` runs the SwiftKV checkpoint DIR, `SPEC@base` the base
+    model, whatever --swiftkv says."""
+    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING, MERGE_ALL_LAYERS, llamacpp_option.PEER))
+    systems = []
+    for item in items:
+        if item == "hf":
+            systems.append(System("hf", "hf"))
+        elif llamacpp_option.is_peer(item):
+            weights = llamacpp_option.parse(item, allowed=llama_cpp)
+            systems.append(System(llamacpp_option.system_name(weights), "llama.cpp", weights=weights))
+        elif item == NO_PREFIX_CACHING:
+            spec = under_test or parse_cache_spec("full")
+            systems.append(System(f"{kvforge_name(spec, swiftkv)}, no prefix caching", "kvforge", spec,
+                                  prefix_caching=False))
+        elif item == "base":
+            if swiftkv is None:
+                raise ConfigError("compare", item, "'base' is SwiftKV's base model and needs --swiftkv DIR")
+            spec = under_test or parse_cache_spec("full")
+            systems.append(System(f"base[{spec}]", "kvforge", spec, swiftkv=False))
+        elif item == MERGE_ALL_LAYERS:
+            spec = under_test or parse_cache_spec("full")
+            systems.append(System(f"{MERGE_ALL_LAYERS}[{spec}]", "kvforge", spec, swiftkv=False, merge_all_layers=True))
+        else:
+            systems.append(_cache_system(item, swiftkv))
+    return systems
+
+
+def _cache_system(item: str, swiftkv: str | None) -> System:
+    """A `SPEC`, `SPEC@DIR` (the SwiftKV checkpoint DIR) or `SPEC@base` (the base model) entry."""
+    text, at, where = item.partition("@")
+    require(not at or bool(where.strip()), "compare", item, "SPEC@ must name a SwiftKV checkpoint directory or base")
+    try:
+        spec = parse_cache_spec(text)
+    except ConfigError as exc:
+        raise ConfigError("compare", item, "each entry must be hf, base, merge-all-layers, llama.cpp[:WEIGHTS] "
+                                           f"or a cache spec, optionally @DIR or @base ({exc})") from exc
+    where = where.strip()
+    if not at:
+        return System(kvforge_name(spec, swiftkv), "kvforge", spec)
+    if where == "base":
+        return System(f"base[{spec}]", "kvforge", spec, swiftkv=False)
+    return System(f"swiftkv {Path(where).name}[{spec}]", "kvforge", spec, checkpoint=where)

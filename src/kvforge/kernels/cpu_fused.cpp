@@ -3,7 +3,8 @@
 //
 // In eager PyTorch an RMSNorm is ~8 ops and a rotary embedding ~6, each a dispatch, an
 // allocation and a pass over memory; at decode (one row per sequence) the dispatches
-// dominate and cost several milliseconds per step. Each op here is one call and one pass.
+// dominate (docs/benchmarks.md, 'Measurements behind design choices'). Each op here is one
+// call and one pass.
 //
 //   rms_norm(x [R, H], w [H], eps, gemma) -> [R, H], x's dtype
 //     r = 1 / sqrt(mean(float(x)^2) + eps) per row;

@@ -5,7 +5,9 @@
 // weights halve its time), x and y of W's dtype. Every product and sum is float32 and each y
 // is rounded once to the dtype: x is widened once into a small buffer (or, bf16 with
 // AVX512-BF16, read as is by the pair dot product), with no ATen cast ops (at ~200 calls per
-// decode step their dispatch would cost about a millisecond). BLAS sgemm is tuned for large M and streams W at a fraction of the memory bandwidth when M is 1..32;
+// decode step their dispatch would cost a visible part of the step; docs/benchmarks.md,
+// 'Measurements behind design choices'). BLAS sgemm is tuned for large M and streams W at a
+// fraction of the memory bandwidth when M is 1..32;
 // here every W row is read from memory exactly once: W is walked in tiles of NR = 4
 // consecutive rows (one contiguous block of 4 * K floats), and while a tile sits in L1 all
 // rows of x (small: M * K floats, L1/L2 resident) are multiplied with it, MR rows at a time,
@@ -67,22 +69,19 @@ constexpr int64_t kMinChunkFloats = 32 * 1024;
 
 // How far ahead W is software-prefetched: ceil(this / tile bytes) tiles (a tile is kNR rows
 // of K weights: 4.5 KiB at K = 576 in bf16, so 2 tiles ahead; 12 KiB at K = 1536, so 1).
-// Measured on smollm2-135m's decode steps in bf16, 2 threads, blocks of 8 steps alternated in
-// one process against 1 tile ahead (the previous rule): batch 1 at 1,024 tokens 0.96x,
-// 0.87x, 0.98x and 1.00x the step time in four runs, batch 4 at 2,048 tokens 0.93x, batch
-// 16 0.99x (compute-bound there); the linear layers alone (30 layers' products alternated
-// call by call, 7 runs) 0.83-0.97x at M = 1, median 0.90x. In a C++ stream of W at M = 1
-// (no engine), 1 tile ahead read 18-27 GB/s and 2 tiles 32-41; 3, 4 and 8 tiles were slower
-// than 2. Settable for A/B runs (`set_prefetch_bytes`).
+// Against 1 tile ahead (the previous rule) this made smollm2-135m's bf16 decode steps faster
+// at batch 1 (in most runs) and 4 and left batch 16 (compute-bound there) about the same, and
+// the linear layers alone faster at M = 1; in a C++ stream of W at M = 1, 2 tiles ahead read
+// faster than 1, and 3, 4 and 8 tiles were slower than 2 (docs/benchmarks.md, 'Measurements
+// behind design choices'). Settable for A/B runs (`set_prefetch_bytes`).
 std::atomic<int64_t> g_prefetch_bytes{8192};
 
 // Up to this many x-row groups per tile (M <= 18 with AVX-512), the later tile is prefetched
-// into L2 instead of L1. Measured on a 2-core Zen 4 (bf16, smollm2-135m's 211 decode
-// products, 4 alternated runs each, medians): M = 4 went from ~15.1 to ~10.9 ms and M = 16
-// from ~19.0 to ~16.2 ms a step, M = 1 and M = 8 unchanged within noise. With the T0 hint the
-// single-thread stream at M = 4 ran at 11 GB/s against 20 at M = 1, its time in the W loads
-// (the L1 prefetches evidently did not land in time). At M = 32 (6 groups) T1 everywhere
-// was ~8% slower than T0, so more groups keep T0.
+// into L2 instead of L1. On a 2-core Zen 4 this made M = 4 and M = 16 faster and left M = 1
+// and M = 8 unchanged within noise. With the T0 hint the single-thread stream at M = 4 read
+// W much slower than at M = 1, its time in the W loads (the L1 prefetches evidently did not
+// land in time). At M = 32 (6 groups) T1 everywhere was slower than T0, so more groups keep
+// T0 (docs/benchmarks.md, 'Measurements behind design choices').
 constexpr int64_t kL2PrefetchMaxGroups = 3;
 
 #ifdef KVFORGE_NATIVE_VEC
@@ -310,9 +309,9 @@ inline void tile(const Problem<typename Isa::XT, T>& p, int64_t n0, int64_t m0, 
       // The same sum (+ bias) and rounding (c10::BFloat16's rule, cpu_bf16_round.h) for the
       // tile's 4 outputs in one vector conversion rather than four scalar ones with a NaN
       // test and branch each: at K = 576 those were about a third of the instructions a row
-      // group executes (counted in the compiled code). Measured on smollm2-135m's decode
-      // products, alternated with the scalar version: 1.06x at M = 16, 1.07x at M = 17,
-      // 1.05x at M = 4.
+      // group executes (counted in the compiled code); measured faster than the scalar
+      // version at M = 4, 16 and 17 (docs/benchmarks.md, 'Measurements behind design
+      // choices').
       __m128 v = _mm_loadu_ps(sums);
       if (p.bias != nullptr) v = _mm_add_ps(v, _mm_loadu_ps(p.bias + n0));
       kvforge_bf16_round::store4(v, y);

@@ -135,14 +135,12 @@ inline void scores4_group(const float* qs, const scalar_t* const* rows, int64_t 
 
 // V rows the values loops (accumulate_group; values_dot on the bf16 dot path) request into L1
 // ahead of their use, plus each tile's first ones before its softmax. The tile-ahead prefetch
-// (walk_tiles) leaves rows in L2, and the loops' loads waited on L2 -> L1: perf put ~26% of
-// the bf16 kernel's samples on two V-row loads. Measured on a 2-core Xeon (AMX; batch 16 x
-// 1,024 tokens, smollm2-135m's heads, 2 threads, alternated call by call with the kernel
-// without it), time ratios on ascending / scattered pages: bf16 dot path 0.86-0.90x /
-// 0.96x (4 x 2,048 at head dim 128: 0.86x / 0.93x; head dim 256 neutral); float32 pages
-// 0.91-0.93x / 0.94-0.96x; float16 0.89-0.95x / 0.97-1.00x. With 4-16 rows ahead and no
-// early request 0.92-0.94x (bf16); 24 ahead no better than 16; the same into L1 for K rows
-// added nothing measurable.
+// (walk_tiles) leaves rows in L2, and the loops' loads waited on L2 -> L1: perf put a large
+// share of the bf16 kernel's samples on two V-row loads. With these requests the kernel ran
+// faster for bf16, float32 and float16 pages, most on ascending pages (scattered float16
+// pages about the same; neutral at head dim 256); 4-16 rows ahead without the early request
+// gained less, 24 ahead no more than 16, and the same into L1 for K rows nothing measurable
+// (docs/benchmarks.md, 'Measurements behind design choices').
 constexpr int64_t kValuesL1Ahead = 16;
 
 // acc[g][:dim] += sum_t weights[g * kTile + t] * rows[t][:dim] for the G queries: each
@@ -265,20 +263,19 @@ __attribute__((noipa)) void prefetch_rows(const scalar_t* const* k, const scalar
 // Walks the unit's rows tile by tile in column order. With Ahead = 1 it calls
 // fn(tile, prefetch_next) per tile; with Ahead = 2, fn(tile, next tile, prefetch_next) (the
 // next tile's n is 0 past the end), prefetch_next then requesting rows of the tile after
-// that one. Two kinds of software prefetch (into L2; into L1, hint 3, measured ~1.5x slower:
-// the L1 miss buffers are the limit):
+// that one. Two kinds of software prefetch (into L2; into L1, hint 3, measured slower: the
+// L1 miss buffers are the limit):
 // - jumps: `locate` notes the pages of a tile that do not follow the page before them in
 //   memory (a sequence's first page, or a page scattered in the pool); each of the tile
 //   Ahead tiles on is requested whole, at once, before the current tile is computed. The
 //   hardware prefetcher follows a run of adjacent pages on its own but cannot foresee a jump.
-//   Measured on 16 x 1,024-token sequences x 30 layers, 2 threads, against the kernel
-//   without it, alternated in one process: scattered pages 1.5-1.6x faster (bf16 and fp16
-//   pages), ascending pages (no jumps) unchanged (0.99-1.00x; 0.97-1.00x per layer in
-//   `benchmarks/bench_decode_attention.py --baseline-source`, which repeats the comparison).
+//   It made scattered pages much faster and left ascending pages (no jumps) unchanged
+//   (`benchmarks/bench_decode_attention.py --baseline-source` repeats the comparison).
 // - prefetch_next(i), which callers issue once per row they compute, requests row i of the
-//   tile Ahead tiles on: on ascending pages this measured ~2% faster than without it. Alone
-//   it did not help scattered pages at all (spread over the tile's compute, it started each
-//   new page's stream too late, apparently).
+//   tile Ahead tiles on: on ascending pages this measured slightly faster than without
+//   it. Alone it did not help scattered pages at all (spread over the tile's compute, it
+//   started each new page's stream too late, apparently). Figures: docs/benchmarks.md,
+//   'Measurements behind design choices'.
 template <int Ahead = 1, typename scalar_t, typename Fn>
 void walk_tiles(const Unit& unit, const Problem& p, const scalar_t* k_pages, const scalar_t* v_pages, Fn&& fn) {
   static_assert(Ahead == 1 || Ahead == 2, "walk_tiles: one or two tiles ahead");
@@ -500,14 +497,12 @@ inline int64_t pair_order_dim(int64_t index) {
 // [r, r + kPipelineRows) are computed, then the values of the current tile's same rows, so
 // the K and V streams are read side by side. Tile by tile (all scores, softmax, all values)
 // the loads of each phase came from one stream at a time. A kernel with the arithmetic taken
-// out (one load per cache line) showed it: the same loads in the pipelined order took 0.84x
-// the time of the tile-by-tile order, and that order alone took 0.85-0.91x of the whole
-// kernel's time, so the loads, not the arithmetic, set the kernel's pace. Measured on a
-// 2-core Xeon (AMX; 2 threads, 30 layers, pages streamed, alternated call by call with the
-// kernel without it, ratios of times): batch 16 x 1,024 at smollm2's heads 0.90-0.93x on
-// ascending pages, 0.93-0.97x scattered; 4 x 2,048 at head dim 128, 4 queries per KV head,
-// 0.92-0.93x; 1 x 4,096 at head dim 256 0.99-1.02x. Steps of 16 rows: 0.95-0.97x; of 32:
-// 1.01x.
+// out (one load per cache line) showed it: the same loads took less time in the pipelined
+// order than tile by tile, and tile by tile they alone took most of the whole kernel's
+// time, so the loads, not the arithmetic, set the kernel's pace. The pipeline made the
+// kernel faster on ascending and scattered pages (neutral at head dim 256); steps of 16
+// rows gained less, of 32 nothing (docs/benchmarks.md, 'How close a decode step gets to the
+// read bandwidth').
 // Scores are reduced 8 rows at a time for this (sums8), with the same additions per row as
 // the 16-row reduction, so the kernel's results did not change.
 constexpr int64_t kPipelineRows = 8;

@@ -35,10 +35,11 @@
 //   without it one FMA per vector.
 // - Pages are scattered in the pool, so the hardware prefetcher cannot follow them: the
 //   six small arrays of each page of the next tile, and the ring rows it will read, are
-//   prefetched while a tile runs (without it the kernel was ~1.8x slower on a store larger
-//   than the caches). What remains is bound by FMA throughput: per token and kv head,
-//   group * D FMAs for keys and about as many for values, as many as a full-precision
-//   kernel does, while reading 3/16 of its bytes (2-bit codes).
+//   prefetched while a tile runs (without it the kernel was much slower on a store larger
+//   than the caches; docs/benchmarks.md, 'Measurements behind design choices'). What
+//   remains is bound by FMA throughput: per token and kv head, group * D FMAs for keys and
+//   about as many for values, as many as a full-precision kernel does, while reading 3/16
+//   of its bytes (2-bit codes).
 // - Work units are slices of pages of one (sequence, kv head) pair (split-K, merged by
 //   log-sum-exp) so a small batch still keeps every thread busy; threads take units
 //   dynamically, so sequences of different lengths do not leave a thread idle.
@@ -70,7 +71,8 @@ namespace {
 
 // Tokens scored per softmax update (rounded to whole pages): one rescale of the
 // accumulators and one max/sum reduction per tile; the next tile's pages are prefetched
-// while one runs. 128 measured ~5% faster than 64 on the smollm2 geometry.
+// while one runs. 128 measured faster than 64 on the smollm2 geometry (docs/benchmarks.md,
+// 'Measurements behind design choices').
 constexpr int64_t kTileTokens = 128;
 // A work unit covers at least this many stored tokens, so loading its queries and merging
 // its partial state stay cheap next to the unit's work.
@@ -582,7 +584,8 @@ inline void key_scores_int8(const float* qsc, int8_t* q8, float* sq, const float
 // Lanes are tokens as in key_scores; each channel pair (c, c + D/2) is dequantised and
 // rotated in registers with the tokens' cos/sin (cos, sin: the tables' entries of the
 // page's first token for channel pair 0, row stride T), then feeds the FMAs of all NH heads.
-// Costs about 1.5x key_scores (the dequantisation and rotation per code), never a tile in memory.
+// Costs more than key_scores (the dequantisation and rotation per code; the measured ratio
+// is in docs/cache-methods.md, kivi), never a tile in memory.
 template <typename V, int BITS, int NH>
 inline void rope_key_scores(const float* qs, const float* ks, const float* kz, const uint8_t* codes, int64_t dim,
                             int64_t G, const float* cos, const float* sin, int64_t T, float* out, int64_t stride) {
@@ -1026,10 +1029,10 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
   // one page at a time while the tile before runs (next tile's page k: its key arrays before
   // this tile's page k is scored, its value arrays before page k's values are summed).
   // Requesting the whole next tile at once (96 lines on smollm2) made the core wait for free
-  // miss buffers: on a 2-core Xeon perf put ~42% of this function's samples just after the
-  // prefetch instructions, and spreading them made the kernel 0.89-0.92x the time
-  // (benchmarks/kivi_kernel_micro.py --int8-values, batch 17 x 2,048). Requesting only each
-  // array's first lines (leaving the rest to the hardware) was 1.5x slower.
+  // miss buffers: perf put a large share of this function's samples just after the
+  // prefetch instructions, and spreading them made the kernel faster. Requesting only each
+  // array's first lines (leaving the rest to the hardware) was slower (docs/benchmarks.md,
+  // 'Measurements behind design choices').
   for (int64_t k = u.col_begin; k < std::min(u.col_begin + tile_pages, u.col_end); ++k) prefetch_page(page_at(k));
   prefetch_tile_ring(u.col_begin);
 

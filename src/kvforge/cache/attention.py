@@ -4,7 +4,8 @@
   every other path against it.
 - `chunk_attention`: a span of queries over a dense key range (prefill chunks), through
   `scaled_dot_product_attention`, or for bf16 on the CPU the causal kernel of
-  `kernels/cpu_causal_attention` (2.4x ATen's on a 2,048-token prompt).
+  `kernels/cpu_causal_attention` (faster than ATen's: docs/benchmarks.md, 'Measurements
+  behind design choices').
 - `decode_attention`: one query per sequence for a batch of sequences, reading paged
   storage tile by tile with an online softmax, so no sequence's cache is copied whole.
 - `gathered_decode_attention`: the same result from one gather of every page and one
@@ -95,8 +96,8 @@ def _past_and_own_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     the chunk's own: the past keys (all visible) and the own keys (causal) are attended
     apart, each by the flash kernel with no mask, and merged by their log-sum-exps. Equal to
     `_masked_attention` up to summation order, without its [n, m] mask, which sends SDPA to a
-    slower path (1.6x on a 2,048-token chunk over 8,000 keys, float32, 2 threads) and costs
-    more than a second to build per 8K-token SwiftKV prefill."""
+    slower path and is itself costly to build on long prompts (docs/benchmarks.md,
+    'Measurements behind design choices')."""
     n, m = q.shape[0], k.shape[1]
     # the kernel misreads inputs whose last dimension is strided: hand it contiguous ones
     qh = q.transpose(0, 1).contiguous()[None]

@@ -1,22 +1,22 @@
 // AMX-BF16 path of the small-M linear (cpu_linear.cpp): y = x @ W^T (+ bias) with bf16 x, W
 // and y, on CPUs with Intel AMX (Sapphire Rapids and later).
 //
-// Why: at M = 16 the AVX512-BF16 path is compute-bound on such a CPU (smollm2-135m's 210
-// decode products, 2 threads: 24.2 ms at M = 16 against 9.4 ms at M = 1), while one tile
-// multiply (16 W rows x 32 k x 16 x rows, TDPBF16PS) does the work of 32 VDPBF16PS. With it
-// the product streams W at the read bandwidth for every M up to 16.
+// Why: at M = 16 the AVX512-BF16 path is compute-bound on such a CPU (smollm2-135m's decode
+// products took far longer at M = 16 than at M = 1; docs/benchmarks.md, 'Measurements behind
+// design choices'), while one tile multiply (16 W rows x 32 k x 16 x rows, TDPBF16PS) does
+// the work of 32 VDPBF16PS. With it the product streams W at the read bandwidth for every M
+// up to 16.
 //
 // Layout: the tile product computes C^T = W x^T. A tiles are 16 W rows x 32 k, loaded straight
 // from W (row stride K); B tiles are 16 k-pairs x 16 x rows (x repacked once per call into
 // that pair layout, zero rows past M); C tiles are [16 W rows][16 x rows] float32, stored and
 // read back by columns into y's rows. W is walked in units of up to 2 blocks of 16 rows (two
 // independent accumulators); while a unit runs, the next unit's W (contiguous) is prefetched
-// into L2 in address order, NB x 16 lines per k chunk. Tried and dropped (smollm2-135m's 210
-// decode products, 2 threads, alternated in one process): the lines in row-by-row column
-// order instead (M = 1: 0.88x the AVX512-BF16 path's speed, against 0.87x in address order:
-// no difference; address order kept as the simpler stream), the range's first unit
-// requested whole up front (no change), the current unit's next chunk also into L1 (T0:
-// 1.03-1.11x slower).
+// into L2 in address order, NB x 16 lines per k chunk. Tried and dropped (figures in
+// docs/benchmarks.md, 'Measurements behind design choices'): the lines in row-by-row column
+// order instead (no difference; address order kept as the simpler stream), the range's first
+// unit requested whole up front (no change), the current unit's next chunk also into L1 (T0:
+// slower).
 //
 // INVARIANT (M-invariance, as cpu_linear.cpp's other paths): y[m, n] is the TDPBF16PS sum of
 // x[m, :] and W[n, :] over k = 0 .. K-1 in increasing 32-wide chunks into one float32

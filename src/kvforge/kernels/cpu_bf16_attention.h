@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "cpu_simd.h"  // widen_bf16
+
 namespace kvforge_bf16 {
 
 // acc += a . b over bf16 pairs: lane t += a[2t] b[2t] + a[2t+1] b[2t+1], in float32.
@@ -76,7 +78,7 @@ inline float softmax_block(const float* s, int64_t limit, float& m, float& l, ui
     const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * c), rounded);
     // l sums the rounded weights: the ones the value product uses
-    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+    sum = _mm512_add_ps(sum, kvforge_simd::widen_bf16(rounded));
   }
   l = l * correction + _mm512_reduce_add_ps(sum);
   m = new_max;

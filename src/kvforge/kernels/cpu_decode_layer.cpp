@@ -1,10 +1,11 @@
 // C++ source of the fused decode step of a run of Llama-family decoder layers (see
 // cpu_decode_layer.py).
 //
-// Why: at batch 1 a decode step of a 30-layer model spends about 5 ms in Python (module
-// calls, eligibility checks, cache planning lookups, ~20 tensor ops per layer dispatched
-// from Python). This op runs consecutive layers with the same ATen and kvforge ops in the
-// same order, dispatched from C++, so the whole run costs one Python call.
+// Why: at batch 1 a decode step of a 30-layer model spends a large part of its time in Python
+// (module calls, eligibility checks, cache planning lookups, ~20 tensor ops per layer
+// dispatched from Python; docs/benchmarks.md, 'Measurements behind design choices'). This
+// op runs consecutive layers with the same ATen and kvforge ops in the same order,
+// dispatched from C++, so the whole run costs one Python call.
 //
 //   llama_decode_layers(hidden [B, H], ...) -> hidden after the run; per layer:
 //     x  = rms_norm(hidden, input_layernorm.w)

@@ -3,7 +3,8 @@
 //
 // In eager PyTorch an RMSNorm is ~8 ops and a rotary embedding ~6, each a dispatch, an
 // allocation and a pass over memory; at decode (one row per sequence) the dispatches
-// dominate and cost several milliseconds per step. Each op here is one call and one pass.
+// dominate (docs/benchmarks.md, 'Measurements behind design choices'). Each op here is one
+// call and one pass.
 //
 //   rms_norm(x [R, H], w [H], eps, gemma) -> [R, H], x's dtype
 //     r = 1 / sqrt(mean(float(x)^2) + eps) per row;
@@ -39,6 +40,7 @@
 
 #include "cpu_bf16_attention.h"  // exp_nonpositive16 (with AVX512-BF16: KVFORGE_BF16_DOT)
 #include "cpu_bf16_round.h"
+#include "cpu_simd.h"  // NativeVec, widen_bf16
 
 #include <algorithm>
 #include <cmath>
@@ -136,7 +138,7 @@ inline __m512 load16_masked(const T* p, __mmask16 mask) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_maskz_loadu_ps(mask, p);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+    return kvforge_simd::widen_bf16(_mm256_maskz_loadu_epi16(mask, p));
   } else {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
   }
@@ -167,7 +169,7 @@ void silu_mul_row(const T* g, const T* u, T* y, int64_t f) {
         _mm512_mask_storeu_ps(y + i, mask, _mm512_mul_ps(s, load16_masked(u + i, mask)));
       } else {
         using kvforge_bf16_round::bits16;
-        const __m512 s_rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits16(s)), 16));
+        const __m512 s_rounded = kvforge_simd::widen_bf16(bits16(s));
         _mm256_mask_storeu_epi16(y + i, mask, bits16(_mm512_mul_ps(s_rounded, load16_masked(u + i, mask))));
       }
     }
@@ -197,16 +199,7 @@ int64_t argmax_row(const T* row, int64_t v) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   constexpr bool kWide = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
-  auto load16 = [&](int64_t at) {
-    if constexpr (std::is_same_v<T, float>) {
-      return _mm512_loadu_ps(row + at);
-    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + at));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    } else {
-      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + at)));
-    }
-  };
+  auto load16 = [&](int64_t at) { return kvforge_simd::NativeVec::load(row + at).v; };
   if constexpr (kWide) {
     __m512 best[4];
     for (auto& b : best) b = _mm512_set1_ps(top);

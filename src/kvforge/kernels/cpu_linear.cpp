@@ -5,7 +5,9 @@
 // weights halve its time), x and y of W's dtype. Every product and sum is float32 and each y
 // is rounded once to the dtype: x is widened once into a small buffer (or, bf16 with
 // AVX512-BF16, read as is by the pair dot product), with no ATen cast ops (at ~200 calls per
-// decode step their dispatch would cost about a millisecond). BLAS sgemm is tuned for large M and streams W at a fraction of the memory bandwidth when M is 1..32;
+// decode step their dispatch would cost a visible part of the step; docs/benchmarks.md,
+// 'Measurements behind design choices'). BLAS sgemm is tuned for large M and streams W at a
+// fraction of the memory bandwidth when M is 1..32;
 // here every W row is read from memory exactly once: W is walked in tiles of NR = 4
 // consecutive rows (one contiguous block of 4 * K floats), and while a tile sits in L1 all
 // rows of x (small: M * K floats, L1/L2 resident) are multiplied with it, MR rows at a time,
@@ -44,6 +46,7 @@
 #include "cpu_amx_linear.h"  // defines KVFORGE_AMX_LINEAR with AMX-BF16 (Linux)
 #include "cpu_bf16_round.h"
 #include "cpu_convert.h"
+#include "cpu_simd.h"  // NativeVec (KVFORGE_NATIVE_VEC), ArrayVec
 
 #include <algorithm>
 #include <atomic>
@@ -66,25 +69,22 @@ constexpr int64_t kMinChunkFloats = 32 * 1024;
 
 // How far ahead W is software-prefetched: ceil(this / tile bytes) tiles (a tile is kNR rows
 // of K weights: 4.5 KiB at K = 576 in bf16, so 2 tiles ahead; 12 KiB at K = 1536, so 1).
-// Measured on smollm2-135m's decode steps in bf16, 2 threads, blocks of 8 steps alternated in
-// one process against 1 tile ahead (the previous rule): batch 1 at 1,024 tokens 0.96x,
-// 0.87x, 0.98x and 1.00x the step time in four runs, batch 4 at 2,048 tokens 0.93x, batch
-// 16 0.99x (compute-bound there); the linear layers alone (30 layers' products alternated
-// call by call, 7 runs) 0.83-0.97x at M = 1, median 0.90x. In a C++ stream of W at M = 1
-// (no engine), 1 tile ahead read 18-27 GB/s and 2 tiles 32-41; 3, 4 and 8 tiles were slower
-// than 2. Settable for A/B runs (`set_prefetch_bytes`).
+// Against 1 tile ahead (the previous rule) this made smollm2-135m's bf16 decode steps faster
+// at batch 1 (in most runs) and 4 and left batch 16 (compute-bound there) about the same, and
+// the linear layers alone faster at M = 1; in a C++ stream of W at M = 1, 2 tiles ahead read
+// faster than 1, and 3, 4 and 8 tiles were slower than 2 (docs/benchmarks.md, 'Measurements
+// behind design choices'). Settable for A/B runs (`set_prefetch_bytes`).
 std::atomic<int64_t> g_prefetch_bytes{8192};
 
 // Up to this many x-row groups per tile (M <= 18 with AVX-512), the later tile is prefetched
-// into L2 instead of L1. Measured on a 2-core Zen 4 (bf16, smollm2-135m's 211 decode
-// products, 4 alternated runs each, medians): M = 4 went from ~15.1 to ~10.9 ms and M = 16
-// from ~19.0 to ~16.2 ms a step, M = 1 and M = 8 unchanged within noise. With the T0 hint the
-// single-thread stream at M = 4 ran at 11 GB/s against 20 at M = 1, its time in the W loads
-// (the L1 prefetches evidently did not land in time). At M = 32 (6 groups) T1 everywhere
-// was ~8% slower than T0, so more groups keep T0.
+// into L2 instead of L1. On a 2-core Zen 4 this made M = 4 and M = 16 faster and left M = 1
+// and M = 8 unchanged within noise. With the T0 hint the single-thread stream at M = 4 read
+// W much slower than at M = 1, its time in the W loads (the L1 prefetches evidently did not
+// land in time). At M = 32 (6 groups) T1 everywhere was slower than T0, so more groups keep
+// T0 (docs/benchmarks.md, 'Measurements behind design choices').
 constexpr int64_t kL2PrefetchMaxGroups = 3;
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef KVFORGE_NATIVE_VEC
 // One cache line towards the core: into L2 only (T1) or all the way into L1 (T0).
 inline void prefetch_line(const float* p, bool to_l2) {
   if (to_l2) {
@@ -93,13 +93,6 @@ inline void prefetch_line(const float* p, bool to_l2) {
     _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
   }
 }
-
-// [sum(a), sum(b), sum(c), sum(d)] of 8-lane vectors; each sum is
-// ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), independently of the other inputs.
-inline __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 #endif
 
 // ---- vector types: one per ISA, selected at compile time ------------------------------
@@ -107,8 +100,9 @@ inline __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
 // the NR * MR accumulators and NR weight vectors fit the register file), zero, load (L
 // floats), load_w<T> (L weights of element type T, widened exactly), fmadd(a, b, c) =
 // a * b + c, in_register (an optimisation barrier, no arithmetic), prefetch, and reduce4
-// (the four sums with the fixed reduction tree of the invariant above). Tails (the last
-// K % L elements) go through a zero-padded copy (`load_tail`).
+// (the four sums with the fixed reduction tree of the invariant above). The vectors are
+// cpu_simd.h's: NativeVec (AVX-512 or AVX2, fused multiply-adds) and ArrayVec<8> (portable).
+// Tails (the last K % L elements) go through a zero-padded copy (`load_tail`).
 //
 // The tile loop sees an ISA through a policy: Acc (accumulator register), Op (operand
 // register), XT (x's element type in memory), L (k elements per step), zero() -> Acc,
@@ -124,48 +118,35 @@ inline __m128 sum4_256(__m256 a, __m256 b, __m256 c, __m256 d) {
 
 // Weight element types: float, c10::BFloat16, c10::Half (2-byte types are read as bits).
 template <typename T>
-constexpr bool kIsFloat = std::is_same_v<T, float>;
-template <typename T>
 constexpr bool kIsBFloat16 = std::is_same_v<T, c10::BFloat16>;
-#if defined(__AVX512F__)
-struct Avx512 {
-  using V = __m512;
-  static constexpr int64_t L = 16;
-  static constexpr int MR = 6;  // 24 accumulators + 4 weights of 32 zmm registers
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
+#ifdef KVFORGE_NATIVE_VEC
+// The widest ISA compiled for: 16 lanes with AVX-512 (6 x-row groups: 24 accumulators + 4
+// weights of 32 zmm registers), 8 with AVX2 (3: 12 accumulators + 4 weights of 16 ymm).
+// reduce4 is NativeVec::sum4: 16 lanes fold to 8 (lane i + lane i + 8), then the 8-lane tree.
+struct Native {
+  using V = kvforge_simd::NativeVec;
+  static constexpr int64_t L = V::kLanes;
+  static constexpr int MR = L == 16 ? 6 : 3;
+  static V zero() { return V::zero(); }
+  static V load(const float* p) { return V::load(p); }
   template <typename T>
-  static V load_w(const T* p) {
-    if constexpr (kIsFloat<T>) {
-      return _mm512_loadu_ps(p);
-    } else {
-      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      if constexpr (kIsBFloat16<T>) {  // bf16 is the high half of a float: shift it there
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-      } else {
-        return _mm512_cvtph_ps(bits);
-      }
-    }
-  }
-  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V load_w(const T* p) { return V::load(p); }
+  static V fmadd(V a, V b, V c) { return V::fmadd(a, b, c); }
   KVFORGE_FLOAT_POLICY
   // Pins a loaded vector in a register: otherwise GCC folds the x load into each of the NR
   // FMAs that use it (NR loads instead of one), and the kernel becomes load-port bound.
   static V in_register(V v) {
-    __asm__("" : "+v"(v));
+#if defined(__AVX512F__)
+    __asm__("" : "+v"(v.v));
+#else
+    __asm__("" : "+x"(v.v));
+#endif
     return v;
   }
   static void prefetch(const float* p, bool to_l2) { prefetch_line(p, to_l2); }
-  // Fold 16 lanes to 8 (lane i + lane i + 8), then the 8-lane tree.
-  static __m256 fold(V x) {
-    return _mm256_add_ps(_mm512_castps512_ps256(x),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  }
-  static void reduce4(V a, V b, V c, V d, float* out) {
-    _mm_storeu_ps(out, sum4_256(fold(a), fold(b), fold(c), fold(d)));
-  }
+  static void reduce4(V a, V b, V c, V d, float* out) { V::sum4(a, b, c, d, out); }
 };
-using NativeIsa = Avx512;
+using NativeIsa = Native;
 
 #if defined(__AVX512BF16__)
 // bf16 weights and bf16 x (a bf16 model's activations): VDPBF16PS multiplies 32 bf16 pairs
@@ -194,71 +175,22 @@ struct Avx512Bf16 {
     return v;
   }
   static void prefetch(const float* p, bool to_l2) { prefetch_line(p, to_l2); }
-  static void reduce4(Acc a, Acc b, Acc c, Acc d, float* out) { Avx512::reduce4(a, b, c, d, out); }
+  static void reduce4(Acc a, Acc b, Acc c, Acc d, float* out) { Native::reduce4({a}, {b}, {c}, {d}, out); }
 };
 #endif
-#elif defined(__AVX2__) && defined(__FMA__)
-struct Avx2 {
-  using V = __m256;
-  static constexpr int64_t L = 8;
-  static constexpr int MR = 3;  // 12 accumulators + 4 weights of 16 ymm registers
-  static V zero() { return _mm256_setzero_ps(); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  template <typename T>
-  static V load_w(const T* p) {
-    if constexpr (kIsFloat<T>) {
-      return _mm256_loadu_ps(p);
-    } else {
-      const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      if constexpr (kIsBFloat16<T>) {
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-      } else {
-#if defined(__F16C__)
-        return _mm256_cvtph_ps(bits);
-#else
-        alignas(32) float f[8];
-        for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
-        return _mm256_load_ps(f);
-#endif
-      }
-    }
-  }
-  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  KVFORGE_FLOAT_POLICY
-  static V in_register(V v) {
-    __asm__("" : "+x"(v));
-    return v;
-  }
-  static void prefetch(const float* p, bool to_l2) { prefetch_line(p, to_l2); }
-  static void reduce4(V a, V b, V c, V d, float* out) { _mm_storeu_ps(out, sum4_256(a, b, c, d)); }
-};
-using NativeIsa = Avx2;
 #endif
 
-// Portable: plain C++ over 8 lanes that compilers auto-vectorise (SSE, NEON).
+// Portable: plain C++ over 8 lanes that compilers auto-vectorise (SSE, NEON); reduce4 sums
+// each vector by the same tree as the 8-lane native one (ArrayVec::sum_pairwise).
 struct Portable {
-  struct V {
-    float v[8];
-  };
+  using V = kvforge_simd::ArrayVec<8>;
   static constexpr int64_t L = 8;
   static constexpr int MR = 4;
-  static V zero() { return V{}; }
-  static V load(const float* p) {
-    V r;
-    for (int i = 0; i < 8; ++i) r.v[i] = p[i];
-    return r;
-  }
+  static V zero() { return V::zero(); }
+  static V load(const float* p) { return V::load(p); }
   template <typename T>
-  static V load_w(const T* p) {
-    V r;
-    for (int i = 0; i < 8; ++i) r.v[i] = static_cast<float>(p[i]);
-    return r;
-  }
-  static V fmadd(const V& a, const V& b, const V& c) {
-    V r;
-    for (int i = 0; i < 8; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];  // not contracted: -ffp-contract=off
-    return r;
-  }
+  static V load_w(const T* p) { return V::load(p); }
+  static V fmadd(const V& a, const V& b, const V& c) { return V::fmadd(a, b, c); }  // unfused: -ffp-contract=off
   KVFORGE_FLOAT_POLICY
   static const V& in_register(const V& v) { return v; }
   static void prefetch(const float* p, bool to_l2) {
@@ -273,14 +205,11 @@ struct Portable {
     (void)to_l2;
 #endif
   }
-  static float sum(const V& x) {
-    return ((x.v[0] + x.v[1]) + (x.v[2] + x.v[3])) + ((x.v[4] + x.v[5]) + (x.v[6] + x.v[7]));
-  }
   static void reduce4(const V& a, const V& b, const V& c, const V& d, float* out) {
-    out[0] = sum(a);
-    out[1] = sum(b);
-    out[2] = sum(c);
-    out[3] = sum(d);
+    out[0] = a.sum_pairwise();
+    out[1] = b.sum_pairwise();
+    out[2] = c.sum_pairwise();
+    out[3] = d.sum_pairwise();
   }
 };
 
@@ -380,9 +309,9 @@ inline void tile(const Problem<typename Isa::XT, T>& p, int64_t n0, int64_t m0, 
       // The same sum (+ bias) and rounding (c10::BFloat16's rule, cpu_bf16_round.h) for the
       // tile's 4 outputs in one vector conversion rather than four scalar ones with a NaN
       // test and branch each: at K = 576 those were about a third of the instructions a row
-      // group executes (counted in the compiled code). Measured on smollm2-135m's decode
-      // products, alternated with the scalar version: 1.06x at M = 16, 1.07x at M = 17,
-      // 1.05x at M = 4.
+      // group executes (counted in the compiled code); measured faster than the scalar
+      // version at M = 4, 16 and 17 (docs/benchmarks.md, 'Measurements behind design
+      // choices').
       __m128 v = _mm_loadu_ps(sums);
       if (p.bias != nullptr) v = _mm_add_ps(v, _mm_loadu_ps(p.bias + n0));
       kvforge_bf16_round::store4(v, y);
@@ -487,7 +416,7 @@ void run(const Problem<typename Isa::XT, T>& p) {
   run_many<Isa, T>({p});
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef KVFORGE_NATIVE_VEC
 using Isa = NativeIsa;
 #else
 using Isa = Portable;

@@ -27,6 +27,7 @@
 #include "cpu_checks.h"
 #include "cpu_convert.h"
 #include "cpu_prefetch.h"
+#include "cpu_simd.h"  // ArrayVec, NativeVec (KVFORGE_NATIVE_VEC), dot, dot4, exp_nonpositive_in_place
 
 #include <algorithm>
 #include <atomic>
@@ -37,10 +38,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#include <immintrin.h>
-#endif
-
 namespace {
 
 // Stored rows handled per softmax update: one rescale of the accumulators per tile, and a
@@ -50,178 +47,18 @@ constexpr int64_t kTile = 64;
 // so loading its queries and merging its partial state stay cheap.
 constexpr int64_t kMinUnitRows = 256;
 
-// ---- vectors --------------------------------------------------------------------------
-// A tiny SIMD abstraction so the kernel is written once. `NativeVec` uses the widest ISA
-// the compiler targets (-march=native); `ArrayVec<N>` is plain C++ that compilers
-// auto-vectorise (NEON, SSE) and, with N = 1, serves head dims of any size.
-template <int N>
-struct ArrayVec {
-  static constexpr int64_t kLanes = N;
-  float v[N];
-  static ArrayVec zero() { return broadcast(0.f); }
-  static ArrayVec broadcast(float x) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = x;
-    return r;
-  }
-  template <typename T>
-  static ArrayVec load(const T* p) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>(p[i]);
-    return r;
-  }
-  void store(float* p) const {
-    for (int i = 0; i < N; ++i) p[i] = v[i];
-  }
-  static ArrayVec fmadd(const ArrayVec& a, const ArrayVec& b, const ArrayVec& c) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
-    return r;
-  }
-  static ArrayVec add(const ArrayVec& a, const ArrayVec& b) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] + b.v[i];
-    return r;
-  }
-  float sum() const {
-    float s = 0.f;
-    for (int i = 0; i < N; ++i) s += v[i];
-    return s;
-  }
-  // out[0..3] = sums of a, b, c, d.
-  static void sum4(const ArrayVec& a, const ArrayVec& b, const ArrayVec& c, const ArrayVec& d, float* out) {
-    out[0] = a.sum();
-    out[1] = b.sum();
-    out[2] = c.sum();
-    out[3] = d.sum();
-  }
-};
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-// Four horizontal sums at once: a tree of horizontal adds gives [a, b, c, d] per 128-bit
-// half, about three instructions per sum instead of seven.
-inline void sum4_avx(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
+// The kernel is written once over a vector type V (cpu_simd.h): NativeVec (the widest ISA
+// compiled for) or ArrayVec<N> (plain C++; N = 1 serves head dims of any size). Scores of one
+// row are dot<V, 4> (four accumulator chains), or dot4 for four rows at once.
+using kvforge_simd::ArrayVec;
+using kvforge_simd::dot;
+using kvforge_simd::dot4;
+using kvforge_simd::exp_nonpositive_in_place;
+using kvforge_simd::max_of;
+using kvforge_simd::sum_of;
+#ifdef KVFORGE_NATIVE_VEC
+using kvforge_simd::NativeVec;
 #endif
-
-// float8 codes are widened through float16 bits. e5m2 (sign, 5 exponent, 2 mantissa bits,
-// bias 15) is exactly the top byte of a float16. e4m3fn (sign, 4 exponent, 3 mantissa bits,
-// bias 7) placed as sign | 0eeee | mmm0000000 is a float16 worth 2^-8 of its value, normal
-// and subnormal alike (the exponent bias differs by 8); hence the x 256. The one NaN code of
-// e4m3fn would read as 480: stored rows are finite (fp8.py scales them into range).
-#if defined(__AVX512F__)
-struct NativeVec {
-  static constexpr int64_t kLanes = 16;
-  __m512 v;
-  static NativeVec zero() { return {_mm512_setzero_ps()}; }
-  static NativeVec broadcast(float x) { return {_mm512_set1_ps(x)}; }
-  static NativeVec load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static NativeVec load(const c10::BFloat16* p) {
-    // bf16 is the top half of a float32: widen to 32 bits and shift.
-    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
-  }
-  static NativeVec load(const c10::Half* p) {
-    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
-  }
-  // float8 through float16 bits (see fp8_as_half_bits): e5m2 is the top byte of a float16.
-  static NativeVec load(const c10::Float8_e5m2* p) {
-    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return {_mm512_cvtph_ps(_mm256_slli_epi16(wide, 8))};
-  }
-  static NativeVec load(const c10::Float8_e4m3fn* p) {
-    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
-    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7);
-    return {_mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.f))};
-  }
-  void store(float* p) const { _mm512_storeu_ps(p, v); }
-  static NativeVec fmadd(NativeVec a, NativeVec b, NativeVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-  static NativeVec add(NativeVec a, NativeVec b) { return {_mm512_add_ps(a.v, b.v)}; }
-  float sum() const { return _mm512_reduce_add_ps(v); }
-  static __m256 fold(__m512 x) {
-    return _mm256_add_ps(_mm512_castps512_ps256(x),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  }
-  static void sum4(NativeVec a, NativeVec b, NativeVec c, NativeVec d, float* out) {
-    sum4_avx(fold(a.v), fold(b.v), fold(c.v), fold(d.v), out);
-  }
-};
-#define KVFORGE_NATIVE_VEC 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-struct NativeVec {
-  static constexpr int64_t kLanes = 8;
-  __m256 v;
-  static NativeVec zero() { return {_mm256_setzero_ps()}; }
-  static NativeVec broadcast(float x) { return {_mm256_set1_ps(x)}; }
-  static NativeVec load(const float* p) { return {_mm256_loadu_ps(p)}; }
-  static NativeVec load(const c10::BFloat16* p) {
-    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
-  }
-  static NativeVec load(const c10::Half* p) {
-    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
-  }
-  static NativeVec load(const c10::Float8_e5m2* p) {
-    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return {_mm256_cvtph_ps(_mm_slli_epi16(wide, 8))};
-  }
-  static NativeVec load(const c10::Float8_e4m3fn* p) {
-    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8);
-    const __m128i rest = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x7F)), 7);
-    return {_mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.f))};
-  }
-  void store(float* p) const { _mm256_storeu_ps(p, v); }
-  static NativeVec fmadd(NativeVec a, NativeVec b, NativeVec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
-  static NativeVec add(NativeVec a, NativeVec b) { return {_mm256_add_ps(a.v, b.v)}; }
-  float sum() const {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-    return _mm_cvtss_f32(x);
-  }
-  static void sum4(NativeVec a, NativeVec b, NativeVec c, NativeVec d, float* out) {
-    sum4_avx(a.v, b.v, c.v, d.v, out);
-  }
-};
-#define KVFORGE_NATIVE_VEC 1
-#endif
-
-// Dot product of two float rows; dim is a multiple of V::kLanes. Four accumulators hide
-// the FMA latency.
-template <typename V>
-inline float dot(const float* a, const float* b, int64_t dim) {
-  constexpr int64_t L = V::kLanes;
-  V s0 = V::zero(), s1 = V::zero(), s2 = V::zero(), s3 = V::zero();
-  int64_t d = 0;
-  for (; d + 4 * L <= dim; d += 4 * L) {
-    s0 = V::fmadd(V::load(a + d), V::load(b + d), s0);
-    s1 = V::fmadd(V::load(a + d + L), V::load(b + d + L), s1);
-    s2 = V::fmadd(V::load(a + d + 2 * L), V::load(b + d + 2 * L), s2);
-    s3 = V::fmadd(V::load(a + d + 3 * L), V::load(b + d + 3 * L), s3);
-  }
-  for (; d < dim; d += L) s0 = V::fmadd(V::load(a + d), V::load(b + d), s0);
-  return V::add(V::add(s0, s1), V::add(s2, s3)).sum();
-}
-
-// out[i] = q . rows[i] for four rows: the query vector is loaded once for the four, and the
-// four horizontal sums are done together.
-template <typename V>
-inline void dot4(const float* q, const float* const* rows, int64_t dim, float* out) {
-  constexpr int64_t L = V::kLanes;
-  V s0 = V::zero(), s1 = V::zero(), s2 = V::zero(), s3 = V::zero();
-  for (int64_t d = 0; d < dim; d += L) {
-    const V x = V::load(q + d);
-    s0 = V::fmadd(x, V::load(rows[0] + d), s0);
-    s1 = V::fmadd(x, V::load(rows[1] + d), s1);
-    s2 = V::fmadd(x, V::load(rows[2] + d), s2);
-    s3 = V::fmadd(x, V::load(rows[3] + d), s3);
-  }
-  V::sum4(s0, s1, s2, s3, out);
-}
 
 // acc[:dim] += sum_t weights[t] * rows[t][:dim]. The accumulator stays in registers across
 // the rows (blocks of four vectors: independent FMA chains).
@@ -251,50 +88,6 @@ inline void accumulate(float* acc, const float* weights, const float* const* row
     for (int64_t t = 0; t < n; ++t) a = V::fmadd(V::broadcast(weights[t]), V::load(rows[t] + d), a);
     a.store(acc + d);
   }
-}
-
-// exp(x) for x <= 0 (scores minus their running max), in place: Cephes-style range
-// reduction x = k ln2 + r and a degree-7 polynomial, within ~1e-7 relative. Written so that
-// the loop vectorises without -ffast-math: k is rounded with the 1.5 * 2^23 trick (the sum's
-// low mantissa bits hold k), since floor() and float-to-int conversions block GCC's
-// vectoriser under default trapping-math. Inputs below -87 give ~1e-38, far below what a
-// softmax whose largest term is 1 can resolve.
-inline void exp_nonpositive(float* x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    float v = x[i];
-    v = v < -87.0f ? -87.0f : v;
-    const float shifted = v * 1.44269504088896341f + 12582912.0f;
-    const float k = shifted - 12582912.0f;
-    int32_t k_bits;
-    std::memcpy(&k_bits, &shifted, sizeof(k_bits));
-    const float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = (k_bits - 0x4B400000 + 127) << 23;  // 2^k as a float
-    float two_k;
-    std::memcpy(&two_k, &bits, sizeof(two_k));
-    x[i] = p * two_k;
-  }
-}
-
-inline float max_of(const float* x, int64_t n) {
-  float top = x[0];
-#pragma omp simd reduction(max : top)
-  for (int64_t i = 1; i < n; ++i) top = top > x[i] ? top : x[i];
-  return top;
-}
-
-inline float sum_of(const float* x, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += x[i];
-  return sum;
 }
 
 // Query heads per KV head up to which the group-fused tile path runs (4 x 4 score
@@ -342,14 +135,12 @@ inline void scores4_group(const float* qs, const scalar_t* const* rows, int64_t 
 
 // V rows the values loops (accumulate_group; values_dot on the bf16 dot path) request into L1
 // ahead of their use, plus each tile's first ones before its softmax. The tile-ahead prefetch
-// (walk_tiles) leaves rows in L2, and the loops' loads waited on L2 -> L1: perf put ~26% of
-// the bf16 kernel's samples on two V-row loads. Measured on a 2-core Xeon (AMX; batch 16 x
-// 1,024 tokens, smollm2-135m's heads, 2 threads, alternated call by call with the kernel
-// without it), time ratios on ascending / scattered pages: bf16 dot path 0.86-0.90x /
-// 0.96x (4 x 2,048 at head dim 128: 0.86x / 0.93x; head dim 256 neutral); float32 pages
-// 0.91-0.93x / 0.94-0.96x; float16 0.89-0.95x / 0.97-1.00x. With 4-16 rows ahead and no
-// early request 0.92-0.94x (bf16); 24 ahead no better than 16; the same into L1 for K rows
-// added nothing measurable.
+// (walk_tiles) leaves rows in L2, and the loops' loads waited on L2 -> L1: perf put a large
+// share of the bf16 kernel's samples on two V-row loads. With these requests the kernel ran
+// faster for bf16, float32 and float16 pages, most on ascending pages (scattered float16
+// pages about the same; neutral at head dim 256); 4-16 rows ahead without the early request
+// gained less, 24 ahead no more than 16, and the same into L1 for K rows nothing measurable
+// (docs/benchmarks.md, 'Measurements behind design choices').
 constexpr int64_t kValuesL1Ahead = 16;
 
 // acc[g][:dim] += sum_t weights[g * kTile + t] * rows[t][:dim] for the G queries: each
@@ -472,20 +263,19 @@ __attribute__((noipa)) void prefetch_rows(const scalar_t* const* k, const scalar
 // Walks the unit's rows tile by tile in column order. With Ahead = 1 it calls
 // fn(tile, prefetch_next) per tile; with Ahead = 2, fn(tile, next tile, prefetch_next) (the
 // next tile's n is 0 past the end), prefetch_next then requesting rows of the tile after
-// that one. Two kinds of software prefetch (into L2; into L1, hint 3, measured ~1.5x slower:
-// the L1 miss buffers are the limit):
+// that one. Two kinds of software prefetch (into L2; into L1, hint 3, measured slower: the
+// L1 miss buffers are the limit):
 // - jumps: `locate` notes the pages of a tile that do not follow the page before them in
 //   memory (a sequence's first page, or a page scattered in the pool); each of the tile
 //   Ahead tiles on is requested whole, at once, before the current tile is computed. The
 //   hardware prefetcher follows a run of adjacent pages on its own but cannot foresee a jump.
-//   Measured on 16 x 1,024-token sequences x 30 layers, 2 threads, against the kernel
-//   without it, alternated in one process: scattered pages 1.5-1.6x faster (bf16 and fp16
-//   pages), ascending pages (no jumps) unchanged (0.99-1.00x; 0.97-1.00x per layer in
-//   `benchmarks/bench_decode_attention.py --baseline-source`, which repeats the comparison).
+//   It made scattered pages much faster and left ascending pages (no jumps) unchanged
+//   (`benchmarks/bench_decode_attention.py --baseline-source` repeats the comparison).
 // - prefetch_next(i), which callers issue once per row they compute, requests row i of the
-//   tile Ahead tiles on: on ascending pages this measured ~2% faster than without it. Alone
-//   it did not help scattered pages at all (spread over the tile's compute, it started each
-//   new page's stream too late, apparently).
+//   tile Ahead tiles on: on ascending pages this measured slightly faster than without
+//   it. Alone it did not help scattered pages at all (spread over the tile's compute, it
+//   started each new page's stream too late, apparently). Figures: docs/benchmarks.md,
+//   'Measurements behind design choices'.
 template <int Ahead = 1, typename scalar_t, typename Fn>
 void walk_tiles(const Unit& unit, const Problem& p, const scalar_t* k_pages, const scalar_t* v_pages, Fn&& fn) {
   static_assert(Ahead == 1 || Ahead == 2, "walk_tiles: one or two tiles ahead");
@@ -598,7 +388,7 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
     const float* ks = p.k_self + (b * p.kv_heads + h) * dim;
     const float* vs = p.v_self + (b * p.kv_heads + h) * dim;
     for (int64_t g = 0; g < group; ++g) {
-      m[g] = dot<V>(qs + g * dim, ks, dim);
+      m[g] = dot<V, 4>(qs + g * dim, ks, dim);
       l[g] = 1.f;
       std::memcpy(acc + g * dim, vs, dim * sizeof(float));
     }
@@ -621,7 +411,7 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
     const float new_max = std::max(m[g], max_of(s, n));
     const float correction = std::exp(m[g] - new_max);
     for (int64_t t = 0; t < n; ++t) s[t] -= new_max;
-    exp_nonpositive(s, n);
+    exp_nonpositive_in_place(s, n);
     const float sum = sum_of(s, n);
     float* a = acc + g * dim;
     if (correction != 1.f) {
@@ -647,7 +437,7 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
         for (int64_t t = full; t < n; ++t) {  // rows past a multiple of 4: widened, as below
           prefetch_next(t);
           tile_rows<V, scalar_t>(tile.k + t, tile.k_scale + t, 1, dim, k_buffer, k_rows);
-          for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot<V>(qs + g * dim, k_rows[0], dim);
+          for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot<V, 4>(qs + g * dim, k_rows[0], dim);
         }
         // The tile's first V rows (their first 64 dims) into L1 while the softmax runs.
         for (int64_t t = 0; t < std::min(n, kValuesL1Ahead); ++t) {
@@ -669,7 +459,7 @@ void run_unit(const Unit& unit, const Problem& p, const scalar_t* k_pages, const
     }
     for (; t < n; ++t) {
       prefetch_next(t);
-      for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot<V>(qs + g * dim, k_rows[t], dim);
+      for (int64_t g = 0; g < group; ++g) scores[g * kTile + t] = dot<V, 4>(qs + g * dim, k_rows[t], dim);
     }
     // Online softmax update, then the weighted values (each V row loaded once).
     tile_rows<V, scalar_t>(tile.v, tile.v_scale, n, dim, v_buffer, v_rows);
@@ -707,14 +497,12 @@ inline int64_t pair_order_dim(int64_t index) {
 // [r, r + kPipelineRows) are computed, then the values of the current tile's same rows, so
 // the K and V streams are read side by side. Tile by tile (all scores, softmax, all values)
 // the loads of each phase came from one stream at a time. A kernel with the arithmetic taken
-// out (one load per cache line) showed it: the same loads in the pipelined order took 0.84x
-// the time of the tile-by-tile order, and that order alone took 0.85-0.91x of the whole
-// kernel's time, so the loads, not the arithmetic, set the kernel's pace. Measured on a
-// 2-core Xeon (AMX; 2 threads, 30 layers, pages streamed, alternated call by call with the
-// kernel without it, ratios of times): batch 16 x 1,024 at smollm2's heads 0.90-0.93x on
-// ascending pages, 0.93-0.97x scattered; 4 x 2,048 at head dim 128, 4 queries per KV head,
-// 0.92-0.93x; 1 x 4,096 at head dim 256 0.99-1.02x. Steps of 16 rows: 0.95-0.97x; of 32:
-// 1.01x.
+// out (one load per cache line) showed it: the same loads took less time in the pipelined
+// order than tile by tile, and tile by tile they alone took most of the whole kernel's
+// time, so the loads, not the arithmetic, set the kernel's pace. The pipeline made the
+// kernel faster on ascending and scattered pages (neutral at head dim 256); steps of 16
+// rows gained less, of 32 nothing (docs/benchmarks.md, 'How close a decode step gets to the
+// read bandwidth').
 // Scores are reduced 8 rows at a time for this (sums8), with the same additions per row as
 // the 16-row reduction, so the kernel's results did not change.
 constexpr int64_t kPipelineRows = 8;
@@ -810,7 +598,7 @@ void run_unit_dot(const Unit& unit, const Problem& p, const c10::BFloat16* k_pag
     const float* ks = p.k_self + (b * p.kv_heads + h) * D;
     const float* vs = p.v_self + (b * p.kv_heads + h) * D;
     for (int64_t g = 0; g < group; ++g) {
-      m[g] = dot<NativeVec>(p.q + (first_head + g) * D, ks, D) * p.scale;
+      m[g] = dot<NativeVec, 4>(p.q + (first_head + g) * D, ks, D) * p.scale;
       l[g] = 1.f;
       for (int64_t i = 0; i < D; ++i) acc[g * D + i] = vs[pair_order_dim(i)];
     }

@@ -35,10 +35,11 @@
 //   without it one FMA per vector.
 // - Pages are scattered in the pool, so the hardware prefetcher cannot follow them: the
 //   six small arrays of each page of the next tile, and the ring rows it will read, are
-//   prefetched while a tile runs (without it the kernel was ~1.8x slower on a store larger
-//   than the caches). What remains is bound by FMA throughput: per token and kv head,
-//   group * D FMAs for keys and about as many for values, as many as a full-precision
-//   kernel does, while reading 3/16 of its bytes (2-bit codes).
+//   prefetched while a tile runs (without it the kernel was much slower on a store larger
+//   than the caches; docs/benchmarks.md, 'Measurements behind design choices'). What
+//   remains is bound by FMA throughput: per token and kv head, group * D FMAs for keys and
+//   about as many for values, as many as a full-precision kernel does, while reading 3/16
+//   of its bytes (2-bit codes).
 // - Work units are slices of pages of one (sequence, kv head) pair (split-K, merged by
 //   log-sum-exp) so a small batch still keeps every thread busy; threads take units
 //   dynamically, so sequences of different lengths do not leave a thread idle.
@@ -54,6 +55,7 @@
 
 #include "cpu_checks.h"
 #include "cpu_prefetch.h"
+#include "cpu_simd.h"  // ArrayVec, NativeVec (KVFORGE_NATIVE_VEC), exp_nonpositive, dot
 
 #include <algorithm>
 #include <array>
@@ -65,15 +67,12 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#include <immintrin.h>
-#endif
-
 namespace {
 
 // Tokens scored per softmax update (rounded to whole pages): one rescale of the
 // accumulators and one max/sum reduction per tile; the next tile's pages are prefetched
-// while one runs. 128 measured ~5% faster than 64 on the smollm2 geometry.
+// while one runs. 128 measured faster than 64 on the smollm2 geometry (docs/benchmarks.md,
+// 'Measurements behind design choices').
 constexpr int64_t kTileTokens = 128;
 // A work unit covers at least this many stored tokens, so loading its queries and merging
 // its partial state stay cheap next to the unit's work.
@@ -82,106 +81,33 @@ constexpr int64_t kMinUnitTokens = 512;
 // passes. Eight keeps the accumulators of a pass within the 32 AVX-512 registers.
 constexpr int kMaxHeadsPerPass = 8;
 
-// e^x for x <= 0, written so that loops calling it vectorise: x = k ln2 + r with
-// |r| <= ln2 / 2 (ln2 split in two parts for accuracy), e^r by a degree-6 polynomial, 2^k
-// assembled in the exponent bits. The integer k comes from the float magic-number trick
-// (adding 1.5 * 2^23 rounds to an integer in the low mantissa bits), avoiding float-to-int
-// conversions that block vectorisation. Below -87 the result would be denormal; clamping
-// gives ~1e-38, far below what a softmax whose largest term is 1 can resolve. Relative
-// error ~1e-7.
-__attribute__((always_inline)) inline float kvforge_exp_nonpositive(float x) {
-  const float v = x < -87.0f ? -87.0f : x;
-  const float magic = v * 1.44269504088896341f + 12582912.0f;
-  const float k = magic - 12582912.0f;
-  const float r = (v - k * 0.693359375f) + k * 2.12194440e-4f;
-  float poly = 1.9875691500e-4f;
-  poly = poly * r + 1.3981999507e-3f;
-  poly = poly * r + 8.3334519073e-3f;
-  poly = poly * r + 4.1665795894e-2f;
-  poly = poly * r + 1.6666665459e-1f;
-  poly = poly * r + 5.0000001201e-1f;
-  poly = poly * r * r + r + 1.0f;
-  int32_t k_bits;
-  std::memcpy(&k_bits, &magic, sizeof(k_bits));
-  const int32_t exponent = (k_bits - 0x4B400000 + 127) << 23;
-  float two_k;
-  std::memcpy(&two_k, &exponent, sizeof(two_k));
-  return poly * two_k;
-}
+// ---- vectors ----------------------------------------------------------------------------
+// The kernel is written once over a vector type V (cpu_simd.h): NativeVec (the widest ISA
+// compiled for) or ArrayVec<N> (plain C++; N = 1 handles any group size). Codes<V> unpacks
+// packed codes for it: `codes<BITS>(row, first)` returns codes [first, first + lanes) of a
+// packed row as floats.
+using kvforge_simd::ArrayVec;
+using kvforge_simd::dot;
+using kvforge_simd::exp_nonpositive;
+#ifdef KVFORGE_NATIVE_VEC
+using kvforge_simd::NativeVec;
+#endif
 
-// ---- vectors --------------------------------------------------------------------------
-// `ArrayVec<N>` is plain C++ that compilers auto-vectorise and, with N = 1, handles any
-// group size; `NativeVec` uses the widest ISA the compiler targets (-march=native).
-// `codes<BITS>(row, first)` returns codes [first, first + lanes) of a packed row as floats.
+template <typename V>
+struct Codes;
+
 template <int N>
-struct ArrayVec {
-  static constexpr int64_t kLanes = N;
+struct Codes<ArrayVec<N>> {
   template <int BITS>
   static constexpr bool kLookup = false;
-  float v[N];
-  static ArrayVec zero() { return broadcast(0.f); }
-  static ArrayVec broadcast(float x) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = x;
-    return r;
-  }
-  template <typename T>
-  static ArrayVec load(const T* p) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = static_cast<float>(p[i]);
-    return r;
-  }
   template <int BITS>
-  static ArrayVec codes(const uint8_t* row, int64_t first) {
-    ArrayVec r;
+  static ArrayVec<N> codes(const uint8_t* row, int64_t first) {
+    ArrayVec<N> r;
     for (int i = 0; i < N; ++i) {
       const int64_t bit = (first + i) * BITS;
       r.v[i] = static_cast<float>((row[bit >> 3] >> (bit & 7)) & ((1 << BITS) - 1));
     }
     return r;
-  }
-  void store(float* p) const {
-    for (int i = 0; i < N; ++i) p[i] = v[i];
-  }
-  static ArrayVec fmadd(const ArrayVec& a, const ArrayVec& b, const ArrayVec& c) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
-    return r;
-  }
-  static ArrayVec mul(const ArrayVec& a, const ArrayVec& b) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] * b.v[i];
-    return r;
-  }
-  static ArrayVec add(const ArrayVec& a, const ArrayVec& b) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] + b.v[i];
-    return r;
-  }
-  static ArrayVec sub(const ArrayVec& a, const ArrayVec& b) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] - b.v[i];
-    return r;
-  }
-  static ArrayVec max(const ArrayVec& a, const ArrayVec& b) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
-    return r;
-  }
-  static ArrayVec exp_nonpositive(const ArrayVec& x) {
-    ArrayVec r;
-    for (int i = 0; i < N; ++i) r.v[i] = kvforge_exp_nonpositive(x.v[i]);
-    return r;
-  }
-  float sum() const {
-    float s = 0.f;
-    for (int i = 0; i < N; ++i) s += v[i];
-    return s;
-  }
-  float hmax() const {
-    float m = v[0];
-    for (int i = 1; i < N; ++i) m = m > v[i] ? m : v[i];
-    return m;
   }
 };
 
@@ -193,20 +119,8 @@ inline uint32_t word_of(const uint8_t* p, int bytes) {
 }
 
 #if defined(__AVX512F__)
-struct NativeVec {
-  static constexpr int64_t kLanes = 16;
-  __m512 v;
-  static NativeVec zero() { return {_mm512_setzero_ps()}; }
-  static NativeVec broadcast(float x) { return {_mm512_set1_ps(x)}; }
-  static NativeVec load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static NativeVec load(const c10::BFloat16* p) {
-    // bf16 is the top half of a float32: widen to 32 bits and shift.
-    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
-  }
-  static NativeVec load(const c10::Half* p) {
-    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
-  }
+template <>
+struct Codes<NativeVec> {
   // 16 codes = 32 bits (b=2), 64 bits (b=4) or 128 bits (b=8) starting at a byte boundary.
   // For b < 8, lane i gets the word holding code i shifted so that the code is in its low
   // bits, and a 16-entry table lookup (vpermps reads the low 4 bits of each lane) maps
@@ -248,50 +162,12 @@ struct NativeVec {
       return lookup<BITS>(row, first, code_table<BITS>());
     }
   }
-  void store(float* p) const { _mm512_storeu_ps(p, v); }
-  static NativeVec fmadd(NativeVec a, NativeVec b, NativeVec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-  static NativeVec mul(NativeVec a, NativeVec b) { return {_mm512_mul_ps(a.v, b.v)}; }
-  static NativeVec add(NativeVec a, NativeVec b) { return {_mm512_add_ps(a.v, b.v)}; }
-  static NativeVec sub(NativeVec a, NativeVec b) { return {_mm512_sub_ps(a.v, b.v)}; }
-  static NativeVec max(NativeVec a, NativeVec b) { return {_mm512_max_ps(a.v, b.v)}; }
-  // kvforge_exp_nonpositive, lane-wise.
-  static NativeVec exp_nonpositive(NativeVec x) {
-    const __m512 v = _mm512_max_ps(x.v, _mm512_set1_ps(-87.0f));
-    const __m512 magic = _mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f));
-    const __m512 k = _mm512_sub_ps(magic, _mm512_set1_ps(12582912.0f));
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
-    r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
-    poly = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(poly, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i exponent = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_castps_si512(magic), _mm512_set1_epi32(127 - 0x4B400000)), 23);
-    return {_mm512_mul_ps(poly, _mm512_castsi512_ps(exponent))};
-  }
-  float sum() const { return _mm512_reduce_add_ps(v); }
-  float hmax() const { return _mm512_reduce_max_ps(v); }
 };
-#define KVFORGE_NATIVE_VEC 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-struct NativeVec {
-  static constexpr int64_t kLanes = 8;
+#elif defined(KVFORGE_NATIVE_VEC)
+template <>
+struct Codes<NativeVec> {
   template <int BITS>
   static constexpr bool kLookup = false;
-  __m256 v;
-  static NativeVec zero() { return {_mm256_setzero_ps()}; }
-  static NativeVec broadcast(float x) { return {_mm256_set1_ps(x)}; }
-  static NativeVec load(const float* p) { return {_mm256_loadu_ps(p)}; }
-  static NativeVec load(const c10::BFloat16* p) {
-    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
-  }
-  static NativeVec load(const c10::Half* p) {
-    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
-  }
   // 8 codes = 16 bits (b=2), 32 bits (b=4) or 64 bits (b=8) starting at a byte boundary.
   template <int BITS>
   static NativeVec codes(const uint8_t* row, int64_t first) {
@@ -308,44 +184,7 @@ struct NativeVec {
       return {_mm256_cvtepi32_ps(codes)};
     }
   }
-  void store(float* p) const { _mm256_storeu_ps(p, v); }
-  static NativeVec fmadd(NativeVec a, NativeVec b, NativeVec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
-  static NativeVec mul(NativeVec a, NativeVec b) { return {_mm256_mul_ps(a.v, b.v)}; }
-  static NativeVec add(NativeVec a, NativeVec b) { return {_mm256_add_ps(a.v, b.v)}; }
-  static NativeVec sub(NativeVec a, NativeVec b) { return {_mm256_sub_ps(a.v, b.v)}; }
-  static NativeVec max(NativeVec a, NativeVec b) { return {_mm256_max_ps(a.v, b.v)}; }
-  // kvforge_exp_nonpositive, lane-wise.
-  static NativeVec exp_nonpositive(NativeVec x) {
-    const __m256 v = _mm256_max_ps(x.v, _mm256_set1_ps(-87.0f));
-    const __m256 magic = _mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(12582912.0f));
-    const __m256 k = _mm256_sub_ps(magic, _mm256_set1_ps(12582912.0f));
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
-    r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 poly = _mm256_set1_ps(1.9875691500e-4f);
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.3981999507e-3f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(8.3334519073e-3f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(4.1665795894e-2f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.6666665459e-1f));
-    poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(5.0000001201e-1f));
-    poly = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(poly, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i exponent = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_castps_si256(magic), _mm256_set1_epi32(127 - 0x4B400000)), 23);
-    return {_mm256_mul_ps(poly, _mm256_castsi256_ps(exponent))};
-  }
-  float hmax() const {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
-    return _mm_cvtss_f32(x);
-  }
-  float sum() const {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-    return _mm_cvtss_f32(x);
-  }
 };
-#define KVFORGE_NATIVE_VEC 1
 #endif
 
 struct Problem {
@@ -482,19 +321,6 @@ inline void rows_accumulate(const float* prob, int64_t stride, const float* cons
   }
 }
 
-template <typename V>
-inline float dot(const float* a, const float* b, int64_t dim) {
-  constexpr int64_t L = V::kLanes;
-  V s0 = V::zero(), s1 = V::zero();
-  int64_t d = 0;
-  for (; d + 2 * L <= dim; d += 2 * L) {
-    s0 = V::fmadd(V::load(a + d), V::load(b + d), s0);
-    s1 = V::fmadd(V::load(a + d + L), V::load(b + d + L), s1);
-  }
-  for (; d < dim; d += L) s0 = V::fmadd(V::load(a + d), V::load(b + d), s0);
-  return V::add(s0, s1).sum();
-}
-
 // Running softmax state of the NH query heads of one pass (pointers into the unit's
 // partial state: m [NH], l [NH], acc [NH * D]).
 struct State {
@@ -530,7 +356,7 @@ void update(State& s, float* scores, int64_t stride, int64_t n, int64_t hidden, 
       for (int64_t i = 0; i < n; ++i) top = top > row[i] ? top : row[i];
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < n; ++i) {
-        row[i] = kvforge_exp_nonpositive(row[i] - top);
+        row[i] = exp_nonpositive(row[i] - top);
         sum += row[i];
       }
     }
@@ -569,12 +395,12 @@ inline void key_scores(const float* qsc, const float* zk, const uint8_t* codes, 
     int64_t c = 0;
     for (; c + SETS <= dim; c += SETS) {
       for (int k = 0; k < SETS; ++k) {
-        const V x = V::template codes<BITS>(codes + (c + k) * row_bytes, j);
+        const V x = Codes<V>::template codes<BITS>(codes + (c + k) * row_bytes, j);
         for (int g = 0; g < NH; ++g) a[k][g] = V::fmadd(V::broadcast(qsc[g * dim + c + k]), x, a[k][g]);
       }
     }
     for (; c < dim; ++c) {
-      const V x = V::template codes<BITS>(codes + c * row_bytes, j);
+      const V x = Codes<V>::template codes<BITS>(codes + c * row_bytes, j);
       for (int g = 0; g < NH; ++g) a[0][g] = V::fmadd(V::broadcast(qsc[g * dim + c]), x, a[0][g]);
     }
     for (int g = 0; g < NH; ++g) {
@@ -758,7 +584,8 @@ inline void key_scores_int8(const float* qsc, int8_t* q8, float* sq, const float
 // Lanes are tokens as in key_scores; each channel pair (c, c + D/2) is dequantised and
 // rotated in registers with the tokens' cos/sin (cos, sin: the tables' entries of the
 // page's first token for channel pair 0, row stride T), then feeds the FMAs of all NH heads.
-// Costs about 1.5x key_scores (the dequantisation and rotation per code), never a tile in memory.
+// Costs more than key_scores (the dequantisation and rotation per code; the measured ratio
+// is in docs/cache-methods.md, kivi), never a tile in memory.
 template <typename V, int BITS, int NH>
 inline void rope_key_scores(const float* qs, const float* ks, const float* kz, const uint8_t* codes, int64_t dim,
                             int64_t G, const float* cos, const float* sin, int64_t T, float* out, int64_t stride) {
@@ -768,9 +595,9 @@ inline void rope_key_scores(const float* qs, const float* ks, const float* kz, c
     V a[NH];
     for (int g = 0; g < NH; ++g) a[g] = V::zero();
     for (int64_t c = 0; c < half; ++c) {
-      const V x1 = V::fmadd(V::template codes<BITS>(codes + c * row_bytes, j), V::broadcast(ks[c]),
+      const V x1 = V::fmadd(Codes<V>::template codes<BITS>(codes + c * row_bytes, j), V::broadcast(ks[c]),
                             V::broadcast(kz[c]));
-      const V x2 = V::fmadd(V::template codes<BITS>(codes + (c + half) * row_bytes, j), V::broadcast(ks[c + half]),
+      const V x2 = V::fmadd(Codes<V>::template codes<BITS>(codes + (c + half) * row_bytes, j), V::broadcast(ks[c + half]),
                             V::broadcast(kz[c + half]));
       const V co = V::load(cos + c * T + j), si = V::load(sin + c * T + j);
       const V r1 = V::sub(V::mul(x1, co), V::mul(x2, si));  // rotate_half: (x1, x2) -> (-x2, x1)
@@ -810,18 +637,18 @@ template <typename V, int BITS>
 struct ValueDequant {
   V a, b;  // lookup: a = the table; else a = scale, b = zero (broadcast)
   ValueDequant(float scale, float zero) {
-    if constexpr (V::template kLookup<BITS>) {
-      a = V::fmadd(V::template code_table<BITS>(), V::broadcast(scale), V::broadcast(zero));
+    if constexpr (Codes<V>::template kLookup<BITS>) {
+      a = V::fmadd(Codes<V>::template code_table<BITS>(), V::broadcast(scale), V::broadcast(zero));
     } else {
       a = V::broadcast(scale);
       b = V::broadcast(zero);
     }
   }
   V operator()(const uint8_t* row, int64_t first) const {
-    if constexpr (V::template kLookup<BITS>) {
-      return V::template lookup<BITS>(row, first, a);
+    if constexpr (Codes<V>::template kLookup<BITS>) {
+      return Codes<V>::template lookup<BITS>(row, first, a);
     } else {
-      return V::fmadd(V::template codes<BITS>(row, first), a, b);
+      return V::fmadd(Codes<V>::template codes<BITS>(row, first), a, b);
     }
   }
 };
@@ -1143,7 +970,7 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
     const float* ks = p.k_self + (b * p.kv_heads + h) * dim;
     const float* vs = p.v_self + (b * p.kv_heads + h) * dim;
     for (int g = 0; g < NH; ++g) {
-      m[g] = dot<V>(qs + g * dim, ks, dim);
+      m[g] = dot<V, 2>(qs + g * dim, ks, dim);
       l[g] = 1.f;
       std::memcpy(acc + g * dim, vs, dim * sizeof(float));
     }
@@ -1202,10 +1029,10 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
   // one page at a time while the tile before runs (next tile's page k: its key arrays before
   // this tile's page k is scored, its value arrays before page k's values are summed).
   // Requesting the whole next tile at once (96 lines on smollm2) made the core wait for free
-  // miss buffers: on a 2-core Xeon perf put ~42% of this function's samples just after the
-  // prefetch instructions, and spreading them made the kernel 0.89-0.92x the time
-  // (benchmarks/kivi_kernel_micro.py --int8-values, batch 17 x 2,048). Requesting only each
-  // array's first lines (leaving the rest to the hardware) was 1.5x slower.
+  // miss buffers: perf put a large share of this function's samples just after the
+  // prefetch instructions, and spreading them made the kernel faster. Requesting only each
+  // array's first lines (leaving the rest to the hardware) was slower (docs/benchmarks.md,
+  // 'Measurements behind design choices').
   for (int64_t k = u.col_begin; k < std::min(u.col_begin + tile_pages, u.col_end); ++k) prefetch_page(page_at(k));
   prefetch_tile_ring(u.col_begin);
 
@@ -1305,7 +1132,7 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
       }
       if (p.rope_cos != nullptr) rope_rows(p, start, count, rows, scratch.rows.data());
       for (int64_t i = 0; i < count; ++i) {
-        for (int g = 0; g < NH; ++g) scores[g * stride + i] = dot<V>(qs + g * dim, rows[i], dim);
+        for (int g = 0; g < NH; ++g) scores[g * stride + i] = dot<V, 2>(qs + g * dim, rows[i], dim);
       }
       update<V>(s, scores, stride, count, 0, NH, dim);
       for (int64_t i = 0; i < count; ++i) {
@@ -1326,7 +1153,7 @@ void run_pass(const Unit& u, int64_t h0, const Problem& p, Scratch& scratch, flo
       residual_rows<V>(p, p.k_res, ring, start, count, scratch.rows.data(), rows);
       if (p.rope_cos != nullptr) rope_rows(p, start, count, rows, scratch.rows.data());
       for (int64_t i = 0; i < count; ++i) {
-        for (int g = 0; g < NH; ++g) scores[g * stride + i] = dot<V>(qs + g * dim, rows[i], dim);
+        for (int g = 0; g < NH; ++g) scores[g * stride + i] = dot<V, 2>(qs + g * dim, rows[i], dim);
       }
       update<V>(s, scores, stride, count, 0, NH, dim);
       residual_rows<V>(p, p.v_res, ring, start, count, scratch.rows.data(), rows);

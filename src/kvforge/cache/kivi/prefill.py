@@ -92,10 +92,10 @@ def _past_and_own_in_one_call(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
     None where the kernel does not apply (not bf16, too long a past, autograd, no kernel).
 
     Precision: the stored keys and values are rounded to bf16 before the dot products, as
-    the full cache's bf16 pages are; the float32 tile walk keeps them in float32. Speed: an
-    8,000-token bf16 prompt in 2,048-token chunks (smollm2-135m, 2 threads) spent 15.6 s in
-    KIVI's attention with the walk (ATen's float32 attention per tile) and 8.7 s with this,
-    against the full cache's 8.6 s."""
+    the full cache's bf16 pages are; the float32 tile walk keeps them in float32. Speed: on
+    a long bf16 prompt this made KIVI's attention much faster than the walk (ATen's float32
+    attention per tile), close to the full cache's (docs/benchmarks.md, 'Measurements
+    behind design choices')."""
     if (q.dtype != torch.bfloat16 or not q.is_cpu or past_len > MAX_PAST_IN_ONE_CALL
             or (torch.is_grad_enabled() and q.requires_grad) or not causal_attention_available()):
         return None
@@ -140,8 +140,8 @@ def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
         # Nothing stored is visible (a prompt's first chunk): the kernel's output [L, heads,
         # D] in q's dtype is the answer. The merge below would widen it to float32 and round
         # it back (exact), through ~5 chunk-sized float32 temporaries a layer; at 2,048
-        # tokens they were mostly freshly mapped memory (5,700-23,000 minor page faults a
-        # prefill step; KIVI's attend 597-1,474 ms a step with them, 548-640 without).
+        # tokens they were mostly freshly mapped memory, whose page faults made KIVI's attend
+        # markedly slower (docs/benchmarks.md, 'Measurements behind design choices').
         return own[0]
     qh = q.float().transpose(0, 1)
     if own is not None:

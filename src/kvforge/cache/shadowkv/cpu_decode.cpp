@@ -35,6 +35,7 @@
 #include <torch/library.h>
 
 #include "cpu_checks.h"
+#include "cpu_simd.h"  // NativeVec (KVFORGE_NATIVE_VEC), dot4, exp_nonpositive_in_place, sum_of
 
 #include <algorithm>
 #include <chrono>
@@ -44,10 +45,6 @@
 #include <limits>
 #include <tuple>
 #include <vector>
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -63,82 +60,19 @@ inline double seconds_since(Clock::time_point& mark) {
   return elapsed;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// A register of floats for the blocked loops below (the widest ISA compiled for). Rows of
-// the head dim are processed 4 registers at a time (4 independent FMA chains) when D is a
-// multiple of 4 x kVec (64, 128, 256 in practice); other head dims take plain loops.
-#if defined(__AVX512F__)
-#define KVFORGE_VEC 1
-using Vec = __m512;
-constexpr int64_t kVec = 16;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vset(float x) { return _mm512_set1_ps(x); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-#elif defined(__AVX2__) && defined(__FMA__)
-#define KVFORGE_VEC 1
-using Vec = __m256;
-constexpr int64_t kVec = 8;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vset(float x) { return _mm256_set1_ps(x); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+using kvforge_simd::dot_simd_reduction;
+#ifdef KVFORGE_NATIVE_VEC
+using kvforge_simd::NativeVec;
 #endif
 
-inline bool blocked(int64_t D) {
-#if defined(KVFORGE_VEC)
-  return D % (4 * kVec) == 0;
-#else
-  (void)D;
-  return false;
-#endif
-}
-
-// out[j] = a . rows[j] for four rows at once: one horizontal reduction tree for the four
-// sums instead of one per dot product (the reduction, not the FMAs, dominates at D = 64).
+// out[j] = a . rows[j] for four rows at once: with the native vectors (n a multiple of their
+// width) one horizontal reduction tree for the four sums instead of one per dot product
+// (the reduction, not the FMAs, dominates at D = 64).
 inline void dot4(const float* a, const float* const* rows, int64_t n, float* out) {
-#if defined(__AVX512F__)
-  if (n % 16 == 0) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 x = _mm512_loadu_ps(a + i);
-      s0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(rows[0] + i), s0);
-      s1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(rows[1] + i), s1);
-      s2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(rows[2] + i), s2);
-      s3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(rows[3] + i), s3);
-    }
-    auto halves = [](__m512 v) {
-      const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-      return _mm256_add_ps(_mm512_castps512_ps256(v), high);
-    };
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves(s0), halves(s1)), _mm256_hadd_ps(halves(s2), halves(s3)));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    return;
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (n % 8 == 0) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-    for (int64_t i = 0; i < n; i += 8) {
-      const __m256 x = _mm256_loadu_ps(a + i);
-      s0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[0] + i), s0);
-      s1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[1] + i), s1);
-      s2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[2] + i), s2);
-      s3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[3] + i), s3);
-    }
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    return;
-  }
+#ifdef KVFORGE_NATIVE_VEC
+  if (n % NativeVec::kLanes == 0) return kvforge_simd::dot4<NativeVec>(a, rows, n, out);
 #endif
-  for (int j = 0; j < 4; ++j) out[j] = dot(a, rows[j], n);
+  for (int j = 0; j < 4; ++j) out[j] = dot_simd_reduction(a, rows[j], n);
 }
 
 // scores[g * stride + i] = q_g . rows[i] for G queries [G, D] and n rows.
@@ -152,29 +86,33 @@ inline void scores_of(const float* q, int64_t G, const float* const* rows, int64
       std::memcpy(scores + g * stride + i, four, sizeof(four));
     }
   for (; i < n; ++i)
-    for (int64_t g = 0; g < G; ++g) scores[g * stride + i] = dot(q + g * D, rows[i], D);
+    for (int64_t g = 0; g < G; ++g) scores[g * stride + i] = dot_simd_reduction(q + g * D, rows[i], D);
 }
 
-// y [D] = sum_i w[i] row(i) [D] over n rows, with 4 registers of the output held across
-// all rows. Every element sums its terms in row order, vectorised or not.
+// y [D] = sum_i w[i] row(i) [D] over n rows. With the native vectors and D a multiple of 4
+// of their width (64, 128, 256 in practice), 4 registers of the output are held across all
+// rows (4 independent FMA chains); other head dims take plain loops. Every element sums its
+// terms in row order, vectorised or not.
 template <class RowAt>
 inline void combine_rows(const float* w, int64_t n, RowAt row, int64_t D, float* y) {
-#if defined(KVFORGE_VEC)
-  if (blocked(D)) {
-    for (int64_t d0 = 0; d0 < D; d0 += 4 * kVec) {
-      Vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
+#ifdef KVFORGE_NATIVE_VEC
+  using V = NativeVec;
+  constexpr int64_t L = V::kLanes;
+  if (D % (4 * L) == 0) {
+    for (int64_t d0 = 0; d0 < D; d0 += 4 * L) {
+      V a0 = V::zero(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t i = 0; i < n; ++i) {
-        const Vec c = vset(w[i]);
+        const V c = V::broadcast(w[i]);
         const float* x = row(i) + d0;
-        a0 = vfma(c, vload(x), a0);
-        a1 = vfma(c, vload(x + kVec), a1);
-        a2 = vfma(c, vload(x + 2 * kVec), a2);
-        a3 = vfma(c, vload(x + 3 * kVec), a3);
+        a0 = V::fmadd(c, V::load(x), a0);
+        a1 = V::fmadd(c, V::load(x + L), a1);
+        a2 = V::fmadd(c, V::load(x + 2 * L), a2);
+        a3 = V::fmadd(c, V::load(x + 3 * L), a3);
       }
-      vstore(y + d0, a0);
-      vstore(y + d0 + kVec, a1);
-      vstore(y + d0 + 2 * kVec, a2);
-      vstore(y + d0 + 3 * kVec, a3);
+      a0.store(y + d0);
+      a1.store(y + d0 + L);
+      a2.store(y + d0 + 2 * L);
+      a3.store(y + d0 + 3 * L);
     }
     return;
   }
@@ -200,34 +138,6 @@ inline void low_rank_rows(const float* coef, const float* basis, int64_t T, int6
                           float* x) {
   for (int64_t t = 0; t < T; ++t)
     combine_rows(coef + t * r, r, [basis, W](int64_t j) { return basis + j * W; }, D, x + t * D);
-}
-
-// In place x <- exp(x) for x <= 0 (logits minus their maximum). Range reduction
-// x = n ln2 + f (n rounded by adding 1.5 x 2^23, which keeps the loop vectorisable without
-// -ffast-math) and a degree-6 polynomial for e^f on |f| <= ln2 / 2: relative error ~2e-7.
-// Below -87 the result would be denormal; it is clamped there (~1.6e-38, nothing a softmax
-// whose largest term is 1 can see).
-inline void exp_in_place(float* x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] < -87.f ? -87.f : x[i];
-    const float rounded = v * 1.4426950409f + 12582912.f;
-    const float k = rounded - 12582912.f;
-    int32_t k_bits;
-    std::memcpy(&k_bits, &rounded, sizeof(k_bits));
-    const float f = (v - k * 0.693359375f) + k * 2.12194440e-4f;  // ln2 split in two parts
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    p = p * f * f + f + 1.f;
-    const int32_t exponent = (k_bits - 0x4B400000 + 127) << 23;  // 2^k
-    float scale;
-    std::memcpy(&scale, &exponent, sizeof(scale));
-    x[i] = p * scale;
-  }
 }
 
 struct Layer {
@@ -287,11 +197,8 @@ void softmax_rows(float* x, int64_t G, int64_t n) {
     for (int64_t i = 1; i < n; ++i) top = std::max(top, l[i]);
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) l[i] -= top;
-    exp_in_place(l, n);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < n; ++i) total += l[i];
-    const float inv = 1.f / total;
+    kvforge_simd::exp_nonpositive_in_place(l, n);
+    const float inv = 1.f / kvforge_simd::sum_of(l, n);
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) l[i] *= inv;
   }

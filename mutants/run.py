@@ -6,8 +6,9 @@ repository's `src/` and `tests/` (and what the tests read: `models/`, `examples/
 `docs/`, `README.md`, `pyproject.toml`) to a scratch directory once, checks that every
 selected mutation's tests pass unmutated there, then for each mutation: applies it to the
 scratch copy, runs its tests with the scratch `src/` first on the import path, restores
-the file, and records "killed" (a test failed or timed out) or "survived" (every test
-passed: a bug the suite lets through).
+the file, and records "killed" (a test failed or timed out), "survived" (every test
+passed: a bug the suite lets through) or "not run here" (every test skipped on this machine,
+e.g. the AMX kernel's on a CPU without AMX: the mutation was not judged, and the run says so).
 
     python mutants/run.py                        # all mutations (`make mutants`)
     python mutants/run.py --only NAME ...        # the named ones
@@ -88,6 +89,14 @@ def _copy_repository(scratch: Path) -> None:
             shutil.copy2(source, scratch / name)
 
 
+def _status(passed: bool, last_line: str) -> str:
+    """killed / SURVIVED / NOT RUN HERE, from pytest's outcome and its summary line."""
+    if not passed:
+        return "killed"
+    counts = {word.strip(",") for word in last_line.split()}
+    return "NOT RUN HERE" if "skipped" in counts and "passed" not in counts else "SURVIVED"
+
+
 def _run_one(mutation: Mutation, scratch: Path, threads: int) -> dict:
     """Apply one mutation to `scratch`, run its tests, restore the file."""
     path = scratch / mutation.file
@@ -97,7 +106,7 @@ def _run_one(mutation: Mutation, scratch: Path, threads: int) -> dict:
         passed, seconds, last = _pytest(scratch, mutation.tests, threads)
     finally:
         path.write_text(original)
-    return {"name": mutation.name, "file": mutation.file, "status": "SURVIVED" if passed else "killed",
+    return {"name": mutation.name, "file": mutation.file, "status": _status(passed, last),
             "seconds": round(seconds, 1), "tests": list(mutation.tests), "last_line": last}
 
 
@@ -185,11 +194,14 @@ def main() -> int:
                 future.result()
     results = [r for r in results if r is not None]
     survived = [r["name"] for r in results if r["status"] == "SURVIVED"]
+    not_run = [r["name"] for r in results if r["status"] == "NOT RUN HERE"]
+    killed = len(results) - len(survived) - len(not_run)
     total = time.perf_counter() - started
-    print(f"{len(results) - len(survived)} of {len(results)} mutations killed in {total / 60:.1f} min"
-          + (f"; survived: {', '.join(survived)}" if survived else ""))
+    print(f"{killed} of {len(results)} mutations killed in {total / 60:.1f} min"
+          + (f"; survived: {', '.join(survived)}" if survived else "")
+          + (f"; not run here (every test skipped on this machine): {', '.join(not_run)}" if not_run else ""))
     (ROOT / "mutants" / "last_run.json").write_text(json.dumps(
-        {"killed": len(results) - len(survived), "total": len(results), "minutes": round(total / 60, 1),
+        {"killed": killed, "not_run_here": len(not_run), "total": len(results), "minutes": round(total / 60, 1),
          "partial": partial, "selection": selection, "jobs": jobs, "list_size": len(MUTATIONS), "results": results},
         indent=2) + "\n")
     return 1 if survived else 0

@@ -26,3 +26,15 @@ def test_each_snippet_occurs_once_and_its_tests_exist(mutation):
     assert mutation.replacement != mutation.original
     for target in mutation.tests:
         assert (ROOT / target.split("::")[0]).exists(), f"{mutation.name}: no {target}"
+
+
+def test_a_mutation_whose_tests_all_skip_here_is_neither_killed_nor_survived():
+    """The AMX kernel's tests skip on CPUs without AMX: its mutations are reported as not run
+    on such a machine, never as killed (nor as survivors that fail the run)."""
+    from run import _status
+
+    assert _status(False, "1 failed, 3 passed in 1.20s") == "killed"
+    assert _status(False, "timeout after 900 s") == "killed"
+    assert _status(True, "25 skipped in 18.37s") == "NOT RUN HERE"
+    assert _status(True, "3 passed, 2 skipped in 1.02s") == "SURVIVED"
+    assert _status(True, "3 passed in 1.02s") == "SURVIVED"

@@ -18,6 +18,9 @@ class Mutation:
     replacement: str
     tests: tuple[str, ...]
     why: str
+    # A /proc/cpuinfo flag the mutated code needs to compile or run (e.g. "amx_bf16"): on a
+    # CPU without it the mutation cannot be judged, and mutants/run.py reports it as not run.
+    cpu_flag: str = ""
 
 
 S = "src/kvforge/"
@@ -617,31 +620,31 @@ MUTATIONS: list[Mutation] = [
              "first_tile[i + 1] = first_tile[i] + ps[i].n / kNR;",
              ("tests/kernels/test_cpu_linear.py::test_many_products_equal_their_own_calls_bitwise",),
              "every output row of every product is computed"),
-    # -- the small-M linear's AMX path: killed only on a CPU with AMX-BF16 (its tests skip
-    #    elsewhere, and these survive there by construction) ---------------------------------
+    # -- the small-M linear's AMX path: judged only on a CPU with AMX-BF16 (elsewhere its tests
+    #    skip and the code under them is not compiled: reported as not run) -------------------
     Mutation("amx_second_x_block_not_multiplied", S + "kernels/cpu_amx_linear.h",
              "if constexpr (XB == 2) _tile_dpbf16ps(1, 4, 7);", "",
-             (AMX_LINEAR,), "x rows 16-31 are multiplied with the first W block too"),
+             (AMX_LINEAR,), "x rows 16-31 are multiplied with the first W block too", cpu_flag="amx_bf16"),
     Mutation("amx_second_w_block_reads_the_first", S + "kernels/cpu_amx_linear.h",
              "_tile_loadd(5, w0 + kRows * k + c * kChunk, stride);", "_tile_loadd(5, w0 + c * kChunk, stride);",
-             (AMX_LINEAR,), "the second W block of a unit is W rows 16-31 of it"),
+             (AMX_LINEAR,), "the second W block of a unit is W rows 16-31 of it", cpu_flag="amx_bf16"),
     Mutation("amx_drops_the_bias", S + "kernels/cpu_amx_linear.h",
              "if (p.bias != nullptr) v = _mm512_add_ps(v, bias);", "",
-             (AMX_LINEAR,), "AMX outputs get their bias"),
+             (AMX_LINEAR,), "AMX outputs get their bias", cpu_flag="amx_bf16"),
     Mutation("amx_packs_pairs_in_the_wrong_lanes", S + "kernels/cpu_amx_linear.h",
              "std::memcpy(tile + r * 2 * kRows + 2 * j, src + 2 * r, 4);",
              "std::memcpy(tile + r * 2 * kRows + 2 * j, src + r, 4);",
-             (AMX_LINEAR,), "a B tile row holds one k pair (2r, 2r + 1) of each x row"),
+             (AMX_LINEAR,), "a B tile row holds one k pair (2r, 2r + 1) of each x row", cpu_flag="amx_bf16"),
     Mutation("amx_skips_x_blocks_past_two", S + "kernels/cpu_amx_linear.h",
              "for (int64_t b0 = 0; b0 < blocks; b0 += 2) {", "for (int64_t b0 = 0; b0 < std::min<int64_t>(blocks, 2); b0 += 2) {",
-             (AMX_LINEAR,), "M > 32 takes further passes over each W unit"),
+             (AMX_LINEAR,), "M > 32 takes further passes over each W unit", cpu_flag="amx_bf16"),
     Mutation("amx_ignores_its_switch", S + "kernels/cpu_linear.cpp",
              "return kvforge_amx::switch_on().load() && kvforge_amx::granted()", "return kvforge_amx::granted()",
-             (AMX_LINEAR,), "set_amx(False) sends bf16 to the AVX512-BF16 path"),
+             (AMX_LINEAR,), "set_amx(False) sends bf16 to the AVX512-BF16 path", cpu_flag="amx_bf16"),
     Mutation("native_build_fails_silently", S + "kernels/cpu_amx.h",
              "#define KVFORGE_AMX 1\n", "#define KVFORGE_AMX 1\n#error a native-only compile error\n",
              ("tests/kernels/test_native_builds.py",),
-             "a kernel whose -march=native build fails is reported, not silently built portable (AMX CPUs only)"),
+             "a kernel whose -march=native build fails is reported, not silently built portable (AMX CPUs only)", cpu_flag="amx_bf16"),
     Mutation("merge_all_layers_passes_the_fused_target_through", S + "tools/bench/merge_all_layers.py",
              "every layer to one; passing the call through would reach the wrong layer).\"\"\"\n        return None",
              "every layer to one; passing the call through would reach the wrong layer).\"\"\"\n"

@@ -97,8 +97,22 @@ def _status(passed: bool, last_line: str) -> str:
     return "NOT RUN HERE" if "skipped" in counts and "passed" not in counts else "SURVIVED"
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return {flag for line in info if line.startswith(("flags", "Features")) for flag in line.split()[2:]}
+    except OSError:
+        return set()
+
+
+CPU_FLAGS = _cpu_flags()
+
+
 def _run_one(mutation: Mutation, scratch: Path, threads: int) -> dict:
     """Apply one mutation to `scratch`, run its tests, restore the file."""
+    if mutation.cpu_flag and mutation.cpu_flag not in CPU_FLAGS:
+        return {"name": mutation.name, "file": mutation.file, "status": "NOT RUN HERE", "seconds": 0.0,
+                "tests": list(mutation.tests), "last_line": f"this CPU lacks {mutation.cpu_flag}"}
     path = scratch / mutation.file
     original = path.read_text()
     path.write_text(original.replace(mutation.original, mutation.replacement))

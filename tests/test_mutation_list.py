@@ -38,3 +38,14 @@ def test_a_mutation_whose_tests_all_skip_here_is_neither_killed_nor_survived():
     assert _status(True, "25 skipped in 18.37s") == "NOT RUN HERE"
     assert _status(True, "3 passed, 2 skipped in 1.02s") == "SURVIVED"
     assert _status(True, "3 passed in 1.02s") == "SURVIVED"
+
+
+def test_a_mutation_needing_a_cpu_flag_this_cpu_lacks_is_reported_not_run(tmp_path):
+    from mutations import Mutation
+    from run import _run_one
+
+    needs = Mutation("needs_a_flag", "src/none.py", "a", "b", ("tests/none.py",), "why", cpu_flag="no_such_flag")
+    result = _run_one(needs, tmp_path, 1)  # never touches the (absent) file nor runs a test
+    assert result["status"] == "NOT RUN HERE" and "no_such_flag" in result["last_line"]
+    amx = [m for m in MUTATIONS if "amx" in m.file or "tests/kernels/test_cpu_linear_amx.py" in m.tests]
+    assert len(amx) >= 6 and all(m.cpu_flag == "amx_bf16" for m in amx)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import pytest
 import torch
 import transformers
 import uvicorn
@@ -98,3 +99,20 @@ def serve(engine: LLMEngine, tokenizer, api_key: str | None = None) -> Iterator[
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+# Module-scoped fixtures shared by the engine and server tests: a test module imports them
+# (`from server_helpers import model_fixture, tokenizer_fixture`, marked as an unused
+# import for the linter) and its tests ask for `tokenizer` and `model`.
+@pytest.fixture(scope="module", name="tokenizer")
+def tokenizer_fixture() -> transformers.PreTrainedTokenizerFast:
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module", name="model")
+def model_fixture() -> Iterator[torch.nn.Module]:
+    """The tiny model, built on one thread (its weights then match every test's)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_model()
+    torch.set_num_threads(threads)

@@ -4,26 +4,11 @@ abort of a request still waiting, and the time per output token in the metrics."
 
 from __future__ import annotations
 
-import pytest
-import torch
-from server_helpers import char_tokenizer, make_engine, tiny_model
+from server_helpers import make_engine, model_fixture, tokenizer_fixture  # noqa: F401 - fixtures
 
 from kvforge.engine.outputs import RequestMetricsReport
 from kvforge.engine.request import Request
 from kvforge.engine.sampling import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return char_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_model()
-    torch.set_num_threads(threads)
 
 
 def finish_all(engine) -> dict[str, list]:

@@ -14,27 +14,13 @@ import dataclasses
 import random
 
 import pytest
-import torch
-from server_helpers import char_tokenizer, make_engine, tiny_model
+from server_helpers import make_engine, model_fixture, tokenizer_fixture  # noqa: F401 - fixtures
 
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling import SamplingParams
 
 PROMPT = "xyz"
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return char_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_model()
-    torch.set_num_threads(threads)
 
 
 def run(model, tokenizer, requests: list[tuple[str, SamplingParams]]) -> list[list[RequestOutput]]:

@@ -11,24 +11,17 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import MODEL_NAME, char_tokenizer, make_engine, serve, tiny_model
+from server_helpers import (  # noqa: F401 - fixtures
+    MODEL_NAME,
+    make_engine,
+    model_fixture,
+    serve,
+    tokenizer_fixture,
+)
 
 from kvforge.cache.registry import create_cache
 from kvforge.engine.loglikelihood import ScoreSettings, score_continuations
 from kvforge.engine.runner import ModelRunner
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return char_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_model()
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,17 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from server_helpers import CHAT_TEMPLATE, MODEL_NAME, char_tokenizer, make_engine, serve, tiny_model
+from server_helpers import (
+    CHAT_TEMPLATE,
+    MODEL_NAME,
+    make_engine,
+    serve,
+    tiny_model,
+    tokenizer_fixture,  # noqa: F401 - fixtures
+)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SEEDS = range(4)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return char_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,10 @@ import json
 import math
 
 import pytest
-from server_helpers import char_tokenizer, make_engine, serve, tiny_model
+from server_helpers import make_engine, serve, tiny_model
 
 from kvforge.cli import build_parser
 from kvforge.errors import ConfigError
-from kvforge.models.hf_config import config_from_hf_dict
 from kvforge.tools.bench import serve as bench_serve
 from kvforge.tools.bench.serve_client import RequestRecord, poisson_schedule
 from kvforge.tools.bench.serve_stats import SLO, distribution_ms, step_split, summarize
@@ -71,20 +70,6 @@ def test_step_split_per_decode_step():
     assert split["decode"]["ms_by_part"] == pytest.approx({"linear": 100.0, "attention": 20.0, "sampling": 0.0,
                                                            "other": 30.0})
     assert step_split({}, {}) is None
-
-
-@pytest.fixture
-def tiny_sources(monkeypatch):
-    """The bench's model lookups answered by the tiny model's tokenizer and config."""
-    tokenizer = char_tokenizer()
-    config = config_from_hf_dict({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
-                                       "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                       "num_hidden_layers": 2, "max_position_embeddings": 512})
-    monkeypatch.setattr(bench_serve, "resolve_model_source", lambda name: name)
-    monkeypatch.setattr(bench_serve, "load_model_config", lambda source: config)
-    monkeypatch.setattr(bench_serve, "heldout_text", lambda path: "a held-out text. " * 200)
-    monkeypatch.setattr("kvforge.models.tokenizer.load_tokenizer", lambda source: tokenizer)
-    return tokenizer
 
 
 def test_run_against_a_server_by_url(tiny_sources, tmp_path):

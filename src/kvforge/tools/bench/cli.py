@@ -122,17 +122,30 @@ def _add_serve(kinds: Any) -> None:
     serve.add_argument("--kv-budget", default="4GiB", help="KV-cache budget of each started server (4GiB)")
     serve.add_argument("--swiftkv", default=None, metavar="DIR", help="SwiftKV checkpoint laid over --model")
     serve.add_argument("--compare", action="append", default=[], metavar="X[,Y...]",
-                       help="also measure: base (with --swiftkv: the base model) or cache specs, each a server")
+                       help="also measure: base (with --swiftkv: the base model), cache specs, or vllm (vLLM's "
+                            "server of the same weights, from --vllm-python's environment), each a server")
+    serve.add_argument("--vllm-python", default=None, metavar="PATH",
+                       help="python of an environment with vLLM and kvforge, for --compare vllm "
+                            "(default $KVFORGE_VLLM_PYTHON)")
     serve.add_argument("--base-url", default=None,
-                       help="measure the OpenAI-compatible server at this URL as the system under test "
-                            "(vLLM, llama.cpp's server, ...) instead of starting one")
+                       help="measure the OpenAI-compatible server at this URL (http://HOST:PORT or .../v1) as "
+                            "the system under test (vLLM, llama.cpp's server, ...) instead of starting one")
     serve.add_argument("--served-model-name", default=None, help="model name for --base-url (default: its first)")
     serve.add_argument("--api-key", default=None, help="bearer key for --base-url")
     serve.add_argument("--request-rate", default="1,inf",
                        help="comma-separated requests/s, Poisson arrivals; inf sends all at once (1,inf)")
+    serve.add_argument("--workload", choices=("poisson", "chat"), default="poisson",
+                       help="poisson: --num-prompts requests per --request-rate; chat: one client's --turns-turn "
+                            "conversation over a --shared-prefix-token document, history re-sent (poisson)")
+    serve.add_argument("--repeats", type=_count(1), default=1,
+                       help="runs per rate (poisson) or conversations (chat), each on fresh prompts; headline "
+                            "figures are their medians (1)")
+    serve.add_argument("--shared-prefix", type=_count(1), default=1500, help="chat: tokens of the document (1500)")
+    serve.add_argument("--turns", type=_count(2), default=6, help="chat: turns of the conversation (6)")
+    serve.add_argument("--question-len", type=_count(1), default=32, help="chat: tokens of each question (32)")
     serve.add_argument("--num-prompts", type=_count(1), default=16, help="requests per rate (16)")
     serve.add_argument("--input-len", default="512", help="prompt tokens: N or A:B (512)")
-    serve.add_argument("--output-len", default="64", help="generated tokens: N or A:B (64)")
+    serve.add_argument("--output-len", default="64", help="generated tokens: N or A:B; chat: each reply (64)")
     serve.add_argument("--prompt-format", choices=("token-ids", "text"), default="token-ids",
                        help="send prompts as token ids (exact lengths) or as their text (token-ids)")
     serve.add_argument("--text-file", default=None, help="text whose held-out part gives the prompts")

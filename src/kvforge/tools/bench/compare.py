@@ -11,23 +11,29 @@ from kvforge.tools.bench.merge_all_layers import NAME as MERGE_ALL_LAYERS
 from kvforge.tools.bench.systems import System, kvforge_name
 
 NO_PREFIX_CACHING = "no-prefix-caching"  # --compare: the system under test without prefix caching
+VLLM_PEER = "vllm"  # --compare: vLLM's server of the same weights (bench serve; serve_vllm.py)
 
 
 def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None = None,
-                  swiftkv: str | None = None, llama_cpp: bool = False) -> list[System]:
+                  swiftkv: str | None = None, llama_cpp: bool = False, vllm: bool = False) -> list[System]:
     """`--compare` values -> systems. Each value is a comma-separated list of `hf`, `base`
     (the --swiftkv model's base model with the cache under test), `merge-all-layers` (the
     base model with the cache under test, one cache layer for all: merge_all_layers.py),
-    `llama.cpp[:WEIGHTS]` (only where `llama_cpp` says the benchmark has that peer) or cache
+    `llama.cpp[:WEIGHTS]` (only where `llama_cpp` says the benchmark has that peer), `vllm`
+    (vLLM's server: only where `vllm` says so, `bench serve`) or cache
     specs; a spec's own `k=v` options may continue after commas
     (`full:storage_dtype=bfloat16,block_size=32`). With --swiftkv, cache-spec systems run
     the SwiftKV model too; `SPEC@DIR` runs the SwiftKV checkpoint DIR, `SPEC@base` the base
     model, whatever --swiftkv says."""
-    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING, MERGE_ALL_LAYERS, llamacpp_option.PEER))
+    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING, MERGE_ALL_LAYERS, llamacpp_option.PEER,
+                                                 VLLM_PEER))
     systems = []
     for item in items:
         if item == "hf":
             systems.append(System("hf", "hf"))
+        elif item == VLLM_PEER:
+            require(vllm, "compare", item, "vLLM is a peer of `bench serve` only (a server)")
+            systems.append(System("vllm", "vllm"))
         elif llamacpp_option.is_peer(item):
             weights = llamacpp_option.parse(item, allowed=llama_cpp)
             systems.append(System(llamacpp_option.system_name(weights), "llama.cpp", weights=weights))
@@ -55,8 +61,8 @@ def _cache_system(item: str, swiftkv: str | None) -> System:
     try:
         spec = parse_cache_spec(text)
     except ConfigError as exc:
-        raise ConfigError("compare", item, "each entry must be hf, base, merge-all-layers, llama.cpp[:WEIGHTS] "
-                                           f"or a cache spec, optionally @DIR or @base ({exc})") from exc
+        raise ConfigError("compare", item, "each entry must be hf, base, merge-all-layers, llama.cpp[:WEIGHTS], "
+                                           f"vllm or a cache spec, optionally @DIR or @base ({exc})") from exc
     where = where.strip()
     if not at:
         return System(kvforge_name(spec, swiftkv), "kvforge", spec)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import math
 import random
 import sys
 from pathlib import Path
@@ -31,20 +30,28 @@ import torch
 from tqdm.auto import tqdm
 
 from kvforge.cache.registry import parse_cache_spec
-from kvforge.errors import ConfigError, require
+from kvforge.errors import ConfigError, KVForgeError, require
 from kvforge.models.loader import load_model_config, resolve_model_source
 from kvforge.tools.bench.common import log
 from kvforge.tools.bench.compare import parse_compare
-from kvforge.tools.bench.machine_load import LoadProbe, flags
+from kvforge.tools.bench.machine_load import LoadProbe
+from kvforge.tools.bench.serve_chat import (
+    ChatShape,
+    conversations,
+    median_over,
+    run_conversation,
+    summarize_conversation,
+)
 from kvforge.tools.bench.serve_client import RequestRecord, poisson_schedule, run_schedule
-from kvforge.tools.bench.serve_server import ServerProcess, ServerWatch, scrape
-from kvforge.tools.bench.serve_stats import SLO, step_split, summarize
+from kvforge.tools.bench.serve_result import build_result
+from kvforge.tools.bench.serve_server import ServerProcess, ServerWatch, free_loopback_port, scrape
+from kvforge.tools.bench.serve_stats import RUN_KEYS, SLO, median_of_runs, step_split, summarize
+from kvforge.tools.bench.serve_vllm import STARTUP_TIMEOUT_S as VLLM_STARTUP_TIMEOUT_S
+from kvforge.tools.bench.serve_vllm import VllmPeer, peer_checkpoint, vllm_command, vllm_env, vllm_python
 from kvforge.tools.bench.systems import System
-from kvforge.tools.report.provenance import provenance
 from kvforge.tools.text_data import heldout_text
 
 SERVED_NAME = "bench"  # the model name the started servers answer to
-HEADLINE = "median_ttft_ms"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,53 +91,86 @@ def parse_rates(text: str) -> list[float]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Everything decided before any server starts."""
+    """Everything decided before any server starts. `prompts[r]` are repeat r's requests
+    (poisson) or conversations' turns (chat)."""
 
     systems: list[System]
     rates: list[float]
-    prompts: list[list[int]]
+    prompts: list[list[list[int]]]
     output_lens: list[int]
     slo: SLO
+    chat: ChatShape | None = None
+    vllm: VllmPeer | None = None
+
+
+def normalize_base_url(url: str) -> str:
+    """The server root of an OpenAI base URL: `http://host:port`, `.../` and `.../v1` alike."""
+    text = str(url).strip().rstrip("/")
+    require(text.startswith(("http://", "https://")) and len(text.split("://", 1)[1]) > 0, "base_url", url,
+            "must be an http(s) URL such as http://127.0.0.1:8000/v1")
+    return text.removesuffix("/v1").rstrip("/")
 
 
 def _plan(args: argparse.Namespace) -> Plan:
-    for name in ("threads", "num_prompts", "max_num_batched_tokens", "max_num_seqs"):
+    for name in ("threads", "num_prompts", "max_num_batched_tokens", "max_num_seqs", "repeats"):
         require(getattr(args, name) >= 1, name, getattr(args, name), "must be >= 1")
     require(args.request_timeout > 0, "request_timeout", args.request_timeout, "must be > 0 seconds")
     rates = parse_rates(args.request_rate)
     input_len = LengthRange.parse("input_len", args.input_len)
     output_len = LengthRange.parse("output_len", args.output_len)
+    require(args.workload == "poisson" or output_len.low == output_len.high, "output_len", args.output_len,
+            "must be one number N for --workload chat (each reply's length)")
+    chat = ChatShape(args.shared_prefix, args.turns, args.question_len, output_len.high) \
+        if args.workload == "chat" else None
     slo = SLO.parse(args.slo)
     under_test = parse_cache_spec(args.cache, list(args.cache_opt))
-    compare = parse_compare(args.compare, under_test, args.swiftkv)
+    compare = parse_compare(args.compare, under_test, args.swiftkv, vllm=True)
     if any(system.kind == "hf" for system in compare):
         raise ConfigError("compare", "hf", "transformers has no server: compare kvforge systems, or run another "
                                            "server yourself and measure it with --base-url")
     for system in compare:
         require(not system.merge_all_layers, "compare", system.name,
                 "merge-all-layers is a bench throughput/decode system; kvforge serve has no such option")
+    if args.base_url:
+        args.base_url = normalize_base_url(args.base_url)
     first = System(f"server[{args.base_url}]", "external") if args.base_url else \
         System(f"swiftkv[{under_test}]" if args.swiftkv else f"kvforge[{under_test}]", "kvforge", under_test)
+    peer = None
+    if any(system.kind == "vllm" for system in compare):
+        require(not args.swiftkv, "compare", "vllm", "the vLLM peer serves the base model; compare SwiftKV in vLLM "
+                                                     "with benchmarks/vllm_swiftkv_prefill.py")
+        require(args.device == "cpu", "compare", "vllm", "the vLLM peer is started on the CPU only (its CPU wheel)")
+        peer = VllmPeer(vllm_python(args.vllm_python), Path())  # its checkpoint is written when it starts
     source = resolve_model_source(args.model)
     config = load_model_config(source)
     if args.swiftkv:
         from kvforge.models.swiftkv_checkpoint import overlay_config
 
         overlay_config(config, args.swiftkv)
-    require(input_len.high + output_len.high <= config.max_position_embeddings, "input_len + output_len",
-            input_len.high + output_len.high, f"must be <= the context of {args.model} "
-                                              f"({config.max_position_embeddings} tokens)")
+    longest = chat.longest_prompt if chat else input_len.high
+    require(longest + output_len.high <= config.max_position_embeddings,
+            "shared_prefix + turns" if chat else "input_len + output_len", longest + output_len.high,
+            f"must be <= the context of {args.model} ({config.max_position_embeddings} tokens)")
     rng = random.Random(args.seed)
-    lengths = input_len.draw(args.num_prompts, rng)
-    return Plan([first, *compare], rates, _prompts(source, args.text_file, lengths, rng),
-                output_len.draw(args.num_prompts, rng), slo)
+    ids = _heldout_ids(source, args.text_file)
+    if chat:
+        prompts = conversations(ids, chat, args.repeats, args.seed)
+        output_lens = [output_len.high] * args.turns
+    else:
+        lengths = input_len.draw(args.num_prompts, rng)
+        output_lens = output_len.draw(args.num_prompts, rng)
+        prompts = [_prompts(ids, lengths, rng) for _ in range(args.repeats)]
+    return Plan([first, *compare], rates, prompts, output_lens, slo, chat, peer)
 
 
-def _prompts(source: Any, text_file: str | None, lengths: list[int], rng: random.Random) -> list[list[int]]:
-    """Token-id windows of the held-out text, one per request, at seeded offsets."""
+def _heldout_ids(source: Any, text_file: str | None) -> list[int]:
     from kvforge.models.tokenizer import load_tokenizer
 
-    ids = load_tokenizer(source).encode(heldout_text(text_file))
+    return load_tokenizer(source).encode(heldout_text(text_file))
+
+
+def _prompts(ids: list[int], lengths: list[int], rng: random.Random) -> list[list[int]]:
+    """Token-id windows of the held-out text, one per request, at seeded offsets."""
     require(len(ids) > max(lengths), "input_len", max(lengths),
             f"must be < the {len(ids)} tokens of the held-out text")
     return [ids[start:start + n] for n, start in ((n, rng.randrange(len(ids) - n)) for n in lengths)]
@@ -164,38 +204,91 @@ async def _run_rate(base_url: str, bodies: list[dict[str, Any]], schedule: list[
     return records, seconds, watch.summary()
 
 
-def _measure(args: argparse.Namespace, plan: Plan, system: System, base_url: str) -> dict[str, Any]:
+def served_model_name(base_url: str, headers: dict[str, str] | None, wanted: str | None) -> str:
+    """The model to ask a server for: --served-model-name, else the first /v1/models lists.
+    A refused connection, a 401 and an answer that is not a model list each end in one line."""
     import httpx
 
+    url = f"{base_url}/v1/models"
+    try:
+        response = httpx.get(url, timeout=30, headers=headers)
+    except httpx.TransportError as exc:
+        raise KVForgeError(f"no server answers at {base_url} ({type(exc).__name__}: {exc}); start it, or check "
+                           "--base-url") from None
+    if response.status_code in (401, 403):
+        raise KVForgeError(f"{url} answered HTTP {response.status_code}: the server wants an API key "
+                           f"({'--api-key was refused' if headers else 'pass --api-key KEY'})")
+    listed = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+    models = [entry.get("id") for entry in listed.get("data", []) if isinstance(entry, dict)] \
+        if response.status_code == 200 and isinstance(listed, dict) else []
+    if not models:
+        raise KVForgeError(f"{url} answered HTTP {response.status_code} without a model list: is --base-url an "
+                           "OpenAI-compatible server?")
+    if wanted is None:
+        return models[0]
+    require(wanted in models, "served_model_name", wanted, f"must be one the server lists: {models}")
+    return wanted
+
+
+def _measure(args: argparse.Namespace, plan: Plan, system: System, base_url: str) -> dict[str, Any]:
     from kvforge.models.tokenizer import load_tokenizer
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key and system.kind == "external" else None
     model = SERVED_NAME
     if system.kind == "external":
-        listed = httpx.get(f"{base_url}/v1/models", timeout=30, headers=headers).json()
-        model = args.served_model_name or listed["data"][0]["id"]
+        model = served_model_name(base_url, headers, args.served_model_name)
     tokenizer = load_tokenizer(resolve_model_source(args.model)) if args.prompt_format == "text" else None
     as_text = args.prompt_format == "text"
     # One short request first: first-touch costs (thread pools, pages) stay out of the runs.
-    warm = _body(model, plan.prompts[0][:16], 2, as_text, tokenizer)
+    warm = _body(model, plan.prompts[0][0][:16], 2, as_text, tokenizer)
     asyncio.run(run_schedule(base_url, [warm], [0.0], args.request_timeout, headers=headers))
-    bodies = [_body(model, p, n, as_text, tokenizer) for p, n in zip(plan.prompts, plan.output_lens)]
+    if plan.chat is not None:
+        return {"name": system.name, "kind": system.kind,
+                "chat": _measure_chat(args, plan, system, base_url, model, headers, as_text, tokenizer)}
     rates = []
     for rate in plan.rates:
-        schedule = poisson_schedule(len(bodies), rate, args.seed)
         before = scrape(base_url, headers)
-        records, seconds, watch = asyncio.run(_run_rate(base_url, bodies, schedule, args.request_timeout,
-                                                           f"{system.name} @ {rate:g} req/s", headers))
+        runs, pooled, pooled_seconds, watches = [], [], 0.0, []
+        for repeat, prompts in enumerate(plan.prompts):
+            bodies = [_body(model, p, n, as_text, tokenizer) for p, n in zip(prompts, plan.output_lens)]
+            schedule = poisson_schedule(len(bodies), rate, args.seed + repeat)
+            records, seconds, watch = asyncio.run(_run_rate(
+                base_url, bodies, schedule, args.request_timeout,
+                f"{system.name} @ {rate:g} req/s" + (f" ({repeat + 1}/{args.repeats})" if args.repeats > 1 else ""),
+                headers))
+            runs.append(summarize(records, seconds, plan.slo))
+            pooled += records
+            pooled_seconds += seconds
+            watches.append(watch)
         after = scrape(base_url, headers)
-        summary = summarize(records, seconds, plan.slo)
-        summary.update(watch)
+        summary = summarize(pooled, pooled_seconds, plan.slo)
+        summary.update(watches[-1])
         if "preemptions" in after:
             summary["preemptions"] = int(after["preemptions"] - before.get("preemptions", 0))
         summary["step_split"] = step_split(before, after)
+        summary["median_of_runs"] = median_of_runs(runs)
+        summary["runs"] = [{key: run[key] for key in RUN_KEYS} for run in runs]
         log(f"{system.name} @ {rate:g} req/s: {summary['completed']} done, {summary['failed']} failed, "
-            f"median TTFT {_fmt(summary['ttft_ms']['median'])} ms, {summary['request_throughput']:.3f} req/s")
-        rates.append({"request_rate": rate, **summary, "requests": [r.as_dict() for r in records]})
+            f"median TTFT {_fmt(summary['median_of_runs']['ttft_ms_median'])} ms, "
+            f"{_fmt(summary['median_of_runs']['output_token_throughput'])} output tok/s (medians of "
+            f"{len(runs)} runs)")
+        rates.append({"request_rate": rate, **summary, "requests": [r.as_dict() for r in pooled]})
     return {"name": system.name, "kind": system.kind, "rates": rates}
+
+
+def _measure_chat(args: argparse.Namespace, plan: Plan, system: System, base_url: str, model: str,
+                  headers: dict[str, str] | None, as_text: bool, tokenizer: Any) -> dict[str, Any]:
+    runs = []
+    for turns in tqdm(plan.prompts, desc=f"{system.name} chat", unit="conversation", file=sys.stderr):
+        bodies = [_body(model, p, n, as_text, tokenizer) for p, n in zip(turns, plan.output_lens)]
+        records = asyncio.run(run_conversation(base_url, bodies, args.request_timeout, headers))
+        runs.append(summarize_conversation(records))
+    out = {"runs": runs, "first_turn_ttft_ms": median_over(runs, "first_turn_ttft_ms"),
+           "later_turns_mean_ttft_ms": median_over(runs, "later_turns_mean_ttft_ms"),
+           "failed": sum(run["failed"] for run in runs)}
+    log(f"{system.name} chat: first turn TTFT {_fmt(out['first_turn_ttft_ms'])} ms, turns 2-{args.turns} mean TTFT "
+        f"{_fmt(out['later_turns_mean_ttft_ms'])} ms (medians of {len(runs)} conversations)")
+    return out
 
 
 def _fmt(value: float | None, pattern: str = "{:.1f}") -> str:
@@ -209,15 +302,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     for system in plan.systems:
         if system.kind == "external":
-            results.append(_measure(args, plan, system, args.base_url.rstrip("/")))
+            results.append(_measure(args, plan, system, args.base_url))
             continue
-        log(f"starting kvforge serve for {system.name}")
-        server = ServerProcess.start(_serve_args(args, system), system.name)
+        log(f"starting {'vLLM' if system.kind == 'vllm' else 'kvforge'} serve for {system.name}")
+        server = _start(args, plan, system)
         try:
             results.append(_measure(args, plan, system, server.base_url))
         finally:
             server.stop()
-    result = _result(args, plan, results, probe.report())
+    result = build_result(args, plan, results, probe.report())
     from kvforge.tools.bench.serve_report import format_serve_table, write_serve_outputs
 
     print(format_serve_table(result))
@@ -226,42 +319,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _result(args: argparse.Namespace, plan: Plan, systems: list[dict[str, Any]],
-            load: dict[str, Any]) -> dict[str, Any]:
-    def at(system: dict[str, Any], rate: float) -> dict[str, Any]:
-        return next(r for r in system["rates"] if r["request_rate"] == rate)
-
-    lowest, highest = plan.rates[0], plan.rates[-1]
-    ratios, throughput_ratios = {}, {}
-    ours = systems[0]
-    for other in systems[1:]:
-        mine, theirs = at(ours, lowest)["ttft_ms"]["median"], at(other, lowest)["ttft_ms"]["median"]
-        ratios[other["name"]] = theirs / mine if mine and theirs else None
-        mine_rps, theirs_rps = at(ours, highest)["request_throughput"], at(other, highest)["request_throughput"]
-        throughput_ratios[other["name"]] = mine_rps / theirs_rps if theirs_rps else None
-    first = next(iter(ratios.values()), None)
-    return {
-        "benchmark": "serve",
-        "model": args.model,
-        "swiftkv": args.swiftkv,
-        "dtype": args.dtype,
-        "device": args.device,
-        "threads": args.threads,
-        "settings": {
-            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-            "request_rates": ["inf" if math.isinf(r) else r for r in plan.rates], "seed": args.seed,
-            "kv_budget": args.kv_budget, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_num_seqs": args.max_num_seqs, "admission": args.admission, "prompt_format": args.prompt_format,
-            "slo": plan.slo.as_dict(), "base_url": args.base_url,
-            "timing": "client clock; TTFT = send -> first streamed token, TPOT = (latency - TTFT) / (tokens - 1)",
-        },
-        "headline_metric": f"{HEADLINE} at the lowest rate ({lowest:g} req/s): comparison / system under test",
-        "ratio": first,
-        "ratios": ratios,
-        "throughput_ratios_at_highest_rate": throughput_ratios,
-        "systems": systems,
-        "environment": {"torch": torch.__version__, **load},
-        "flags": (warnings := flags(load)),
-        "trustworthy": not warnings,
-        "provenance": provenance(args),
-    }
+def _start(args: argparse.Namespace, plan: Plan, system: System) -> ServerProcess:
+    if system.kind != "vllm":
+        return ServerProcess.start(_serve_args(args, system), system.name)
+    assert plan.vllm is not None
+    peer = dataclasses.replace(plan.vllm, checkpoint=peer_checkpoint(args.model))
+    port = free_loopback_port()
+    return ServerProcess.launch(vllm_command(peer, port, args.dtype, args.max_num_batched_tokens, args.max_num_seqs,
+                                             SERVED_NAME), port, system.name, env=vllm_env(args.kv_budget),
+                                timeout_s=VLLM_STARTUP_TIMEOUT_S)

@@ -66,7 +66,7 @@ def poisson_schedule(count: int, rate: float, seed: int) -> list[float]:
     return times
 
 
-async def _one(client: httpx.AsyncClient, body: dict[str, Any], record: RequestRecord, start: float,
+async def send_one(client: httpx.AsyncClient, body: dict[str, Any], record: RequestRecord, start: float,
                timeout: float) -> None:
     sent = time.perf_counter()
     record.sent_s = sent - start
@@ -118,7 +118,7 @@ async def run_schedule(base_url: str, bodies: Sequence[dict[str, Any]], schedule
             delay = record.scheduled_s - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            await _one(client, body, record, start, timeout)
+            await send_one(client, body, record, start, timeout)
             if on_done is not None:
                 on_done(record)
 

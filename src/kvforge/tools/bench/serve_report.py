@@ -15,8 +15,9 @@ from kvforge.tools.bench.report import machine_line
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 
 
-def _rate_label(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
+def _rate_label(rate: float | str) -> str:
+    """A request rate as shown; JSON holds an infinite rate as the string "inf"."""
+    return str(rate) if isinstance(rate, str) else "inf" if math.isinf(rate) else f"{rate:g}"
 
 
 def _cell(value: Any, pattern: str = "{:.1f}") -> str:
@@ -31,11 +32,23 @@ def decode_step_split(rate: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
     return [(split, ", ".join(f"{k} {v:.1f}" for k, v in split["ms_by_part"].items()))]
 
 
-def format_serve_table(result: dict[str, Any]) -> str:
+def _header(result: dict[str, Any]) -> str:
     settings = result["settings"]
-    lines = [f"serve: {result['model']}{' + SwiftKV ' + result['swiftkv'] if result.get('swiftkv') else ''} "
-             f"{result['dtype']}, {result['threads']} threads; {settings['num_prompts']} requests per rate, "
-             f"input {settings['input_len']}, output {settings['output_len']} tokens, KV budget {settings['kv_budget']}"]
+    model = f"{result['model']}{' + SwiftKV ' + result['swiftkv'] if result.get('swiftkv') else ''} {result['dtype']}"
+    started = f", {result['threads']} threads, KV budget {settings['kv_budget']}" if result.get("threads") else ""
+    if result.get("workload") == "chat":
+        chat = settings["chat"]
+        return (f"serve (chat): {model}{started}; {settings['repeats']} conversation(s) of {chat['turns']} turns over "
+                f"a {chat['shared_prefix']}-token document, {chat['question_len']}-token questions, "
+                f"{chat['reply_len']}-token replies")
+    return (f"serve: {model}{started}; {settings['num_prompts']} requests per rate x {settings.get('repeats', 1)} "
+            f"run(s), input {settings['input_len']}, output {settings['output_len']} tokens")
+
+
+def format_serve_table(result: dict[str, Any]) -> str:
+    if result.get("workload") == "chat":
+        return _format_chat_table(result)
+    lines = [_header(result)]
     header = ("system", "rate", "done", "fail", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
               "TPOT p99", "ITL p50", "E2E p50", "goodput", "running", "preempt")
     rows = [header]
@@ -60,6 +73,11 @@ def format_serve_table(result: dict[str, Any]) -> str:
                              f"{split['ms_per_step']:.1f} ms over {split['steps']} steps ({parts})")
             for error in rate.get("errors", []):
                 lines.append(f"{system['name']} @ {_rate_label(rate['request_rate'])}: error: {error}")
+    for name, by_rate in result.get("peer_ratios", {}).items():
+        for rate, ratios in by_rate.items():
+            lines.append(f"{result['systems'][0]['name']} vs {name} @ {rate} req/s (> 1: {result['systems'][0]['name']} "
+                         f"better; medians of runs): " + ", ".join(f"{key} {_cell(value, '{:.2f}')}x"
+                                                                 for key, value in ratios.items()))
     for name, value in result["ratios"].items():
         if value is not None:
             lines.append(f"median TTFT at {_rate_label(result['systems'][0]['rates'][0]['request_rate'])} req/s: "
@@ -68,14 +86,53 @@ def format_serve_table(result: dict[str, Any]) -> str:
         if value is not None:
             lines.append(f"request throughput at {_rate_label(result['systems'][0]['rates'][-1]['request_rate'])} "
                          f"req/s: {result['systems'][0]['name']} / {name} = {value:.2f}x")
-    lines.append(machine_line(result["environment"], []))
-    lines.extend(f"WARNING: {flag['message']}" for flag in result.get("flags", []))
-    return "\n".join(lines)
+    return "\n".join(lines + _footer(result))
+
+
+def _footer(result: dict[str, Any]) -> list[str]:
+    return [machine_line(result["environment"], []),
+            *(f"WARNING: {flag['message']}" for flag in result.get("flags", []))]
+
+
+def _format_chat_table(result: dict[str, Any]) -> str:
+    turns = result["settings"]["chat"]["turns"]
+    rows = [("system", "turn 1 TTFT", f"turns 2-{turns} TTFT", "failed", "per conversation (turn 1 / later)")]
+    for system in result["systems"]:
+        chat = system["chat"]
+        runs = "; ".join(f"{_cell(run['first_turn_ttft_ms'], '{:.0f}')}/{_cell(run['later_turns_mean_ttft_ms'], '{:.0f}')}"
+                         for run in chat["runs"])
+        rows.append((system["name"], _cell(chat["first_turn_ttft_ms"]), _cell(chat["later_turns_mean_ttft_ms"]),
+                     str(chat["failed"]), runs))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [_header(result)]
+    lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+              for row in rows]
+    lines.append("TTFT in ms (client clock), medians over conversations")
+    first = result["systems"][0]["name"]
+    for name, ratios in result.get("peer_ratios", {}).items():
+        lines.append(f"{first} vs {name} (> 1: {first} answers sooner): turn 1 "
+                     f"{_cell(ratios['first_turn_ttft_ms'], '{:.2f}')}x, later turns "
+                     f"{_cell(ratios['later_turns_mean_ttft_ms'], '{:.2f}')}x")
+    return "\n".join(lines + _footer(result))
+
+
+def standard_json(value: Any) -> Any:
+    """`value` with every float JSON cannot hold replaced: inf -> "inf" (a request rate), NaN -> None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {key: standard_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [standard_json(item) for item in value]
+    return value
 
 
 def write_serve_outputs(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path.write_text(json.dumps(standard_json(result), indent=2, allow_nan=False) + "\n")
+    if result.get("workload") == "chat":
+        log(f"wrote {path}")
+        return
     png = path.with_suffix(".png")
     plot_serve(result, png)
     log(f"wrote {path} and {png}")

@@ -2,14 +2,16 @@
 free loopback port (or a server the user already runs, by URL), and what their /metrics
 say during a run.
 
-A started server is stopped with SIGTERM (it aborts what is in flight and exits 0), then
-killed if it has not exited within 30 s. Its log goes to a temporary file that is shown
+A started server runs in its own process group. It is stopped with SIGTERM (it aborts what
+is in flight and exits 0), killed if it has not exited within 30 s, and then whatever is
+left of its group (workers it forked) is killed. Its log goes to a temporary file that is shown
 when it fails to start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -42,13 +44,20 @@ class ServerProcess:
     def start(cls, serve_args: list[str], label: str) -> ServerProcess:
         """`kvforge serve SERVE_ARGS --host 127.0.0.1 --port <free>`, returned once /health is up."""
         port = free_loopback_port()
-        log = tempfile.NamedTemporaryFile(prefix=f"kvforge-bench-serve-{port}-", suffix=".log", delete=False)
         command = [sys.executable, "-m", "kvforge.cli", "serve", *serve_args, "--host", "127.0.0.1",
                    "--port", str(port), "--log-level", "warning"]
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        return cls.launch(command, port, label)
+
+    @classmethod
+    def launch(cls, command: list[str], port: int, label: str, env: dict[str, str] | None = None,
+               timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProcess:
+        """Run `command` (a server that will listen on 127.0.0.1:`port`) in its own process
+        group, so that stopping it also stops the workers it forks; returned once /health is up."""
+        log = tempfile.NamedTemporaryFile(prefix=f"kvforge-bench-serve-{port}-", suffix=".log", delete=False)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         server = cls(f"http://127.0.0.1:{port}", process, Path(log.name))
         log.close()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while True:
             if process.poll() is not None:
                 raise KVForgeError(f"the {label} server exited with code {process.returncode} before it was ready:\n"
@@ -60,7 +69,7 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 server.stop()
-                raise KVForgeError(f"the {label} server was not ready after {STARTUP_TIMEOUT_S} s:\n"
+                raise KVForgeError(f"the {label} server was not ready after {timeout_s:.0f} s:\n"
                                    + server.log_tail())
             time.sleep(0.25)
 
@@ -78,6 +87,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        try:  # workers the server forked (vLLM's engine core) go with it
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.log_path.unlink(missing_ok=True)
         return self.process.returncode
 

@@ -104,3 +104,23 @@ def step_split(before: dict[str, float], after: dict[str, float]) -> dict[str, A
                  for part in ("linear", "attention", "sampling", "other")}
         out[kind] = {"steps": int(steps), "ms_per_step": sum(parts.values()), "ms_by_part": parts}
     return out or None
+
+
+# What each repeat of a rate keeps in the JSON beside the pooled summary.
+RUN_KEYS = ("completed", "failed", "duration_s", "request_throughput", "output_token_throughput", "ttft_ms",
+            "itl_ms", "tpot_ms")
+
+
+def median_of_runs(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """The headline figures of a rate as medians over its repeats (None if any repeat lacks one)."""
+    picks = {"ttft_ms_median": lambda r: r["ttft_ms"]["median"], "ttft_ms_p90": lambda r: r["ttft_ms"]["p90"],
+             "itl_ms_median": lambda r: r["itl_ms"]["median"], "tpot_ms_median": lambda r: r["tpot_ms"]["median"],
+             "output_token_throughput": lambda r: r["output_token_throughput"] if r["completed"] else None}
+    out: dict[str, float | None] = {}
+    for key, pick in picks.items():
+        values = [pick(run) for run in runs]
+        out[key] = float(np.median(values)) if values and all(v is not None for v in values) else None
+    throughputs = [run["output_token_throughput"] for run in runs if run["completed"]]
+    out["output_token_throughput_spread"] = max(throughputs) / min(throughputs) \
+        if len(throughputs) > 1 and min(throughputs) > 0 else None
+    return out

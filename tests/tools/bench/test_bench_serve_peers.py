@@ -1,0 +1,187 @@
+"""`kvforge bench serve` against servers it did not start and against vLLM: the base URL in
+either form, one-line errors for a server that is down or wants a key, the chat workload,
+repeats, standard JSON, and the vLLM peer's command line (vLLM itself is not installed in
+kvforge's environment; the end-to-end run against it is a slow test)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+from server_helpers import make_engine, serve, tiny_model
+from test_bench_serve import parse
+
+from kvforge.errors import ConfigError, KVForgeError
+from kvforge.tools.bench import serve as bench_serve
+from kvforge.tools.bench.serve_chat import ChatShape, conversations
+from kvforge.tools.bench.serve_report import format_serve_table, standard_json
+from kvforge.tools.bench.serve_result import better_ratio
+from kvforge.tools.bench.serve_server import free_loopback_port
+from kvforge.tools.bench.serve_stats import median_of_runs
+from kvforge.tools.bench.serve_vllm import VllmPeer, kv_space_gib, vllm_command, vllm_python
+
+
+def strict_json(text: str):
+    def refuse(constant: str):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1",
+                                 "http://127.0.0.1:8000/v1/", " http://127.0.0.1:8000/v1 "])
+def test_base_url_with_or_without_v1(url):
+    assert bench_serve.normalize_base_url(url) == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://x", "http://", ""])
+def test_base_url_that_is_no_url_is_refused(url):
+    with pytest.raises(ConfigError, match="base_url"):
+        bench_serve.normalize_base_url(url)
+
+
+def test_a_server_that_is_down_is_one_line():
+    url = f"http://127.0.0.1:{free_loopback_port()}"
+    with pytest.raises(KVForgeError, match=f"no server answers at {url}") as caught:
+        bench_serve.served_model_name(url, None, None)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_server_wanting_a_key_says_so(tiny_sources):
+    engine = make_engine(tiny_model(), tiny_sources)
+    with serve(engine, tiny_sources, api_key="sesame") as server:
+        with pytest.raises(KVForgeError, match="HTTP 401: the server wants an API key .pass --api-key"):
+            bench_serve.served_model_name(server.base_url, None, None)
+        with pytest.raises(KVForgeError, match="--api-key was refused"):
+            bench_serve.served_model_name(server.base_url, {"Authorization": "Bearer wrong"}, None)
+        assert bench_serve.served_model_name(server.base_url, {"Authorization": "Bearer sesame"}, None)
+        with pytest.raises(ConfigError, match="served_model_name"):
+            bench_serve.served_model_name(server.base_url, {"Authorization": "Bearer sesame"}, "no-such-model")
+
+
+def test_external_server_with_v1_repeats_and_standard_json(tiny_sources, tmp_path):
+    engine = make_engine(tiny_model(), tiny_sources, step_timing=True)
+    with serve(engine, tiny_sources) as server:
+        out = tmp_path / "serve.json"
+        result = bench_serve.run(parse(["--base-url", server.base_url + "/v1/", "--model", "tiny", "--num-prompts", "3",
+                                        "--input-len", "20", "--output-len", "4", "--request-rate", "inf",
+                                        "--repeats", "2", "--json", str(out)]))
+    doc = strict_json(out.read_text())  # Infinity or NaN would raise
+    assert doc["settings"]["request_rates"] == ["inf"] and doc["systems"][0]["rates"][0]["request_rate"] == "inf"
+    (rate,) = result["systems"][0]["rates"]
+    assert rate["completed"] == 6 and len(rate["runs"]) == 2 and all(run["completed"] == 3 for run in rate["runs"])
+    assert rate["median_of_runs"]["output_token_throughput"] > 0
+    # not started here: its settings are not claimed and its CPU is not taken for foreign load
+    assert doc["threads"] is None and doc["settings"]["kv_budget"] is None
+    kinds = [flag["kind"] for flag in doc["flags"]]
+    assert "loaded_machine" not in kinds and "external_server" in kinds
+    header = format_serve_table(result).splitlines()[0]  # names neither threads nor a KV budget
+    assert "threads" not in header and "KV budget" not in header
+
+
+def test_repeats_use_fresh_prompts(tiny_sources):
+    plan = bench_serve._plan(parse(["--model", "tiny", "--num-prompts", "4", "--input-len", "30", "--repeats", "3"]))
+    assert len(plan.prompts) == 3 and all(len(p) == 4 for p in plan.prompts)
+    assert plan.prompts[0] != plan.prompts[1] != plan.prompts[2]
+
+
+def test_chat_turns_extend_one_history():
+    shape = ChatShape(document=10, turns=3, question=2, reply=4)
+    window = list(range(100, 100 + shape.longest_prompt))
+    turns = shape.turn_prompts(window)
+    assert [len(t) for t in turns] == [12, 18, 24]
+    assert all(later[:len(earlier)] == earlier for earlier, later in zip(turns, turns[1:]))
+    assert turns[-1] == window
+
+
+def test_chat_conversations_are_seeded_and_distinct():
+    shape = ChatShape(document=20, turns=2, question=3, reply=5)
+    ids = list(range(1000))
+    first = conversations(ids, shape, 3, seed=1)
+    assert first == conversations(ids, shape, 3, seed=1) and first != conversations(ids, shape, 3, seed=2)
+    assert len({tuple(c[0]) for c in first}) == 3
+    with pytest.raises(ConfigError, match="shared_prefix"):
+        conversations(list(range(30)), shape, 1, seed=0)
+
+
+@pytest.mark.parametrize(("field", "value"), [("turns", 1), ("document", 0), ("question", 0), ("reply", 0)])
+def test_chat_shape_is_validated(field, value):
+    kwargs = {"document": 10, "turns": 3, "question": 2, "reply": 4, field: value}
+    with pytest.raises(ConfigError, match=field):
+        ChatShape(**kwargs)
+
+
+def test_chat_workload_against_a_server(tiny_sources, tmp_path):
+    engine = make_engine(tiny_model(), tiny_sources)
+    with serve(engine, tiny_sources) as server:
+        out = tmp_path / "chat.json"
+        result = bench_serve.run(parse(["--base-url", server.base_url, "--model", "tiny", "--workload", "chat",
+                                        "--shared-prefix", "40", "--turns", "3", "--question-len", "5",
+                                        "--output-len", "4", "--repeats", "2", "--json", str(out)]))
+    chat = result["systems"][0]["chat"]
+    assert chat["failed"] == 0 and len(chat["runs"]) == 2
+    assert all(len(run["turn_ttft_ms"]) == 3 and all(t > 0 for t in run["turn_ttft_ms"]) for run in chat["runs"])
+    run = chat["runs"][0]
+    assert run["later_turns_mean_ttft_ms"] == pytest.approx(sum(run["turn_ttft_ms"][1:]) / 2)
+    assert chat["first_turn_ttft_ms"] == pytest.approx(sorted(r["first_turn_ttft_ms"] for r in chat["runs"])[0] / 2
+                                                       + sorted(r["first_turn_ttft_ms"] for r in chat["runs"])[1] / 2)
+    assert strict_json(out.read_text())["workload"] == "chat"
+
+
+def test_chat_output_len_must_be_one_number(tiny_sources):
+    with pytest.raises(ConfigError, match="output_len"):
+        bench_serve._plan(parse(["--model", "tiny", "--workload", "chat", "--output-len", "4:8"]))
+
+
+def test_better_ratio_direction():
+    assert better_ratio(100.0, 150.0, higher_is_better=False) == pytest.approx(1.5)  # we answer sooner
+    assert better_ratio(50.0, 40.0, higher_is_better=True) == pytest.approx(1.25)  # we serve more
+    assert better_ratio(None, 1.0, True) is None and better_ratio(1.0, 0.0, False) is None
+
+
+def test_median_of_runs():
+    def run(ttft, tput):
+        return {"completed": 1, "ttft_ms": {"median": ttft, "p90": ttft * 2}, "itl_ms": {"median": 1.0},
+                "tpot_ms": {"median": 1.0}, "output_token_throughput": tput}
+
+    medians = median_of_runs([run(10, 100), run(30, 80), run(20, 120)])
+    assert medians["ttft_ms_median"] == 20 and medians["ttft_ms_p90"] == 40
+    assert medians["output_token_throughput"] == 100 and medians["output_token_throughput_spread"] == 1.5
+
+
+def test_standard_json_replaces_what_json_cannot_hold():
+    assert standard_json({"a": [math.inf, -math.inf, math.nan, 1.5], "b": (2,)}) == \
+        {"a": ["inf", "-inf", None, 1.5], "b": [2]}
+
+
+def test_vllm_peer_needs_its_python(tiny_sources, monkeypatch, tmp_path):
+    monkeypatch.delenv("KVFORGE_VLLM_PYTHON", raising=False)
+    with pytest.raises(ConfigError, match="vllm_python"):
+        bench_serve._plan(parse(["--model", "tiny", "--compare", "vllm"]))
+    with pytest.raises(ConfigError, match="vllm_python"):
+        vllm_python(str(tmp_path / "missing-python"))
+    monkeypatch.setenv("KVFORGE_VLLM_PYTHON", os.sys.executable)
+    plan = bench_serve._plan(parse(["--model", "tiny", "--compare", "vllm", "--input-len", "20"]))
+    assert [s.kind for s in plan.systems] == ["kvforge", "vllm"]
+    with pytest.raises(ConfigError, match="compare"):
+        bench_serve._plan(parse(["--model", "tiny", "--compare", "vllm", "--input-len", "20", "--swiftkv", "ckpt"]))
+
+
+def test_vllm_is_a_serve_peer_only():
+    from kvforge.tools.bench.compare import parse_compare
+
+    with pytest.raises(ConfigError, match="compare"):
+        parse_compare(["vllm"])
+
+
+def test_vllm_command_shares_the_servers_settings():
+    command = vllm_command(VllmPeer("/venv/bin/python", Path("/ckpt")), 8123, "bfloat16", 2048, 64, "bench")
+    assert command[:4] == ["/venv/bin/python", "-m", "kvforge.integrations.vllm.serve", "/ckpt"]
+    options = dict(zip(command[4::2], command[5::2]))
+    assert options["--host"] == "127.0.0.1" and options["--port"] == "8123" and options["--dtype"] == "bfloat16"
+    assert options["--max-num-batched-tokens"] == "2048" and options["--max-num-seqs"] == "64"
+    assert options["--served-model-name"] == "bench"
+    assert kv_space_gib("512MB") == 1 and kv_space_gib("4GiB") == 4 and kv_space_gib("4.5GiB") == 5

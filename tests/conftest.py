@@ -23,6 +23,11 @@ from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, model_sta
 # processes side by side and gives each its share of the cores through this variable.
 torch.set_num_threads(int(os.environ.get("KVFORGE_TEST_THREADS", "2")))
 
+# `--dtype auto` (the default of generate, serve and LLM) is bfloat16 on a CPU with bf16
+# hardware: the suite pins it to float32 so that its exactness tests mean the same on every CPU
+# (subprocesses inherit it); tests/test_compute_dtype.py checks the resolution itself.
+os.environ.setdefault("KVFORGE_AUTO_DTYPE", "float32")
+
 # Without a GPU the Triton kernel runs in Triton's CPU interpreter, so `make test` checks it.
 # `triton.jit` reads TRITON_INTERPRET when kvforge.cache.kivi.triton_decode is imported, and
 # kvforge imports that module only when a cache may use the kernel (decode_kernels.py), never

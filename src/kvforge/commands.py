@@ -34,7 +34,9 @@ def _add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> Non
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto | float32 | bfloat16 | float16 (auto, the default: bfloat16 on a CPU with AMX or "
+                             "AVX-512 BF16, else float32; the start-up line says which)")
     parser.add_argument("--cache", default="full", help="cache method, optionally name:key=value,...")
     parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="cache method option (repeatable)")
@@ -72,9 +74,12 @@ def _sampling_params(args: argparse.Namespace):
 def _make_llm(args: argparse.Namespace):
     from kvforge.engine.llm import LLM
 
-    return LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt, dtype=args.dtype,
-               kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
-               prefix_caching=args.prefix_caching, device=args.device, early_exit=args.early_exit)
+    llm = LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt, dtype=args.dtype,
+              kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
+              prefix_caching=args.prefix_caching, device=args.device, early_exit=args.early_exit)
+    if llm.dtype_reason:
+        print(f"kvforge {args.verb}: {llm.dtype_reason}", file=sys.stderr)
+    return llm
 
 
 def _add_json_arg(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvforge.cache.registry import create_cache, parse_cache_spec
+from kvforge.compute_dtype import resolve_dtype
 from kvforge.devices import resolve_device
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
@@ -41,7 +42,7 @@ def _is_messages(prompt: Any) -> bool:
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", cache: str = "full", dtype: str = "float32",
+    def __init__(self, model: str = "smollm2-135m", cache: str = "full", dtype: str = "auto",
                  kv_budget: str | int = "1GiB", max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  cache_options: Sequence[str] | None = None, device: str | torch.device = "cpu",
@@ -50,7 +51,9 @@ class LLM:
         # Everything that can be wrong with the arguments fails before weights load.
         where = resolve_device(device)  # ConfigError, not torch's assertion, on a torch without CUDA
         spec = parse_cache_spec(cache, list(cache_options or []))
-        torch_dtype = parse_dtype(dtype)
+        resolved, self.dtype_reason = resolve_dtype(dtype, where)  # auto: bfloat16 on a CPU with bf16 hardware
+        torch_dtype = parse_dtype(resolved)
+        self.dtype = torch_dtype
         config = EngineConfig(kv_budget_bytes=parse_bytes(kv_budget), max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, admission=admission,
                               step_timing=step_timing, prefix_caching=prefix_caching)

@@ -93,6 +93,8 @@ def run_serve(args: argparse.Namespace) -> int:
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, admission=args.admission,
               step_timing=args.step_timing, prefix_caching=args.prefix_caching, device=args.device,
               early_exit=args.early_exit)
+    if llm.dtype_reason:
+        print(f"kvforge serve: {llm.dtype_reason}", file=sys.stderr)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics.observe_step)

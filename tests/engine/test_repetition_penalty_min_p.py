@@ -113,3 +113,33 @@ def test_bad_values_name_the_parameter_the_value_and_the_rule(name, value, rule)
     with pytest.raises(ConfigError) as caught:
         SamplingParams(**{name: value})
     assert caught.value.parameter == name and rule in str(caught.value) and repr(value)[:3] in str(caught.value)
+
+
+def test_the_engine_gives_the_sampler_the_prompt_and_the_output_so_far(monkeypatch):
+    from server_helpers import char_tokenizer, make_engine, tiny_model
+
+    from kvforge.engine import llm_engine
+
+    recorded = []
+    real = llm_engine.sample
+
+    def spy(logits, params, generators, banned, seen):
+        recorded.append([list(ids) if ids is not None else None for ids in seen])
+        return real(logits, params, generators, banned, seen)
+
+    monkeypatch.setattr(llm_engine, "sample", spy)
+    tokenizer = char_tokenizer()
+    engine = make_engine(tiny_model(), tokenizer)
+    prompt = tokenizer.encode("abcab")
+    penalised = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.5,
+                                                          ignore_eos=True))
+    engine.add_request(tokenizer.encode("xy"), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    generated = outputs[penalised].token_ids
+    assert len(recorded) == 4
+    for step, seen in enumerate(recorded):
+        assert seen[0] == prompt + generated[:step]  # the penalised request's history
+        assert seen[1] is None  # a request without a penalty builds no list

@@ -106,6 +106,8 @@ def test_each_unimplemented_field_is_refused_by_name_and_accepted_when_neutral(a
     (CHAT, {"add_generation_prompt": False}, "add_generation_prompt"),
     (COMPLETIONS, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     (COMPLETIONS, {"skip_special_tokens": False}, "skip_special_tokens"),
+    (COMPLETIONS, {"skip_special_tokens": 1}, "skip_special_tokens"),  # 1 is not true
+    (COMPLETIONS, {"priority": False}, "priority"),  # false is not 0
 ])
 def test_what_a_vllm_client_may_send_and_kvforge_does_not_honour_is_refused(app_client, path, body, param):
     refused(post(app_client, path, **body), param)
@@ -168,3 +170,9 @@ def test_a_swiftkv_model_shows_its_checkpoint_cache_and_dtype_in_the_banner_and_
         (entry,) = client.get("/v1/models").json()["data"]
     assert entry["kvforge"] == {"base_model": "smollm2-135m", "swiftkv": "ckpt/swiftkv-50", "cache": "kivi:bits=2",
                                 "dtype": "bfloat16"}
+
+
+def test_a_huge_model_name_is_refused_with_a_short_message(app_client):
+    response = post(app_client, COMPLETIONS, model="m" * 100_000)
+    assert response.status_code == 404 and response.json()["error"]["param"] == "model"
+    assert len(response.json()["error"]["message"]) < 200

@@ -195,8 +195,12 @@ class LLMEngine:
         return list(outputs.values())
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
+        # Ids seen so far, for the rows whose repetition penalty reads them (None elsewhere:
+        # a plain step builds no list).
+        seen = [r.prompt_token_ids + r.output_token_ids if r.params.repetition_penalty != 1.0 else None
+                for r in requests]
         args = (logits, [r.params for r in requests], [r.generator for r in requests],
-                [banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens) for r in requests])
+                [banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens) for r in requests], seen)
         return sample(*args) if self.step_timer is None else self.step_timer.measure("sampling", sample, *args)
 
     def _item(self, chunk: ScheduledChunk) -> StepItem:

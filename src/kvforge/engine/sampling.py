@@ -10,9 +10,15 @@ Invariants:
 - Greedy rows (temperature 0 or top_k 1) take the argmax (ties -> lowest id) and draw
   nothing from their generator.
 - Banned ids (`min_tokens` not reached yet) are masked to -inf before anything else;
-  a token with zero probability after masking, top-k and top-p is never returned.
+  a token with zero probability after masking, min-p, top-k and top-p is never returned.
+- `repetition_penalty` (vLLM's definition) rescales the raw logit of every id seen in the
+  prompt or the output so far, before temperature, for greedy rows too: a positive logit
+  is divided by it, a negative one multiplied. `min_p` (after temperature, before top-k
+  and top-p) drops every id whose probability is below min_p times the top id's; it
+  cannot change an argmax, so greedy rows ignore it. At their neutral values (1.0 and
+  0.0) neither does any work, and the tokens are bitwise those without them.
 - Log-probabilities are those of the *unmodified* model distribution: log_softmax of the
-  raw logits, before banning, temperature, top-k and top-p.
+  raw logits, before banning, repetition penalty, temperature, min-p, top-k and top-p.
 - Everything is computed in float32 (cumulative sums in float64), whatever the logits'
   dtype.
 """
@@ -61,6 +67,8 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables top-p
+    min_p: float = 0.0  # in [0, 1]: keep ids with probability >= min_p * the top one's; 0 disables
+    repetition_penalty: float = 1.0  # > 0: rescales logits of ids already seen; 1 disables
     seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; the output text is cut where one starts
@@ -86,6 +94,13 @@ class SamplingParams:
         require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p,
                 "must be in (0, 1] (1 disables top-p)")
         object.__setattr__(self, "top_p", float(self.top_p))
+        require(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p,
+                "must be in [0, 1] (0 disables min-p)")
+        object.__setattr__(self, "min_p", float(self.min_p))
+        require(_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+                and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
+                "must be a finite number > 0 (1 disables it)")
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < _MAX_SEED), "seed",
                 self.seed, "must be None or an integer in [0, 2**64)")
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int))
@@ -164,12 +179,15 @@ class SampleOutput:
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None] | None = None,
-           banned: Sequence[Collection[int] | None] | None = None) -> SampleOutput:
+           banned: Sequence[Collection[int] | None] | None = None,
+           seen: Sequence[Sequence[int] | None] | None = None) -> SampleOutput:
     """Choose one token per row of `logits` [R, V].
 
     `generators[i]` is row i's stream (None -> torch's default generator on the logits'
     device, which is not reproducible per request); greedy rows never use it.
     `banned[i]` are ids row i must not produce (ids outside [0, V) are ignored).
+    `seen[i]` are the ids of row i's prompt and output so far; read only for rows whose
+    repetition_penalty is not 1, which must have it.
     """
     require(logits.dim() == 2, "logits", tuple(logits.shape), "must be 2-D [rows, vocab]")
     rows, vocab = logits.shape
@@ -187,9 +205,16 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
                 ban_rows.append(i)
                 ban_cols.append(int(t))
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    # Every row greedy, nothing banned (a plain decode step): one pass over the logits as
-    # they are, no float32 copy (argmax_rows is torch.argmax; None where it does not apply).
-    fast = argmax_rows(logits.detach()) if len(greedy_rows) == rows and not ban_rows else None
+    penalty_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    history: Sequence[Sequence[int] | None] = [None] * rows if seen is None else seen
+    missing = [i for i in penalty_rows if i >= len(history) or history[i] is None]
+    require(not missing, "seen", missing, "must give the prompt and output ids of every row with a "
+                                          "repetition_penalty")
+    # Every row greedy, nothing banned or penalised (a plain decode step): one pass over the
+    # logits as they are, no float32 copy (argmax_rows is torch.argmax; None where it does
+    # not apply).
+    plain = len(greedy_rows) == rows and not ban_rows and not penalty_rows
+    fast = argmax_rows(logits.detach()) if plain else None
     # Masked float32 view/copy; elementwise, so a row's values do not depend on the others.
     work = logits.detach() if fast is not None else logits.detach().float()  # no copy when float32
     if ban_rows:
@@ -197,6 +222,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             work = work.clone()  # never write into the caller's logits
         device = work.device
         work[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = -math.inf
+    if penalty_rows and work.data_ptr() == logits.data_ptr():
+        work = work.clone()
+    for i in penalty_rows:
+        penalize_repetition(work[i], history[i] or (), params[i].repetition_penalty)
 
     if fast is not None:
         tokens = fast
@@ -241,6 +270,8 @@ def _sample_row(scores: torch.Tensor, params: SamplingParams,
     # Shift so the maximum is exactly 0 before dividing: no overflow for tiny temperatures,
     # and softmax always has one term equal to 1 (no NaN) unless every id is banned.
     scaled = (scores - scores.max()) / params.temperature
+    if params.min_p > 0:
+        scaled = keep_min_p(scaled, params.min_p)
     vocab = scaled.shape[0]
     # `probs` is sorted descending whenever top-k or top-p applies; `candidates` holds the
     # vocabulary id of each entry of `probs` (None = identity, the whole vocabulary).
@@ -263,6 +294,24 @@ def _sample_row(scores: torch.Tensor, params: SamplingParams,
         probs = torch.where(positions < keep, probs, torch.zeros_like(probs))
     choice = _draw(probs, generator)
     return choice if candidates is None else candidates[choice]
+
+
+def penalize_repetition(row: torch.Tensor, seen: Sequence[int], penalty: float) -> None:
+    """vLLM's repetition penalty, in place on one float row [V]: the logit of every id in
+    `seen` (each counted once; ids outside [0, V) ignored) is divided by `penalty` when
+    positive and multiplied by it otherwise."""
+    vocab = row.shape[0]
+    ids = torch.tensor(sorted({t for t in seen if 0 <= t < vocab}), dtype=torch.long, device=row.device)
+    values = row[ids]
+    row[ids] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def keep_min_p(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
+    """`scaled` [V] (temperature applied, maximum exactly 0) with every id whose probability
+    is below min_p times the top id's set to -inf. With the maximum at 0, exp(scaled) is
+    each id's probability divided by the top one's, so no softmax is needed; the top id
+    always stays."""
+    return scaled.masked_fill(torch.exp(scaled) < min_p, -math.inf)
 
 
 def _nucleus_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,8 +58,9 @@ class ChatHandler:
         served = self.served
         if body.tools:
             raise bad_request("tools", f"{len(body.tools)} tools", "tool calling is not supported by kvforge")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise bad_request("response_format", body.response_format, "only {'type': 'text'} is supported")
+        if body.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice", body.tool_choice,
+                              "needs tools, and tool calling is not supported by kvforge: omit it or send 'none'")
         if not has_chat_template(served.tokenizer):
             raise bad_request("messages", "...", f"{served.name} has no chat template: use /v1/completions")
         top = body.top_logprobs or 0

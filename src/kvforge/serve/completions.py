@@ -70,8 +70,6 @@ class CompletionHandler:
         served = self.served
         if body.suffix:
             raise bad_request("suffix", body.suffix, "is not supported by kvforge: must be empty or omitted")
-        if body.best_of not in (None, 1):
-            raise bad_request("best_of", body.best_of, "only best_of=1 is supported")
         logprobs = body.logprobs
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request("logprobs", logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
@@ -96,11 +94,12 @@ class CompletionHandler:
             return [(encode_prompt(tokenizer, prompt, chat=False), prompt)]
         if not prompt:
             raise bad_request("prompt", prompt, "must be a string, token ids or a non-empty list of either")
-        if isinstance(prompt[0], int):
-            return [(list(prompt), tokenizer.decode(prompt))]  # type: ignore[arg-type]
         if isinstance(prompt[0], str):
             return [(encode_prompt(tokenizer, text, chat=False), text) for text in prompt]  # type: ignore[misc]
-        return [(list(ids), tokenizer.decode(ids)) for ids in prompt]  # type: ignore[misc]
+        batch = [prompt] if isinstance(prompt[0], int) else prompt
+        for index, ids in enumerate(batch):
+            self.served.check_token_ids(ids, "prompt", "prompt" if batch is not prompt else f"prompt[{index}]")  # type: ignore[arg-type]
+        return [(list(ids), tokenizer.decode(ids)) for ids in batch]  # type: ignore[misc]
 
     # -- engine outputs -> response ---------------------------------------------------
     def _choice(self, job: _Job, out: RequestOutput, options: _Options) -> dict[str, Any]:

@@ -2,19 +2,53 @@
 
 Requests follow OpenAI's schema. Unknown fields are ignored (as OpenAI's SDKs expect of a
 compatible server); known fields are type-checked strictly (no "10" for 10, no true for
-1), so a wrong type is a 400 that names the field. Fields OpenAI defines that kvforge does
-not implement are accepted at their neutral value and refused otherwise, by the handlers,
-with the parameter named. Extensions follow vLLM's names: `top_k`, `min_tokens`,
-`ignore_eos`, `stop_token_ids`, `return_token_ids`.
+1), so a wrong type is a 400 that names the field. Extensions follow vLLM's names:
+`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`return_token_ids`.
+
+Fields OpenAI or vLLM define that kvforge does not implement are declared here too, so
+that a client who sets one learns it: each is accepted at its neutral value (`NEUTRAL`:
+omitted, null, or the value vLLM's clients send by default) and refused otherwise with a
+400 naming it, never silently ignored.
 
 Responses are plain dicts built by the handlers (they mirror OpenAI's objects).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
+
+# Fields kvforge does not implement -> the values that mean "not used" besides null
+# (booleans compare by identity, numbers by value).
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    # vLLM's sampling extensions
+    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (), "logits_processors": (),
+    # vLLM's structured output and other extensions
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "return_tokens_as_token_ids": (False,), "priority": (0,), "request_id": (), "cache_salt": (),
+    "kv_transfer_params": (), "vllm_xargs": (), "prompt_embeds": (),
+    # chat only: templates, documents, multimodal and reasoning options
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "echo": (False,),
+    "chat_template": (), "chat_template_kwargs": ({},), "documents": (), "mm_processor_kwargs": (),
+    "reasoning_effort": (), "functions": (), "function_call": (), "audio": (), "modalities": (["text"],),
+    "prediction": (),
+}
+
+
+def is_neutral(name: str, value: Any) -> bool:
+    """True when `value` of the unimplemented field `name` asks for nothing kvforge lacks."""
+    return value is None or any(_same(value, neutral) for neutral in NEUTRAL[name])
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    if isinstance(neutral, bool) or isinstance(value, bool):
+        return value is neutral  # true is not 1, 1 is not true
+    return bool(value == neutral)  # 1 == 1.0; lists and objects by content
 
 
 class _Body(BaseModel):
@@ -28,10 +62,19 @@ class StreamOptions(_Body):
 class _GenerationFields(_Body):
     """Fields both endpoints share."""
 
+    # The declared fields kvforge does not implement (each a key of NEUTRAL).
+    unimplemented: ClassVar[tuple[str, ...]] = (
+        "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
+        "spaces_between_special_tokens", "truncate_prompt_tokens", "allowed_token_ids", "bad_words",
+        "prompt_logprobs", "logits_processors", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "return_tokens_as_token_ids",
+        "priority", "request_id", "cache_salt", "kv_transfer_params", "vllm_xargs", "prompt_embeds")
+
     model: str | None = None  # None: the served model
     temperature: float | None = None  # None: 1.0, as OpenAI
     top_p: float | None = None
     n: int | None = None
+    best_of: int | None = None  # vLLM's; only 1 (= n) is supported
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -42,10 +85,38 @@ class _GenerationFields(_Body):
     user: str | None = None
     # extensions (vLLM's names)
     top_k: int | None = None  # 0 or -1: off
+    min_p: float | None = None  # 0: off
+    repetition_penalty: float | None = None  # 1: off
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     return_token_ids: bool | None = None  # adds token_ids (and prompt_token_ids) to each choice
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    # Not implemented: accepted only at their neutral value (NEUTRAL), refused by name otherwise.
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    logits_processors: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    return_tokens_as_token_ids: Any = None
+    priority: Any = None
+    request_id: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    prompt_embeds: Any = None
 
 
 class CompletionRequest(_GenerationFields):
@@ -54,7 +125,6 @@ class CompletionRequest(_GenerationFields):
     logprobs: int | None = None  # N: the chosen token's logprob and the N most likely
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
 
 
 class ChatMessage(_Body):
@@ -71,8 +141,25 @@ class ChatCompletionRequest(_GenerationFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # only "none" (or omitted): tools are not supported
+    unimplemented: ClassVar[tuple[str, ...]] = _GenerationFields.unimplemented + (
+        "echo", "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+        "documents", "mm_processor_kwargs", "reasoning_effort", "functions", "function_call", "audio",
+        "modalities", "prediction")
+    # Not implemented: accepted only at their neutral value (NEUTRAL), refused by name otherwise.
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    reasoning_effort: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
 
 
 class APIError(Exception):

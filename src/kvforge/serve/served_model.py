@@ -16,7 +16,26 @@ from typing import Any
 from kvforge.engine.async_engine import AsyncEngine
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import ConfigError
-from kvforge.serve.protocol import APIError, _GenerationFields, bad_request
+from kvforge.serve.protocol import APIError, _GenerationFields, bad_request, is_neutral
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What is served beyond the name: shown in /v1/models (under "kvforge") and in the
+    start-up banner, so a SwiftKV model or a quantized cache never looks like the plain
+    model. `swiftkv` is the checkpoint directory laid over `base_model`, None without one."""
+
+    base_model: str
+    swiftkv: str | None = None
+    cache: str = "full"
+    dtype: str = "float32"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"base_model": self.base_model, "swiftkv": self.swiftkv, "cache": self.cache, "dtype": self.dtype}
+
+    def banner(self) -> str:
+        swiftkv = f", swiftkv {self.swiftkv}" if self.swiftkv else ", no swiftkv"
+        return f"base model {self.base_model}{swiftkv}, cache {self.cache}, dtype {self.dtype}"
 
 
 @dataclass
@@ -24,6 +43,7 @@ class ServedModel:
     name: str
     engine: AsyncEngine
     tokenizer: Any
+    info: ModelInfo | None = None  # None: the name is all that is known (tests)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -33,10 +53,15 @@ class ServedModel:
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.model.config.vocab_size
+
     def card(self) -> dict[str, Any]:
-        """The /v1/models entry."""
+        """The /v1/models entry: OpenAI's keys, vLLM's max_model_len, and kvforge's own."""
+        info = self.info or ModelInfo(self.name)
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "kvforge",
-                "max_model_len": self.max_model_len}
+                "max_model_len": self.max_model_len, "kvforge": info.as_dict()}
 
     def check_available(self) -> None:
         if not self.engine.accepting:
@@ -44,7 +69,8 @@ class ServedModel:
 
     def check_name(self, requested: str | None) -> None:
         if requested is not None and requested != self.name:
-            raise APIError(404, f"The model {requested!r} does not exist: this server serves {self.name!r}",
+            shown = repr(requested) if len(requested) <= 80 else repr(requested[:77]) + "..."
+            raise APIError(404, f"The model {shown} does not exist: this server serves {self.name!r}",
                            param="model", code="model_not_found")
 
     def _token_text(self, token_id: int) -> str:
@@ -52,6 +78,17 @@ class ServedModel:
         return self.tokenizer.decode([token_id])
 
     # -- prompts ----------------------------------------------------------------------
+    def check_token_ids(self, ids: Sequence[int], param: str, where: str) -> None:
+        """Token ids a client sent, checked before any use (decoding an id outside the
+        vocabulary fails inside the tokenizer, or overflows past 2**64). `where` says
+        which prompt of a batch, in the message."""
+        vocab = self.vocab_size
+        for position, token_id in enumerate(ids):
+            if not 0 <= token_id < vocab:
+                shown = str(token_id) if len(str(token_id)) <= 40 else str(token_id)[:37] + "..."
+                raise APIError(400, f"invalid {where} token id {shown} at position {position}: must be in "
+                                    f"[0, {vocab}) (0 <= id < the vocabulary size)", param=param)
+
     def check_prompt(self, prompt: Sequence[int], param: str) -> None:
         """The engine's own limits (context, KV budget, vocabulary) as a 400 on `param`."""
         try:
@@ -77,8 +114,16 @@ class ServedModel:
 def sampling_params(body: _GenerationFields, max_tokens: int, **logprob_fields: Any) -> SamplingParams:
     """The engine's SamplingParams from the fields both endpoints share. Fields OpenAI
     defines that kvforge does not implement must keep their neutral value."""
+    for name in type(body).unimplemented:
+        value = getattr(body, name)
+        if not is_neutral(name, value):
+            raise bad_request(name, value, "is not supported by kvforge: must be omitted or null")
     if body.n not in (None, 1):
         raise bad_request("n", body.n, "only n=1 is supported (send the request n times)")
+    if body.best_of not in (None, 1):
+        raise bad_request("best_of", body.best_of, "only best_of=1 (= n) is supported")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise bad_request("response_format", body.response_format, "only {'type': 'text'} is supported")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(body, name)
         if value not in (None, 0):
@@ -94,6 +139,8 @@ def sampling_params(body: _GenerationFields, max_tokens: int, **logprob_fields: 
             max_tokens=max_tokens, min_tokens=body.min_tokens or 0,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_k=max(top_k, 0), top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
             **logprob_fields)
     except ConfigError as exc:

@@ -74,7 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError("serve", exc.name, "needs the serve extra: pip install 'kvforge[serve]'") from exc
     from kvforge.engine.async_engine import AsyncEngine
     from kvforge.engine.llm import LLM
-    from kvforge.serve.served_model import ServedModel
+    from kvforge.serve.served_model import ModelInfo, ServedModel
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     require(args.max_num_seqs >= 1, "max_num_seqs", args.max_num_seqs, "must be >= 1")
@@ -98,9 +98,10 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics.observe_step)
-    app = create_app(ServedModel(name, engine, llm.tokenizer), metrics, api_key)
+    info = ModelInfo(args.model, args.swiftkv, str(llm.cache_spec), str(llm.dtype).removeprefix("torch."))
+    app = create_app(ServedModel(name, engine, llm.tokenizer, info), metrics, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
-    print(f"kvforge serve: {name} ({llm.cache_spec}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    print(f"kvforge serve: {name} ({info.banner()}) on http://{args.host}:{args.port}/v1", file=sys.stderr)
     GracefulServer(config, engine).run()
     return 0

@@ -1,0 +1,178 @@
+"""What a vLLM client meets: prompt token ids checked before any use; repetition_penalty
+and min_p honoured; every OpenAI or vLLM field kvforge does not implement refused with a
+400 naming it (accepted at its neutral value); /v1/models and the start-up banner say
+what is served (base model, SwiftKV checkpoint, cache, dtype)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from in_process import app_client_fixture  # noqa: F401 - fixture
+from server_helpers import MODEL_NAME, VOCAB, char_tokenizer, make_engine, tiny_model
+
+from kvforge.cli import build_parser
+from kvforge.serve.protocol import NEUTRAL, ChatCompletionRequest, CompletionRequest
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+SEEDS = range(4)
+
+
+def post(client: TestClient, path: str, **body: Any):
+    base = {"prompt": "xyz"} if path == COMPLETIONS else {"messages": [{"role": "user", "content": "hi"}]}
+    return client.post(path, content=json.dumps({"model": MODEL_NAME, "max_tokens": 3, **base, **body}),
+                       headers={"content-type": "application/json"})
+
+
+def refused(response, param: str) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and param in error["message"], error
+    return error["message"]
+
+
+def token_ids(client: TestClient, **body: Any) -> list[int]:
+    response = post(client, COMPLETIONS, max_tokens=12, ignore_eos=True, return_token_ids=True, **body)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+# -- prompt token ids ----------------------------------------------------------------------
+@pytest.mark.parametrize("prompt, bad", [([-1, 5], -1), ([4294967296], 4294967296), ([[5], [-3]], -3),
+                                         ([999999999], 999999999), ([5, VOCAB], VOCAB), ([2**70], 2**70)])
+def test_prompt_token_ids_outside_the_vocabulary_are_a_400_naming_prompt_the_id_and_the_rule(app_client, prompt,
+                                                                                                bad):
+    message = refused(post(app_client, COMPLETIONS, prompt=prompt), "prompt")
+    assert str(bad) in message and f"[0, {VOCAB})" in message and "vocabulary size" in message
+    assert post(app_client, COMPLETIONS, prompt=[5, 6]).status_code == 200
+
+
+# -- honoured: repetition_penalty and min_p ---------------------------------------------------
+def test_repetition_penalty_one_is_off_and_another_value_changes_greedy_output(app_client):
+    greedy = token_ids(app_client, temperature=0)
+    assert token_ids(app_client, temperature=0, repetition_penalty=1.0) == greedy
+    assert token_ids(app_client, temperature=0, repetition_penalty=3.0) != greedy
+    # a penalty below 1 favours what was seen: the output repeats more
+    boosted = token_ids(app_client, temperature=0, repetition_penalty=0.2)
+    assert len(set(boosted)) <= len(set(greedy))
+
+
+def test_min_p_one_keeps_only_the_top_token_and_zero_is_off(app_client):
+    greedy = token_ids(app_client, temperature=0)
+    for seed in SEEDS:
+        sampled = token_ids(app_client, temperature=1.4, seed=seed)
+        assert sampled != greedy
+        assert token_ids(app_client, temperature=1.4, seed=seed, min_p=0.0) == sampled
+        assert token_ids(app_client, temperature=1.4, seed=seed, min_p=1.0) == greedy
+
+
+@pytest.mark.parametrize("body, param", [({"repetition_penalty": 0}, "repetition_penalty"),
+                                         ({"repetition_penalty": -1.5}, "repetition_penalty"),
+                                         ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"),
+                                         ({"min_p": "0.1"}, "min_p")])
+def test_bad_penalty_and_min_p_values_are_refused_by_name(app_client, body, param):
+    for path in (COMPLETIONS, CHAT):
+        refused(post(app_client, path, **body), param)
+
+
+# -- refused: what kvforge does not implement ---------------------------------------------------
+UNSUPPORTED = {"some": "thing"}  # neutral for no field
+
+
+@pytest.mark.parametrize("path, name", [(COMPLETIONS, n) for n in CompletionRequest.unimplemented]
+                         + [(CHAT, n) for n in ChatCompletionRequest.unimplemented])
+def test_each_unimplemented_field_is_refused_by_name_and_accepted_when_neutral(app_client, path, name):
+    message = refused(post(app_client, path, **{name: UNSUPPORTED}), name)
+    assert "not supported" in message
+    assert post(app_client, path, **{name: None}).status_code == 200
+    for neutral in NEUTRAL[name]:
+        assert post(app_client, path, **{name: neutral}).status_code == 200, (name, neutral)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (COMPLETIONS, {"guided_json": {"type": "object"}}, "guided_json"),
+    (CHAT, {"guided_choice": ["yes", "no"]}, "guided_choice"),
+    (CHAT, {"guided_regex": "[0-9]+"}, "guided_regex"),
+    (COMPLETIONS, {"use_beam_search": True}, "use_beam_search"),
+    (COMPLETIONS, {"length_penalty": 0.7}, "length_penalty"),
+    (COMPLETIONS, {"best_of": 3}, "best_of"), (CHAT, {"best_of": 2}, "best_of"),
+    (CHAT, {"tool_choice": "auto"}, "tool_choice"), (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
+    (COMPLETIONS, {"presence_penalty": 0.5}, "presence_penalty"), (CHAT, {"frequency_penalty": -1}, "frequency_penalty"),
+    (CHAT, {"add_generation_prompt": False}, "add_generation_prompt"),
+    (COMPLETIONS, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    (COMPLETIONS, {"skip_special_tokens": False}, "skip_special_tokens"),
+    (COMPLETIONS, {"skip_special_tokens": 1}, "skip_special_tokens"),  # 1 is not true
+    (COMPLETIONS, {"priority": False}, "priority"),  # false is not 0
+])
+def test_what_a_vllm_client_may_send_and_kvforge_does_not_honour_is_refused(app_client, path, body, param):
+    refused(post(app_client, path, **body), param)
+
+
+@pytest.mark.parametrize("path, body", [(COMPLETIONS, {"best_of": 1}), (CHAT, {"best_of": 1}),
+                                        (CHAT, {"tool_choice": "none"}), (CHAT, {"tools": []}),
+                                        (COMPLETIONS, {"use_beam_search": False, "length_penalty": 1.0}),
+                                        (COMPLETIONS, {"skip_special_tokens": True, "priority": 0}),
+                                        (CHAT, {"response_format": {"type": "text"}}),
+                                        (COMPLETIONS, {"presence_penalty": 0, "frequency_penalty": 0.0})])
+def test_neutral_values_are_accepted(app_client, path, body):
+    response = post(app_client, path, **body)
+    assert response.status_code == 200, response.text
+
+
+# -- what is served ---------------------------------------------------------------------------
+def test_models_entry_carries_kvforge_metadata(app_client):
+    (entry,) = app_client.get("/v1/models").json()["data"]
+    assert entry["id"] == MODEL_NAME and entry["object"] == "model"
+    assert entry["kvforge"] == {"base_model": MODEL_NAME, "swiftkv": None, "cache": "full", "dtype": "float32"}
+
+
+class _FakeLLM:
+    """What run_serve reads of an LLM, on the tiny model (no weights are loaded)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        from kvforge.cache.registry import parse_cache_spec
+
+        self.tokenizer = char_tokenizer()
+        self.engine = make_engine(tiny_model(), self.tokenizer)
+        self.cache_spec = parse_cache_spec(kwargs["cache"], kwargs["cache_options"])
+
+
+def test_a_swiftkv_model_shows_its_checkpoint_cache_and_dtype_in_the_banner_and_in_models(monkeypatch, capsys):
+    from server_helpers import free_port
+
+    from kvforge.serve import server
+
+    served: dict[str, Any] = {}
+
+    class _Captured:
+        def __init__(self, config, engine) -> None:
+            served["app"] = config.app
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr("kvforge.engine.llm.LLM", _FakeLLM)
+    monkeypatch.setattr("kvforge.serve.graceful.GracefulServer", _Captured)
+    args = build_parser(["serve"]).parse_args(
+        ["serve", "--model", "smollm2-135m", "--swiftkv", "ckpt/swiftkv-50", "--cache", "kivi:bits=2",
+         "--dtype", "bfloat16", "--port", str(free_port())])
+    assert isinstance(args, argparse.Namespace)
+    assert server.run_serve(args) == 0
+    banner = capsys.readouterr().err
+    for text in ("smollm2-135m", "swiftkv ckpt/swiftkv-50", "cache kivi:bits=2", "dtype bfloat16"):
+        assert text in banner, banner
+    with TestClient(served["app"]) as client:
+        (entry,) = client.get("/v1/models").json()["data"]
+    assert entry["kvforge"] == {"base_model": "smollm2-135m", "swiftkv": "ckpt/swiftkv-50", "cache": "kivi:bits=2",
+                                "dtype": "bfloat16"}
+
+
+def test_a_huge_model_name_is_refused_with_a_short_message(app_client):
+    response = post(app_client, COMPLETIONS, model="m" * 100_000)
+    assert response.status_code == 404 and response.json()["error"]["param"] == "model"
+    assert len(response.json()["error"]["message"]) < 200

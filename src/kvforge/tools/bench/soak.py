@@ -196,6 +196,9 @@ def _result(args: argparse.Namespace, options: SoakOptions, records: list[SoakRe
         "memory": memory,
         "kv_after_drain": drained,
         "latency_drift": latency_drift(records),
+        # Samples with the client's cap on requests in flight reached: the server fell
+        # behind the arrivals, and its memory follows a growing load, not only leaks.
+        "saturated_fraction": sum(s.in_flight >= args.max_in_flight for s in samples) / max(len(samples), 1),
         "failures": problems,
         "passed": not problems,
         "samples": [s.as_dict() for s in samples],

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 MIB = float(1 << 20)
+SATURATED_NOTE = 0.2  # above this fraction of samples at the in-flight cap, the summary says so
 
 
 def finite(value: Any) -> Any:
@@ -70,6 +71,10 @@ def format_soak(result: dict[str, Any]) -> str:
     lines.append(f"p99 latency per output token, first fifth -> last fifth: {_drift_text(drift['per_output_token'])}")
     lines.extend(f"  {kind}: p99 {_drift_text(value)}" for kind, value in drift["per_kind"].items())
     lines.extend(f"  example: {example}" for example in tally["examples"])
+    if result["saturated_fraction"] > SATURATED_NOTE or tally["skipped"]:
+        lines.append(f"note: the server fell behind: {result['saturated_fraction']:.0%} of the samples had "
+                     f"{settings['max_in_flight']} requests in flight (the cap); memory then grows with the load, "
+                     "so judge a leak from a run at a --request-rate the server sustains")
     lines.append("PASS" if result["passed"] else "FAIL")
     lines.extend(f"FAIL: {reason}" for reason in result["failures"])
     return "\n".join(lines)

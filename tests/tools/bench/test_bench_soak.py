@@ -103,7 +103,7 @@ def test_each_body_gets_the_answer_its_label_expects_from_the_server():
             records = [SoakRecord(r.index, 0.0, kind=r.kind, expect=r.expect) for r in chosen]
             async with httpx.AsyncClient(base_url=server.base_url) as client:
                 for request, record in zip(chosen, records):
-                    await send(client, request, record, 0.0, 60)
+                    await send(client, request, record, 0.0, 600)  # a first step may build the C++ kernels
             return records
 
         records = asyncio.run(send_all())
@@ -124,7 +124,7 @@ def test_arrivals_held_past_the_end_are_skipped():
     requests = [SoakRequest(i, "completion", COMPLETIONS, long, "ok") for i in range(3)]
     tokenizer = char_tokenizer()
     with serve(make_engine(tiny_model(), tokenizer), tokenizer) as server:
-        records = asyncio.run(run_traffic(server.base_url, requests, [0.0] * 3, 60, 1, InFlight(), end_s=0.05))
+        records = asyncio.run(run_traffic(server.base_url, requests, [0.0] * 3, 600, 1, InFlight(), end_s=0.05))
     assert [r.outcome for r in records] == ["served", "skipped", "skipped"]
     assert records[0].output_tokens == 300
     tally = counts(records)

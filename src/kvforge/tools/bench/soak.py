@@ -54,7 +54,7 @@ def rss_bytes(pid: int) -> int | None:
 
 def serve_args(args: argparse.Namespace) -> list[str]:
     out = ["--model", args.model, "--cache", args.cache, "--dtype", args.dtype, "--threads", str(args.threads),
-           "--kv-budget", args.kv_budget, "--served-model-name", SERVED_NAME]
+           "--kv-budget", args.kv_budget, "--served-model-name", SERVED_NAME, "--device", args.device]
     return out + (["--swiftkv", args.swiftkv] if args.swiftkv else [])
 
 

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvforge.devices import add_device_arg
 from kvforge.errors import ConfigError, require
 
 MIN_DURATION_S = 5.0  # one memory sample per fifth of the run at least
@@ -51,6 +52,7 @@ def add_soak_args(kinds: Any) -> None:
     soak.add_argument("--swiftkv", default=None, metavar="DIR", help="SwiftKV checkpoint laid over --model")
     soak.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     soak.add_argument("--threads", type=int, default=2, help="torch CPU threads of the server (2)")
+    add_device_arg(soak)  # of the started server
     soak.add_argument("--kv-budget", default="1GiB", help="KV-cache budget of the server (1GiB)")
     soak.add_argument("--duration", default="20m", help="seconds of traffic, or with s/m/h: 90s, 20m (20m)")
     soak.add_argument("--request-rate", default="0.5", help="requests per second, Poisson arrivals (0.5)")

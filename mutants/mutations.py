@@ -41,6 +41,7 @@ DETOKENIZER = ("tests/engine/test_detokenizer.py",)
 REQUEST_RULES = ("tests/engine/test_request_rules.py",)
 STREAM_API = ("tests/serve/test_stream_api.py",)
 REQUEST_FIELDS = ("tests/serve/test_request_fields.py",)
+SOAK = "tests/tools/bench/test_bench_soak.py::"
 
 MUTATIONS: list[Mutation] = [
     # -- ShadowKV ------------------------------------------------------------------------
@@ -1233,4 +1234,39 @@ MUTATIONS: list[Mutation] = [
              'require(_is_real(self.min_p), "min_p"',
              ("tests/engine/test_repetition_penalty_min_p.py", "tests/serve/test_vllm_fields.py"),
              "min_p outside [0, 1] is refused by name"),
+    # -- bench soak ------------------------------------------------------------------------
+    Mutation("soak_rss_growth_limit_doubled", S + "tools/bench/soak_stats.py",
+             "elif growth >= RSS_GROWTH_LIMIT:", "elif growth >= 2 * RSS_GROWTH_LIMIT:",
+             (SOAK + "test_memory_that_settles_after_warm_up_passes_and_a_leak_fails",),
+             "a server whose memory grows 5% after warm-up fails the soak"),
+    Mutation("soak_rss_reference_includes_warm_up", S + "tools/bench/soak_stats.py",
+             "reference, final = median_in(step, 2 * step)", "reference, final = median_in(0, 2 * step)",
+             (SOAK + "test_memory_that_settles_after_warm_up_passes_and_a_leak_fails",),
+             "warm-up growth (pools, kernels) is no leak: the reference is the second fifth"),
+    Mutation("soak_kv_left_in_use_passes", S + "tools/bench/soak_stats.py",
+             'elif drained["kv_bytes"] != 0:', 'elif drained["kv_bytes"] > 1 << 30:',
+             (SOAK + "test_kv_left_in_use_5xx_and_unexpected_answers_fail",),
+             "KV bytes still held after the drain are a leak, however few"),
+    Mutation("soak_5xx_not_judged", S + "tools/bench/soak_stats.py",
+             'if tally["server_error"]:', "if False:",
+             (SOAK + "test_kv_left_in_use_5xx_and_unexpected_answers_fail",), "a 5xx answer fails the soak"),
+    Mutation("soak_bad_request_answered_counts_as_refused", S + "tools/bench/soak_client.py",
+             'return "refused" if status is not None and 400 <= status < 500 else "unexpected"',
+             'return "refused"', (SOAK + "test_answers_are_classified_against_what_was_expected",),
+             "a bad request the server answered 200 is unexpected, not refused"),
+    Mutation("soak_mix_without_bad_requests", S + "tools/bench/soak_traffic.py",
+             "if draw < BAD_FRACTION + DISCONNECT_FRACTION:", "if draw < DISCONNECT_FRACTION:",
+             (SOAK + "test_the_mix_is_seeded_and_has_the_asked_fractions",),
+             "disconnects are 10% of the traffic, bad requests 5%"),
+    Mutation("soak_json_keeps_nan", S + "tools/bench/soak_report.py",
+             "    if isinstance(value, float) and not math.isfinite(value):\n        return None\n",
+             "", (SOAK + "test_the_json_is_standard",), "the soak's JSON is standard JSON: no NaN or Infinity"),
+    Mutation("soak_failures_exit_zero", S + "tools/bench/cli.py",
+             'return 1 if result.get("failures") else 0', "return 0",
+             (SOAK + "test_the_exit_status_says_whether_a_property_failed",),
+             "a soak that found a leak exits non-zero"),
+    Mutation("soak_traffic_unbounded", S + "tools/bench/soak_client.py",
+             "if time.perf_counter() - start >= end_s:", "if False:",
+             (SOAK + "test_arrivals_held_past_the_end_are_skipped",),
+             "arrivals the cap on requests in flight holds past --duration are not sent: the soak stays bounded"),
 ]

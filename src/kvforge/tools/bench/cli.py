@@ -1,4 +1,4 @@
-"""Arguments of `kvforge bench <prefill|decode|throughput|prefix|serve>` and their dispatch.
+"""Arguments of `kvforge bench <prefill|decode|throughput|prefix|serve|soak>` and their dispatch.
 
 Kept free of heavy imports: a benchmark module is imported only when it runs.
 """
@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from kvforge.devices import add_device_arg
+from kvforge.tools.bench.soak_options import add_soak_args
 
 
 def _count(minimum: int):
@@ -107,6 +108,7 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
     prefix.add_argument("--max-num-batched-tokens", type=_count(1), default=2048, help="tokens per engine step (2048)")
     prefix.add_argument("--text-file", default=None, help="text whose held-out part gives the document and questions")
     _add_serve(kinds)
+    add_soak_args(kinds)
 
 
 def _add_serve(kinds: Any) -> None:
@@ -166,9 +168,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench_verb not in PEER_VERBS:  # before anything loads (bench prefix ignores --compare otherwise)
         from kvforge.tools.bench.llamacpp_option import is_peer, parse
 
-        for entry in (piece.strip() for text in args.compare for piece in text.split(",")):
+        for entry in (piece.strip() for text in getattr(args, "compare", ()) for piece in text.split(",")):
             if is_peer(entry):
                 parse(entry, allowed=False)
     module = importlib.import_module(f"kvforge.tools.bench.{args.bench_verb}")
-    module.run(args)
-    return 0
+    result = module.run(args)
+    return 1 if result.get("failures") else 0  # a benchmark that judges properties (soak) lists what failed

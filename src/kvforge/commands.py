@@ -130,7 +130,7 @@ def add_verify_args(parser: argparse.ArgumentParser) -> None:
                         help="text whose held-out part supplies the passage (default: "
                              "../shared/data/wikitext-2-raw-test.txt)")
     parser.add_argument("--passage-tokens", type=int, default=256,
-                        help="length of the scored passage (longer than a sliding window to test it)")
+                        help="length of the scored passage (longer than a sliding window to test it; 256)")
     _add_json_arg(parser)
 
 

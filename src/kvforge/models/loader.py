@@ -63,7 +63,7 @@ def resolve_model_source(name_or_path: str | Path) -> ModelSource:
         if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
             return ModelSource("gguf", path, path.stem)
         raise ModelLoadError(f"{path} is neither a .gguf file nor a checkpoint directory")
-    if HUB_ID.fullmatch(text):
+    if HUB_ID.fullmatch(text) and not text.lower().endswith(PATH_SUFFIXES):
         directory = download_from_hub(text)
         if not (directory / CONFIG_FILE).is_file():
             raise ModelLoadError(f"the Hugging Face Hub repository {text} holds no {CONFIG_FILE}: not a "
@@ -108,9 +108,12 @@ def _has_gguf_magic(path: Path) -> bool:
         return handle.read(4) == b"GGUF"
 
 
+PATH_SUFFIXES = (".gguf", ".json", ".safetensors")
+
+
 def _looks_like_path(text: str) -> bool:
     return ("/" in text or "\\" in text or text.startswith((".", "~"))
-            or text.lower().endswith((".gguf", ".json", ".safetensors")))
+            or text.lower().endswith(PATH_SUFFIXES))
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:

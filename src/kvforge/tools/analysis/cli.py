@@ -22,7 +22,7 @@ CHARS_PER_TOKEN_BOUND = 8  # text prefix encoded first; real text averages ~4 ch
 def add_analyze_args(parser: argparse.ArgumentParser) -> None:
     """The arguments of `kvforge analyze`, on its parser."""
     parser.add_argument("kind", choices=(*KINDS, "all"), help="analysis to run (all: every one, one forward pass)")
-    parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory")
+    parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory (smollm2-135m)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     parser.add_argument("--threads", type=thread_count, default=2, help="torch CPU threads (2)")
     add_device_arg(parser)

@@ -33,7 +33,7 @@ def add_swiftkv_args(swift: argparse.ArgumentParser) -> None:
     kinds = swift.add_subparsers(dest="swiftkv_verb", required=True)
 
     init = kinds.add_parser("init", help="write a SwiftKV checkpoint initialised from a base model")
-    init.add_argument("--model", default="smollm2-135m", help="base model: named model, .gguf file or HF directory")
+    init.add_argument("--model", default="smollm2-135m", help="base model: named model, .gguf file or HF directory (smollm2-135m)")
     init.add_argument("--num-key-value-layers", type=int, required=True,
                       help="l: layers < l run on every prompt token; later layers take K/V from layer l's input")
     init.add_argument("--group-size", type=int, default=1, help="g: later layers sharing one KV cache (AcrossKV, 1)")
@@ -51,7 +51,7 @@ def add_swiftkv_args(swift: argparse.ArgumentParser) -> None:
     flops.add_argument("--num-key-value-layers", type=_int_list, required=True, metavar="L1[,L2...]",
                        help="l of each SwiftKV setting")
     flops.add_argument("--group-size", type=_int_list, default=[1], metavar="G1[,G2...]",
-                       help="g of each setting (one value applies to all)")
+                       help="g of each setting (one value applies to all; 1)")
     flops.add_argument("--context", type=int, default=None,
                        help="prompt length the attention term averages over (default max_position_embeddings)")
     flops.add_argument("--json", metavar="OUT", default=None, help="also write the table as JSON")

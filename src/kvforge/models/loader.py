@@ -69,7 +69,7 @@ def resolve_model_source(name_or_path: str | Path) -> ModelSource:
             raise ModelLoadError(f"the Hugging Face Hub repository {text} holds no {CONFIG_FILE}: not a "
                                  f"transformers checkpoint; {works_offline()}")
         return ModelSource("hf_dir", directory, text.rpartition("/")[2])
-    if _looks_like_path(text):
+    if looks_like_path(text):
         raise ModelLoadError(f"no such file or directory: {text}")
     raise ModelLoadError(f"unknown model {text!r}: not a named model ({', '.join(named_model_names())}) "
                          f"and no such file or directory: {text}")
@@ -111,7 +111,7 @@ def _has_gguf_magic(path: Path) -> bool:
 PATH_SUFFIXES = (".gguf", ".json", ".safetensors")
 
 
-def _looks_like_path(text: str) -> bool:
+def looks_like_path(text: str) -> bool:
     return ("/" in text or "\\" in text or text.startswith((".", "~"))
             or text.lower().endswith(PATH_SUFFIXES))
 

@@ -15,21 +15,22 @@ from pathlib import Path
 from kvforge.arg_types import max_threads
 from kvforge.errors import ConfigError, KVForgeError, require
 
-# Options naming a file the command reads: it must exist and be a regular file.
-INPUT_FILES = ("text_file", "haystack_file", "recipe", "config", "readme", "methods")
+# Options naming a file the command reads (it must exist and be a regular file), and what it holds.
+INPUT_FILES = {"text_file": "text file", "haystack_file": "text file", "recipe": "YAML file",
+               "config": "config.json", "readme": "README file", "methods": "Markdown file"}
 
 
 def check_threads(threads: int | None) -> None:
     """`--threads` of any verb (those parsed with `type=int`, or set by a recipe, too)."""
     if threads is not None:
-        require(1 <= threads <= max_threads(), "threads", threads,
+        require(isinstance(threads, int) and 1 <= threads <= max_threads(), "threads", threads,
                 f"must be an integer >= 1 and <= {max_threads()} (4 x this machine's CPUs)")
 
 
-def check_input_file(parameter: str, value: str) -> None:
+def check_input_file(parameter: str, value: str, holding: str = "file") -> None:
     path = Path(value).expanduser()
     require(value != "" and path.is_file(), parameter, value,
-            "must be an existing file" + (" (it is a directory)" if value and path.is_dir() else ""))
+            f"must be an existing {holding}" + (" (it is a directory)" if value and path.is_dir() else ""))
 
 
 def check_output_file(parameter: str, value: str) -> None:
@@ -61,7 +62,7 @@ def check_model(parameter: str, value: str) -> None:
     """A model path (`--model`) resolves and its config reads; its weights are not read. A name
     (a named model, a Hub id, or a test's stand-in for a patched loader) is the command's to
     resolve: its loader refuses an unknown one, naming the named models."""
-    from kvforge.models.loader import looks_like_path, load_model_config, resolve_model_source
+    from kvforge.models.loader import load_model_config, looks_like_path, resolve_model_source
 
     if not (looks_like_path(value) or Path(value).expanduser().exists()):
         return
@@ -104,9 +105,9 @@ def check_shared_values(args: argparse.Namespace) -> None:
         from kvforge.models.loader import parse_dtype
 
         parse_dtype(args.dtype)
-    for name in INPUT_FILES:
+    for name, holding in INPUT_FILES.items():
         if isinstance(getattr(args, name, None), str):
-            check_input_file(name, getattr(args, name))
+            check_input_file(name, getattr(args, name), holding)
     if isinstance(getattr(args, "json", None), str):
         check_output_file("json", args.json)
     if isinstance(getattr(args, "out", None), str):  # report's --out is a file; every other verb's a directory

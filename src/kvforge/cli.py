@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ def build_parser(verbs: Collection[str] = ()) -> argparse.ArgumentParser:
     """The top-level parser: every verb with its help, and the arguments (which import the
     verb's module) of those named in `verbs` only. A verb left out parses no arguments."""
     parser = argparse.ArgumentParser(prog="kvforge", description="KV-cache reshaping for LLM inference")
+    parser.add_argument("--version", action="version", version=f"kvforge {package_version()}")
     subparsers = parser.add_subparsers(dest="verb", required=True)
     for verb in VERBS:
         sub = subparsers.add_parser(verb.name, help=verb.help)
@@ -77,6 +79,14 @@ def build_parser(verbs: Collection[str] = ()) -> argparse.ArgumentParser:
             load_function(verb.add_args)(sub)
     subparsers.add_parser("lm-eval", add_help=False, help=LM_EVAL_HELP)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (metadata only: no torch import)."""
+    try:
+        return importlib.metadata.version("kvforge")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_full_parser() -> argparse.ArgumentParser:
@@ -103,15 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     verb = named_verb(argv)
     args = build_parser([verb] if verb else []).parse_args(argv)
     args.command_line = command_line(argv)  # recorded in the JSON of measuring commands
-    if getattr(args, "threads", None):
-        import torch  # the verb that has --threads has imported it already
-
-        torch.set_num_threads(args.threads)
     try:
-        if getattr(args, "device", None) is not None:  # before the command loads or writes anything
-            from kvforge.devices import resolve_device
+        from kvforge.cli_checks import check_shared_values
 
-            resolve_device(args.device)
+        check_shared_values(args)  # before the command loads or writes anything
+        if getattr(args, "threads", None) is not None:
+            import torch  # the verb that has --threads has imported it already
+
+            torch.set_num_threads(args.threads)
         return load_function(VERBS[VERB_NAMES.index(args.verb)].run)(args)
     except KVForgeError as exc:
         print(f"kvforge {args.verb}: error: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvforge.arg_types import thread_count
 from kvforge.devices import add_device_arg
 from kvforge.errors import require
 from kvforge.serve import server
@@ -23,12 +24,15 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_KV_BUDGET = "1GiB"
 
 
+MODEL_HELP = (f"named model (smollm2-135m, gemma3-270m), a .gguf file, a Hugging Face checkpoint directory "
+              f"or a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct (downloaded; default {DEFAULT_MODEL})")
+
+
 def _add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None:
     """--model and --threads; --device too unless the command builds no model (info)."""
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"named model (smollm2-135m, gemma3-270m), a .gguf file or a Hugging Face "
-                             f"checkpoint directory (default {DEFAULT_MODEL})")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    parser.add_argument("--threads", type=thread_count, default=None,
+                        help="torch CPU threads, >= 1 (default: torch's, one per core)")
     if device:
         add_device_arg(parser)
 
@@ -37,14 +41,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         help="auto | float32 | bfloat16 | float16 (auto, the default: bfloat16 on a CPU with AMX or "
                              "AVX-512 BF16, else float32; the start-up line says which)")
-    parser.add_argument("--cache", default="full", help="cache method, optionally name:key=value,...")
+    parser.add_argument("--cache", default="full", help="cache method, optionally name:key=value,... (full)")
     parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="cache method option (repeatable)")
-    parser.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET, help="KV-cache memory budget, e.g. 512MB")
+    parser.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET, help=f"KV-cache memory budget, e.g. 512MB ({DEFAULT_KV_BUDGET})")
     parser.add_argument("--swiftkv", default=None, metavar="DIR",
                         help="SwiftKV checkpoint directory laid over --model (see `kvforge swiftkv init`)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="tokens computed per engine step (prefill chunk size)")
+                        help="tokens computed per engine step (prefill chunk size; 2048)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="recompute every prompt in full (default: reuse the K/V of cached prefixes)")
     parser.add_argument("--early-exit", type=float, default=None, metavar="P",
@@ -53,11 +57,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt")
-    parser.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (256)")
+    parser.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens (0)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0 = off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1.0 = off)")
     parser.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
@@ -112,7 +116,13 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """`kvforge serve [MODEL]`: the model positionally as `vllm serve MODEL`, or as --model
+    (the default is applied after parsing, so that giving both differently is refused:
+    `kvforge.cli_checks.take_positional_model`)."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model (vLLM's `vllm serve MODEL`)")
     _add_model_args(parser)
+    parser.set_defaults(model=None)
     _add_engine_args(parser)
     server.add_serve_args(parser)
 
@@ -125,7 +135,7 @@ def add_verify_args(parser: argparse.ArgumentParser) -> None:
                         help="text whose held-out part supplies the passage (default: "
                              "../shared/data/wikitext-2-raw-test.txt)")
     parser.add_argument("--passage-tokens", type=int, default=256,
-                        help="length of the scored passage (longer than a sliding window to test it)")
+                        help="length of the scored passage (longer than a sliding window to test it; 256)")
     _add_json_arg(parser)
 
 

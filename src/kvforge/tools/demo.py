@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvforge.arg_types import thread_count
 from kvforge.devices import add_device_arg, add_dtype_arg
 from kvforge.errors import require
 
@@ -47,7 +48,7 @@ def add_demo_args(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--swiftkv", default=DEFAULT_SWIFTKV, metavar="DIR", help=f"SwiftKV model ({DEFAULT_SWIFTKV})")
     demo.add_argument("--prompt-tokens", type=int, default=3000, help="tokens of the passage (3000)")
     demo.add_argument("--max-tokens", type=int, default=32, help="tokens of each answer (32)")
-    demo.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    demo.add_argument("--threads", type=thread_count, default=None, help="torch CPU threads (default: torch's, one per core)")
     add_device_arg(demo)
     add_dtype_arg(demo)
     demo.add_argument("--text-file", default=None, help="text whose held-out part gives the passage")

@@ -16,7 +16,9 @@ from kvforge.models.loader import load_model
 from kvforge.models.swiftkv_checkpoint import swiftkv_tensor_names
 from kvforge.tools.swiftkv.recipe import DistillRecipe, load_recipe_file, write_recipe
 
-MISSING_MODEL = "/nonexistent/model-dir"  # errors must come before the model is even looked at
+# A name no loader knows (a name, not a path: kvforge.cli_checks resolves paths before the
+# command runs): errors must come before the model is even looked at.
+MISSING_MODEL = "never-loaded-model"
 
 
 def distill(*args: str) -> int:

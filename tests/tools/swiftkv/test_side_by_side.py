@@ -45,7 +45,9 @@ def test_skipping_layers_reports_both_systems(tiny, capsys):
 
 
 def test_bad_settings_fail_before_loading(tmp_path, capsys):
-    code = main(["swiftkv", "compare", "--swiftkv", str(tmp_path / "missing"), "--prompt-tokens", "0"])
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal of the value
+        main(["swiftkv", "compare", "--swiftkv", str(tmp_path / "missing"), "--prompt-tokens", "0"])
+    code = refused.value.code
     err = capsys.readouterr().err
     assert code == 2 and "prompt-tokens" in err and ">= 1" in err
 

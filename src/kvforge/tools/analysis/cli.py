@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvforge.arg_types import at_least, thread_count
 from kvforge.devices import add_device_arg
 from kvforge.tools.analysis import KINDS
-from kvforge.tools.bench.cli import _count
 
 CHARS_PER_TOKEN_BOUND = 8  # text prefix encoded first; real text averages ~4 chars per token
 
@@ -22,14 +22,14 @@ CHARS_PER_TOKEN_BOUND = 8  # text prefix encoded first; real text averages ~4 ch
 def add_analyze_args(parser: argparse.ArgumentParser) -> None:
     """The arguments of `kvforge analyze`, on its parser."""
     parser.add_argument("kind", choices=(*KINDS, "all"), help="analysis to run (all: every one, one forward pass)")
-    parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory")
+    parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory (smollm2-135m)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    parser.add_argument("--threads", type=_count(1), default=2, help="torch CPU threads (2)")
+    parser.add_argument("--threads", type=thread_count, default=2, help="torch CPU threads (2)")
     add_device_arg(parser)
     parser.add_argument("--text-file", default=None,
                         help="text whose held-out part supplies the passage (default: "
                              "../shared/data/wikitext-2-raw-test.txt)")
-    parser.add_argument("--tokens", type=int, default=2048, help="passage length in tokens (2048)")
+    parser.add_argument("--tokens", type=at_least(8), default=2048, help="passage length in tokens (2048)")
     parser.add_argument("--layer", type=int, default=None,
                         help="representative layer of kv-channels (default: the middle layer)")
     parser.add_argument("--out", default=None, help="output directory (default analysis/<model>/)")

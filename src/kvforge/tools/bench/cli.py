@@ -9,6 +9,7 @@ import argparse
 import importlib
 from typing import Any
 
+from kvforge.arg_types import thread_count
 from kvforge.devices import add_device_arg
 from kvforge.tools.bench.soak_options import add_soak_args
 
@@ -30,7 +31,7 @@ def _count(minimum: int):
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (weights and compute)")
-    parser.add_argument("--threads", type=_count(1), default=2, help="torch CPU threads for every system (2)")
+    parser.add_argument("--threads", type=thread_count, default=2, help="torch CPU threads for every system (2)")
     add_device_arg(parser)  # every system, the transformers peer included
     parser.add_argument("--cache", default="full", help="cache method under test, optionally name:key=value,...")
     parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",

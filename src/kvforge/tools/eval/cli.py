@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from kvforge.arg_types import thread_count
 from kvforge.devices import add_device_arg
 from kvforge.tools.bench.cli import _count
 
@@ -16,11 +17,11 @@ MODULES = {"ppl": "perplexity", "niah": "niah", "ruler": "ruler"}
 
 
 def _add_common(parser: argparse.ArgumentParser, default_model: str) -> None:
-    parser.add_argument("--model", default=default_model, help="named model, .gguf file or HF directory")
+    parser.add_argument("--model", default=default_model, help="named model, .gguf file or HF directory (%(default)s)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (weights and compute)")
-    parser.add_argument("--threads", type=_count(1), default=2, help="torch CPU threads (2)")
+    parser.add_argument("--threads", type=thread_count, default=2, help="torch CPU threads (2)")
     add_device_arg(parser)  # every system, the transformers ones included
-    parser.add_argument("--cache", default="full", help="cache method under test, optionally name:key=value,...")
+    parser.add_argument("--cache", default="full", help="cache method under test, optionally name:key=value,... (full)")
     parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="option of the cache under test (repeatable)")
     parser.add_argument("--kv-budget", default="4GiB", help="KV-cache budget of each kvforge system (4GiB)")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.arg_types import at_least
 from kvforge.devices import resolve_device
 from kvforge.errors import KVForgeError, require
 from kvforge.tools.gpu_check.rows import SIZES
@@ -45,7 +46,7 @@ def add_gpu_check_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"real-size model ({DEFAULT_MODEL})")
     parser.add_argument("--swiftkv", default=DEFAULT_SWIFTKV, metavar="DIR",
                         help=f"SwiftKV checkpoint laid over --model ({DEFAULT_SWIFTKV})")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids (0)")
+    parser.add_argument("--seed", type=at_least(0), default=0, help="seed of the random prompt token ids (0)")
     parser.add_argument("--json", metavar="OUT", default=None, help="write the result as JSON")
 
 

@@ -40,9 +40,9 @@ def add_report_args(report: argparse.ArgumentParser) -> None:
     """The arguments of `kvforge report`, on its parser."""
     report.add_argument("directory", nargs="?", default="docs/results", help="result files (docs/results)")
     report.add_argument("--out", default="docs/results.md", help="the full report (docs/results.md)")
-    report.add_argument("--readme", default="README.md", help="README whose results block is rewritten")
+    report.add_argument("--readme", default="README.md", help="README whose results block is rewritten (README.md)")
     report.add_argument("--methods", default="docs/cache-methods.md",
-                        help="cache methods guide whose KIVI and ShadowKV tables are rewritten")
+                        help="cache methods guide whose KIVI and ShadowKV tables are rewritten (docs/cache-methods.md)")
     report.add_argument("--check", action="store_true", help="change nothing; exit 1 if a file is out of date")
     report.add_argument("--plots", action="store_true", help="also redraw the plots of bench results")
 

@@ -153,6 +153,7 @@ class DistillRecipe:
                     self.hidden_loss_layer, f"must be > num-key-value-layers={self.num_key_value_layers} "
                     "(earlier inputs are identical in teacher and student)")
         require(self.threads is None or self.threads >= 1, "threads", self.threads, "must be >= 1")
+        require(0 <= self.seed < 2**63, "seed", self.seed, "must be in [0, 2**63) (torch.manual_seed's range)")
         require(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device", self.device,
                 "must be cpu, cuda or cuda:N")
         from kvforge.tools.swiftkv.sharding import MIXED_PRECISIONS

@@ -113,3 +113,22 @@ def decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> 
 @pytest.fixture(params=sorted(ARCHITECTURES))
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture
+def tiny_sources(monkeypatch):
+    """`kvforge bench serve`'s model lookups answered by the tiny server model's tokenizer and
+    config (tests/server_helpers.py), so a bench runs against a tiny in-process server."""
+    from server_helpers import char_tokenizer
+
+    from kvforge.tools.bench import serve as bench_serve
+
+    tokenizer = char_tokenizer()
+    config = config_from_hf_dict({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+                                  "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "num_hidden_layers": 2, "max_position_embeddings": 512})
+    monkeypatch.setattr(bench_serve, "resolve_model_source", lambda name: name)
+    monkeypatch.setattr(bench_serve, "load_model_config", lambda source: config)
+    monkeypatch.setattr(bench_serve, "heldout_text", lambda path: "a held-out text. " * 200)
+    monkeypatch.setattr("kvforge.models.tokenizer.load_tokenizer", lambda source: tokenizer)
+    return tokenizer

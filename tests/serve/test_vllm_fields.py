@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from in_process import app_client_fixture  # noqa: F401 - fixture
 from server_helpers import MODEL_NAME, VOCAB, char_tokenizer, make_engine, tiny_model
@@ -140,6 +141,8 @@ class _FakeLLM:
         self.tokenizer = char_tokenizer()
         self.engine = make_engine(tiny_model(), self.tokenizer)
         self.cache_spec = parse_cache_spec(kwargs["cache"], kwargs["cache_options"])
+        self.dtype = getattr(torch, kwargs["dtype"])  # a named dtype, as LLM resolves it
+        self.dtype_reason = None
 
 
 def test_a_swiftkv_model_shows_its_checkpoint_cache_and_dtype_in_the_banner_and_in_models(monkeypatch, capsys):

@@ -69,12 +69,20 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class _ResetPrefixCache:
+    """Forget every cached prefix (kept sequences, snapshots, cached pages); `done` is set
+    in the engine thread once it has."""
+
+    done: threading.Event
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, observer: StepObserver | None = None) -> None:
         self.engine = engine
         self.observer = observer
         self._lock = threading.Lock()
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Add | _Abort | _ResetPrefixCache] = []
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._accepting = True
@@ -146,6 +154,15 @@ class AsyncEngine:
             self._commands.append(_Abort(request_id))
         self._wake.set()
 
+    async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
+        """Free what the prefix cache holds for later requests (between the engine's steps,
+        never under a running request); False if the engine did not get to it in time."""
+        done = threading.Event()
+        with self._lock:
+            self._commands.append(_ResetPrefixCache(done))
+        self._wake.set()
+        return await asyncio.to_thread(done.wait, timeout)
+
     # -- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -170,7 +187,11 @@ class AsyncEngine:
             self._observe([item for _, item in deliveries if isinstance(item, RequestOutput)], seconds)
             self._deliver(deliveries)
 
-    def _apply(self, command: _Add | _Abort) -> list[tuple[_Stream, Any]]:
+    def _apply(self, command: _Add | _Abort | _ResetPrefixCache) -> list[tuple[_Stream, Any]]:
+        if isinstance(command, _ResetPrefixCache):
+            self.engine.clear_prefix_cache()
+            command.done.set()
+            return []
         if isinstance(command, _Add):
             try:
                 self.engine.add_request(command.prompt, command.params, command.request_id, command.arrival_time)

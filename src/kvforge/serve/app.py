@@ -84,6 +84,14 @@ def create_app(served: ServedModel, metrics: ServerMetrics | None = None, api_ke
             return JSONResponse({"status": "ok", "model": served.name})
         return JSONResponse({"status": "unavailable", "model": served.name}, status_code=503)
 
+    @app.post("/reset_prefix_cache", dependencies=[Depends(check_key)])
+    async def reset_prefix_cache() -> Response:
+        """vLLM's endpoint: forget the cached prefixes (their KV bytes are freed); what runs
+        keeps running. A benchmark or a soak then starts cold, or checks nothing else is held."""
+        if not await served.engine.reset_prefix_cache():
+            return JSONResponse({"status": "timeout"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         body = metrics.render() if metrics is not None else b""

@@ -116,13 +116,30 @@ async def soak(server: ServerProcess, requests: list[SoakRequest], schedule: lis
         await asyncio.gather(watcher, return_exceptions=True)
         bar.update(bar.total - bar.n)
     after: list[Sample] = []
+    reset = False
     while True:  # the drain: until nothing is held, or the timeout
         after.append(await sampler.look())
         last = after[-1]
         if (last.kv_bytes == 0 and not last.running and not last.waiting) or last.t_s > traffic_s + DRAIN_TIMEOUT_S:
             break
+        if not reset and not last.running and not last.waiting:
+            # Nothing runs: what is still held is the prefix cache's (kept sequences and
+            # snapshots, held by design until evicted); free it, so that anything left after
+            # is held by no one: a leak.
+            reset = await reset_prefix_cache(server.base_url)
         await asyncio.sleep(DRAIN_POLL_S)
     return records, sampler.samples, after, traffic_s
+
+
+async def reset_prefix_cache(base_url: str) -> bool:
+    """POST /reset_prefix_cache (vLLM's endpoint, kvforge's too); False if refused."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+        try:
+            return (await client.post("/reset_prefix_cache")).status_code == 200
+        except httpx.HTTPError:
+            return False
 
 
 def warm_up(server: ServerProcess, requests: list[SoakRequest], timeout: float) -> None:

@@ -185,3 +185,29 @@ def test_vllm_command_shares_the_servers_settings():
     assert options["--max-num-batched-tokens"] == "2048" and options["--max-num-seqs"] == "64"
     assert options["--served-model-name"] == "bench"
     assert kv_space_gib("512MB") == 1 and kv_space_gib("4GiB") == 4 and kv_space_gib("4.5GiB") == 5
+
+
+def test_a_servers_unwaited_workers_are_counted_as_this_runs_cpu(tmp_path):
+    """A server that forks a worker and never waits for it (vLLM's engine core under a
+    SIGTERM): the worker's CPU time is in `unwaited_cpu_s`, so the load probe does not take
+    it for another program's."""
+    import subprocess
+    import sys
+    import time
+
+    from kvforge.tools.bench.serve_server import ServerProcess, group_cpu_seconds
+
+    script = ("import os, subprocess, sys, time\n"
+              "subprocess.Popen([sys.executable, '-c', 'import time\\nend = time.time() + 60\\nwhile time.time() < end: pass'])\n"
+              "time.sleep(60)\n")
+    process = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    log = tmp_path / "server.log"
+    log.write_text("")
+    server = ServerProcess("http://127.0.0.1:1", process, log)
+    time.sleep(1.5)
+    assert group_cpu_seconds(process.pid) > 0.5
+    server.stop()
+    assert server.unwaited_cpu_s > 0.5
+    left = group_cpu_seconds(process.pid)  # the worker went with the group: it burns no more
+    time.sleep(0.5)
+    assert group_cpu_seconds(process.pid) == left

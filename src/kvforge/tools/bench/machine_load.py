@@ -82,14 +82,16 @@ class LoadProbe:
     started_own: float = field(default_factory=_own_seconds)
     load_before: list[float] | None = field(default_factory=load_average)
 
-    def report(self) -> dict[str, Any]:
+    def report(self, also_own_s: float = 0.0) -> dict[str, Any]:
         """Foreign cores (None where /proc/stat is missing), the load averages and the
-        OpenMP thread settings."""
+        OpenMP thread settings. `also_own_s`: CPU seconds of processes this run started that
+        its own and its waited-for children's time does not hold (a server's unwaited workers)."""
         wall = time.perf_counter() - self.started_wall
         busy = _machine_busy_seconds()
         foreign = None
         if busy is not None and self.started_busy is not None and wall > 0:
-            foreign = max(0.0, (busy - self.started_busy - (_own_seconds() - self.started_own)) / wall)
+            own = _own_seconds() - self.started_own + also_own_s
+            foreign = max(0.0, (busy - self.started_busy - own) / wall)
         return {"foreign_cores": None if foreign is None else round(foreign, 3), "cpu_count": os.cpu_count(),
                 "load_average_before": self.load_before, "load_average_after": load_average(),
                 "thread_settings": thread_settings()}

@@ -300,6 +300,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     probe = LoadProbe()
     results = []
+    unwaited_cpu_s = 0.0  # of the servers' workers: theirs is this run's CPU time, not foreign load
     for system in plan.systems:
         if system.kind == "external":
             results.append(_measure(args, plan, system, args.base_url))
@@ -310,7 +311,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results.append(_measure(args, plan, system, server.base_url))
         finally:
             server.stop()
-    result = build_result(args, plan, results, probe.report())
+            unwaited_cpu_s += server.unwaited_cpu_s
+    result = build_result(args, plan, results, probe.report(also_own_s=unwaited_cpu_s))
     from kvforge.tools.bench.serve_report import format_serve_table, write_serve_outputs
 
     print(format_serve_table(result))

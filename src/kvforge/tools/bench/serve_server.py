@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -39,6 +40,7 @@ class ServerProcess:
     base_url: str
     process: subprocess.Popen
     log_path: Path
+    unwaited_cpu_s: float = 0.0
 
     @classmethod
     def start(cls, serve_args: list[str], label: str) -> ServerProcess:
@@ -80,6 +82,12 @@ class ServerProcess:
             return "(no log)"
 
     def stop(self) -> int | None:
+        """Stop the server and its group. Sets `unwaited_cpu_s`: the CPU seconds of the group
+        that waiting for the server did not bring into this process's children's time (a
+        worker it forked and never waited for), which the load probe must not take for
+        another program's."""
+        group_cpu = group_cpu_seconds(self.process.pid)
+        waited_before = _children_cpu_seconds()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -87,12 +95,34 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self.unwaited_cpu_s = max(0.0, group_cpu - (_children_cpu_seconds() - waited_before))
         try:  # workers the server forked (vLLM's engine core) go with it
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         self.log_path.unlink(missing_ok=True)
         return self.process.returncode
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds of every live process in process group `pgid`, each with the time of the
+    children it has waited for (Linux /proc; 0 elsewhere)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command: state ppid pgrp ...; utime stime cutime cstime are fields 14-17
+        if len(fields) > 14 and int(fields[2]) == pgid:
+            total += sum(int(x) for x in fields[11:15]) / tick
+    return total
 
 
 def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:

@@ -117,7 +117,37 @@ def _hit_rate(system: dict[str, Any]) -> float | None:
     return counters.get("prefix_hit_tokens", 0) / queried
 
 
+def _serve_chat(doc: Document) -> str:
+    chat = doc["settings"]["chat"]
+    head = (f"{doc['model']} {doc['dtype']}; {doc['settings']['repeats']} conversation(s) of {chat['turns']} turns "
+            f"over a {chat['shared_prefix']}-token document, {chat['question_len']}-token questions, "
+            f"{chat['reply_len']}-token replies; TTFT in ms (client clock), medians over conversations\n\n")
+    rows = [[s["name"], fmt(s["chat"]["first_turn_ttft_ms"], "{:.0f}"), fmt(s["chat"]["later_turns_mean_ttft_ms"], "{:.0f}"),
+             str(s["chat"]["failed"])] for s in doc["systems"]]
+    lines = [head + table(["system", "turn 1 TTFT", f"turns 2-{chat['turns']} TTFT", "failed"], rows)]
+    first = doc["systems"][0]["name"]
+    for name, ratios in doc.get("peer_ratios", {}).items():
+        lines.append(f"\n{first} vs {name} (> 1: {first} answers sooner): turn 1 "
+                     f"**{fmt(ratios['first_turn_ttft_ms'], '{:.2f}')}x**, later turns "
+                     f"**{fmt(ratios['later_turns_mean_ttft_ms'], '{:.2f}')}x**")
+    return "\n".join(lines)
+
+
+def _soak(doc: Document) -> str:
+    counts, memory, drained = doc["counts"], doc["memory"], doc["kv_after_drain"]
+    growth = memory.get("growth")
+    rows = [[doc["cache"], f"{doc['traffic_s'] / 60:.0f} min", str(counts["sent"]), str(counts["served"]),
+             str(counts["refused"]), str(counts["disconnected"]), str(counts["server_error"]), str(counts["unexpected"]),
+             "-" if growth is None else f"{100 * growth:+.2f}%", fmt(drained.get("kv_bytes"), "{:.0f}"),
+             "pass" if doc["passed"] else "FAIL"]]
+    body = table(["cache", "traffic", "sent", "served", "refused (bad)", "disconnected", "5xx", "unexpected",
+                  "RSS growth", "KV bytes after", "verdict"], rows)
+    return body + "".join(f"\n- {line}" for line in doc.get("failures", []))
+
+
 def _serve(doc: Document) -> str:
+    if doc.get("workload") == "chat":
+        return _serve_chat(doc)
     rows = []
     for system in doc["systems"]:
         for rate in system["rates"]:
@@ -292,7 +322,7 @@ def _gpu_check_seeds(doc: Document) -> str:
 
 RENDERERS: dict[str, Callable[[Document], str]] = {
     "bench prefill": _bench, "bench decode": _bench, "bench throughput": _bench, "bench prefix": _bench,
-    "bench serve": _serve, "bench vllm_swiftkv_prefill": _vllm_prefill, "bench throughput_budgets": _budgets,
+    "bench serve": _serve, "bench soak": _soak, "bench vllm_swiftkv_prefill": _vllm_prefill, "bench throughput_budgets": _budgets,
     "bench overlap_probe": _overlap_probe,
     "eval ppl": _eval, "eval niah": _eval, "eval ruler": _eval, "eval shadowkv-front": _eval,
     "eval shadowkv-ranks": _eval,

@@ -235,6 +235,24 @@ def _budgets(doc: Document) -> str:
             f"{doc['settings']['output_len']} tokens, {doc['dtype']})")
 
 
+def _serve_vs_vllm(doc: Document) -> str:
+    """A bench serve result with a vLLM system: the burst's or the chat's ratios, in "kvforge
+    better" terms, medians over repeats."""
+    ratios = doc["peer_ratios"]["vllm"]
+    s = doc["settings"]
+    if doc.get("workload") == "chat":
+        chat = s["chat"]
+        return (f"{chat['turns']}-turn chat over a {chat['shared_prefix']}-token document, {doc['dtype']}: TTFT "
+                f"**{fmt(ratios['first_turn_ttft_ms'], '{:.2f}')}x** lower on turn 1, "
+                f"**{fmt(ratios['later_turns_mean_ttft_ms'], '{:.2f}')}x** on turns 2-{chat['turns']} "
+                f"(medians of {s['repeats']} conversations)")
+    rate, r = next(iter(ratios.items()))  # the lowest rate
+    return (f"{s['num_prompts']} requests of {s['input_len']} + {s['output_len']} tokens at {rate} req/s, "
+            f"{doc['dtype']}: median TTFT **{fmt(r['ttft_ms_median'], '{:.2f}')}x** lower, "
+            f"**{fmt(r['output_token_throughput'], '{:.2f}')}x** output tokens/s, inter-token latency "
+            f"{fmt(r['itl_ms_median'], '{:.2f}')}x lower (medians of {s['repeats']} runs)")
+
+
 ROWS = [
     Row("SwiftKV, l = 15 of 30", "prompt tokens skip the later layers", "bench/prefill_swiftkv_l15_vs_base.json",
         _prefill, "base model", "prefill FLOPs halved at 50% (Llama-3.1-70B: 302 -> 154 GFLOP per token)"),

@@ -150,10 +150,7 @@ HELP_DEFAULT_EXEMPT = {
 }
 
 
-# Commands left out for now: `bench`'s parser (tools/bench/cli.py) is being reworked in
-# another change of the same issue; its --model, --cache, and bench serve's --admission and
-# --request-timeout do not state their defaults yet.
-HELP_DEFAULT_EXEMPT_COMMANDS = {"bench"}
+HELP_DEFAULT_EXEMPT_COMMANDS: set[str] = set()  # every command states its defaults
 
 
 def _states_default(action: argparse.Action) -> bool:

@@ -29,11 +29,11 @@ def _count(minimum: int):
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory")
+    parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory (smollm2-135m)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (weights and compute)")
     parser.add_argument("--threads", type=thread_count, default=2, help="torch CPU threads for every system (2)")
     add_device_arg(parser)  # every system, the transformers peer included
-    parser.add_argument("--cache", default="full", help="cache method under test, optionally name:key=value,...")
+    parser.add_argument("--cache", default="full", help="cache method under test, optionally name:key=value,... (full)")
     parser.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="option of the cache under test (repeatable)")
     parser.add_argument("--kv-budget", default="4GiB",
@@ -119,7 +119,7 @@ def _add_serve(kinds: Any) -> None:
     serve.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     serve.add_argument("--threads", type=_count(1), default=2, help="torch CPU threads of each server (2)")
     add_device_arg(serve)  # of each started server
-    serve.add_argument("--cache", default="full", help="cache method of the server under test")
+    serve.add_argument("--cache", default="full", help="cache method of the server under test (full)")
     serve.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                        help="option of the cache under test (repeatable)")
     serve.add_argument("--kv-budget", default="4GiB", help="KV-cache budget of each started server (4GiB)")
@@ -156,8 +156,8 @@ def _add_serve(kinds: Any) -> None:
     serve.add_argument("--max-num-batched-tokens", type=_count(1), default=2048, help="started servers (2048)")
     serve.add_argument("--max-num-seqs", type=_count(1), default=256, help="started servers (256)")
     serve.add_argument("--admission", choices=("optimistic", "reserve"), default="optimistic",
-                       help="admission policy of the started servers")
-    serve.add_argument("--request-timeout", type=float, default=1800.0, help="seconds before a request fails")
+                       help="admission policy of the started servers (optimistic)")
+    serve.add_argument("--request-timeout", type=float, default=1800.0, help="seconds before a request fails (1800)")
     serve.add_argument("--seed", type=_count(0), default=0, help="seed of prompts, lengths and arrivals (0)")
     serve.add_argument("--json", metavar="OUT", default=None, help="write JSON to OUT and a plot to OUT.png")
 

@@ -17,7 +17,8 @@ from kvforge.errors import ConfigError, KVForgeError, require
 
 # Options naming a file the command reads (it must exist and be a regular file), and what it holds.
 INPUT_FILES = {"text_file": "text file", "haystack_file": "text file", "recipe": "YAML file",
-               "config": "config.json", "readme": "README file", "methods": "Markdown file"}
+               "config": "config.json", "readme": "README file", "methods": "Markdown file",
+               "vllm_python": "python interpreter"}
 
 
 def check_threads(threads: int | None) -> None:
@@ -102,14 +103,17 @@ def check_shared_values(args: argparse.Namespace) -> None:
 
         resolve_device(args.device)
     if isinstance(getattr(args, "dtype", None), str):
+        from kvforge.compute_dtype import resolve_dtype
         from kvforge.models.loader import parse_dtype
 
-        parse_dtype(args.dtype)
+        parse_dtype(resolve_dtype(args.dtype, getattr(args, "device", None) or "cpu")[0])  # auto: what it picks
     for name, holding in INPUT_FILES.items():
         if isinstance(getattr(args, name, None), str):
             check_input_file(name, getattr(args, name), holding)
     if isinstance(getattr(args, "json", None), str):
         check_output_file("json", args.json)
+    if isinstance(getattr(args, "plot", None), str):  # bench soak's plot
+        check_output_file("plot", args.plot)
     if isinstance(getattr(args, "out", None), str):  # report's --out is a file; every other verb's a directory
         (check_output_file if args.verb == "report" else check_output_directory)("out", args.out)
     swiftkv = getattr(args, "swiftkv", None)

@@ -28,6 +28,8 @@ KIND_BY_DEST: dict[str, str] = {
     "config": "in_file",
     "readme": "in_file",
     "methods": "in_file",
+    "vllm_python": "in_file",
+    "plot": "out_file",
     "swiftkv": "in_dir",
     "init_from": "in_dir",
 }
@@ -40,12 +42,12 @@ KIND_BY_COMMAND_DEST: dict[tuple[str, str], str] = {
 }
 # Free text whose bad values are the business of the parser of that text, tested where that
 # parser lives (cache specs: tests/cache; sizes: kvforge.sizes; bench serve's lengths and
-# rates: tests/tools/bench); the generators draw no values for them.
+# rates, the soak's duration: tests/tools/bench); the generators draw no values for them.
 FREE_TEXT: frozenset[str] = frozenset({
     "prompts", "system", "stop", "cache", "cache_opt", "kv_budget", "host", "api_key", "served_model_name",
     "compare", "base_url", "request_rate", "input_len", "output_len", "slo", "baseline", "lengths", "tasks",
     "sizes", "lr_schedule", "fsdp_mixed_precision", "resume", "directory", "verb", "swiftkv_verb",
-    "bench_verb", "eval_verb",
+    "bench_verb", "eval_verb", "duration",
 })
 FLAG_ACTIONS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction,
                 argparse._VersionAction, argparse._CountAction, argparse._StoreConstAction)

@@ -65,6 +65,7 @@ def base_options(scratch: Scratch) -> dict[str, dict[str, str | None]]:
         "bench throughput": {},
         "bench prefix": {"--text-file": text},
         "bench serve": {"--text-file": text},
+        "bench soak": {"--text-file": text},
         "eval ppl": evaluation,
         "eval niah": {},
         "eval ruler": {"--haystack-file": text},

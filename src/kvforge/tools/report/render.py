@@ -140,9 +140,12 @@ def _soak(doc: Document) -> str:
              str(counts["refused"]), str(counts["disconnected"]), str(counts["server_error"]), str(counts["unexpected"]),
              "-" if growth is None else f"{100 * growth:+.2f}%", fmt(drained.get("kv_bytes"), "{:.0f}"),
              "pass" if doc["passed"] else "FAIL"]]
+    head = (f"{doc['model']}{' + SwiftKV ' + doc['swiftkv'] if doc.get('swiftkv') else ''} {doc['dtype']}, "
+            f"{doc['threads']} thread(s); requests in flight at the cap in {100 * (doc.get('saturated_fraction') or 0):.0f}% "
+            f"of the samples\n\n")
     body = table(["cache", "traffic", "sent", "served", "refused (bad)", "disconnected", "5xx", "unexpected",
                   "RSS growth", "KV bytes after", "verdict"], rows)
-    return body + "".join(f"\n- {line}" for line in doc.get("failures", []))
+    return head + body + "".join(f"\n- {line}" for line in doc.get("failures", []))
 
 
 def _serve(doc: Document) -> str:

@@ -14,7 +14,7 @@ def _kv_bytes(engine) -> int:
 def test_kept_snapshots_are_freed_and_the_key_is_asked_for():
     tokenizer = char_tokenizer()
     # KIVI keeps a snapshot of a prompt longer than one step's tokens (prefix caching on)
-    engine = make_engine(tiny_model(), tokenizer, cache="kivi:bits=2,group_size=8,residual=16", batched_tokens=32)
+    engine = make_engine(tiny_model(), tokenizer, cache="kivi:bits=2,group=8,residual=16", batched_tokens=32)
     with serve(engine, tokenizer, api_key="sesame") as server:
         headers = {"Authorization": "Bearer sesame"}
         body = {"model": "tiny", "prompt": "the lighthouse keeper wrote down the weather every night " * 2,

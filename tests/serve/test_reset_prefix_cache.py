@@ -19,7 +19,7 @@ def test_kept_snapshots_are_freed_and_the_key_is_asked_for():
         headers = {"Authorization": "Bearer sesame"}
         body = {"model": "tiny", "prompt": "the lighthouse keeper wrote down the weather every night " * 2,
                 "max_tokens": 4, "temperature": 0}
-        with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as client:
+        with httpx.Client(base_url=server.base_url, headers=headers, timeout=900) as client:  # a fresh tree builds the KIVI kernels first
             assert client.post("/v1/completions", json=body).status_code == 200
             assert engine.prefix_statistics()["prefix_kept_sequences"] >= 1 and _kv_bytes(engine) > 0
             assert httpx.post(f"{server.base_url}/reset_prefix_cache", timeout=30).status_code == 401

@@ -9,23 +9,11 @@ import argparse
 import importlib
 from typing import Any
 
-from kvforge.arg_types import thread_count
+from kvforge.arg_types import at_least, thread_count
 from kvforge.devices import add_device_arg
 from kvforge.tools.bench.soak_options import add_soak_args
 
-
-def _count(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
+_count = at_least  # an integer option with a lower bound
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from in_process import app_client_fixture  # noqa: F401 - fixture
 from server_helpers import MODEL_NAME, VOCAB, char_tokenizer, make_engine, tiny_model
 
 from kvforge.cli import build_parser
-from kvforge.serve.protocol import NEUTRAL, ChatCompletionRequest, CompletionRequest
+from kvforge.serve.protocol import NEUTRAL, ChatCompletionRequest, CompletionRequest, unimplemented_fields
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SEEDS = range(4)
@@ -83,8 +83,8 @@ def test_bad_penalty_and_min_p_values_are_refused_by_name(app_client, body, para
 UNSUPPORTED = {"some": "thing"}  # neutral for no field
 
 
-@pytest.mark.parametrize("path, name", [(COMPLETIONS, n) for n in CompletionRequest.unimplemented]
-                         + [(CHAT, n) for n in ChatCompletionRequest.unimplemented])
+@pytest.mark.parametrize("path, name", [(COMPLETIONS, n) for n in unimplemented_fields(CompletionRequest)]
+                         + [(CHAT, n) for n in unimplemented_fields(ChatCompletionRequest)])
 def test_each_unimplemented_field_is_refused_by_name_and_accepted_when_neutral(app_client, path, name):
     message = refused(post(app_client, path, **{name: UNSUPPORTED}), name)
     assert "not supported" in message
@@ -179,3 +179,9 @@ def test_a_huge_model_name_is_refused_with_a_short_message(app_client):
     response = post(app_client, COMPLETIONS, model="m" * 100_000)
     assert response.status_code == 404 and response.json()["error"]["param"] == "model"
     assert len(response.json()["error"]["message"]) < 200
+
+
+def test_every_neutral_field_is_declared_by_a_request_model():
+    """A NEUTRAL entry no model declares would be dropped as unknown, never refused."""
+    declared = set(unimplemented_fields(CompletionRequest)) | set(unimplemented_fields(ChatCompletionRequest))
+    assert declared == set(NEUTRAL)

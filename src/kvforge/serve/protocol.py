@@ -16,7 +16,7 @@ Responses are plain dicts built by the handlers (they mirror OpenAI's objects).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -40,6 +40,12 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+def unimplemented_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of a request model that kvforge declares but does not implement: those
+    named in NEUTRAL and typed Any (a completion's `echo` is implemented, a chat's is not)."""
+    return tuple(name for name, field in model.model_fields.items() if name in NEUTRAL and field.annotation is Any)
+
+
 def is_neutral(name: str, value: Any) -> bool:
     """True when `value` of the unimplemented field `name` asks for nothing kvforge lacks."""
     return value is None or any(_same(value, neutral) for neutral in NEUTRAL[name])
@@ -61,14 +67,6 @@ class StreamOptions(_Body):
 
 class _GenerationFields(_Body):
     """Fields both endpoints share."""
-
-    # The declared fields kvforge does not implement (each a key of NEUTRAL).
-    unimplemented: ClassVar[tuple[str, ...]] = (
-        "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
-        "spaces_between_special_tokens", "truncate_prompt_tokens", "allowed_token_ids", "bad_words",
-        "prompt_logprobs", "logits_processors", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "return_tokens_as_token_ids",
-        "priority", "request_id", "cache_salt", "kv_transfer_params", "vllm_xargs", "prompt_embeds")
 
     model: str | None = None  # None: the served model
     temperature: float | None = None  # None: 1.0, as OpenAI
@@ -142,10 +140,6 @@ class ChatCompletionRequest(_GenerationFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # only "none" (or omitted): tools are not supported
-    unimplemented: ClassVar[tuple[str, ...]] = _GenerationFields.unimplemented + (
-        "echo", "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
-        "documents", "mm_processor_kwargs", "reasoning_effort", "functions", "function_call", "audio",
-        "modalities", "prediction")
     # Not implemented: accepted only at their neutral value (NEUTRAL), refused by name otherwise.
     echo: Any = None
     add_generation_prompt: Any = None

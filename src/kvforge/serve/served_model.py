@@ -16,7 +16,7 @@ from typing import Any
 from kvforge.engine.async_engine import AsyncEngine
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import ConfigError
-from kvforge.serve.protocol import APIError, _GenerationFields, bad_request, is_neutral
+from kvforge.serve.protocol import APIError, _GenerationFields, bad_request, is_neutral, unimplemented_fields
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class ServedModel:
 def sampling_params(body: _GenerationFields, max_tokens: int, **logprob_fields: Any) -> SamplingParams:
     """The engine's SamplingParams from the fields both endpoints share. Fields OpenAI
     defines that kvforge does not implement must keep their neutral value."""
-    for name in type(body).unimplemented:
+    for name in unimplemented_fields(type(body)):
         value = getattr(body, name)
         if not is_neutral(name, value):
             raise bad_request(name, value, "is not supported by kvforge: must be omitted or null")

@@ -1308,4 +1308,8 @@ MUTATIONS: list[Mutation] = [
              "self.unwaited_cpu_s = max(0.0, group_cpu - (_children_cpu_seconds() - waited_before))",
              "self.unwaited_cpu_s = 0.0", ("tests/tools/bench/test_bench_serve_peers.py",),
              "a started server's unwaited workers are the run's CPU time, not foreign load"),
+    Mutation("sampling_vanishing_temperature_divides", S + "engine/sampling.py",
+             "return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1",
+             "return self.temperature == 0 or self.top_k == 1", ("tests/engine/test_repetition_penalty_min_p.py",),
+             "a temperature too small to divide float32 logits by is greedy, never a NaN draw of an id past the vocabulary"),
 ]

@@ -143,3 +143,15 @@ def test_the_engine_gives_the_sampler_the_prompt_and_the_output_so_far(monkeypat
     for step, seen in enumerate(recorded):
         assert seen[0] == prompt + generated[:step]  # the penalised request's history
         assert seen[1] is None  # a request without a penalty builds no list
+
+
+@pytest.mark.parametrize("temperature", [9.631634438219779e-257, 1e-300, 5e-6])
+def test_a_vanishing_temperature_is_greedy(temperature):
+    """Found by the server's bad-body generator: dividing float32 logits by 1e-256 divides by
+    zero (the NaN row drew id V, out of range, and the step failed). Below GREEDY_TEMPERATURE a
+    temperature is greedy, as vLLM's."""
+    logits = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=temperature)] * 3
+    assert all(p.greedy for p in params)
+    out = sample(logits, params, [torch.Generator().manual_seed(0)] * 3)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()

@@ -7,7 +7,7 @@ Invariants:
   ids and its own `torch.Generator`, never on the other rows of the batch. Non-greedy
   rows are therefore processed one at a time with 1-D tensor ops, and each draws exactly
   one uniform number from its own generator per step.
-- Greedy rows (temperature 0 or top_k 1) take the argmax (ties -> lowest id) and draw
+- Greedy rows (temperature 0, or below GREEDY_TEMPERATURE, or top_k 1) take the argmax (ties -> lowest id) and draw
   nothing from their generator.
 - Banned ids (`min_tokens` not reached yet) are masked to -inf before anything else;
   a token with zero probability after masking, min-p, top-k and top-p is never returned.
@@ -55,6 +55,10 @@ def _is_int(value: Any) -> bool:
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): a float32 division by them
+# overflows, and below float32's smallest value the divisor is 0.
+GREEDY_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -122,8 +126,10 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the choice is deterministic: argmax of the (masked) logits."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when the choice is deterministic: argmax of the (masked) logits. A temperature
+        below GREEDY_TEMPERATURE is greedy too (as vLLM's): dividing float32 logits by it would
+        overflow (or, below float32's range, divide by zero) instead of sharpening."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @classmethod
     def greedy_params(cls, max_tokens: int = 128, **overrides: Any) -> SamplingParams:

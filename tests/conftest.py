@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 import transformers
+from hypothesis import settings
 
 from kvforge.cache.registry import create_cache
 from kvforge.config import SwiftKVConfig
@@ -22,6 +23,13 @@ from kvforge.models.swiftkv_checkpoint import initial_swiftkv_tensors, model_sta
 # Two threads by default (the CI machine's cores); `mutants/run.py --jobs N` runs N pytest
 # processes side by side and gives each its share of the cores through this variable.
 torch.set_num_threads(int(os.environ.get("KVFORGE_TEST_THREADS", "2")))
+
+# The generator tests (hypothesis) draw the same examples on every run of `make test`, so CI
+# cannot fail on a draw no one has seen; `KVFORGE_HYPOTHESIS=explore` draws fresh ones (to
+# look for new failures; what it finds gets a fix and, where it is a new class, a test).
+settings.register_profile("repeatable", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("KVFORGE_HYPOTHESIS", "repeatable"))
 
 # `--dtype auto` (the default of generate, serve and LLM) is bfloat16 on a CPU with bf16
 # hardware: the suite pins it to float32 so that its exactness tests mean the same on every CPU

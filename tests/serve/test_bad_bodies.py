@@ -111,7 +111,10 @@ def check_one(client: TestClient, path: str, field: tuple[str | int, ...], value
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == ERROR_KEYS, shown
-        assert name in (error["param"] or "") or name in error["message"], shown
+        # A nested field may be refused by a rule on its parent (a huge message content
+        # makes the conversation too long: the error names `messages`).
+        named = [str(step) for step in field if isinstance(step, str)]
+        assert any(part in (error["param"] or "") or part in error["message"] for part in named), shown
         assert len(error["message"]) < 1000, shown
     after = post(client, COMPLETIONS, {"prompt": "ab", "max_tokens": 2, "temperature": 0})
     assert after.status_code == 200, f"after {shown}: {after.text[:300]}"

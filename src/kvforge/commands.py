@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvforge.arg_types import thread_count
+from kvforge.arg_types import at_least, thread_count
 from kvforge.devices import add_device_arg
 from kvforge.errors import require
 from kvforge.serve import server
@@ -51,6 +51,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens computed per engine step (prefill chunk size; 2048)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                         help="recompute every prompt in full (default: reuse the K/V of cached prefixes)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="on CUDA, run every step eagerly (default: decode steps replay CUDA graphs captured at "
+                             "start-up; no effect on a CPU)")
+    parser.add_argument("--max-seq-len-to-capture", type=at_least(2), default=8192, metavar="N",
+                        help="decode steps with a longer sequence run eagerly (8192)")
     parser.add_argument("--early-exit", type=float, default=None, metavar="P",
                         help="SwiftKV early exit: a decode token whose early-exit head gives its top token "
                              "probability >= P skips the later layers (needs a model with the head; off)")
@@ -80,7 +85,8 @@ def _make_llm(args: argparse.Namespace):
 
     llm = LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt, dtype=args.dtype,
               kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
-              prefix_caching=args.prefix_caching, device=args.device, early_exit=args.early_exit)
+              prefix_caching=args.prefix_caching, device=args.device, early_exit=args.early_exit,
+              enforce_eager=args.enforce_eager, max_seq_len_to_capture=args.max_seq_len_to_capture)
     if llm.dtype_reason:
         print(f"kvforge {args.verb}: {llm.dtype_reason}", file=sys.stderr)
     return llm

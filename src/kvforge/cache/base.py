@@ -40,6 +40,7 @@ from kvforge.errors import ConfigError
 from kvforge.rope import PositionedRope
 
 if TYPE_CHECKING:
+    from kvforge.cache.static_decode import StaticDecode
     from kvforge.kernels.cpu_decode_layer import DecodeLayerRun
 
 
@@ -157,6 +158,14 @@ class CacheMethod(ABC, Generic[Meta]):
         offers no fused path, or not for this step), and the layer then calls `write` and
         `attend`. A method opts in by overriding this; a subclass that changes what `write`
         or `attend` compute must return None here."""
+        return None
+
+    # -- static decode steps (engine/decode_graphs.py: what CUDA graphs capture) ----------
+    def static_decode(self, rows: int, max_tokens: int) -> StaticDecode[Meta] | None:
+        """Fixed buffers for decode-only steps of at most `rows` sequences of at most
+        `max_tokens` tokens (cache/static_decode.py), or None (the default: the method runs
+        every step eagerly)."""
+        del rows, max_tokens
         return None
 
     # -- prefix caching (engine.prefix_cache drives it) ----------------------------------

@@ -27,6 +27,13 @@ class EngineConfig:
     step_timing: bool = False
     # Reuse the K/V of earlier requests' token prefixes (engine/prefix_cache.py).
     prefix_caching: bool = True
+    # On a CUDA device, decode-only steps replay CUDA graphs captured at start-up
+    # (engine/decode_graphs.py); True runs every step eagerly (vLLM's --enforce-eager).
+    enforce_eager: bool = False
+    # Decode steps with a sequence longer than this run eagerly (vLLM's name).
+    max_seq_len_to_capture: int = 8192
+    # Decode steps of more sequences than this run eagerly (None: max_num_seqs; vLLM's name).
+    max_cudagraph_capture_size: int | None = None
 
     def __post_init__(self) -> None:
         require(self.kv_budget_bytes > 0, "kv_budget", self.kv_budget_bytes, "must be > 0 bytes")
@@ -35,5 +42,9 @@ class EngineConfig:
         require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
         require(self.admission in ADMISSION_POLICIES, "admission", self.admission,
                 f"must be one of {list(ADMISSION_POLICIES)}")
+        require(self.max_seq_len_to_capture >= 2, "max_seq_len_to_capture", self.max_seq_len_to_capture,
+                "must be >= 2")
+        require(self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 1,
+                "max_cudagraph_capture_size", self.max_cudagraph_capture_size, "must be >= 1")
         require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
                 "must be >= 2")

@@ -47,7 +47,8 @@ class LLM:
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  cache_options: Sequence[str] | None = None, device: str | torch.device = "cpu",
                  swiftkv: str | None = None, admission: str = "optimistic", step_timing: bool = False,
-                 prefix_caching: bool = True, early_exit: float | None = None) -> None:
+                 prefix_caching: bool = True, early_exit: float | None = None, enforce_eager: bool = False,
+                 max_seq_len_to_capture: int = 8192) -> None:
         # Everything that can be wrong with the arguments fails before weights load.
         where = resolve_device(device)  # ConfigError, not torch's assertion, on a torch without CUDA
         spec = parse_cache_spec(cache, list(cache_options or []))
@@ -56,7 +57,8 @@ class LLM:
         self.dtype = torch_dtype
         config = EngineConfig(kv_budget_bytes=parse_bytes(kv_budget), max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, admission=admission,
-                              step_timing=step_timing, prefix_caching=prefix_caching)
+                              step_timing=step_timing, prefix_caching=prefix_caching, enforce_eager=enforce_eager,
+                              max_seq_len_to_capture=max_seq_len_to_capture)
         if early_exit is not None:  # the range before weights load; the head once the config is known
             require(0.0 < early_exit <= 1.0, "early_exit", early_exit, "must be a probability in (0, 1]")
         self.model, self.source = load_model(model, dtype=torch_dtype, device=where, swiftkv=swiftkv)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvforge.cache.base import CacheMethod
+from kvforge.engine.decode_graphs import CaptureReport, DecodeGraphs
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.outputs import RequestOutput
@@ -48,6 +49,13 @@ class LLMEngine:
         limit = model.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.runner = ModelRunner(model, cache)
+        self.capture_report: CaptureReport | None = None
+        # (a step timer reads the device between ops: its engine runs eagerly)
+        if not self.config.enforce_eager and not self.config.step_timing and self.runner.device.type == "cuda":
+            graphs = DecodeGraphs(model, cache, self.config.max_cudagraph_capture_size or self.config.max_num_seqs,
+                                  min(self.config.max_seq_len_to_capture, self.max_model_len), capture=True)
+            self.capture_report = graphs.capture()
+            self.runner.decode_graphs = graphs if graphs.enabled else None
         lifetimes_fit = None
         if self.config.admission == "reserve":
             def lifetimes_fit(requests: list[Request]) -> bool:

@@ -15,6 +15,7 @@ import torch
 
 from kvforge.batch import ForwardBatch
 from kvforge.cache.base import CacheMethod
+from kvforge.engine.decode_graphs import DecodeGraphs
 from kvforge.errors import CacheCapacityError, ConfigError
 from kvforge.models.causal_lm import CausalLM
 from kvforge.step_timing import TimedCache, current_timer
@@ -38,6 +39,8 @@ class ModelRunner:
         self.cache = cache
         self.device = next(model.parameters()).device
         self.max_positions = model.config.max_position_embeddings
+        # Decode-only steps from fixed buffers and CUDA graphs (decode_graphs.py); None: eager.
+        self.decode_graphs: DecodeGraphs | None = None
 
     def step(self, items: Sequence[StepItem]) -> torch.Tensor:
         """Make room for the step in the cache, as a scheduler would, then run it (drivers
@@ -68,13 +71,22 @@ class ModelRunner:
         return cached
 
     def _run(self, items: Sequence[StepItem], cached: list[int]) -> torch.Tensor:
-        batch = ForwardBatch.build(
-            [item.seq_id for item in items], [item.token_ids for item in items], cached,
-            [item.num_logits for item in items], device=self.device, decode=[item.decode for item in items])
         timer = current_timer()
+        if self.decode_graphs is not None and timer is None and all(
+                len(item.token_ids) == 1 and item.num_logits == 1 for item in items):
+            logits = self.decode_graphs.run(self._batch(items, cached, torch.device("cpu")))
+            if logits is not None:
+                return logits
+        batch = self._batch(items, cached, self.device)
         cache = self.cache if timer is None else TimedCache(self.cache, timer)
         with torch.inference_mode():
             return self.model(batch, cache)
+
+    @staticmethod
+    def _batch(items: Sequence[StepItem], cached: list[int], device: torch.device) -> ForwardBatch:
+        return ForwardBatch.build(
+            [item.seq_id for item in items], [item.token_ids for item in items], cached,
+            [item.num_logits for item in items], device=device, decode=[item.decode for item in items])
 
     def release(self, seq_id: int) -> None:
         self.cache.free(seq_id)

@@ -86,12 +86,23 @@ class CausalLM(nn.Module):
     # -- forward ----------------------------------------------------------------------
     def forward(self, batch: ForwardBatch, cache: CacheMethod) -> torch.Tensor:
         meta = cache.begin_step(batch)
+        logits = self.forward_step(cache, meta)
+        cache.end_step(meta)
+        return logits
+
+    def forward_step(self, cache: CacheMethod, meta: StepMetadata) -> torch.Tensor:
+        """The logits of `meta.batch`'s logit rows: the step between `begin_step` and
+        `end_step`, which a static decode step runs on fixed buffers (engine/decode_graphs.py)."""
+        batch = meta.batch
         hidden = self.embed(batch.token_ids)
         ropes = [rotary.at(batch.positions, hidden.dtype) for rotary in self.rotaries]
         hidden = self.run_layers(hidden, cache, meta, ropes, 0, len(self.model.layers))
-        logits = self.logits(hidden[batch.logit_rows])
-        cache.end_step(meta)
-        return logits
+        return self.logits(hidden[batch.logit_rows])
+
+    def decode_reads_nothing_on_host(self) -> bool:
+        """Whether `forward_step` of a decode-only step depends on no device value read on
+        the host, so that a CUDA graph can capture it (SwiftKV's early exit cannot)."""
+        return True
 
     def run_layers(self, hidden: torch.Tensor, cache: CacheMethod, meta: StepMetadata,
                    ropes: list[PositionedRope], start: int, stop: int) -> torch.Tensor:

@@ -175,9 +175,12 @@ class SwiftKVForCausalLM(CausalLM):
         return CacheLayout(tuple(swift.cache_layer_of(i) for i in range(config.num_layers)), tuple(specs))
 
     # -- forward ----------------------------------------------------------------------
-    def forward(self, batch: ForwardBatch, cache: CacheMethod) -> torch.Tensor:
+    def decode_reads_nothing_on_host(self) -> bool:
+        return self.early_exit_threshold is None and self.early_exit_probe is None
+
+    def forward_step(self, cache: CacheMethod, meta: StepMetadata) -> torch.Tensor:
+        batch = meta.batch
         first_later = self.swiftkv.num_key_value_layers
-        meta = cache.begin_step(batch)
         hidden = self.embed(batch.token_ids)
         ropes = [rotary.at(batch.positions, hidden.dtype) for rotary in self.rotaries]
         layers = self.model.layers
@@ -206,7 +209,6 @@ class SwiftKVForCausalLM(CausalLM):
                                                      final.tolist()))
         else:
             logits = self.logits(hidden[batch.logit_rows])
-        cache.end_step(meta)
         return logits
 
     # -- early exit -------------------------------------------------------------------

@@ -30,6 +30,7 @@ from kvforge.cache.full.fp8 import SCALE_BYTES, SCALE_DTYPE, dequantize, is_fp8,
 from kvforge.cache.full.fused_target import FullFusedTarget
 from kvforge.cache.full.memory import PagedMemorySpec
 from kvforge.cache.full.plan import DecodePlan, FullStepMetadata, RowQueries, locate_rows, plan_step
+from kvforge.cache.full.static_decode import FullStaticDecode
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
@@ -141,6 +142,9 @@ class FullCache(CacheMethod[FullStepMetadata]):
         # through bytes: torch's CPU index_copy_ has no float8 kernel
         flat.view(torch.uint8).index_copy_(1, slots, codes.view(torch.uint8))
         scales.view(heads, -1).index_copy_(1, slots, row_scales)
+
+    def static_decode(self, rows: int, max_tokens: int) -> FullStaticDecode:
+        return FullStaticDecode(self, rows, -(-max_tokens // self.block_size))
 
     def fused_decode_target(self, cache_layer: int, meta: FullStepMetadata) -> FullFusedTarget | None:
         """The layer's pages and its group's plan when the step is decode only with every row

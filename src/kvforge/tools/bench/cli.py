@@ -30,13 +30,17 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swiftkv", default=None, metavar="DIR",
                         help="SwiftKV checkpoint laid over --model; kvforge systems run it (see --compare base)")
     parser.add_argument("--compare", action="append", default=[], metavar="X[,Y...]",
-                        help="also measure: hf (transformers, same weights), no-prefix-caching, base (with --swiftkv: the base "
+                        help="also measure: hf (transformers, same weights), no-prefix-caching, eager (on CUDA: "
+                             "the system under test without CUDA graphs), base (with --swiftkv: the base "
                              "model, same cache), merge-all-layers (the base model, same cache, one cache layer stored for "
                              "all: the SwiftKV paper's ideal-compression reference), a cache spec such as full or "
                              "full:storage_dtype=bfloat16 (SPEC@DIR: on the SwiftKV checkpoint DIR; SPEC@base: on the "
                              "base model), or (bench "
                              "prefill and decode; pip install -e '.[peers]') llama.cpp[:f16|bf16|f32|as-shipped]: "
                              "llama.cpp on the model's GGUF file converted to that type (f16), or as shipped")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="on CUDA, kvforge systems run every step eagerly (default: decode steps replay CUDA "
+                             "graphs captured when each engine starts)")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="kvforge systems reuse cached prompt prefixes (off by default: repeats would hit the "
                              "previous repeat); --compare no-prefix-caching adds the system under test without it")

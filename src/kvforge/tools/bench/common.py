@@ -93,11 +93,14 @@ class BenchContext:
         return self.kvforge_model(system.swiftkv, system.checkpoint)
 
     def make_engine(self, system: System, max_num_batched_tokens: int, max_num_seqs: int = 256,
-                    admission: str = "optimistic", step_timing: bool = False) -> LLMEngine:
+                    admission: str = "optimistic", step_timing: bool = False,
+                    graph_shape: tuple[int, int] | None = None) -> LLMEngine:
         """A fresh engine on the shared weights, with its own cache of `--kv-budget` bytes.
         Prefix caching only where the system asks for it: benchmarks repeat the same
         prompts, which a cache would otherwise serve from the previous repeat. `step_timing`:
-        the engine's `step_timer` records where each step's time goes (kvforge.step_timing)."""
+        the engine's `step_timer` records where each step's time goes (kvforge.step_timing).
+        `graph_shape` (sequences, tokens): the largest decode step CUDA graphs are captured
+        for (the default: every engine-sized bucket)."""
         model, tokenizer = self.model_for(system)
         if system.merge_all_layers:
             from kvforge.tools.bench.merge_all_layers import MergedLayersCache, merged_layout
@@ -108,7 +111,11 @@ class BenchContext:
             cache = create_cache(system.cache, model.cache_layout(), self.kv_budget, self.dtype, self.device)
         config = EngineConfig(kv_budget_bytes=self.kv_budget, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, admission=admission,
-                              prefix_caching=bool(system.prefix_caching), step_timing=step_timing)
+                              prefix_caching=bool(system.prefix_caching), step_timing=step_timing,
+                              enforce_eager=(system.enforce_eager if system.enforce_eager is not None
+                                             else bool(getattr(self.args, "enforce_eager", False))),
+                              **({} if graph_shape is None else dict(max_cudagraph_capture_size=graph_shape[0],
+                                                                     max_seq_len_to_capture=graph_shape[1])))
         return LLMEngine(model, cache, tokenizer, config)
 
     def hf_model(self) -> Any:

@@ -11,6 +11,7 @@ from kvforge.tools.bench.merge_all_layers import NAME as MERGE_ALL_LAYERS
 from kvforge.tools.bench.systems import System, kvforge_name
 
 NO_PREFIX_CACHING = "no-prefix-caching"  # --compare: the system under test without prefix caching
+EAGER = "eager"  # --compare: the system under test without CUDA graphs (--enforce-eager)
 VLLM_PEER = "vllm"  # --compare: vLLM's server of the same weights (bench serve; serve_vllm.py)
 
 
@@ -25,7 +26,7 @@ def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None 
     (`full:storage_dtype=bfloat16,block_size=32`). With --swiftkv, cache-spec systems run
     the SwiftKV model too; `SPEC@DIR` runs the SwiftKV checkpoint DIR, `SPEC@base` the base
     model, whatever --swiftkv says."""
-    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING, MERGE_ALL_LAYERS, llamacpp_option.PEER,
+    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING, EAGER, MERGE_ALL_LAYERS, llamacpp_option.PEER,
                                                  VLLM_PEER))
     systems = []
     for item in items:
@@ -41,6 +42,9 @@ def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None 
             spec = under_test or parse_cache_spec("full")
             systems.append(System(f"{kvforge_name(spec, swiftkv)}, no prefix caching", "kvforge", spec,
                                   prefix_caching=False))
+        elif item == EAGER:
+            spec = under_test or parse_cache_spec("full")
+            systems.append(System(f"{kvforge_name(spec, swiftkv)}, eager", "kvforge", spec, enforce_eager=True))
         elif item == "base":
             if swiftkv is None:
                 raise ConfigError("compare", item, "'base' is SwiftKV's base model and needs --swiftkv DIR")

@@ -59,7 +59,8 @@ def _kvforge(ctx: BenchContext, system: System) -> dict[str, Any]:
 
     def engine_for(step_timing: bool) -> LLMEngine:
         return ctx.make_engine(system, max_num_batched_tokens=min(high, max(low, args.batch * args.context)),
-                               max_num_seqs=max(256, args.batch), step_timing=step_timing)
+                               max_num_seqs=max(256, args.batch), step_timing=step_timing,
+                               graph_shape=(args.batch, args.context + args.gen))
 
     engine = engine_for(step_timing=False)
     run = repeat_runs(system.name, functools.partial(_decode_once, engine, prompts, params, system.name),

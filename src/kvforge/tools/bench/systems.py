@@ -28,6 +28,8 @@ class System:
     # kvforge systems: the engine's prefix caching (None: as --prefix-caching says; benchmarks
     # repeat their prompts, so it is off unless asked for)
     prefix_caching: bool | None = None
+    # kvforge systems: run every step eagerly on CUDA (None: as --enforce-eager says)
+    enforce_eager: bool | None = None
     # llama.cpp systems: the weights it runs (llamacpp_option.WEIGHTS: f16, bf16, f32, as-shipped)
     weights: str | None = None
 

@@ -1,0 +1,177 @@
+"""The static decode step (engine/decode_graphs.py, cache/static_decode.py): decode-only
+steps run from fixed buffers, rows padded to a bucket, page tables padded to a fixed width,
+padding rows writing a scratch page. On the CPU it runs eagerly, which is exactly what a
+CUDA graph captures; these tests hold it to the dynamic step's logits for every
+architecture and decode path, across buckets, ragged lengths, sequences leaving and
+joining, and steps that must fall back to the eager path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import across_kv_model, make_pair, make_runner
+from sync_counter import SyncCounter
+
+from kvforge.batch import ForwardBatch
+from kvforge.cache.registry import create_cache, parse_cache_spec
+from kvforge.cache.static_decode import SCRATCH_SEQ
+from kvforge.engine.decode_graphs import DecodeGraphs, powers_of_two_up_to
+from kvforge.engine.engine_config import EngineConfig
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.runner import ModelRunner, StepItem
+from kvforge.tools.bench.compare import parse_compare
+
+FULL_PATHS = ["full:block_size=4", "full:block_size=4,decode_kernel=gather", "full:block_size=4,decode_kernel=torch",
+              "full:block_size=8,storage_dtype=float8_e4m3fn"]
+
+
+class Counting(DecodeGraphs):
+    """Counts the steps that ran from the fixed buffers."""
+
+    static_steps = 0
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        logits = super().run(batch)
+        self.static_steps += logits is not None
+        return logits
+
+
+def with_graphs(model, spec: str, max_num_seqs: int = 4, max_len: int = 32) -> tuple[ModelRunner, Counting]:
+    runner = make_runner(model, spec)
+    graphs = Counting(model, runner.cache, max_num_seqs, max_len, capture=False)
+    runner.decode_graphs = graphs
+    return runner, graphs
+
+
+def script(runner: ModelRunner) -> list[torch.Tensor]:
+    """Ragged prompts, decode steps with 3 then 2 sequences (one freed), a prompt joining
+    mid-way (a mixed step: eager), then 3 sequences again, running past the captured length."""
+    out = [runner.step([StepItem(0, [1, 2, 3, 4, 5]), StepItem(1, list(range(7, 18))), StepItem(2, [9, 8, 7])])]
+    token = lambda seq, step: (7 * step + 3 * seq + 1) % 90  # noqa: E731
+    for step in range(4):
+        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in range(3)]))
+    runner.release(1)
+    for step in range(4, 7):
+        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 2)]))
+    out.append(runner.step([StepItem(0, [token(0, 7)], decode=True), StepItem(3, [4, 5, 6, 7, 8, 9])]))
+    for step in range(8, 30):
+        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 2, 3)]))
+    return out
+
+
+def check_same(model, spec: str) -> Counting:
+    eager = script(make_runner(model, spec))
+    runner, graphs = with_graphs(model, spec)
+    static = script(runner)
+    assert len(static) == len(eager)
+    for step, (a, b) in enumerate(zip(static, eager)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    return graphs
+
+
+@pytest.mark.parametrize("spec", FULL_PATHS)
+def test_static_steps_give_the_dynamic_logits(arch, spec):
+    graphs = check_same(make_pair(arch)[1], spec)
+    # 4 + 3 decode steps, then the ones whose sequences fit the 32-token bucket
+    assert graphs.static_steps >= 10
+
+
+def test_static_steps_with_swiftkv_and_across_kv():
+    graphs = check_same(across_kv_model(), "full:block_size=4")
+    assert graphs.static_steps >= 10
+
+
+def test_long_sequences_and_big_batches_run_eagerly():
+    model = make_pair("llama_gqa")[1]
+    runner, graphs = with_graphs(model, "full:block_size=4", max_num_seqs=2, max_len=16)
+    runner.step([StepItem(seq, list(range(1, 10))) for seq in range(3)])
+    runner.step([StepItem(seq, [5]) for seq in range(3)])  # 3 sequences > 2 rows
+    assert graphs.static_steps == 0
+    runner.step([StepItem(seq, [5]) for seq in range(2)])
+    assert graphs.static_steps == 1
+    runner.step([StepItem(0, list(range(8)))])  # 19 tokens > 16
+    runner.step([StepItem(0, [5])])
+    assert graphs.static_steps == 1
+
+
+def test_padding_rows_write_only_the_scratch_page():
+    model = make_pair("llama_gqa")[1]
+    runner = make_runner(model, "full:block_size=4")
+    cache = runner.cache
+    runner.step([StepItem(seq, list(range(1, 6 + 3 * seq))) for seq in range(3)])
+    # made after the prompts, so the scratch page is not page 0 (where zeroed slots point)
+    graphs = runner.decode_graphs = Counting(model, cache, 8, 32, capture=False)
+    before = cache.k_store.clone(), cache.v_store.clone()
+    lengths = [cache.num_cached_tokens(seq) for seq in range(3)]
+    runner.step([StepItem(seq, [5 + seq]) for seq in range(3)])  # 3 sequences in the bucket of 4
+    assert graphs.static_steps == 1
+    block = cache.block_size
+    expected = {(cache.pages.pages(seq, 0)[n // block], n % block) for seq, n in enumerate(lengths)}
+    scratch = (cache.pages.pages(SCRATCH_SEQ, 0)[0], 0)
+    for store, old in zip((cache.k_store, cache.v_store), before):
+        changed = {tuple(slot) for slot in (store != old).any(dim=(0, 1, 4)).nonzero().tolist()}
+        assert expected <= changed <= expected | {scratch}
+        assert scratch in changed  # the padding row wrote, and only there
+
+
+def test_buckets():
+    assert powers_of_two_up_to(1) == [1]
+    assert powers_of_two_up_to(6) == [1, 2, 4, 6]
+    assert powers_of_two_up_to(8) == [1, 2, 4, 8]
+    assert powers_of_two_up_to(3000, 512) == [512, 1024, 2048, 3000]
+
+
+@pytest.mark.parametrize("spec", ["full:block_size=4,decode_kernel=torch", "full:block_size=4,decode_kernel=gather"])
+@pytest.mark.parametrize("model_of", [lambda: make_pair("gemma3_hybrid")[1], across_kv_model], ids=["gemma3", "swiftkv"])
+def test_the_static_step_reads_nothing_on_the_host(spec, model_of):
+    """What a capture records must read no device value on the host (CUDA's code paths)."""
+    model = model_of()
+    runner, graphs = with_graphs(model, spec)
+    runner.step([StepItem(seq, list(range(1, 8 + 5 * seq))) for seq in range(3)])
+    cached = [runner.cache.num_cached_tokens(seq) for seq in range(3)]
+    assert all(runner.cache.allocate(seq, n + 1) for seq, n in enumerate(cached))
+    batch = ForwardBatch.build([0, 1, 2], [[4], [5], [6]], cached)
+    step = graphs.steps[graphs.bucket(batch)]
+    step.load(batch)
+    counter = SyncCounter()
+    with counter.counting(device_paths=True), counter.within("forward_step"), torch.inference_mode():
+        model.forward_step(runner.cache, step.make_meta())
+    assert counter.syncs == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("spec", ["full:block_size=4", "full:block_size=4,decode_kernel=torch"])
+def test_captured_graphs_replay_the_eager_logits(spec):
+    model = make_pair("llama_gqa")[1].to("cuda")
+
+    def runner(capture: bool) -> tuple[ModelRunner, Counting | None]:
+        made = ModelRunner(model, create_cache(spec, model.cache_layout(), 1 << 22, torch.float32, "cuda"))
+        graphs = None
+        if capture:
+            graphs = made.decode_graphs = Counting(model, made.cache, 4, 32, capture=True)
+            assert graphs.capture().graphs == len(graphs.steps) > 0
+        return made, graphs
+
+    eager = script(runner(False)[0])
+    replaying, graphs = runner(True)
+    captured = script(replaying)
+    for step, (a, b) in enumerate(zip(captured, eager)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+    assert graphs is not None and graphs.static_steps >= 10
+
+
+def test_compare_eager_is_the_system_under_test_without_graphs():
+    [system] = parse_compare(["eager"], parse_cache_spec("kivi:bits=2"))
+    assert system.enforce_eager is True and system.cache == parse_cache_spec("kivi:bits=2")
+    assert system.name == "kvforge[kivi:bits=2], eager"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_the_engine_captures_on_cuda_unless_told_not_to(enforce_eager):
+    model = make_pair("llama_gqa")[1].to("cuda")
+    cache = create_cache("full:block_size=4", model.cache_layout(), 1 << 22, torch.float32, "cuda")
+    engine = LLMEngine(model, cache, config=EngineConfig(max_num_seqs=4, max_seq_len_to_capture=64,
+                                                         enforce_eager=enforce_eager))
+    assert (engine.runner.decode_graphs is None) == enforce_eager
+    assert (engine.capture_report is None) == enforce_eager

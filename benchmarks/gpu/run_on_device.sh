@@ -4,8 +4,8 @@
 # transformers; kvforge runs from src/ uninstalled). Needs .gpu/smollm2-stats, written here
 # by `python benchmarks/gpu/stand_in.py stats smollm2-135m .gpu/smollm2-stats` (the real
 # weights are over the transfer limit; see stand_in.py). Usage:
-#   bash benchmarks/gpu/run_on_device.sh [check|bench|bench-shadowkv|bench-kivi|profile|tests|all]...
-# (default all = check, bench and profile; bench = bench-shadowkv and bench-kivi). PROFILE_SPECS
+#   bash benchmarks/gpu/run_on_device.sh [graphs|check|bench|bench-shadowkv|bench-kivi|profile|tests|all]...
+# (default all = graphs, check, bench and profile; bench = bench-shadowkv and bench-kivi). PROFILE_SPECS
 # (space-separated cache specs) picks what `profile` looks at.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -66,6 +66,13 @@ step() {  # step NAME SECONDS CMD...: run bounded, log to $WORK/NAME.log, report
 # keys would see. `full` decodes through one gather + SDPA on CUDA (decode_kernel=auto),
 # `full:decode_kernel=torch` through the tiled loop that the first runs measured.
 common=(--model "$MODEL" --device "$DEVICE" --dtype bfloat16 --warmup 1)
+if has graphs; then
+    # Decode from CUDA graphs (issue 62): the capture/replay parity tests, then `full` with
+    # graphs against itself eager and transformers, at the KIVI bench's shape.
+    TAIL=15 step graph-tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/cache/test_static_decode.py
+    TAIL=14 step bench-graphs 150 $PY -m kvforge bench decode "${common[@]}" --repeats 3 --cache full \
+        --compare eager,hf "${KIVI_SHAPE[@]}" --json "$WORK/bench-graphs.json"
+fi
 if has bench-shadowkv; then
     TAIL=14 step bench-shadowkv 160 $PY -m kvforge bench decode "${common[@]}" --repeats 2 \
         --cache shadowkv:rank=32 --compare full,hf "${SHADOW_SHAPE[@]}" --max-position-embeddings 32768 \

@@ -10,7 +10,9 @@ see no stored token, so they change nothing any sequence reads. Methods opt in t
 
 Invariant: running the model's `forward_step` on `meta` after `load(batch)` gives, in its
 first `len(batch.spans)` rows, the logits `forward(batch)` gives, and leaves the cache in
-the state `forward(batch)` leaves once `end_step` commits `load`'s host metadata.
+the state `forward(batch)` leaves once `finish` and `end_step` commit `load`'s host
+metadata (a method whose stores happen at `end_step`, as KIVI's flushes do, runs them
+there, eagerly, from the step's K/V that `finish` hands over).
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ class StaticDecode(ABC, Generic[Meta]):
         """Step metadata over the buffers: made once for a capture (the graph holds what the
         step wrote into it), and afresh for each step run without one (a step's metadata
         caches what it derives from the buffers' values)."""
+
+    def finish(self, host_meta: Meta, meta: Meta, rows: int) -> None:
+        """Hand what the step over the buffers (`meta`) left for `end_step` to the host
+        metadata of its `rows` real sequences (nothing by default: a method whose `write`
+        stores in place leaves nothing)."""
+        del host_meta, meta, rows
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> tuple[Meta, dict[str, torch.Tensor]] | None:

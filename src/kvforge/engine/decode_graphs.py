@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.batch import ForwardBatch
-from kvforge.cache.base import CacheMethod
+from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.cache.static_decode import StaticDecode
 from kvforge.errors import require
 from kvforge.models.causal_lm import CausalLM
@@ -69,7 +69,8 @@ class DecodeGraphs:
                         break
                     self.steps[rows, tokens] = step
         self.capture_enabled = capture and bool(self.steps)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, its logits, the metadata it was captured with)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, StepMetadata]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -98,16 +99,20 @@ class DecodeGraphs:
         host_meta = step.load(batch)
         if host_meta is None:
             return None
+        rows = len(batch.spans)
         captured = self._graphs.get(key)
         if captured is not None:
-            graph, logits = captured
+            graph, logits, meta = captured
             graph.replay()
             # the output buffer is overwritten by the next replay: the caller gets its own copy
-            result = logits[:len(batch.spans)].clone()
+            result = logits[:rows].clone()
         else:
+            meta = step.make_meta()
             with torch.inference_mode():
-                result = self.model.forward_step(self.cache, step.make_meta())[:len(batch.spans)]
-        self.cache.end_step(host_meta)
+                result = self.model.forward_step(self.cache, meta)[:rows]
+        with torch.inference_mode():
+            step.finish(host_meta, meta, rows)
+            self.cache.end_step(host_meta)
         return result
 
     def capture(self) -> CaptureReport:
@@ -126,7 +131,8 @@ class DecodeGraphs:
                  self.row_buckets, self.length_buckets, report.seconds, report.bytes / 2**20)
         return report
 
-    def _capture_one(self, step: StaticDecode, pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_one(self, step: StaticDecode, pool: object
+                     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, StepMetadata]:
         # The buffers hold padding only (every row writes the scratch page), so warm-up and
         # capture change nothing a sequence reads.
         meta = step.make_meta()
@@ -138,4 +144,4 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
             logits = self.model.forward_step(self.cache, meta)
-        return graph, logits
+        return graph, logits, meta

@@ -57,10 +57,11 @@ from kvforge.cache.kivi.decode_kernels import kivi_decode, resolve_decode_kernel
 from kvforge.cache.kivi.fused_target import KiviFusedTarget, layer_target
 from kvforge.cache.kivi.key_space import KeyTransform, StoredKeys
 from kvforge.cache.kivi.memory import KiviMemorySpec, quantized_keys, quantized_values
-from kvforge.cache.kivi.plan import Decode, KiviStepMetadata, SequenceState
+from kvforge.cache.kivi.plan import Decode, GroupPlan, KiviStepMetadata, ResidualWrites, SequenceState
 from kvforge.cache.kivi.planner import KiviPlanner
 from kvforge.cache.kivi.prefill import kivi_chunk_attention_fast
 from kvforge.cache.kivi.rotation import hadamard_matrix, rotate, unrotate
+from kvforge.cache.kivi.static_decode import KiviStaticDecode
 from kvforge.cache.kivi.step_writes import flush_group, write_residuals
 from kvforge.cache.kivi.store import KIVILayerView, KIVIStore, page_bytes
 from kvforge.cache.layout import CacheLayout
@@ -68,6 +69,7 @@ from kvforge.cache.page_table import LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
 from kvforge.errors import ConfigError
 from kvforge.rope import PositionedRope
+from kvforge.step_plan import upload
 
 # Default split of the budget (max_sequences=None): 1 / SLOT_SHARE of it pays for residual
 # slots. A 2-bit sequence of n tokens costs one slot (R tokens at 16 bits, about 5.3 R
@@ -207,11 +209,18 @@ class KIVICache(CacheMethod[KiviStepMetadata]):
 
     # -- step -------------------------------------------------------------------------
     def begin_step(self, batch: ForwardBatch) -> KiviStepMetadata:
+        return KiviStepMetadata(batch, *upload(self.host_plan(batch), self.device))
+
+    def host_plan(self, batch: ForwardBatch) -> tuple[list[GroupPlan], ResidualWrites]:
+        """`begin_step`'s checks and plan, as host tensors (the static decode step pads them)."""
         self.check_batch(batch)
         missing = [span.seq_id for span in batch.spans if span.seq_id not in self._seqs]
         if missing:
             raise ConfigError("seq_id", missing[0], "call allocate() for the step before running it")
-        return self._planner.step(batch, self.device)
+        return self._planner.on_host(batch)
+
+    def static_decode(self, rows: int, max_tokens: int) -> KiviStaticDecode:
+        return KiviStaticDecode(self, rows, -(-max_tokens // self.config.key_tokens))
 
     def write(self, cache_layer: int, meta: KiviStepMetadata, k_pre: torch.Tensor, v: torch.Tensor,
               rope: PositionedRope) -> None:

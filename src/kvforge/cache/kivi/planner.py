@@ -1,7 +1,7 @@
 """Building the per-step metadata of the `kivi` cache method (plan.py holds its types):
 what each layer group flushes from the residuals into pages, the decode and prefill plans,
 and the rows that stay in the residual rings or the sink buffers. Runs on the host once per
-step (`KiviPlanner.step`); the result goes to the device in one copy (step_plan.upload).
+step (`KiviPlanner.on_host`); the cache sends it to the device in one copy (step_plan.upload).
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from kvforge.cache.kivi.plan import (
     Decode,
     Flush,
     GroupPlan,
-    KiviStepMetadata,
     Prefill,
     ResidualWrites,
     SequenceState,
 )
 from kvforge.cache.page_table import RELEASED, PageTable
-from kvforge.step_plan import upload
 
 
 @dataclass(frozen=True)
@@ -34,10 +32,9 @@ class KiviPlanner:
     pages: PageTable
     seqs: dict[int, SequenceState]
 
-    def step(self, batch: ForwardBatch, device: torch.device) -> KiviStepMetadata:
-        groups, writes = upload(([self.group(g, batch) for g in range(self.pages.groups.num_groups)],
-                                 self.residual_writes(batch)), device)
-        return KiviStepMetadata(batch, groups, writes)
+    def on_host(self, batch: ForwardBatch) -> tuple[list[GroupPlan], ResidualWrites]:
+        """The step's plan as host tensors: every layer group's, and the residual writes."""
+        return [self.group(g, batch) for g in range(self.pages.groups.num_groups)], self.residual_writes(batch)
 
     def _keys(self, num_tokens: int) -> int:
         return quantized_keys(num_tokens, self.config.residual)

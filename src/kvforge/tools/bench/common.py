@@ -72,6 +72,13 @@ class BenchContext:
         return getattr(self.args, "load_format", "auto")
 
     @property
+    def weights(self) -> str:
+        """What the result says about the weights (random ones under --load-format dummy)."""
+        from kvforge.models.dummy_weights import DUMMY_SEED, weights_label
+
+        return weights_label(DUMMY_SEED) if self.load_format == "dummy" else "checkpoint"
+
+    @property
     def device(self) -> str:
         """Where every system runs, kvforge and transformers alike (--device)."""
         return self.args.device

@@ -57,7 +57,7 @@ def finish(ctx: BenchContext, benchmark: str, settings: dict[str, Any], headline
     result = {
         "benchmark": benchmark,
         "model": ctx.args.model,
-        "weights": ctx.source.weights,
+        "weights": ctx.weights,
         "dtype": str(ctx.dtype).removeprefix("torch."),
         "device": ctx.device,
         "threads": ctx.args.threads,

@@ -45,6 +45,8 @@ def test_the_same_seed_draws_the_same_weights_and_another_seed_other_ones():
     again = parameters(load_model("llama-tiny", load_format="dummy")[0])
     other = parameters(load_model("llama-tiny", load_format="dummy", seed=1)[0])
     assert first.keys() == again.keys() == other.keys()
+    # each tensor its own draw, not one stream shared by every tensor of a shape
+    assert not torch.equal(first["model.layers.0.mlp.up_proj.weight"], first["model.layers.1.mlp.up_proj.weight"])
     for name, tensor in first.items():
         assert torch.equal(tensor, again[name]), name
         if tensor.std() > 0:  # norms (1) and biases (0) are constants, the same for every seed

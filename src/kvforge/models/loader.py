@@ -72,10 +72,10 @@ def resolve_model_source(name_or_path: str | Path, load_format: str = "auto", se
     ConfigError for a bad `load_format` or a dummy model without a config)."""
     text = str(name_or_path)
     if check_load_format(load_format) == "dummy":
-        from kvforge.models.model_shapes import dummy_config_path
+        from kvforge.models.model_shapes import SHAPES_DIR, dummy_config_path
 
         path = dummy_config_path(text)
-        return ModelSource("dummy", path, text if path.parent.name == "shapes" else Path(text).name, seed)
+        return ModelSource("dummy", path, text if path.parent == SHAPES_DIR else Path(text).name, seed)
     if text in NAMED_MODELS:
         return ModelSource("gguf", locate_named_model(text), text)
     path = Path(text).expanduser()

@@ -38,6 +38,8 @@ ROUNDS = ("tests/tools/bench/test_bench.py::test_rounds_alternate_the_order_of_s
           "tests/tools/bench/test_bench.py::test_throughput_rounds_end_to_end")
 STREAM_TEXT = ("tests/engine/test_stream_text.py",)
 DETOKENIZER = ("tests/engine/test_detokenizer.py",)
+DUMMY = "tests/models/test_dummy_weights.py::test_the_same_seed_draws_the_same_weights_and_another_seed_other_ones"
+DUMMY_SCALES = "tests/models/test_dummy_weights.py::test_scales_norms_and_biases_follow_the_measured_checkpoints"
 REQUEST_RULES = ("tests/engine/test_request_rules.py",)
 STREAM_API = ("tests/serve/test_stream_api.py",)
 REQUEST_FIELDS = ("tests/serve/test_request_fields.py",)
@@ -1324,4 +1326,39 @@ MUTATIONS: list[Mutation] = [
              "host_meta.step_kv = {layer: (k[:rows], v[:rows])", "host_meta.step_kv = {layer: (k, v)",
              ("tests/cache/test_static_decode.py::test_kivi_hands_end_step_the_real_rows_only",),
              "KIVI's eager end_step after a static step stores the real rows' K/V only"),
+    Mutation("dummy_seed_ignored", S + "models/dummy_weights.py",
+             "    return (seed * 1_000_003 + zlib.crc32(name.encode(\"utf-8\"))) % (1 << 63)",
+             "    return zlib.crc32(name.encode(\"utf-8\"))", (DUMMY,),
+             "--load-format dummy: another seed draws other weights"),
+    Mutation("dummy_one_stream_for_every_tensor", S + "models/dummy_weights.py",
+             "    generator.manual_seed(_tensor_seed(seed, name))", "    generator.manual_seed(_tensor_seed(seed, \"\"))",
+             (DUMMY,), "each dummy tensor is its own draw (two layers' up_proj differ)"),
+    Mutation("dummy_gains_ignored", S + "models/dummy_weights.py",
+             "        std = scale.gains.get(module.removesuffix(\"_swiftkv\"), scale.default_gain) / math.sqrt(shape[-1])",
+             "        std = scale.default_gain / math.sqrt(shape[-1])", (DUMMY_SCALES,),
+             "dummy matrices are drawn at the std measured on a real checkpoint of the family"),
+    Mutation("dummy_norms_not_one", S + "models/dummy_weights.py",
+             "        return torch.full(shape, scale.norm_weight, device=device)",
+             "        return torch.full(shape, 0.0, device=device)", (DUMMY_SCALES,),
+             "a dummy model's RMSNorms scale by 1 (Gemma's, stored as w in 1 + w, are 0)"),
+    Mutation("dummy_peer_other_weights", S + "tools/bench/hf_peer.py",
+             "    fill_dummy_weights(model, config, source.seed)\n", "    fill_dummy_weights(model, config, source.seed + 1)\n",
+             ("tests/models/test_dummy_weights.py::test_the_transformers_peer_gets_the_same_weights_and_logits",),
+             "the transformers peer of a dummy model holds kvforge's weights, so side-by-side speed is honest"),
+    Mutation("dummy_bad_load_format_accepted", S + "models/loader.py",
+             "    if load_format not in LOAD_FORMATS:\n", "    if False:\n",
+             ("tests/models/test_dummy_weights.py::test_what_has_no_config_is_refused_naming_the_option",),
+             "a load format that is neither auto nor dummy is a ConfigError naming load_format"),
+    Mutation("dummy_llm_text_without_tokenizer", S + "engine/llm.py",
+             "        if self.tokenizer is None and not _is_token_ids(prompt):\n", "        if False:\n",
+             ("tests/models/test_dummy_weights.py::test_llm_on_a_dummy_model_takes_token_ids_and_refuses_text",),
+             "text given to a model without a tokenizer is refused, saying to pass token ids"),
+    Mutation("dummy_text_verbs_accepted", S + "cli_checks.py",
+             "require(load_format != \"dummy\" or getattr(args, \"verb\", None) not in TEXT_VERBS",
+             "require(True", ("tests/tools/bench/test_bench_dummy.py::test_verbs_of_text_refuse_a_dummy_model_naming_the_option[chat]",),
+             "generate, chat and serve refuse a dummy model (no tokenizer) before loading, naming --load-format"),
+    Mutation("dummy_swiftkv_full_checkpoint", S + "tools/swiftkv/cli.py",
+             "    require(source.kind != \"dummy\" or args.params_only,", "    require(True,",
+             ("tests/tools/bench/test_bench_dummy.py::test_swiftkv_init_of_a_dummy_base_is_params_only_and_loads_over_it",),
+             "swiftkv init of a dummy base writes params-only checkpoints, never random weights as a model"),
 ]

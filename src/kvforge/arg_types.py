@@ -60,3 +60,17 @@ def non_negative_number(text: str) -> float:
 
 
 non_negative_number.__name__ = "number >= 0"
+
+
+# `--load-format` (vLLM's name): "auto" loads the checkpoint's weights; "dummy" builds the model of
+# --model's config (a named shape, a config.json, a directory holding one) with random weights.
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def add_load_format_arg(parser: argparse.ArgumentParser) -> None:
+    """`--load-format` of every command that builds a model from --model."""
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                        help="auto: the weights of --model; dummy: random weights (seed 0) at the shapes of "
+                             "--model's config, for speed only: --model then names a shape (llama-3.1-8b, "
+                             "llama-2-7b, llama-3-8b-1048k, qwen2.5-7b, llama-tiny), a config.json file or a "
+                             "directory holding one, and there is no tokenizer (token ids in and out) (auto)")

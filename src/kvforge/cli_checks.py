@@ -21,6 +21,10 @@ INPUT_FILES = {"text_file": "text file", "haystack_file": "text file", "recipe":
                "vllm_python": "python interpreter"}
 
 
+# Verbs whose prompts and replies are text: a dummy model (no tokenizer) cannot run them.
+TEXT_VERBS = ("generate", "chat", "serve")
+
+
 def check_threads(threads: int | None) -> None:
     """`--threads` of any verb (those parsed with `type=int`, or set by a recipe, too)."""
     if threads is not None:
@@ -59,16 +63,18 @@ def check_output_directory(parameter: str, value: str) -> None:
     _check_creatable(parameter, value, path)
 
 
-def check_model(parameter: str, value: str) -> None:
+def check_model(parameter: str, value: str, load_format: str = "auto") -> None:
     """A model path (`--model`) resolves and its config reads; its weights are not read. A name
     (a named model, a Hub id, or a test's stand-in for a patched loader) is the command's to
-    resolve: its loader refuses an unknown one, naming the named models."""
+    resolve: its loader refuses an unknown one, naming the named models. Under
+    `--load-format dummy` every value is resolved (a shape name, or a config; nothing is
+    downloaded)."""
     from kvforge.models.loader import load_model_config, looks_like_path, resolve_model_source
 
-    if not (looks_like_path(value) or Path(value).expanduser().exists()):
+    if load_format != "dummy" and not (looks_like_path(value) or Path(value).expanduser().exists()):
         return
     try:
-        load_model_config(resolve_model_source(value))
+        load_model_config(resolve_model_source(value, load_format))
     except ConfigError:
         raise
     except KVForgeError as exc:
@@ -119,5 +125,10 @@ def check_shared_values(args: argparse.Namespace) -> None:
     swiftkv = getattr(args, "swiftkv", None)
     for value in swiftkv if isinstance(swiftkv, list) else [swiftkv] if swiftkv else []:
         check_swiftkv(value)
+    load_format = getattr(args, "load_format", None) or "auto"
+    require(load_format != "dummy" or getattr(args, "verb", None) not in TEXT_VERBS, "load_format", load_format,
+            f"kvforge {getattr(args, 'verb', None)} reads and writes text, and a dummy model has no tokenizer: measure it "
+            "with `kvforge bench prefill|decode|throughput --load-format dummy`, or give token ids to "
+            "LLM(..., load_format='dummy') in Python")
     if isinstance(getattr(args, "model", None), str):
-        check_model("model", args.model)
+        check_model("model", args.model, load_format)

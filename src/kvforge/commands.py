@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvforge.arg_types import at_least, thread_count
+from kvforge.arg_types import add_load_format_arg, at_least, thread_count
 from kvforge.devices import add_device_arg
 from kvforge.errors import require
 from kvforge.serve import server
@@ -28,9 +28,12 @@ MODEL_HELP = (f"named model (smollm2-135m, gemma3-270m), a .gguf file, a Hugging
               f"or a Hub id such as HuggingFaceTB/SmolLM2-135M-Instruct (downloaded; default {DEFAULT_MODEL})")
 
 
-def _add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None:
-    """--model and --threads; --device too unless the command builds no model (info)."""
+def _add_model_args(parser: argparse.ArgumentParser, device: bool = True, load_format: bool = True) -> None:
+    """--model and --threads; --device too unless the command builds no model (info);
+    --load-format unless the command needs the real weights (verify)."""
     parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
+    if load_format:
+        add_load_format_arg(parser)
     parser.add_argument("--threads", type=thread_count, default=None,
                         help="torch CPU threads, >= 1 (default: torch's, one per core)")
     if device:
@@ -83,8 +86,8 @@ def _sampling_params(args: argparse.Namespace):
 def _make_llm(args: argparse.Namespace):
     from kvforge.engine.llm import LLM
 
-    llm = LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt, dtype=args.dtype,
-              kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
+    llm = LLM(model=args.model, load_format=args.load_format, swiftkv=args.swiftkv, cache=args.cache,
+              cache_options=args.cache_opt, dtype=args.dtype, kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
               prefix_caching=args.prefix_caching, device=args.device, early_exit=args.early_exit,
               enforce_eager=args.enforce_eager, max_seq_len_to_capture=args.max_seq_len_to_capture)
     if llm.dtype_reason:
@@ -134,7 +137,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_verify_args(parser: argparse.ArgumentParser) -> None:
-    _add_model_args(parser)
+    _add_model_args(parser, load_format=False)  # it compares real weights' outputs
     parser.add_argument("--dtype", default="float32",
                         help="float32 | bfloat16 | float16: both implementations run in it (float32)")
     parser.add_argument("--text-file", default=None,
@@ -155,7 +158,7 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     """What generate and chat can check from the config alone: max_tokens within the context."""
     from kvforge.preflight import model_context
 
-    context = model_context(args.model, args.swiftkv)
+    context = model_context(args.model, args.swiftkv, load_format=args.load_format)
     require(args.max_tokens < context, "max_tokens", args.max_tokens,
             f"must be < {context}: {args.model}'s context is {context} tokens, prompt included")
 
@@ -229,7 +232,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from kvforge.info import format_info, model_info
 
-    info = model_info(args.model, swiftkv=args.swiftkv)
+    info = model_info(args.model, swiftkv=args.swiftkv, load_format=args.load_format)
     print(format_info(info))
     _write_json(args.json, info, args)
     return 0

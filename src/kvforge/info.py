@@ -16,8 +16,9 @@ from kvforge.models.registry import model_class, num_parameters
 REPORT_CONTEXTS = (1024, 8192, 32768)
 
 
-def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
-    source = resolve_model_source(name_or_path)
+def model_info(name_or_path: str, swiftkv: str | None = None, load_format: str = "auto") -> dict[str, Any]:
+    """From the config alone (`load_format="dummy"`: a shape's, and no weights are drawn)."""
+    source = resolve_model_source(name_or_path, load_format)
     config = load_model_config(source)
     if swiftkv is not None:
         from kvforge.models.swiftkv_checkpoint import overlay_config
@@ -56,6 +57,7 @@ def model_info(name_or_path: str, swiftkv: str | None = None) -> dict[str, Any]:
         "model": name_or_path,
         "source": str(source.path),
         "format": source.kind,
+        "weights": source.weights,
         "architecture": config.architecture,
         "model_type": config.model_type,
         "parameters": num_parameters(config),
@@ -88,6 +90,8 @@ def _rope_text(config: ModelConfig) -> str:
 def format_info(info: dict[str, Any]) -> str:
     lines = [
         f"model          {info['model']} ({info['format']}: {info['source']})",
+        *([f"weights        {info['weights']}: for speed only"] if info.get("weights", "checkpoint") != "checkpoint"
+          else []),
         f"architecture   {info['architecture']} (model_type {info['model_type']})",
         f"parameters     {info['parameters'] / 1e6:.1f} M",
         f"layers         {info['layers']}"

@@ -21,13 +21,14 @@ BACKENDS = {
 }
 
 
-def model_context(model: str, swiftkv: str | None = None, max_position_embeddings: int | None = None) -> int:
+def model_context(model: str, swiftkv: str | None = None, max_position_embeddings: int | None = None,
+                  load_format: str = "auto") -> int:
     """The model's context in tokens, from its configuration only (no weights)."""
     from kvforge.models.loader import load_model_config, resolve_model_source
 
     if max_position_embeddings:
         return max_position_embeddings
-    config = load_model_config(resolve_model_source(model))
+    config = load_model_config(resolve_model_source(model, load_format))
     if swiftkv:
         from pathlib import Path
 

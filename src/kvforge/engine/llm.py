@@ -2,6 +2,8 @@
 
 Prompts may be text (encoded as is), token ids, or chat messages
 (`[{"role": "user", "content": ...}, ...]`, rendered with the model's chat template).
+A `load_format="dummy"` model (random weights at a config's shapes) has no tokenizer: token
+ids in, token ids out (`output.text` stays empty).
 A request that is invalid on its own (empty, too long for the context or the KV budget)
 comes back with `finish_reason == "error"` and a message; the others run normally.
 """
@@ -48,7 +50,7 @@ class LLM:
                  cache_options: Sequence[str] | None = None, device: str | torch.device = "cpu",
                  swiftkv: str | None = None, admission: str = "optimistic", step_timing: bool = False,
                  prefix_caching: bool = True, early_exit: float | None = None, enforce_eager: bool = False,
-                 max_seq_len_to_capture: int = 8192) -> None:
+                 max_seq_len_to_capture: int = 8192, load_format: str = "auto") -> None:
         # Everything that can be wrong with the arguments fails before weights load.
         where = resolve_device(device)  # ConfigError, not torch's assertion, on a torch without CUDA
         spec = parse_cache_spec(cache, list(cache_options or []))
@@ -61,13 +63,14 @@ class LLM:
                               max_seq_len_to_capture=max_seq_len_to_capture)
         if early_exit is not None:  # the range before weights load; the head once the config is known
             require(0.0 < early_exit <= 1.0, "early_exit", early_exit, "must be a probability in (0, 1]")
-        self.model, self.source = load_model(model, dtype=torch_dtype, device=where, swiftkv=swiftkv)
+        self.model, self.source = load_model(model, dtype=torch_dtype, device=where, swiftkv=swiftkv,
+                                             load_format=load_format)
         if early_exit is not None:
             set_early_exit = getattr(self.model, "set_early_exit", None)
             require(set_early_exit is not None, "early_exit", early_exit,
                     "needs a SwiftKV model with an early-exit head (--swiftkv DIR)")
             set_early_exit(early_exit)
-        self.tokenizer = load_tokenizer(self.source)
+        self.tokenizer = None if self.source.kind == "dummy" else load_tokenizer(self.source)
         kv_cache = create_cache(spec, self.model.cache_layout(), config.kv_budget_bytes, torch_dtype, where)
         self.cache_spec = spec
         self.engine = LLMEngine(self.model, kv_cache, self.tokenizer, config)
@@ -77,6 +80,9 @@ class LLM:
         return has_chat_template(self.tokenizer)
 
     def encode(self, prompt: Prompt) -> list[int]:
+        if self.tokenizer is None and not _is_token_ids(prompt):
+            raise ConfigError("prompt", type(prompt).__name__, f"must be token ids: the model has no tokenizer "
+                                                               f"(load_format='dummy', weights {self.source.weights})")
         if isinstance(prompt, str):
             return encode_prompt(self.tokenizer, prompt, chat=False)
         if _is_token_ids(prompt):

@@ -65,7 +65,9 @@ def _hf_fields_of(config: ModelConfig, layout: str) -> dict[str, Any]:
         "rope_local_base_freq": (config.local_rope or config.rope).theta,
         "sliding_window": config.sliding_window,
         "layer_types": list(config.layer_types),
-        "query_pre_attn_scalar": config.query_pre_attn_scalar,
+        # transformers 5 declares it an int and refuses 256.0 (an integral value is written as one)
+        "query_pre_attn_scalar": (int(config.query_pre_attn_scalar) if float(config.query_pre_attn_scalar).is_integer()
+                                  else config.query_pre_attn_scalar),
         "final_logit_softcapping": config.final_logit_softcapping,
         "hidden_activation": config.hidden_act,
         "attention_bias": config.attention_bias,

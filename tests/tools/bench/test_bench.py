@@ -123,7 +123,7 @@ def fast_bench(monkeypatch):
     (the tests run with --threads 1: on a shared 2-core machine, 2 OpenMP threads wait for
     each other at every op whenever another job holds a core)."""
 
-    def load(model, dtype, swiftkv=None, device="cpu"):
+    def load(model, dtype, swiftkv=None, device="cpu", load_format="auto"):
         net, source = _cached_load(model, dtype, swiftkv)
         return net, _tokenizer(source), source
 
@@ -320,8 +320,8 @@ def tiny_bench(monkeypatch):
     from server_helpers import char_tokenizer, tiny_model
 
     model, tokenizer = tiny_model(), char_tokenizer()
-    monkeypatch.setattr(common, "load_kvforge", lambda name, dtype, swiftkv=None, device="cpu": (model, tokenizer, name))
-    monkeypatch.setattr(common, "resolve_model_source", lambda name: name)
+    monkeypatch.setattr(common, "load_kvforge", lambda name, dtype, swiftkv=None, device="cpu", load_format="auto": (model, tokenizer, name))
+    monkeypatch.setattr(common, "resolve_model_source", lambda name, load_format="auto": name)
     monkeypatch.setattr(common, "load_model_config", lambda source: model.config)
     monkeypatch.setattr(peak, "MATMUL_SIZE", 256)
     monkeypatch.setattr(peak, "READ_BYTES", 8 * 2**20)

@@ -114,8 +114,8 @@ def tiny_bench(monkeypatch):
     from server_helpers import char_tokenizer
 
     model, tokenizer = tiny_model(layers=3), char_tokenizer()
-    monkeypatch.setattr(common, "load_kvforge", lambda name, dtype, swiftkv=None, device="cpu": (model, tokenizer, name))
-    monkeypatch.setattr(common, "resolve_model_source", lambda name: name)
+    monkeypatch.setattr(common, "load_kvforge", lambda name, dtype, swiftkv=None, device="cpu", load_format="auto": (model, tokenizer, name))
+    monkeypatch.setattr(common, "resolve_model_source", lambda name, load_format="auto": name)
     monkeypatch.setattr(common, "load_model_config", lambda source: replace(model.config))
     monkeypatch.setattr(peak, "MATMUL_SIZE", 256)
     monkeypatch.setattr(peak, "READ_BYTES", 8 * 2**20)

@@ -9,7 +9,7 @@ import argparse
 import importlib
 from typing import Any
 
-from kvforge.arg_types import at_least, thread_count
+from kvforge.arg_types import add_load_format_arg, at_least, thread_count
 from kvforge.devices import add_device_arg
 from kvforge.tools.bench.soak_options import add_soak_args
 
@@ -18,6 +18,7 @@ _count = at_least  # an integer option with a lower bound
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory (smollm2-135m)")
+    add_load_format_arg(parser)  # dummy: transformers gets the same random weights
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (weights and compute)")
     parser.add_argument("--threads", type=thread_count, default=2, help="torch CPU threads for every system (2)")
     add_device_arg(parser)  # every system, the transformers peer included

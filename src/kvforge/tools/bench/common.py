@@ -40,10 +40,11 @@ def log(message: str) -> None:
 
 
 def load_kvforge(model: str, dtype: torch.dtype, swiftkv: str | None = None,
-                 device: str = "cpu") -> tuple[torch.nn.Module, Any, ModelSource]:
-    """kvforge model and tokenizer (tests replace this with a cached loader)."""
-    net, source = load_model(model, dtype=dtype, swiftkv=swiftkv, device=device)
-    return net, load_tokenizer(source), source
+                 device: str = "cpu", load_format: str = "auto") -> tuple[torch.nn.Module, Any, ModelSource]:
+    """kvforge model and tokenizer, None for a dummy model: the benchmarks' prompts are token
+    ids (tests replace this with a cached loader)."""
+    net, source = load_model(model, dtype=dtype, swiftkv=swiftkv, device=device, load_format=load_format)
+    return net, None if source.kind == "dummy" else load_tokenizer(source), source
 
 
 @dataclass
@@ -67,6 +68,17 @@ class BenchContext:
         return getattr(self.args, "swiftkv", None)
 
     @property
+    def load_format(self) -> str:
+        return getattr(self.args, "load_format", "auto")
+
+    @property
+    def weights(self) -> str:
+        """What the result says about the weights (random ones under --load-format dummy)."""
+        from kvforge.models.dummy_weights import DUMMY_SEED, weights_label
+
+        return weights_label(DUMMY_SEED) if self.load_format == "dummy" else "checkpoint"
+
+    @property
     def device(self) -> str:
         """Where every system runs, kvforge and transformers alike (--device)."""
         return self.args.device
@@ -78,7 +90,8 @@ class BenchContext:
         overlay = checkpoint or (self.swiftkv if swiftkv else None)
         if overlay not in self._loaded:
             start = time.perf_counter()
-            model, tokenizer, source = load_kvforge(self.args.model, self.dtype, swiftkv=overlay, device=self.device)
+            model, tokenizer, source = load_kvforge(self.args.model, self.dtype, swiftkv=overlay, device=self.device,
+                                                    load_format=self.load_format)
             if getattr(self.args, "max_position_embeddings", None):  # speed runs past the trained context
                 model.config = dataclasses.replace(model.config,
                                                    max_position_embeddings=self.args.max_position_embeddings)
@@ -177,7 +190,7 @@ def prepare(args: argparse.Namespace, tokens_per_sequence: int, llama_cpp: bool 
                                       *parse_compare(args.compare, under_test, swiftkv, llama_cpp))])
     budgets = parse_budgets(args.kv_budget, several_budgets)
     torch.set_num_threads(args.threads)  # before any measurement, including the peak
-    source = resolve_model_source(args.model)
+    source = resolve_model_source(args.model, getattr(args, "load_format", "auto"))
     if llama_cpp:
         check_run(systems, source.kind, args.device)
     config = load_model_config(source)

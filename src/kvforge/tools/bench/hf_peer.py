@@ -24,10 +24,32 @@ from kvforge.models.loader import ModelSource
 
 
 def load_hf_peer(source: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """The peer on `device` (the kvforge systems' device), in `dtype`."""
+    """The peer on `device` (the kvforge systems' device), in `dtype`; of a dummy model, the
+    same random weights (drawn by name on `device`, as kvforge's are)."""
     from kvforge.tools.verify import load_transformers_model
 
+    if source.kind == "dummy":
+        return dummy_hf_peer(source, dtype, device)
     return load_transformers_model(source, device, dtype)
+
+
+def dummy_hf_peer(source: ModelSource, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """transformers' model of a dummy source's config (kvforge's reading of it, written back
+    as a config.json), built on `device` and filled by `fill_dummy_weights`, whose draws
+    depend only on each parameter's name and shape, which the two models share."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvforge.models.dummy_weights import fill_dummy_weights
+    from kvforge.models.loader import load_model_config
+    from kvforge.models.swiftkv_checkpoint import hf_config_dict
+
+    config = load_model_config(source)
+    hf = hf_config_dict(config)
+    hf_config = AutoConfig.for_model(**{key: value for key, value in hf.items() if key != "torch_dtype"})
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    fill_dummy_weights(model, config, source.seed)
+    return model.eval()
 
 
 def prefill(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> float:

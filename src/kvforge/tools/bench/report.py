@@ -57,6 +57,7 @@ def finish(ctx: BenchContext, benchmark: str, settings: dict[str, Any], headline
     result = {
         "benchmark": benchmark,
         "model": ctx.args.model,
+        "weights": ctx.weights,
         "dtype": str(ctx.dtype).removeprefix("torch."),
         "device": ctx.device,
         "threads": ctx.args.threads,
@@ -82,6 +83,8 @@ def format_table(result: dict[str, Any], columns: Sequence[Column]) -> str:
     settings = " ".join(f"{k}={v}" for k, v in result["settings"].items()
                         if isinstance(v, (int, float)) and not isinstance(v, bool))
     lines = [f"{result['benchmark']}: {result['model']} {result['dtype']}, {result['threads']} threads; {settings}"]
+    if result.get("weights", "checkpoint") != "checkpoint":
+        lines.append(f"weights: {result['weights']}: speed only, outputs are meaningless")
     peak = result.get("peak")
     if peak:
         lines.append(f"measured peak: matmul {peak['matmul_gflops']:.1f} GFLOP/s, "

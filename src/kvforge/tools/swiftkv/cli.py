@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from kvforge.arg_types import at_least, thread_count
+from kvforge.arg_types import add_load_format_arg, at_least, thread_count
 from kvforge.config import ModelConfig, SwiftKVConfig
 from kvforge.devices import add_device_arg, add_dtype_arg
 from kvforge.errors import ConfigError, ModelLoadError, require
@@ -34,6 +34,7 @@ def add_swiftkv_args(swift: argparse.ArgumentParser) -> None:
 
     init = kinds.add_parser("init", help="write a SwiftKV checkpoint initialised from a base model")
     init.add_argument("--model", default="smollm2-135m", help="base model: named model, .gguf file or HF directory (smollm2-135m)")
+    add_load_format_arg(init)  # dummy: SwiftKV at a shape's size, for timing (needs --params-only)
     init.add_argument("--num-key-value-layers", type=int, required=True,
                       help="l: layers < l run on every prompt token; later layers take K/V from layer l's input")
     init.add_argument("--group-size", type=int, default=1, help="g: later layers sharing one KV cache (AcrossKV, 1)")
@@ -226,7 +227,10 @@ def _run_init(args: argparse.Namespace) -> int:
 
     dtype = parse_dtype(args.dtype)
     swift = SwiftKVConfig(args.num_key_value_layers, args.group_size, early_exit_head=args.early_exit_head)
-    source = resolve_model_source(args.model)
+    source = resolve_model_source(args.model, args.load_format)
+    require(source.kind != "dummy" or args.params_only, "load_format", args.load_format,
+            "a dummy base gives a params-only checkpoint only (add --params-only): a full one would be "
+            "random weights on disk; load it with --model MODEL --load-format dummy --swiftkv DIR")
     base = load_model_config(source)
     if base.swiftkv is not None:
         raise ConfigError("model", args.model, "must be a base model, not a SwiftKV checkpoint")
@@ -245,7 +249,9 @@ def _run_init(args: argparse.Namespace) -> int:
     size = sum(p.stat().st_size for p in Path(out).iterdir())
     print(f"wrote {out}: SwiftKV l={swift.num_key_value_layers} g={swift.key_value_group_size} of "
           f"{config.num_layers} layers, {len(tensors)} tensors, {size / 2**20:.1f} MiB "
-          f"({time.perf_counter() - start:.1f} s)")
+          f"({time.perf_counter() - start:.1f} s)"
+          + (f"; initialised from the base's weights {source.weights}: for timing only" if source.kind == "dummy"
+             else ""))
     return 0
 
 

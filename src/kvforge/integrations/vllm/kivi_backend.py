@@ -39,18 +39,17 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig
 from kvforge.cache.kivi.decode_kernels import kivi_decode, resolve_decode_kernel
 from kvforge.cache.kivi.prefill import kivi_chunk_attention_fast
-from kvforge.cache.kivi.store import dequantize_key_pages, dequantize_value_pages, store_key_pages, store_value_tokens
-from kvforge.integrations.vllm.kivi_exact import MISSING, ExactCopies, ExactPlan, SequenceStep
+from kvforge.cache.kivi.store import (
+    dequantize_key_pages,
+    dequantize_value_pages,
+    store_key_pages,
+    store_value_tokens,
+)
+from kvforge.integrations.vllm.kivi_exact import MISSING, ExactCopies, ExactPlan, SequenceStep, exact_slots
 from kvforge.integrations.vllm.kivi_options import kivi_config, page_block_bytes, residual_dtype_name
 from kvforge.integrations.vllm.kivi_pages import ExactPool, layer_bytes, layer_view, page_components
 
 BACKEND_NAME = "CUSTOM"  # vLLM looks the name up in AttentionBackendEnum: the member it is registered as
-
-
-def exact_slots(config: KIVICacheConfig, max_num_seqs: int) -> int:
-    """Exact block copies per layer: every running sequence's last R tokens span at most
-    R / G + 1 blocks, and a step may start new ones before the old ones are released."""
-    return max_num_seqs * (config.residual // config.key_tokens + 2)
 
 
 def _config() -> KIVICacheConfig:
@@ -126,7 +125,7 @@ class KIVIMetadataBuilder(AttentionMetadataBuilder[KIVIMetadata]):
         if kv_cache_spec.block_size != self.config.key_tokens:
             raise ValueError(f"the KIVI backend needs block_size = key group = {self.config.key_tokens}, "
                              f"got {kv_cache_spec.block_size} (pass --block-size {self.config.key_tokens})")
-        slots = exact_slots(self.config, vllm_config.scheduler_config.max_num_seqs)
+        slots = exact_slots(self.config.key_tokens, self.config.residual, vllm_config.scheduler_config.max_num_seqs)
         self.copies = ExactCopies(slots, self.config.key_tokens, self.config.residual)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -192,7 +191,8 @@ class KIVIAttentionImpl(AttentionImpl):
             self._kernel = resolve_decode_kernel(self.config.decode_kernel, kv_cache.device, self.config)
         pool = _POOLS.get(key)
         if pool is None:
-            pool = _POOLS[key] = ExactPool(exact_slots(self.config, self.max_num_seqs), self.config.key_tokens,
+            slots = exact_slots(self.config.key_tokens, self.config.residual, self.max_num_seqs)
+            pool = _POOLS[key] = ExactPool(slots, self.config.key_tokens,
                                            self.num_kv_heads, self.head_size, self.residual_dtype, kv_cache.device)
         self._pool = pool
         return self._parts, pool

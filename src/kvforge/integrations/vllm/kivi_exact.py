@@ -32,6 +32,13 @@ from dataclasses import dataclass, field
 MISSING = -1  # a ring position kvforge reads exactly whose copy is gone: read the page
 
 
+def exact_slots(block_size: int, residual: int, max_num_seqs: int) -> int:
+    """Copies per layer that always suffice: during a step each sequence reads the blocks
+    of its last R tokens before the step (at most R / G + 1) and keeps those after it (as
+    many; disjoint after a long prefill chunk)."""
+    return max_num_seqs * 2 * (residual // block_size + 1)
+
+
 class LostExactCopy(RuntimeError):
     """A partly filled block's exact copy is not in the pool (it was evicted)."""
 
@@ -102,7 +109,7 @@ class ExactCopies:
                 candidates = [s for s in range(self.num_slots) if self.last_used[s] < self.step]
             if not candidates:
                 raise LostExactCopy(f"all {self.num_slots} exact block copies are in use by this step; "
-                                    f"raise max_num_seqs' share of copies (kivi_pages.exact_slots)")
+                                    f"more sequences ran than exact_slots() was sized for")
             slot = min(candidates, key=lambda s: self.last_used[s])
             old = self.block_in[slot]
             if old is not None:

@@ -46,6 +46,15 @@ REQUEST_FIELDS = ("tests/serve/test_request_fields.py",)
 SOAK = "tests/tools/bench/test_bench_soak.py::"
 
 MUTATIONS: list[Mutation] = [
+    # -- vLLM KIVI backend ---------------------------------------------------------------
+    Mutation("vllm_kivi_lost_partial_copy_read_as_page", S + "integrations/vllm/kivi_exact.py",
+             "elif (k + 1) * g > n:", "elif False:",
+             ("tests/integrations/test_vllm_kivi.py::test_a_lost_partial_block_raises_instead_of_reading_garbage",),
+             "a partly filled block has no page: losing its exact copy must raise, not read garbage"),
+    Mutation("vllm_kivi_ring_one_token_short", S + "integrations/vllm/kivi_exact.py",
+             "for t in range(max(0, n - r), n):\n                slot", "for t in range(max(0, n - r + 1), n):\n                slot",
+             ("tests/integrations/test_vllm_kivi.py::test_plan_keeps_kvforges_residual_on_random_schedules",),
+             "the ring holds kvforge's whole value window [n - R, n)"),
     # -- ShadowKV ------------------------------------------------------------------------
     Mutation("shadowkv_basis_from_post_rope_keys", S + "cache/shadowkv/compress.py",
              "spectrum = key_spectrum(flat_pre)",

@@ -104,7 +104,8 @@ def test_import_pulls_in_neither_vllm_nor_transformers() -> None:
     code = ("import sys, kvforge.integrations.vllm, kvforge.integrations.vllm.compat, "
             "kvforge.integrations.vllm.layout, kvforge.integrations.vllm.weights, "
             "kvforge.integrations.vllm.serve, kvforge.integrations.vllm.driver, "
-            "kvforge.integrations.vllm.base_checkpoint; "
+            "kvforge.integrations.vllm.base_checkpoint, kvforge.integrations.vllm.kivi_options, "
+            "kvforge.integrations.vllm.kivi_exact, kvforge.integrations.vllm.kivi_pages; "
             "print(sorted(m for m in ('vllm', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -258,9 +259,10 @@ def _vllm_python() -> str:
     return path
 
 
-def _run_json(command: list[str], timeout: float, cwd: Path, cache_root: Path) -> dict:
+def _run_json(command: list[str], timeout: float, cwd: Path, cache_root: Path,
+              extra_env: dict[str, str] | None = None) -> dict:
     # vLLM's torch.compile cache goes to a temporary directory unless the caller chose one
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "2", **(extra_env or {})}
     env.setdefault("VLLM_CACHE_ROOT", str(cache_root))
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
     assert proc.returncode == 0, f"{command[:4]} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -373,3 +375,54 @@ def test_vllm_serve_answers_openai_client(checkpoints: dict[str, Path], tmp_path
     assert result["models"] == ["swiftkv"]
     assert result["chat"]["text"].strip() and result["chat"]["completion_tokens"] > 0
     assert result["server_returncode"] is not None  # stopped by the driver
+
+
+# -- slow: kvforge's KIVI backend in vLLM (kivi_backend.py) ------------------------------------
+# residual=32: every prompt crosses R within its 32 tokens, so the 2-bit pages are read.
+KIVI_SETTINGS = {"r32": "residual=32", "paper": ""}
+
+
+@pytest.fixture(scope="module")
+def kivi_runs(checkpoints: dict[str, Path], prompt_ids: Path, vllm_cache: Path) -> dict:
+    python = _vllm_python()
+    runs = {}
+    for run, setting, flags in (("r32", "r32", ["--no-prefix-caching"]), ("paper_prefix", "paper", [])):
+        runs[run] = _run_json([python, "-m", "kvforge.integrations.vllm.driver", "--threads", "2", "generate",
+                               "--model", str(checkpoints["base"]), "--prompt-ids", str(prompt_ids), "--kivi",
+                               "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--kv-cache-bytes", str(KV_BYTES),
+                               *flags], timeout=900, cwd=REPO, cache_root=vllm_cache,
+                              extra_env={"KVFORGE_VLLM_KIVI": KIVI_SETTINGS[setting]})
+    return runs
+
+
+def _kvforge_kivi_tokens(setting: str, tmp: Path) -> list[list[int]]:
+    options = KIVI_SETTINGS[setting]
+    return _kvforge_tokens(["--model", "smollm2-135m", "--dtype", "float32",
+                            "--cache", "kivi:" + options if options else "kivi"], tmp)
+
+
+@pytest.mark.slow
+def test_vllm_kivi_greedy_tokens_equal_kvforge(kivi_runs: dict, tmp_path: Path) -> None:
+    expected = _kvforge_kivi_tokens("r32", tmp_path)
+    assert [o["token_ids"] for o in kivi_runs["r32"]["outputs"]] == expected
+    paper = _kvforge_kivi_tokens("paper", tmp_path)
+    assert paper != expected  # the comparison sees the quantised pages
+    # Prefix caching on: the second shared-prefix prompt starts on the first one's cached
+    # blocks and reads their 2-bit keys, where kvforge's one-step prefill attends them
+    # exactly; every other prompt must match.
+    got = [o["token_ids"] for o in kivi_runs["paper_prefix"]["outputs"]]
+    assert kivi_runs["paper_prefix"]["prefix_cache"].get("prefix_cache_hits", 0) >= 128
+    assert got[:4] == paper[:4]
+
+
+@pytest.mark.slow
+def test_vllm_kivi_block_count_is_the_packed_page(kivi_runs: dict) -> None:
+    from kvforge.integrations.vllm.kivi_options import bytes_per_token, kivi_config
+
+    cap = kivi_runs["r32"]["capacity"]
+    config = kivi_config(KIVI_SETTINGS["r32"])
+    per_block = bytes_per_token(config, 3, 64, 30) * cap["block_size"]
+    assert cap["block_size"] == config.key_tokens
+    assert cap["num_blocks"] == KV_BYTES // per_block  # vLLM divides the memory by kvforge's page
+    bf16_blocks = KV_BYTES // (cap["block_size"] * 2 * 3 * 64 * 2 * 30)  # vLLM's own bfloat16 cache
+    assert cap["num_blocks"] >= 4 * bf16_blocks

@@ -20,7 +20,8 @@ _registered = False
 
 
 def register() -> None:
-    """Register the SwiftKV model, its config class and its engine-config hook with vLLM.
+    """Register the SwiftKV model, its config class, its engine-config hook and the KIVI
+    attention backend (`--attention-backend CUSTOM`) with vLLM.
     Idempotent (vLLM may call plugins several times per process)."""
     global _registered
     if _registered:
@@ -35,8 +36,10 @@ def register() -> None:
 
     from kvforge.integrations.vllm.engine_config import SwiftKVEngineConfig
     from kvforge.integrations.vllm.hf_config import register_hf_config
+    from kvforge.integrations.vllm.kivi_register import register_kivi_backend
 
     register_hf_config()
+    register_kivi_backend()  # `--attention-backend CUSTOM`: kvforge's KIVI (kivi_backend.py)
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)  # lazy: imported by vLLM when used
     MODELS_CONFIG_MAP[ARCHITECTURE] = SwiftKVEngineConfig

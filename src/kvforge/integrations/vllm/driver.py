@@ -47,7 +47,7 @@ def parse_emitted(stdout: str) -> dict[str, Any]:
 
 def make_llm(model: str, kv_cache_bytes: int, max_model_len: int, max_num_batched_tokens: int | None = None,
              enforce_eager: bool = True, max_num_seqs: int = 8, enable_prefix_caching: bool = False,
-             log_stats: bool = False) -> Any:
+             log_stats: bool = False, kivi: bool = False, tensor_parallel_size: int = 1) -> Any:
     from kvforge.integrations.vllm import register
 
     register()  # also loaded through the entry point; idempotent
@@ -59,6 +59,12 @@ def make_llm(model: str, kv_cache_bytes: int, max_model_len: int, max_num_batche
                                   seed=0, disable_log_stats=not log_stats)
     if max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    if kivi:  # kvforge's KIVI backend (KVFORGE_VLLM_KIVI picks the setting); a block is one KIVI page
+        from kvforge.integrations.vllm.kivi_options import kivi_config
+
+        kwargs.update(attention_backend="CUSTOM", block_size=kivi_config().key_tokens)
+    if tensor_parallel_size > 1:
+        kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
     return LLM(**kwargs)
 
 
@@ -98,7 +104,7 @@ def run_generate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     llm = make_llm(args.model, args.kv_cache_bytes, args.max_model_len, args.max_num_batched_tokens,
                    enforce_eager=not args.compile, enable_prefix_caching=not args.no_prefix_caching,
-                   log_stats=True)
+                   log_stats=True, kivi=args.kivi, tensor_parallel_size=args.tensor_parallel_size)
     started = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
@@ -119,7 +125,8 @@ def prefix_cache_counters(llm: Any) -> dict[str, float]:
 
 
 def run_capacity(args: argparse.Namespace) -> None:
-    llm = make_llm(args.model, args.kv_cache_bytes, args.max_model_len, enforce_eager=not args.compile)
+    llm = make_llm(args.model, args.kv_cache_bytes, args.max_model_len, enforce_eager=not args.compile,
+                   kivi=args.kivi)
     emit({"model": args.model, "kv_cache_bytes": args.kv_cache_bytes, "capacity": kv_capacity(llm),
           "versions": versions()})
 
@@ -202,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--kv-cache-bytes", type=int, default=256 * 2**20, help="vLLM kv_cache_memory_bytes")
     common.add_argument("--max-model-len", type=int, default=2048)
     common.add_argument("--compile", action="store_true", help="let vLLM torch.compile (default: enforce_eager)")
+    common.add_argument("--kivi", action="store_true",
+                        help="kvforge's KIVI attention backend (setting: KVFORGE_VLLM_KIVI, kivi_options.py)")
+    common.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallel ranks")
     gen = verbs.add_parser("generate", parents=[common], help="greedy generation from token ids")
     gen.add_argument("--prompt-ids", required=True, help="JSON file: a list of token-id lists")
     gen.add_argument("--max-tokens", type=int, default=32)

@@ -1,0 +1,77 @@
+"""Which KIVI setting the vLLM KIVI backend runs, and what one vLLM block of it costs
+(pure kvforge: no vLLM import).
+
+The setting comes from the environment variable `KVFORGE_VLLM_KIVI`, written as the options
+of kvforge's `--cache kivi:...` (so both engines parse it with the same code and reject the
+same values): unset or empty is the paper's setting (bits=2, group=32, residual=128), e.g.
+
+    KVFORGE_VLLM_KIVI="bits=4"            KVFORGE_VLLM_KIVI="preset=paper2"
+
+One vLLM block holds one kvforge KIVI page: `key_tokens` (G) tokens of key codes per channel
+and value codes per token, with their float16 scales and zero points, for one attention
+layer (`page_block_bytes`). The full-precision residual of each sequence is not in the
+blocks: it lives in exact copies of the newest blocks (kivi_exact.py), whose memory is
+reported beside the block count.
+
+Options the backend does not implement yet (they need the model's cooperation or sink
+buffers the block layout has no place for) are refused here, naming the option:
+`sinks`, `rotation`, `key_space=pre_rope`, `key_dot`/`value_dot=int8`; so `preset=quality3`
+(which sets sinks, a value rotation and pre-RoPE keys) is refused too.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig, default_residual_dtype
+from kvforge.cache.kivi.store import page_bytes
+from kvforge.cache.registry import parse_cache_spec
+from kvforge.errors import ConfigError
+
+KIVI_ENV = "KVFORGE_VLLM_KIVI"
+# What the block layout and the backend implement; anything else is refused by `check_supported`.
+UNSUPPORTED_DEFAULTS = {"sinks": 0, "rotation": "none", "key_space": "post_rope", "key_dot": "float",
+                        "value_dot": "float"}
+
+
+def kivi_config(options: str | None = None) -> KIVICacheConfig:
+    """The validated KIVI config of `options` (kvforge's `kivi:` option text; None: read
+    KIVI_ENV), checked against what the vLLM backend implements."""
+    text = os.environ.get(KIVI_ENV, "") if options is None else options
+    config = parse_cache_spec("kivi:" + text.strip()).config() if text.strip() else KIVICacheConfig()
+    check_supported(config)
+    return config
+
+
+def check_supported(config: KIVICacheConfig) -> None:
+    for name, default in UNSUPPORTED_DEFAULTS.items():
+        value = getattr(config, name)
+        if value != default:
+            source = f" (set by preset={config.preset})" if config.preset else ""
+            raise ConfigError(f"{KIVI_ENV} {name}", value,
+                              f"is not implemented by kvforge's vLLM KIVI backend{source}; it supports "
+                              f"{name}={default} only (use kvforge's own engine for it)")
+
+
+def residual_dtype_name(config: KIVICacheConfig, model_dtype: str) -> str:
+    """The residual dtype kvforge's cache would use for a model computing in `model_dtype`
+    ('float32', 'bfloat16', 'float16')."""
+    if config.residual_dtype is not None:
+        return config.residual_dtype
+    chosen = default_residual_dtype(RESIDUAL_DTYPES[model_dtype])
+    return next(name for name, dtype in RESIDUAL_DTYPES.items() if dtype == chosen)
+
+
+def page_block_bytes(config: KIVICacheConfig, kv_heads: int, head_dim: int) -> int:
+    """Bytes of one vLLM block (= one kvforge KIVI page, G tokens) of one attention layer:
+    key and value codes plus float16 scales and zero points, exactly kvforge's page."""
+    if head_dim % config.value_channels:
+        raise ConfigError("group" if config.value_group is None else "value_group", config.value_channels,
+                          f"must divide head_dim={head_dim} (values are grouped over channels)")
+    return page_bytes(1, kv_heads, head_dim, config.kbits, config.key_tokens, config.value_channels, config.vbits)
+
+
+def bytes_per_token(config: KIVICacheConfig, kv_heads: int, head_dim: int, num_cache_layers: int) -> float:
+    """Quantised bytes one token costs over all cache layers: what `kvforge info` reports
+    for the same setting (its KiviMemorySpec.kv_bytes_per_token)."""
+    return page_block_bytes(config, kv_heads, head_dim) * num_cache_layers / config.key_tokens

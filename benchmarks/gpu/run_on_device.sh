@@ -4,8 +4,8 @@
 # transformers; kvforge runs from src/ uninstalled). Needs .gpu/smollm2-stats, written here
 # by `python benchmarks/gpu/stand_in.py stats smollm2-135m .gpu/smollm2-stats` (the real
 # weights are over the transfer limit; see stand_in.py). Usage:
-#   bash benchmarks/gpu/run_on_device.sh [graphs|check|bench|bench-shadowkv|bench-kivi|profile|tests|all]...
-# (default all = graphs, check, bench and profile; bench = bench-shadowkv and bench-kivi). PROFILE_SPECS
+#   bash benchmarks/gpu/run_on_device.sh [graphs|graphs-8b|check|bench|bench-shadowkv|bench-kivi|profile|tests|all]...
+# (default all = graphs, graphs-8b, check, bench and profile; bench = bench-shadowkv and bench-kivi). PROFILE_SPECS
 # (space-separated cache specs) picks what `profile` looks at.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -72,6 +72,15 @@ if has graphs; then
     TAIL=15 step graph-tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/cache/test_static_decode.py
     TAIL=14 step bench-graphs 150 $PY -m kvforge bench decode "${common[@]}" --repeats 3 --cache full \
         --compare eager,hf "${KIVI_SHAPE[@]}" --json "$WORK/bench-graphs.json"
+fi
+if has graphs-8b; then
+    # Llama-3.1-8B's shapes with random weights (--load-format dummy: speed only), bf16:
+    # kvforge with graphs, eager, and transformers on the same weights; batch 16 and 1.
+    shape=llama-3.1-8b; [[ ${SMOKE:-0} == 1 ]] && shape=llama-tiny
+    big=(-m kvforge bench decode --load-format dummy --model "$shape" --device "$DEVICE" --dtype bfloat16 \
+         --warmup 1 --repeats 2 --kv-budget 8GiB --cache full --compare eager,hf)
+    TAIL=14 step bench-8b-b16 300 $PY "${big[@]}" "${KIVI_SHAPE[@]}" --json "$WORK/bench-8b-b16.json"
+    TAIL=14 step bench-8b-b1 200 $PY "${big[@]}" --batch 1 --context 2048 --gen 64 --json "$WORK/bench-8b-b1.json"
 fi
 if has bench-shadowkv; then
     TAIL=14 step bench-shadowkv 160 $PY -m kvforge bench decode "${common[@]}" --repeats 2 \

@@ -28,33 +28,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic
 
 import torch
 
 from kvforge.batch import ForwardBatch
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.memory import MemorySpec
+from kvforge.cache.static_decode import StaticDecode
+from kvforge.cache.step_metadata import Meta, StepMetadata
 from kvforge.errors import ConfigError
 from kvforge.rope import PositionedRope
 
+__all__ = ["CacheMethod", "FusedDecodeTarget", "Meta", "StepMetadata"]
+
 if TYPE_CHECKING:
-    from kvforge.cache.static_decode import StaticDecode
     from kvforge.kernels.cpu_decode_layer import DecodeLayerRun
-
-
-@dataclass
-class StepMetadata:
-    """What a cache method knows of one step: built by `begin_step`, read by the step's
-    `write`, `attend`, `attend_rows` and `end_step` calls, and by the fused decode op.
-    Methods subclass it with their plans (page tables, slots, lengths) and the step's own
-    K/V as `write` hands them over; one object lives exactly one step."""
-
-    batch: ForwardBatch
-
-
-Meta = TypeVar("Meta", bound=StepMetadata)
 
 
 class FusedDecodeTarget(ABC):

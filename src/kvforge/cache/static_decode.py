@@ -6,7 +6,8 @@ must live in fixed tensors of fixed shapes. `StaticDecode` holds, for one batch 
 tensors are such buffers (`meta`), and refills it for each step (`load`). Rows past the
 step's sequences are padding: they write their K/V to a scratch page no sequence owns and
 see no stored token, so they change nothing any sequence reads. Methods opt in through
-`CacheMethod.static_decode` (base.py); engine/decode_graphs.py drives it.
+`CacheMethod.static_decode` (base.py); engine/decode_graphs.py drives it. (Methods pass
+what their static form needs, not themselves: a method module imports its static form.)
 
 Invariant: running the model's `forward_step` on `meta` after `load(batch)` gives, in its
 first `len(batch.spans)` rows, the logits `forward(batch)` gives, and leaves the cache in
@@ -18,15 +19,13 @@ there, eagerly, from the step's K/V that `finish` hands over).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Generic, TypeVar
+from typing import Generic
 
 import torch
 
 from kvforge.batch import ForwardBatch, SequenceSpan
-from kvforge.cache.base import StepMetadata
+from kvforge.cache.step_metadata import Meta
 from kvforge.static_buffers import StaticBuffers
-
-Meta = TypeVar("Meta", bound=StepMetadata)
 
 # Sequence ids of padding rows (an engine's ids are >= 0) and of the scratch page's owner.
 PADDING_SEQ_BASE = -(2**40)

@@ -144,7 +144,7 @@ class FullCache(CacheMethod[FullStepMetadata]):
         scales.view(heads, -1).index_copy_(1, slots, row_scales)
 
     def static_decode(self, rows: int, max_tokens: int) -> FullStaticDecode:
-        return FullStaticDecode(self, rows, -(-max_tokens // self.block_size))
+        return FullStaticDecode(self.pages, self.check_batch, self.device, rows, -(-max_tokens // self.block_size))
 
     def fused_decode_target(self, cache_layer: int, meta: FullStepMetadata) -> FullFusedTarget | None:
         """The layer's pages and its group's plan when the step is decode only with every row

@@ -10,28 +10,27 @@ masked by position like the padding of any ragged batch (plan.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from kvforge.batch import ForwardBatch
 from kvforge.cache.full.plan import DecodePlan, FullStepMetadata, GroupPlan, locate_rows, plan_group
+from kvforge.cache.page_table import PageTable
 from kvforge.cache.static_decode import SCRATCH_SEQ, StaticDecode
 from kvforge.errors import CacheCapacityError
-
-if TYPE_CHECKING:
-    from kvforge.cache.full.method import FullCache
 
 _RANGES = ("first_page_position", "visible_from", "visible_to")
 
 
 class FullStaticDecode(StaticDecode[FullStepMetadata]):
-    def __init__(self, cache: FullCache, rows: int, width: int) -> None:
-        pages = cache.pages
+    def __init__(self, pages: PageTable, check_batch: Callable[[ForwardBatch], None], device: torch.device,
+                 rows: int, width: int) -> None:
+        """`pages`: the cache's page tables; `check_batch`: its `begin_step` check."""
         if not pages.has(SCRATCH_SEQ) and not pages.allocate(SCRATCH_SEQ, 1):
             raise CacheCapacityError("no free page for the static decode step's scratch page")
-        self.cache, self.width = cache, width
+        self.pages, self.check_batch, self.device, self.width = pages, check_batch, device, width
         groups = pages.groups.num_groups
         self.scratch_slots = [pages.require_slots(SCRATCH_SEQ, g, 0, 1)[0] * pages.block_size for g in range(groups)]
         shapes: dict[str, tuple[int, ...]] = {}
@@ -39,8 +38,8 @@ class FullStaticDecode(StaticDecode[FullStepMetadata]):
             shapes[f"{g}.write_slots"] = (rows,)
             shapes[f"{g}.page_table"] = (rows, width)
             shapes.update({f"{g}.{name}": (rows,) for name in _RANGES})
-        super().__init__(rows, shapes, cache.device)
-        self.row_order = torch.arange(rows, device=cache.device)
+        super().__init__(rows, shapes, device)
+        self.row_order = torch.arange(rows, device=device)
         # Until the first step loads, every row is padding (a capture runs on these values).
         self.buffers.fill({name: (torch.full(shape, self.scratch_slots[int(name.split(".")[0])])
                                   if name.endswith(".write_slots") else torch.zeros(shape, dtype=torch.long))
@@ -50,7 +49,7 @@ class FullStaticDecode(StaticDecode[FullStepMetadata]):
 
     def make_meta(self) -> FullStepMetadata:
         buffers = self.buffers.tensors
-        block = self.cache.block_size
+        block = self.pages.block_size
         groups = []
         for g in range(len(self.scratch_slots)):
             decode = DecodePlan(
@@ -64,13 +63,13 @@ class FullStaticDecode(StaticDecode[FullStepMetadata]):
         # attend_rows (SwiftKV's later layers) asks for every row: located here, outside any
         # capture, since locating copies a small plan to the device.
         rows = self.batch.logit_rows
-        meta.row_queries = (rows, locate_rows(meta, rows, self.cache.device))
+        meta.row_queries = (rows, locate_rows(meta, rows, self.device))
         return meta
 
     def plan(self, batch: ForwardBatch) -> tuple[FullStepMetadata, dict[str, torch.Tensor]] | None:
-        self.cache.check_batch(batch)
+        self.check_batch(batch)
         pad = self.rows - len(batch.spans)
-        host_groups = [plan_group(self.cache.pages, g, batch) for g in range(len(self.scratch_slots))]
+        host_groups = [plan_group(self.pages, g, batch) for g in range(len(self.scratch_slots))]
         values: dict[str, torch.Tensor] = {}
         for g, group in enumerate(host_groups):
             decode = group.decode

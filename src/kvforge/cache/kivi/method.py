@@ -220,7 +220,8 @@ class KIVICache(CacheMethod[KiviStepMetadata]):
         return self._planner.on_host(batch)
 
     def static_decode(self, rows: int, max_tokens: int) -> KiviStaticDecode:
-        return KiviStaticDecode(self, rows, -(-max_tokens // self.config.key_tokens))
+        return KiviStaticDecode(self.host_plan, self.groups.num_groups, self.device, rows,
+                                -(-max_tokens // self.config.key_tokens))
 
     def write(self, cache_layer: int, meta: KiviStepMetadata, k_pre: torch.Tensor, v: torch.Tensor,
               rope: PositionedRope) -> None:

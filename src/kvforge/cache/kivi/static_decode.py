@@ -16,7 +16,7 @@ masked), only their own token, and are never stored.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,23 +26,22 @@ from kvforge.cache.kivi.plan import Decode, Flush, GroupPlan, KiviStepMetadata, 
 from kvforge.cache.static_decode import StaticDecode
 from kvforge.step_plan import upload
 
-if TYPE_CHECKING:
-    from kvforge.cache.kivi.method import KIVICache
+HostPlan = Callable[[ForwardBatch], tuple[list[GroupPlan], ResidualWrites]]
 
 _PER_ROW = ("first_page_position", "visible_from", "lengths", "slots")
 
 
 class KiviStaticDecode(StaticDecode[KiviStepMetadata]):
-    def __init__(self, cache: KIVICache, rows: int, width: int) -> None:
-        self.cache, self.width = cache, width
-        self.num_groups = cache.groups.num_groups
+    def __init__(self, host_plan: HostPlan, num_groups: int, device: torch.device, rows: int, width: int) -> None:
+        """`host_plan`: the cache's checks and plan of a step, as host tensors."""
+        self.host_plan, self.num_groups, self.device, self.width = host_plan, num_groups, device, width
         shapes: dict[str, tuple[int, ...]] = {}
         for g in range(self.num_groups):
             shapes[f"{g}.page_table"] = (rows, width)
             shapes.update({f"{g}.{name}": (rows,) for name in _PER_ROW})
-        super().__init__(rows, shapes, cache.device)
-        self.row_order = torch.arange(rows, device=cache.device)
-        empty = torch.zeros(0, dtype=torch.long, device=cache.device)
+        super().__init__(rows, shapes, device)
+        self.row_order = torch.arange(rows, device=device)
+        empty = torch.zeros(0, dtype=torch.long, device=device)
         self.no_flush = Flush((empty, empty), empty, empty, empty, (empty, empty), (empty, empty), empty, empty, empty)
         self.no_writes = ResidualWrites((empty,) * 3, (empty,) * 3, (empty,) * 3)
 
@@ -55,7 +54,7 @@ class KiviStaticDecode(StaticDecode[KiviStepMetadata]):
         return KiviStepMetadata(self.batch, groups, self.no_writes)
 
     def plan(self, batch: ForwardBatch) -> tuple[KiviStepMetadata, dict[str, torch.Tensor]] | None:
-        groups, writes = self.cache.host_plan(batch)
+        groups, writes = self.host_plan(batch)
         pad = self.rows - len(batch.spans)
         values: dict[str, torch.Tensor] = {}
         for g, group in enumerate(groups):
@@ -65,7 +64,7 @@ class KiviStaticDecode(StaticDecode[KiviStepMetadata]):
             table = decode.page_table
             values[f"{g}.page_table"] = F.pad(table, (0, self.width - table.shape[1], 0, pad))
             values.update({f"{g}.{name}": F.pad(getattr(decode, name), (0, pad)) for name in _PER_ROW})
-        return KiviStepMetadata(batch, *upload((groups, writes), self.cache.device)), values
+        return KiviStepMetadata(batch, *upload((groups, writes), self.device)), values
 
     def finish(self, host_meta: KiviStepMetadata, meta: KiviStepMetadata, rows: int) -> None:
         host_meta.step_kv = {layer: (k[:rows], v[:rows]) for layer, (k, v) in meta.step_kv.items()}

@@ -1,57 +1,21 @@
-"""What the Triton kernels outside KIVI share: the optional import of `triton`, whether its
-CPU interpreter is on, and the decorator the kernels use.
+"""Whether Triton can be used, answered without importing it.
 
-Importing this module imports triton (when installed), so only the modules that hold
-Triton kernels import it, and those are imported only where a kernel may run (a CUDA
-tensor, or a test in the interpreter): CPU runs never import triton
-(`triton_installed` answers without importing it).
-
-TRITON_INTERPRET is read when a kernel is decorated (`triton.jit` decides then), i.e. when
-its module is imported: `INTERPRETED` records the setting this module saw, and the kernel
-modules are imported after it, in the same process, under the same setting.
+The Triton kernels outside KIVI (kernels/triton_fused.py, cache/full/triton_decode.py) are
+decorated through kernels/triton_jit.py, which imports triton and reads TRITON_INTERPRET
+once. Their dispatchers (kernels/cuda_fused.py, cache/full/decode_kernels.py) ask only this
+module, so CPU runs never import triton, and importing kvforge does not fix whether the
+kernels are interpreted (tests/conftest.py sets TRITON_INTERPRET=1 after importing kvforge).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
-from collections.abc import Callable
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # optional dependency: `pip install kvforge[triton]`
-    triton = None
-    tl = None
-
-__all__ = ["INTERPRETED", "jit", "tl", "triton", "triton_available", "triton_installed", "triton_interpreting"]
+__all__ = ["triton_installed"]
 
 
 @functools.cache
 def triton_installed() -> bool:
     """Whether the `triton` package can be imported, without importing it."""
     return importlib.util.find_spec("triton") is not None
-
-
-def triton_available() -> bool:
-    """True when `triton` was imported (kernels still need CUDA tensors, or the interpreter)."""
-    return triton is not None
-
-
-def triton_interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter. `triton.knobs` exists only in
-    recent Triton releases; older ones read TRITON_INTERPRET=1 from the environment."""
-    if triton is None:
-        return False
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# Kernels decorated after this import run interpreted (on CPU tensors) iff this is True.
-INTERPRETED = triton_interpreting()
-
-# Without triton a kernel body stays a plain (never called) function, so its module imports.
-jit: Callable = triton.jit if triton is not None else (lambda fn: fn)

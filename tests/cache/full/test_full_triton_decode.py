@@ -22,7 +22,7 @@ def kernel_device() -> str:
     """Where the kernel tests run: "cuda", or "cpu" in Triton's interpreter; skips otherwise."""
     if not triton_installed():
         pytest.skip("the `triton` package is not installed (pip install 'kvforge[triton]')")
-    from kvforge.kernels.triton_runtime import INTERPRETED
+    from kvforge.kernels.triton_jit import INTERPRETED
 
     if torch.cuda.is_available():
         return "cuda"

@@ -50,7 +50,7 @@ def resolve_decode_kernel(requested: str, device: torch.device, fp8_pages: bool)
         raise ConfigError("decode_kernel", requested, f"needs the `triton` package, which is not installed: "
                           f"{INSTALL_TRITON}")
     if device.type == "cpu":
-        from kvforge.kernels.triton_runtime import INTERPRETED
+        from kvforge.kernels.triton_jit import INTERPRETED
 
         if not INTERPRETED:
             raise ConfigError("decode_kernel", requested, "runs on CUDA; on CPU only in Triton's interpreter, "

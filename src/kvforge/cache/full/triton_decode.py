@@ -30,7 +30,7 @@ sum 0) and weighs nothing. The count depends on the batch, so a sequence's outpu
 in the last float32 bits with what it is batched with.
 
 float8 pages are not read here (their scales stay on the PyTorch paths; the cache refuses
-decode_kernel=triton for them). Importing this module imports triton (kernels/triton_runtime.py);
+decode_kernel=triton for them). Importing this module imports triton (kernels/triton_jit.py);
 the cache imports it only when it resolved decode_kernel to "triton".
 """
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.errors import require
-from kvforge.kernels.triton_runtime import INTERPRETED, jit, tl, triton
+from kvforge.kernels.triton_jit import INTERPRETED, jit, tl, triton
 
 __all__ = ["choose_splits", "paged_decode_attention_triton"]
 

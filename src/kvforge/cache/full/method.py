@@ -9,7 +9,8 @@ touched only as pages are used.
 
 Attention of a step = the step's own exact K/V (causal) + what is stored for earlier
 tokens. Prefill chunks gather their visible past once per layer (compute is already
-chunk x context); decode tokens are batched and read pages tile by tile. float8 pages are
+chunk x context); decode tokens are batched and read pages in place (the C++ kernel on the
+CPU, the paged Triton kernel on CUDA: decode_kernels.py) or tile by tile. float8 pages are
 dequantised by every path: `fp8.dequantize` in PyTorch, per row in registers in the C++
 decode kernel (parity-tested against the PyTorch path).
 """

@@ -44,6 +44,8 @@ REQUEST_RULES = ("tests/engine/test_request_rules.py",)
 STREAM_API = ("tests/serve/test_stream_api.py",)
 REQUEST_FIELDS = ("tests/serve/test_request_fields.py",)
 SOAK = "tests/tools/bench/test_bench_soak.py::"
+FULL_TRITON = ("tests/cache/full/test_full_triton_decode.py",)
+TRITON_FUSED = ("tests/kernels/test_triton_fused.py",)
 
 MUTATIONS: list[Mutation] = [
     # -- vLLM KIVI backend ---------------------------------------------------------------
@@ -683,6 +685,30 @@ MUTATIONS: list[Mutation] = [
     Mutation("kivi_split_k_unweighted_combine", S + "cache/kivi/triton_decode.py",
              "weights = tl.exp(maxes - tl.max(maxes, axis=0))", "weights = tl.exp(maxes * 0.0)",
              ("tests/cache/kivi/test_kivi_triton_decode.py",), "parts are merged by exp(max_s - max)"),
+    # -- the paged Triton decode kernel of `full` and the fused Triton ops (issue 62) -----------
+    Mutation("full_triton_reads_hidden_slots", S + "cache/full/triton_decode.py",
+             "kv_mask = visible[:, None] & dim_ok[None, :]", "kv_mask = (t >= 0)[:, None] & dim_ok[None, :]",
+             FULL_TRITON, "slots outside [visible_from, visible_to) (padding, a page's tail) are never read"),
+    Mutation("full_triton_window_from_first_page", S + "cache/full/triton_decode.py",
+             "begin = tl.load(from_ptr + seq) + split * split_tokens",
+             "begin = tl.load(first_ptr + seq) + split * split_tokens",
+             FULL_TRITON, "a sliding window starts at visible_from, not at its first page's first token"),
+    Mutation("full_triton_seeds_every_split", S + "cache/full/triton_decode.py",
+             "first_split = split == 0", "first_split = split >= 0",
+             FULL_TRITON, "the own token is counted once, in split 0"),
+    Mutation("full_triton_auto_on_fp8_pages", S + "cache/full/decode_kernels.py",
+             "device.type == \"cuda\" and not fp8_pages and triton_installed()",
+             "device.type == \"cuda\" and triton_installed()",
+             FULL_TRITON, "auto keeps float8 pages off the Triton kernel, which reads no scales"),
+    Mutation("triton_gemma_norm_without_one", S + "kernels/triton_fused.py",
+             "out = normed * (1.0 + w)", "out = normed * w",
+             TRITON_FUSED, "Gemma's RMSNorm scales by (1 + w)"),
+    Mutation("triton_rope_first_half_sign", S + "kernels/triton_fused.py",
+             "(-x2 * sin1)", "(x2 * sin1)",
+             TRITON_FUSED, "rotate_half negates the second half into the first"),
+    Mutation("triton_silu_sign", S + "kernels/triton_fused.py",
+             "gate / (1.0 + tl.exp(-gate))", "gate / (1.0 + tl.exp(gate))",
+             TRITON_FUSED, "silu(x) = x * sigmoid(x)"),
     # -- KIVI key_dot=int8 (issue 22) ---------------------------------------------------------
     Mutation("kivi_int8_keys_truncated", S + "cache/kivi/cpu_decode.cpp",
              "const __m512i rounded = _mm512_cvtps_epi32(", "const __m512i rounded = _mm512_cvttps_epi32(",

@@ -37,7 +37,8 @@ settings.load_profile(os.environ.get("KVFORGE_HYPOTHESIS", "repeatable"))
 os.environ.setdefault("KVFORGE_AUTO_DTYPE", "float32")
 
 # Without a GPU the Triton kernel runs in Triton's CPU interpreter, so `make test` checks it.
-# `triton.jit` reads TRITON_INTERPRET when kvforge.cache.kivi.triton_decode is imported, and
+# `triton.jit` reads TRITON_INTERPRET when kvforge.cache.kivi.triton_decode (or
+# kvforge.kernels.triton_jit, for the other Triton kernels) is imported, and
 # kvforge imports that module only when a cache may use the kernel (decode_kernels.py), never
 # at import: setting the variable here, before any test, is in time (asserted). It stays set
 # for the session, as Triton expects (it reads it again while interpreting), and subprocesses
@@ -46,8 +47,8 @@ os.environ.setdefault("KVFORGE_AUTO_DTYPE", "float32")
 # without triton they skip. setdefault keeps a value the caller chose (0 turns them off).
 if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    assert "kvforge.cache.kivi.triton_decode" not in sys.modules, \
-        "the Triton kernel was imported before TRITON_INTERPRET was set: it will not run interpreted"
+    assert not {"kvforge.cache.kivi.triton_decode", "kvforge.kernels.triton_jit"} & set(sys.modules), \
+        "a Triton kernel was imported before TRITON_INTERPRET was set: it will not run interpreted"
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=4,
             max_position_embeddings=1024)

@@ -6,7 +6,9 @@
 # weights are over the transfer limit; see stand_in.py). Usage:
 #   bash benchmarks/gpu/run_on_device.sh [graphs|graphs-8b|check|bench|bench-shadowkv|bench-kivi|profile|tests|all]...
 # (default all = graphs, graphs-8b, check, bench and profile; bench = bench-shadowkv and bench-kivi). PROFILE_SPECS
-# (space-separated cache specs) picks what `profile` looks at.
+# (space-separated cache specs) picks what `profile` looks at; it prints kernels per decoder
+# layer for each (`full`: the paged Triton kernel and fused ops, `full:decode_kernel=gather`:
+# the gathered path, for the count before them).
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 # Logs and JSON land in $WORK; after every step they are packed into $OUT/results.tgz (the
@@ -63,7 +65,8 @@ step() {  # step NAME SECONDS CMD...: run bounded, log to $WORK/NAME.log, report
 
 # The stand-in's keys are random, so rank=auto keeps ~191 of 192 directions (nothing to
 # compress); rank=32 is the paper's rule (KV width / 6), the speed a real model's low-rank
-# keys would see. `full` decodes through one gather + SDPA on CUDA (decode_kernel=auto),
+# keys would see. `full` decodes through the paged Triton kernel on CUDA (decode_kernel=auto),
+# `full:decode_kernel=gather` through one gather + SDPA (the earlier auto),
 # `full:decode_kernel=torch` through the tiled loop that the first runs measured.
 common=(--model "$MODEL" --device "$DEVICE" --dtype bfloat16 --warmup 1)
 if has graphs; then
@@ -92,8 +95,8 @@ if has bench-kivi; then
         --compare full,full:decode_kernel=torch,hf "${KIVI_SHAPE[@]}" --json "$WORK/bench-kivi.json"
 fi
 if has profile; then
-    read -r -a specs <<< "${PROFILE_SPECS:-full kivi:bits=2}"
-    TAIL=0 step profile 90 $PY benchmarks/gpu/profile_decode.py --model "$MODEL" --device "$DEVICE" \
+    read -r -a specs <<< "${PROFILE_SPECS:-full full:decode_kernel=gather kivi:bits=2}"
+    TAIL=0 step profile 130 $PY benchmarks/gpu/profile_decode.py --model "$MODEL" --device "$DEVICE" \
         "${PROFILE_SHAPE[@]}" "${specs[@]/#/--spec=}" --json "$WORK/profile.json"
 fi
 if has check; then
@@ -106,6 +109,7 @@ if has tests; then
     TAIL=15 step cuda-tests 150 $PY -m pytest -q -x -p no:cacheprovider \
         "tests/cache/kivi/test_kivi_decode_kernels.py::test_triton_decode_matches_torch_path" \
         "tests/cache/full/test_gathered_decode.py::test_cuda_matches_the_cpu_tiled_path" \
+        tests/cache/full/test_full_triton_decode.py tests/kernels/test_triton_fused.py \
         "tests/cache/shadowkv/test_shadowkv.py::test_cuda_path_with_exact_settings_equals_the_cpu_full_cache" \
         "tests/cache/shadowkv/test_shadowkv_rank_attention.py::test_cuda_rank_attention_picks_the_cpu_ranks_and_matches_its_outputs" \
         "tests/cache/kivi/test_kivi_int8_values.py::test_cuda_pytorch_path_matches_the_cpu" \

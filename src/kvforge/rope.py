@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kvforge.config import RopeConfig
+from kvforge.kernels import cuda_fused
 from kvforge.kernels.cpu_fused import rope_rotate
 
 
@@ -92,8 +93,10 @@ class PositionedRope:
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] whose rows match this step's rows (one fused op on
-        CPU when eligible: kernels/cpu_fused.py)."""
+        CPU or one Triton launch on CUDA when eligible: kernels/cpu_fused.py, cuda_fused.py)."""
         fused = rope_rotate(x, self.cos, self.sin)
+        if fused is None:
+            fused = cuda_fused.rope_rotate(x, self.cos, self.sin)
         if fused is not None:
             return fused
         cos = self.cos[:, None, :]

@@ -22,6 +22,7 @@ from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.tools.bench.compare import parse_compare
 
 FULL_PATHS = ["full:block_size=4", "full:block_size=4,decode_kernel=gather", "full:block_size=4,decode_kernel=torch",
+              "full:block_size=4,decode_kernel=triton",
               "full:block_size=8,storage_dtype=float8_e4m3fn"]
 # R = 8, G = 4: keys flush and values leave the window during the script's decode steps
 KIVI = "kivi:bits=2,group=4,residual=8"

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvforge.cache.base import CacheMethod, StepMetadata
+from kvforge.kernels import cuda_fused
 from kvforge.kernels.cpu_fused import rms_norm, silu_mul
 from kvforge.kernels.cpu_linear import linear
 from kvforge.rope import PositionedRope
@@ -16,8 +17,9 @@ from kvforge.rope import PositionedRope
 class RMSNorm(nn.Module):
     """Llama-style RMSNorm: normalise in float32, scale by w in the input dtype.
 
-    On CPU (no autograd) one fused op computes it (kernels/cpu_fused.py); the PyTorch
-    expression below is the reference and the path everywhere else."""
+    On CPU (no autograd) one fused op computes it (kernels/cpu_fused.py), on CUDA one Triton
+    launch (kernels/cuda_fused.py); the PyTorch expression below is the reference and the
+    path everywhere else."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -27,6 +29,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = rms_norm(x, self.weight, self.eps, gemma=False)
+        if fused is None:
+            fused = cuda_fused.rms_norm(x, self.weight, self.eps, gemma=False)
         if fused is not None:
             return fused
         x32 = x.float()
@@ -36,7 +40,7 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(nn.Module):
     """Gemma RMSNorm: scale by (1 + w), all in float32, then back to the input dtype (fused
-    on CPU as RMSNorm is)."""
+    on CPU and CUDA as RMSNorm is)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -46,6 +50,8 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = rms_norm(x, self.weight, self.eps, gemma=True)
+        if fused is None:
+            fused = cuda_fused.rms_norm(x, self.weight, self.eps, gemma=True)
         if fused is not None:
             return fused
         x32 = x.float()
@@ -78,8 +84,12 @@ class GatedMLP(nn.Module):
         gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)
         up = linear(x, self.up_proj.weight, self.up_proj.bias)
         # SiLU through the fused CPU op when it applies: the fused decode layer calls the
-        # same op, so the two paths stay bitwise equal
-        gated = silu_mul(gate, up) if self.activation is F.silu else None
+        # same op, so the two paths stay bitwise equal; on CUDA one Triton launch
+        gated = None
+        if self.activation is F.silu:
+            gated = silu_mul(gate, up)
+            if gated is None:
+                gated = cuda_fused.silu_mul(gate, up)
         if gated is None:
             gated = self.activation(gate) * up
         return linear(gated, self.down_proj.weight, self.down_proj.bias)

@@ -160,7 +160,7 @@ def test_disable_env_forces_fallback(monkeypatch):
 def test_decode_kernel_option_validated():
     assert parse_cache_spec("full:decode_kernel=torch").config().decode_kernel == "torch"
     with pytest.raises(ConfigError, match="decode_kernel.*must be one of"):
-        parse_cache_spec("full:decode_kernel=triton")
+        parse_cache_spec("full:decode_kernel=cuda")
 
 
 @requires_kernel

@@ -10,6 +10,7 @@ from conftest import decode_logits, make_pair, make_runner
 from decode_cases import make_case
 
 from kvforge.cache.attention import decode_attention, gathered_decode_attention, hidden_slots
+from kvforge.cache.full.decode_kernels import resolve_decode_kernel
 from kvforge.cache.full.fp8 import FP8_DTYPES, quantize_per_token
 from kvforge.cache.full.plan import DecodePlan, plan_decode
 from kvforge.cache.registry import parse_cache_spec
@@ -120,6 +121,7 @@ def _choices(monkeypatch, spec: str, tables: list[int], device: str = "meta", q_
     full = object.__new__(method.FullCache)
     full.config = parse_cache_spec(spec).config()
     full.block_size = full.config.block_size
+    full.decode_kernel = resolve_decode_kernel(full.config.decode_kernel, torch.device(device), fp8_pages=False)
     width, batch = max(tables), len(tables)
     plan = DecodePlan(
         seq_ids=tuple(range(batch)), rows=torch.arange(batch), page_table=torch.zeros(batch, width, dtype=torch.long),

@@ -11,7 +11,7 @@ from kvforge.errors import require
 
 # float8 formats store a float32 scale per token and KV head beside the codes (fp8.py).
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, **FP8_DTYPES}
-DECODE_KERNELS = ("auto", "torch", "gather")
+DECODE_KERNELS = ("auto", "triton", "torch", "gather")
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,11 @@ class FullCacheConfig:
     block_size: int = 16
     # Stored tokens read per tile by batched decode attention (bounds temporaries).
     decode_tile_tokens: int = 1024
-    # Batched decode attention: "auto" uses the compiled CPU kernel for CPU tensors when it
-    # builds (kvforge.kernels) and `gathered_decode_attention` (one gather + SDPA) on other
-    # devices; "torch" always the tiled PyTorch `decode_attention`; "gather" always the
-    # gathered one. All three compute the same attention (cache/attention.py).
+    # Batched decode attention (decode_kernels.py): "auto" uses the paged Triton kernel on
+    # CUDA when triton is installed (16/32-bit pages), the compiled CPU kernel for CPU tensors
+    # when it builds, else `gathered_decode_attention` (one gather + SDPA); "triton",
+    # "torch" (the tiled PyTorch `decode_attention`) and "gather" force one. All compute the
+    # same attention (cache/attention.py).
     decode_kernel: str = "auto"
     # The gathered decode path (decode_kernel=gather, or auto off the CPU) copies every
     # sequence's table padded to the batch's widest: a step whose K (or V) gather would exceed

@@ -9,7 +9,8 @@ touched only as pages are used.
 
 Attention of a step = the step's own exact K/V (causal) + what is stored for earlier
 tokens. Prefill chunks gather their visible past once per layer (compute is already
-chunk x context); decode tokens are batched and read pages tile by tile. float8 pages are
+chunk x context); decode tokens are batched and read pages in place (the C++ kernel on the
+CPU, the paged Triton kernel on CUDA: decode_kernels.py) or tile by tile. float8 pages are
 dequantised by every path: `fp8.dequantize` in PyTorch, per row in registers in the C++
 decode kernel (parity-tested against the PyTorch path).
 """
@@ -26,6 +27,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.full.config import STORAGE_DTYPES, FullCacheConfig
 from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
+from kvforge.cache.full.decode_kernels import resolve_decode_kernel, triton_module
 from kvforge.cache.full.fp8 import SCALE_BYTES, SCALE_DTYPE, dequantize, is_fp8, quantize_per_token
 from kvforge.cache.full.fused_target import FullFusedTarget
 from kvforge.cache.full.memory import PagedMemorySpec
@@ -70,6 +72,8 @@ class FullCache(CacheMethod[FullStepMetadata]):
         # float8: the scale of each stored row [group_size, kv_heads, num_pages, block]
         self.k_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None
         self.v_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None
+        # "triton", "gather", "torch", or "auto" (decided per step: decode_kernels.py)
+        self.decode_kernel = resolve_decode_kernel(config.decode_kernel, self.device, self.fp8)
 
     # -- allocator --------------------------------------------------------------------
     def allocate(self, seq_id: int, num_tokens: int) -> bool:
@@ -232,7 +236,9 @@ class FullCache(CacheMethod[FullStepMetadata]):
         """One query per decode sequence (row i of q is sequence i of `d`), [B, heads, D]."""
         args = (q, k_self, v_self, k_pages, v_pages, d.page_table, d.first_page_position, d.visible_from,
                 d.visible_to, scale)
-        kernel = self.config.decode_kernel
+        kernel = self.decode_kernel
+        if kernel == "triton":  # pages in place, one launch (two with split-K); 16/32-bit pages only
+            return triton_module().paged_decode_attention_triton(*args)
         if kernel == "auto" and q.device.type == "cpu" and cpu_kernels_available():
             return paged_decode_attention_cpu(*args, k_scales=k_scales, v_scales=v_scales)  # pages in place
         if kernel == "gather" or (kernel == "auto" and q.device.type != "cpu" and self._gather_fits(d, q, k_pages)):

@@ -1,0 +1,66 @@
+"""The fused ops of a decoder layer on CUDA: RMSNorm, rotary embedding and SiLU-gate as one
+Triton launch each (triton_fused.py), where the PyTorch expression is several.
+
+`rms_norm`, `rope_rotate` and `silu_mul` mirror `cpu_fused`'s: they return None when the call
+is not eligible (tensors not on CUDA, of mixed or non-float dtypes, not contiguous, needing
+autograd; triton not installed; `KVFORGE_DISABLE_TRITON_FUSED=1`), and the caller then runs
+its PyTorch expression, which stays the reference (tests/kernels/test_triton_fused.py holds
+them together). triton_fused.py, and with it triton, is imported at the first eligible call
+only, so CPU runs never import triton.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from kvforge.kernels.build import FLOAT_IO_DTYPES
+from kvforge.kernels.triton_runtime import triton_installed
+
+__all__ = ["DISABLE_TRITON_FUSED_ENV", "rms_norm", "rope_rotate", "silu_mul"]
+
+DISABLE_TRITON_FUSED_ENV = "KVFORGE_DISABLE_TRITON_FUSED"
+# The device the Triton ops serve; tests set "cpu" to run them in Triton's interpreter.
+DEVICE_TYPE = "cuda"
+
+
+def _kernels() -> ModuleType:
+    from kvforge.kernels import triton_fused
+
+    return triton_fused
+
+
+def _eligible(*tensors: torch.Tensor) -> bool:
+    dtype = tensors[0].dtype
+    for t in tensors:
+        if t.device.type != DEVICE_TYPE or t.dtype != dtype or not t.is_contiguous():
+            return False
+    if dtype not in FLOAT_IO_DTYPES:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return os.environ.get(DISABLE_TRITON_FUSED_ENV, "").strip() in ("", "0") and triton_installed()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor | None:
+    """RMSNorm of the last dim of x in one launch (Llama's w * norm(x), or Gemma's (1 + w)), or None."""
+    if x.device.type != DEVICE_TYPE or weight.dim() != 1 or x.dim() < 1 or weight.shape[0] != x.shape[-1]:
+        return None
+    return _kernels().rms_norm_triton(x, weight, eps, gemma) if _eligible(x, weight) else None
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """`x * cos + rotate_half(x) * sin` for x [rows, heads, head_dim], cos/sin [rows, head_dim], or None."""
+    if (x.device.type != DEVICE_TYPE or x.dim() != 3 or cos.dim() != 2 or cos.shape != sin.shape
+            or cos.shape[0] != x.shape[0] or cos.shape[1] != x.shape[2] or x.shape[2] % 2):
+        return None
+    return _kernels().rope_rotate_triton(x, cos, sin) if _eligible(x, cos, sin) else None
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """`F.silu(gate) * up` in one launch with the same two roundings (gate's dtype), or None."""
+    if gate.device.type != DEVICE_TYPE or gate.dim() < 1 or gate.shape != up.shape:
+        return None
+    return _kernels().silu_mul_triton(gate, up) if _eligible(gate, up) else None

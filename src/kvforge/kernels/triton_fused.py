@@ -1,0 +1,131 @@
+"""RMSNorm, rotary embedding and the gated MLP's SiLU-gate as Triton kernels: each one
+launch where the PyTorch expression is several (RMSNorm: pow, mean, add, rsqrt, two muls and
+two casts; RoPE: two slices, a negation, a cat, two muls, an add). A decode step runs these
+on a few rows, so on a GPU each is launch overhead rather than work.
+
+Each computes its PyTorch reference (models/layers.py, rope.py) with the same roundings to
+the input dtype: RMSNorm normalises in float32 and rounds before the weight (Llama) or
+scales by (1 + w) in float32 (Gemma); RoPE rounds both products and their sum; SiLU-gate
+rounds silu(gate) and the product. Results are not bitwise on a GPU (rsqrt/exp
+approximations, contracted multiply-adds): tests hold them to the references' tolerance.
+
+The launchers take contiguous tensors of one float dtype (`cuda_fused.py` checks this and
+picks these kernels on CUDA); on CPU tensors they run only in Triton's interpreter
+(TRITON_INTERPRET=1 when kernels/triton_jit.py was imported), which is how the tests run
+them. Importing this module imports triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.kernels.triton_jit import INTERPRETED, jit, tl, triton
+
+__all__ = ["rms_norm_triton", "rope_rotate_triton", "silu_mul_triton"]
+
+SILU_BLOCK = 1024  # elements per program of silu_mul
+
+
+@jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, eps, GEMMA: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    ok = cols < dim
+    x = tl.load(x_ptr + row * dim + cols, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    normed = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps))
+    dtype = out_ptr.dtype.element_ty
+    if GEMMA:
+        out = normed * (1.0 + w)
+    else:
+        out = w * normed.to(dtype).to(tl.float32)  # rounded before the weight, as the reference
+    tl.store(out_ptr + row * dim + cols, out.to(dtype), mask=ok)
+
+
+@jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, dim, half,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # One program per row: every head of it. First half: x1 cos1 - x2 sin1; second half:
+    # x2 cos2 + x1 sin2 (rotate_half(x) = cat(-x2, x1)); each product and the sum rounded.
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    ok = (h < heads)[:, None] & (d < half)[None, :]
+    base = row * heads * dim + h[:, None] * dim + d[None, :]
+    dtype = out_ptr.dtype.element_ty
+    x1 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + base + half, mask=ok, other=0.0).to(tl.float32)
+    cos1 = tl.load(cos_ptr + row * dim + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_ptr + row * dim + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_ptr + row * dim + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_ptr + row * dim + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+    first = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
+    second = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
+    tl.store(out_ptr + base, first.to(dtype), mask=ok)
+    tl.store(out_ptr + base + half, second.to(dtype), mask=ok)
+
+
+@jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < n
+    gate = tl.load(gate_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + offsets, (silu * up).to(dtype), mask=ok)
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError("the fused Triton ops need the `triton` package (pip install 'kvforge[triton]')")
+    for t in tensors:
+        if not (t.is_cuda or INTERPRETED):
+            raise ValueError("the fused Triton ops run on CUDA tensors (or on CPU tensors when TRITON_INTERPRET=1 "
+                             "was set before kvforge.kernels.triton_jit was imported)")
+        if not t.is_contiguous() or t.dtype != tensors[0].dtype:
+            raise ValueError(f"the fused Triton ops take contiguous tensors of one dtype, got {t.dtype} "
+                             f"(contiguous: {t.is_contiguous()}) beside {tensors[0].dtype}")
+
+
+def _warps(elements: int) -> int:
+    return 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """RMSNorm of the last dim of x (Llama's w * norm(x), or Gemma's (1 + w) * norm(x))."""
+    _check(x, weight)
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    rows = x.numel() // dim if dim else 0
+    if rows:
+        block = triton.next_power_of_2(dim)
+        with torch.cuda.device_of(x):
+            _rms_norm_kernel[(rows,)](x, weight, out, dim, float(eps), GEMMA=bool(gemma), BLOCK_D=block,
+                                      num_warps=_warps(block))
+    return out
+
+
+def rope_rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + rotate_half(x) * sin` for x [rows, heads, head_dim], cos/sin [rows, head_dim]."""
+    _check(x, cos, sin)
+    rows, heads, dim = x.shape
+    out = torch.empty_like(x)
+    if rows and heads:
+        half = dim // 2
+        block_h, block_half = triton.next_power_of_2(heads), triton.next_power_of_2(half)
+        with torch.cuda.device_of(x):
+            _rope_kernel[(rows,)](x, cos, sin, out, heads, dim, half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                                  num_warps=_warps(block_h * block_half))
+    return out
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up`, elementwise, in gate's dtype."""
+    _check(gate, up)
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        with torch.cuda.device_of(gate):
+            _silu_mul_kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, BLOCK=SILU_BLOCK)
+    return out

@@ -1,4 +1,4 @@
-"""What the Triton kernels outside KIVI share: the optional import of `triton`, whether its
+"""What kvforge's Triton kernels share: the optional import of `triton`, whether its
 CPU interpreter is on, and the decorator the kernels use.
 
 Importing this module imports triton (when installed), so only the modules that hold

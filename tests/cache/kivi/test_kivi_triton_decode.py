@@ -20,9 +20,10 @@ from kvforge.cache.kivi.triton_decode import (
     kivi_decode_attention_triton,
     triton_available,
     triton_interpreted,
-    triton_interpreting,
 )
 from kvforge.errors import ConfigError
+from kvforge.kernels import triton_jit
+from kvforge.kernels.triton_jit import triton_interpreting
 
 GROUP, RESIDUAL, KV_HEADS, QUERY_GROUP, DIM = 16, 32, 2, 3, 32
 LENGTHS = [0, 5, 40, 77, 130]  # below, at and past the residual; 130 = 4 key flushes + 2
@@ -256,15 +257,15 @@ def test_interpreter_check_works_with_and_without_triton_knobs(monkeypatch) -> N
     """`triton.knobs` is recent; an older Triton is asked through TRITON_INTERPRET instead."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(triton_decode, "triton", SimpleNamespace())  # a Triton without knobs
+    monkeypatch.setattr(triton_jit, "triton", SimpleNamespace())  # a Triton without knobs
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_interpreting()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not triton_interpreting()
     runtime = SimpleNamespace(interpret=True)
-    monkeypatch.setattr(triton_decode, "triton", SimpleNamespace(knobs=SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(triton_jit, "triton", SimpleNamespace(knobs=SimpleNamespace(runtime=runtime)))
     assert triton_interpreting()  # the knob wins over the environment when it exists
-    monkeypatch.setattr(triton_decode, "triton", None)
+    monkeypatch.setattr(triton_jit, "triton", None)
     assert not triton_interpreting()
 
 

@@ -38,19 +38,13 @@ how it is tested without a GPU (tests/conftest.py sets it).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvforge.cache.kivi.quant import SUPPORTED_BITS, codes_per_byte
 from kvforge.errors import require
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # optional dependency: `pip install kvforge[triton]`
-    triton = None
-    tl = None
+from kvforge.kernels.triton_jit import INTERPRETED as _INTERPRETED
+from kvforge.kernels.triton_jit import jit as _jit
+from kvforge.kernels.triton_jit import tl, triton, triton_available
 
 __all__ = ["kivi_decode_attention_triton", "triton_available", "triton_interpreted"]
 
@@ -58,35 +52,10 @@ BLOCK_T = 32  # tokens per tile
 MIN_DOT = 16  # smallest dimension tl.dot accepts
 
 
-def triton_available() -> bool:
-    """True when the `triton` package is importable (the kernel still needs CUDA tensors,
-    or TRITON_INTERPRET=1 for CPU tensors)."""
-    return triton is not None
-
-
-def triton_interpreting() -> bool:
-    """True when Triton is set to run kernels in its CPU interpreter. `triton.knobs` exists only
-    in recent Triton releases; older ones read TRITON_INTERPRET=1 from the environment."""
-    if triton is None:
-        return False
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# TRITON_INTERPRET, read when the kernel below is decorated: setting it later changes nothing.
-_INTERPRETED = triton_interpreting()
-
-
 def triton_interpreted() -> bool:
     """True when the kernel below was decorated for Triton's interpreter, so it runs on CPU
     tensors (TRITON_INTERPRET=1 was set when this module was imported)."""
     return _INTERPRETED
-
-
-# Without triton the body stays a plain (never called) function, so the module imports.
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
 @_jit

@@ -34,7 +34,7 @@ from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import KVForgeError, require
 from kvforge.tools.bench import hf_peer, hf_static_peer, llamacpp_peer
-from kvforge.tools.bench.common import BenchContext, prepare
+from kvforge.tools.bench.common import BenchContext, log, prepare
 from kvforge.tools.bench.flops import KVReadModel, decode_bytes, weight_bytes_per_step
 from kvforge.tools.bench.measure import rate, repeat_runs, run_systems, timed_rounds
 from kvforge.tools.bench.plot import Panel
@@ -134,6 +134,7 @@ def _hf_static(ctx: BenchContext, system: System) -> dict[str, Any]:
     prompts = ctx.prompts(args.batch, args.context)
     peer = hf_static_peer.StaticPeer(ctx.hf_model(), max_len=args.context + args.gen)
     compile_seconds = peer.compile_decode(prompts, args.gen)
+    log(f"{system.name}: first run, which compiles, {compile_seconds:.1f} s (untimed)")
     run = repeat_runs(system.name, lambda: peer.decode(prompts, args.gen), args.warmup, args.repeats)
     return {**run, "compile_seconds": compile_seconds, **_dense_kv(ctx)}
 

@@ -25,7 +25,7 @@ from typing import Any
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import require
 from kvforge.tools.bench import hf_peer, hf_static_peer, llamacpp_peer
-from kvforge.tools.bench.common import BenchContext, drain, prepare
+from kvforge.tools.bench.common import BenchContext, drain, log, prepare
 from kvforge.tools.bench.flops import prefill_flops
 from kvforge.tools.bench.measure import rate, repeat_runs, run_systems, timed_rounds
 from kvforge.tools.bench.plot import Panel
@@ -69,6 +69,7 @@ def _hf_static(ctx: BenchContext, system: System) -> dict[str, Any]:
     prompts = ctx.prompts(args.batch, args.prompt_len)
     peer = hf_static_peer.StaticPeer(ctx.hf_model(), max_len=args.prompt_len)
     compile_seconds = peer.compile_prefill(prompts)
+    log(f"{system.name}: first run, which compiles, {compile_seconds:.1f} s (untimed)")
     run = repeat_runs(system.name, lambda: {"seconds": peer.prefill(prompts)}, args.warmup, args.repeats)
     return {**run, "compile_seconds": compile_seconds}
 

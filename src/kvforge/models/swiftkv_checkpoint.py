@@ -16,7 +16,10 @@ Format (a Hugging Face checkpoint directory):
 
 kvforge also writes a *params-only* variant (the SwiftKV tensors alone, plus the base
 model's name under `kvforge_base_model`), small enough to commit; loading it overlays the
-tensors on the base model's weights.
+tensors on the base model's weights. A params-only checkpoint may also name, under
+`kvforge_extends`, another params-only checkpoint directory (relative to its own) of the
+same base model and wiring: it then holds only the tensors it changes (e.g. an early-exit
+head trained over a frozen model), and the other's tensors are read first.
 
 Initialisation (as the authors start distillation): q_proj_swiftkv = q_proj of the same
 layer; a leader's k/v_proj_swiftkv = mean of k/v_proj over its group; norm_swiftkv = layer
@@ -40,6 +43,7 @@ from kvforge.models.hf_checkpoint import CONFIG_FILE, SINGLE_FILE, read_hf_confi
 from kvforge.models.hf_config import config_from_hf_dict
 
 BASE_MODEL_KEY = "kvforge_base_model"
+EXTENDS_KEY = "kvforge_extends"
 EARLY_EXIT_TENSORS = ("model.early_exit_proj.weight",)
 PARAMS_ONLY_KEY = "kvforge_params_only"
 _PROJECTION_SUFFIXES = (".weight", ".bias")
@@ -240,4 +244,35 @@ def overlay_config(base: ModelConfig, directory: str | Path) -> ModelConfig:
 
 
 def read_overlay_tensors(directory: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return read_hf_state_dict(directory, dtype=dtype)
+    """The SwiftKV checkpoint's tensors in `dtype` (whatever dtype they are stored in); with
+    `kvforge_extends`, those of the checkpoint it extends with its own laid over them."""
+    directory = Path(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    extended = extended_checkpoint(directory)
+    if extended is not None:
+        tensors = read_hf_state_dict(extended, dtype=dtype)
+    tensors.update(read_hf_state_dict(directory, dtype=dtype))
+    return tensors
+
+
+def extended_checkpoint(directory: str | Path) -> Path | None:
+    """The directory `kvforge_extends` names (relative to `directory`), or None; ModelLoadError
+    unless it is a params-only checkpoint of the same base model and SwiftKV wiring that
+    extends none itself (one level, so a chain or a cycle cannot form)."""
+    directory = Path(directory)
+    ours = read_hf_config_dict(directory)
+    name = ours.get(EXTENDS_KEY)
+    if name is None:
+        return None
+    extended = directory / str(name)
+    if not extended.is_dir():
+        raise ModelLoadError(f"{directory}: {EXTENDS_KEY}={name!r} is not a directory ({extended})")
+    theirs = read_hf_config_dict(extended)
+    if EXTENDS_KEY in theirs:
+        raise ModelLoadError(f"{directory}: {EXTENDS_KEY}={name!r} extends {theirs[EXTENDS_KEY]!r} in turn; "
+                             f"a checkpoint may extend only one that extends none")
+    for key in (BASE_MODEL_KEY, "num_key_value_layers", "key_value_group_size"):
+        if ours.get(key) != theirs.get(key):
+            raise ModelLoadError(f"{directory}: {EXTENDS_KEY}={name!r} has {key}={theirs.get(key)!r} but this "
+                                 f"checkpoint has {key}={ours.get(key)!r}; they must be equal")
+    return extended

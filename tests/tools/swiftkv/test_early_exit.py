@@ -206,15 +206,20 @@ def test_early_exit_only_trains_the_head_and_exports_every_swiftkv_tensor(tmp_pa
 
 
 def test_the_committed_early_exit_model_keeps_l15_exactly():
-    """models/swiftkv-smollm2-135m-l15-ee trained only its head (--early-exit-only): every
-    SwiftKV tensor is the committed l15 model's, bit for bit, plus the head."""
+    """models/swiftkv-smollm2-135m-l15-ee trained only its head (--early-exit-only): it stores
+    the head alone and extends the committed l15 model, so every other SwiftKV tensor is
+    l15's, bit for bit."""
     from pathlib import Path
 
     from safetensors.torch import load_file
 
+    from kvforge.models.swiftkv_checkpoint import read_overlay_tensors
+
     models = Path(__file__).resolve().parents[3] / "models"
     l15 = load_file(str(models / "swiftkv-smollm2-135m-l15" / "model.safetensors"))
-    ee = load_file(str(models / "swiftkv-smollm2-135m-l15-ee" / "model.safetensors"))
+    assert set(load_file(str(models / "swiftkv-smollm2-135m-l15-ee" / "model.safetensors"))) == {
+        "model.early_exit_proj.weight"}
+    ee = read_overlay_tensors(models / "swiftkv-smollm2-135m-l15-ee", torch.float16)
     assert set(ee) - set(l15) == {"model.early_exit_proj.weight"}
     assert all(torch.equal(ee[name], tensor) for name, tensor in l15.items())
     assert json.loads((models / "swiftkv-smollm2-135m-l15-ee" / "config.json").read_text())["early_exit_head"]

@@ -36,7 +36,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "model, same cache), merge-all-layers (the base model, same cache, one cache layer stored for "
                              "all: the SwiftKV paper's ideal-compression reference), a cache spec such as full or "
                              "full:storage_dtype=bfloat16 (SPEC@DIR: on the SwiftKV checkpoint DIR; SPEC@base: on the "
-                             "base model), or (bench "
+                             "base model), or (bench prefill and decode) hf-static: transformers' static cache "
+                             "with its forward compiled (compile time reported apart, never timed), or (bench "
                              "prefill and decode; pip install -e '.[peers]') llama.cpp[:f16|bf16|f32|as-shipped]: "
                              "llama.cpp on the model's GGUF file converted to that type (f16), or as shipped")
     parser.add_argument("--enforce-eager", action="store_true",

@@ -174,9 +174,10 @@ def parse_budgets(text: str, several: bool) -> tuple[int, ...]:
 
 
 def prepare(args: argparse.Namespace, tokens_per_sequence: int, llama_cpp: bool = False,
-            several_budgets: bool = False) -> BenchContext:
+            several_budgets: bool = False, hf_static: bool = False) -> BenchContext:
     """Validate options, set the thread count and describe the model (weights load later).
     `llama_cpp`: whether this benchmark can run the llama.cpp peer (`--compare llama.cpp`);
+    `hf_static`: whether it can run transformers' compiled static-cache peer (`--compare hf-static`);
     `several_budgets`: whether it takes a comma-separated --kv-budget list."""
     for name in ("threads", "repeats"):
         require(getattr(args, name) >= 1, name, getattr(args, name), "must be >= 1")
@@ -187,7 +188,8 @@ def prepare(args: argparse.Namespace, tokens_per_sequence: int, llama_cpp: bool 
     prefix = bool(getattr(args, "prefix_caching", False))
     systems = unique_names([dataclasses.replace(s, prefix_caching=prefix if s.prefix_caching is None else s.prefix_caching)
                             for s in (System(kvforge_name(under_test, swiftkv), "kvforge", under_test),
-                                      *parse_compare(args.compare, under_test, swiftkv, llama_cpp))])
+                                      *parse_compare(args.compare, under_test, swiftkv, llama_cpp,
+                                                    hf_static=hf_static))])
     budgets = parse_budgets(args.kv_budget, several_budgets)
     torch.set_num_threads(args.threads)  # before any measurement, including the peak
     source = resolve_model_source(args.model, getattr(args, "load_format", "auto"))

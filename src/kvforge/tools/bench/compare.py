@@ -13,11 +13,14 @@ from kvforge.tools.bench.systems import System, kvforge_name
 NO_PREFIX_CACHING = "no-prefix-caching"  # --compare: the system under test without prefix caching
 EAGER = "eager"  # --compare: the system under test without CUDA graphs (--enforce-eager)
 VLLM_PEER = "vllm"  # --compare: vLLM's server of the same weights (bench serve; serve_vllm.py)
+HF_STATIC = "hf-static"  # --compare: transformers' static cache, compiled (bench decode/prefill; hf_static_peer.py)
 
 
 def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None = None,
-                  swiftkv: str | None = None, llama_cpp: bool = False, vllm: bool = False) -> list[System]:
-    """`--compare` values -> systems. Each value is a comma-separated list of `hf`, `base`
+                  swiftkv: str | None = None, llama_cpp: bool = False, vllm: bool = False,
+                  hf_static: bool = False) -> list[System]:
+    """`--compare` values -> systems. Each value is a comma-separated list of `hf`,
+    `hf-static` (only where `hf_static` says the benchmark has that peer), `base`
     (the --swiftkv model's base model with the cache under test), `merge-all-layers` (the
     base model with the cache under test, one cache layer for all: merge_all_layers.py),
     `llama.cpp[:WEIGHTS]` (only where `llama_cpp` says the benchmark has that peer), `vllm`
@@ -26,12 +29,16 @@ def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None 
     (`full:storage_dtype=bfloat16,block_size=32`). With --swiftkv, cache-spec systems run
     the SwiftKV model too; `SPEC@DIR` runs the SwiftKV checkpoint DIR, `SPEC@base` the base
     model, whatever --swiftkv says."""
-    items = split_spec_list(entries, bare=("hf", "base", NO_PREFIX_CACHING, EAGER, MERGE_ALL_LAYERS, llamacpp_option.PEER,
-                                                 VLLM_PEER))
+    items = split_spec_list(entries, bare=("hf", HF_STATIC, "base", NO_PREFIX_CACHING, EAGER, MERGE_ALL_LAYERS,
+                                           llamacpp_option.PEER, VLLM_PEER))
     systems = []
     for item in items:
         if item == "hf":
             systems.append(System("hf", "hf"))
+        elif item == HF_STATIC:
+            require(hf_static, "compare", item, "transformers' static cache with torch.compile is a peer of "
+                                                "bench decode and bench prefill only")
+            systems.append(System(HF_STATIC, HF_STATIC))
         elif item == VLLM_PEER:
             require(vllm, "compare", item, "vLLM is a peer of `bench serve` only (a server)")
             systems.append(System("vllm", "vllm"))
@@ -65,7 +72,7 @@ def _cache_system(item: str, swiftkv: str | None) -> System:
     try:
         spec = parse_cache_spec(text)
     except ConfigError as exc:
-        raise ConfigError("compare", item, "each entry must be hf, base, merge-all-layers, llama.cpp[:WEIGHTS], "
+        raise ConfigError("compare", item, "each entry must be hf, hf-static, base, merge-all-layers, llama.cpp[:WEIGHTS], "
                                            f"vllm or a cache spec, optionally @DIR or @base ({exc})") from exc
     where = where.strip()
     if not at:

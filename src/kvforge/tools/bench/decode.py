@@ -8,7 +8,8 @@ in gen - 1 lock-step decode steps (the tokens actually produced are counted).
 
 transformers: the [batch, context] prompt is prefilled into a DynamicCache (untimed), then
 gen - 1 forward calls with greedy argmax fed back are timed. This is `generate`'s loop
-without its per-step Python overhead, so it favours transformers.
+without its per-step Python overhead, so it favours transformers. `--compare hf-static`
+(hf_static_peer.py): the same loop on transformers' static cache with the forward compiled.
 
 llama.cpp (`--compare llama.cpp`, llamacpp_peer.py): the prompts are prefilled as separate
 sequences (untimed), then gen - 1 lock-step llama_decode calls of one token per sequence,
@@ -32,8 +33,8 @@ from tqdm.auto import tqdm
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import KVForgeError, require
-from kvforge.tools.bench import hf_peer, llamacpp_peer
-from kvforge.tools.bench.common import BenchContext, prepare
+from kvforge.tools.bench import hf_peer, hf_static_peer, llamacpp_peer
+from kvforge.tools.bench.common import BenchContext, log, prepare
 from kvforge.tools.bench.flops import KVReadModel, decode_bytes, weight_bytes_per_step
 from kvforge.tools.bench.measure import rate, repeat_runs, run_systems, timed_rounds
 from kvforge.tools.bench.plot import Panel
@@ -126,10 +127,24 @@ def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
     prompts = ctx.prompts(args.batch, args.context)
     model = ctx.hf_model()
     run = repeat_runs(system.name, lambda: hf_peer.decode(model, prompts, args.gen), args.warmup, args.repeats)
+    return {**run, **_dense_kv(ctx)}
+
+
+def _hf_static(ctx: BenchContext, system: System) -> dict[str, Any]:
+    args = ctx.args
+    prompts = ctx.prompts(args.batch, args.context)
+    peer = hf_static_peer.StaticPeer(ctx.hf_model(), max_len=args.context + args.gen)
+    compile_seconds = peer.compile_decode(prompts, args.gen)
+    log(f"{system.name}: first run, which compiles, {compile_seconds:.1f} s (untimed)")
+    run = repeat_runs(system.name, lambda: peer.decode(prompts, args.gen), args.warmup, args.repeats)
+    return {**run, "compile_seconds": compile_seconds, **_dense_kv(ctx)}
+
+
+def _dense_kv(ctx: BenchContext) -> dict[str, Any]:
+    """A transformers cache's K/V per token (what attention reads of it: a static cache's
+    unused tail is masked, and counting it would credit the peer with bytes of no use)."""
     kv = KVReadModel.of_dense(ctx.config, _element_size(ctx))
-    run["kv_bytes_per_token"] = sum(kv.bytes_per_token)
-    run["bytes_per_step_model"] = kv
-    return run
+    return {"kv_bytes_per_token": sum(kv.bytes_per_token), "bytes_per_step_model": kv}
 
 
 def _llama_cpp(ctx: BenchContext, system: System) -> dict[str, Any]:
@@ -151,8 +166,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("batch", "context"):
         require(getattr(args, name) >= 1, name, getattr(args, name), "must be >= 1")
     require(args.gen >= 2, "gen", args.gen, "must be >= 2 (the first token comes from the prefill)")
-    ctx = prepare(args, tokens_per_sequence=args.context + args.gen, llama_cpp=True)
-    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf, "llama.cpp": _llama_cpp})
+    ctx = prepare(args, tokens_per_sequence=args.context + args.gen, llama_cpp=True, hf_static=True)
+    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf, hf_static_peer.NAME: _hf_static,
+                                "llama.cpp": _llama_cpp})
     weights = weight_bytes_per_step(ctx.config, _element_size(ctx))
     for system in systems:
         kv: KVReadModel = system.pop("bytes_per_step_model")
@@ -172,6 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill": "excluded (untimed); timing starts once every request has its first token",
         "hf_timing": "G-1 forward calls with a DynamicCache and argmax feedback: generate's loop "
                      "without its Python overhead, which favours transformers",
+        "hf_static_timing": hf_static_peer.TIMING["decode"],
         "llama_cpp_timing": llamacpp_peer.TIMING["decode"],
         "step_split": "kvforge systems: one extra run on an engine with step timing (kvforge.step_timing): "
                       "'timed ms' is its ms per decode step and linear/attn/sampling/rest its parts (rest = "
@@ -184,7 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                Column("fraction_of_read_bandwidth", "of read BW", "{:.2f}"), Column("tokens", "tokens", "{}"),
                Column("prefill_seconds", "prefill s"), Column("decode_ms_per_step", "timed ms"),
                Column("decode_linear_ms", "linear"), Column("decode_attention_ms", "attn"),
-               Column("decode_sampling_ms", "sampling"), Column("decode_rest_ms", "rest")]
+               Column("decode_sampling_ms", "sampling"), Column("decode_rest_ms", "rest"),
+               Column("compile_seconds", "compile s")]
     panel = Panel("achieved_gbps", "achieved GB/s (weights + KV)", ctx.peak.read_gbps, "measured read")
     # Reading weights and KV once per step cannot go faster than the machine reads memory.
     bounds = [{"what": f"{s['name']} achieved GB/s / measured read bandwidth", "ratio": s["fraction_of_read_bandwidth"],

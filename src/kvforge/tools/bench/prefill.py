@@ -7,6 +7,7 @@ last finished output: time to first token, including scheduling, sampling and de
 
 transformers: one forward call `model(ids, logits_to_keep=1)` under inference_mode (what
 generate(max_new_tokens=1) computes without its set-up code), plus the argmax.
+`--compare hf-static` (hf_static_peer.py): the same call compiled, into a static cache.
 
 llama.cpp (`--compare llama.cpp`, llamacpp_peer.py): the prompts as separate sequences in one
 llama_decode call, plus the argmax of each sequence's logits.
@@ -23,8 +24,8 @@ from typing import Any
 
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import require
-from kvforge.tools.bench import hf_peer, llamacpp_peer
-from kvforge.tools.bench.common import BenchContext, drain, prepare
+from kvforge.tools.bench import hf_peer, hf_static_peer, llamacpp_peer
+from kvforge.tools.bench.common import BenchContext, drain, log, prepare
 from kvforge.tools.bench.flops import prefill_flops
 from kvforge.tools.bench.measure import rate, repeat_runs, run_systems, timed_rounds
 from kvforge.tools.bench.plot import Panel
@@ -63,6 +64,16 @@ def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:
     return run
 
 
+def _hf_static(ctx: BenchContext, system: System) -> dict[str, Any]:
+    args = ctx.args
+    prompts = ctx.prompts(args.batch, args.prompt_len)
+    peer = hf_static_peer.StaticPeer(ctx.hf_model(), max_len=args.prompt_len)
+    compile_seconds = peer.compile_prefill(prompts)
+    log(f"{system.name}: first run, which compiles, {compile_seconds:.1f} s (untimed)")
+    run = repeat_runs(system.name, lambda: {"seconds": peer.prefill(prompts)}, args.warmup, args.repeats)
+    return {**run, "compile_seconds": compile_seconds}
+
+
 def _llama_cpp(ctx: BenchContext, system: System) -> dict[str, Any]:
     args = ctx.args
     prompts = ctx.prompts(args.batch, args.prompt_len)
@@ -77,9 +88,10 @@ def _llama_cpp(ctx: BenchContext, system: System) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     require(args.prompt_len >= 1, "prompt_len", args.prompt_len, "must be >= 1")
     require(args.batch >= 1, "batch", args.batch, "must be >= 1")
-    ctx = prepare(args, tokens_per_sequence=args.prompt_len + 1, llama_cpp=True)
+    ctx = prepare(args, tokens_per_sequence=args.prompt_len + 1, llama_cpp=True, hf_static=True)
     flops = prefill_flops(ctx.config, args.prompt_len, args.batch)
-    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf, "llama.cpp": _llama_cpp})
+    systems = run_systems(ctx, {"kvforge": _kvforge, "hf": _hf, hf_static_peer.NAME: _hf_static,
+                                "llama.cpp": _llama_cpp})
     tokens = args.prompt_len * args.batch
     for system in systems:
         seconds = system["seconds"]
@@ -95,11 +107,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "total": flops.total},
         "kvforge_timing": "engine: add_request -> finished output (one step, max_tokens=1)",
         "hf_timing": "one forward call model(ids, logits_to_keep=1) under inference_mode + argmax",
+        "hf_static_timing": hf_static_peer.TIMING["prefill"],
         "llama_cpp_timing": llamacpp_peer.TIMING["prefill"],
     }
     columns = [Column(HEADLINE, "prompt tok/s"), Column("ms_to_first_token", "ms TTFT"),
                Column("achieved_gflops", "GFLOP/s"), Column("fraction_of_matmul_peak", "of peak", "{:.2f}"),
-               Column("engine_steps", "steps", "{}")]
+               Column("engine_steps", "steps", "{}"), Column("compile_seconds", "compile s")]
     panel = Panel("achieved_gflops", "achieved GFLOP/s", ctx.peak.matmul_gflops, "matmul peak")
     return finish(ctx, "prefill", settings, HEADLINE, systems, columns, panel, flop_bounds(systems))
 

@@ -12,12 +12,13 @@ from kvforge.cache.registry import CacheSpec
 
 @dataclass(frozen=True)
 class System:
-    """One configuration measured: kvforge with a cache spec, the transformers peer, the
+    """One configuration measured: kvforge with a cache spec, the transformers peer (eager,
+    `hf`, or static cache and compiled, `hf-static`: bench decode and prefill), the
     llama.cpp peer (bench.llamacpp_peer), vLLM's server (bench.serve_vllm) or a server
     already running at a URL (`external`)."""
 
     name: str
-    kind: Literal["kvforge", "hf", "llama.cpp", "vllm", "external"]
+    kind: Literal["kvforge", "hf", "hf-static", "llama.cpp", "vllm", "external"]
     cache: CacheSpec | None = None
     # kvforge systems: run the --swiftkv model when one is given (False: SwiftKV's base model).
     swiftkv: bool = True

@@ -145,7 +145,8 @@ def _against_peers(doc: Document, what: str) -> str:
     """The system under test against each peer of the file (llama.cpp weights, transformers)
     on the headline metric: `what` names it; peers are named by their weights."""
     labels = {"llama.cpp[f16]": "llama.cpp F16", "llama.cpp[as-shipped]": "llama.cpp Q4_1 (as shipped)",
-              "llama.cpp[bf16]": "llama.cpp BF16", "llama.cpp[f32]": "llama.cpp F32", "hf": "transformers"}
+              "llama.cpp[bf16]": "llama.cpp BF16", "llama.cpp[f32]": "llama.cpp F32", "hf": "transformers",
+              "hf-static": "transformers (static cache, compiled)"}
     parts = [f"**{fmt(ratio, '{:.2f}')}x** {labels.get(name, name)}" for name, ratio in doc["ratios"].items()]
     return f"{what} " + ", ".join(parts)
 

@@ -1424,4 +1424,8 @@ MUTATIONS: list[Mutation] = [
              "    require(source.kind != \"dummy\" or args.params_only,", "    require(True,",
              ("tests/tools/bench/test_bench_dummy.py::test_swiftkv_init_of_a_dummy_base_is_params_only_and_loads_over_it",),
              "swiftkv init of a dummy base writes params-only checkpoints, never random weights as a model"),
+    Mutation("hf_peer_gguf_packed", S + "tools/verify.py",
+             'extra = {} if dense is None else {"quantization_config": dense(dequantize=True)}', "extra = {}",
+             ("tests/tools/bench/test_hf_peer.py::test_the_peer_of_a_gguf_file_asks_for_dequantized_weights",),
+             "the transformers reference and peer of a GGUF model run its dequantized weights, as kvforge does"),
 ]

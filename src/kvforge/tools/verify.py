@@ -82,8 +82,15 @@ def load_transformers_model(source: ModelSource, device: str | torch.device = "c
     from transformers import AutoModelForCausalLM
 
     if source.kind == "gguf":
+        # Recent transformers keep a GGUF file's weights quantized when the `kernels` package
+        # has a matmul kernel for the device; kvforge (and a user comparing with it) runs the
+        # dequantized weights, so the reference and the benchmark peer must too.
+        import transformers
+
+        dense = getattr(transformers, "GgufConfig", None)
+        extra = {} if dense is None else {"quantization_config": dense(dequantize=True)}
         model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
-                                                     dtype=dtype, local_files_only=True)
+                                                     dtype=dtype, local_files_only=True, **extra)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype, local_files_only=True)
     # Only the device: from_pretrained already made the weights `dtype`, and a further

@@ -34,3 +34,25 @@ def test_prefill_and_generate_put_the_prompt_ids_on_the_models_device():
     hf_peer.prefill(peer, [[5, 6, 7], [8, 9, 10]])
     hf_peer.generate(peer, [[5, 6, 7], [8, 9, 10]], output_len=2, batch=1)
     assert peer.seen and all(device == torch.device("meta") for device in peer.seen)
+
+
+def test_the_peer_of_a_gguf_file_asks_for_dequantized_weights(monkeypatch):
+    """Recent transformers keep GGUF weights packed when the `kernels` package has a matmul
+    kernel for the device (a GPU machine may): the peer would then run other arithmetic than
+    kvforge, so it asks for the dense weights whatever is installed."""
+    import transformers
+
+    from kvforge.models.loader import resolve_model_source
+    from kvforge.tools.verify import load_transformers_model
+
+    source = resolve_model_source("smollm2-135m")
+    assert source.kind == "gguf"
+    asked: dict = {}
+
+    def from_pretrained(path, **kwargs):
+        asked.update(kwargs)
+        return RecordingPeer("cpu")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    load_transformers_model(source, "cpu", torch.bfloat16)
+    assert asked["gguf_file"] == source.path.name and asked["quantization_config"].dequantize is True

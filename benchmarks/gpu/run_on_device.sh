@@ -104,7 +104,7 @@ if has profile; then
         "${PROFILE_SHAPE[@]}" "${specs[@]/#/--spec=}" --json "$WORK/profile.json"
 fi
 if has check; then
-    TAIL=40 step gpu-check 260 $PY -m kvforge.tools.gpu_check --device "$DEVICE" --sizes "$SIZES" --model "$MODEL" \
+    TAIL=40 step gpu-check 320 $PY -m kvforge.tools.gpu_check --device "$DEVICE" --sizes "$SIZES" --model "$MODEL" \
         --swiftkv "$SWIFTKV" "${SPEED[@]}" --json "$WORK/gpu-check.json"
 fi
 if has tests; then

@@ -395,3 +395,20 @@ def test_the_table_shows_a_lossy_rows_two_ratios():
     assert lines[1].split()[-3:] == ["floor", "err/ref", "result"]
     assert lines[2].split()[-3:] == ["0.50", "1.010", "pass"]
     assert lines[3].split()[-3:] == ["-", "-", "pass"]
+
+
+@pytest.mark.parametrize("argv, graphs", [([], True), (["--enforce-eager"], False)])
+def test_device_runs_decode_from_graphs_unless_told_not_to(argv, graphs, monkeypatch):
+    """The device side of every row runs as the engine does on CUDA (decode from CUDA graphs);
+    --enforce-eager turns it off. (Capture itself is checked on a GPU: tests/cache/test_static_decode.py.)"""
+    from kvforge.tools.gpu_check import correctness
+
+    seen = []
+
+    def recording(sizes, device, kv_budget, model, swiftkv, seed=0, progress=None, graphs=True):
+        seen.append(graphs)
+        return [], {}
+
+    monkeypatch.setattr(correctness, "run_correctness", recording)
+    main(["--device", "cpu", "--sizes", "tiny", "--skip-speed", *argv])
+    assert seen == [graphs]

@@ -34,6 +34,7 @@ class CheckSettings:
     swiftkv: str
     speed: bool
     seed: int
+    graphs: bool = True  # decode steps on CUDA replay CUDA graphs (engine/decode_graphs.py)
 
 
 def add_gpu_check_args(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,9 @@ def add_gpu_check_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=",".join(SIZES),
                         help="comma-separated: tiny (random models built here), real (--model and --swiftkv) "
                              f"(default {','.join(SIZES)})")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every device step eagerly (default: decode steps on CUDA replay CUDA graphs, "
+                             "as the engine does)")
     parser.add_argument("--skip-speed", action="store_true", help="correctness rows only, no bench runs")
     parser.add_argument("--kv-budget", default=DEFAULT_KV_BUDGET, help=f"KV budget of every cache ({DEFAULT_KV_BUDGET})")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"real-size model ({DEFAULT_MODEL})")
@@ -67,7 +71,8 @@ def settings_from(args: argparse.Namespace) -> CheckSettings:
         from kvforge.models.swiftkv_checkpoint import overlay_config
 
         overlay_config(load_model_config(resolve_model_source(args.model)), args.swiftkv)
-    return CheckSettings(device, sizes, kv_budget, args.kv_budget, args.model, args.swiftkv, speed, args.seed)
+    return CheckSettings(device, sizes, kv_budget, args.kv_budget, args.model, args.swiftkv, speed, args.seed,
+                         graphs=not args.enforce_eager)
 
 
 def run_gpu_check(args: argparse.Namespace) -> int:
@@ -78,7 +83,7 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     settings = settings_from(args)  # ConfigError / ModelLoadError here: exit 2, nothing loaded
     log(f"correctness on {settings.device}: sizes {', '.join(settings.sizes)}")
     rows, models = run_correctness(list(settings.sizes), settings.device, settings.kv_budget, settings.model,
-                                   settings.swiftkv, settings.seed)
+                                   settings.swiftkv, settings.seed, graphs=settings.graphs)
     def with_speed(speed: dict | None) -> dict:
         return document(settings.device, list(settings.sizes), settings.kv_budget, rows, models, speed,
                         provenance(args))

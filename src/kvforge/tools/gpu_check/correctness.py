@@ -42,23 +42,27 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def check_row(spec: RowSpec, pair: ModelPair, prompts: list[list[int]], kv_budget: int) -> dict[str, Any]:
+def check_row(spec: RowSpec, pair: ModelPair, prompts: list[list[int]], kv_budget: int,
+              graphs: bool = True) -> dict[str, Any]:
     """One row: the reference's greedy run, the device fed the reference's tokens, the
-    device on its own greedy path; returns the row's record (never raises)."""
+    device on its own greedy path (decode from CUDA graphs when `graphs` and the device is
+    CUDA); returns the row's record (never raises)."""
     work = WORKLOADS[spec.size]
     start = time.perf_counter()
     record: dict[str, Any] = {"name": spec.name, **asdict(spec), "tolerance": spec.tolerance}
     try:
         with pytorch_paths():
             reference = run_workload(pair.reference, spec.cache, kv_budget, prompts, work)
-        forced = run_workload(pair.device, spec.cache, kv_budget, prompts, work, forced=reference.tokens)
-        greedy = run_workload(pair.device, spec.cache, kv_budget, prompts, work)
+        forced = run_workload(pair.device, spec.cache, kv_budget, prompts, work, forced=reference.tokens,
+                              graphs=graphs)
+        greedy = run_workload(pair.device, spec.cache, kv_budget, prompts, work, graphs=graphs)
         error = floor = None
         if spec.precision == "lossy":  # the second judgement (compare.py)
             full = full_spec(spec.size)
             with pytorch_paths():
                 reference_full = run_workload(pair.reference, full, kv_budget, prompts, work, forced=reference.tokens)
-            device_full = run_workload(pair.device, full, kv_budget, prompts, work, forced=reference.tokens)
+            device_full = run_workload(pair.device, full, kv_budget, prompts, work, forced=reference.tokens,
+                                       graphs=graphs)
             error = method_error(reference, reference_full, forced, device_full)
             floor = rounding_floor(reference, _perturbed_run(pair, spec, kv_budget, prompts, reference, 1), forced)
             # More draws only while they can change the verdict: the device past the floor,
@@ -94,7 +98,8 @@ def load_pair(size: str, kind: str, device: torch.device, model: str, swiftkv: s
 
 
 def run_correctness(sizes: list[str], device: torch.device, kv_budget: int, model: str, swiftkv: str,
-                    seed: int = 0, progress: Log = log) -> tuple[list[dict[str, Any]], dict[str, str]]:
+                    seed: int = 0, progress: Log = log, graphs: bool = True
+                    ) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Every row at `sizes`; returns the row records and a description of each model pair."""
     records: list[dict[str, Any]] = []
     described: dict[str, str] = {}
@@ -114,7 +119,7 @@ def run_correctness(sizes: list[str], device: torch.device, kv_budget: int, mode
             prompts = prompts_for(size, pair.reference.config.vocab_size, seed)
             specs = [s for s in row_specs(size, layout.num_kv_heads * layout.head_dim) if s.model_kind == kind]
             for spec in specs:
-                record = check_row(spec, pair, prompts, kv_budget)
+                record = check_row(spec, pair, prompts, kv_budget, graphs)
                 records.append(record)
                 verdict = "pass" if record["passed"] else "FAIL: " + "; ".join(record["failures"])
                 diff = record.get("max_abs_diff")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.cache.registry import create_cache
+from kvforge.engine.decode_graphs import DecodeGraphs
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.kernels.build import DISABLE_ENV
 from kvforge.models.causal_lm import CausalLM
@@ -48,11 +49,18 @@ def pytorch_paths() -> Iterator[None]:
 
 
 def run_workload(model: CausalLM, cache_spec: str, kv_budget: int, prompts: Sequence[Sequence[int]],
-                 work: Workload, forced: Sequence[Sequence[int]] | None = None) -> Trace:
-    """Run `prompts` on a fresh cache of `cache_spec` on the model's device."""
+                 work: Workload, forced: Sequence[Sequence[int]] | None = None, graphs: bool = False) -> Trace:
+    """Run `prompts` on a fresh cache of `cache_spec` on the model's device; with `graphs` on
+    a CUDA device, decode steps replay CUDA graphs captured for this workload's shape, as the
+    engine's do (methods without a static form run eagerly)."""
     device = next(model.parameters()).device
     cache = create_cache(cache_spec, model.cache_layout(), kv_budget, torch.float32, device)
     runner = ModelRunner(model, cache)
+    if graphs and device.type == "cuda":
+        decode_graphs = DecodeGraphs(model, cache, len(prompts), max(len(p) for p in prompts) + work.gen,
+                                     capture=True)
+        decode_graphs.capture()
+        runner.decode_graphs = decode_graphs if decode_graphs.enabled else None
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]
     for start in range(0, max(len(p) for p in prompts), work.chunk):
         items = [StepItem(seq, list(p[start:start + work.chunk]), num_logits=min(work.scored, len(p) - start))

@@ -14,7 +14,7 @@ from sync_counter import SyncCounter
 
 from kvforge.batch import ForwardBatch
 from kvforge.cache.registry import create_cache, parse_cache_spec
-from kvforge.cache.static_decode import SCRATCH_SEQ
+from kvforge.cache.static_decode import SCRATCH_SEQ, StaticDecode
 from kvforge.engine.decode_graphs import DecodeGraphs, powers_of_two_up_to
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
@@ -138,6 +138,18 @@ def test_buckets():
     assert powers_of_two_up_to(3000, 512) == [512, 1024, 2048, 3000]
 
 
+def three_sequences_loaded(runner: ModelRunner, graphs: DecodeGraphs) -> tuple[ForwardBatch, StaticDecode]:
+    """Three prompts prefilled, then the next decode step of all three loaded in its bucket
+    (4 rows: one padding row); returns the step's batch and the bucket's static step."""
+    runner.step([StepItem(seq, list(range(1, 8 + 5 * seq))) for seq in range(3)])
+    cached = [runner.cache.num_cached_tokens(seq) for seq in range(3)]
+    assert all(runner.cache.allocate(seq, n + 1) for seq, n in enumerate(cached))
+    batch = ForwardBatch.build([0, 1, 2], [[4], [5], [6]], cached)
+    step = graphs.steps[graphs.bucket(batch)]
+    step.load(batch)
+    return batch, step
+
+
 @pytest.mark.parametrize("spec", ["full:block_size=4,decode_kernel=torch", "full:block_size=4,decode_kernel=gather",
                                   f"{KIVI},decode_kernel=torch"])
 @pytest.mark.parametrize("model_of", [lambda: make_pair("gemma3_hybrid")[1], across_kv_model], ids=["gemma3", "swiftkv"])
@@ -145,12 +157,7 @@ def test_the_static_step_reads_nothing_on_the_host(spec, model_of):
     """What a capture records must read no device value on the host (CUDA's code paths)."""
     model = model_of()
     runner, graphs = with_graphs(model, spec)
-    runner.step([StepItem(seq, list(range(1, 8 + 5 * seq))) for seq in range(3)])
-    cached = [runner.cache.num_cached_tokens(seq) for seq in range(3)]
-    assert all(runner.cache.allocate(seq, n + 1) for seq, n in enumerate(cached))
-    batch = ForwardBatch.build([0, 1, 2], [[4], [5], [6]], cached)
-    step = graphs.steps[graphs.bucket(batch)]
-    step.load(batch)
+    batch, step = three_sequences_loaded(runner, graphs)
     counter = SyncCounter()
     with counter.counting(device_paths=True), counter.within("forward_step"), torch.inference_mode():
         model.forward_step(runner.cache, step.make_meta())
@@ -201,12 +208,8 @@ def test_kivi_hands_end_step_the_real_rows_only():
     path (no C++ kernels) a padded [rows] tensor would not match the batch's slots."""
     model = make_pair("llama_gqa")[1]
     runner, graphs = with_graphs(model, KIVI)
-    runner.step([StepItem(seq, list(range(1, 8 + 5 * seq))) for seq in range(3)])
-    cached = [runner.cache.num_cached_tokens(seq) for seq in range(3)]
-    assert all(runner.cache.allocate(seq, n + 1) for seq, n in enumerate(cached))
-    batch = ForwardBatch.build([0, 1, 2], [[4], [5], [6]], cached)
-    step = graphs.steps[graphs.bucket(batch)]
-    host = step.load(batch)
+    batch, step = three_sequences_loaded(runner, graphs)
+    host = step.load(batch)  # (loaded again: load only fills buffers and plans)
     meta = step.make_meta()
     with torch.inference_mode():
         model.forward_step(runner.cache, meta)

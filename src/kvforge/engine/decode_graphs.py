@@ -24,7 +24,7 @@ import torch
 
 from kvforge.batch import ForwardBatch
 from kvforge.cache.base import CacheMethod, StepMetadata
-from kvforge.cache.static_decode import StaticDecode
+from kvforge.cache.static_decode import StaticDecode, is_decode_only
 from kvforge.errors import require
 from kvforge.models.causal_lm import CausalLM
 
@@ -92,6 +92,8 @@ class DecodeGraphs:
         """Logits [sequences, vocab] of a decode-only step run from its bucket's buffers (and
         its graph once captured), or None, having done nothing, when the step must run eagerly.
         `batch` holds host tensors."""
+        if not is_decode_only(batch):
+            return None
         key = self.bucket(batch)
         if key is None or not self.model.decode_reads_nothing_on_host():  # (early exit may be set later)
             return None

@@ -18,6 +18,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.engine.decode_graphs import DecodeGraphs
 from kvforge.errors import CacheCapacityError, ConfigError
 from kvforge.models.causal_lm import CausalLM
+from kvforge.step_plan import upload
 from kvforge.step_timing import TimedCache, current_timer
 
 
@@ -72,21 +73,19 @@ class ModelRunner:
 
     def _run(self, items: Sequence[StepItem], cached: list[int]) -> torch.Tensor:
         timer = current_timer()
-        if self.decode_graphs is not None and timer is None and all(
-                len(item.token_ids) == 1 and item.num_logits == 1 for item in items):
-            logits = self.decode_graphs.run(self._batch(items, cached, torch.device("cpu")))
+        graphs = self.decode_graphs if timer is None else None
+        # Built on the host; a step the graphs decline (or run without them) sends it to the
+        # device in one copy (step_plan.upload: nothing to copy on the CPU).
+        batch = ForwardBatch.build(
+            [item.seq_id for item in items], [item.token_ids for item in items], cached,
+            [item.num_logits for item in items], device="cpu", decode=[item.decode for item in items])
+        if graphs is not None:
+            logits = graphs.run(batch)
             if logits is not None:
                 return logits
-        batch = self._batch(items, cached, self.device)
         cache = self.cache if timer is None else TimedCache(self.cache, timer)
         with torch.inference_mode():
-            return self.model(batch, cache)
-
-    @staticmethod
-    def _batch(items: Sequence[StepItem], cached: list[int], device: torch.device) -> ForwardBatch:
-        return ForwardBatch.build(
-            [item.seq_id for item in items], [item.token_ids for item in items], cached,
-            [item.num_logits for item in items], device=device, decode=[item.decode for item in items])
+            return self.model(upload(batch, self.device), cache)
 
     def release(self, seq_id: int) -> None:
         self.cache.free(seq_id)

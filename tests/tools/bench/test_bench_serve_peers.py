@@ -166,8 +166,25 @@ def test_vllm_peer_needs_its_python(tiny_sources, monkeypatch, tmp_path):
     monkeypatch.setenv("KVFORGE_VLLM_PYTHON", os.sys.executable)
     plan = bench_serve._plan(parse(["--model", "tiny", "--compare", "vllm", "--input-len", "20"]))
     assert [s.kind for s in plan.systems] == ["kvforge", "vllm"]
-    with pytest.raises(ConfigError, match="compare"):
-        bench_serve._plan(parse(["--model", "tiny", "--compare", "vllm", "--input-len", "20", "--swiftkv", "ckpt"]))
+
+
+def test_with_swiftkv_the_vllm_peer_serves_the_base_model(tiny_sources, monkeypatch):
+    """kvforge with a SwiftKV checkpoint against vLLM: vLLM gets --model's weights (the engine
+    a user would run instead), never the SwiftKV checkpoint."""
+    from kvforge.tools.bench import serve_server
+
+    monkeypatch.setenv("KVFORGE_VLLM_PYTHON", os.sys.executable)
+    monkeypatch.setattr("kvforge.models.swiftkv_checkpoint.overlay_config", lambda config, path: None)
+    args = parse(["--model", "tiny", "--compare", "vllm", "--input-len", "20", "--swiftkv", "ckpt/l15"])
+    plan = bench_serve._plan(args)
+    assert [(s.kind, s.name) for s in plan.systems] == [("kvforge", "swiftkv[full]"), ("vllm", "vllm")]
+    written = []
+    monkeypatch.setattr(bench_serve, "peer_checkpoint", lambda model: written.append(model) or Path("/peer"))
+    launched = []
+    monkeypatch.setattr(serve_server.ServerProcess, "launch",
+                        staticmethod(lambda command, *rest, **kw: launched.append(command)))
+    bench_serve._start(args, plan, plan.systems[1])
+    assert written == ["tiny"] and launched[0][3] == "/peer" and "ckpt/l15" not in " ".join(launched[0])
 
 
 def test_vllm_is_a_serve_peer_only():

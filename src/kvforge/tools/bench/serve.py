@@ -137,8 +137,8 @@ def _plan(args: argparse.Namespace) -> Plan:
         System(f"swiftkv[{under_test}]" if args.swiftkv else f"kvforge[{under_test}]", "kvforge", under_test)
     peer = None
     if any(system.kind == "vllm" for system in compare):
-        require(not args.swiftkv, "compare", "vllm", "the vLLM peer serves the base model; compare SwiftKV in vLLM "
-                                                     "with benchmarks/vllm_swiftkv_prefill.py")
+        # With --swiftkv the peer still serves the base model (--model): the engine a user
+        # would run instead, not SwiftKV in vLLM (benchmarks/vllm_swiftkv_prefill.py measures that).
         require(args.device == "cpu", "compare", "vllm", "the vLLM peer is started on the CPU only (its CPU wheel)")
         peer = VllmPeer(vllm_python(args.vllm_python), Path())  # its checkpoint is written when it starts
     source = resolve_model_source(args.model)

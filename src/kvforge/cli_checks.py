@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from pathlib import Path
 
 from kvforge.arg_types import max_threads
@@ -36,6 +37,16 @@ def check_input_file(parameter: str, value: str, holding: str = "file") -> None:
     path = Path(value).expanduser()
     require(value != "" and path.is_file(), parameter, value,
             f"must be an existing {holding}" + (" (it is a directory)" if value and path.is_dir() else ""))
+
+
+def executable(parameter: str, value: str, what: str) -> str:
+    """The path of the program `value` names: a name on PATH or an executable file."""
+    found = shutil.which(value) if value else None
+    path = Path(value).expanduser()
+    if found is None and value and path.is_file() and os.access(path, os.X_OK):
+        found = str(path)
+    require(found is not None, parameter, value, f"must name {what}: a path or a name on PATH")
+    return str(found)
 
 
 def check_output_file(parameter: str, value: str) -> None:
@@ -116,6 +127,9 @@ def check_shared_values(args: argparse.Namespace) -> None:
     for name, holding in INPUT_FILES.items():
         if isinstance(getattr(args, name, None), str):
             check_input_file(name, getattr(args, name), holding)
+    if isinstance(getattr(args, "profile_servers", None), str):  # bench serve's py-spy
+        args.profile_servers = executable("profile_servers", args.profile_servers,
+                                          "the py-spy executable (`pip install py-spy` in any environment)")
     if isinstance(getattr(args, "json", None), str):
         check_output_file("json", args.json)
     if isinstance(getattr(args, "plot", None), str):  # bench soak's plot

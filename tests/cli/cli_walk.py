@@ -29,6 +29,7 @@ KIND_BY_DEST: dict[str, str] = {
     "readme": "in_file",
     "methods": "in_file",
     "vllm_python": "in_file",
+    "profile_servers": "in_file",
     "plot": "out_file",
     "swiftkv": "in_dir",
     "init_from": "in_dir",

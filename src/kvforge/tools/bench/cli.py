@@ -152,6 +152,13 @@ def _add_serve(kinds: Any) -> None:
     serve.add_argument("--admission", choices=("optimistic", "reserve"), default="optimistic",
                        help="admission policy of the started servers (optimistic)")
     serve.add_argument("--request-timeout", type=float, default=1800.0, help="seconds before a request fails (1800)")
+    serve.add_argument("--step-split", action="store_true",
+                       help="start kvforge servers with --step-timing and report each step kind's time by part "
+                            "(linear, attention, sampling, the rest); the timer turns the fused decode layer off, "
+                            "so decode runs slower than a user's server (off)")
+    serve.add_argument("--profile-servers", default=None, metavar="PY_SPY",
+                       help="sample each started server (all its processes) with this py-spy executable during "
+                            "its runs and report where its CPU time goes per engine step (off)")
     serve.add_argument("--seed", type=_count(0), default=0, help="seed of prompts, lengths and arrivals (0)")
     serve.add_argument("--json", metavar="OUT", default=None, help="write JSON to OUT and a plot to OUT.png")
 

@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import random
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -179,8 +180,8 @@ def _prompts(ids: list[int], lengths: list[int], rng: random.Random) -> list[lis
 def _serve_args(args: argparse.Namespace, system: System) -> list[str]:
     out = ["--model", args.model, "--cache", str(system.cache), "--kv-budget", args.kv_budget, "--dtype", args.dtype,
            "--threads", str(args.threads), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-num-seqs", str(args.max_num_seqs), "--admission", args.admission, "--step-timing",
-           "--served-model-name", SERVED_NAME, "--device", args.device]
+           "--max-num-seqs", str(args.max_num_seqs), "--admission", args.admission,
+           *(["--step-timing"] if args.step_split else []), "--served-model-name", SERVED_NAME, "--device", args.device]
     overlay = system.checkpoint or (args.swiftkv if system.swiftkv else None)
     if overlay:
         out += ["--swiftkv", overlay]
@@ -308,7 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"starting {'vLLM' if system.kind == 'vllm' else 'kvforge'} serve for {system.name}")
         server = _start(args, plan, system)
         try:
-            results.append(_measure(args, plan, system, server.base_url))
+            results.append(_measure_profiled(args, plan, system, server))
         finally:
             server.stop()
             unwaited_cpu_s += server.unwaited_cpu_s
@@ -318,6 +319,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(format_serve_table(result))
     if args.json:
         write_serve_outputs(result, Path(args.json))
+    return result
+
+
+def _measure_profiled(args: argparse.Namespace, plan: Plan, system: System, server: ServerProcess) -> dict[str, Any]:
+    """`_measure` of a started server, sampled by py-spy throughout with --profile-servers."""
+    if not args.profile_servers:
+        return _measure(args, plan, system, server.base_url)
+    from kvforge.tools.bench.serve_profile import ServerProfiler, engine_steps, summarize_profile
+
+    with tempfile.TemporaryDirectory(prefix="kvforge-profile-") as scratch:
+        profiler = ServerProfiler(args.profile_servers, server.process.pid, Path(scratch) / "stacks.txt").start()
+        before = scrape(server.base_url)
+        try:
+            result = _measure(args, plan, system, server.base_url)
+        finally:
+            raw = profiler.stop()
+        result["profile"] = summarize_profile(raw, engine_steps(before, scrape(server.base_url)))
     return result
 
 

@@ -73,6 +73,7 @@ def format_serve_table(result: dict[str, Any]) -> str:
                              f"{split['ms_per_step']:.1f} ms over {split['steps']} steps ({parts})")
             for error in rate.get("errors", []):
                 lines.append(f"{system['name']} @ {_rate_label(rate['request_rate'])}: error: {error}")
+    lines += profile_lines(result["systems"])
     for name, by_rate in result.get("peer_ratios", {}).items():
         for rate, ratios in by_rate.items():
             lines.append(f"{result['systems'][0]['name']} vs {name} @ {rate} req/s (> 1: {result['systems'][0]['name']} "
@@ -87,6 +88,22 @@ def format_serve_table(result: dict[str, Any]) -> str:
             lines.append(f"request throughput at {_rate_label(result['systems'][0]['rates'][-1]['request_rate'])} "
                          f"req/s: {result['systems'][0]['name']} / {name} = {value:.2f}x")
     return "\n".join(lines + _footer(result))
+
+
+def profile_lines(systems: list[dict[str, Any]]) -> list[str]:
+    """--profile-servers: each server's CPU time per engine step by part (py-spy samples)."""
+    lines = []
+    for system in systems:
+        profile = system.get("profile")
+        if not profile:
+            continue
+        unit = "CPU-thread ms per engine step" if profile["engine_steps"] else "share of samples"
+        parts = ", ".join(f"{name} {part['ms_per_step']:.1f}" if profile["engine_steps"] else
+                          f"{name} {part['share']:.0%}" for name, part in profile["parts"].items() if part["samples"])
+        steps = f", {profile['engine_steps']} steps" if profile["engine_steps"] else ""
+        lines.append(f"{system['name']}: where its CPU time went ({unit}, {profile['samples']} py-spy samples"
+                     f"{steps}): {parts}")
+    return lines
 
 
 def _footer(result: dict[str, Any]) -> list[str]:
@@ -108,6 +125,7 @@ def _format_chat_table(result: dict[str, Any]) -> str:
     lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
               for row in rows]
     lines.append("TTFT in ms (client clock), medians over conversations")
+    lines += profile_lines(result["systems"])
     first = result["systems"][0]["name"]
     for name, ratios in result.get("peer_ratios", {}).items():
         lines.append(f"{first} vs {name} (> 1: {first} answers sooner): turn 1 "

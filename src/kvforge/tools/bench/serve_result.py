@@ -105,7 +105,10 @@ def _settings(args: argparse.Namespace, plan: Any, started: bool) -> dict[str, A
                             "question_len": plan.chat.question, "reply_len": plan.chat.reply}
     if started:  # what the servers this run started were given
         settings.update({"kv_budget": args.kv_budget, "max_num_batched_tokens": args.max_num_batched_tokens,
-                         "max_num_seqs": args.max_num_seqs, "admission": args.admission})
+                         "max_num_seqs": args.max_num_seqs, "admission": args.admission,
+                         # the step timer turns the fused decode layer off: a slower kvforge
+                         "kvforge_step_timing": bool(getattr(args, "step_split", False)),
+                         "profiled_with_py_spy": bool(getattr(args, "profile_servers", None))})
     else:
         settings["kv_budget"] = None
     if plan.vllm is not None:

@@ -127,7 +127,8 @@ def group_cpu_seconds(pgid: int) -> float:
 
 def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
     """kvforge's serving metrics as flat keys ({} for a server without them):
-    running, waiting, preemptions, kv_used:<tier>, steps:<kind>, <kind>:<part>."""
+    running, waiting, preemptions, kv_used:<tier>, steps:<kind>, <kind>:<part> (with
+    --step-timing), steps (every engine step; vLLM's too)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -152,6 +153,8 @@ def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict[str, fl
                 out[f"steps:{labels['kind']}"] = sample.value
             elif sample.name == "kvforge_engine_step_part_seconds_total":
                 out[f"{labels['kind']}:{labels['part']}"] = sample.value
+            elif sample.name in ("kvforge_engine_steps_total", "vllm:iteration_tokens_total_count"):
+                out["steps"] = out.get("steps", 0.0) + sample.value  # vLLM: one observation per engine step
     return out
 
 

@@ -72,3 +72,15 @@ def test_a_verbs_help_builds_that_verb(argv, capsys):
         main(argv)
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: kvforge {' '.join(w for w in argv if not w.startswith('-'))} ")
+
+
+def test_generate_passes_vllms_min_p_and_repetition_penalty():
+    from kvforge.cli import build_full_parser
+    from kvforge.commands import _sampling_params
+
+    args = build_full_parser().parse_args(["generate", "--min-p", "0.1", "--repetition-penalty", "1.3", "hi"])
+    params = _sampling_params(args)
+    assert params.min_p == 0.1 and params.repetition_penalty == 1.3
+    plain = _sampling_params(build_full_parser().parse_args(["chat"]))
+    assert plain.min_p == 0.0 and plain.repetition_penalty == 1.0
+

@@ -70,6 +70,11 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1.0 = off)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens below this fraction of the top token's probability, in [0, 1] (0 = off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 0: logits of tokens already in the prompt or output divided by it when positive, "
+                             "multiplied when negative, as vLLM (1.0 = off)")
     parser.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
@@ -80,7 +85,7 @@ def _sampling_params(args: argparse.Namespace):
 
     return SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
 
 
 def _make_llm(args: argparse.Namespace):

@@ -22,8 +22,9 @@ INPUT_FILES = {"text_file": "text file", "haystack_file": "text file", "recipe":
                "vllm_python": "python interpreter"}
 
 
-# Verbs whose prompts and replies are text: a dummy model (no tokenizer) cannot run them.
-TEXT_VERBS = ("generate", "chat", "serve")
+# Verbs whose prompts and replies are text: a dummy model (no tokenizer) cannot run them
+# (`serve` can: it takes token-id prompts and answers token ids, `return_token_ids`).
+TEXT_VERBS = ("generate", "chat")
 
 
 def check_threads(threads: int | None) -> None:
@@ -142,7 +143,7 @@ def check_shared_values(args: argparse.Namespace) -> None:
     load_format = getattr(args, "load_format", None) or "auto"
     require(load_format != "dummy" or getattr(args, "verb", None) not in TEXT_VERBS, "load_format", load_format,
             f"kvforge {getattr(args, 'verb', None)} reads and writes text, and a dummy model has no tokenizer: measure it "
-            "with `kvforge bench prefill|decode|throughput --load-format dummy`, or give token ids to "
-            "LLM(..., load_format='dummy') in Python")
+            "with `kvforge bench prefill|decode|throughput|serve --load-format dummy`, serve it (token ids "
+            "in and out), or give token ids to LLM(..., load_format='dummy') in Python")
     if isinstance(getattr(args, "model", None), str):
         check_model("model", args.model, load_format)

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 
 import kvforge
 from kvforge.cli import main
+from kvforge.tools.bench.serve_server import free_loopback_port
 
 REPO = Path(kvforge.__file__).resolve().parents[2]
 CHECKPOINT = REPO / "models" / "swiftkv-smollm2-135m-l15"
@@ -57,7 +58,7 @@ def base_options(scratch: Scratch) -> dict[str, dict[str, str | None]]:
     return {
         "generate": {"hi": None},
         "chat": {},
-        "serve": {},
+        "serve": {"--port": str(free_loopback_port())},  # not 8000: another server may hold it
         "verify": {"--text-file": text},
         "info": {},
         "bench prefill": {},

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -129,7 +130,8 @@ def test_neutral_values_are_accepted(app_client, path, body):
 def test_models_entry_carries_kvforge_metadata(app_client):
     (entry,) = app_client.get("/v1/models").json()["data"]
     assert entry["id"] == MODEL_NAME and entry["object"] == "model"
-    assert entry["kvforge"] == {"base_model": MODEL_NAME, "swiftkv": None, "cache": "full", "dtype": "float32"}
+    assert entry["kvforge"] == {"base_model": MODEL_NAME, "swiftkv": None, "cache": "full", "dtype": "float32",
+                                "weights": "checkpoint"}
 
 
 class _FakeLLM:
@@ -143,6 +145,7 @@ class _FakeLLM:
         self.cache_spec = parse_cache_spec(kwargs["cache"], kwargs["cache_options"])
         self.dtype = getattr(torch, kwargs["dtype"])  # a named dtype, as LLM resolves it
         self.dtype_reason = None
+        self.source = SimpleNamespace(weights="checkpoint")
 
 
 def test_a_swiftkv_model_shows_its_checkpoint_cache_and_dtype_in_the_banner_and_in_models(monkeypatch, capsys):
@@ -172,7 +175,7 @@ def test_a_swiftkv_model_shows_its_checkpoint_cache_and_dtype_in_the_banner_and_
     with TestClient(served["app"]) as client:
         (entry,) = client.get("/v1/models").json()["data"]
     assert entry["kvforge"] == {"base_model": "smollm2-135m", "swiftkv": "ckpt/swiftkv-50", "cache": "kivi:bits=2",
-                                "dtype": "bfloat16"}
+                                "dtype": "bfloat16", "weights": "checkpoint"}
 
 
 def test_a_huge_model_name_is_refused_with_a_short_message(app_client):

@@ -61,6 +61,7 @@ class ChatHandler:
         if body.tool_choice not in (None, "none"):
             raise bad_request("tool_choice", body.tool_choice,
                               "needs tools, and tool calling is not supported by kvforge: omit it or send 'none'")
+        served.require_tokenizer("messages", "...")
         if not has_chat_template(served.tokenizer):
             raise bad_request("messages", "...", f"{served.name} has no chat template: use /v1/completions")
         top = body.top_logprobs or 0

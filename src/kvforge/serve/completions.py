@@ -84,22 +84,27 @@ class CompletionHandler:
             max_tokens = 1 if hidden else served.max_tokens(body.max_tokens, len(prompt), "max_tokens")
             params = sampling_params(body, max_tokens, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
                                      prompt_logprobs=(logprobs or 0) if echo and logprobs is not None else None)
+            if params.stop and served.tokenizer is None:
+                raise bad_request("stop", list(params.stop), "needs text, and this server's model has no tokenizer: "
+                                                             "use stop_token_ids")
             jobs.append(_Job(index, prompt, text, params))
         return options, jobs
 
     def _prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[tuple[list[int], str]]:
         """(token ids, text) per prompt: a string, token ids, or a non-empty list of either."""
-        tokenizer = self.served.tokenizer
+        served = self.served
         if isinstance(prompt, str):
-            return [(encode_prompt(tokenizer, prompt, chat=False), prompt)]
+            return [(encode_prompt(served.require_tokenizer("prompt", prompt), prompt, chat=False), prompt)]
         if not prompt:
             raise bad_request("prompt", prompt, "must be a string, token ids or a non-empty list of either")
         if isinstance(prompt[0], str):
+            tokenizer = served.require_tokenizer("prompt", prompt[0])
             return [(encode_prompt(tokenizer, text, chat=False), text) for text in prompt]  # type: ignore[misc]
         batch = [prompt] if isinstance(prompt[0], int) else prompt
         for index, ids in enumerate(batch):
-            self.served.check_token_ids(ids, "prompt", "prompt" if batch is not prompt else f"prompt[{index}]")  # type: ignore[arg-type]
-        return [(list(ids), tokenizer.decode(ids)) for ids in batch]  # type: ignore[misc]
+            served.check_token_ids(ids, "prompt", "prompt" if batch is not prompt else f"prompt[{index}]")  # type: ignore[arg-type]
+        decode = served.tokenizer.decode if served.tokenizer is not None else (lambda ids: "")
+        return [(list(ids), decode(ids)) for ids in batch]  # type: ignore[misc]
 
     # -- engine outputs -> response ---------------------------------------------------
     def _choice(self, job: _Job, out: RequestOutput, options: _Options) -> dict[str, Any]:

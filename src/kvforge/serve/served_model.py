@@ -29,13 +29,16 @@ class ModelInfo:
     swiftkv: str | None = None
     cache: str = "full"
     dtype: str = "float32"
+    weights: str = "checkpoint"  # or "dummy (random, seed N)": `--load-format dummy`, no tokenizer
 
     def as_dict(self) -> dict[str, Any]:
-        return {"base_model": self.base_model, "swiftkv": self.swiftkv, "cache": self.cache, "dtype": self.dtype}
+        return {"base_model": self.base_model, "swiftkv": self.swiftkv, "cache": self.cache, "dtype": self.dtype,
+                "weights": self.weights}
 
     def banner(self) -> str:
         swiftkv = f", swiftkv {self.swiftkv}" if self.swiftkv else ", no swiftkv"
-        return f"base model {self.base_model}{swiftkv}, cache {self.cache}, dtype {self.dtype}"
+        weights = "" if self.weights == "checkpoint" else f", weights {self.weights}: token ids only"
+        return f"base model {self.base_model}{swiftkv}, cache {self.cache}, dtype {self.dtype}{weights}"
 
 
 @dataclass
@@ -74,8 +77,16 @@ class ServedModel:
                            param="model", code="model_not_found")
 
     def _token_text(self, token_id: int) -> str:
-        """The text of one token alone (as logprobs report tokens)."""
-        return self.tokenizer.decode([token_id])
+        """The text of one token alone (as logprobs report tokens); '' without a tokenizer."""
+        return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def require_tokenizer(self, param: str, value: Any) -> Any:
+        """The tokenizer, or a 400 on `param` when the model has none (a dummy model)."""
+        if self.tokenizer is None:
+            raise bad_request(param, value, "must be token ids: this server's model has no tokenizer (weights "
+                                             f"{self.info.weights if self.info else 'dummy'}); send prompt token ids "
+                                             "to /v1/completions, with return_token_ids to get ids back")
+        return self.tokenizer
 
     # -- prompts ----------------------------------------------------------------------
     def check_token_ids(self, ids: Sequence[int], param: str, where: str) -> None:

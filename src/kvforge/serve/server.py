@@ -82,13 +82,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_model_len is not None:
         from kvforge.preflight import model_context
 
-        context = model_context(args.model, args.swiftkv)
+        context = model_context(args.model, args.swiftkv, load_format=args.load_format)
         require(2 <= args.max_model_len <= context, "max_model_len", args.max_model_len,
                 f"must be in [2, {context}] ({args.model}'s context)")
     if not is_loopback(args.host) and api_key is None:
         print(f"kvforge serve: warning: {args.host} is reachable from other machines and no --api-key is set: "
               "anyone who can reach it can use the model", file=sys.stderr)
-    llm = LLM(model=args.model, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt,
+    llm = LLM(model=args.model, load_format=args.load_format, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt,
               dtype=args.dtype, kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, admission=args.admission,
               step_timing=args.step_timing, prefix_caching=args.prefix_caching, device=args.device,
@@ -99,7 +99,8 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics.observe_step)
-    info = ModelInfo(args.model, args.swiftkv, str(llm.cache_spec), str(llm.dtype).removeprefix("torch."))
+    info = ModelInfo(args.model, args.swiftkv, str(llm.cache_spec), str(llm.dtype).removeprefix("torch."),
+                     llm.source.weights)
     app = create_app(ServedModel(name, engine, llm.tokenizer, info), metrics, api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)

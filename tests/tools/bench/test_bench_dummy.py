@@ -1,16 +1,19 @@
 """`--load-format dummy` on the command line: info reports a shape's KV bytes without weights,
 a bench at a tiny shape runs kvforge and transformers on the same random weights and says so,
-swiftkv init writes a params-only checkpoint of a dummy base that loads over it, and the
-verbs that need text refuse a dummy model, naming the option."""
+swiftkv init writes a params-only checkpoint of a dummy base that loads over it, bench serve
+measures a started server of a dummy model on random token ids, and the verbs that need text
+refuse a dummy model, naming the option."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 
 from kvforge.cli import main
+from kvforge.errors import ConfigError
 from kvforge.models.loader import load_model
 from kvforge.tools.bench import peak
 
@@ -60,7 +63,7 @@ def test_swiftkv_init_of_a_dummy_base_is_params_only_and_loads_over_it(tmp_path,
     assert "--params-only" in capsys.readouterr().err and not (tmp_path / "full").exists()
 
 
-@pytest.mark.parametrize("argv", [["generate", "hello"], ["chat"], ["serve"]], ids=["generate", "chat", "serve"])
+@pytest.mark.parametrize("argv", [["generate", "hello"], ["chat"]], ids=["generate", "chat"])
 def test_verbs_of_text_refuse_a_dummy_model_naming_the_option(argv, capsys):
     assert main([*argv, "--load-format", "dummy", "--model", "llama-tiny"]) == 2
     err = capsys.readouterr().err
@@ -73,3 +76,33 @@ def test_an_unknown_load_format_or_shape_is_refused_before_anything_loads(capsys
     assert exit_info.value.code == 2 and "--load-format" in capsys.readouterr().err
     assert main(["bench", "decode", "--load-format", "dummy", "--model", "llama-9b"]) == 2
     assert "invalid model='llama-9b'" in capsys.readouterr().err
+
+
+def test_bench_serve_measures_a_served_dummy_model_on_random_token_ids(tmp_path):
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--load-format", "dummy", "--model", "llama-tiny", "--num-prompts", "2",
+                 "--input-len", "16", "--output-len", "3", "--request-rate", "inf", "--threads", "1",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["weights"] == "dummy (random, seed 0)"
+    (rate,) = result["systems"][0]["rates"]
+    assert rate["completed"] == 2 and rate["failed"] == 0 and rate["output_tokens"] == 6
+    assert rate["prompt_tokens"] == 32
+
+
+def test_bench_serve_of_a_dummy_model_refuses_text_prompts_and_the_vllm_peer(capsys):
+    from kvforge.cli import build_parser
+    from kvforge.tools.bench import serve as bench_serve
+
+    def plan(*argv: str):
+        return bench_serve._plan(build_parser(["bench"]).parse_args(
+            ["bench", "serve", "--load-format", "dummy", "--model", "llama-tiny", "--input-len", "40", *argv]))
+
+    prompts = plan("--num-prompts", "3").prompts[0]
+    assert [len(p) for p in prompts] == [40, 40, 40] and all(0 <= i < 1024 for p in prompts for i in p)
+    assert plan("--num-prompts", "3").prompts == plan("--num-prompts", "3").prompts  # seeded
+    with pytest.raises(ConfigError, match="prompt_format"):
+        plan("--prompt-format", "text")
+    with pytest.raises(ConfigError, match="load_format"):
+        plan("--compare", "vllm", "--vllm-python", sys.executable)
+

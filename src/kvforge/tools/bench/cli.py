@@ -110,6 +110,7 @@ def _add_serve(kinds: Any) -> None:
     serve = kinds.add_parser("serve", help="TTFT/TPOT/ITL and throughput of servers under Poisson arrivals")
     serve.add_argument("--model", default="smollm2-135m",
                        help="model the started servers load; its tokenizer cuts the prompts (smollm2-135m)")
+    add_load_format_arg(serve)  # dummy: prompts of random token ids, servers answer token ids
     serve.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     serve.add_argument("--threads", type=_count(1), default=2, help="torch CPU threads of each server (2)")
     add_device_arg(serve)  # of each started server

@@ -141,8 +141,12 @@ def _plan(args: argparse.Namespace) -> Plan:
         # With --swiftkv the peer still serves the base model (--model): the engine a user
         # would run instead, not SwiftKV in vLLM (benchmarks/vllm_swiftkv_prefill.py measures that).
         require(args.device == "cpu", "compare", "vllm", "the vLLM peer is started on the CPU only (its CPU wheel)")
+        require(args.load_format == "auto", "load_format", args.load_format,
+                "the vLLM peer is given the weights kvforge loads; a dummy model has none: compare kvforge systems")
         peer = VllmPeer(vllm_python(args.vllm_python), Path())  # its checkpoint is written when it starts
-    source = resolve_model_source(args.model)
+    require(args.load_format == "auto" or args.prompt_format == "token-ids", "prompt_format", args.prompt_format,
+            "must be token-ids with --load-format dummy (the model has no tokenizer)")
+    source = resolve_model_source(args.model, args.load_format)
     config = load_model_config(source)
     if args.swiftkv:
         from kvforge.models.swiftkv_checkpoint import overlay_config
@@ -153,7 +157,8 @@ def _plan(args: argparse.Namespace) -> Plan:
             "shared_prefix + turns" if chat else "input_len + output_len", longest + output_len.high,
             f"must be <= the context of {args.model} ({config.max_position_embeddings} tokens)")
     rng = random.Random(args.seed)
-    ids = _heldout_ids(source, args.text_file)
+    ids = _random_ids(config.vocab_size, longest, args.seed) if source.kind == "dummy" else \
+        _heldout_ids(source, args.text_file)
     if chat:
         prompts = conversations(ids, chat, args.repeats, args.seed)
         output_lens = [output_len.high] * args.turns
@@ -170,6 +175,13 @@ def _heldout_ids(source: Any, text_file: str | None) -> list[int]:
     return load_tokenizer(source).encode(heldout_text(text_file))
 
 
+def _random_ids(vocab_size: int, longest: int, seed: int) -> list[int]:
+    """The 'text' of a dummy model (no tokenizer): seeded random ids, long enough for
+    windows of `longest` tokens at many offsets."""
+    rng = random.Random(f"dummy-prompts:{seed}")
+    return [rng.randrange(vocab_size) for _ in range(max(4 * longest, 65_536))]
+
+
 def _prompts(ids: list[int], lengths: list[int], rng: random.Random) -> list[list[int]]:
     """Token-id windows of the held-out text, one per request, at seeded offsets."""
     require(len(ids) > max(lengths), "input_len", max(lengths),
@@ -178,7 +190,7 @@ def _prompts(ids: list[int], lengths: list[int], rng: random.Random) -> list[lis
 
 
 def _serve_args(args: argparse.Namespace, system: System) -> list[str]:
-    out = ["--model", args.model, "--cache", str(system.cache), "--kv-budget", args.kv_budget, "--dtype", args.dtype,
+    out = ["--model", args.model, "--load-format", args.load_format, "--cache", str(system.cache), "--kv-budget", args.kv_budget, "--dtype", args.dtype,
            "--threads", str(args.threads), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-num-seqs", str(args.max_num_seqs), "--admission", args.admission,
            *(["--step-timing"] if args.step_split else []), "--served-model-name", SERVED_NAME, "--device", args.device]

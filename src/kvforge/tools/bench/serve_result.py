@@ -65,6 +65,7 @@ def build_result(args: argparse.Namespace, plan: Any, systems: list[dict[str, An
         "benchmark": "serve",
         "workload": "chat" if chat else "poisson",
         "model": args.model,
+        "weights": _weights(args),
         "swiftkv": args.swiftkv,
         "dtype": args.dtype,
         "device": args.device,
@@ -90,6 +91,15 @@ def build_result(args: argparse.Namespace, plan: Any, systems: list[dict[str, An
                    "trustworthy": not [w for w in warnings if w["kind"] != "external_server"],
                    "provenance": provenance(args)})
     return result
+
+
+def _weights(args: argparse.Namespace) -> str:
+    """'checkpoint', or what a --load-format dummy model's weights are."""
+    if getattr(args, "load_format", "auto") != "dummy":
+        return "checkpoint"
+    from kvforge.models.loader import resolve_model_source
+
+    return resolve_model_source(args.model, args.load_format).weights
 
 
 def _settings(args: argparse.Namespace, plan: Any, started: bool) -> dict[str, Any]:

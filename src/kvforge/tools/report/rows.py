@@ -254,6 +254,22 @@ def _serve_vs_vllm(doc: Document) -> str:
             f"inter-token latency {fmt(r['itl_ms_median'], '{:.2f}')}x (medians of {s['repeats']} runs)")
 
 
+def _serve_vs_vllm_rates(doc: Document) -> str:
+    """A bench serve result against vLLM over several request rates: the ratios at each rate,
+    in "kvforge better" terms, medians over repeats."""
+    ratios = doc["peer_ratios"]["vllm"]
+    s = doc["settings"]
+
+    def each(key: str) -> str:
+        return " / ".join(fmt(r[key], "{:.2f}") for r in ratios.values()) + "x"
+
+    return (f"{s['num_prompts']} requests of {s['input_len']} + {s['output_len']} tokens at "
+            f"{' / '.join(str(rate) for rate in ratios)} req/s (Poisson), {doc['dtype']}, kvforge better by (> 1) or "
+            f"worse (< 1): median TTFT **{each('ttft_ms_median')}**, output tokens/s "
+            f"**{each('output_token_throughput')}**, inter-token latency {each('itl_ms_median')} "
+            f"(medians of {s['repeats']} runs)")
+
+
 ROWS = [
     Row("SwiftKV, l = 15 of 30", "prompt tokens skip the later layers", "bench/prefill_swiftkv_l15_vs_base.json",
         _prefill, "base model", "prefill FLOPs halved at 50% (Llama-3.1-70B: 302 -> 154 GFLOP per token)"),

@@ -57,6 +57,10 @@ MUTATIONS: list[Mutation] = [
              "for t in range(max(0, n - r), n):\n                slot", "for t in range(max(0, n - r + 1), n):\n                slot",
              ("tests/integrations/test_vllm_kivi.py::test_plan_keeps_kvforges_residual_on_random_schedules",),
              "the ring holds kvforge's whole value window [n - R, n)"),
+    Mutation("vllm_kivi_blocks_without_room_for_the_copies", S + "integrations/vllm/kivi_options.py",
+             "if made >= 1 and made * (declared - page) >= pool_bytes:", "if made >= 1:",
+             ("tests/integrations/test_vllm_kivi.py::test_declared_blocks_carry_the_copies_within_the_budget",),
+             "the blocks vLLM makes of its budget must carry the exact copies in their spare bytes"),
     # -- ShadowKV ------------------------------------------------------------------------
     Mutation("shadowkv_basis_from_post_rope_keys", S + "cache/shadowkv/compress.py",
              "spectrum = key_spectrum(flat_pre)",

@@ -388,12 +388,14 @@ def kivi_runs(checkpoints: dict[str, Path], prompt_ids: Path, vllm_cache: Path) 
     runs = {}
     shared = prompt_ids.with_name("shared_prefix_ids.json")
     shared.write_text(json.dumps(json.loads(prompt_ids.read_text())[-len(SHARED_PREFIX_PROMPTS):]))
-    for run, setting, ids, flags in (
-            ("r32", "r32", prompt_ids, ["--no-prefix-caching"]), ("paper_prefix", "paper", prompt_ids, []),
+    for run, model, setting, ids, flags in (
+            ("r32", "base", "r32", prompt_ids, ["--no-prefix-caching"]),
+            ("paper_prefix", "base", "paper", prompt_ids, []),
             # one prompt after the other in 64-token steps, as the kvforge engine it is compared with
-            ("paper_prefix_64", "paper", shared, ["--max-num-batched-tokens", "64", "--one-at-a-time"])):
+            ("paper_prefix_64", "base", "paper", shared, ["--max-num-batched-tokens", "64", "--one-at-a-time"]),
+            ("l15_paper", "l15", "paper", prompt_ids, ["--no-prefix-caching"])):
         runs[run] = _run_json([python, "-m", "kvforge.integrations.vllm.driver", "--threads", "2", "generate",
-                               "--model", str(checkpoints["base"]), "--prompt-ids", str(ids), "--kivi",
+                               "--model", str(checkpoints[model]), "--prompt-ids", str(ids), "--kivi",
                                "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--kv-cache-bytes", str(KV_BYTES),
                                *flags], timeout=900, cwd=REPO, cache_root=vllm_cache,
                               extra_env={"KVFORGE_VLLM_KIVI": KIVI_SETTINGS[setting]})
@@ -420,6 +422,18 @@ def test_vllm_kivi_greedy_tokens_equal_kvforge(kivi_runs: dict, tmp_path: Path) 
     got = [o["token_ids"] for o in kivi_runs["paper_prefix"]["outputs"]]
     assert kivi_runs["paper_prefix"]["prefix_cache"].get("prefix_cache_hits", 0) >= 128
     assert got[:4] == paper[:4]
+
+
+@pytest.mark.slow
+def test_vllm_swiftkv_kivi_greedy_tokens_equal_kvforge(kivi_runs: dict, tmp_path: Path) -> None:
+    """kvforge's SwiftKV model (l=15) with the KIVI backend (paper setting); vLLM's fast
+    prefill stays off with KIVI (engine_config.kivi_backend_selected)."""
+    expected = _kvforge_tokens(["--model", "smollm2-135m", "--swiftkv", str(COMMITTED_L15), "--dtype", "float32",
+                                "--cache", "kivi"], tmp_path)
+    run = kivi_runs["l15_paper"]
+    assert run["capacity"]["kv_sharing_fast_prefill"] is False
+    assert [o["token_ids"] for o in run["outputs"]] == expected
+    assert expected != _kvforge_kivi_tokens("paper", tmp_path)  # SwiftKV's tokens, not the base model's
 
 
 @pytest.mark.slow

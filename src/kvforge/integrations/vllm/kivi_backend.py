@@ -113,9 +113,6 @@ class KIVIAttentionBackend(AttentionBackend):
         return (num_blocks, 1, block_size, declared // block_size)
 
 
-# Declared block bytes per (kv heads, head size), computed once per process by the spec
-# (the engine's budget and layers do not change after the model is built).
-_DECLARED: dict[tuple[int, int], int] = {}
 # The vLLM config the attention layers were built under: vLLM asks for the spec outside
 # any config context, after the model (and so every layer) is built.
 _BUILT_WITH: dict[str, VllmConfig] = {}
@@ -125,8 +122,6 @@ def _declared_block_bytes(config: KIVICacheConfig, kv_heads: int, head_dim: int)
     """One page plus its share of the exact copies (kivi_options.block_bytes_with_copies),
     from the current vLLM config: the KV budget, max_num_seqs, the model dtype and the
     layers that own a KV cache (KV-sharing layers own none)."""
-    if (kv_heads, head_dim) in _DECLARED:
-        return _DECLARED[(kv_heads, head_dim)]
     from vllm.model_executor.layers.attention import Attention
 
     vllm_config = get_current_vllm_config_or_none() or _BUILT_WITH.get("vllm_config")
@@ -143,9 +138,7 @@ def _declared_block_bytes(config: KIVICacheConfig, kv_heads: int, head_dim: int)
     element = torch.tensor([], dtype=RESIDUAL_DTYPES[residual_dtype_name(config, model_dtype)]).element_size()
     pool = copy_pool_bytes(config, kv_heads, head_dim, element, vllm_config.scheduler_config.max_num_seqs)
     page = page_block_bytes(config, kv_heads, head_dim)
-    declared = block_bytes_with_copies(page, pool, budget, max(1, len(layers)), config.key_tokens)
-    _DECLARED[(kv_heads, head_dim)] = declared
-    return declared
+    return block_bytes_with_copies(page, pool, budget, max(1, len(layers)), config.key_tokens)
 
 
 @dataclass

@@ -61,6 +61,10 @@ MUTATIONS: list[Mutation] = [
              "if made >= 1 and made * (declared - page) >= pool_bytes:", "if made >= 1:",
              ("tests/integrations/test_vllm_kivi.py::test_declared_blocks_carry_the_copies_within_the_budget",),
              "the blocks vLLM makes of its budget must carry the exact copies in their spare bytes"),
+    Mutation("vllm_kivi_copies_overrun_their_bytes", S + "integrations/vllm/kivi_pages.py",
+             "storage.numel() < need or ", "",
+             ("tests/integrations/test_vllm_kivi.py::test_pool_over_given_bytes_is_zeroed_and_refuses_too_few",),
+             "exact copies laid over too few bytes of a layer's region must be refused, not run past its end"),
     # -- ShadowKV ------------------------------------------------------------------------
     Mutation("shadowkv_basis_from_post_rope_keys", S + "cache/shadowkv/compress.py",
              "spectrum = key_spectrum(flat_pre)",

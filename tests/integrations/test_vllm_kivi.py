@@ -9,6 +9,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from kvforge.cache.kivi.memory import quantized_keys, quantized_values
 from kvforge.cache.kivi.store import KIVIStore
@@ -22,7 +24,14 @@ from kvforge.integrations.vllm.kivi_exact import (
     SequenceStep,
     exact_slots,
 )
-from kvforge.integrations.vllm.kivi_options import KIVI_ENV, bytes_per_token, kivi_config, page_block_bytes
+from kvforge.integrations.vllm.kivi_options import (
+    KIVI_ENV,
+    block_bytes_with_copies,
+    bytes_per_token,
+    copy_pool_bytes,
+    kivi_config,
+    page_block_bytes,
+)
 from kvforge.integrations.vllm.kivi_pages import ExactPool, page_components, region_bytes
 
 
@@ -76,6 +85,70 @@ def test_pool_gather_takes_copies_and_rows() -> None:
     rows = torch.full((3, 1, 2), 7.0, dtype=torch.float16)
     keys, values = pool.gather(torch.tensor([7, 0, 8 + 2]), rows, rows)
     assert keys[:, 0, 0].tolist() == [1.0, 1.0, 7.0] and values[:, 0, 0].tolist() == [2.0, 2.0, 7.0]
+
+
+def _most_blocks_carrying(page: int, pool: int, budget: int, layers: int, block_size: int) -> int:
+    """By search: the most blocks N whose declared size (page + ceil(pool / N), rounded up to
+    block_size) still gives N blocks of the budget; 0 when none does."""
+    for n in range((budget // layers - pool) // page, 0, -1):
+        declared = -(-(page + -(-pool // n)) // block_size) * block_size
+        if budget // (layers * declared) >= n:
+            return n
+    return 0
+
+
+@settings(max_examples=200, deadline=None)
+# smollm2-135m's 2-bit page and residual=32 copies at a budget where the first size tried
+# rounds to too few blocks to carry the copies
+@example(page=4608, pool=786432, layers=30, budget=26222015, block_size=32)
+@given(page=st.integers(1, 400).map(lambda n: 16 * n), pool=st.integers(1, 10**6), layers=st.integers(1, 40),
+       budget=st.integers(1, 10**7), block_size=st.sampled_from([16, 32, 64]))
+def test_declared_blocks_carry_the_copies_within_the_budget(page: int, pool: int, layers: int, budget: int,
+                                                            block_size: int) -> None:
+    most = _most_blocks_carrying(page, pool, budget, layers, block_size)
+    try:
+        declared = block_bytes_with_copies(page, pool, budget, layers, block_size)
+    except ConfigError as error:
+        assert "kv_cache_memory_bytes" in str(error) and most == 0  # refused only when nothing fits
+        return
+    made = budget // (layers * declared)  # what vLLM makes of the budget
+    assert declared % block_size == 0 and declared >= page
+    assert made >= 1 and made * (declared - page) >= pool  # the copies live in the blocks' spare bytes
+    assert layers * made * declared <= budget  # pages and copies together: within the budget
+    assert made >= most  # no fewer blocks than the best declared size gives
+
+
+def test_a_budget_without_room_for_the_copies_is_refused() -> None:
+    config = kivi_config("")
+    pool = copy_pool_bytes(config, 3, 64, 2, 8)
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes.*exact copies"):
+        block_bytes_with_copies(page_block_bytes(config, 3, 64), pool, 30 * pool, 30, 32)
+
+
+@pytest.mark.parametrize("options,ratio", [("", 4.1), ("residual=32", 4.8)])
+def test_kivi_holds_4x_the_tokens_of_bf16_at_equal_memory_copies_included(options: str, ratio: float) -> None:
+    """smollm2-135m (30 layers, 3 KV heads x 64), a 256 MiB budget, max_num_seqs 8, float16
+    residual: vLLM's bfloat16 cache against the KIVI blocks left after the exact copies."""
+    config = kivi_config(options)
+    budget, layers = 256 * 2**20, 30
+    pool = copy_pool_bytes(config, 3, 64, 2, 8)
+    assert pool == 8 * 2 * (config.residual // 32 + 1) * 2 * 32 * 3 * 64 * 2  # exact_slots copies, K and V
+    declared = block_bytes_with_copies(page_block_bytes(config, 3, 64), pool, budget, layers, config.key_tokens)
+    kivi_tokens = budget // (layers * declared) * config.key_tokens
+    bf16_tokens = budget // (layers * 32 * 2 * 3 * 64 * 2) * 32
+    assert kivi_tokens / bf16_tokens >= ratio
+    assert kivi_tokens / bf16_tokens < 5.34  # below the pages-only 5.33x: the copies are paid for
+
+
+def test_pool_over_given_bytes_is_zeroed_and_refuses_too_few() -> None:
+    storage = torch.full((2 * 2 * 4 * 1 * 2 * 2 + 6,), 255, dtype=torch.uint8)
+    pool = ExactPool(2, 4, 1, 2, torch.float16, torch.device("cpu"), storage=storage)
+    assert pool.keys.data_ptr() == storage.data_ptr() and int(storage[:64].sum()) == 0
+    assert int((storage[64:] == 255).sum()) == 6  # nothing beyond the copies is touched
+    pool.write(torch.tensor([1]), torch.tensor([3]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
+    assert int(storage[:64].count_nonzero()) > 0
+    with pytest.raises(ValueError, match="need 64 bytes"):
+        ExactPool(2, 4, 1, 2, torch.float16, torch.device("cpu"), storage=storage[:63])
 
 
 # -- the exact-copy plan against kvforge's residual rule ------------------------------------

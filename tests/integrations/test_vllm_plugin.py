@@ -386,9 +386,16 @@ KIVI_SETTINGS = {"r32": "residual=32", "paper": ""}
 def kivi_runs(checkpoints: dict[str, Path], prompt_ids: Path, vllm_cache: Path) -> dict:
     python = _vllm_python()
     runs = {}
-    for run, setting, flags in (("r32", "r32", ["--no-prefix-caching"]), ("paper_prefix", "paper", [])):
+    shared = prompt_ids.with_name("shared_prefix_ids.json")
+    shared.write_text(json.dumps(json.loads(prompt_ids.read_text())[-len(SHARED_PREFIX_PROMPTS):]))
+    for run, model, setting, ids, flags in (
+            ("r32", "base", "r32", prompt_ids, ["--no-prefix-caching"]),
+            ("paper_prefix", "base", "paper", prompt_ids, []),
+            # one prompt after the other in 64-token steps, as the kvforge engine it is compared with
+            ("paper_prefix_64", "base", "paper", shared, ["--max-num-batched-tokens", "64", "--one-at-a-time"]),
+            ("l15_paper", "l15", "paper", prompt_ids, ["--no-prefix-caching"])):
         runs[run] = _run_json([python, "-m", "kvforge.integrations.vllm.driver", "--threads", "2", "generate",
-                               "--model", str(checkpoints["base"]), "--prompt-ids", str(prompt_ids), "--kivi",
+                               "--model", str(checkpoints[model]), "--prompt-ids", str(ids), "--kivi",
                                "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--kv-cache-bytes", str(KV_BYTES),
                                *flags], timeout=900, cwd=REPO, cache_root=vllm_cache,
                               extra_env={"KVFORGE_VLLM_KIVI": KIVI_SETTINGS[setting]})
@@ -407,22 +414,87 @@ def test_vllm_kivi_greedy_tokens_equal_kvforge(kivi_runs: dict, tmp_path: Path) 
     assert [o["token_ids"] for o in kivi_runs["r32"]["outputs"]] == expected
     paper = _kvforge_kivi_tokens("paper", tmp_path)
     assert paper != expected  # the comparison sees the quantised pages
-    # Prefix caching on: the second shared-prefix prompt starts on the first one's cached
-    # blocks and reads their 2-bit keys, where kvforge's one-step prefill attends them
-    # exactly; every other prompt must match.
+    # Prefix caching on, one step per prompt: the second shared-prefix prompt starts on the
+    # first one's cached blocks and reads their 2-bit keys, where kvforge's one-step prefill
+    # attends them exactly (kvforge hits only at its own chunk starts, and a one-step prompt
+    # has none: see test_vllm_kivi_prefix_hit_equals_kvforges_prefix_cache); every other
+    # prompt must match.
     got = [o["token_ids"] for o in kivi_runs["paper_prefix"]["outputs"]]
     assert kivi_runs["paper_prefix"]["prefix_cache"].get("prefix_cache_hits", 0) >= 128
     assert got[:4] == paper[:4]
 
 
 @pytest.mark.slow
-def test_vllm_kivi_block_count_is_the_packed_page(kivi_runs: dict) -> None:
-    from kvforge.integrations.vllm.kivi_options import bytes_per_token, kivi_config
+def test_vllm_swiftkv_kivi_greedy_tokens_equal_kvforge(kivi_runs: dict, tmp_path: Path) -> None:
+    """kvforge's SwiftKV model (l=15) with the KIVI backend (paper setting); vLLM's fast
+    prefill stays off with KIVI (engine_config.kivi_backend_selected)."""
+    expected = _kvforge_tokens(["--model", "smollm2-135m", "--swiftkv", str(COMMITTED_L15), "--dtype", "float32",
+                                "--cache", "kivi"], tmp_path)
+    run = kivi_runs["l15_paper"]
+    assert run["capacity"]["kv_sharing_fast_prefill"] is False
+    assert [o["token_ids"] for o in run["outputs"]] == expected
+    assert expected != _kvforge_kivi_tokens("paper", tmp_path)  # SwiftKV's tokens, not the base model's
+
+
+@pytest.mark.slow
+def test_vllm_kivi_prefix_hit_equals_kvforges_prefix_cache(kivi_runs: dict, prompt_ids: Path) -> None:
+    """A hit equals kvforge's engine when both cut the prompts at the same points. kvforge's
+    KIVI prefix cache reuses a prompt only from the start of its last prefill chunk (a
+    snapshot), so a hit stores what the run without caching stores; vLLM reuses every full
+    block. With 64-token steps and the prompts run one after the other, the first prompt
+    (170 tokens) is prefilled as [0, 64), [64, 128), [128, 170) in both engines, the second
+    (156 tokens shared) hits at 128 in both (vLLM: 4 full blocks; kvforge: the snapshot
+    before the last chunk) and attends [0, 128) through the same 2-bit keys, so the tokens
+    must be equal."""
+    import torch
+
+    from kvforge.engine.llm import LLM
+    from kvforge.engine.sampling import SamplingParams
+
+    torch.set_num_threads(2)
+    ids = json.loads(prompt_ids.read_text())[-len(SHARED_PREFIX_PROMPTS):]
+    llm = LLM("smollm2-135m", cache="kivi", dtype="float32", max_num_batched_tokens=64, prefix_caching=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = [llm.generate([prompt], params, use_tqdm=False)[0].token_ids for prompt in ids]
+    assert llm.engine.prefix_statistics()["prefix_hit_tokens"] == 128  # kvforge's second prompt hit at 128
+    run = kivi_runs["paper_prefix_64"]
+    assert run["prefix_cache"].get("prefix_cache_hits", 0) == 128  # and vLLM's, at the same token
+    assert [o["token_ids"] for o in run["outputs"]] == [list(t) for t in expected]
+
+
+@pytest.mark.slow
+def test_vllm_kivi_block_count_is_the_packed_page_and_its_share_of_the_copies(kivi_runs: dict) -> None:
+    from kvforge.integrations.vllm.kivi_options import (
+        block_bytes_with_copies,
+        copy_pool_bytes,
+        kivi_config,
+        page_block_bytes,
+    )
 
     cap = kivi_runs["r32"]["capacity"]
     config = kivi_config(KIVI_SETTINGS["r32"])
-    per_block = bytes_per_token(config, 3, 64, 30) * cap["block_size"]
+    page = page_block_bytes(config, 3, 64)
+    pool = copy_pool_bytes(config, 3, 64, 2, 8)  # float16 residual, the driver's max_num_seqs 8
+    declared = block_bytes_with_copies(page, pool, KV_BYTES, 30, config.key_tokens)
     assert cap["block_size"] == config.key_tokens
-    assert cap["num_blocks"] == KV_BYTES // per_block  # vLLM divides the memory by kvforge's page
+    # vLLM divides the memory by the page plus its share of the exact copies
+    assert cap["num_blocks"] == KV_BYTES // (30 * declared)
+    assert 30 * (cap["num_blocks"] * page + pool) <= KV_BYTES  # pages and copies, all within the budget
     bf16_blocks = KV_BYTES // (cap["block_size"] * 2 * 3 * 64 * 2 * 30)  # vLLM's own bfloat16 cache
     assert cap["num_blocks"] >= 4 * bf16_blocks
+
+
+@pytest.mark.slow
+def test_vllm_kivi_serve_answers_openai_client(checkpoints: dict[str, Path], tmp_path: Path, vllm_cache: Path) -> None:
+    """`python -m kvforge.integrations.vllm.serve` with the KIVI backend (paper setting),
+    asked by the official openai client on loopback, stopped by the driver."""
+    python = _vllm_python()
+    result = _run_json([python, "-m", "kvforge.integrations.vllm.driver", "--threads", "2", "serve-check",
+                        "--model", str(checkpoints["base"]), "--kivi", "--max-num-seqs", "8", "--timeout", "480",
+                        "--log", str(tmp_path / "serve.log")], timeout=600, cwd=REPO, cache_root=vllm_cache,
+                       extra_env={"KVFORGE_VLLM_KIVI": ""})
+    assert result["ok"], result.get("error")
+    assert result["command"][-4:] == ["--attention-backend", "CUSTOM", "--block-size", "32"]
+    assert result["chat"]["text"].strip() and result["chat"]["completion_tokens"] > 0
+    assert result["completion"]["text"].strip()
+    assert result["server_returncode"] is not None

@@ -107,7 +107,11 @@ def run_generate(args: argparse.Namespace) -> None:
                    log_stats=True, kivi=args.kivi, tensor_parallel_size=args.tensor_parallel_size)
     started = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
+    if args.one_at_a_time:  # each prompt finishes before the next starts, in one engine (and prefix cache)
+        outputs = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     emit({"outputs": [{"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids),
                        "text": o.outputs[0].text, "finish_reason": o.outputs[0].finish_reason} for o in outputs],
           "capacity": kv_capacity(llm), "prefix_cache": prefix_cache_counters(llm), "start_s": started,
@@ -147,13 +151,20 @@ def run_serve_check(args: argparse.Namespace) -> None:
                "--port", str(port), "--dtype", "float32", "--max-model-len",
                str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_cache_bytes),
                "--served-model-name", "swiftkv"] + ([] if args.compile else ["--enforce-eager"])
+    if args.max_num_seqs is not None:
+        command += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.kivi:  # the KIVI setting reaches the server through KVFORGE_VLLM_KIVI in its environment
+        from kvforge.integrations.vllm.kivi_options import kivi_config
+
+        command += ["--attention-backend", "CUSTOM", "--block-size", str(kivi_config().key_tokens)]
     deadline = time.monotonic() + args.timeout
     log = open(args.log, "w") if args.log else subprocess.DEVNULL  # noqa: SIM115 - closed below
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
                               start_new_session=True)
     result: dict[str, Any] = {"port": port, "command": command}
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", timeout=30, max_retries=0)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", timeout=args.request_timeout,
+                               max_retries=0)
         while True:
             if server.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {server.returncode} before answering")
@@ -218,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--max-num-batched-tokens", type=int, default=None)
     gen.add_argument("--no-prefix-caching", action="store_true", help="(default: on, as in vLLM)")
+    gen.add_argument("--one-at-a-time", action="store_true",
+                     help="generate each prompt in its own call, in order (a later prompt can hit the cached "
+                          "prefix of an earlier one)")
     verbs.add_parser("capacity", parents=[common], help="KV cache blocks/tokens under --kv-cache-bytes")
     serve = verbs.add_parser("serve-check", parents=[common], help="vllm serve + one openai client request")
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds until the server must answer")
@@ -225,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--completion-prompt", default="The capital of France is", help="completion prompt")
     serve.add_argument("--max-tokens", type=int, default=16)
     serve.add_argument("--log", default=None, help="file for the server's output")
+    serve.add_argument("--request-timeout", type=float, default=120.0,
+                       help="seconds per client request (the first may build kvforge's C++ kernels)")
+    serve.add_argument("--max-num-seqs", type=int, default=None,
+                       help="vLLM's max_num_seqs (default: vLLM's; with --kivi it sizes the exact copies)")
     return parser
 
 

@@ -7,7 +7,8 @@ layers (all later SwiftKV layers, see layout.py) attention metadata restricted t
 that need logits, and refuses what the plugin does not implement.
 
 `KVFORGE_SWIFTKV_FAST_PREFILL=0` leaves the flag off: later layers then run on every prompt
-token (same outputs, no prefill saving) and prompt logprobs work.
+token (same outputs, no prefill saving) and prompt logprobs work. It is off too with the KIVI
+attention backend (`kivi_backend_selected`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def fast_prefill_wanted() -> bool:
     return os.environ.get(FAST_PREFILL_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def kivi_backend_selected(vllm_config: VllmConfig) -> bool:
+    """Whether `--attention-backend CUSTOM` (kvforge's KIVI backend) is selected. Fast
+    prefill stays off with it: vLLM would build the KV-sharing layers' metadata with a
+    second builder, whose exact-copy plan would diverge from the one the cache owners wrote
+    by; with it off, every layer of a step reads the owners' metadata (kivi_backend.py)."""
+    backend = vllm_config.attention_config.backend
+    return backend is not None and backend.name == "CUSTOM"
+
+
 class SwiftKVEngineConfig(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config: VllmConfig) -> None:
@@ -44,7 +54,7 @@ class SwiftKVEngineConfig(VerifyAndUpdateConfig):
             raise ValueError("kvforge's SwiftKV plugin does not support quantized checkpoints")
         if any(t != "full_attention" for t in (getattr(hf_config, "layer_types", None) or ())):
             raise ValueError("kvforge's SwiftKV plugin supports full-attention Llama layers only")
-        if fast_prefill_wanted():
+        if fast_prefill_wanted() and not kivi_backend_selected(vllm_config):
             vllm_config.cache_config.kv_sharing_fast_prefill = True
         logger.info("kvforge SwiftKV: l=%d, g=%d of %d layers; %d KV cache layers; fast prefill %s",
                     swift.num_key_value_layers, swift.key_value_group_size, hf_config.num_hidden_layers,

@@ -3,10 +3,12 @@
 
 Roles, as vLLM v1 splits them:
 - `KIVIAttentionBackend` (static): the KV cache spec via `customize_spec`: vLLM's own
-  FullAttentionSpec with one head slot of `page_block_bytes / G` bytes per token
-  (`state_content_bytes`), so vLLM's block manager divides the KV memory by the packed page
-  size; one fixed kernel block size G (a block is one kvforge page); layer-outermost
-  layout, so each layer's pages are one contiguous byte region (kivi_pages.py).
+  FullAttentionSpec with one head slot of `declared / G` bytes per token
+  (`state_content_bytes`), declared = the packed page plus its share of the exact copies
+  (kivi_options.block_bytes_with_copies), so vLLM's block manager divides the KV memory by
+  what pages and copies cost together; one fixed kernel block size G (a block is one
+  kvforge page); layer-outermost layout, so each layer's pages, then its copies, are one
+  contiguous byte region (kivi_pages.py).
 - `KIVIMetadataBuilder`: once per step, the per-sequence counts and the exact-copy plan
   (kivi_exact.py), shared by every layer of the step.
 - `KIVIAttentionImpl`: `do_kv_cache_update` keeps the step's new tokens exact (copies) and
@@ -26,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config.vllm import get_current_vllm_config_or_none
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -45,8 +48,15 @@ from kvforge.cache.kivi.store import (
     store_key_pages,
     store_value_tokens,
 )
+from kvforge.errors import ConfigError
 from kvforge.integrations.vllm.kivi_exact import MISSING, ExactCopies, ExactPlan, SequenceStep, exact_slots
-from kvforge.integrations.vllm.kivi_options import kivi_config, page_block_bytes, residual_dtype_name
+from kvforge.integrations.vllm.kivi_options import (
+    block_bytes_with_copies,
+    copy_pool_bytes,
+    kivi_config,
+    page_block_bytes,
+    residual_dtype_name,
+)
 from kvforge.integrations.vllm.kivi_pages import ExactPool, layer_bytes, layer_view, page_components
 
 BACKEND_NAME = "CUSTOM"  # vLLM looks the name up in AttentionBackendEnum: the member it is registered as
@@ -92,17 +102,43 @@ class KIVIAttentionBackend(AttentionBackend):
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         config = _config()
-        page = page_block_bytes(config, spec.num_kv_heads, spec.head_size)
-        if page % config.key_tokens:
-            raise ValueError(f"a KIVI page of {page} bytes does not split into {config.key_tokens} tokens")
+        declared = _declared_block_bytes(config, spec.num_kv_heads, spec.head_size)
         return dataclasses.replace(spec, dtype=torch.uint8, num_head_slots=1,
-                                   state_content_bytes=page // config.key_tokens)
+                                   state_content_bytes=declared // config.key_tokens)
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
                            cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        page = page_block_bytes(_config(), num_kv_heads, head_size)
-        return (num_blocks, 1, block_size, page // block_size)
+        declared = _declared_block_bytes(_config(), num_kv_heads, head_size)
+        return (num_blocks, 1, block_size, declared // block_size)
+
+
+# The vLLM config the attention layers were built under: vLLM asks for the spec outside
+# any config context, after the model (and so every layer) is built.
+_BUILT_WITH: dict[str, VllmConfig] = {}
+
+
+def _declared_block_bytes(config: KIVICacheConfig, kv_heads: int, head_dim: int) -> int:
+    """One page plus its share of the exact copies (kivi_options.block_bytes_with_copies),
+    from the current vLLM config: the KV budget, max_num_seqs, the model dtype and the
+    layers that own a KV cache (KV-sharing layers own none)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    vllm_config = get_current_vllm_config_or_none() or _BUILT_WITH.get("vllm_config")
+    if vllm_config is None:
+        raise RuntimeError("the KIVI backend's block size needs the vLLM config its layers were built with")
+    budget = vllm_config.cache_config.kv_cache_memory_bytes
+    if budget is None:
+        raise ConfigError("kv_cache_memory_bytes", budget,
+                          "must be set for the KIVI backend (--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE): "
+                          "the exact copies of the residual are taken from it")
+    layers = [layer for layer in vllm_config.compilation_config.static_forward_context.values()
+              if isinstance(layer, Attention) and layer.kv_sharing_target_layer_name is None]
+    model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    element = torch.tensor([], dtype=RESIDUAL_DTYPES[residual_dtype_name(config, model_dtype)]).element_size()
+    pool = copy_pool_bytes(config, kv_heads, head_dim, element, vllm_config.scheduler_config.max_num_seqs)
+    page = page_block_bytes(config, kv_heads, head_dim)
+    return block_bytes_with_copies(page, pool, budget, max(1, len(layers)), config.key_tokens)
 
 
 @dataclass
@@ -170,7 +206,7 @@ class KIVIAttentionImpl(AttentionImpl):
         self.num_heads, self.head_size, self.scale, self.num_kv_heads = num_heads, head_size, scale, num_kv_heads
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.config = _config()
-        vllm_config = get_current_vllm_config()
+        vllm_config = _BUILT_WITH["vllm_config"] = get_current_vllm_config()
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         self.residual_dtype = RESIDUAL_DTYPES[residual_dtype_name(self.config, model_dtype)]
@@ -182,18 +218,22 @@ class KIVIAttentionImpl(AttentionImpl):
 
     # -- storage -------------------------------------------------------------------------
     def _storage(self, kv_cache: torch.Tensor) -> tuple[dict[str, torch.Tensor], ExactPool]:
+        """The layer's region [num_blocks * declared bytes] is the pages, then the exact
+        copies in the spare bytes the declared block size adds (customize_spec)."""
         key = kv_cache.data_ptr()
+        num_blocks = kv_cache.shape[0]
+        region = layer_bytes(kv_cache, kv_cache.numel() * kv_cache.element_size())
+        pages_end = num_blocks * self.page
         if self._parts is None or self._parts_key != key:
-            num_blocks = kv_cache.numel() * kv_cache.element_size() // self.page
-            region = layer_bytes(kv_cache, num_blocks * self.page)
-            self._parts = page_components(region, self.config, num_blocks, self.num_kv_heads, self.head_size)
+            self._parts = page_components(region[:pages_end], self.config, num_blocks, self.num_kv_heads,
+                                          self.head_size)
             self._parts_key = key
             self._kernel = resolve_decode_kernel(self.config.decode_kernel, kv_cache.device, self.config)
         pool = _POOLS.get(key)
         if pool is None:
             slots = exact_slots(self.config.key_tokens, self.config.residual, self.max_num_seqs)
-            pool = _POOLS[key] = ExactPool(slots, self.config.key_tokens,
-                                           self.num_kv_heads, self.head_size, self.residual_dtype, kv_cache.device)
+            pool = _POOLS[key] = ExactPool(slots, self.config.key_tokens, self.num_kv_heads, self.head_size,
+                                           self.residual_dtype, kv_cache.device, storage=region[pages_end:])
         self._pool = pool
         return self._parts, pool
 

@@ -9,9 +9,12 @@ same values): unset or empty is the paper's setting (bits=2, group=32, residual=
 
 One vLLM block holds one kvforge KIVI page: `key_tokens` (G) tokens of key codes per channel
 and value codes per token, with their float16 scales and zero points, for one attention
-layer (`page_block_bytes`). The full-precision residual of each sequence is not in the
-blocks: it lives in exact copies of the newest blocks (kivi_exact.py), whose memory is
-reported beside the block count.
+layer (`page_block_bytes`), plus its share of the residual: the full-precision residual of
+each sequence lives in exact copies of the newest blocks (kivi_exact.py), a pool of a fixed
+size (`copy_pool_bytes`, set by max_num_seqs) that is placed after the pages in each layer's
+region. `block_bytes_with_copies` declares each block large enough that the blocks vLLM
+makes of its KV budget carry the pool in their spare bytes, so the budget holds pages and
+copies together (as kvforge's own KIVI cache takes its residual slots from its budget).
 
 Options the backend does not implement yet (they need the model's cooperation or sink
 buffers the block layout has no place for) are refused here, naming the option:
@@ -27,6 +30,7 @@ from kvforge.cache.kivi.config import RESIDUAL_DTYPES, KIVICacheConfig, default_
 from kvforge.cache.kivi.store import page_bytes
 from kvforge.cache.registry import parse_cache_spec
 from kvforge.errors import ConfigError
+from kvforge.integrations.vllm.kivi_exact import exact_slots
 
 KIVI_ENV = "KVFORGE_VLLM_KIVI"
 # What the block layout and the backend implement; anything else is refused by `check_supported`.
@@ -75,3 +79,33 @@ def bytes_per_token(config: KIVICacheConfig, kv_heads: int, head_dim: int, num_c
     """Quantised bytes one token costs over all cache layers: what `kvforge info` reports
     for the same setting (its KiviMemorySpec.kv_bytes_per_token)."""
     return page_block_bytes(config, kv_heads, head_dim) * num_cache_layers / config.key_tokens
+
+
+def copy_pool_bytes(config: KIVICacheConfig, kv_heads: int, head_dim: int, residual_element_bytes: int,
+                    max_num_seqs: int) -> int:
+    """Bytes of one layer's exact copies: `exact_slots` blocks of G tokens, K and V, in the
+    residual dtype (`residual_element_bytes` each)."""
+    slots = exact_slots(config.key_tokens, config.residual, max_num_seqs)
+    return slots * 2 * config.key_tokens * kv_heads * head_dim * residual_element_bytes
+
+
+def block_bytes_with_copies(page: int, pool_bytes: int, budget_bytes: int, num_layers: int, block_size: int) -> int:
+    """Bytes one vLLM block declares per layer: a page of `page` bytes plus its share of the
+    copy pool (`pool_bytes` per layer), a multiple of `block_size` (vLLM's spec is
+    block_size cells of equal bytes). vLLM makes N = budget_bytes // (num_layers * result)
+    blocks of the budget; the result is the smallest found for which N >= 1 and the N blocks'
+    spare bytes, N * (result - page), hold the pool, so pages and copies together stay
+    within the budget."""
+    per_layer = budget_bytes // num_layers
+    blocks = (per_layer - pool_bytes) // page  # the most pages the budget could hold beside the pool
+    while blocks >= 1:
+        share = -(-pool_bytes // blocks)
+        declared = -(-(page + share) // block_size) * block_size
+        made = budget_bytes // (num_layers * declared)
+        if made >= 1 and made * (declared - page) >= pool_bytes:
+            return declared
+        blocks -= 1
+    raise ConfigError("kv_cache_memory_bytes", budget_bytes,
+                      f"must hold the KIVI backend's exact copies ({pool_bytes} bytes per layer, set by "
+                      f"max_num_seqs and the residual) plus one page of {page} bytes per layer, "
+                      f"for {num_layers} layers")

@@ -69,14 +69,25 @@ def layer_bytes(kv_cache: torch.Tensor, num_bytes: int) -> torch.Tensor:
 
 class ExactPool:
     """Exact copies of `num_slots` blocks for one layer: keys and values [S, G, H, D] in the
-    residual dtype (token-major, so a step's rows are written with one indexed copy)."""
+    residual dtype (token-major, so a step's rows are written with one indexed copy). With
+    `storage` (uint8 bytes, e.g. the spare bytes after a layer's pages in vLLM's KV cache
+    region) the copies are views over its first `pool_bytes` bytes; else they are allocated."""
 
     def __init__(self, num_slots: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        shape = (num_slots, block_size, kv_heads, head_dim)
+                 device: torch.device, storage: torch.Tensor | None = None) -> None:
+        shape = (2, num_slots, block_size, kv_heads, head_dim)
+        if storage is None:
+            both = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            size = torch.tensor([], dtype=dtype).element_size()
+            need = torch.Size(shape).numel() * size
+            if storage.dtype != torch.uint8 or storage.numel() < need or storage.data_ptr() % size:
+                raise ValueError(f"the exact copies need {need} bytes aligned to {size}, got "
+                                 f"{storage.numel()} {storage.dtype} at offset {storage.data_ptr() % size}")
+            both = storage[:need].view(dtype).view(shape)
         # zeros: ring positions nobody reads still go through the kernels' arithmetic
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        both.zero_()
+        self.keys, self.values = both[0], both[1]
 
     def nbytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()

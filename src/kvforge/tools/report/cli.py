@@ -3,7 +3,9 @@ quality tables, rendered from the committed result files under DIR (docs/results
 
 - docs/results.md: one section per JSON file (render.py), in path order.
 - README.md: the block between `<!-- results:start -->` and `<!-- results:end -->` is the
-  headline table (headline.py), each figure read from a named file.
+  headline table (headline.py), each figure read from a named file; the block between
+  `<!-- serving-vs-vllm:start -->` and `<!-- serving-vs-vllm:end -->` is "Serve it"'s table
+  of kvforge's server beside vLLM's (serving_table.py).
 - docs/cache-methods.md (the methods guide, since README stays short): the block between
   `<!-- kivi-pareto:start -->` and `<!-- kivi-pareto:end -->` is KIVI's quality/memory
   table (pareto.py), the block between `<!-- shadowkv-front:start -->` and
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.errors import ConfigError
-from kvforge.tools.report import pareto, shadowkv_front
+from kvforge.tools.report import pareto, serving_table, shadowkv_front
 from kvforge.tools.report.headline import headline_table
 from kvforge.tools.report.render import render_document
 
@@ -78,7 +80,9 @@ def run_report(args: argparse.Namespace) -> int:
     results = load_results(directory)
     rendered = {Path(args.out): render_results(results, directory.as_posix().rstrip("/"))}
     readme = Path(args.readme)
-    rendered[readme] = replace_block(readme.read_text(), headline_table(results), str(readme))
+    text = replace_block(readme.read_text(), headline_table(results), str(readme))
+    rendered[readme] = replace_block(text, serving_table.serving_block(results), str(readme),
+                                     serving_table.START, serving_table.END)
     methods = Path(args.methods)
     text = replace_block(methods.read_text(), pareto.pareto_block(results), str(methods), pareto.START, pareto.END)
     rendered[methods] = replace_block(text, shadowkv_front.front_block(results), str(methods),

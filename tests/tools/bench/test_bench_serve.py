@@ -94,6 +94,26 @@ def test_run_against_a_server_by_url(tiny_sources, tmp_path):
     assert result["ratio"] is None  # nothing to compare with
 
 
+def test_no_run_finds_a_prompt_of_another_cached(tiny_sources, monkeypatch):
+    """Each rate and repeat sends fresh prompts (and the warm-up starts none of them): the
+    server's prefix cache, on by default, never hits."""
+    import random
+    import string
+
+    import httpx
+
+    text_rng = random.Random(3)
+    monkeypatch.setattr(bench_serve, "heldout_text", lambda path: "".join(text_rng.choice(string.ascii_letters)
+                                                                          for _ in range(3000)))
+    tokenizer = tiny_sources
+    with serve(make_engine(tiny_model(), tokenizer), tokenizer) as server:
+        bench_serve.run(parse(["--base-url", server.base_url, "--model", "tiny", "--num-prompts", "3",
+                               "--input-len", "24", "--output-len", "2", "--request-rate", "50,inf", "--repeats", "2"]))
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+    (hits,) = [line for line in metrics.splitlines() if line.startswith('kvforge_prefix_cache{') and 'hit_tokens' in line]
+    assert float(hits.rsplit(" ", 1)[1]) == 0.0, hits
+
+
 def test_bad_options_fail_before_any_server(tiny_sources):
     for argv, parameter in ((["--request-rate", "0"], "request_rate"), (["--input-len", "500", "--output-len", "50"],
                             "input_len + output_len"), (["--slo", "fast"], "slo"), (["--compare", "hf"], "compare"),

@@ -82,10 +82,21 @@ def test_external_server_with_v1_repeats_and_standard_json(tiny_sources, tmp_pat
     assert "threads" not in header and "KV budget" not in header
 
 
-def test_repeats_use_fresh_prompts(tiny_sources):
-    plan = bench_serve._plan(parse(["--model", "tiny", "--num-prompts", "4", "--input-len", "30", "--repeats", "3"]))
-    assert len(plan.prompts) == 3 and all(len(p) == 4 for p in plan.prompts)
-    assert plan.prompts[0] != plan.prompts[1] != plan.prompts[2]
+def test_every_rate_and_repeat_gets_fresh_prompts(tiny_sources, monkeypatch):
+    """Prefix caching is on in kvforge and vLLM: a prompt sent twice (a second rate reusing
+    the first rate's set) would be measured as a cache hit, not as a prefill."""
+    import random
+    import string
+
+    text_rng = random.Random(7)
+    monkeypatch.setattr(bench_serve, "heldout_text", lambda path: "".join(text_rng.choice(string.ascii_letters)
+                                                                          for _ in range(4000)))
+    plan = bench_serve._plan(parse(["--model", "tiny", "--num-prompts", "4", "--input-len", "30", "--repeats", "3",
+                                    "--request-rate", "1,2,inf"]))
+    assert len(plan.prompts) == 9 and all(len(p) == 4 and all(len(q) == 30 for q in p) for p in plan.prompts)
+    starts = [tuple(prompt[:8]) for prompts in plan.prompts for prompt in prompts]
+    assert len(set(starts)) == 36  # no prompt starts like another
+    assert tuple(plan.warmup[:8]) not in starts and len(plan.warmup) == bench_serve.WARMUP_TOKENS
 
 
 def test_chat_turns_extend_one_history():

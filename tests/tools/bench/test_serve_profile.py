@@ -119,7 +119,8 @@ def test_a_profiler_that_records_nothing_says_why(tmp_path):
 
 def test_kvforge_servers_run_without_the_step_timer_unless_asked():
     args = argparse.Namespace(model="m", kv_budget="1GiB", dtype="float32", threads=1, max_num_batched_tokens=64,
-                              max_num_seqs=4, admission="optimistic", device="cpu", swiftkv=None, step_split=False)
+                              max_num_seqs=4, admission="optimistic", device="cpu", swiftkv=None, step_split=False,
+                              load_format="auto")
     system = bench_serve.System("kvforge[full]", "kvforge", bench_serve.parse_cache_spec("full"))
     assert "--step-timing" not in bench_serve._serve_args(args, system)
     args.step_split = True

@@ -52,6 +52,7 @@ from kvforge.tools.bench.serve_vllm import VllmPeer, peer_checkpoint, vllm_comma
 from kvforge.tools.bench.systems import System
 from kvforge.tools.text_data import heldout_text
 
+WARMUP_TOKENS = 16
 SERVED_NAME = "bench"  # the model name the started servers answer to
 
 
@@ -92,14 +93,17 @@ def parse_rates(text: str) -> list[float]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Everything decided before any server starts. `prompts[r]` are repeat r's requests
-    (poisson) or conversations' turns (chat)."""
+    """Everything decided before any server starts. Poisson: `prompts[i * repeats + r]` are
+    the requests of repeat r at rate i, a fresh set for each, so that no run finds a prompt of
+    another cached (prefix caching is on in kvforge and vLLM alike); chat: `prompts[r]` are
+    conversation r's turns. `warmup` is a short prompt that starts none of them."""
 
     systems: list[System]
     rates: list[float]
     prompts: list[list[list[int]]]
     output_lens: list[int]
     slo: SLO
+    warmup: list[int]
     chat: ChatShape | None = None
     vllm: VllmPeer | None = None
 
@@ -157,7 +161,7 @@ def _plan(args: argparse.Namespace) -> Plan:
             "shared_prefix + turns" if chat else "input_len + output_len", longest + output_len.high,
             f"must be <= the context of {args.model} ({config.max_position_embeddings} tokens)")
     rng = random.Random(args.seed)
-    ids = _random_ids(config.vocab_size, longest, args.seed) if source.kind == "dummy" else \
+    ids = _random_ids(config.vocab_size, longest, args.seed) if args.load_format == "dummy" else \
         _heldout_ids(source, args.text_file)
     if chat:
         prompts = conversations(ids, chat, args.repeats, args.seed)
@@ -165,8 +169,9 @@ def _plan(args: argparse.Namespace) -> Plan:
     else:
         lengths = input_len.draw(args.num_prompts, rng)
         output_lens = output_len.draw(args.num_prompts, rng)
-        prompts = [_prompts(ids, lengths, rng) for _ in range(args.repeats)]
-    return Plan([first, *compare], rates, prompts, output_lens, slo, chat, peer)
+        prompts = _prompt_sets(ids, lengths, len(rates) * args.repeats, rng)
+    warmup = ids[:WARMUP_TOKENS][::-1]  # the text's opening backwards: no window starts with it
+    return Plan([first, *compare], rates, prompts, output_lens, slo, warmup, chat, peer)
 
 
 def _heldout_ids(source: Any, text_file: str | None) -> list[int]:
@@ -182,11 +187,16 @@ def _random_ids(vocab_size: int, longest: int, seed: int) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(max(4 * longest, 65_536))]
 
 
-def _prompts(ids: list[int], lengths: list[int], rng: random.Random) -> list[list[int]]:
-    """Token-id windows of the held-out text, one per request, at seeded offsets."""
-    require(len(ids) > max(lengths), "input_len", max(lengths),
-            f"must be < the {len(ids)} tokens of the held-out text")
-    return [ids[start:start + n] for n, start in ((n, rng.randrange(len(ids) - n)) for n in lengths)]
+def _prompt_sets(ids: list[int], lengths: list[int], sets: int, rng: random.Random) -> list[list[list[int]]]:
+    """`sets` request sets, token-id windows of the held-out text at seeded offsets, no two
+    windows starting at the same offset (so none is a cached prefix of another)."""
+    longest = max(lengths)
+    require(len(ids) > longest, "input_len", longest, f"must be < the {len(ids)} tokens of the held-out text")
+    count = sets * len(lengths)
+    require(len(ids) - longest >= count, "num_prompts", len(lengths),
+            f"x {sets} runs needs {count} distinct prompt starts; the held-out text has {len(ids) - longest}")
+    starts = iter(rng.sample(range(1, len(ids) - longest), count))  # offset 0 starts the warm-up's text
+    return [[ids[start:start + n] for n, start in zip(lengths, starts)] for _ in range(sets)]
 
 
 def _serve_args(args: argparse.Namespace, system: System) -> list[str]:
@@ -253,16 +263,17 @@ def _measure(args: argparse.Namespace, plan: Plan, system: System, base_url: str
     tokenizer = load_tokenizer(resolve_model_source(args.model)) if args.prompt_format == "text" else None
     as_text = args.prompt_format == "text"
     # One short request first: first-touch costs (thread pools, pages) stay out of the runs.
-    warm = _body(model, plan.prompts[0][0][:16], 2, as_text, tokenizer)
+    warm = _body(model, plan.warmup, 2, as_text, tokenizer)
     asyncio.run(run_schedule(base_url, [warm], [0.0], args.request_timeout, headers=headers))
     if plan.chat is not None:
         return {"name": system.name, "kind": system.kind,
                 "chat": _measure_chat(args, plan, system, base_url, model, headers, as_text, tokenizer)}
     rates = []
-    for rate in plan.rates:
+    for index, rate in enumerate(plan.rates):
         before = scrape(base_url, headers)
         runs, pooled, pooled_seconds, watches = [], [], 0.0, []
-        for repeat, prompts in enumerate(plan.prompts):
+        for repeat in range(args.repeats):
+            prompts = plan.prompts[index * args.repeats + repeat]
             bodies = [_body(model, p, n, as_text, tokenizer) for p, n in zip(prompts, plan.output_lens)]
             schedule = poisson_schedule(len(bodies), rate, args.seed + repeat)
             records, seconds, watch = asyncio.run(_run_rate(
@@ -358,5 +369,6 @@ def _start(args: argparse.Namespace, plan: Plan, system: System) -> ServerProces
     peer = dataclasses.replace(plan.vllm, checkpoint=peer_checkpoint(args.model))
     port = free_loopback_port()
     return ServerProcess.launch(vllm_command(peer, port, args.dtype, args.max_num_batched_tokens, args.max_num_seqs,
-                                             SERVED_NAME), port, system.name, env=vllm_env(args.kv_budget),
+                                             SERVED_NAME, log_stats=bool(args.profile_servers)), port, system.name,
+                                env=vllm_env(args.kv_budget),
                                 timeout_s=VLLM_STARTUP_TIMEOUT_S)

@@ -45,6 +45,8 @@ SERVING_PARTS = (
                                 r"pydantic|anyio", re.I)),
     ("IPC", re.compile(r"zmq|msgspec|msgpack|serial_utils|multiprocessing|core_client", re.I)),
 )
+# Modules torch.compile writes (inductor's output code, vLLM's compile cache): their lines name the ops.
+GENERATED = re.compile(r"torchinductor|torch_compile_cache|inductor_cache")
 PARTS = ("fused decoder layers", "linear", "attention", "model other", *(name for name, _ in SERVING_PARTS), "other")
 
 
@@ -89,7 +91,7 @@ def _frame_parts(frame: str, sources: dict[str, list[str]]) -> tuple[str, str]:
     if not match:
         return frame, ""
     name, path, line = match.group(1), match.group(2), int(match.group(3))
-    if "torchinductor" not in path:
+    if not GENERATED.search(path):
         return name, ""
     if path not in sources:
         try:

@@ -70,11 +70,13 @@ def kv_space_gib(kv_budget: str) -> int:
 
 
 def vllm_command(peer: VllmPeer, port: int, dtype: str, max_num_batched_tokens: int, max_num_seqs: int,
-                 served_name: str) -> list[str]:
+                 served_name: str, log_stats: bool = False) -> list[str]:
+    """vLLM's server command; `log_stats` keeps its step statistics (its /metrics then
+    counts engine steps, as a profile needs), which timed runs leave off."""
     return [peer.python, "-m", "kvforge.integrations.vllm.serve", str(peer.checkpoint), "--host", "127.0.0.1",
             "--port", str(port), "--dtype", dtype, "--served-model-name", served_name,
             "--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", str(max_num_seqs),
-            "--disable-log-stats"]
+            *([] if log_stats else ["--disable-log-stats"])]
 
 
 def vllm_env(kv_budget: str) -> dict[str, str]:

@@ -137,4 +137,4 @@ def test_the_readme_stays_short_and_its_commands_are_found():
     assert len(README.read_text().splitlines()) <= 200
     commands = shell_commands()
     assert any(c.startswith("kvforge serve") for c in commands) and any(c.startswith("curl") for c in commands)
-    assert len(blocks("python")) >= 3
+    assert len(blocks("python")) >= 2  # the Python API and the openai client (transformers: docs/evaluation.md)

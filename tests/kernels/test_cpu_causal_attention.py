@@ -139,3 +139,26 @@ def test_the_op_rejects_bad_arguments_by_name():
     with pytest.raises(RuntimeError, match="1 <= n <= m"):
         op(q, k[:, :4].contiguous(), v[:, :4].contiguous(), 0.1)
     assert kernel_module.HEAD_DIM_MULTIPLE == 64
+
+
+def test_the_softmax_exponential_is_within_two_float_ulps_of_exp2():
+    """The kernel's weights are 2^(c s - c m): its base-2 exponential, alone, against float64
+    over the range a softmax uses (down to its clamp) and a hair above 0 (a rounded shift)."""
+    y = torch.cat((torch.linspace(-126.0, 0.0, 200_003), torch.tensor([0.0, -0.5, -1.5, 1e-6, -126.0])))
+    got = torch.ops.kvforge_cpu_causal.exp2_nonpositive(y).double()
+    want = torch.exp2(y.double())
+    assert (got - want).abs().div(want).max().item() < 2.5e-7
+    assert got[-5].item() == 1.0  # 2^0 is exactly 1: the row's largest score gets weight 1
+    below = torch.ops.kvforge_cpu_causal.exp2_nonpositive(torch.tensor([-200.0, float("-inf")]))
+    assert below.tolist() == [2.0 ** -126] * 2  # clamped to the smallest normal, never 0 or NaN
+
+
+def test_block_boundaries_mask_exactly_the_future_keys():
+    """A chunk of rows whose own keys fall inside a 64-key block (the masked, partly visible
+    blocks) next to fully visible ones: rows 8 at a time must each stop at their own key."""
+    q, k, v = inputs(77, 141, 4, 2, 64, seed=6)
+    out, lse = causal_attention(q, k, v, 0.125)
+    want, want_lse = definition(q, k, v, 0.125)
+    theirs = (aten(q, k, v, 0.125).double() - want).abs().max().item()
+    assert (out.double() - want).abs().max().item() <= 1.25 * theirs + 1e-3
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=4e-3)

@@ -7,11 +7,12 @@
 //   h / (heads / kv_heads) (grouped-query attention, no copy of K/V per query head).
 //   lse = log sum_j exp(scale * q.k_j) over the visible keys, for merging partial attentions.
 //
-// Arithmetic, block by block (flash attention): scores are bf16 x bf16 products summed in
-// float32 by AVX512-BF16 `vdpbf16ps` (each product is exact in float32; the sums round),
-// times `scale` in float32. Per query row an online softmax over 64-key blocks keeps the
-// running max m and sum l in float32; a block's weights p = exp(s - m) are rounded to bf16
-// once, and those rounded weights are both what multiplies V (again by `vdpbf16ps`, into
+// Arithmetic, block by block (flash attention): scores s are bf16 x bf16 products summed in
+// float32 by AVX512-BF16 `vdpbf16ps` (each product is exact in float32; the sums round).
+// Per query row an online softmax over 64-key blocks keeps the running max m of s and the
+// sum l in float32; a block's weights p = exp(scale (s - m)), computed as
+// 2^(s c - m c) with c = scale log2(e) (one fused multiply-subtract per lane, then a base-2
+// exponential: half the work of a base-e one), are rounded to bf16 once, and those rounded weights are both what multiplies V (again by `vdpbf16ps`, into
 // float32 accumulators) and what l sums, so the output is exactly a convex combination of
 // value rows with the weights actually used. The output is rounded to bf16 once. This is
 // the precision of ATen's bf16 flash attention (float32 softmax, bf16 weights into the
@@ -62,9 +63,10 @@ constexpr int64_t kKeyBlock = 64;    // keys per online-softmax update: four 16-
 constexpr int kScoreRows = 8;        // rows per score micro-kernel: 8 x 2 accumulators
 constexpr int kValueRows = 6;        // rows per value micro-kernel: 6 x 4 accumulators (64 dims)
 
+constexpr int kSoftmaxRows = 8;     // rows per online-softmax update (one 8-lane fold)
+static_assert(kQueryBlock % kSoftmaxRows == 0, "a unit's scratch holds whole softmax row groups");
+
 using kvforge_bf16::dot_pairs;
-using kvforge_bf16::softmax_block;
-static_assert(kKeyBlock == kvforge_bf16::kSoftmaxBlock, "a key block is one softmax block");
 
 // One row-major 2-D view of bf16 rows whose dims are contiguous: row i at data + i * stride.
 struct Rows {
@@ -101,10 +103,11 @@ void pack_values(Rows v, int64_t m, int64_t dim, int64_t pairs, uint32_t* out) {
   }
 }
 
-// s[r][0:32] = scale * (q_r . keys of two 16-key groups) for R query rows (q as words).
+// s[r][0:32] = q_r . keys of two 16-key groups, for R query rows (q as words); unscaled (the
+// softmax applies the scale inside its exponent).
 template <int R>
-inline void score_rows(const uint32_t* q, int64_t q_stride, const uint32_t* keys, int64_t dpairs, float scale,
-                       float* s, int64_t s_stride) {
+inline void score_rows(const uint32_t* q, int64_t q_stride, const uint32_t* keys, int64_t dpairs, float* s,
+                       int64_t s_stride) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const uint32_t* keys1 = keys + dpairs * 16;
@@ -116,11 +119,63 @@ inline void score_rows(const uint32_t* q, int64_t q_stride, const uint32_t* keys
       acc[r][1] = dot_pairs(acc[r][1], k1, b);
     }
   }
-  const __m512 sc = _mm512_set1_ps(scale);
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(s + r * s_stride, _mm512_mul_ps(acc[r][0], sc));
-    _mm512_storeu_ps(s + r * s_stride + 16, _mm512_mul_ps(acc[r][1], sc));
+    _mm512_storeu_ps(s + r * s_stride, acc[r][0]);
+    _mm512_storeu_ps(s + r * s_stride + 16, acc[r][1]);
   }
+}
+
+// Online softmax of kSoftmaxRows rows over one key block (their kKeyBlock unscaled scores
+// each, row i at s + i * kKeyBlock): row i sees keys j <= limit + i of the block, the rest get
+// weight exactly 0. Writes the bf16 weights p (row-major like s), updates each row's running
+// max m (of unscaled scores) and sum l (of the rounded weights), and stores in `correction`
+// the factor by which each row's accumulator must be scaled. Eight rows at a time so that
+// their block maxima, their corrections and their sums each take one vector operation
+// (maxes8/sums8 fold 8 rows' lanes at once) instead of a horizontal reduction and a scalar
+// exp per row.
+// INVARIANT: every row sees at least one key of the block (limit >= 0), so m is finite
+// afterwards; a first block's correction is 2^-126 (m was -inf), multiplied into an
+// accumulator and a sum that are still 0.
+template <bool kAllVisible>
+inline void softmax_rows8(const float* s, int64_t limit, float c, float* m, float* l, float* correction,
+                          uint16_t* p) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 visible[kSoftmaxRows][4];
+  __m512 row_max[kSoftmaxRows];
+  for (int i = 0; i < kSoftmaxRows; ++i) {
+    const __m512i last = _mm512_set1_epi32(static_cast<int>(std::min<int64_t>(limit + i, kKeyBlock)));
+    row_max[i] = minus_inf;
+    for (int v = 0; v < 4; ++v) {
+      visible[i][v] = kAllVisible ? __mmask16(0xFFFF)
+                                  : _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * v)), last);
+      row_max[i] = _mm512_mask_max_ps(row_max[i], visible[i][v], row_max[i], _mm512_loadu_ps(s + i * kKeyBlock + 16 * v));
+    }
+  }
+  const __m256 old_max = _mm256_loadu_ps(m);
+  const __m256 new_max = _mm256_max_ps(old_max, kvforge_bf16::maxes8(row_max));
+  const __m512 cc = _mm512_set1_ps(c);
+  // exp(scale (old - new)) = 2^(c old - c new), 8 lanes in use (the upper 8 are discarded)
+  const __m512 drop = _mm512_castps256_ps512(_mm256_sub_ps(old_max, new_max));
+  const __m256 corr = _mm512_castps512_ps256(kvforge_bf16::exp2_nonpositive16(_mm512_mul_ps(drop, cc)));
+  _mm256_storeu_ps(m, new_max);
+  _mm256_storeu_ps(correction, corr);
+  alignas(32) float shifted[kSoftmaxRows];
+  _mm256_store_ps(shifted, _mm256_mul_ps(new_max, _mm256_set1_ps(c)));
+  __m512 sums[kSoftmaxRows];
+  for (int i = 0; i < kSoftmaxRows; ++i) {
+    const __m512 shift = _mm512_set1_ps(shifted[i]);
+    sums[i] = _mm512_setzero_ps();
+    for (int v = 0; v < 4; ++v) {
+      const __m512 y = _mm512_fmsub_ps(_mm512_loadu_ps(s + i * kKeyBlock + 16 * v), cc, shift);
+      const __m512 e = _mm512_maskz_mov_ps(visible[i][v], kvforge_bf16::exp2_nonpositive16(y));
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i * kKeyBlock + 16 * v), rounded);
+      // l sums the rounded weights: the ones the value product uses
+      sums[i] = _mm512_add_ps(sums[i], kvforge_simd::widen_bf16(rounded));
+    }
+  }
+  _mm256_storeu_ps(l, _mm256_fmadd_ps(_mm256_loadu_ps(l), corr, kvforge_bf16::sums8(sums)));
 }
 
 // o[r][0:64] = o[r] * correction[r] + sum_jp (p[r][2jp], p[r][2jp+1]) . value pair jp, for
@@ -207,18 +262,27 @@ void run_unit(const Problem& pr, int64_t head, int64_t query_block, Scratch& w) 
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.f);
   const auto* p_words = reinterpret_cast<const uint32_t*>(w.p.data());
+  const float c = pr.scale * 1.44269504088896341f;  // scale log2(e): exp(scale x) = 2^(c x)
   for (int64_t kb = 0; kb < key_blocks; ++kb) {
     const uint32_t* block_keys = keys + kb * kKeyBlock * dpairs;
     for (int64_t half = 0; half < 2; ++half) {  // keys [32 half, 32 half + 32) of the block
       row_tiles<kScoreRows>(rows, [&](int64_t r0, auto r_) {
         score_rows<decltype(r_)::value>(q + r0 * q_stride, q_stride, block_keys + half * 32 * dpairs, dpairs,
-                                        pr.scale, w.s.data() + r0 * kKeyBlock + half * 32, kKeyBlock);
+                                        w.s.data() + r0 * kKeyBlock + half * 32, kKeyBlock);
       });
     }
     const int64_t first_key = kb * kKeyBlock;
-    for (int64_t r = 0; r < rows; ++r) {
-      w.correction[r] = softmax_block(w.s.data() + r * kKeyBlock, q0 + r + pr.offset - first_key, w.m[r], w.l[r],
-                                      w.p.data() + r * kKeyBlock);
+    // Whole groups of 8 rows: rows past `rows` are scratch (finite scores, never stored).
+    for (int64_t r = 0; r < rows; r += kSoftmaxRows) {
+      const int64_t limit = q0 + r + pr.offset - first_key;
+      auto* rows_m = w.m.data() + r;
+      if (limit >= kKeyBlock - 1) {  // every key of the block is visible to the 8 rows: no masks
+        softmax_rows8<true>(w.s.data() + r * kKeyBlock, limit, c, rows_m, w.l.data() + r, w.correction.data() + r,
+                            w.p.data() + r * kKeyBlock);
+      } else {
+        softmax_rows8<false>(w.s.data() + r * kKeyBlock, limit, c, rows_m, w.l.data() + r, w.correction.data() + r,
+                             w.p.data() + r * kKeyBlock);
+      }
     }
     const uint32_t* block_values = values + kb * (kKeyBlock / 2) * dim;
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
@@ -235,7 +299,7 @@ void run_unit(const Problem& pr, int64_t head, int64_t query_block, Scratch& w) 
       const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * dim + d), inv);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(o));
     }
-    pr.lse[head * pr.n + q0 + r] = w.m[r] + std::log(w.l[r]);
+    pr.lse[head * pr.n + q0 + r] = pr.scale * w.m[r] + std::log(w.l[r]);
   }
 }
 
@@ -291,11 +355,34 @@ std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const a
   return {out, lse};
 }
 
+// The softmax's base-2 exponential on its own (float32 in and out, any shape), so tests can hold
+// it to its stated accuracy: through the attention its errors hide under the bf16 rounding.
+at::Tensor exp2_nonpositive(const at::Tensor& y) {
+  TORCH_CHECK(supported(), "exp2_nonpositive: this build has no AVX512-BF16 (check supported() first)");
+  TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat, "exp2_nonpositive: y must be a float32 CPU tensor");
+  const at::Tensor x = y.contiguous();
+  auto out = at::empty(x.sizes(), x.options());
+#ifdef KVFORGE_BF16_DOT
+  const float* in = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t n = x.numel();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(dst + i, lanes, kvforge_bf16::exp2_nonpositive16(_mm512_maskz_loadu_ps(lanes, in + i)));
+  }
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvforge_cpu_causal, m) {
   m.def("supported() -> bool", &supported);
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
+  m.def("exp2_nonpositive(Tensor y) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvforge_cpu_causal, CPU, m) { m.impl("causal_attention", &causal_attention); }
+TORCH_LIBRARY_IMPL(kvforge_cpu_causal, CPU, m) {
+  m.impl("causal_attention", &causal_attention);
+  m.impl("exp2_nonpositive", &exp2_nonpositive);
+}

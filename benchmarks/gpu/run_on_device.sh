@@ -4,8 +4,11 @@
 # transformers; kvforge runs from src/ uninstalled). Needs .gpu/smollm2-stats, written here
 # by `python benchmarks/gpu/stand_in.py stats smollm2-135m .gpu/smollm2-stats` (the real
 # weights are over the transfer limit; see stand_in.py). Usage:
-#   bash benchmarks/gpu/run_on_device.sh [graphs|graphs-8b|check|bench|bench-shadowkv|bench-kivi|profile|tests|all]...
-# (default all = graphs, graphs-8b, check, bench and profile; bench = bench-shadowkv and bench-kivi). PROFILE_SPECS
+#   bash benchmarks/gpu/run_on_device.sh [graphs|graphs-8b|check|bench|bench-shadowkv|bench-kivi|profile|tests|all|
+#                                         paper-kivi|paper-shadowkv|paper-swiftkv|papers]...
+# (default all = graphs, graphs-8b, check, bench and profile; bench = bench-shadowkv and bench-kivi;
+# papers = paper-kivi, paper-shadowkv and paper-swiftkv, run only when named: each needs its own
+# device call). PROFILE_SPECS
 # (space-separated cache specs) picks what `profile` looks at; it prints kernels per decoder
 # layer for each (`full`: the paged Triton kernel and fused ops, `full:decode_kernel=gather`:
 # the gathered path, for the count before them).
@@ -38,8 +41,8 @@ fi
 # Limits from the H200 runs of 2026-11-26: gpu-check's rows took ~160 s and its speed section
 # ~60 s more; ShadowKV at 16K x 4 took ~7 s a run per system (4 runs each, 4 systems).
 has() {
-    [[ " $STEPS " == *" $1 "* || ( $1 != tests && " $STEPS " == *" all "* ) \
-       || ( $1 == bench-* && " $STEPS " == *" bench "* ) ]]
+    [[ " $STEPS " == *" $1 "* || ( $1 != tests && $1 != paper-* && " $STEPS " == *" all "* ) \
+       || ( $1 == bench-* && " $STEPS " == *" bench "* ) || ( $1 == paper-* && " $STEPS " == *" papers "* ) ]]
 }
 # The speed section of gpu-check runs only when named (check-speed): the benches below cover it.
 SPEED=(--skip-speed); [[ " $STEPS " == *" check-speed "* ]] && SPEED=()
@@ -106,6 +109,47 @@ fi
 if has check; then
     TAIL=40 step gpu-check 320 $PY -m kvforge.tools.gpu_check --device "$DEVICE" --sizes "$SIZES" --model "$MODEL" \
         --swiftkv "$SWIFTKV" "${SPEED[@]}" --json "$WORK/gpu-check.json"
+fi
+# The three papers' GPU settings at their models' shapes (issue 64), dummy weights (speed only),
+# bf16, each system at the same KV budget in one command. SMOKE=1 runs them on llama-tiny at toy
+# sizes (any device) to try the commands first.
+if [[ ${SMOKE:-0} == 1 ]]; then
+    PAPER_7B=llama-tiny; PAPER_8B=llama-tiny; PAPER_BUDGET=64MiB; PAPER_L=1; PAPER_RANK=32  # KV width 128
+    KIVI_PAPER=(--num-requests 8 --input-len 256 --output-len 16)
+    SHADOW_PAPER=(--num-requests 2 --input-len 4096 --output-len 8 --max-position-embeddings 8192)
+    SWIFT_PREFILL=(--batch 1 --prompt-len 512); SWIFT_SERVE=(--num-prompts 4 --input-len 256 --output-len 8)
+else
+    PAPER_7B=llama-2-7b; PAPER_8B=llama-3.1-8b; PAPER_BUDGET=60GiB; PAPER_L=16; PAPER_RANK=160
+    # KIVI's throughput table: 4K-token prompts, 1K generated; enough requests that the bf16
+    # cache's batch (about 24 at 60 GiB) runs several waves and KIVI's about five times that one.
+    KIVI_PAPER=(--num-requests 128 --input-len 4096 --output-len 1024)
+    # ShadowKV's Table 3 is at 122K tokens; 32K keeps both systems' prefill inside one run.
+    SHADOW_PAPER=(--num-requests 24 --input-len 32768 --output-len 128 --max-position-embeddings 131072)
+    SWIFT_PREFILL=(--batch 4 --prompt-len 2048); SWIFT_SERVE=(--num-prompts 64 --input-len 2000 --output-len 256)
+fi
+paper=(--load-format dummy --device "$DEVICE" --dtype bfloat16 --kv-budget "$PAPER_BUDGET")
+if has paper-kivi; then
+    # KIVI-2 with the paper's group 32 and 32-token residual against the bf16 cache.
+    TAIL=16 step paper-kivi 560 $PY -m kvforge bench throughput --model "$PAPER_7B" "${paper[@]}" --repeats 1 \
+        --cache kivi:bits=2,group=32,residual=32 --compare full "${KIVI_PAPER[@]}" --json "$WORK/paper-kivi.json"
+fi
+if has paper-shadowkv; then
+    # Sparse budget 1.56%, chunk 8, rank 160 (the paper's Table 3 setting) against the bf16 cache.
+    TAIL=16 step paper-shadowkv 560 $PY -m kvforge bench throughput --model "$PAPER_8B" "${paper[@]}" --repeats 1 \
+        --cache shadowkv:budget_fraction=0.0156,chunk=8,rank=$PAPER_RANK --compare full "${SHADOW_PAPER[@]}" \
+        --json "$WORK/paper-shadowkv.json"
+fi
+if has paper-swiftkv; then
+    # SwiftKV l = 16 (SingleInputKV; the init is the paper's, distillation does not change speed):
+    # prefill and Poisson serving against the base model.
+    swift_dir="$WORK/swiftkv-$PAPER_8B-l$PAPER_L"
+    TAIL=6 step paper-swiftkv-init 120 $PY -m kvforge swiftkv init --load-format dummy --model "$PAPER_8B" \
+        --num-key-value-layers "$PAPER_L" --params-only --dtype bfloat16 --out "$swift_dir"
+    TAIL=14 step paper-swiftkv-prefill 200 $PY -m kvforge bench prefill --model "$PAPER_8B" "${paper[@]}" \
+        --repeats 3 --swiftkv "$swift_dir" --compare base "${SWIFT_PREFILL[@]}" --json "$WORK/paper-swiftkv-prefill.json"
+    TAIL=14 step paper-swiftkv-serve 330 $PY -m kvforge bench serve --model "$PAPER_8B" "${paper[@]}" \
+        --swiftkv "$swift_dir" --compare base --request-rate 1,4,inf "${SWIFT_SERVE[@]}" \
+        --json "$WORK/paper-swiftkv-serve.json"
 fi
 if has tests; then
     # The engine-level and gathered-path CUDA cases first: the H100's run of 2026-11-26 ran

@@ -76,13 +76,15 @@ def _build(lengths: list[int], kv_heads: int, dim: int, ranks: list[int], ks: li
 
 def _step(sparse: SparseAttention, states: list[CompressedSequence], q: torch.Tensor, own_k: torch.Tensor,
           own_v: torch.Tensor) -> tuple[torch.Tensor, SparseGroup]:
-    """One decode step as the cache runs it: the token into each window (`write`), attend,
-    window + 1."""
+    """One decode step as the cache runs it: the token into each window (by `write`, or by
+    the Triton path itself), attend, window + 1."""
+    group = SparseGroup.build(states, list(range(len(states))), 1, True, CHUNK, q.device)
+    assert sparse.writes_own_tokens(group) == sparse.triton
     for b, state in enumerate(states):
         layer = state.layers[0]
         row = state.window_start(CHUNK) + state.window
-        layer.keys[:, row], layer.values[:, row] = own_k[b], own_v[b]
-    group = SparseGroup.build(states, list(range(len(states))), 1, True, CHUNK, q.device)
+        if not sparse.writes_own_tokens(group):
+            layer.keys[:, row], layer.values[:, row] = own_k[b], own_v[b]
     out = sparse.attend(0, group, q[:, None], own_k[:, None], own_v[:, None], _rope(q.shape[-1]), 0.37)
     for state in states:
         state.window += 1
@@ -129,7 +131,7 @@ def test_triton_path_equals_the_pytorch_path(case, dtype):
         for ref_state, fast_state in zip(ref_states, fast_states):
             ref_layer, fast_layer = ref_state.layers[0], fast_state.layers[0]
             assert torch.equal(fast_layer.slot_ids, ref_layer.slot_ids)  # same picks, same slots
-            used = ref_state.window_start(CHUNK) + ref_state.window
+            used = ref_state.window_start(CHUNK) + ref_state.window  # the step's token included
             torch.testing.assert_close(fast_layer.keys[:, :used].float(), ref_layer.keys[:, :used].float(),
                                        **tolerance(dtype))
             assert torch.equal(fast_layer.values[:, :used], ref_layer.values[:, :used])
@@ -184,4 +186,23 @@ def test_cuda_cache_logits_equal_with_and_without_triton(dtype):
                                                  else dict(atol=5e-2, rtol=5e-2)))
     ref_stats, fast_stats = (runner.cache.statistics() for runner in runners)
     assert fast_stats["chunk_misses"] == ref_stats["chunk_misses"] > 0
+    assert fast_stats["folded_chunks"] > 0
+
+
+def test_cache_logits_equal_with_the_triton_path_forced():
+    """The cache end to end (compression, batched decode with folding, `write` leaving the
+    decode token to the kernel) with the Triton path forced on its CPU tensors (interpreted)
+    against the PyTorch path."""
+    if kernel_device() != "cpu":
+        pytest.skip("runs the interpreter on CPU tensors; CUDA runs test_cuda_cache_logits_equal_with_and_without_triton")
+    _, model = make_pair("llama_gqa")
+    prompts = [list(range(3, 50)), list(range(5, 70)), list(range(7, 40))]
+    spec = "shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=4,rank=3,budget=8,kernel=0"
+    runners = [ModelRunner(model, create_cache(spec, model.cache_layout(), 1 << 22, torch.float32)) for _ in "ab"]
+    runners[1].cache.sparse.triton = True
+    expected, got = (decode_logits(runner, prompts, 8) for runner in runners)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    ref_stats, fast_stats = (runner.cache.statistics() for runner in runners)
+    assert fast_stats["chunk_misses"] == ref_stats["chunk_misses"] > 0
+    assert fast_stats["chunk_hits"] == ref_stats["chunk_hits"] > 0
     assert fast_stats["folded_chunks"] > 0

@@ -192,7 +192,7 @@ class SparseAttention:
         if self.triton and group.own_in_buffer:
             from kvforge.cache.shadowkv.triton_path import attend_decode  # imports triton
 
-            return attend_decode(self, layer, group, q, rope, scale)
+            return attend_decode(self, layer, group, q, own_keys, own_values, rope, scale)
         with self.stats.timed("selection"):
             if group.first_page is not None:  # one run of pages: a view of the store
                 landmarks: torch.Tensor | list[torch.Tensor] = self.store.gather_landmarks(
@@ -225,6 +225,11 @@ class SparseAttention:
                     out[b] = sparse_attention(q[b], [Part(keys, values, mask)], own_keys[b].transpose(0, 1),
                                               own_values[b].transpose(0, 1), scale)
         return out
+
+    def writes_own_tokens(self, group: SparseGroup) -> bool:
+        """Whether `attend` writes the group's decode tokens into their buffers itself (the
+        fused CPU kernel and the Triton path do), so `write` leaves them alone."""
+        return group.kernel or (self.triton and group.own_in_buffer)
 
     def uses_kernel(self, dtype: torch.dtype) -> bool:
         """Whether decode groups of queries in `dtype` go through the fused kernel."""

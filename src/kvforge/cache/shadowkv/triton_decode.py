@@ -2,7 +2,7 @@
 
 The PyTorch path (sparse.py) is the reference; these kernels compute the same landmark
 scores, rebuilt keys, value write-back and attention for every sequence of a decode group
-(one query token each, the token already in its buffer) in one launch each, with no loop
+(one query token each) in one launch each, with no loop
 over sequences or heads on the host:
 - `landmark_scores`: q . landmark x scale per query head, softmax over the sequence's
   candidate chunks, max over the query heads of a KV group -> [B, H, Cmax] float32
@@ -13,9 +13,10 @@ over sequences or heads on the host:
   program per (sequence, KV head, slot), which does nothing for a slot without a miss;
 - `write_values`: values of the misses (one staged copy from the slow tier, in the
   order of their flat (sequence, head, slot) index) into their slots; one program per miss;
-- `slot_attention`: the group's query heads over the buffer rows in use (outliers, reuse
-  slots, exact window), online softmax in tiles of rows; slots whose id is < 0 are masked
-  when `mask_slots` (a sequence with fewer candidates than k).
+- `slot_attention`: the step's token written into the last window row, then the group's
+  query heads over the buffer rows in use (outliers, reuse slots, exact window, the token),
+  online softmax in tiles of rows; slots whose id is < 0 are masked when `mask_slots` (a
+  sequence with fewer candidates than k).
 Dot products and softmax run in float32 (IEEE dots, no TF32); results are written in the
 buffers' / q's dtype.
 
@@ -173,7 +174,8 @@ def _values_kernel(info_ptr, values_like, fetched_ptr, order_ptr, kv_heads, slot
 
 
 @jit
-def _attention_kernel(q_ptr, info_ptr, keys_like, slot_ids_ptr, out_ptr, sq_b, sq_h, slots, scale,
+def _attention_kernel(q_ptr, own_k_ptr, own_v_ptr, info_ptr, keys_like, slot_ids_ptr, out_ptr, sq_b, sq_h, so_b,
+                      so_h, slots, scale,
                       QUERY_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MASK_SLOTS: tl.constexpr,
                       NFIELDS: tl.constexpr):
@@ -197,12 +199,24 @@ def _attention_kernel(q_ptr, info_ptr, keys_like, slot_ids_ptr, out_ptr, sq_b, s
     window_start = tl.load(info + WINDOW_START)
     used = tl.load(info + ROWS_USED)
     ids = slot_ids_ptr + (seq * kv_heads + kv_head) * slots
-    running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(0, used, BLOCK):
+    # The step's own token (the last row in use) comes from own_k/own_v, is stored into
+    # that row for later steps, and seeds the softmax: it is always visible, so every
+    # query head has a finite max and a sum >= 1.
+    own = seq * so_b + kv_head * so_h + dims
+    k_own = tl.load(own_k_ptr + own, mask=dim_ok, other=0.0)
+    v_own = tl.load(own_v_ptr + own, mask=dim_ok, other=0.0)
+    last = (kv_head * rows + used - 1) * HEAD_DIM + dims
+    tl.store(keys + last, k_own.to(element), mask=dim_ok)
+    tl.store(values + last, v_own.to(element), mask=dim_ok)
+    # as the buffer holds them (rounded to its dtype)
+    k_own = k_own.to(element).to(tl.float32)
+    v_own = v_own.to(element).to(tl.float32)
+    running_max = tl.sum(q * k_own[None, :], axis=1)
+    running_sum = tl.full([BLOCK_G], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v_own[None, :]
+    for start in range(0, used - 1, BLOCK):
         row = start + offsets
-        visible = row < used
+        visible = row < used - 1
         if MASK_SLOTS:  # a slot holding no chunk of this step (id < 0) is not attended
             in_slots = (row >= slots_start) & (row < window_start)
             held = tl.load(ids + (row - slots_start) // CHUNK, mask=visible & in_slots, other=0)
@@ -212,14 +226,12 @@ def _attention_kernel(q_ptr, info_ptr, keys_like, slot_ids_ptr, out_ptr, sq_b, s
         k = tl.load(keys + base, mask=kv_mask, other=0.0).to(tl.float32)
         logits = tl.where(visible[None, :], tl.dot(q, tl.trans(k), input_precision="ieee"), float("-inf"))
         v = tl.load(values + base, mask=kv_mask, other=0.0).to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-        safe = tl.where(new_max == float("-inf"), 0.0, new_max)  # a wholly masked first tile
-        probs = tl.exp(logits - safe[:, None])
-        correction = tl.exp(running_max - safe)
+        new_max = tl.maximum(running_max, tl.max(logits, axis=1))  # finite: seeded by the own token
+        probs = tl.exp(logits - new_max[:, None])
+        correction = tl.exp(running_max - new_max)
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
         acc = acc * correction[:, None] + tl.dot(probs, v, input_precision="ieee")
         running_max = new_max
-    # The step's own token (last row in use) is always visible: running_sum > 0.
     out = acc / running_sum[:, None]
     tl.store(out_ptr + seq * sq_b + heads[:, None] * sq_h + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -307,17 +319,23 @@ def write_values(info: torch.Tensor, values_like: torch.Tensor, fetched: torch.T
                                   BLOCK_D=triton.next_power_of_2(dim), NFIELDS=FIELDS)
 
 
-def slot_attention(q: torch.Tensor, info: torch.Tensor, keys_like: torch.Tensor, slot_ids: torch.Tensor,
-                   chunk: int, scale: float, mask_slots: bool) -> torch.Tensor:
+def slot_attention(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, info: torch.Tensor,
+                   keys_like: torch.Tensor, slot_ids: torch.Tensor, chunk: int, scale: float,
+                   mask_slots: bool) -> torch.Tensor:
     """q [B, heads, D] (contiguous) over each sequence's buffer rows [0, rows used), slots
-    with slot_ids [B, H, slots] < 0 masked when `mask_slots` -> [B, heads, D] in q's dtype."""
+    with slot_ids [B, H, slots] < 0 masked when `mask_slots` -> [B, heads, D] in q's dtype.
+    The last row in use is the step's token own_k/own_v [B, H, D] (contiguous), which the
+    kernel writes into the buffers."""
     _check_device(q, "slot_attention")
+    require(own_k.is_contiguous() and own_v.shape == own_k.shape and own_v.is_contiguous(), "own_k",
+            tuple(own_k.shape), f"must be contiguous [B, H, D] as own_v {tuple(own_v.shape)}")
     batch, heads, dim = q.shape
     kv_heads, slots = slot_ids.shape[1], slot_ids.shape[2]
     out = torch.empty_like(q)
     with torch.cuda.device_of(q):
         _attention_kernel[(batch, kv_heads)](
-            q, info, keys_like, slot_ids, out, q.stride(0), q.stride(1), slots, float(scale),
+            q, own_k, own_v, info, keys_like, slot_ids, out, q.stride(0), q.stride(1), own_k.stride(0),
+            own_k.stride(1), slots, float(scale),
             QUERY_GROUP=heads // kv_heads, BLOCK_G=_block(heads // kv_heads), HEAD_DIM=dim, BLOCK_D=_block(dim),
             CHUNK=chunk, BLOCK=BLOCK_N, MASK_SLOTS=mask_slots, NFIELDS=FIELDS)
     return out

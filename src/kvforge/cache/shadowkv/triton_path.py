@@ -1,7 +1,6 @@
 """ShadowKV decode groups through the Triton kernels (triton_decode.py): the Triton path.
 
-For a decode group (one query token per sequence, the token already written into its
-buffer by `write`) and one global layer, the same steps as the PyTorch path of sparse.py,
+For a decode group (one query token per sequence) and one global layer, the same steps as the PyTorch path of sparse.py,
 each over the whole group at once:
 1. `landmark_scores` (one kernel), then one `torch.topk` for the picks;
 2. `slots.match_slots`: hits and the slots the misses take (the same batched PyTorch
@@ -10,8 +9,8 @@ each over the whole group at once:
    keys of every slot that receives a miss;
 4. the misses' values, fetched from the slow tier in one staged copy (on CUDA on a side
    stream, beside the rebuild), written into their slots by `write_values` (one kernel);
-5. `slot_attention` (one kernel) over outliers + slots + exact window, with the slot
-   mask only when some sequence has fewer candidates than k (`slots_full` False).
+5. `slot_attention` (one kernel) writes the step's token into the last window row and
+   attends over outliers + slots + exact window + that token, with the slot mask only when some sequence has fewer candidates than k (`slots_full` False).
 The per-sequence tensors are addressed through a pointer table built once per layer and
 step (`sequence_info`). What stays on the host per sequence is Python bookkeeping with no
 device work: reading data pointers, and storing each sequence's slot ids as a view of the
@@ -42,10 +41,12 @@ if TYPE_CHECKING:
     from kvforge.cache.shadowkv.sparse import SparseAttention, SparseGroup
 
 
-def attend_decode(sparse: SparseAttention, layer: int, group: SparseGroup, q: torch.Tensor, rope: PositionedRope,
-                  scale: float) -> torch.Tensor:
-    """q [B, 1, heads, D] (RoPE applied) -> [B, 1, heads, D]; the buffers, slot ids and
-    statistics are updated as the PyTorch path updates them."""
+def attend_decode(sparse: SparseAttention, layer: int, group: SparseGroup, q: torch.Tensor, own_keys: torch.Tensor,
+                  own_values: torch.Tensor, rope: PositionedRope, scale: float) -> torch.Tensor:
+    """q [B, 1, heads, D] (RoPE applied), own_keys/own_values [B, 1, H, D] (post-RoPE: the
+    step's tokens, which the attention kernel writes into the last window row, where `write`
+    leaves them to it) -> [B, 1, heads, D]; the buffers, slot ids and statistics are updated
+    as the PyTorch path updates them."""
     states = [group.layer(b, layer) for b in range(group.size)]
     query = q[:, 0].contiguous()
     keys = [st.keys for st in states]
@@ -72,6 +73,7 @@ def attend_decode(sparse: SparseAttention, layer: int, group: SparseGroup, q: to
             write_values(info, states[0].values, fetched.contiguous(), match.order, states[0].keys.shape[0],
                          slots)
     with sparse.stats.timed("attention"):
-        out = slot_attention(query, info, keys[0], new_ids, sparse.chunk, scale,
+        out = slot_attention(query, own_keys[:, 0].contiguous(), own_values[:, 0].contiguous(), info, keys[0],
+                             new_ids, sparse.chunk, scale,
                              mask_slots=not group.slots_full)
     return out[:, None]

@@ -1,7 +1,7 @@
 """Chunk reuse of one layer of a sparse group: which picks hit a reuse slot, which slots
 the misses go to, and the one copy to the host that the value fetch needs.
 
-Shared by the PyTorch path (sparse.py) and the Triton path (triton_path.py): both place
+Shared by the PyTorch path (sparse.py) and the Triton path (`SparseAttention._attend_triton`): both place
 misses exactly alike, so their slot ids agree step after step. Every tensor has a shape
 fixed by the group (B sequences, H KV heads, `slots` = the group's largest k), so nothing
 here waits for the device.

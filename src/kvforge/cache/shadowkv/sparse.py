@@ -29,7 +29,7 @@ Decode groups (one query token each) in float32 on CPU go through the fused C++ 
 (cpu_decode.py) when it builds and the `kernel` option is on: the same three
 steps per (sequence, KV head) in one call per layer, with the same picks, slot ids and
 outputs. On CUDA with `triton` installed (and `kernel` on), decode groups in any float
-dtype go through a few Triton kernels over the whole group (triton_path.py). The PyTorch
+dtype go through a few Triton kernels over the whole group (`_attend_triton`). The PyTorch
 code below is the reference, and it serves multi-token spans, other CPU dtypes, and CUDA
 without triton. Chunk reuse (which slot a miss takes) is one function for every path
 (slots.py).
@@ -176,7 +176,7 @@ class SparseAttention:
         # The fused C++ decode kernel serves decode groups when it applies (float32 on CPU)
         # and builds; everything else runs the PyTorch path below, the reference.
         self.kernel = kernel and device.type == "cpu" and store.landmarks.dtype == torch.float32
-        # The Triton kernels (triton_path.py) serve decode groups on CUDA when `triton` is
+        # The Triton kernels (triton_decode.py) serve decode groups on CUDA when `triton` is
         # installed and `kernel` is on (None: decide so); True forces them (tests run them on
         # CPU tensors in Triton's interpreter), False keeps the PyTorch path.
         self.triton = kernel and device.type == "cuda" and triton_installed() if triton is None else triton
@@ -190,9 +190,7 @@ class SparseAttention:
         if group.kernel:
             return self._attend_kernel(layer, group, q, own_keys[:, 0], own_values[:, 0], rope, scale)
         if self.triton and group.own_in_buffer:
-            from kvforge.cache.shadowkv.triton_path import attend_decode  # imports triton
-
-            return attend_decode(self, layer, group, q, own_keys, own_values, rope, scale)
+            return self._attend_triton(layer, group, q, own_keys[:, 0], own_values[:, 0], rope, scale)
         with self.stats.timed("selection"):
             if group.first_page is not None:  # one run of pages: a view of the store
                 landmarks: torch.Tensor | list[torch.Tensor] = self.store.gather_landmarks(
@@ -256,6 +254,45 @@ class SparseAttention:
         self.stats.chunk_misses += counters.misses
         for phase in ("selection", "rebuild", "fetch", "attention"):
             self.stats.seconds[phase] += getattr(counters, phase)
+        return out[:, None]
+
+    def _attend_triton(self, layer: int, group: SparseGroup, q: torch.Tensor, own_keys: torch.Tensor,
+                       own_values: torch.Tensor, rope: PositionedRope, scale: float) -> torch.Tensor:
+        """Decode group (Q = 1) through the Triton kernels (triton_decode.py), each launched
+        once over the whole group: landmark scores (then one topk), the shared chunk reuse
+        (slots.py), key rebuild into the slots receiving a miss (queued before the host
+        waits for the misses' pages), the misses' values from one staged fetch written by one
+        kernel, and attention, which also writes the step's token (own_keys/own_values
+        [B, H, D]) into its window row. Same picks, slot ids and outputs as the PyTorch path.
+        Per sequence the host only reads data pointers (`sequence_info`) and stores slot ids
+        as views (`fetch_misses`): no device work."""
+        from kvforge.cache.shadowkv import triton_decode as kernels  # imports triton: only on this path
+
+        states = [group.layer(b, layer) for b in range(group.size)]
+        query, keys, bases = q[:, 0].contiguous(), [st.keys for st in states], [st.basis for st in states]
+        coefficients = [st.coefficients for st in states]
+        info = kernels.sequence_info(keys, [st.values for st in states], bases, coefficients,
+                                     [st.candidates for st in states], group.meta, self.device)
+        with self.stats.timed("selection"):
+            scores = kernels.landmark_scores(query, self.store.landmarks[layer], group.table, info, scale)
+            picks, valid = top_chunks(scores, group.k_max)
+            positions = torch.arange(picks.shape[-1], device=picks.device)
+            valid &= (positions[None, :] < group.chunks_per_step[:, None])[:, None, :]
+        with self.stats.timed("rebuild"):
+            slots, dim = group.k_max, query.shape[-1]
+            match = match_slots(group.slot_ids(layer, slots), picks, valid, group.table, self.reuse)
+            new_ids = match.new_ids.contiguous()
+            cos, sin = self.rope.tables(rope, group.table.shape[1], keys[0].dtype, self.device)
+            kernels.rebuild_keys(info, keys[0], bases[0], coefficients[0], new_ids, match.filled.contiguous(),
+                                 cos.view(-1, dim), sin.view(-1, dim), self.chunk)
+        fetched = self.fetch_misses(layer, group, match)
+        if fetched is not None:
+            with self.stats.timed("rebuild"):
+                kernels.write_values(info, states[0].values, fetched.contiguous(), match.order, keys[0].shape[0],
+                                     slots)
+        with self.stats.timed("attention"):
+            out = kernels.slot_attention(query, own_keys.contiguous(), own_values.contiguous(), info, keys[0],
+                                         new_ids, self.chunk, scale, mask_slots=not group.slots_full)
         return out[:, None]
 
     def _fill_slots(self, layer: int, group: SparseGroup, picks: torch.Tensor, valid: torch.Tensor,

@@ -46,6 +46,7 @@ REQUEST_FIELDS = ("tests/serve/test_request_fields.py",)
 SOAK = "tests/tools/bench/test_bench_soak.py::"
 FULL_TRITON = ("tests/cache/full/test_full_triton_decode.py",)
 TRITON_FUSED = ("tests/kernels/test_triton_fused.py",)
+SHADOWKV_TRITON = ("tests/cache/shadowkv/test_shadowkv_triton_decode.py",)
 
 MUTATIONS: list[Mutation] = [
     # -- vLLM KIVI backend ---------------------------------------------------------------
@@ -743,6 +744,30 @@ MUTATIONS: list[Mutation] = [
     Mutation("triton_silu_sign", S + "kernels/triton_fused.py",
              "gate / (1.0 + tl.exp(-gate))", "gate / (1.0 + tl.exp(gate))",
              TRITON_FUSED, "silu(x) = x * sigmoid(x)"),
+    # -- ShadowKV decode groups through Triton kernels (issue 64) ------------------------------
+    Mutation("shadowkv_triton_slot_mask_ignored", S + "cache/shadowkv/triton_decode.py",
+             "visible = visible & (~in_slots | (held >= 0))", "visible = visible",
+             SHADOWKV_TRITON, "a reuse slot holding no chunk of this step (fewer candidates than k) is not attended"),
+    Mutation("shadowkv_triton_rope_one_chunk_late", S + "cache/shadowkv/triton_decode.py",
+             "table = (chunk_id * CHUNK + tokens)", "table = ((chunk_id + 1) * CHUNK + tokens)",
+             SHADOWKV_TRITON, "rebuilt keys are rotated at their own chunk's positions"),
+    Mutation("shadowkv_triton_value_into_the_next_slot", S + "cache/shadowkv/triton_decode.py",
+             "first_row = tl.load(info + SLOTS_START) + slot * CHUNK\n    tokens = tl.arange(0, BLOCK_T)\n"
+             "    dims",
+             "first_row = tl.load(info + SLOTS_START) + (slot + 1) * CHUNK\n    tokens = tl.arange(0, BLOCK_T)\n"
+             "    dims",
+             SHADOWKV_TRITON, "a fetched value lands in the slot its miss took, beside its rebuilt keys"),
+    Mutation("shadowkv_triton_own_token_not_stored", S + "cache/shadowkv/triton_decode.py",
+             "tl.store(keys + last, k_own.to(element), mask=dim_ok)", "pass",
+             SHADOWKV_TRITON, "the Triton path writes the step's key into its window row (write() leaves it)"),
+    Mutation("shadowkv_triton_padding_heads_in_the_group_max", S + "cache/shadowkv/triton_decode.py",
+             "score = tl.max(tl.where(row_ok[:, None], probs, float(\"-inf\")), axis=0)",
+             "score = tl.max(probs, axis=0)",
+             SHADOWKV_TRITON, "a chunk's score is the max over the KV group's real query heads only"),
+    Mutation("shadowkv_miss_into_a_kept_slot", S + "cache/shadowkv/slots.py",
+             "free = ~kept & (held > -2)", "free = held > -2",
+             ("tests/cache/shadowkv/test_shadowkv_cpu_decode.py",),
+             "a miss never overwrites a slot whose chunk was picked again (a hit)"),
     # -- KIVI key_dot=int8 (issue 22) ---------------------------------------------------------
     Mutation("kivi_int8_keys_truncated", S + "cache/kivi/cpu_decode.cpp",
              "const __m512i rounded = _mm512_cvtps_epi32(", "const __m512i rounded = _mm512_cvttps_epi32(",

@@ -160,6 +160,7 @@ if has tests; then
         tests/cache/full/test_full_triton_decode.py tests/kernels/test_triton_fused.py \
         "tests/cache/shadowkv/test_shadowkv.py::test_cuda_path_with_exact_settings_equals_the_cpu_full_cache" \
         "tests/cache/shadowkv/test_shadowkv_rank_attention.py::test_cuda_rank_attention_picks_the_cpu_ranks_and_matches_its_outputs" \
+        tests/cache/shadowkv/test_shadowkv_triton_decode.py \
         "tests/cache/kivi/test_kivi_int8_values.py::test_cuda_pytorch_path_matches_the_cpu" \
         tests/cache/kivi/test_kivi_triton_decode.py
 fi

@@ -99,7 +99,8 @@ class ShadowKVConfig:
     # The fused decode kernel always splits its (sequence, KV head) pairs over torch's threads.
     threads: int = 1
     # Decode steps through the fused C++ CPU kernel (cpu_decode.py) when it applies
-    # (float32 on CPU) and builds; False: always the PyTorch path (the reference).
+    # (float32 on CPU) and builds, and through the Triton kernels (triton_decode.py) on CUDA
+    # when triton is installed; False: always the PyTorch path (the reference).
     kernel: bool = True
     # How kv_budget is split between the exact, sliding and chunk stores and the per-sequence
     # state (split.py): in the proportions of one sequence of this many tokens; None: half for

@@ -204,8 +204,9 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
             k_post = rope.apply(k_pre)
             meta.step_kv[cache_layer] = (k_post, v)
             chunk = self.config.chunk
+            assert self.sparse is not None
             for group in meta.groups:
-                if group.own_in_buffer and not group.kernel:  # decode tokens: the next window row
+                if group.own_in_buffer and not self.sparse.writes_own_tokens(group):  # the next window row
                     for b, state in enumerate(group.states):
                         layer = state.layers[index]
                         assert layer is not None

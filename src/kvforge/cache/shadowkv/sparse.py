@@ -28,8 +28,11 @@ are computed once per rotary embedding: scratch, not KV, and not in the byte acc
 Decode groups (one query token each) in float32 on CPU go through the fused C++ kernel
 (cpu_decode.py) when it builds and the `kernel` option is on: the same three
 steps per (sequence, KV head) in one call per layer, with the same picks, slot ids and
-outputs. The PyTorch code below is the reference, and it serves multi-token spans, other
-dtypes and CUDA.
+outputs. On CUDA with `triton` installed (and `kernel` on), decode groups in any float
+dtype go through a few Triton kernels over the whole group (`_attend_triton`). The PyTorch
+code below is the reference, and it serves multi-token spans, other CPU dtypes, and CUDA
+without triton. Chunk reuse (which slot a miss takes) is one function for every path
+(slots.py).
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ import torch
 from kvforge.cache.shadowkv.attention import Part, masked_attention, sparse_attention
 from kvforge.cache.shadowkv.cpu_decode import cpu_shadowkv_kernel_available, shadowkv_decode_cpu
 from kvforge.cache.shadowkv.select import chunk_scores, top_chunks
+from kvforge.cache.shadowkv.slots import SlotMatch, match_slots, miss_pairs
 from kvforge.cache.shadowkv.state import CompressedSequence, LayerState
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.store import ChunkStore
-from kvforge.host_sync import HostCopy
+from kvforge.kernels.triton_runtime import triton_installed
 from kvforge.rope import PositionedRope, rotate_half
 from kvforge.step_plan import upload
 
@@ -163,7 +167,7 @@ class ChunkRope:
 
 class SparseAttention:
     def __init__(self, store: ChunkStore, chunk: int, stats: ShadowKVStats, reuse: bool,
-                 device: torch.device, kernel: bool = True) -> None:
+                 device: torch.device, kernel: bool = True, triton: bool | None = None) -> None:
         self.store = store
         self.chunk = chunk
         self.stats = stats
@@ -172,6 +176,10 @@ class SparseAttention:
         # The fused C++ decode kernel serves decode groups when it applies (float32 on CPU)
         # and builds; everything else runs the PyTorch path below, the reference.
         self.kernel = kernel and device.type == "cpu" and store.landmarks.dtype == torch.float32
+        # The Triton kernels (triton_decode.py) serve decode groups on CUDA when `triton` is
+        # installed and `kernel` is on (None: decide so); True forces them (tests run them on
+        # CPU tensors in Triton's interpreter), False keeps the PyTorch path.
+        self.triton = kernel and device.type == "cuda" and triton_installed() if triton is None else triton
         self.rope = ChunkRope(chunk)
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -181,6 +189,8 @@ class SparseAttention:
         -> [B, Q, heads, D]."""
         if group.kernel:
             return self._attend_kernel(layer, group, q, own_keys[:, 0], own_values[:, 0], rope, scale)
+        if self.triton and group.own_in_buffer:
+            return self._attend_triton(layer, group, q, own_keys[:, 0], own_values[:, 0], rope, scale)
         with self.stats.timed("selection"):
             if group.first_page is not None:  # one run of pages: a view of the store
                 landmarks: torch.Tensor | list[torch.Tensor] = self.store.gather_landmarks(
@@ -214,6 +224,11 @@ class SparseAttention:
                                               own_values[b].transpose(0, 1), scale)
         return out
 
+    def writes_own_tokens(self, group: SparseGroup) -> bool:
+        """Whether `attend` writes the group's decode tokens into their buffers itself (the
+        fused CPU kernel and the Triton path do), so `write` leaves them alone."""
+        return group.kernel or (self.triton and group.own_in_buffer)
+
     def uses_kernel(self, dtype: torch.dtype) -> bool:
         """Whether decode groups of queries in `dtype` go through the fused kernel."""
         return self.kernel and dtype == torch.float32 and cpu_shadowkv_kernel_available()
@@ -241,6 +256,45 @@ class SparseAttention:
             self.stats.seconds[phase] += getattr(counters, phase)
         return out[:, None]
 
+    def _attend_triton(self, layer: int, group: SparseGroup, q: torch.Tensor, own_keys: torch.Tensor,
+                       own_values: torch.Tensor, rope: PositionedRope, scale: float) -> torch.Tensor:
+        """Decode group (Q = 1) through the Triton kernels (triton_decode.py), each launched
+        once over the whole group: landmark scores (then one topk), the shared chunk reuse
+        (slots.py), key rebuild into the slots receiving a miss (queued before the host
+        waits for the misses' pages), the misses' values from one staged fetch written by one
+        kernel, and attention, which also writes the step's token (own_keys/own_values
+        [B, H, D]) into its window row. Same picks, slot ids and outputs as the PyTorch path.
+        Per sequence the host only reads data pointers (`sequence_info`) and stores slot ids
+        as views (`fetch_misses`): no device work."""
+        from kvforge.cache.shadowkv import triton_decode as kernels  # imports triton: only on this path
+
+        states = [group.layer(b, layer) for b in range(group.size)]
+        query, keys, bases = q[:, 0].contiguous(), [st.keys for st in states], [st.basis for st in states]
+        coefficients = [st.coefficients for st in states]
+        info = kernels.sequence_info(keys, [st.values for st in states], bases, coefficients,
+                                     [st.candidates for st in states], group.meta, self.device)
+        with self.stats.timed("selection"):
+            scores = kernels.landmark_scores(query, self.store.landmarks[layer], group.table, info, scale)
+            picks, valid = top_chunks(scores, group.k_max)
+            positions = torch.arange(picks.shape[-1], device=picks.device)
+            valid &= (positions[None, :] < group.chunks_per_step[:, None])[:, None, :]
+        with self.stats.timed("rebuild"):
+            slots, dim = group.k_max, query.shape[-1]
+            match = match_slots(group.slot_ids(layer, slots), picks, valid, group.table, self.reuse)
+            new_ids = match.new_ids.contiguous()
+            cos, sin = self.rope.tables(rope, group.table.shape[1], keys[0].dtype, self.device)
+            kernels.rebuild_keys(info, keys[0], bases[0], coefficients[0], new_ids, match.filled.contiguous(),
+                                 cos.view(-1, dim), sin.view(-1, dim), self.chunk)
+        fetched = self.fetch_misses(layer, group, match)
+        if fetched is not None:
+            with self.stats.timed("rebuild"):
+                kernels.write_values(info, states[0].values, fetched.contiguous(), match.order, keys[0].shape[0],
+                                     slots)
+        with self.stats.timed("attention"):
+            out = kernels.slot_attention(query, own_keys.contiguous(), own_values.contiguous(), info, keys[0],
+                                         new_ids, self.chunk, scale, mask_slots=not group.slots_full)
+        return out[:, None]
+
     def _fill_slots(self, layer: int, group: SparseGroup, picks: torch.Tensor, valid: torch.Tensor,
                     rope: PositionedRope) -> torch.Tensor:
         """Make every valid pick [B, H, k'] present in a reuse slot; returns [B, H, slots]
@@ -256,58 +310,18 @@ class SparseAttention:
         batch, heads = picks.shape[:2]
         with self.stats.timed("rebuild"):
             slots = group.k_max
-            held = group.slot_ids(layer, slots)  # [B, H, slots]
-            if not self.reuse:
-                held = held.clamp(max=-1)  # forget everything: every pick is a miss
-            same = (picks[..., :, None] == held[..., None, :]) & valid[..., :, None]  # [B, H, k', slots]
-            hit = same.any(dim=-1)
-            kept = same.any(dim=-2)  # slots holding a chunk picked again
-            miss = valid & ~hit
-            # Misses go to the free slots (not kept, within the sequence's k) in order:
-            # the r-th miss of a (sequence, head) takes its r-th free slot. Other picks
-            # write into a spare column past the slots, which is dropped.
-            free = ~kept & (held > -2)
-            free_order = torch.argsort((~free).to(torch.int8), dim=-1, stable=True)
-            rank = (miss.cumsum(dim=-1) - 1).clamp(min=0)
-            target = torch.where(miss, free_order.gather(-1, rank), slots)  # [B, H, k']
-            spare = held.new_full((batch, heads, 1), -1)
-            new_ids = torch.cat((held.masked_fill(~kept, -1), spare), dim=-1).scatter_(-1, target, picks)
-            new_ids = new_ids[..., :slots]
-            filled = new_ids.new_zeros((batch, heads, slots + 1), dtype=torch.bool)
-            filled = filled.scatter_(-1, target, miss)[..., :slots]  # slots that receive a miss
-            chunks = new_ids.clamp(min=0)  # chunk of every slot (0 where nothing is written)
-            pages = group.table.gather(1, chunks.reshape(batch, -1)).view(batch, heads, slots)
-            # The one copy to the host (fixed size): miss and hit counts, then the head and
-            # the page of every slot, slots receiving a miss first, in (sequence, head, slot) order.
-            order = torch.argsort((~filled).reshape(-1).to(torch.int8), stable=True)
-            head_of = torch.arange(heads, device=picks.device)[None, :, None].expand(batch, heads, slots)
-            counts = torch.stack((miss.sum(), hit.sum()))
-            to_host = HostCopy(torch.cat((counts, head_of.reshape(-1)[order], pages.view(-1)[order])))
+            match = match_slots(group.slot_ids(layer, slots), picks, valid, group.table, self.reuse)
+            chunks = match.new_ids.clamp(min=0)  # chunk of every slot (0 where nothing is written)
             rebuilt = self._rebuild(layer, group, chunks, rope)  # queued while the copy is on its way
-        for b in range(group.size):  # the slot ids of this step (views into new_ids)
-            st = group.layer(b, layer)
-            st.slot_ids = new_ids[b, :, :st.slot_ids.shape[1]]
-        host = to_host.tolist()
-        misses, hits, total = host[0], host[1], chunks.numel()
-        self.stats.chunk_misses += misses
-        self.stats.chunk_hits += hits
-        if not misses:  # known on the host now: nothing to write
-            return new_ids >= 0
-        side = self._side_stream
-        if side is not None:  # CUDA: copy to the device beside the rebuild (not yet run on a GPU)
-            with self.stats.timed("fetch"), torch.cuda.stream(side):
-                fetched = self.store.fetch_values(layer, *self._host_pairs(host, misses, total))
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            fetched.record_stream(torch.cuda.current_stream(self.device))
-        else:
-            with self.stats.timed("fetch"):
-                fetched = self.store.fetch_values(layer, *self._host_pairs(host, misses, total))
+        fetched = self.fetch_misses(layer, group, match)
+        if fetched is None:  # no misses (known on the host now): nothing to write
+            return match.new_ids >= 0
         with self.stats.timed("rebuild"):
             values = rebuilt.new_empty((batch * heads * slots, chunk, dim))
-            values.index_copy_(0, order[:misses], fetched.to(values.dtype))
+            values.index_copy_(0, match.order[:fetched.shape[0]], fetched.to(values.dtype))
             values = values.view(batch, heads, slots * chunk, dim)
             rebuilt = rebuilt.view(batch, heads, slots * chunk, dim)
-            written = filled.repeat_interleave(chunk, dim=-1)[..., None]  # [B, H, slots * chunk, 1]
+            written = match.filled.repeat_interleave(chunk, dim=-1)[..., None]  # [B, H, slots * chunk, 1]
             for b, state in enumerate(group.states):
                 st = group.layer(b, layer)
                 rows = slice(state.slots_start, state.window_start(chunk))
@@ -315,12 +329,31 @@ class SparseAttention:
                 for buffer, new in ((st.keys, rebuilt), (st.values, values)):
                     region = buffer[:, rows]
                     region.copy_(torch.where(written[b, :, :width], new[b, :, :width].to(buffer.dtype), region))
-        return new_ids >= 0
+        return match.new_ids >= 0
 
-    @staticmethod
-    def _host_pairs(host: list[int], misses: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(heads, pages) of the misses from the host copy of `_fill_slots`, as host tensors."""
-        return torch.tensor(host[2:2 + misses]), torch.tensor(host[2 + total:2 + total + misses])
+    def fetch_misses(self, layer: int, group: SparseGroup, match: SlotMatch) -> torch.Tensor | None:
+        """Store the step's slot ids in the sequences' states, wait for the host copy of
+        `match`, count hits and misses, and fetch the misses' values [M, chunk, D] (in
+        `match.order`) onto the device in one staged copy; None without misses. On CUDA the
+        copy runs on a side stream, beside the rebuild queued before (not yet run on a GPU)."""
+        for b in range(group.size):  # the slot ids of this step (views into new_ids: no copy)
+            st = group.layer(b, layer)
+            st.slot_ids = match.new_ids[b, :, :st.slot_ids.shape[1]]
+        host = match.to_host.tolist()
+        misses, hits = host[0], host[1]
+        self.stats.chunk_misses += misses
+        self.stats.chunk_hits += hits
+        if not misses:
+            return None
+        side = self._side_stream
+        if side is None:
+            with self.stats.timed("fetch"):
+                return self.store.fetch_values(layer, *miss_pairs(host, misses, match.total))
+        with self.stats.timed("fetch"), torch.cuda.stream(side):
+            fetched = self.store.fetch_values(layer, *miss_pairs(host, misses, match.total))
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        fetched.record_stream(torch.cuda.current_stream(self.device))
+        return fetched
 
     def _rebuild(self, layer: int, group: SparseGroup, chunks: torch.Tensor, rope: PositionedRope) -> torch.Tensor:
         """Keys [B, H, slots, chunk, D] (post-RoPE) of chunk `chunks` [B, H, slots]: the

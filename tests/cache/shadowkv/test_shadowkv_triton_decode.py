@@ -1,0 +1,219 @@
+"""ShadowKV's Triton decode path (sparse.py, triton_decode.py) against the PyTorch path
+(its reference): the same chunk picks, slot ids, slot contents, hit/miss counts and
+outputs, step after step (chunk reuse), on groups of sequences of different lengths, ranks
+and k, GQA, with and without a sequence that has fewer candidates than k (the slot mask).
+On CUDA the kernels run compiled; without a GPU in Triton's CPU interpreter (tests/conftest.py
+turns it on); skipped without the `triton` package. One test needs CUDA: the cache end to
+end on a tiny model with and without the Triton path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import decode_logits, make_pair
+
+from kvforge.cache.registry import create_cache
+from kvforge.cache.shadowkv.compress import compress_layer
+from kvforge.cache.shadowkv.sparse import SparseAttention, SparseGroup
+from kvforge.cache.shadowkv.state import CompressedSequence, buffer_rows
+from kvforge.cache.shadowkv.stats import ShadowKVStats
+from kvforge.cache.shadowkv.store import ChunkStore
+from kvforge.config import RopeConfig
+from kvforge.engine.runner import ModelRunner
+from kvforge.kernels.triton_runtime import triton_installed
+from kvforge.rope import PositionedRope, RotaryEmbedding
+
+CAPACITY = 24  # window capacity of the test buffers (no folding within a test)
+CHUNK, OUTLIERS, LOCAL = 4, 2, 8
+
+
+def kernel_device() -> str:
+    """Where the kernels run: "cuda", or "cpu" in Triton's interpreter; skips otherwise."""
+    if not triton_installed():
+        pytest.skip("the `triton` package is not installed (pip install 'kvforge[triton]')")
+    from kvforge.kernels.triton_jit import INTERPRETED
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if INTERPRETED:
+        return "cpu"
+    pytest.skip("no CUDA, and Triton's interpreter is off (TRITON_INTERPRET was set to 0)")
+
+
+def _rope(dim: int, device: str | torch.device = "cpu") -> PositionedRope:
+    return RotaryEmbedding(dim, RopeConfig(theta=10000.0), device).at(torch.arange(1, device=device), torch.float32)
+
+
+def _build(lengths: list[int], kv_heads: int, dim: int, ranks: list[int], ks: list[int], dtype: torch.dtype,
+           device: str, triton: bool, seed: int = 0) -> tuple[SparseAttention, list[CompressedSequence], ShadowKVStats]:
+    """One compressed layer per sequence (k its own), from random post-RoPE keys and values
+    (compressed in float32, then stored in `dtype`), chunk pages scattered over the store.
+    Same seed: identical inputs for both paths."""
+    generator = torch.Generator().manual_seed(seed)
+    chunks = [(n - LOCAL) // CHUNK for n in lengths]
+    pages = 2 * sum(chunks) + 3
+    store = ChunkStore(1, kv_heads, dim, CHUNK, pages, dtype, torch.device(device), "memory", None)
+    order = torch.randperm(pages, generator=generator).tolist()
+    states = []
+    for n, count, r, k in zip(lengths, chunks, ranks, ks):
+        base = torch.randn(kv_heads, 1, dim, generator=generator)  # a shared direction: landmarks differ in scale
+        keys = base + torch.randn(kv_heads, n, dim, generator=generator)
+        values = torch.randn(kv_heads, n, dim, generator=generator)
+        layer, data = compress_layer(keys, values, _rope(dim), count * CHUNK, lambda _, r=r: r, CHUNK, OUTLIERS,
+                                     CAPACITY, k)
+        for name in ("basis", "coefficients", "keys", "values"):
+            setattr(layer, name, getattr(layer, name).to(device, dtype))
+        for name in ("outliers", "slot_ids", "candidates"):
+            setattr(layer, name, getattr(layer, name).to(device))
+        ids, order = order[:count], order[count:]
+        table = torch.tensor(ids, dtype=torch.long)
+        store.write(0, table.to(device), data.landmarks.to(device), data.values)
+        used = layer.outliers.shape[1]
+        states.append(CompressedSequence(pages=ids, page_table=table.to(device), window=n - count * CHUNK,
+                                         chunks_per_step=k, num_outliers=used,
+                                         slots_start=buffer_rows(used, CHUNK, CAPACITY, k)[0], fixed_bytes=0,
+                                         layers=[layer]))
+    stats = ShadowKVStats(device_type=device)
+    sparse = SparseAttention(store, CHUNK, stats, reuse=True, device=torch.device(device), kernel=False,
+                             triton=triton)
+    return sparse, states, stats
+
+
+def _step(sparse: SparseAttention, states: list[CompressedSequence], q: torch.Tensor, own_k: torch.Tensor,
+          own_v: torch.Tensor) -> tuple[torch.Tensor, SparseGroup]:
+    """One decode step as the cache runs it: the token into each window (by `write`, or by
+    the Triton path itself), attend, window + 1."""
+    group = SparseGroup.build(states, list(range(len(states))), 1, True, CHUNK, q.device)
+    assert sparse.writes_own_tokens(group) == sparse.triton
+    for b, state in enumerate(states):
+        layer = state.layers[0]
+        row = state.window_start(CHUNK) + state.window
+        if not sparse.writes_own_tokens(group):
+            layer.keys[:, row], layer.values[:, row] = own_k[b], own_v[b]
+    out = sparse.attend(0, group, q[:, None], own_k[:, None], own_v[:, None], _rope(q.shape[-1], q.device), 0.37)
+    for state in states:
+        state.window += 1
+    return out[:, 0], group
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    # float32: both paths compute in float32, in other orders. bfloat16: the PyTorch path
+    # rounds the rebuilt keys to bfloat16 before RoPE and after each RoPE operation, the
+    # kernel once after RoPE (one or two bfloat16 ulps of a key).
+    return dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+
+
+CASES = {
+    # GQA (3 query heads per KV head), each sequence its own length, rank and k; the last
+    # has 3 candidate chunks < k = 4: some slots stay empty and attention masks them.
+    "masked": dict(lengths=[72, 104, 28], kv_heads=2, heads=6, dim=16, ranks=[5, 11, 2], ks=[4, 3, 4]),
+    # every sequence has at least k candidates: no slot mask (slots_full)
+    "full": dict(lengths=[60, 88, 48], kv_heads=2, heads=4, dim=32, ranks=[7, 3, 20], ks=[3, 2, 3]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_triton_path_equals_the_pytorch_path(case, dtype):
+    device = kernel_device()
+    spec = CASES[case]
+    args = (spec["lengths"], spec["kv_heads"], spec["dim"], spec["ranks"], spec["ks"], dtype, device)
+    ref, ref_states, ref_stats = _build(*args, triton=False)
+    fast, fast_states, fast_stats = _build(*args, triton=True)
+    generator = torch.Generator().manual_seed(1)
+    batch, heads, kv_heads, dim = len(spec["lengths"]), spec["heads"], spec["kv_heads"], spec["dim"]
+    q = torch.randn(batch, heads, dim, generator=generator)
+    misses = []
+    for _ in range(3):
+        q = q + 0.5 * torch.randn(batch, heads, dim, generator=generator)  # drifting queries: hits and misses
+        own_k, own_v = torch.randn(2, batch, kv_heads, dim, generator=generator)
+        step = [t.to(device, dtype) for t in (q, own_k, own_v)]
+        expected, group = _step(ref, ref_states, *step)
+        got, _ = _step(fast, fast_states, *step)
+        assert group.slots_full == (case == "full")
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected.float(), **tolerance(dtype))
+        for ref_state, fast_state in zip(ref_states, fast_states):
+            ref_layer, fast_layer = ref_state.layers[0], fast_state.layers[0]
+            assert torch.equal(fast_layer.slot_ids, ref_layer.slot_ids)  # same picks, same slots
+            used = ref_state.window_start(CHUNK) + ref_state.window  # the step's token included
+            torch.testing.assert_close(fast_layer.keys[:, :used].float(), ref_layer.keys[:, :used].float(),
+                                       **tolerance(dtype))
+            assert torch.equal(fast_layer.values[:, :used], ref_layer.values[:, :used])
+        assert (fast_stats.chunk_hits, fast_stats.chunk_misses) == (ref_stats.chunk_hits, ref_stats.chunk_misses)
+        misses.append(fast_stats.chunk_misses)
+    assert fast_stats.chunk_hits > 0 and misses[-1] > misses[0] > 0  # later steps both hit and miss
+    if case == "masked":
+        assert (fast_states[-1].layers[0].slot_ids == -1).any()  # an empty slot, masked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_landmark_scores_equal_the_reference(dtype):
+    """The scoring kernel alone against `select.chunk_scores` on a padded group."""
+    device = kernel_device()
+    from kvforge.cache.shadowkv.select import chunk_scores
+    from kvforge.cache.shadowkv.triton_decode import landmark_scores, sequence_info
+
+    spec = CASES["masked"]
+    sparse, states, _ = _build(spec["lengths"], spec["kv_heads"], spec["dim"], spec["ranks"], spec["ks"], dtype,
+                               device, triton=True)
+    group = SparseGroup.build(states, [0, 1, 2], 1, True, CHUNK, torch.device(device))
+    q = torch.randn(3, spec["heads"], spec["dim"], generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    layers = [s.layers[0] for s in states]
+    info = sequence_info([t.keys for t in layers], [t.values for t in layers], [t.basis for t in layers],
+                         [t.coefficients for t in layers], [t.candidates for t in layers], group.meta,
+                         torch.device(device))
+    got = landmark_scores(q, sparse.store.landmarks[0], group.table, info, 0.37)
+    lm = [sparse.store.sequence_landmarks(0, s.page_table, s.run_start) for s in states]
+    expected = chunk_scores(q[:, None], lm, group.candidates(0), 0.37)
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))  # non-candidates and padding
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton path's dispatch on a GPU)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_cache_logits_equal_with_and_without_triton(dtype):
+    """The cache on CUDA, end to end (compression, batched decode with folding, the fetch
+    side stream): `kernel=1` (the Triton path) against `kernel=0` (the PyTorch path)."""
+    import copy
+
+    if not triton_installed():
+        pytest.skip("the `triton` package is not installed")
+    _, model = make_pair("llama_gqa")
+    model = copy.deepcopy(model).to("cuda", dtype)
+    prompts = [list(range(3, 60)), list(range(5, 90)), list(range(7, 40))]
+    spec = "shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=8,rank=3,budget=8"
+    runners = [ModelRunner(model, create_cache(spec + f",kernel={on}", model.cache_layout(), 1 << 22, dtype,
+                                               device="cuda")) for on in (0, 1)]
+    assert not runners[0].cache.sparse.triton and runners[1].cache.sparse.triton
+    expected, got = (decode_logits(runner, prompts, 16).float().cpu() for runner in runners)
+    ref_stats, fast_stats = (runner.cache.statistics() for runner in runners)
+    assert fast_stats["chunk_misses"] > 0 and fast_stats["folded_chunks"] > 0
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert fast_stats["chunk_misses"] == ref_stats["chunk_misses"]
+    else:
+        # bfloat16: the paths round rebuilt keys differently (see `tolerance`), which moves
+        # hidden states by bfloat16 ulps from layer to layer, and a near tie between two
+        # chunks may then go the other way: the logits agree to bfloat16 accuracy of a few
+        # layers, not bit for bit, and the miss counts may differ.
+        torch.testing.assert_close(got, expected, atol=1e-1, rtol=5e-2)
+
+
+def test_cache_logits_equal_with_the_triton_path_forced():
+    """The cache end to end (compression, batched decode with folding, `write` leaving the
+    decode token to the kernel) with the Triton path forced on its CPU tensors (interpreted)
+    against the PyTorch path."""
+    if kernel_device() != "cpu":
+        pytest.skip("runs the interpreter on CPU tensors; CUDA runs test_cuda_cache_logits_equal_with_and_without_triton")
+    _, model = make_pair("llama_gqa")
+    prompts = [list(range(3, 50)), list(range(5, 70)), list(range(7, 40))]
+    spec = "shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=4,rank=3,budget=8,kernel=0"
+    runners = [ModelRunner(model, create_cache(spec, model.cache_layout(), 1 << 22, torch.float32)) for _ in "ab"]
+    runners[1].cache.sparse.triton = True
+    expected, got = (decode_logits(runner, prompts, 8) for runner in runners)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    ref_stats, fast_stats = (runner.cache.statistics() for runner in runners)
+    assert fast_stats["chunk_misses"] == ref_stats["chunk_misses"] > 0
+    assert fast_stats["chunk_hits"] == ref_stats["chunk_hits"] > 0
+    assert fast_stats["folded_chunks"] > 0

@@ -597,25 +597,27 @@ def test_vllm_kivi_serve_answers_openai_client(checkpoints: dict[str, Path], tmp
 # smollm2-135m has 9 attention heads (3 KV heads): vLLM refuses tensor_parallel_size=2, so
 # parallelism is tested as pipeline_parallel_size=2. vLLM's split of its 30 layers is
 # [0, 15) + [15, 30): with l = 15 the SwiftKV part (GEMM, owners, later layers) is the second stage.
-PIPELINE_CONFIGS = {"base_kivi": ("base", True), "l15": ("l15", False), "l15_kivi": ("l15", True)}
+PIPELINE_CONFIGS = {"base_kivi": ("base", ["--kivi"]), "l15": ("l15", []), "l15_kivi": ("l15", ["--kivi"]),
+                    "l15_compiled": ("l15", ["--compile"])}
 
 
 @pytest.fixture(scope="module")
 def pipeline_runs(checkpoints: dict[str, Path], prompt_ids: Path, vllm_cache: Path) -> dict:
     """Greedy tokens of the held-out prompts at pipeline_parallel_size 1 (two threads) and 2
-    (one core per stage, VLLM_CPU_OMP_THREADS_BIND=0|1, vLLM's mp executor)."""
+    (one core per stage, VLLM_CPU_OMP_THREADS_BIND=0|1, vLLM's mp executor); eager, and l=15
+    also under vLLM's torch.compile (the prefix piece compiled on both stages)."""
     python = _vllm_python()
     held_out = prompt_ids.with_name("held_out_ids.json")
     held_out.write_text(json.dumps(json.loads(prompt_ids.read_text())[:len(HELD_OUT_PROMPTS)]))
     runs = {}
-    for config, (model, kivi) in PIPELINE_CONFIGS.items():
+    for config, (model, flags) in PIPELINE_CONFIGS.items():
         for stages in (1, 2):
             threads = ["--threads", "1", "--omp-bind", "0|1"] if stages == 2 else ["--threads", "2"]
             runs[config, stages] = _run_json(
                 [python, "-m", "kvforge.integrations.vllm.driver", *threads, "generate", "--model",
                  str(checkpoints[model]), "--prompt-ids", str(held_out), "--max-tokens", str(MAX_TOKENS),
                  "--ignore-eos", "--no-prefix-caching", "--kv-cache-bytes", str(KV_BYTES),
-                 "--pipeline-parallel-size", str(stages), *(["--kivi"] if kivi else [])],
+                 "--pipeline-parallel-size", str(stages), *flags],
                 timeout=900, cwd=REPO, cache_root=vllm_cache, extra_env={"KVFORGE_VLLM_KIVI": ""})
     return runs
 
@@ -631,13 +633,27 @@ def test_vllm_pipeline_parallel_2_tokens_equal_size_1(pipeline_runs: dict, confi
     assert len(_tokens(one)) == len(HELD_OUT_PROMPTS) and all(len(t) == MAX_TOKENS for t in _tokens(one))
     assert _tokens(two) == _tokens(one)
     # fast prefill (later layers on the logits rows only) stays on across stages without KIVI
-    assert two["capacity"]["kv_sharing_fast_prefill"] is (config == "l15")
+    assert two["capacity"]["kv_sharing_fast_prefill"] is ("--kivi" not in PIPELINE_CONFIGS[config][1])
 
 
 @pytest.mark.slow
 def test_vllm_pipeline_runs_tell_the_models_and_caches_apart(pipeline_runs: dict) -> None:
     tokens = {config: _tokens(pipeline_runs[config, 2]) for config in PIPELINE_CONFIGS}
     assert tokens["l15"] != tokens["l15_kivi"] != tokens["base_kivi"] != tokens["l15"]
+
+
+@pytest.mark.slow
+def test_vllm_serve_with_two_pipeline_stages_answers_openai_client(checkpoints: dict[str, Path], tmp_path: Path,
+                                                                    vllm_cache: Path) -> None:
+    """docs/swiftkv.md's command: the l=15 checkpoint, two stages a core each, torch.compile on."""
+    result = _run_json([_vllm_python(), "-m", "kvforge.integrations.vllm.driver", "--threads", "1", "--omp-bind",
+                        "0|1", "serve-check", "--model", str(checkpoints["l15"]), "--compile",
+                        "--pipeline-parallel-size", "2", "--timeout", "480", "--log", str(tmp_path / "serve.log")],
+                       timeout=600, cwd=REPO, cache_root=vllm_cache)
+    assert result["ok"], result.get("error")
+    assert "--pipeline-parallel-size" in result["command"]
+    assert result["chat"]["text"].strip() and result["chat"]["completion_tokens"] > 0
+    assert result["server_returncode"] is not None
 
 
 def _run_failing(command: list[str], cache_root: Path) -> str:

@@ -158,6 +158,9 @@ def run_serve_check(args: argparse.Namespace) -> None:
                "--served-model-name", "swiftkv"] + ([] if args.compile else ["--enforce-eager"])
     if args.max_num_seqs is not None:
         command += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.pipeline_parallel_size > 1:  # --omp-bind reaches the server's workers through the environment
+        command += ["--pipeline-parallel-size", str(args.pipeline_parallel_size),
+                    "--distributed-executor-backend", "mp"]
     if args.kivi:  # the KIVI setting reaches the server through KVFORGE_VLLM_KIVI in its environment
         from kvforge.integrations.vllm.kivi_options import kivi_config
 

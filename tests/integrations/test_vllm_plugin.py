@@ -596,30 +596,42 @@ def test_vllm_kivi_serve_answers_openai_client(checkpoints: dict[str, Path], tmp
 # -- slow: pipeline parallelism (two stages, a core each) ---------------------------------------
 # smollm2-135m has 9 attention heads (3 KV heads): vLLM refuses tensor_parallel_size=2, so
 # parallelism is tested as pipeline_parallel_size=2. vLLM's split of its 30 layers is
-# [0, 15) + [15, 30): with l = 15 the SwiftKV part (GEMM, owners, later layers) is the second stage.
+# [0, 15) + [15, 30): with l = 15 the SwiftKV part (GEMM, owners, later layers) is the second
+# stage; with l = 22 (untrained, so its tokens are noise and sensitive to any wiring error)
+# the second stage runs early layers 15-21 before it.
 PIPELINE_CONFIGS = {"base_kivi": ("base", ["--kivi"]), "l15": ("l15", []), "l15_kivi": ("l15", ["--kivi"]),
-                    "l15_compiled": ("l15", ["--compile"])}
+                    "l15_compiled": ("l15", ["--compile"]), "l22": ("l22", [])}
 
 
 @pytest.fixture(scope="module")
-def pipeline_runs(checkpoints: dict[str, Path], prompt_ids: Path, vllm_cache: Path) -> dict:
-    """Greedy tokens of the held-out prompts at pipeline_parallel_size 1 (two threads) and 2
-    (one core per stage, VLLM_CPU_OMP_THREADS_BIND=0|1, vLLM's mp executor); eager, and l=15
-    also under vLLM's torch.compile (the prefix piece compiled on both stages)."""
+def pipeline_run(checkpoints: dict[str, Path], prompt_ids: Path, vllm_cache: Path, tmp_path_factory):
+    """run(config, stages): greedy tokens of the held-out prompts at pipeline_parallel_size 1
+    (two threads) or 2 (one core per stage, VLLM_CPU_OMP_THREADS_BIND=0|1, vLLM's mp
+    executor); eager, and l=15 also under vLLM's torch.compile (the prefix piece compiled on
+    both stages). Each run once per module."""
     python = _vllm_python()
     held_out = prompt_ids.with_name("held_out_ids.json")
     held_out.write_text(json.dumps(json.loads(prompt_ids.read_text())[:len(HELD_OUT_PROMPTS)]))
-    runs = {}
-    for config, (model, flags) in PIPELINE_CONFIGS.items():
-        for stages in (1, 2):
+    models = dict(checkpoints)
+    runs: dict[tuple[str, int], dict] = {}
+
+    def run(config: str, stages: int) -> dict:
+        model, flags = PIPELINE_CONFIGS[config]
+        if model not in models:  # l22: an untrained SwiftKV model
+            models[model] = tmp_path_factory.mktemp("vllm_pp") / model
+            subprocess.run([sys.executable, "-m", "kvforge", "swiftkv", "init", "--num-key-value-layers",
+                            model[1:], "--out", str(models[model])], check=True, capture_output=True)
+        if (config, stages) not in runs:
             threads = ["--threads", "1", "--omp-bind", "0|1"] if stages == 2 else ["--threads", "2"]
             runs[config, stages] = _run_json(
                 [python, "-m", "kvforge.integrations.vllm.driver", *threads, "generate", "--model",
-                 str(checkpoints[model]), "--prompt-ids", str(held_out), "--max-tokens", str(MAX_TOKENS),
+                 str(models[model]), "--prompt-ids", str(held_out), "--max-tokens", str(MAX_TOKENS),
                  "--ignore-eos", "--no-prefix-caching", "--kv-cache-bytes", str(KV_BYTES),
                  "--pipeline-parallel-size", str(stages), *flags],
                 timeout=900, cwd=REPO, cache_root=vllm_cache, extra_env={"KVFORGE_VLLM_KIVI": ""})
-    return runs
+        return runs[config, stages]
+
+    return run
 
 
 def _tokens(run: dict) -> list[list[int]]:
@@ -628,8 +640,8 @@ def _tokens(run: dict) -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", list(PIPELINE_CONFIGS))
-def test_vllm_pipeline_parallel_2_tokens_equal_size_1(pipeline_runs: dict, config: str) -> None:
-    one, two = pipeline_runs[config, 1], pipeline_runs[config, 2]
+def test_vllm_pipeline_parallel_2_tokens_equal_size_1(pipeline_run, config: str) -> None:
+    one, two = pipeline_run(config, 1), pipeline_run(config, 2)
     assert len(_tokens(one)) == len(HELD_OUT_PROMPTS) and all(len(t) == MAX_TOKENS for t in _tokens(one))
     assert _tokens(two) == _tokens(one)
     # fast prefill (later layers on the logits rows only) stays on across stages without KIVI
@@ -637,8 +649,8 @@ def test_vllm_pipeline_parallel_2_tokens_equal_size_1(pipeline_runs: dict, confi
 
 
 @pytest.mark.slow
-def test_vllm_pipeline_runs_tell_the_models_and_caches_apart(pipeline_runs: dict) -> None:
-    tokens = {config: _tokens(pipeline_runs[config, 2]) for config in PIPELINE_CONFIGS}
+def test_vllm_pipeline_runs_tell_the_models_and_caches_apart(pipeline_run) -> None:
+    tokens = {config: _tokens(pipeline_run(config, 2)) for config in ("base_kivi", "l15", "l15_kivi")}
     assert tokens["l15"] != tokens["l15_kivi"] != tokens["base_kivi"] != tokens["l15"]
 
 

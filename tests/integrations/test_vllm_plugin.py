@@ -605,7 +605,7 @@ PIPELINE_CONFIGS = {"base_kivi": ("base", ["--kivi"]), "l15": ("l15", []), "l15_
 
 @pytest.fixture(scope="module")
 def pipeline_run(checkpoints: dict[str, Path], prompt_ids: Path, vllm_cache: Path, tmp_path_factory):
-    """run(config, stages): greedy tokens of the held-out prompts at pipeline_parallel_size 1
+    """run(config, stages, tensor_ranks=1): greedy tokens of the held-out prompts at pipeline_parallel_size 1
     (two threads) or 2 (one core per stage, VLLM_CPU_OMP_THREADS_BIND=0|1, vLLM's mp
     executor); eager, and l=15 also under vLLM's torch.compile (the prefix piece compiled on
     both stages). Each run once per module."""
@@ -613,23 +613,25 @@ def pipeline_run(checkpoints: dict[str, Path], prompt_ids: Path, vllm_cache: Pat
     held_out = prompt_ids.with_name("held_out_ids.json")
     held_out.write_text(json.dumps(json.loads(prompt_ids.read_text())[:len(HELD_OUT_PROMPTS)]))
     models = dict(checkpoints)
-    runs: dict[tuple[str, int], dict] = {}
+    runs: dict[tuple[str, int, int], dict] = {}
 
-    def run(config: str, stages: int) -> dict:
+    def run(config: str, stages: int, tensor_ranks: int = 1) -> dict:
         model, flags = PIPELINE_CONFIGS[config]
         if model not in models:  # l22: an untrained SwiftKV model
             models[model] = tmp_path_factory.mktemp("vllm_pp") / model
             subprocess.run([sys.executable, "-m", "kvforge", "swiftkv", "init", "--num-key-value-layers",
                             model[1:], "--out", str(models[model])], check=True, capture_output=True)
-        if (config, stages) not in runs:
+        if (config, stages, tensor_ranks) not in runs:
             threads = ["--threads", "1", "--omp-bind", "0|1"] if stages == 2 else ["--threads", "2"]
-            runs[config, stages] = _run_json(
+            if tensor_ranks > 1:  # more ranks than cores: one unbound thread each
+                threads = ["--threads", "1"]
+            runs[config, stages, tensor_ranks] = _run_json(
                 [python, "-m", "kvforge.integrations.vllm.driver", *threads, "generate", "--model",
                  str(models[model]), "--prompt-ids", str(held_out), "--max-tokens", str(MAX_TOKENS),
                  "--ignore-eos", "--no-prefix-caching", "--kv-cache-bytes", str(KV_BYTES),
-                 "--pipeline-parallel-size", str(stages), *flags],
+                 "--pipeline-parallel-size", str(stages), "--tensor-parallel-size", str(tensor_ranks), *flags],
                 timeout=900, cwd=REPO, cache_root=vllm_cache, extra_env={"KVFORGE_VLLM_KIVI": ""})
-        return runs[config, stages]
+        return runs[config, stages, tensor_ranks]
 
     return run
 
@@ -666,6 +668,15 @@ def test_vllm_serve_with_two_pipeline_stages_answers_openai_client(checkpoints: 
     assert "--pipeline-parallel-size" in result["command"]
     assert result["chat"]["text"].strip() and result["chat"]["completion_tokens"] > 0
     assert result["server_returncode"] is not None
+
+
+@pytest.mark.slow
+def test_vllm_kivi_tensor_parallel_3_tokens_equal_size_1(pipeline_run) -> None:
+    """The base model's 9 heads and 3 KV heads divide by 3: the KIVI backend with one KV head
+    per rank (three ranks on two cores). The SwiftKV plugin refuses tensor parallelism."""
+    one, three = pipeline_run("base_kivi", 1), pipeline_run("base_kivi", 1, tensor_ranks=3)
+    assert _tokens(three) == _tokens(one)
+    assert three["capacity"]["num_blocks"] > one["capacity"]["num_blocks"]  # a rank caches 1 of the 3 KV heads
 
 
 def _run_failing(command: list[str], cache_root: Path) -> str:

@@ -20,7 +20,13 @@ They check the issue's Done-when:
     model's KV tokens for the g=3 checkpoint (exactly the block count the layer count
     predicts);
 (c) `vllm serve` of the exported model, bound to 127.0.0.1, answers the openai client and is
-    stopped afterwards.
+    stopped afterwards;
+(d) with pipeline_parallel_size=2 (a core per stage) greedy tokens equal size 1 for the base
+    model with KIVI and SwiftKV checkpoints with and without KIVI; tensor_parallel_size=2 is
+    refused by vLLM for smollm2's 9 heads, 3 runs with KIVI; a split that puts a later
+    SwiftKV layer on the first stage is refused by the plugin.
+The default suite also checks the pipeline-stage rule (layout.py) and the CPU runner's stage
+buffers (cpu_pipeline.py) without vLLM.
 """
 
 from __future__ import annotations

@@ -66,6 +66,22 @@ MUTATIONS: list[Mutation] = [
              "storage.numel() < need or ", "",
              ("tests/integrations/test_vllm_kivi.py::test_pool_over_given_bytes_is_zeroed_and_refuses_too_few",),
              "exact copies laid over too few bytes of a layer's region must be refused, not run past its end"),
+    # -- vLLM pipeline parallelism ---------------------------------------------------------
+    Mutation("vllm_pipeline_later_layer_off_the_last_stage", S + "integrations/vllm/layout.py",
+             "or last_stage_start <= self.first_later,", "or last_stage_start <= self.num_layers,",
+             ("tests/integrations/test_vllm_plugin.py::test_vllms_two_stage_split_of_30_layers",
+              "tests/integrations/test_vllm_plugin.py::test_stages_run_every_layer_once_and_later_layers_only_on_the_last"),
+             "a later layer on any stage but the last reads a cache owner that lives on another stage"),
+    Mutation("vllm_pipeline_stage_runs_later_layers_as_early", S + "integrations/vllm/layout.py",
+             "return range(self.start, min(self.end, self.first_later))", "return range(self.start, self.end)",
+             ("tests/integrations/test_vllm_plugin.py::test_vllms_two_stage_split_of_30_layers",
+              "tests/integrations/test_vllm_plugin.py::test_stages_run_every_layer_once_and_later_layers_only_on_the_last"),
+             "the last stage runs its early layers as Llama layers and its later ones only after the GEMM"),
+    Mutation("vllm_cpu_pipeline_stage_without_input_buffers", S + "integrations/vllm/cpu_pipeline.py",
+             "if is_first_stage or runner.intermediate_tensors is not None:", "if True:",
+             ("tests/integrations/test_vllm_plugin.py::"
+              "test_a_later_stage_gets_its_input_buffers_once_and_the_first_none",),
+             "an eager later stage on vLLM's CPU runner needs its input buffers made, or its first step dies"),
     # -- ShadowKV ------------------------------------------------------------------------
     Mutation("shadowkv_basis_from_post_rope_keys", S + "cache/shadowkv/compress.py",
              "spectrum = key_spectrum(flat_pre)",

@@ -20,7 +20,13 @@ They check the issue's Done-when:
     model's KV tokens for the g=3 checkpoint (exactly the block count the layer count
     predicts);
 (c) `vllm serve` of the exported model, bound to 127.0.0.1, answers the openai client and is
-    stopped afterwards.
+    stopped afterwards;
+(d) with pipeline_parallel_size=2 (a core per stage) greedy tokens equal size 1 for the base
+    model with KIVI and SwiftKV checkpoints with and without KIVI; tensor_parallel_size=2 is
+    refused by vLLM for smollm2's 9 heads, 3 runs with KIVI; a split that puts a later
+    SwiftKV layer on the first stage is refused by the plugin.
+The default suite also checks the pipeline-stage rule (layout.py) and the CPU runner's stage
+buffers (cpu_pipeline.py) without vLLM.
 """
 
 from __future__ import annotations
@@ -34,8 +40,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvforge.config import ModelConfig, SwiftKVConfig
+from kvforge.errors import ConfigError
 from kvforge.integrations.vllm import compat
 from kvforge.integrations.vllm.driver import parse_emitted
 from kvforge.integrations.vllm.layout import SwiftKVCacheLayout
@@ -224,6 +233,96 @@ def test_layout_matches_kvforges_cache_layout(layers: int, group: int) -> None:
 def test_capacity_ratio_of_the_g3_checkpoint() -> None:
     assert SwiftKVCacheLayout(30, SwiftKVConfig(15, 3)).capacity_ratio_vs_base() == 1.5
     assert SwiftKVCacheLayout(30, SwiftKVConfig(15, 1)).capacity_ratio_vs_base() == 1.0
+
+
+# -- pipeline stages -------------------------------------------------------------------------
+def _stages(layout: SwiftKVCacheLayout, sizes: list[int]) -> list:
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]
+    return [layout.pipeline_stage(starts[r], starts[r] + sizes[r], r, len(sizes), starts[-1]) for r in range(len(sizes))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_stages_run_every_layer_once_and_later_layers_only_on_the_last(data: st.DataObject) -> None:
+    layers = data.draw(st.integers(2, 40), "layers")
+    first_later = data.draw(st.integers(1, layers), "l")
+    group = data.draw(st.sampled_from([g for g in range(1, 6) if (layers - first_later) % g == 0]), "g")
+    cuts = sorted(data.draw(st.sets(st.integers(1, layers - 1), max_size=min(4, layers - 1)), "cuts"))
+    bounds = [0, *cuts, layers]
+    sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    layout = SwiftKVCacheLayout(layers, SwiftKVConfig(first_later, group))
+    if layout.num_groups and bounds[-2] > first_later:  # a later layer before the last stage
+        with pytest.raises(ConfigError, match="num_key_value_layers"):
+            _stages(layout, sizes)
+        return
+    stages = _stages(layout, sizes)
+    assert [s.is_first for s in stages] == [r == 0 for r in range(len(sizes))]
+    assert [s.is_last for s in stages] == [r == len(sizes) - 1 for r in range(len(sizes))]
+    early = [layer for s in stages for layer in s.early]
+    assert early == list(range(first_later))  # every early layer once, in order
+    assert [sum(s.runs(layer) for s in stages) for layer in range(layers)] == [1] * layers
+    holding = [s for s in stages if s.holds_later]
+    assert holding == ([stages[-1]] if layout.num_groups else [])
+    assert all(stages[-1].runs(layer) for layer in range(first_later, layers))
+
+
+@pytest.mark.parametrize("first_later,group,ok", [(15, 1, True), (15, 3, True), (22, 2, True), (30, 1, True),
+                                                  (14, 1, False), (10, 5, False)])
+def test_vllms_two_stage_split_of_30_layers(first_later: int, group: int, ok: bool) -> None:
+    """vLLM's pipeline_parallel_size=2 split of 30 layers is [0, 15) + [15, 30): l >= 15 runs."""
+    layout = SwiftKVCacheLayout(30, SwiftKVConfig(first_later, group))
+    if ok:
+        first, last = _stages(layout, [15, 15])
+        assert list(first.early) == list(range(15)) and not first.holds_later
+        assert list(last.early) == list(range(15, first_later)) and last.holds_later == (first_later < 30)
+        return
+    with pytest.raises(ConfigError) as error:
+        layout.check_pipeline_split(15, 2)
+    message = str(error.value)
+    assert f"num_key_value_layers={first_later}" in message and "pipeline_parallel_size=2" in message
+    assert "layer 15" in message and "VLLM_PP_LAYER_PARTITION" in message
+
+
+def test_stage_arguments_are_checked() -> None:
+    layout = SwiftKVCacheLayout(30, SwiftKVConfig(15, 1))
+    with pytest.raises(ConfigError, match="pipeline rank"):
+        layout.pipeline_stage(0, 15, 2, 2, 15)
+    with pytest.raises(ConfigError, match="pipeline stage layers"):
+        layout.pipeline_stage(0, 31, 1, 2, 15)
+    with pytest.raises(ConfigError, match="must end at layer 30"):
+        layout.pipeline_stage(0, 15, 1, 2, 15)  # the last stage must end at L
+
+
+class _Runner:
+    """What make_stage_input_buffers reads of vLLM's CPU model runner."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.intermediate_tensors = None
+        self.max_num_tokens, self.device = 64, torch.device("cpu")
+        self.model_config = type("ModelConfig", (), {"dtype": torch.float32})()
+        self.calls: list[tuple] = []
+        self.model = type("Model", (), {"make_empty_intermediate_tensors": self._make})()
+
+    def _make(self, batch_size: int, dtype, device) -> dict:
+        self.calls.append((batch_size, dtype, device))
+        return {"hidden_states": None}
+
+
+def test_a_later_stage_gets_its_input_buffers_once_and_the_first_none() -> None:
+    import torch
+
+    from kvforge.integrations.vllm.cpu_pipeline import make_stage_input_buffers
+
+    first, later = _Runner(), _Runner()
+    make_stage_input_buffers(first, is_first_stage=True)
+    assert first.intermediate_tensors is None and first.calls == []
+    make_stage_input_buffers(later, is_first_stage=False)
+    made = later.intermediate_tensors
+    assert made is not None and later.calls == [(64, torch.float32, torch.device("cpu"))]  # as vLLM's dummy pass
+    make_stage_input_buffers(later, is_first_stage=False)
+    assert later.intermediate_tensors is made and len(later.calls) == 1  # kept, not remade
 
 
 # -- launcher and driver helpers ---------------------------------------------------------------
@@ -498,3 +597,120 @@ def test_vllm_kivi_serve_answers_openai_client(checkpoints: dict[str, Path], tmp
     assert result["chat"]["text"].strip() and result["chat"]["completion_tokens"] > 0
     assert result["completion"]["text"].strip()
     assert result["server_returncode"] is not None
+
+
+# -- slow: pipeline parallelism (two stages, a core each) ---------------------------------------
+# smollm2-135m has 9 attention heads (3 KV heads): vLLM refuses tensor_parallel_size=2, so
+# parallelism is tested as pipeline_parallel_size=2. vLLM's split of its 30 layers is
+# [0, 15) + [15, 30): with l = 15 the SwiftKV part (GEMM, owners, later layers) is the second
+# stage; with l = 22 (untrained, so its tokens are noise and sensitive to any wiring error)
+# the second stage runs early layers 15-21 before it.
+PIPELINE_CONFIGS = {"base_kivi": ("base", ["--kivi"]), "l15": ("l15", []), "l15_kivi": ("l15", ["--kivi"]),
+                    "l15_compiled": ("l15", ["--compile"]), "l22": ("l22", [])}
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(checkpoints: dict[str, Path], prompt_ids: Path, vllm_cache: Path, tmp_path_factory):
+    """run(config, stages, tensor_ranks=1): greedy tokens of the held-out prompts at pipeline_parallel_size 1
+    (two threads) or 2 (one core per stage, VLLM_CPU_OMP_THREADS_BIND=0|1, vLLM's mp
+    executor); eager, and l=15 also under vLLM's torch.compile (the prefix piece compiled on
+    both stages). Each run once per module."""
+    python = _vllm_python()
+    held_out = prompt_ids.with_name("held_out_ids.json")
+    held_out.write_text(json.dumps(json.loads(prompt_ids.read_text())[:len(HELD_OUT_PROMPTS)]))
+    models = dict(checkpoints)
+    runs: dict[tuple[str, int, int], dict] = {}
+
+    def run(config: str, stages: int, tensor_ranks: int = 1) -> dict:
+        model, flags = PIPELINE_CONFIGS[config]
+        if model not in models:  # l22: an untrained SwiftKV model
+            models[model] = tmp_path_factory.mktemp("vllm_pp") / model
+            subprocess.run([sys.executable, "-m", "kvforge", "swiftkv", "init", "--num-key-value-layers",
+                            model[1:], "--out", str(models[model])], check=True, capture_output=True)
+        if (config, stages, tensor_ranks) not in runs:
+            threads = ["--threads", "1", "--omp-bind", "0|1"] if stages == 2 else ["--threads", "2"]
+            if tensor_ranks > 1:  # more ranks than cores: one unbound thread each
+                threads = ["--threads", "1"]
+            runs[config, stages, tensor_ranks] = _run_json(
+                [python, "-m", "kvforge.integrations.vllm.driver", *threads, "generate", "--model",
+                 str(models[model]), "--prompt-ids", str(held_out), "--max-tokens", str(MAX_TOKENS),
+                 "--ignore-eos", "--no-prefix-caching", "--kv-cache-bytes", str(KV_BYTES),
+                 "--pipeline-parallel-size", str(stages), "--tensor-parallel-size", str(tensor_ranks), *flags],
+                timeout=900, cwd=REPO, cache_root=vllm_cache, extra_env={"KVFORGE_VLLM_KIVI": ""})
+        return runs[config, stages, tensor_ranks]
+
+    return run
+
+
+def _tokens(run: dict) -> list[list[int]]:
+    return [o["token_ids"] for o in run["outputs"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(PIPELINE_CONFIGS))
+def test_vllm_pipeline_parallel_2_tokens_equal_size_1(pipeline_run, config: str) -> None:
+    one, two = pipeline_run(config, 1), pipeline_run(config, 2)
+    assert len(_tokens(one)) == len(HELD_OUT_PROMPTS) and all(len(t) == MAX_TOKENS for t in _tokens(one))
+    assert _tokens(two) == _tokens(one)
+    # fast prefill (later layers on the logits rows only) stays on across stages without KIVI
+    assert two["capacity"]["kv_sharing_fast_prefill"] is ("--kivi" not in PIPELINE_CONFIGS[config][1])
+
+
+@pytest.mark.slow
+def test_vllm_pipeline_runs_tell_the_models_and_caches_apart(pipeline_run) -> None:
+    tokens = {config: _tokens(pipeline_run(config, 2)) for config in ("base_kivi", "l15", "l15_kivi")}
+    assert tokens["l15"] != tokens["l15_kivi"] != tokens["base_kivi"] != tokens["l15"]
+
+
+@pytest.mark.slow
+def test_vllm_serve_with_two_pipeline_stages_answers_openai_client(checkpoints: dict[str, Path], tmp_path: Path,
+                                                                    vllm_cache: Path) -> None:
+    """docs/swiftkv.md's command: the l=15 checkpoint, two stages a core each, torch.compile on."""
+    result = _run_json([_vllm_python(), "-m", "kvforge.integrations.vllm.driver", "--threads", "1", "--omp-bind",
+                        "0|1", "serve-check", "--model", str(checkpoints["l15"]), "--compile",
+                        "--pipeline-parallel-size", "2", "--timeout", "480", "--log", str(tmp_path / "serve.log")],
+                       timeout=600, cwd=REPO, cache_root=vllm_cache)
+    assert result["ok"], result.get("error")
+    assert "--pipeline-parallel-size" in result["command"]
+    assert result["chat"]["text"].strip() and result["chat"]["completion_tokens"] > 0
+    assert result["server_returncode"] is not None
+
+
+@pytest.mark.slow
+def test_vllm_kivi_tensor_parallel_3_tokens_equal_size_1(pipeline_run) -> None:
+    """The base model's 9 heads and 3 KV heads divide by 3: the KIVI backend with one KV head
+    per rank (three ranks on two cores). The SwiftKV plugin refuses tensor parallelism."""
+    one, three = pipeline_run("base_kivi", 1), pipeline_run("base_kivi", 1, tensor_ranks=3)
+    assert _tokens(three) == _tokens(one)
+    assert three["capacity"]["num_blocks"] > one["capacity"]["num_blocks"]  # a rank caches 1 of the 3 KV heads
+
+
+def _run_failing(command: list[str], cache_root: Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_CACHE_ROOT": str(cache_root)}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_vllm_refuses_tensor_parallel_2_for_9_heads(checkpoints: dict[str, Path], prompt_ids: Path,
+                                                    vllm_cache: Path) -> None:
+    """Why the parallel test is pipeline parallelism: vLLM's own refusal, before any worker starts."""
+    output = _run_failing([_vllm_python(), "-m", "kvforge.integrations.vllm.driver", "--threads", "1", "generate",
+                           "--model", str(checkpoints["base"]), "--prompt-ids", str(prompt_ids),
+                           "--kv-cache-bytes", str(KV_BYTES), "--tensor-parallel-size", "2"], vllm_cache)
+    assert "Total number of attention heads (9) must be divisible by tensor parallel size (2)" in output
+
+
+@pytest.mark.slow
+def test_vllm_refuses_a_split_with_later_layers_on_the_first_stage(prompt_ids: Path, vllm_cache: Path,
+                                                                    tmp_path: Path) -> None:
+    """l = 10 at pipeline_parallel_size=2: layers 10-14 would sit on the first stage, away
+    from their cache owners; the plugin's config hook refuses it by name."""
+    python = _vllm_python()
+    subprocess.run([sys.executable, "-m", "kvforge", "swiftkv", "init", "--num-key-value-layers", "10",
+                    "--out", str(tmp_path / "l10")], check=True, capture_output=True)
+    output = _run_failing([python, "-m", "kvforge.integrations.vllm.driver", "--threads", "1", "generate",
+                           "--model", str(tmp_path / "l10"), "--prompt-ids", str(prompt_ids),
+                           "--kv-cache-bytes", str(KV_BYTES), "--pipeline-parallel-size", "2"], vllm_cache)
+    assert "invalid num_key_value_layers=10: pipeline_parallel_size=2 starts the last stage at layer 15" in output

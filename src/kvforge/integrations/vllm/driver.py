@@ -24,10 +24,12 @@ from typing import Any
 MARKER = "KVFORGE_JSON "
 
 
-def set_threads(threads: int) -> None:
-    """Before vLLM is imported: `threads` OpenMP threads, unbound, in every vLLM process."""
+def set_threads(threads: int, bind: str = "nobind") -> None:
+    """Before vLLM is imported: `threads` OpenMP threads in every vLLM process, unbound, or
+    bound as vLLM's VLLM_CPU_OMP_THREADS_BIND reads `bind` (one CPU list per rank, `|`
+    between ranks: "0|1" gives each of two ranks its own core)."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
     import torch
 
     torch.set_num_threads(threads)
@@ -47,7 +49,8 @@ def parse_emitted(stdout: str) -> dict[str, Any]:
 
 def make_llm(model: str, kv_cache_bytes: int, max_model_len: int, max_num_batched_tokens: int | None = None,
              enforce_eager: bool = True, max_num_seqs: int = 8, enable_prefix_caching: bool = False,
-             log_stats: bool = False, kivi: bool = False, tensor_parallel_size: int = 1) -> Any:
+             log_stats: bool = False, kivi: bool = False, tensor_parallel_size: int = 1,
+             pipeline_parallel_size: int = 1) -> Any:
     from kvforge.integrations.vllm import register
 
     register()  # also loaded through the entry point; idempotent
@@ -63,8 +66,9 @@ def make_llm(model: str, kv_cache_bytes: int, max_model_len: int, max_num_batche
         from kvforge.integrations.vllm.kivi_options import kivi_config
 
         kwargs.update(attention_backend="CUSTOM", block_size=kivi_config().key_tokens)
-    if tensor_parallel_size > 1:
-        kwargs.update(tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="mp")
+    if tensor_parallel_size > 1 or pipeline_parallel_size > 1:  # one worker process per rank
+        kwargs.update(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                      distributed_executor_backend="mp")
     return LLM(**kwargs)
 
 
@@ -104,7 +108,8 @@ def run_generate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     llm = make_llm(args.model, args.kv_cache_bytes, args.max_model_len, args.max_num_batched_tokens,
                    enforce_eager=not args.compile, enable_prefix_caching=not args.no_prefix_caching,
-                   log_stats=True, kivi=args.kivi, tensor_parallel_size=args.tensor_parallel_size)
+                   log_stats=True, kivi=args.kivi, tensor_parallel_size=args.tensor_parallel_size,
+                   pipeline_parallel_size=args.pipeline_parallel_size)
     started = time.perf_counter() - start
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
@@ -153,6 +158,9 @@ def run_serve_check(args: argparse.Namespace) -> None:
                "--served-model-name", "swiftkv"] + ([] if args.compile else ["--enforce-eager"])
     if args.max_num_seqs is not None:
         command += ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.pipeline_parallel_size > 1:  # --omp-bind reaches the server's workers through the environment
+        command += ["--pipeline-parallel-size", str(args.pipeline_parallel_size),
+                    "--distributed-executor-backend", "mp"]
     if args.kivi:  # the KIVI setting reaches the server through KVFORGE_VLLM_KIVI in its environment
         from kvforge.integrations.vllm.kivi_options import kivi_config
 
@@ -214,6 +222,8 @@ def _stop(server: subprocess.Popen) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvforge.integrations.vllm.driver")
     parser.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads (2)")
+    parser.add_argument("--omp-bind", default="nobind",
+                        help="VLLM_CPU_OMP_THREADS_BIND for vLLM's workers (nobind; e.g. '0|1': a core per rank)")
     verbs = parser.add_subparsers(dest="verb", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", required=True, help="checkpoint directory")
@@ -223,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--kivi", action="store_true",
                         help="kvforge's KIVI attention backend (setting: KVFORGE_VLLM_KIVI, kivi_options.py)")
     common.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallel ranks")
+    common.add_argument("--pipeline-parallel-size", type=int, default=1, help="vLLM pipeline parallel stages")
     gen = verbs.add_parser("generate", parents=[common], help="greedy generation from token ids")
     gen.add_argument("--prompt-ids", required=True, help="JSON file: a list of token-id lists")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -248,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    set_threads(args.threads)
+    set_threads(args.threads, args.omp_bind)
     {"generate": run_generate, "capacity": run_capacity, "serve-check": run_serve_check}[args.verb](args)
 
 

@@ -47,9 +47,18 @@ class SwiftKVEngineConfig(VerifyAndUpdateConfig):
         hf_config = vllm_config.model_config.hf_config
         swift = swiftkv_of(hf_config)  # ValueError on a bad checkpoint, before any weight loads
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-            raise ValueError("kvforge's SwiftKV plugin runs with tensor_parallel_size=1 and "
-                             "pipeline_parallel_size=1 only")
+        if parallel.tensor_parallel_size > 1:
+            raise ValueError("kvforge's SwiftKV plugin runs with tensor_parallel_size=1 only "
+                             f"(got {parallel.tensor_parallel_size}); pipeline parallelism is supported")
+        stages = parallel.pipeline_parallel_size
+        if stages > 1:  # the split each worker will make: refused here, before any worker starts
+            from vllm.distributed.utils import get_pp_indices
+
+            from kvforge.integrations.vllm.layout import SwiftKVCacheLayout
+
+            layers = int(hf_config.num_hidden_layers)
+            SwiftKVCacheLayout(layers, swift).check_pipeline_split(get_pp_indices(layers, stages - 1, stages)[0],
+                                                                   stages)
         if getattr(vllm_config, "quant_config", None) is not None or vllm_config.model_config.quantization:
             raise ValueError("kvforge's SwiftKV plugin does not support quantized checkpoints")
         if any(t != "full_attention" for t in (getattr(hf_config, "layer_types", None) or ())):

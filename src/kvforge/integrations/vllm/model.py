@@ -18,20 +18,28 @@ one compiled piece (`SwiftKVPrefix`) and step 3's layers another (`SwiftKVSuffix
 does for Gemma3n's YOCO halves; the cache writes, the row gather and the scatter run eagerly
 between them.
 
+Pipeline parallelism: a stage runs vLLM's split of the decoder layers. Only the last
+stage holds later layers (layout.SwiftKVCacheLayout.pipeline_stage refuses other splits), so
+it runs steps 2-4 on the (hidden states, residual) the previous stage handed on; an earlier
+stage runs its early layers and hands those on, as vLLM's Llama does.
+
 Invariants: the owners' caches are written (step 2) before any later layer attends
 (step 3); rows that do not need logits never reach a later layer when fast prefill is on;
-every SwiftKV tensor of the checkpoint is loaded or `load_weights` raises.
+every SwiftKV tensor of the checkpoint is loaded (or belongs to another stage) or
+`load_weights` raises.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 from vllm.compilation.backends import set_model_tag
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CacheConfig, VllmConfig
+from vllm.distributed import get_pp_group
+from vllm.distributed.utils import get_pp_indices
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
@@ -41,14 +49,20 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import SupportsPP
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
-from vllm.model_executor.models.utils import maybe_prefix
+from vllm.model_executor.models.utils import (
+    PPMissingLayer,
+    is_pp_missing_parameter,
+    make_empty_intermediate_tensors_factory,
+    maybe_prefix,
+)
 from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.attention.backends.utils import KVSharingFastPrefillMetadata
 
 from kvforge.integrations.vllm.hf_config import swiftkv_of
-from kvforge.integrations.vllm.layout import CACHE_OWNERS, SwiftKVCacheLayout
+from kvforge.integrations.vllm.layout import CACHE_OWNERS, SwiftKVCacheLayout, SwiftKVStage
 from kvforge.integrations.vllm.weights import FUSED_KV, required_swiftkv_names, weight_target
 
 
@@ -58,6 +72,19 @@ def _attention_bias(config) -> bool:
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _last_stage_only(stage: SwiftKVStage, make: Callable[[], nn.Module]) -> nn.Module:
+    """`make()` on the last pipeline stage, a PPMissingLayer (its tensors skipped) on another."""
+    return make() if stage.is_last else PPMissingLayer()
+
+
+def _pipeline_stage(layout: SwiftKVCacheLayout) -> SwiftKVStage:
+    """This worker's stage of vLLM's layer split (the whole model without pipeline parallelism)."""
+    group = get_pp_group()
+    size, rank = group.world_size, group.rank_in_group
+    start, end = get_pp_indices(layout.num_layers, rank, size)
+    return layout.pipeline_stage(start, end, rank, size, get_pp_indices(layout.num_layers, size - 1, size)[0])
 
 
 class SwiftKVCacheOwner(nn.Module):
@@ -130,23 +157,28 @@ class SwiftKVDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0,
+                                         "inputs_embeds": 0})
 class SwiftKVPrefix(nn.Module):
-    """Compiled piece: embeddings, layers < l, norm_swiftkv, the fused K/V GEMM and K's RoPE.
-    Returns (layer l-1's output, K with RoPE, V), K and V [tokens, groups * kv_heads *
-    head_dim]. Owns no parameters."""
+    """Compiled piece: embeddings (first stage), this stage's layers < l, then on the last
+    stage norm_swiftkv, the fused K/V GEMM and K's RoPE. Returns (layer l-1's output, K with
+    RoPE, V), K and V [tokens, groups * kv_heads * head_dim], on the last stage; the
+    (hidden states, residual) to hand on on an earlier one. Owns no parameters."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: LlamaSwiftKVModel) -> None:
         super().__init__()
         self._model = [model]  # boxed: the layers stay registered (and named) under the model only
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | IntermediateTensors:
         model = self._model[0]
-        hidden_states = inputs_embeds if inputs_embeds is not None else model.embed_input_ids(input_ids)
-        residual = None
-        for layer in model.layers[:model.layout.first_later]:
+        hidden_states, residual = model.stage_input(input_ids, intermediate_tensors, inputs_embeds)
+        early = model.stage.early
+        for layer in model.layers[early.start:early.stop]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not model.stage.is_last:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         if residual is not None:
             hidden_states = hidden_states + residual  # layer l-1's output
         kv, _ = model.swiftkv_kv_proj(model.norm_swiftkv(hidden_states))
@@ -181,38 +213,47 @@ class LlamaSwiftKVModel(nn.Module):
         self.config = config
         self.swift = swiftkv_of(config)
         self.layout = SwiftKVCacheLayout(config.num_hidden_layers, self.swift, prefix=prefix)
+        self.stage = stage = _pipeline_stage(self.layout)
         first_later = self.layout.first_later
         head_dim = _head_dim(config)
         self.kv_size = config.num_key_value_heads * head_dim
 
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # A module another stage holds is a PPMissingLayer: its checkpoint tensors are skipped.
+        if stage.is_first or (config.tie_word_embeddings and stage.is_last):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = PPMissingLayer()
         # Creation order is the layout's invariant: early attentions, cache owners, later attentions.
         layers: list[nn.Module] = [LlamaDecoderLayer(vllm_config=vllm_config, prefix=f"{prefix}.layers.{i}")
-                                   for i in range(first_later)]
+                                   if stage.runs(i) else PPMissingLayer() for i in range(first_later)]
         owners = {self.layout.owner_module(j).rsplit(".", 1)[1]:
                   SwiftKVCacheOwner(config, cache_config, self.layout.owner_module(j))
-                  for j in range(self.layout.num_groups)}
+                  for j in range(self.layout.num_groups) if stage.holds_later}
         setattr(self, CACHE_OWNERS, nn.ModuleDict(owners))
         layers += [SwiftKVDecoderLayer(config, cache_config, self.layout.kv_sharing_target(i),
-                                       f"{prefix}.layers.{i}")
+                                       f"{prefix}.layers.{i}") if stage.runs(i) else PPMissingLayer()
                    for i in range(first_later, config.num_hidden_layers)]
         self.layers = nn.ModuleList(layers)
-        self.norm_swiftkv = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # unused when l = L
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self._later_attention_name = self.layout.layer_attention_name(first_later) if self.layout.num_groups else None
+        self.norm_swiftkv = _last_stage_only(stage, lambda: RMSNorm(config.hidden_size, eps=config.rms_norm_eps))
+        self.norm = _last_stage_only(stage, lambda: RMSNorm(config.hidden_size, eps=config.rms_norm_eps))
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], config.hidden_size)
+        self._later_attention_name = self.layout.layer_attention_name(first_later) if stage.holds_later else None
         if self.layout.num_groups:
             # Rows: K of every group, then V of every group (weights.fused_kv_block).
-            self.swiftkv_kv_proj = ReplicatedLinear(config.hidden_size, 2 * self.layout.num_groups * self.kv_size,
-                                                    bias=_attention_bias(config), prefix=FUSED_KV)
+            self.swiftkv_kv_proj = _last_stage_only(stage, lambda: ReplicatedLinear(
+                config.hidden_size, 2 * self.layout.num_groups * self.kv_size, bias=_attention_bias(config),
+                prefix=FUSED_KV))
             self.swiftkv_rotary_emb = get_rope(head_dim, max_position=getattr(config, "max_position_embeddings", 8192),
                                                is_neox_style=True,
                                                rope_parameters=getattr(config, "rope_parameters", None))
             with set_model_tag("swiftkv_prefix"):
                 self.prefix_runner = SwiftKVPrefix(vllm_config=vllm_config, prefix=f"{prefix}.prefix_runner",
                                                    model=self)
-            with set_model_tag("swiftkv_suffix"):
-                self.suffix_runner = SwiftKVSuffix(vllm_config=vllm_config, prefix=f"{prefix}.suffix_runner",
-                                                   model=self)
+            if stage.holds_later:
+                with set_model_tag("swiftkv_suffix"):
+                    self.suffix_runner = SwiftKVSuffix(vllm_config=vllm_config, prefix=f"{prefix}.suffix_runner",
+                                                       model=self)
 
     @property
     def cache_owners(self) -> list[SwiftKVCacheOwner]:
@@ -220,6 +261,15 @@ class LlamaSwiftKVModel(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
+
+    def stage_input(self, input_ids: torch.Tensor | None, intermediate_tensors: IntermediateTensors | None,
+                    inputs_embeds: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states, residual) this stage starts from: the embeddings on the first
+        stage, what the previous stage handed on otherwise."""
+        if self.stage.is_first:
+            return (inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)), None
+        assert intermediate_tensors is not None  # vLLM hands every later stage its predecessor's output
+        return intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
 
     def _logits_rows(self) -> tuple[torch.Tensor | None, int | None]:
         """(padded row indices, how many are real) of the rows needing logits this step, from
@@ -247,15 +297,19 @@ class LlamaSwiftKVModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         if self.layout.num_groups == 0:  # l = L: a plain Llama
-            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-            residual = None
-            for layer in self.layers:
+            hidden_states, residual = self.stage_input(input_ids, intermediate_tensors, inputs_embeds)
+            for layer in self.layers[self.stage.start:self.stage.end]:
                 hidden_states, residual = layer(positions, hidden_states, residual)
+            if not self.stage.is_last:
+                return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
             hidden_states, _ = self.norm(hidden_states, residual)
             return hidden_states
-        hidden_states, keys, values = self.prefix_runner(input_ids, positions, inputs_embeds)
+        prefix = self.prefix_runner(input_ids, positions, intermediate_tensors, inputs_embeds)
+        if isinstance(prefix, IntermediateTensors):  # an earlier stage: no later layer here
+            return prefix
+        hidden_states, keys, values = prefix
         self._write_later_kv(keys, values)
         rows, num_rows = self._logits_rows()
         if rows is None:
@@ -267,7 +321,7 @@ class LlamaSwiftKVModel(nn.Module):
         return out
 
 
-class LlamaSwiftKVForCausalLM(nn.Module):
+class LlamaSwiftKVForCausalLM(nn.Module, SupportsPP):
     """vLLM entry point for `architectures: ["LlamaSwiftKVForCausalLM"]` checkpoints."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
@@ -275,9 +329,14 @@ class LlamaSwiftKVForCausalLM(nn.Module):
         config = vllm_config.model_config.hf_config
         self.config = config
         self.model = LlamaSwiftKVModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        if self.model.stage.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                          prefix=maybe_prefix(prefix, "lm_head"))
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self.logits_processor = LogitsProcessor(config.vocab_size, scale=getattr(config, "logit_scale", 1.0))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -285,7 +344,7 @@ class LlamaSwiftKVForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -306,6 +365,8 @@ class LlamaSwiftKVForCausalLM(nn.Module):
             if target is None:
                 continue
             if target.param not in params:
+                if is_pp_missing_parameter(target.param, self):  # another pipeline stage's tensor
+                    continue
                 raise ValueError(f"checkpoint tensor {name} has no place in LlamaSwiftKVForCausalLM "
                                  f"(expected parameter {target.param})")
             param = params[target.param]

@@ -312,6 +312,8 @@ ROWS = [
         "vLLM 0.32 CPU, `VLLM_CPU_OMP_THREADS_BIND=0-1`", ""),
     Row("Serving a chat, bf16", "", "serve/vllm_chat_bf16.json", _serve_vs_vllm,
         "vLLM 0.32 CPU, same weights, its defaults", ""),
+    Row("Serving, fp32, vLLM on both cores", "", "serve/vllm_2cores_burst_fp32.json", _serve_vs_vllm,
+        "vLLM 0.32 CPU, `VLLM_CPU_OMP_THREADS_BIND=0-1`, float32", ""),
     Row("Serving under load, bf16", "", "serve/vllm_2cores_poisson_bf16.json", _serve_vs_vllm_rates,
         "vLLM 0.32 CPU, `VLLM_CPU_OMP_THREADS_BIND=0-1`", ""),
     Row("SwiftKV served, bf16", "prompt tokens skip the later layers", "serve/vllm_2cores_burst_swiftkv_l15_bf16.json",

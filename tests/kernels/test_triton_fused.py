@@ -8,27 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_helpers import kernel_device
 
 from kvforge.kernels import cuda_fused
 from kvforge.kernels.build import DISABLE_ENV
-from kvforge.kernels.triton_runtime import triton_installed
 from kvforge.models.layers import GatedMLP, GemmaRMSNorm, RMSNorm
 from kvforge.rope import PositionedRope, rotate_half
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def kernel_device() -> str:
-    """"cuda", or "cpu" in Triton's interpreter; skips otherwise."""
-    if not triton_installed():
-        pytest.skip("the `triton` package is not installed (pip install 'kvforge[triton]')")
-    from kvforge.kernels.triton_jit import INTERPRETED
-
-    if torch.cuda.is_available():
-        return "cuda"
-    if INTERPRETED:
-        return "cpu"
-    pytest.skip("no CUDA, and Triton's interpreter is off (TRITON_INTERPRET was set to 0)")
 
 
 @pytest.fixture

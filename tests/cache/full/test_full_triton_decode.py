@@ -9,26 +9,13 @@ import pytest
 import torch
 from conftest import decode_logits, make_pair, make_runner
 from decode_cases import make_case
+from triton_helpers import kernel_device
 
 from kvforge.cache.attention import decode_attention
 from kvforge.cache.full import decode_kernels
 from kvforge.cache.full.decode_kernels import resolve_decode_kernel
 from kvforge.cache.registry import parse_cache_spec
 from kvforge.errors import ConfigError
-from kvforge.kernels.triton_runtime import triton_installed
-
-
-def kernel_device() -> str:
-    """Where the kernel tests run: "cuda", or "cpu" in Triton's interpreter; skips otherwise."""
-    if not triton_installed():
-        pytest.skip("the `triton` package is not installed (pip install 'kvforge[triton]')")
-    from kvforge.kernels.triton_jit import INTERPRETED
-
-    if torch.cuda.is_available():
-        return "cuda"
-    if INTERPRETED:
-        return "cpu"
-    pytest.skip("no CUDA, and Triton's interpreter is off (TRITON_INTERPRET was set to 0)")
 
 
 def run(case: dict, dtype: torch.dtype = torch.float32, splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import decode_logits, make_pair
+from triton_helpers import kernel_device
 
 from kvforge.cache.registry import create_cache
 from kvforge.cache.shadowkv.compress import compress_layer
@@ -27,17 +28,6 @@ CAPACITY = 24  # window capacity of the test buffers (no folding within a test)
 CHUNK, OUTLIERS, LOCAL = 4, 2, 8
 
 
-def kernel_device() -> str:
-    """Where the kernels run: "cuda", or "cpu" in Triton's interpreter; skips otherwise."""
-    if not triton_installed():
-        pytest.skip("the `triton` package is not installed (pip install 'kvforge[triton]')")
-    from kvforge.kernels.triton_jit import INTERPRETED
-
-    if torch.cuda.is_available():
-        return "cuda"
-    if INTERPRETED:
-        return "cpu"
-    pytest.skip("no CUDA, and Triton's interpreter is off (TRITON_INTERPRET was set to 0)")
 
 
 def _rope(dim: int, device: str | torch.device = "cpu") -> PositionedRope:

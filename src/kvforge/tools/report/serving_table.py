@@ -62,4 +62,5 @@ def serving_block(results: dict[str, Document]) -> str:
 def _vllm_label(doc: Document) -> str:
     vllm = doc["settings"].get("vllm", {})
     cores = "both cores" if vllm.get("VLLM_CPU_OMP_THREADS_BIND") else "its defaults"
-    return f"CPU ({cores})"
+    version = vllm.get("version")  # recorded by bench serve since it reads it (None in older results)
+    return f"{version} CPU ({cores})" if version else f"CPU ({cores})"

@@ -549,7 +549,7 @@ MUTATIONS: list[Mutation] = [
              ": _mm512_cmplt_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16 * v)), last);",
              CAUSAL, "a query sees every key up to and including its own position"),
     Mutation("causal_kernel_partial_blocks_unmasked", S + "kernels/cpu_causal_attention.cpp",
-             "if (limit >= kKeyBlock - 1) {", "if (limit >= 0) {",
+             "limit >= kKeyBlock - 1 ? softmax_rows8<true>", "limit >= 0 ? softmax_rows8<true>",
              CAUSAL, "only a block whose every key is visible to all 8 rows skips the masks"),
     Mutation("causal_kernel_never_rescales", S + "kernels/cpu_causal_attention.cpp",
              "_mm256_storeu_ps(correction, corr);", "_mm256_storeu_ps(correction, _mm256_set1_ps(1.f));",

@@ -10,11 +10,12 @@
 // Arithmetic, block by block (flash attention): scores s are bf16 x bf16 products summed in
 // float32 by AVX512-BF16 `vdpbf16ps` (each product is exact in float32; the sums round).
 // Per query row an online softmax over 64-key blocks keeps the running max m of s and the
-// sum l in float32; a block's weights p = exp(scale (s - m)), computed as
-// 2^(s c - m c) with c = scale log2(e) (one fused multiply-subtract per lane, then a base-2
-// exponential: half the work of a base-e one), are rounded to bf16 once, and those rounded weights are both what multiplies V (again by `vdpbf16ps`, into
-// float32 accumulators) and what l sums, so the output is exactly a convex combination of
-// value rows with the weights actually used. The output is rounded to bf16 once. This is
+// sum l in float32; a block's weights p = exp(scale (s - m)), computed as 2^(s c - m c) with
+// c = scale log2(e) (one fused multiply-subtract per lane, then a base-2 exponential: half the
+// work of a base-e one), are rounded to bf16 once, and those rounded weights are both what
+// multiplies V (again by `vdpbf16ps`, into float32 accumulators) and what l sums, so the
+// output is exactly a convex combination of value rows with the weights actually used. The
+// output is rounded to bf16 once. This is
 // the precision of ATen's bf16 flash attention (float32 softmax, bf16 weights into the
 // value product); tests/kernels/test_cpu_causal_attention.py compares both against a
 // float64 definition.
@@ -275,14 +276,10 @@ void run_unit(const Problem& pr, int64_t head, int64_t query_block, Scratch& w) 
     // Whole groups of 8 rows: rows past `rows` are scratch (finite scores, never stored).
     for (int64_t r = 0; r < rows; r += kSoftmaxRows) {
       const int64_t limit = q0 + r + pr.offset - first_key;
-      auto* rows_m = w.m.data() + r;
-      if (limit >= kKeyBlock - 1) {  // every key of the block is visible to the 8 rows: no masks
-        softmax_rows8<true>(w.s.data() + r * kKeyBlock, limit, c, rows_m, w.l.data() + r, w.correction.data() + r,
-                            w.p.data() + r * kKeyBlock);
-      } else {
-        softmax_rows8<false>(w.s.data() + r * kKeyBlock, limit, c, rows_m, w.l.data() + r, w.correction.data() + r,
-                             w.p.data() + r * kKeyBlock);
-      }
+      // every key of the block visible to the 8 rows: no masks
+      const auto softmax = limit >= kKeyBlock - 1 ? softmax_rows8<true> : softmax_rows8<false>;
+      softmax(w.s.data() + r * kKeyBlock, limit, c, w.m.data() + r, w.l.data() + r, w.correction.data() + r,
+              w.p.data() + r * kKeyBlock);
     }
     const uint32_t* block_values = values + kb * (kKeyBlock / 2) * dim;
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {

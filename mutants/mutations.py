@@ -38,6 +38,7 @@ ROUNDS = ("tests/tools/bench/test_bench.py::test_rounds_alternate_the_order_of_s
           "tests/tools/bench/test_bench.py::test_throughput_rounds_end_to_end")
 STREAM_TEXT = ("tests/engine/test_stream_text.py",)
 DETOKENIZER = ("tests/engine/test_detokenizer.py",)
+PREPACK = "tests/kernels/test_cpu_prepack.py"
 DUMMY = "tests/models/test_dummy_weights.py::test_the_same_seed_draws_the_same_weights_and_another_seed_other_ones"
 DUMMY_SCALES = "tests/models/test_dummy_weights.py::test_scales_norms_and_biases_follow_the_measured_checkpoints"
 REQUEST_RULES = ("tests/engine/test_request_rules.py",)
@@ -1553,4 +1554,37 @@ MUTATIONS: list[Mutation] = [
              'extra = {} if dense is None else {"quantization_config": dense(dequantize=True)}', "extra = {}",
              ("tests/tools/bench/test_hf_peer.py::test_the_peer_of_a_gguf_file_asks_for_dequantized_weights",),
              "the transformers reference and peer of a GGUF model run its dequantized weights, as kvforge does"),
+    Mutation("prepack_stale_version_used", S + "kernels/cpu_prepack.py",
+             "weight._version != version or ", "",
+             (PREPACK + "::test_a_changed_weight_is_never_computed_from_its_stale_copy",),
+             "a weight changed in place since it was packed is never computed from the stale copy"),
+    Mutation("prepack_stale_storage_used", S + "kernels/cpu_prepack.py",
+             "weight.data_ptr() != source.data_ptr() or ", "",
+             (PREPACK + "::test_a_changed_weight_is_never_computed_from_its_stale_copy",),
+             "a weight whose data was replaced (`.data =`, which keeps the version) is never computed from the old copy"),
+    Mutation("prepack_autograd_packed", S + "kernels/cpu_prepack.py",
+             "    if torch.is_grad_enabled() and (x.requires_grad", "    if False and (x.requires_grad",
+             (PREPACK + "::test_calls_that_do_not_qualify_run_f_linear",),
+             "a call that autograd must see runs F.linear (the packed op has no backward)"),
+    Mutation("prepack_auto_ignores_memory", S + "kernels/cpu_prepack.py",
+             "        if total > AUTO_MEMORY_SHARE * available_bytes:", "        if False:",
+             (PREPACK + "::test_auto_packs_only_within_its_share_of_the_available_memory",),
+             "auto makes the second copy only when it takes at most its share of the available memory"),
+    Mutation("prepack_off_keeps_copies", S + "kernels/cpu_prepack.py",
+             "        drop_packed(weights)\n        return", "        return",
+             (PREPACK + "::test_off_drops_copies_and_a_tied_weight_is_packed_once",),
+             "--prepack-weights off leaves no copy an earlier engine made in use"),
+    Mutation("prepack_cast_keeps_copies", S + "models/causal_lm.py",
+             "        drop_packed(self.parameters())\n", "",
+             (PREPACK + "::test_the_engine_packs_what_its_prefill_multiplies_and_a_cast_drops_it",),
+             "a model's move or cast frees its packed copies (they hold the old data)"),
+    Mutation("prepack_engine_never_packs", S + "engine/llm_engine.py",
+             "        if self.runner.device.type == \"cpu\":\n            with torch.no_grad():\n                self.prepack_report",
+             "        if False:\n            with torch.no_grad():\n                self.prepack_report",
+             (PREPACK + "::test_the_engine_packs_what_its_prefill_multiplies_and_a_cast_drops_it",),
+             "an engine on a CPU packs the weights its prefill multiplies under its policy"),
+    Mutation("prepack_swiftkv_fused_kv_left_out", S + "models/swiftkv.py",
+             "            return [*weights, self.fused_kv_projection()[0]]", "            return weights",
+             (PREPACK + "::test_a_swiftkv_prefill_packs_its_earlier_layers_and_its_fused_kv_weight",),
+             "a SwiftKV prefill's largest product beside the earlier layers, the fused K/V GEMM, is packed"),
 ]

@@ -17,6 +17,7 @@ from typing import Any
 from kvforge.arg_types import add_load_format_arg, at_least, thread_count
 from kvforge.devices import add_device_arg
 from kvforge.errors import require
+from kvforge.kernels.prepack_policy import PREPACK_POLICIES
 from kvforge.serve import server
 from kvforge.tools.report.provenance import provenance
 
@@ -57,6 +58,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA, run every step eagerly (default: decode steps replay CUDA graphs captured at "
                              "start-up; no effect on a CPU)")
+    parser.add_argument("--prepack-weights", choices=PREPACK_POLICIES, default="auto",
+                        help="on a CPU, keep a oneDNN-packed copy of the linear weights for prompt-sized "
+                             "products: faster prefill for the weights' memory once more (auto, the default: "
+                             "when the copy takes at most a quarter of the free memory; the start-up line says)")
     parser.add_argument("--max-seq-len-to-capture", type=at_least(2), default=8192, metavar="N",
                         help="decode steps with a longer sequence run eagerly (8192)")
     parser.add_argument("--early-exit", type=float, default=None, metavar="P",
@@ -94,9 +99,10 @@ def _make_llm(args: argparse.Namespace):
     llm = LLM(model=args.model, load_format=args.load_format, swiftkv=args.swiftkv, cache=args.cache,
               cache_options=args.cache_opt, dtype=args.dtype, kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
               prefix_caching=args.prefix_caching, device=args.device, early_exit=args.early_exit,
-              enforce_eager=args.enforce_eager, max_seq_len_to_capture=args.max_seq_len_to_capture)
-    if llm.dtype_reason:
-        print(f"kvforge {args.verb}: {llm.dtype_reason}", file=sys.stderr)
+              enforce_eager=args.enforce_eager, max_seq_len_to_capture=args.max_seq_len_to_capture,
+              prepack_weights=args.prepack_weights)
+    for line in llm.start_up_lines():
+        print(f"kvforge {args.verb}: {line}", file=sys.stderr)
     return llm
 
 

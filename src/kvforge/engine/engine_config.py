@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvforge.errors import require
+from kvforge.kernels.prepack_policy import PREPACK_POLICIES
 
 ADMISSION_POLICIES = ("optimistic", "reserve")
 
@@ -34,6 +35,9 @@ class EngineConfig:
     max_seq_len_to_capture: int = 8192
     # Decode steps of more sequences than this run eagerly (None: max_num_seqs; vLLM's name).
     max_cudagraph_capture_size: int | None = None
+    # On a CPU, the linear weights' oneDNN-packed copy for prefill-sized products:
+    # "auto" (when the copy fits a share of the free memory), "on" or "off" (kernels/cpu_prepack.py).
+    prepack_weights: str = "auto"
 
     def __post_init__(self) -> None:
         require(self.kv_budget_bytes > 0, "kv_budget", self.kv_budget_bytes, "must be > 0 bytes")
@@ -46,5 +50,7 @@ class EngineConfig:
                 "must be >= 2")
         require(self.max_cudagraph_capture_size is None or self.max_cudagraph_capture_size >= 1,
                 "max_cudagraph_capture_size", self.max_cudagraph_capture_size, "must be >= 1")
+        require(self.prepack_weights in PREPACK_POLICIES, "prepack_weights", self.prepack_weights,
+                f"must be one of {list(PREPACK_POLICIES)}")
         require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
                 "must be >= 2")

@@ -50,7 +50,7 @@ class LLM:
                  cache_options: Sequence[str] | None = None, device: str | torch.device = "cpu",
                  swiftkv: str | None = None, admission: str = "optimistic", step_timing: bool = False,
                  prefix_caching: bool = True, early_exit: float | None = None, enforce_eager: bool = False,
-                 max_seq_len_to_capture: int = 8192, load_format: str = "auto") -> None:
+                 max_seq_len_to_capture: int = 8192, load_format: str = "auto", prepack_weights: str = "auto") -> None:
         # Everything that can be wrong with the arguments fails before weights load.
         where = resolve_device(device)  # ConfigError, not torch's assertion, on a torch without CUDA
         spec = parse_cache_spec(cache, list(cache_options or []))
@@ -60,7 +60,7 @@ class LLM:
         config = EngineConfig(kv_budget_bytes=parse_bytes(kv_budget), max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, admission=admission,
                               step_timing=step_timing, prefix_caching=prefix_caching, enforce_eager=enforce_eager,
-                              max_seq_len_to_capture=max_seq_len_to_capture)
+                              max_seq_len_to_capture=max_seq_len_to_capture, prepack_weights=prepack_weights)
         if early_exit is not None:  # the range before weights load; the head once the config is known
             require(0.0 < early_exit <= 1.0, "early_exit", early_exit, "must be a probability in (0, 1]")
         self.model, self.source = load_model(model, dtype=torch_dtype, device=where, swiftkv=swiftkv,
@@ -74,6 +74,12 @@ class LLM:
         kv_cache = create_cache(spec, self.model.cache_layout(), config.kv_budget_bytes, torch_dtype, where)
         self.cache_spec = spec
         self.engine = LLMEngine(self.model, kv_cache, self.tokenizer, config)
+
+    def start_up_lines(self) -> list[str]:
+        """What a command prints at start-up about the choices made for this machine: the
+        compute dtype (when `dtype` was auto) and the weights' prepacking (on a CPU)."""
+        report = self.engine.prepack_report
+        return [line for line in (self.dtype_reason, report and report.describe()) if line]
 
     @property
     def is_chat_model(self) -> bool:

@@ -35,6 +35,7 @@ from kvforge.engine.sampling import (
 )
 from kvforge.engine.scheduler import ScheduledChunk, Scheduler
 from kvforge.errors import ConfigError
+from kvforge.kernels.cpu_prepack import PrepackReport, available_memory_bytes, prepack_weights
 from kvforge.models.causal_lm import CausalLM
 from kvforge.step_timing import StepTimer
 
@@ -56,6 +57,11 @@ class LLMEngine:
                                   min(self.config.max_seq_len_to_capture, self.max_model_len), capture=True)
             self.capture_report = graphs.capture()
             self.runner.decode_graphs = graphs if graphs.enabled else None
+        self.prepack_report: PrepackReport | None = None
+        if self.runner.device.type == "cpu":
+            with torch.no_grad():
+                self.prepack_report = prepack_weights(model.prefill_linear_weights(), self.config.prepack_weights,
+                                                      available_memory_bytes())
         lifetimes_fit = None
         if self.config.admission == "reserve":
             def lifetimes_fit(requests: list[Request]) -> bool:

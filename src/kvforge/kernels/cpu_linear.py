@@ -7,8 +7,9 @@ dtype, as F.linear wants); products and sums are float32 and the result is round
 that dtype, so 2-byte weights halve the bytes a decode step reads without bf16 accumulation.
 On a CPU with AMX, bf16 products whose shapes fit run as tile multiplies instead
 (cpu_amx_linear.h; the choice depends on the shapes, never on M).
-`linear` dispatches to it for eligible calls and to `torch.nn.functional.linear` otherwise
-(prefill, float64, autograd, no kernel).
+`linear` dispatches to it for eligible calls; other calls (prefill, float64, autograd, no
+kernel) run on the weight's oneDNN-packed copy where the engine made one (cpu_prepack.py),
+else `torch.nn.functional.linear`.
 
 Invariant: with the kernel, each output element's summation order does not depend on M nor
 on the other rows of x, so row i of `linear(x, W)` is bitwise equal to `linear(x[i:i+1], W)`
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.kernels.build import DEFAULT_FLAG_SETS, DISABLE_ENV, FLOAT_IO_DTYPES, CppKernel, kernels_disabled
+from kvforge.kernels.cpu_prepack import packed_linear
 from kvforge.step_timing import current_timer
 
 __all__ = ["DISABLE_ENV", "KERNEL_DTYPES", "MAX_ROWS", "linear", "small_m_linear_available"]
@@ -73,7 +75,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
             rows = rows.contiguous()
         out = torch.ops.kvforge_cpu_linear.small_m_linear(rows, weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+    out = packed_linear(x, weight, bias)
+    return F.linear(x, weight, bias) if out is None else out
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -12,6 +12,7 @@ projection, often the largest matmul, run on those rows only).
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.config import ModelConfig, RopeConfig
 from kvforge.errors import ModelLoadError
 from kvforge.kernels.cpu_linear import linear
+from kvforge.kernels.cpu_prepack import drop_packed
 from kvforge.rope import PositionedRope, RotaryEmbedding
 
 
@@ -121,6 +123,18 @@ class CausalLM(nn.Module):
         return logits
 
     # -- weights ----------------------------------------------------------------------
+    def prefill_linear_weights(self) -> list[torch.Tensor]:
+        """The weights of the linear products a prefill step runs over all its rows, which the
+        engine may prepack (kernels/cpu_prepack.py): every nn.Linear of the decoder layers. The
+        vocabulary projection is left out: it runs on the logit rows only."""
+        return [module.weight for module in self.model.layers.modules() if isinstance(module, nn.Linear)]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CausalLM:
+        # A move or cast replaces the weights' data: packed copies of the old data are stale
+        # (they would not be used: cpu_prepack checks), so free them now.
+        drop_packed(self.parameters())
+        return super()._apply(fn, recurse)
+
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named tensors; every parameter must be present exactly once."""
         state = dict(state)

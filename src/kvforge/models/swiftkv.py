@@ -264,6 +264,14 @@ class SwiftKVForCausalLM(CausalLM):
     def leader_attentions(self) -> list[SwiftKVAttention]:
         return [self.model.layers[i].self_attn for i in self.swiftkv.leaders(self.config.num_layers)]
 
+    def prefill_linear_weights(self) -> list[torch.Tensor]:
+        """A prompt runs the layers before l and the fused K/V GEMM over all its rows; the
+        later layers' own projections see its logit rows only."""
+        earlier = self.model.layers[:self.swiftkv.num_key_value_layers]
+        weights = [module.weight for module in earlier.modules() if isinstance(module, nn.Linear)]
+        with torch.no_grad():  # the cached fused weight, which the engine's steps use
+            return [*weights, self.fused_kv_projection()[0]]
+
     def fused_kv_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[leaders x (k, v) x kv_heads x head_dim, hidden] weight (and bias) of the fused GEMM.
 

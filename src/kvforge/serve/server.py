@@ -93,9 +93,9 @@ def run_serve(args: argparse.Namespace) -> int:
               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, admission=args.admission,
               step_timing=args.step_timing, prefix_caching=args.prefix_caching, device=args.device,
               early_exit=args.early_exit, enforce_eager=args.enforce_eager,
-              max_seq_len_to_capture=args.max_seq_len_to_capture)
-    if llm.dtype_reason:
-        print(f"kvforge serve: {llm.dtype_reason}", file=sys.stderr)
+              max_seq_len_to_capture=args.max_seq_len_to_capture, prepack_weights=args.prepack_weights)
+    for line in llm.start_up_lines():
+        print(f"kvforge serve: {line}", file=sys.stderr)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     engine = AsyncEngine(llm.engine, metrics.observe_step)

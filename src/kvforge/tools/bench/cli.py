@@ -11,6 +11,7 @@ from typing import Any
 
 from kvforge.arg_types import add_load_format_arg, at_least, thread_count
 from kvforge.devices import add_device_arg
+from kvforge.kernels.prepack_policy import PREPACK_POLICIES
 from kvforge.tools.bench.soak_options import add_soak_args
 
 _count = at_least  # an integer option with a lower bound
@@ -43,6 +44,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA, kvforge systems run every step eagerly (default: decode steps replay CUDA "
                              "graphs captured when each engine starts)")
+    parser.add_argument("--prepack-weights", choices=PREPACK_POLICIES, default="auto",
+                        help="kvforge systems on a CPU: keep a oneDNN-packed copy of the linear weights for "
+                             "prompt-sized products (auto, the default: when it takes at most a quarter of the "
+                             "free memory)")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="kvforge systems reuse cached prompt prefixes (off by default: repeats would hit the "
                              "previous repeat); --compare no-prefix-caching adds the system under test without it")

@@ -127,6 +127,7 @@ class BenchContext:
                               prefix_caching=bool(system.prefix_caching), step_timing=step_timing,
                               enforce_eager=(system.enforce_eager if system.enforce_eager is not None
                                              else bool(getattr(self.args, "enforce_eager", False))),
+                              prepack_weights=getattr(self.args, "prepack_weights", "auto"),
                               **({} if graph_shape is None else dict(max_cudagraph_capture_size=graph_shape[0],
                                                                      max_seq_len_to_capture=graph_shape[1])))
         return LLMEngine(model, cache, tokenizer, config)

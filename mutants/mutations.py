@@ -39,6 +39,7 @@ ROUNDS = ("tests/tools/bench/test_bench.py::test_rounds_alternate_the_order_of_s
 STREAM_TEXT = ("tests/engine/test_stream_text.py",)
 DETOKENIZER = ("tests/engine/test_detokenizer.py",)
 PREPACK = "tests/kernels/test_cpu_prepack.py"
+LATER_LAYERS = "tests/kernels/test_cpu_decode_later_layers.py"
 DUMMY = "tests/models/test_dummy_weights.py::test_the_same_seed_draws_the_same_weights_and_another_seed_other_ones"
 DUMMY_SCALES = "tests/models/test_dummy_weights.py::test_scales_norms_and_biases_follow_the_measured_checkpoints"
 REQUEST_RULES = ("tests/engine/test_request_rules.py",)
@@ -681,6 +682,32 @@ MUTATIONS: list[Mutation] = [
              "op.silu_mul.call(gate_up[0], gate_up[1])",
              "at::silu(gate_up[0]) * gate_up[1]",
              ("tests/kernels/test_cpu_decode_layer.py",), "the fused layer's MLP is GatedMLP's, bit for bit"),
+    # -- SwiftKV's later layers in the fused op (given K/V) ----------------------------------
+    Mutation("fused_later_layers_share_the_first_groups_kv", S + "cache/full/fused_target.py",
+             "[t.step_kv[0] for t in full], [t.step_kv[1] for t in full]",
+             "[full[0].step_kv[0] for t in full], [full[0].step_kv[1] for t in full]",
+             (LATER_LAYERS,), "each later layer attends with its own AcrossKV group's step K/V"),
+    Mutation("fused_later_layers_read_the_first_layers_pages", S + "kernels/cpu_decode_layer.cpp",
+             "v_rows[i].contiguous(), k_pages[i], v_pages[i]", "v_rows[i].contiguous(), k_pages[0], v_pages[0]",
+             (LATER_LAYERS,), "each later layer reads its own group's cache layer"),
+    Mutation("fused_later_layers_skip_rope_on_q", S + "kernels/cpu_decode_layer.cpp",
+             "op.rope.call(op.linear.call(x, w[2], biases.get(b0), false).view({rows, num_heads, head_dim}), cos, sin)",
+             "op.linear.call(x, w[2], biases.get(b0), false).view({rows, num_heads, head_dim})",
+             (LATER_LAYERS,), "a later layer's queries are rotated, as SwiftKVAttention's"),
+    Mutation("fused_later_layers_take_rows_that_do_not_all_sample", S + "models/fused_decode.py",
+             "batch.logit_row_list != tuple(range(batch.num_tokens))", "batch.logit_row_list is None",
+             (LATER_LAYERS,), "later layers run on the logit rows: the op takes them only when they are every row"),
+    Mutation("fused_later_layers_without_given_kv", S + "models/fused_decode.py",
+             "if first is None or (given_kv and first.given_kv() is None):", "if first is None:",
+             (LATER_LAYERS,), "a cache whose target holds no step K/V (KIVI) keeps the eager later layers"),
+    Mutation("fused_later_layers_under_early_exit", S + "models/swiftkv.py",
+             "            if not watching:  # early exit", "            if True:  # early exit",
+             (LATER_LAYERS,), "early exit keeps the eager later layers"),
+    Mutation("fused_layers_ignore_the_step_rules", S + "models/fused_decode.py",
+             "if not _step_qualifies(hidden) or not cpu_decode_layer.enabled():",
+             "if not cpu_decode_layer.enabled():",
+             ("tests/kernels/test_cpu_decode_layer.py", LATER_LAYERS),
+             "no fused run while a step timer records or past MAX_ROWS rows"),
     Mutation("linear_many_drops_partial_tiles", S + "kernels/cpu_linear.cpp",
              "first_tile[i + 1] = first_tile[i] + (ps[i].n + kNR - 1) / kNR;",
              "first_tile[i + 1] = first_tile[i] + ps[i].n / kNR;",

@@ -93,11 +93,14 @@ def make_runner(model, cache: str = "full:block_size=4", budget: int = 1 << 22) 
     return ModelRunner(model, create_cache(cache, model.cache_layout(), budget, torch.float32))
 
 
-def across_kv_model():
-    """A 5-layer SwiftKV llama (l = 1, AcrossKV groups of 2): 3 cache layers, later layers
-    attend through attend_rows."""
-    base = make_pair("llama_gqa")[1]
-    config = replace(base.config, num_layers=5, layer_types=(), swiftkv=SwiftKVConfig(1, 2))
+ACROSS_KV = SwiftKVConfig(1, 2)
+
+
+def across_kv_model(swiftkv: SwiftKVConfig = ACROSS_KV, name: str = "llama_gqa"):
+    """A 5-layer SwiftKV model of architecture `name` (by default l = 1, AcrossKV groups of 2:
+    3 cache layers), random weights; later layers attend through attend_rows."""
+    base = make_pair(name)[1]
+    config = replace(base.config, num_layers=5, layer_types=(), swiftkv=swiftkv)
     plain = build_model(replace(config, swiftkv=None))
     torch.manual_seed(4)
     with torch.no_grad():
@@ -110,13 +113,14 @@ def across_kv_model():
     return model
 
 
-def decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> torch.Tensor:
-    """Prefill the prompts together, then decode `steps` batched tokens; logits [steps, B, V]."""
+def decode_logits(runner: ModelRunner, prompts: list[list[int]], steps: int, decode: bool = False) -> torch.Tensor:
+    """Prefill the prompts together, then decode `steps` batched tokens (marked as generated
+    with `decode`, which SwiftKV's early exit needs); logits [steps, B, V]."""
     from kvforge.engine.runner import StepItem
 
     runner.step([StepItem(seq, prompt) for seq, prompt in enumerate(prompts)])
-    return torch.stack([runner.step([StepItem(seq, [(5 * step + seq) % 90]) for seq in range(len(prompts))])
-                        for step in range(steps)])
+    return torch.stack([runner.step([StepItem(seq, [(5 * step + seq) % 90], decode=decode)
+                                     for seq in range(len(prompts))]) for step in range(steps)])
 
 
 @pytest.fixture(params=sorted(ARCHITECTURES))

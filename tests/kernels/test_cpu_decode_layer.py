@@ -1,7 +1,8 @@
 """The fused decoder-layer op (kernels/cpu_decode_layer.py, chosen by models/fused_decode.py)
 against the eager layer: bitwise
 equal logits over prefill + many decode steps on every Llama-family architecture, in float32
-and bfloat16, with SwiftKV models (earlier layers fused, later ones eager), and the rules that
+and bfloat16, with SwiftKV models (earlier layers as the prefix; the later ones:
+test_cpu_decode_later_layers.py), and the rules that
 keep it off (prefill steps, a recording step timer, float8 pages, more than MAX_ROWS rows,
 Gemma3 layers, the switch)."""
 
@@ -80,7 +81,7 @@ def test_float16_pages_under_a_float32_model(fused_calls: list[int]) -> None:
 
 
 @requires_kernel
-def test_swiftkv_model_fuses_its_earlier_layers_only(fused_calls: list[int]) -> None:
+def test_swiftkv_model_fuses_its_earlier_layers_as_the_prefix(fused_calls: list[int]) -> None:
     model = across_kv_model()  # 5 layers, l = 1: layer 0 is a plain layer, 1-4 SwiftKV later layers
     fused, eager = fused_and_eager(model, torch.float32)
     assert fused_calls == [len(PROMPTS)] * 14

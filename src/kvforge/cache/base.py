@@ -70,6 +70,20 @@ class FusedDecodeTarget(ABC):
         """Run the fused op over consecutive layers (`layers`: their weights and shape,
         `targets`: their cache layers, each joining the first) and return their output."""
 
+    def given_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's K/V of this cache layer when they are already stored (SwiftKV's later
+        layers: the model's fused K/V GEMM wrote them) and `run_layers_given_kv` reads them;
+        None (the default: the method has no such run, or nothing was written yet)."""
+        return None
+
+    @classmethod
+    def run_layers_given_kv(cls, targets: Sequence[FusedDecodeTarget], hidden: torch.Tensor,
+                            layers: DecodeLayerRun) -> torch.Tensor:
+        """Like `run_layers`, for layers that neither project nor store K/V: each attends over
+        its cache layer with the step's `given_kv` (every target has them), as `attend_rows`
+        would for all of a decode-only step's rows."""
+        raise NotImplementedError(f"{cls.__name__} runs no layers on given K/V (its given_kv is None)")
+
 
 class CacheMethod(ABC, Generic[Meta]):
     name: ClassVar[str]

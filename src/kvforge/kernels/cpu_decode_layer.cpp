@@ -156,6 +156,21 @@ struct Plan {
 constexpr size_t kWeightsPerLayer = 9;  // input norm, post norm, q, k, v, o, gate, up, down
 constexpr size_t kBiasesPerLayer = 7;   // q, k, v, o, gate, up, down
 
+// The rest of a layer once its attention output a [B, heads, D] is known: o projection,
+// residual, post norm, gated MLP, residual. w: o, gate, up, down weights; biases[b0 ..
+// b0 + 3]: theirs; post_norm: post_attention_layernorm's weight.
+at::Tensor layer_tail(const at::Tensor& hidden, const at::Tensor& attended, const at::Tensor& post_norm,
+                      const at::Tensor* w, const c10::List<OptTensor>& biases, size_t b0, const Shape& shape) {
+  const Ops& op = ops();
+  const int64_t rows = hidden.size(0);
+  auto bias = [&](size_t i) -> OptTensor { return biases.get(b0 + i); };
+  const at::Tensor h =
+      hidden + op.linear.call(attended.reshape({rows, shape.num_heads * shape.head_dim}), w[0], bias(0), false);
+  const at::Tensor y = op.rms_norm.call(h, post_norm, shape.eps, false);
+  const std::vector<at::Tensor> gate_up = op.linear_many.call(y, {w[1], w[2]}, c10::List<OptTensor>({bias(1), bias(2)}));
+  return h + op.linear.call(op.silu_mul.call(gate_up[0], gate_up[1]), w[3], bias(3), false);
+}
+
 // One layer: w = its kWeightsPerLayer weights, b0 = index of its first bias in `biases`;
 // attend(q, k, v) (q and k after RoPE) stores K/V as the cache's `write` would and returns
 // what its `attend` would, [B, heads, D] in q's dtype.
@@ -173,12 +188,7 @@ at::Tensor layer_forward(const at::Tensor& hidden, const at::Tensor* w, const c1
   const at::Tensor v = qkv[2].view({rows, shape.num_kv_heads, shape.head_dim});
   k = op.rope.call(k, shape.cos, shape.sin);
   q = op.rope.call(q, shape.cos, shape.sin);
-  const at::Tensor attended = attend(q, k, v);
-  const at::Tensor h =
-      hidden + op.linear.call(attended.reshape({rows, shape.num_heads * shape.head_dim}), w[5], bias(3), false);
-  const at::Tensor y = op.rms_norm.call(h, w[1], shape.eps, false);
-  const std::vector<at::Tensor> gate_up = op.linear_many.call(y, {w[6], w[7]}, c10::List<OptTensor>({bias(4), bias(5)}));
-  return h + op.linear.call(op.silu_mul.call(gate_up[0], gate_up[1]), w[8], bias(6), false);
+  return layer_tail(hidden, attend(q, k, v), w[1], w + 5, biases, b0 + 3, shape);
 }
 
 void check_run(const at::Tensor& hidden, at::TensorList weights, const c10::List<OptTensor>& biases, size_t layers) {
@@ -215,6 +225,51 @@ at::Tensor llama_decode_layers(const at::Tensor& hidden, at::TensorList weights,
                                                     plan.first_page_position, plan.visible_from, plan.visible_to,
                                                     plan.scale, no_scales, no_scales);
                       });
+  }
+  return h;
+}
+
+constexpr size_t kGivenKvWeightsPerLayer = 7;  // input norm, post norm, q, o, gate, up, down
+constexpr size_t kGivenKvBiasesPerLayer = 5;   // q, o, gate, up, down
+
+// Layers whose K/V the step already wrote to their cache layer (SwiftKV's later layers: the
+// model's fused K/V GEMM wrote them before the layers run). Layer i = 0 .. n-1:
+// weights[7 i .. 7 i + 6], biases[5 i .. 5 i + 4], k_pages[i], v_pages[i], and the step's
+// post-RoPE rows k_rows[i], v_rows[i] [B, kv_heads, D] of its cache layer (AcrossKV: the
+// layers of a group name the same ones). No K/V projection and no store: the pages are only
+// read, and attention is the full cache's kernel on (q, the given rows, the pages), as the
+// cache's attend_rows calls it for a decode-only step whose rows are all the step's rows.
+at::Tensor llama_decode_layers_given_kv(const at::Tensor& hidden, at::TensorList weights,
+                                        const c10::List<OptTensor>& biases, double eps, const at::Tensor& cos,
+                                        const at::Tensor& sin, at::TensorList k_pages, at::TensorList v_pages,
+                                        at::TensorList k_rows, at::TensorList v_rows, const at::Tensor& page_table,
+                                        const at::Tensor& first_page_position, const at::Tensor& visible_from,
+                                        const at::Tensor& visible_to, double scale, int64_t num_heads,
+                                        int64_t num_kv_heads, int64_t head_dim) {
+  const size_t layers = k_pages.size();
+  TORCH_CHECK(v_pages.size() == layers && k_rows.size() == layers && v_rows.size() == layers,
+              "llama_decode_layers_given_kv: k and v pages and k and v rows per layer");
+  TORCH_CHECK(weights.size() == kGivenKvWeightsPerLayer * layers && biases.size() == kGivenKvBiasesPerLayer * layers,
+              "llama_decode_layers_given_kv: per layer 7 weights and 5 biases");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
+              "llama_decode_layers_given_kv: hidden must be contiguous [B, H]");
+  const Ops& op = ops();
+  const Shape shape{cos, sin, eps, num_heads, num_kv_heads, head_dim};
+  const at::Tensor no_scales = at::empty({0}, hidden.options().dtype(at::kFloat));
+  const int64_t rows = hidden.size(0);
+  at::Tensor h = hidden;
+  for (size_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = weights.data() + kGivenKvWeightsPerLayer * i;
+    const size_t b0 = kGivenKvBiasesPerLayer * i;
+    TORCH_CHECK(k_rows[i].dim() == 3 && k_rows[i].size(0) == rows && v_rows[i].sizes() == k_rows[i].sizes(),
+                "llama_decode_layers_given_kv: K/V rows [B, kv_heads, D] per layer, got ", k_rows[i].sizes());
+    const at::Tensor x = op.rms_norm.call(h, w[0], shape.eps, false);
+    const at::Tensor q =
+        op.rope.call(op.linear.call(x, w[2], biases.get(b0), false).view({rows, num_heads, head_dim}), cos, sin);
+    const at::Tensor attended =
+        full_attention().call(q, k_rows[i].contiguous(), v_rows[i].contiguous(), k_pages[i], v_pages[i], page_table,
+                              first_page_position, visible_from, visible_to, scale, no_scales, no_scales);
+    h = layer_tail(h, attended, w[1], w + 3, biases, b0 + 1, shape);
   }
   return h;
 }
@@ -280,9 +335,14 @@ TORCH_LIBRARY(kvforge_cpu_layer, m) {
         "Tensor sin, Tensor[] kivi, Tensor?[] sinks, Tensor page_table, Tensor first_page_position, "
         "Tensor visible_from, Tensor lengths, Tensor slots, float scale, int bits, int value_bits, int key_dot, "
         "int value_dot, int num_heads, int num_kv_heads, int head_dim) -> (Tensor, Tensor[], Tensor[])");
+  m.def("llama_decode_layers_given_kv(Tensor hidden, Tensor[] weights, Tensor?[] biases, float eps, Tensor cos, "
+        "Tensor sin, Tensor[] k_pages, Tensor[] v_pages, Tensor[] k_rows, Tensor[] v_rows, Tensor page_table, "
+        "Tensor first_page_position, Tensor visible_from, Tensor visible_to, float scale, int num_heads, "
+        "int num_kv_heads, int head_dim) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvforge_cpu_layer, CPU, m) {
   m.impl("llama_decode_layers", &llama_decode_layers);
   m.impl("llama_decode_layers_kivi", &llama_decode_layers_kivi);
+  m.impl("llama_decode_layers_given_kv", &llama_decode_layers_given_kv);
 }

@@ -29,7 +29,7 @@ from kvforge.kernels import cpu_fused, cpu_linear
 from kvforge.kernels.build import DEFAULT_FLAG_SETS, CppKernel, kernels_disabled
 
 __all__ = ["DISABLE_FUSED_ENV", "DecodeLayerRun", "decode_layer_available", "decode_layers_full",
-           "decode_layers_kivi", "enabled", "set_enabled"]
+           "decode_layers_given_kv", "decode_layers_kivi", "enabled", "set_enabled"]
 
 DISABLE_FUSED_ENV = "KVFORGE_DISABLE_FUSED_LAYER"
 
@@ -45,7 +45,9 @@ _ready: bool | None = None  # the op and the linear / fused ops it calls loaded 
 class DecodeLayerRun:
     """The layers' side of one op call: per layer, 9 weights (input norm, post-attention norm,
     q, k, v, o, gate, up, down) and 7 biases (q, k, v, o, gate, up, down; None where absent),
-    concatenated in layer order; the norms' eps, the step's RoPE tables and the geometry."""
+    concatenated in layer order; the norms' eps, the step's RoPE tables and the geometry.
+    Layers whose K/V are given (`decode_layers_given_kv`) have no k and v: 7 weights (input
+    norm, post-attention norm, q, o, gate, up, down) and 5 biases (q, o, gate, up, down)."""
 
     weights: list[torch.Tensor]
     biases: list[torch.Tensor | None]
@@ -89,6 +91,18 @@ def decode_layers_full(hidden: torch.Tensor, run: DecodeLayerRun, k_pages: list[
     `write_slots` of its pages and attends over them (`kvforge_cpu::paged_decode_attention`)."""
     return torch.ops.kvforge_cpu_layer.llama_decode_layers(
         hidden, run.weights, run.biases, run.eps, run.cos, run.sin, k_pages, v_pages, write_slots, page_table,
+        first_page_position, visible_from, visible_to, scale, run.num_heads, run.num_kv_heads, run.head_dim)
+
+
+def decode_layers_given_kv(hidden: torch.Tensor, run: DecodeLayerRun, k_pages: list[torch.Tensor],
+                           v_pages: list[torch.Tensor], k_rows: list[torch.Tensor], v_rows: list[torch.Tensor],
+                           page_table: torch.Tensor, first_page_position: torch.Tensor, visible_from: torch.Tensor,
+                           visible_to: torch.Tensor, scale: float) -> torch.Tensor:
+    """Layers whose K/V the step already stored in their (paged full-precision) cache layer,
+    as SwiftKV's later layers: no K/V projection, no store; each attends with its queries over
+    its pages and the step's post-RoPE rows `k_rows[i]`, `v_rows[i]` [B, kv_heads, D]."""
+    return torch.ops.kvforge_cpu_layer.llama_decode_layers_given_kv(
+        hidden, run.weights, run.biases, run.eps, run.cos, run.sin, k_pages, v_pages, k_rows, v_rows, page_table,
         first_page_position, visible_from, visible_to, scale, run.num_heads, run.num_kv_heads, run.head_dim)
 
 

@@ -12,6 +12,13 @@ geometry and RoPE table. The step qualifies under the conditions in which the ea
 would themselves take the compiled kernels (CPU, one float dtype for hidden, weights and
 RoPE tables, at most `cpu_linear.MAX_ROWS` rows, no autograd) and with no step timer
 recording (its split of the step needs the separate calls).
+
+`fused_given_kv(..., start, layer_class, attention_class)` does the same for a SwiftKV
+model's later layers `layers[start:]` (attention exactly `attention_class`, SwiftKVAttention
+without QK-norm), whose K/V the model's fused K/V GEMM stored before they run: the op's
+second entry skips their K/V projection and store, and each attends with the step's K/V of
+its (AcrossKV: its group's) cache layer, which its target must hold (`given_kv`). It needs
+every row of the step among the logit rows, in order, as a decode-only step has them.
 """
 
 from __future__ import annotations
@@ -39,33 +46,61 @@ def fused_prefix(layers: nn.ModuleList, rope_index: Sequence[int], hidden: torch
                  meta: StepMetadata, ropes: Sequence[PositionedRope], stop: int,
                  layer_class: type[nn.Module]) -> tuple[torch.Tensor, int]:
     """(hidden after the fused run of `layers[:stop]`, its length); (hidden, 0) when none qualifies."""
-    if stop <= 0 or not _step_qualifies(hidden) or not cpu_decode_layer.enabled():
+    if stop <= 0:
+        return hidden, 0
+    return _fused_run(layers, rope_index, hidden, cache, meta, ropes, 0, stop, layer_class, CachedAttention, False)
+
+
+def fused_given_kv(layers: nn.ModuleList, rope_index: Sequence[int], hidden: torch.Tensor, cache: CacheMethod,
+                   meta: StepMetadata, ropes: Sequence[PositionedRope], start: int, layer_class: type[nn.Module],
+                   attention_class: type[nn.Module]) -> tuple[torch.Tensor, int]:
+    """(hidden after the fused run of `layers[start:]`, its length) for SwiftKV's later layers
+    (`attention_class`: SwiftKVAttention), whose K/V the model's fused K/V GEMM stored before
+    they run: the op projects no K/V and stores none, and each layer attends with its cache
+    layer's `given_kv`. `hidden` and `ropes` must cover every row of the step, in order (the
+    step's logit rows are all its rows: a decode-only step in which every sequence samples),
+    which is what `attend_rows` then attends for; else (hidden, 0)."""
+    batch = meta.batch
+    if start >= len(layers) or batch.logit_row_list != tuple(range(batch.num_tokens)):
+        return hidden, 0
+    return _fused_run(layers, rope_index, hidden, cache, meta, ropes, start, len(layers), layer_class,
+                      attention_class, True)
+
+
+def _fused_run(layers: nn.ModuleList, rope_index: Sequence[int], hidden: torch.Tensor, cache: CacheMethod,
+               meta: StepMetadata, ropes: Sequence[PositionedRope], start: int, stop: int,
+               layer_class: type[nn.Module], attention_class: type[nn.Module],
+               given_kv: bool) -> tuple[torch.Tensor, int]:
+    """The longest qualifying run of `layers[start:stop]` through the op; (hidden, 0) when the
+    first layer does not qualify. `given_kv`: the layers' K/V are already stored (a target
+    without `given_kv` ends the run: its cache layer was not written this step)."""
+    if not _step_qualifies(hidden) or not cpu_decode_layer.enabled():
         return hidden, 0
     modules = list(layers._modules.values())
-    shape = _layer_shape(modules[0], layer_class)
+    shape = _layer_shape(modules[start], layer_class, attention_class)
     if shape is None:
         return hidden, 0
-    rope = ropes[rope_index[0]]
+    rope = ropes[rope_index[start]]
     if not _rope_qualifies(rope, hidden.dtype, shape[3]):
         return hidden, 0
     first = cache.fused_decode_target(shape[4], meta)
-    if first is None:
+    if first is None or (given_kv and first.given_kv() is None):
         return hidden, 0
     targets: list[FusedDecodeTarget] = []
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor | None] = []
-    for index in range(stop):
+    for index in range(start, stop):
         layer = modules[index]
         target = first
-        if index:
-            layer_shape = _layer_shape(layer, layer_class)
+        if index > start:
+            layer_shape = _layer_shape(layer, layer_class, attention_class)
             # every layer of the run: the first one's eps and geometry, RoPE table and plan
             if layer_shape is None or layer_shape[:4] != shape[:4] or ropes[rope_index[index]] is not rope:
                 break
             target = cache.fused_decode_target(layer_shape[4], meta)
-            if target is None or not target.joins(first):
+            if target is None or not target.joins(first) or (given_kv and target.given_kv() is None):
                 break
-        layer_weights, layer_biases = _parameters_of(layer)
+        layer_weights, layer_biases = _parameters_of(layer, given_kv)
         if not _kernel_ready(layer_weights, layer_biases, hidden.dtype):
             break
         targets.append(target)
@@ -75,6 +110,8 @@ def fused_prefix(layers: nn.ModuleList, rope_index: Sequence[int], hidden: torch
         return hidden, 0
     eps, num_heads, num_kv_heads, head_dim = shape[:4]
     run = DecodeLayerRun(weights, biases, eps, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim)
+    if given_kv:
+        return type(first).run_layers_given_kv(targets, hidden, run), len(targets)
     return type(first).run_layers(targets, hidden, run), len(targets)
 
 
@@ -94,35 +131,40 @@ def _rope_qualifies(rope: PositionedRope, dtype: torch.dtype, head_dim: int) -> 
             and cos.is_contiguous() and sin.is_contiguous())
 
 
-_PLAIN = frozenset((CachedAttention, GatedMLP, RMSNorm, nn.Linear))
+_PLAIN = frozenset((GatedMLP, RMSNorm, nn.Linear))
 
 
-def _layer_shape(layer: Any, layer_class: type[nn.Module]) -> LayerShape | None:
+def _layer_shape(layer: Any, layer_class: type[nn.Module], attention_class: type[nn.Module]) -> LayerShape | None:
     """(eps, heads, kv heads, head dim, cache layer) of a layer the op computes exactly, or
     None. Checked every step, not once at construction: a replaced submodule (another norm,
     a QK-norm, a non-Linear projection) or a hook on one makes the layer run eagerly."""
     modules = layer._modules
     attention, mlp = modules.get("self_attn"), modules.get("mlp")
     norm_in, norm_post = modules.get("input_layernorm"), modules.get("post_attention_layernorm")
-    if (type(layer) is not layer_class or type(attention) is not CachedAttention
+    if (type(layer) is not layer_class or type(attention) is not attention_class
             or type(mlp) is not GatedMLP or type(norm_in) is not RMSNorm or type(norm_post) is not RMSNorm
             or attention.q_norm is not None or norm_in.eps != norm_post.eps or mlp.activation is not F.silu):
         return None
-    for module in (layer, attention, mlp, norm_in, norm_post, *attention._modules.values(), *mlp._modules.values()):
-        if module._forward_hooks or module._forward_pre_hooks or (module is not layer and type(module) not in _PLAIN):
+    for module in (layer, attention):
+        if module._forward_hooks or module._forward_pre_hooks:
+            return None
+    for module in (mlp, norm_in, norm_post, *attention._modules.values(), *mlp._modules.values()):
+        if module._forward_hooks or module._forward_pre_hooks or type(module) not in _PLAIN:
             return None
     return float(norm_in.eps), attention.num_heads, attention.num_kv_heads, attention.head_dim, attention.cache_layer
 
 
-def _parameters_of(layer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """The op's 9 weights (input norm, post norm, q, k, v, o, gate, up, down) and 7 biases of a
-    layer, read from the modules' own dicts: nn.Module attribute access costs a lookup each,
-    and a step makes ~25 per layer. Read afresh every step, so replaced or cast parameters
-    are always seen."""
+def _parameters_of(layer: Any, given_kv: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The op's weights (input norm, post norm, q, k, v, o, gate, up, down) and biases (q, k,
+    v, o, gate, up, down) of a layer; with `given_kv` (a SwiftKV later layer) q is
+    `q_proj_swiftkv` and there is no k or v. Read from the modules' own dicts: nn.Module
+    attribute access costs a lookup each, and a step makes ~25 per layer. Read afresh every
+    step, so replaced or cast parameters are always seen."""
     modules = layer._modules
     attention, mlp = modules["self_attn"]._modules, modules["mlp"]._modules
-    linears = (attention["q_proj"], attention["k_proj"], attention["v_proj"], attention["o_proj"],
-               mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
+    projections = ((attention["q_proj_swiftkv"],) if given_kv
+                   else (attention["q_proj"], attention["k_proj"], attention["v_proj"]))
+    linears = (*projections, attention["o_proj"], mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
     params = [module._parameters for module in linears]
     weights = [modules["input_layernorm"]._parameters["weight"], modules["post_attention_layernorm"]._parameters["weight"],
                *(p["weight"] for p in params)]

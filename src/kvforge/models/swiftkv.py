@@ -194,10 +194,14 @@ class SwiftKVForCausalLM(CausalLM):
             rows = batch.logit_rows
             if exits is not None and exits.exited.numel():
                 hidden, rows = hidden[exits.kept], rows[exits.kept]
-            if hidden.shape[0]:
+            start = first_later
+            if not watching:  # early exit keeps the eager layers (its rows are chosen per step on the host)
+                hidden, done = self.fused_later_layers(hidden, cache, meta, ropes, start)
+                start += done
+            if hidden.shape[0] and start < len(layers):
                 rows_positions = batch.positions[rows]
                 rows_ropes = [rotary.at(rows_positions, hidden.dtype) for rotary in self.rotaries]
-                for index in range(first_later, len(layers)):
+                for index in range(start, len(layers)):
                     r = self.rope_index[index]
                     hidden = layers[index](hidden, cache, meta, ropes[r], rows_ropes[r], rows)
             logits = self.logits(hidden)
@@ -210,6 +214,14 @@ class SwiftKVForCausalLM(CausalLM):
         else:
             logits = self.logits(hidden[batch.logit_rows])
         return logits
+
+    def fused_later_layers(self, hidden: torch.Tensor, cache: CacheMethod, meta: StepMetadata,
+                           ropes: list[PositionedRope], start: int) -> tuple[torch.Tensor, int]:
+        """(hidden after the later layers from `start` that one fused op computed, their
+        number); hidden: the step's logit rows, their K/V already stored. The default fuses
+        none; a family with a fused path overrides this (bitwise what the layers compute)."""
+        del cache, meta, ropes, start
+        return hidden, 0
 
     # -- early exit -------------------------------------------------------------------
     def set_early_exit(self, threshold: float | None) -> None:

@@ -155,7 +155,8 @@ class FullCache(CacheMethod[FullStepMetadata]):
         a sequence in order (so `write` would store every row at `write_slots` and `attend`
         would call the CPU kernel on the whole batch), the pages are 16/32-bit and the CPU
         kernel is used; else None. The op then does exactly what `write` and `attend` would
-        (bitwise), so nothing of this layer is left in `meta.step_kv`."""
+        (bitwise), so nothing of this layer is left in `meta.step_kv`. A layer whose K/V
+        `write` already kept this step (SwiftKV's later layers) hands them on as `step_kv`."""
         if (self.k_scales is not None or self.config.decode_kernel != "auto" or self.device.type != "cpu"
                 or not cpu_kernels_available()):
             return None
@@ -166,7 +167,7 @@ class FullCache(CacheMethod[FullStepMetadata]):
             return None
         return FullFusedTarget(self.k_store[index], self.v_store[index],
                                (plan.write_slots, d.page_table, d.first_page_position, d.visible_from, d.visible_to),
-                               (self.layout.specs[cache_layer].scale,))
+                               (self.layout.specs[cache_layer].scale,), meta.step_kv.get(cache_layer))
 
     def attend(self, cache_layer: int, meta: FullStepMetadata, q: torch.Tensor,
                rope: PositionedRope) -> torch.Tensor:

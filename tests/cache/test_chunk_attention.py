@@ -90,3 +90,25 @@ def test_bf16_chunks_take_the_causal_kernel_exactly_where_every_earlier_key_is_v
     assert bool(calls) == (window is None or window >= m)
     if calls and causal_attention_available():
         assert torch.equal(got, kernel(*calls[0])[0])
+
+
+@pytest.mark.parametrize(("n", "past"), [(300, 0), (120, 500)])
+def test_float32_chunks_take_the_causal_kernel(n, past, monkeypatch):
+    """A whole float32 prompt and a later chunk with every earlier key visible: the kernel's
+    float32 result, as close to the definition as ATen's."""
+    from kvforge.kernels.cpu_causal_attention import causal_attention_available
+
+    if not causal_attention_available(torch.float32):
+        pytest.skip("needs the C++ kernel on a CPU with AVX-512F")
+    calls = []
+    kernel = attention.causal_attention
+    monkeypatch.setattr(attention, "causal_attention", lambda *args: calls.append(args) or kernel(*args))
+    torch.manual_seed(n + past)
+    heads, kv_heads, dim, m = 9, 3, 64, past + n
+    q, k, v = torch.randn(n, heads, dim), torch.randn(m, kv_heads, dim), torch.randn(m, kv_heads, dim)
+    got = chunk_attention(q, k.transpose(0, 1), v.transpose(0, 1), past, 0, 0.125, None)
+    positions = torch.arange(m)
+    want = reference_attention(q, k, v, positions[past:], positions, 0.125, None)
+    assert got.dtype == torch.float32 and len(calls) == 1
+    assert torch.equal(got, kernel(*calls[0])[0])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

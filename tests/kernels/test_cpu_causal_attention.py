@@ -111,11 +111,11 @@ def test_strided_inputs_give_the_contiguous_result():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("case", ["float32", "dim 32", "more queries than keys", "grad", "disabled"])
+@pytest.mark.parametrize("case", ["float16", "dim 32", "more queries than keys", "grad", "disabled"])
 def test_declines_what_it_does_not_cover(case, monkeypatch):
     q, k, v = inputs(8, 8, 2, 1, 64, seed=4)
-    if case == "float32":
-        q, k, v = q.float(), k.float(), v.float()
+    if case == "float16":  # float32 has its own kernel (test_cpu_causal_attention_float32.py)
+        q, k, v = q.half(), k.half(), v.half()
     elif case == "dim 32":
         q, k, v = q[..., :32], k[..., :32], v[..., :32]
     elif case == "more queries than keys":

@@ -3,7 +3,7 @@
 - `reference_attention`: the definition (explicit mask, float32 softmax). Tests compare
   every other path against it.
 - `chunk_attention`: a span of queries over a dense key range (prefill chunks), through
-  `scaled_dot_product_attention`, or for bf16 on the CPU the causal kernel of
+  `scaled_dot_product_attention`, or for bf16 and float32 on the CPU the causal kernel of
   `kernels/cpu_causal_attention` (faster than ATen's: docs/benchmarks.md, 'Measurements
   behind design choices').
 - `decode_attention`: one query per sequence for a batch of sequences, reading paged
@@ -70,7 +70,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_q_p
     v = v.to(q.dtype)
     trailing = first_q_position == first_k_position + m - n  # queries = the last n keys (n == m: all)
     if trailing and (window is None or window >= m):
-        fast = causal_attention(q, k, v, scale)  # bf16 on the CPU, grouped K/V read in place
+        fast = causal_attention(q, k, v, scale)  # bf16/float32 on the CPU, grouped K/V read in place
         if fast is not None:
             return fast[0]
     if group > 1:

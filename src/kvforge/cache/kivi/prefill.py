@@ -1,8 +1,9 @@
 """Fast attention of one prefill chunk over KIVI storage, matching `kivi_chunk_attention`.
 
 The chunk's queries see three parts, each attended separately and merged by log-sum-exp:
-1. the chunk's own exact K/V, causally, through one fused attention (ATen's flash kernel in
-   float32, or for bf16 on the CPU kernels/cpu_causal_attention, as the full cache does);
+1. the chunk's own exact K/V, causally, through one fused attention
+   (kernels/cpu_causal_attention for bf16 and float32 on the CPU, as the full cache does;
+   else ATen's flash kernel in float32);
 2. the stored quantised pages, tile by tile: a tile of `tile_pages` pages is dequantised
    into float32 (its values from the residual ring for tokens in [nv, nk)) and attended by
    every query row at once, so the dequantisation is paid once per tile, not once per row,
@@ -130,9 +131,9 @@ def kivi_chunk_attention_fast(q: torch.Tensor, k_new: torch.Tensor, v_new: torch
         if whole is not None:
             return whole
 
-    # 1. Own chunk: heads-major [heads, L, D]. bf16 on the CPU: the causal kernel, which
-    # reads grouped K/V in place (its precision is the full cache's bf16 prefill); else
-    # float32 with GQA by expanding the chunk's K/V (small).
+    # 1. Own chunk: heads-major [heads, L, D]. bf16 or float32 on the CPU: the causal
+    # kernel, which reads grouped K/V in place (its precision is the full cache's prefill);
+    # else float32 with GQA by expanding the chunk's K/V (small).
     own = None
     if window is None or window >= length:
         own = causal_attention(q, k_new.transpose(0, 1), v_new.transpose(0, 1), scale)

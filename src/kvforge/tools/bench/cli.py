@@ -44,10 +44,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA, kvforge systems run every step eagerly (default: decode steps replay CUDA "
                              "graphs captured when each engine starts)")
-    parser.add_argument("--prepack-weights", choices=PREPACK_POLICIES, default="auto",
-                        help="kvforge systems on a CPU: keep a oneDNN-packed copy of the linear weights for "
-                             "prompt-sized products (auto, the default: when it takes at most a quarter of the "
-                             "free memory)")
+    _add_prepack(parser)
     parser.add_argument("--prefix-caching", action="store_true",
                         help="kvforge systems reuse cached prompt prefixes (off by default: repeats would hit the "
                              "previous repeat); --compare no-prefix-caching adds the system under test without it")
@@ -111,6 +108,13 @@ def add_bench_args(bench: argparse.ArgumentParser) -> None:
     add_soak_args(kinds)
 
 
+def _add_prepack(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prepack-weights", choices=PREPACK_POLICIES, default="auto",
+                        help="kvforge systems on a CPU: keep a oneDNN-packed copy of the linear weights for "
+                             "prompt-sized products (auto, the default: when it takes at most a quarter of the "
+                             "free memory)")
+
+
 def _add_serve(kinds: Any) -> None:
     serve = kinds.add_parser("serve", help="TTFT/TPOT/ITL and throughput of servers under Poisson arrivals")
     serve.add_argument("--model", default="smollm2-135m",
@@ -123,6 +127,7 @@ def _add_serve(kinds: Any) -> None:
     serve.add_argument("--cache-opt", action="append", default=[], metavar="KEY=VALUE",
                        help="option of the cache under test (repeatable)")
     serve.add_argument("--kv-budget", default="4GiB", help="KV-cache budget of each started server (4GiB)")
+    _add_prepack(serve)
     serve.add_argument("--swiftkv", default=None, metavar="DIR", help="SwiftKV checkpoint laid over --model")
     serve.add_argument("--compare", action="append", default=[], metavar="X[,Y...]",
                        help="also measure: base (with --swiftkv: the base model), cache specs, or vllm (vLLM's "

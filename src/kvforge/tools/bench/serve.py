@@ -203,6 +203,7 @@ def _serve_args(args: argparse.Namespace, system: System) -> list[str]:
     out = ["--model", args.model, "--load-format", args.load_format, "--cache", str(system.cache), "--kv-budget", args.kv_budget, "--dtype", args.dtype,
            "--threads", str(args.threads), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-num-seqs", str(args.max_num_seqs), "--admission", args.admission,
+           "--prepack-weights", getattr(args, "prepack_weights", "auto"),
            *(["--step-timing"] if args.step_split else []), "--served-model-name", SERVED_NAME, "--device", args.device]
     overlay = system.checkpoint or (args.swiftkv if system.swiftkv else None)
     if overlay:

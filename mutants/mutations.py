@@ -1652,4 +1652,8 @@ MUTATIONS: list[Mutation] = [
              "            return [*weights, self.fused_kv_projection()[0]]", "            return weights",
              (PREPACK + "::test_a_swiftkv_prefill_packs_its_earlier_layers_and_its_fused_kv_weight",),
              "a SwiftKV prefill's largest product beside the earlier layers, the fused K/V GEMM, is packed"),
+    Mutation("prepack_bench_serve_drops_policy", S + "tools/bench/serve.py",
+             '           "--prepack-weights", getattr(args, "prepack_weights", "auto"),\n', "",
+             (PREPACK + "::test_bench_serve_starts_kvforge_servers_with_its_prepack_policy",),
+             "bench serve starts kvforge's servers with its --prepack-weights, so an on/off A/B measures what it says"),
 ]

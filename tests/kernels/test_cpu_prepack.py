@@ -184,3 +184,17 @@ def test_a_swiftkv_prefill_packs_its_earlier_layers_and_its_fused_kv_weight():
     assert any(w is fused for w in weights)
     assert engine.prepack_report.weights == 7 * model.swiftkv.num_key_value_layers + 1
     assert packed_linear(torch.randn(40, fused.shape[1]), fused, None) is not None
+
+
+@pytest.mark.parametrize("policy", ["off", "on"])
+def test_bench_serve_starts_kvforge_servers_with_its_prepack_policy(policy):
+    from kvforge.cache.registry import parse_cache_spec
+    from kvforge.cli import build_full_parser
+    from kvforge.tools.bench.serve import _serve_args
+    from kvforge.tools.bench.systems import System
+
+    args = build_full_parser().parse_args(["bench", "serve", "--prepack-weights", policy])
+    argv = _serve_args(args, System("s", "kvforge", parse_cache_spec("full")))
+    assert argv[argv.index("--prepack-weights") + 1] == policy
+    served = build_full_parser().parse_args(["serve", *argv])
+    assert served.prepack_weights == policy

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import across_kv_model, make_pair
 
 from kvforge.cache.registry import create_cache
 from kvforge.engine.engine_config import EngineConfig
@@ -22,7 +23,6 @@ from kvforge.kernels.cpu_prepack import (
     prepack_available,
     prepack_weights,
 )
-from tests.conftest import across_kv_model, make_pair
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN packed linear ops")
 

@@ -17,7 +17,7 @@ from kvforge.cache.full.cpu_decode import cpu_kernels_available
 from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available
 from kvforge.cache.kivi.cpu_quant import quantize_kernel_available
 from kvforge.cache.shadowkv.cpu_decode import cpu_shadowkv_kernel_available
-from kvforge.kernels.cpu_causal_attention import causal_attention_available
+from kvforge.kernels.cpu_causal_attention import causal_attention_runs
 from kvforge.kernels.cpu_decode_layer import decode_layer_available
 from kvforge.kernels.cpu_fused import fused_ops_available
 from kvforge.kernels.cpu_linear import small_m_linear_available
@@ -32,7 +32,7 @@ CPU_KERNELS: dict[str, Callable[[], bool]] = {
     "ShadowKV decode": cpu_shadowkv_kernel_available,
     "small-M linear": small_m_linear_available,
     "fused RMSNorm/RoPE": fused_ops_available,
-    "bf16 causal attention": causal_attention_available,
+    "causal attention": causal_attention_runs,
     "fused decoder layer": decode_layer_available,  # after the ops it calls (it checks them too)
 }
 

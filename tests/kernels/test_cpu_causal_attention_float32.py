@@ -168,3 +168,14 @@ def test_the_op_rejects_bad_arguments_by_name():
         op(q, k[:, :4].contiguous(), v[:, :4].contiguous(), 0.1)
     assert not causal_attention_available(torch.float64)
     assert causal_attention_available(torch.float32)
+
+
+def test_setup_reports_the_kernel_when_either_dtype_runs(monkeypatch):
+    """A CPU with AVX-512F but no AVX512-BF16 runs the float32 kernel: `make setup` and
+    `kvforge bench` must not call it unavailable there."""
+    import kvforge.kernels.cpu_causal_attention as module
+
+    monkeypatch.setattr(module, "causal_attention_available", lambda dtype=torch.bfloat16: dtype == torch.float32)
+    assert module.causal_attention_runs()
+    monkeypatch.setattr(module, "causal_attention_available", lambda dtype=torch.bfloat16: False)
+    assert not module.causal_attention_runs()

@@ -27,13 +27,19 @@ import torch
 
 from kvforge.kernels.build import CppKernel, kernels_disabled
 
-__all__ = ["causal_attention", "causal_attention_available"]
+__all__ = ["causal_attention", "causal_attention_available", "causal_attention_runs"]
 
 _KERNEL = CppKernel(name="kvforge_cpu_causal", source=Path(__file__).with_name("cpu_causal_attention.cpp"),
                     namespace="kvforge_cpu_causal", op="causal_attention",
                     what="causal attention kernel", fallback="ATen's attention")
 
 HEAD_DIM_MULTIPLE = 64  # the value micro-kernel covers 64 dims at a time
+
+
+def causal_attention_runs() -> bool:
+    """True when the kernel is built and this CPU runs it for either dtype (what `kvforge
+    bench` and `make setup` report after building it)."""
+    return causal_attention_available(torch.bfloat16) or causal_attention_available(torch.float32)
 
 
 def causal_attention_available(dtype: torch.dtype = torch.bfloat16) -> bool:

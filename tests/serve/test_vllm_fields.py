@@ -17,6 +17,7 @@ from in_process import app_client_fixture  # noqa: F401 - fixture
 from server_helpers import MODEL_NAME, VOCAB, char_tokenizer, make_engine, tiny_model
 
 from kvforge.cli import build_parser
+from kvforge.engine.llm import LLM
 from kvforge.serve.protocol import NEUTRAL, ChatCompletionRequest, CompletionRequest, unimplemented_fields
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -146,6 +147,8 @@ class _FakeLLM:
         self.dtype = getattr(torch, kwargs["dtype"])  # a named dtype, as LLM resolves it
         self.dtype_reason = None
         self.source = SimpleNamespace(weights="checkpoint")
+
+    start_up_lines = LLM.start_up_lines  # reads engine and dtype_reason, as on the real LLM
 
 
 def test_a_swiftkv_model_shows_its_checkpoint_cache_and_dtype_in_the_banner_and_in_models(monkeypatch, capsys):

@@ -281,6 +281,8 @@ class SwiftKVForCausalLM(CausalLM):
         later layers' own projections see its logit rows only."""
         earlier = self.model.layers[:self.swiftkv.num_key_value_layers]
         weights = [module.weight for module in earlier.modules() if isinstance(module, nn.Linear)]
+        if not self.leader_attentions():  # l = L: no later layer, no fused K/V GEMM
+            return weights
         with torch.no_grad():  # the cached fused weight, which the engine's steps use
             return [*weights, self.fused_kv_projection()[0]]
 

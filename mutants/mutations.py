@@ -1656,4 +1656,8 @@ MUTATIONS: list[Mutation] = [
              '           "--prepack-weights", getattr(args, "prepack_weights", "auto"),\n', "",
              (PREPACK + "::test_bench_serve_starts_kvforge_servers_with_its_prepack_policy",),
              "bench serve starts kvforge's servers with its --prepack-weights, so an on/off A/B measures what it says"),
+    Mutation("prepack_swiftkv_all_layers_kept_fuses", S + "models/swiftkv.py",
+             "        if not self.leader_attentions():  # l = L: no later layer, no fused K/V GEMM\n            return weights\n",
+             "", ("tests/tools/swiftkv/test_side_by_side.py::test_all_layers_kept_continues_exactly_like_the_base",),
+             "a SwiftKV model keeping every layer (no fused K/V GEMM) still starts an engine (nothing to prepack there)"),
 ]

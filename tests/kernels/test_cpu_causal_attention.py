@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from causal_reference import definition
+from causal_reference import inputs as seeded_inputs
 
 from kvforge.kernels import cpu_causal_attention as kernel_module
 from kvforge.kernels.cpu_causal_attention import causal_attention, causal_attention_available
@@ -17,17 +19,8 @@ pytestmark = pytest.mark.skipif(not causal_attention_available(),
                                 reason="needs the C++ kernel on a CPU with AVX512-BF16")
 
 
-def definition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 attention of q [n, heads, D] (positions m - n ..) over k/v [kv_heads, m, D]; (out, lse)."""
-    n, heads, _ = q.shape
-    kv_heads, m, _ = k.shape
-    group = heads // kv_heads
-    kk = k.double().repeat_interleave(group, 0)
-    vv = v.double().repeat_interleave(group, 0)
-    scores = torch.einsum("nhd,hmd->hnm", q.double(), kk) * scale
-    hidden = torch.arange(m)[None, :] > torch.arange(n)[:, None] + (m - n)
-    scores = scores.masked_fill(hidden[None], float("-inf"))
-    return torch.einsum("hnm,hmd->nhd", torch.softmax(scores, -1), vv), torch.logsumexp(scores, -1)
+def inputs(n: int, m: int, heads: int, kv_heads: int, dim: int, seed: int, q_scale: float = 1.0):
+    return seeded_inputs(n, m, heads, kv_heads, dim, seed, torch.bfloat16, q_scale)
 
 
 def aten(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -38,14 +31,6 @@ def aten(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
     visible = torch.arange(k.shape[1])[None, :] <= torch.arange(n)[:, None] + (k.shape[1] - n)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk[None], vv[None], attn_mask=visible, scale=scale)
     return out[0].transpose(0, 1)
-
-
-def inputs(n: int, m: int, heads: int, kv_heads: int, dim: int, seed: int, q_scale: float = 1.0):
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(n, heads, dim, generator=g) * q_scale).bfloat16()
-    k = torch.randn(kv_heads, m, dim, generator=g).bfloat16()
-    v = torch.randn(kv_heads, m, dim, generator=g).bfloat16()
-    return q, k, v
 
 
 SHAPES = [  # (n, m, heads, kv_heads, dim)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from causal_reference import definition
+from causal_reference import inputs as seeded_inputs
 
 from kvforge.kernels import cpu_causal_attention as kernel_module
 from kvforge.kernels.cpu_causal_attention import causal_attention, causal_attention_available
@@ -26,17 +28,8 @@ pytestmark = pytest.mark.skipif(not float32_kernel_built(), reason="needs the C+
 FLOAT32_EPS = 2.0 ** -23
 
 
-def definition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 attention of q [n, heads, D] (positions m - n ..) over k/v [kv_heads, m, D]; (out, lse)."""
-    n, heads, _ = q.shape
-    kv_heads, m, _ = k.shape
-    group = heads // kv_heads
-    kk = k.double().repeat_interleave(group, 0)
-    vv = v.double().repeat_interleave(group, 0)
-    scores = torch.einsum("nhd,hmd->hnm", q.double(), kk) * scale
-    hidden = torch.arange(m)[None, :] > torch.arange(n)[:, None] + (m - n)
-    scores = scores.masked_fill(hidden[None], float("-inf"))
-    return torch.einsum("hnm,hmd->nhd", torch.softmax(scores, -1), vv), torch.logsumexp(scores, -1)
+def inputs(n: int, m: int, heads: int, kv_heads: int, dim: int, seed: int, q_scale: float = 1.0):
+    return seeded_inputs(n, m, heads, kv_heads, dim, seed, torch.float32, q_scale)
 
 
 def aten(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -52,14 +45,6 @@ def aten(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
         visible = torch.arange(k.shape[1])[None, :] <= torch.arange(n)[:, None] + (k.shape[1] - n)
         out = F.scaled_dot_product_attention(qh, kk, vv, attn_mask=visible, scale=scale)
     return out[0].transpose(0, 1)
-
-
-def inputs(n: int, m: int, heads: int, kv_heads: int, dim: int, seed: int, q_scale: float = 1.0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(n, heads, dim, generator=g) * q_scale
-    k = torch.randn(kv_heads, m, dim, generator=g)
-    v = torch.randn(kv_heads, m, dim, generator=g)
-    return q, k, v
 
 
 def assert_as_close_as_aten(q, k, v, scale, out, lse):

@@ -92,7 +92,7 @@ def prepack_weights(weights: Iterable[torch.Tensor], policy: str, available_byte
     docstring); `available_bytes` is the memory "auto" may take its share of (None: unknown,
     so "auto" packs nothing)."""
     require(policy in PREPACK_POLICIES, "prepack_weights", policy, f"must be one of {list(PREPACK_POLICIES)}")
-    weights = list(dict.fromkeys(weights))  # a tied weight once
+    weights = list({id(weight): weight for weight in weights}.values())  # a tied weight once
     if policy == "off":
         drop_packed(weights)
         return PrepackReport(0, 0, 0.0, "--prepack-weights off")

@@ -14,7 +14,7 @@ from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import ConfigError
-from kvforge.kernels import cpu_linear
+from kvforge.kernels import cpu_linear, cpu_prepack
 from kvforge.kernels.cpu_prepack import (
     AUTO_MEMORY_SHARE,
     available_memory_bytes,
@@ -74,6 +74,20 @@ def test_a_changed_weight_is_never_computed_from_its_stale_copy():
     # `.data =` keeps the version counter: the storage tells
     weight.data = weight.data * 3
     assert packed_linear(x, weight, bias) is None
+
+
+def test_an_unchanged_weight_keeps_the_copy_an_earlier_engine_made():
+    weight, bias = _weights()
+    prepack_weights([weight], "on", PLENTY)
+    first = cpu_prepack._current_copy(weight)
+    report = prepack_weights([weight], "on", PLENTY)  # a second engine on the same model
+    assert cpu_prepack._current_copy(weight) is first and report.weights == 1
+    with torch.no_grad():
+        weight.add_(1)
+    prepack_weights([weight], "on", PLENTY)
+    assert cpu_prepack._current_copy(weight) is not first  # changed since: packed anew
+    x = torch.randn(40, 64)
+    assert torch.allclose(packed_linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-5)
 
 
 def test_calls_that_do_not_qualify_run_f_linear():

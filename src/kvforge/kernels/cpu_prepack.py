@@ -112,6 +112,8 @@ def prepack_weights(weights: Iterable[torch.Tensor], policy: str, available_byte
     start = time.perf_counter()
     with torch.no_grad():
         for weight in packable:
+            if _current_copy(weight) is not None:
+                continue  # packed by an earlier engine on the same model, and unchanged since
             source = weight.detach()
             packed = torch.ops.mkldnn._reorder_linear_weight(source, None)
             setattr(weight, _ATTRIBUTE, (source, weight._version, packed))
@@ -125,15 +127,22 @@ def drop_packed(weights: Iterable[torch.Tensor]) -> None:
             delattr(weight, _ATTRIBUTE)
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """`F.linear(x, weight, bias)` on `weight`'s packed copy, or None when there is none or
-    the call does not qualify (module docstring)."""
+def _current_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight`'s packed copy while the weight is unchanged since packing, else None."""
     entry = getattr(weight, _ATTRIBUTE, None)
     if entry is None:
         return None
     source, version, packed = entry
-    if (weight.data_ptr() != source.data_ptr() or weight._version != version or weight.dtype != source.dtype
-            or x.dtype != weight.dtype or not x.is_cpu
+    if weight.data_ptr() != source.data_ptr() or weight._version != version or weight.dtype != source.dtype:
+        return None
+    return packed
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` on `weight`'s packed copy, or None when there is none or
+    the call does not qualify (module docstring)."""
+    packed = _current_copy(weight)
+    if (packed is None or x.dtype != weight.dtype or not x.is_cpu
             or (bias is not None and (bias.dtype != weight.dtype or not bias.is_cpu))):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad

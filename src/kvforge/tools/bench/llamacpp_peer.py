@@ -108,10 +108,15 @@ def open_session(ctx: BenchContext, system: System, sequences: int, tokens_per_s
 
 
 def describe(session: Session, weights: str) -> dict[str, Any]:
-    """What the JSON records about the peer: version, weights, file and context settings."""
+    """What the JSON records about the peer: version, the CPU features its build uses (two
+    builds of one version differ by them: a batch-1 row moved 1.5x between builds of 0.3.36),
+    weights, file and context settings."""
     import llama_cpp
 
-    return {"version": llama_cpp.__version__, "weights": weights, "file": str(session.path),
+    features = llama_cpp.llama_print_system_info()
+    return {"version": llama_cpp.__version__,
+            "system_info": features.decode(errors="replace").strip() if isinstance(features, bytes) else str(features),
+            "weights": weights, "file": str(session.path),
             "model": session.model_description(), **session.settings}
 
 

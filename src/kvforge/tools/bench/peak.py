@@ -1,9 +1,13 @@
 """What this machine can do right now, measured in the same run as the benchmark.
 
-- matmul peak: torch.mm of two n x n matrices in the bench dtype at the bench's thread
-  count (n = 2048, smaller only where a dtype has no fast CPU kernel, e.g. float16 on most
-  CPUs, so the probe stays under about a second). Reported as the best of the repeats, in
-  GFLOP/s: a peak, not a typical value.
+- matmul peak: n x n by n x n in the bench dtype at the bench's thread count (n = 2048,
+  smaller only where a dtype has no fast CPU kernel, e.g. float16 on most CPUs, so the probe
+  stays under about a second), through torch.mm and, where this torch has oneDNN's packed
+  linear ops, through the oneDNN product on a prepacked weight that kvforge's CPU prefill
+  runs (kernels/cpu_prepack.py): the faster of the two, so that no engine step can beat its
+  own roofline (torch.mm's BLAS can be far from the machine's best: in float32 on the 2-core
+  EPYC it measured about half of oneDNN's). Reported as the best of the repeats, in GFLOP/s:
+  a peak, not a typical value; `matmul_kernel` names the product that set it.
 - read bandwidth: torch.sum over a 256 MiB float32 tensor (far larger than the caches), in
   GB/s: the median of READ_PASSES passes (the best pass is kept as `read_gbps_best`). Decode
   is bound by reading weights and KV, so its GB/s are compared with this. Not the best pass:
@@ -36,6 +40,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from kvforge.errors import require
+from kvforge.kernels.cpu_prepack import PACKABLE_DTYPES, prepack_available
 
 MATMUL_SIZE = 2048
 PROBE_SECONDS = 0.05  # a smaller size is used when one 2048 call would take far longer
@@ -59,6 +64,7 @@ class MachinePeak:
     read_passes_gbps: tuple[float, ...] = ()
     read_gbps_before: float | None = None
     read_gbps_after: float | None = None
+    matmul_kernel: str = "torch.mm"  # the product that set matmul_gflops (`_matmul_products`)
 
     def as_dict(self) -> dict[str, float | int | str | None]:
         return asdict(self)
@@ -98,12 +104,24 @@ def _matmul_size(dtype: torch.dtype) -> int:
     return size
 
 
-def measure_matmul_gflops(dtype: torch.dtype, repeats: int = 5) -> tuple[float, int]:
+def _matmul_products(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The products a @ b is timed through: torch.mm, and oneDNN on b prepacked (as a linear
+    weight, b^T) where this torch offers it for the dtype."""
+    products: dict[str, Callable[[], object]] = {"torch.mm": lambda: torch.mm(a, b)}
+    if prepack_available() and a.dtype in PACKABLE_DTYPES:
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.T.contiguous(), None)
+        products["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    return products
+
+
+def measure_matmul_gflops(dtype: torch.dtype, repeats: int = 5) -> tuple[float, int, str]:
+    """(GFLOP/s, n, the product that set it): the fastest of `_matmul_products`."""
     size = _matmul_size(dtype)
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    seconds = _best_seconds(lambda: torch.mm(a, b), repeats)
-    return 2 * size**3 / seconds / 1e9, size
+    seconds = {name: _best_seconds(product, repeats) for name, product in _matmul_products(a, b).items()}
+    kernel = min(seconds, key=seconds.__getitem__)
+    return 2 * size**3 / seconds[kernel] / 1e9, size, kernel
 
 
 def measure_read_passes(passes: int = READ_PASSES) -> list[float]:
@@ -158,9 +176,9 @@ def measure_peak(dtype: torch.dtype, device: torch.device | None = None) -> Mach
         gflops, gbps = measure_device_peak(dtype, device)
         return MachinePeak(matmul_gflops=gflops, matmul_size=DEVICE_MATMUL_SIZE, matmul_dtype=name,
                            read_gbps=gbps, threads=torch.get_num_threads(), device=str(device))
-    gflops, size = measure_matmul_gflops(dtype)
+    gflops, size, kernel = measure_matmul_gflops(dtype)
     passes = measure_read_passes()
     read = median_pass(passes)
-    return MachinePeak(matmul_gflops=gflops, matmul_size=size, matmul_dtype=name, read_gbps=read,
+    return MachinePeak(matmul_gflops=gflops, matmul_size=size, matmul_dtype=name, read_gbps=read, matmul_kernel=kernel,
                        threads=torch.get_num_threads(), read_gbps_best=max(passes),
                        read_passes_gbps=tuple(passes), read_gbps_before=read)

@@ -87,7 +87,8 @@ def format_table(result: dict[str, Any], columns: Sequence[Column]) -> str:
         lines.append(f"weights: {result['weights']}: speed only, outputs are meaningless")
     peak = result.get("peak")
     if peak:
-        lines.append(f"measured peak: matmul {peak['matmul_gflops']:.1f} GFLOP/s, "
+        kernel = f" ({peak['matmul_kernel']})" if peak.get("matmul_kernel") else ""
+        lines.append(f"measured peak: matmul {peak['matmul_gflops']:.1f} GFLOP/s{kernel}, "
                      f"read {peak['read_gbps']:.1f} GB/s"
                      + (f" (best pass {peak['read_gbps_best']:.1f})" if peak.get("read_gbps_best") else "")
                      + (f"; median before the systems {peak['read_gbps_before']:.1f}, after {peak['read_gbps_after']:.1f}"

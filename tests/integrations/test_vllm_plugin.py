@@ -114,7 +114,8 @@ def test_import_pulls_in_neither_vllm_nor_transformers() -> None:
             "kvforge.integrations.vllm.layout, kvforge.integrations.vllm.weights, "
             "kvforge.integrations.vllm.serve, kvforge.integrations.vllm.driver, "
             "kvforge.integrations.vllm.base_checkpoint, kvforge.integrations.vllm.kivi_options, "
-            "kvforge.integrations.vllm.kivi_exact, kvforge.integrations.vllm.kivi_pages; "
+            "kvforge.integrations.vllm.kivi_exact, kvforge.integrations.vllm.kivi_pages, "
+            "kvforge.integrations.vllm.kivi_stored, kvforge.integrations.vllm.kivi_layer; "
             "print(sorted(m for m in ('vllm', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -623,7 +623,7 @@ def test_vllm_kivi_quality3_block_count_pays_for_sinks_and_copies(kivi_runs: dic
     assert 30 * (cap["num_blocks"] * block + pool) <= KV_BYTES
     bf16_tokens = KV_BYTES // (2 * 3 * 64 * 2 * 30)  # vLLM's own bfloat16 cache
     assert cap["tokens"] >= 2.6 * bf16_tokens  # 2.66x: a third of the budget holds the 128-token copies
-    assert bytes_per_token(config, 3, 64, 30) == 4860.0  # `kvforge info --cache kivi:preset=quality3`
+    assert bytes_per_token(config, 3, 64, 30) == 4860.0  # `kvforge info`'s kivi-quality3 row (sinks excluded)
 
 
 @pytest.mark.slow

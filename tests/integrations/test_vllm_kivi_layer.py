@@ -75,6 +75,12 @@ class ToyVLLM:
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
 
+    def share_prefix(self, source: int, target: int) -> None:
+        """A prefix-cache hit: `target` starts on `source`'s full blocks (the same block ids)."""
+        full = self.lengths[source] // self.g
+        self.tables[target] = self.tables[source][:full]
+        self.lengths[target] = full * self.g
+
     def step(self, lengths: dict[int, int], q: torch.Tensor, k_post: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         starts, seq_lens = [0], []
         for seq, new in lengths.items():
@@ -101,7 +107,10 @@ def _kvforge_cache(options: str) -> KIVICache:
     return cache
 
 
-def _run(options: str, kernel: str) -> int:
+def _run(options: str, kernel: str, schedule: list[dict[int, int]] = SCHEDULE,
+         forks: dict[int, tuple[int, int]] | None = None) -> int:
+    """Runs `schedule` in both; before step i in `forks`, sequence target starts on
+    source's tokens (kvforge: fork; the toy: a prefix hit on source's full blocks)."""
     torch.manual_seed(0)
     cache, toy = _kvforge_cache(options), ToyVLLM(options, kernel)
     # Pre-RoPE keys recovered from post-RoPE ones differ from kvforge's by float32 rounding,
@@ -109,7 +118,12 @@ def _run(options: str, kernel: str) -> int:
     # a wrong position differ by O(1) (the mutation vllm_kivi_unrope_position_off_by_one).
     tolerance = 2e-3 if "pre_rope" in options else 1e-4
     checked = 0
-    for lengths in SCHEDULE:
+    for index, lengths in enumerate(schedule):
+        if forks and index in forks:
+            source, target = forks[index]
+            assert cache.fork(source, target)
+            toy.share_prefix(source, target)
+            assert toy.lengths[target] == cache.num_cached_tokens(target)
         ids = list(lengths)
         cached = [cache.num_cached_tokens(s) for s in ids]
         for seq, have in zip(ids, cached, strict=True):
@@ -133,6 +147,16 @@ def _run(options: str, kernel: str) -> int:
 @pytest.mark.parametrize("options", OPTIONS)
 def test_backend_storage_attends_as_kvforges_cache(options: str) -> None:
     assert _run(_options(options), "torch") > 100
+
+
+@pytest.mark.parametrize("options", ["sinks=3", OPTIONS[-1]])
+def test_a_prefix_hit_reads_the_sinks_of_the_shared_first_block(options: str) -> None:
+    """Sequence 1 starts on sequence 0's first block (16 tokens: two blocks of 8, whose first
+    block's sinks sequence 0 wrote); kvforge forks sequence 0 there (copying its sink
+    buffers). Both continue, past the point where the shared block's keys are read from
+    its page (n >= R)."""
+    schedule = [{0: 16}, {0: 1, 1: 1}] + [{0: 1, 1: 1}] * 12 + [{1: 9, 0: 1}, {0: 1, 1: 1}]
+    assert _run(_options(options), "torch", schedule, forks={1: (0, 1)}) > 40
 
 
 def test_backend_storage_on_the_compiled_kernel_with_quality3s_options() -> None:

@@ -31,6 +31,7 @@ from kvforge.integrations.vllm.kivi_options import (
     copy_pool_bytes,
     kivi_config,
     page_block_bytes,
+    sink_block_bytes,
 )
 from kvforge.integrations.vllm.kivi_pages import ExactPool, page_components, region_bytes
 
@@ -43,14 +44,22 @@ def test_default_setting_is_the_papers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (kivi_config().bits, kivi_config().residual) == (4, 32)
 
 
-@pytest.mark.parametrize("options,option", [("preset=quality3", "sinks"), ("sinks=4", "sinks"),
-                                            ("rotation=hadamard", "rotation"), ("key_space=pre_rope", "key_space")])
+@pytest.mark.parametrize("options,option", [("key_dot=int8", "key_dot"), ("value_dot=int8", "value_dot"),
+                                            ("preset=quality2,key_dot=int8", "key_dot"), ("sinks=33", "sinks"),
+                                            ("key_group=16,residual=32,sinks=17", "sinks")])
 def test_unimplemented_options_are_refused_by_name(options: str, option: str) -> None:
     with pytest.raises(ConfigError, match=f"{KIVI_ENV} {option}"):
         kivi_config(options)
 
 
-@pytest.mark.parametrize("options", ["", "bits=4", "preset=quality2", "residual=32", "value_group=64"])
+def test_quality3_is_accepted_as_kvforge_defines_it() -> None:
+    config = kivi_config("preset=quality3")
+    assert (config.kbits, config.vbits, config.key_tokens, config.value_channels, config.sinks, config.rotation,
+            config.key_space) == (4, 2, 128, 64, 4, "hadamard_values", "pre_rope")
+
+
+@pytest.mark.parametrize("options", ["", "bits=4", "preset=quality2", "residual=32", "value_group=64",
+                                     "key_group=128,value_group=64,key_bits=4,value_bits=2", "preset=quality3"])
 def test_block_bytes_are_kvforges_page_and_info_bytes_per_token(options: str) -> None:
     config = kivi_config(options)
     page = page_block_bytes(config, 3, 64)
@@ -125,19 +134,25 @@ def test_a_budget_without_room_for_the_copies_is_refused() -> None:
         block_bytes_with_copies(page_block_bytes(config, 3, 64), pool, 30 * pool, 30, 32)
 
 
-@pytest.mark.parametrize("options,ratio", [("", 4.1), ("residual=32", 4.8)])
-def test_kivi_holds_4x_the_tokens_of_bf16_at_equal_memory_copies_included(options: str, ratio: float) -> None:
+@pytest.mark.parametrize("options,ratio,pages_only", [("", 4.1, 5.34), ("residual=32", 4.8, 5.34),
+                                                      ("preset=quality3", 2.6, 4.14)])
+def test_kivi_holds_4x_the_tokens_of_bf16_at_equal_memory_copies_included(options: str, ratio: float,
+                                                                          pages_only: float) -> None:
     """smollm2-135m (30 layers, 3 KV heads x 64), a 256 MiB budget, max_num_seqs 8, float16
-    residual: vLLM's bfloat16 cache against the KIVI blocks left after the exact copies."""
+    residual: vLLM's bfloat16 cache against the KIVI blocks left after the exact copies (and,
+    with sinks, the blocks' sink areas). quality3's 128-token blocks make each exact copy 4x
+    the paper's, 32 of them a layer: a third of the budget at max_num_seqs 8."""
     config = kivi_config(options)
-    budget, layers = 256 * 2**20, 30
+    budget, layers, g = 256 * 2**20, 30, config.key_tokens
     pool = copy_pool_bytes(config, 3, 64, 2, 8)
-    assert pool == 8 * 2 * (config.residual // 32 + 1) * 2 * 32 * 3 * 64 * 2  # exact_slots copies, K and V
-    declared = block_bytes_with_copies(page_block_bytes(config, 3, 64), pool, budget, layers, config.key_tokens)
-    kivi_tokens = budget // (layers * declared) * config.key_tokens
+    assert pool == 8 * 2 * (config.residual // g + 1) * 2 * g * 3 * 64 * 2  # exact_slots copies, K and V
+    block = page_block_bytes(config, 3, 64) + sink_block_bytes(config, 3, 64, 2)
+    assert block - page_block_bytes(config, 3, 64) == 2 * config.sinks * 3 * 64 * 2  # sinks: K and V, float16
+    declared = block_bytes_with_copies(block, pool, budget, layers, g)
+    kivi_tokens = budget // (layers * declared) * g
     bf16_tokens = budget // (layers * 32 * 2 * 3 * 64 * 2) * 32
     assert kivi_tokens / bf16_tokens >= ratio
-    assert kivi_tokens / bf16_tokens < 5.34  # below the pages-only 5.33x: the copies are paid for
+    assert kivi_tokens / bf16_tokens < pages_only  # below the pages-only ratio: the copies (and sinks) are paid for
 
 
 def test_pool_over_given_bytes_is_zeroed_and_refuses_too_few() -> None:

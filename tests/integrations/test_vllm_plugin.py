@@ -114,7 +114,8 @@ def test_import_pulls_in_neither_vllm_nor_transformers() -> None:
             "kvforge.integrations.vllm.layout, kvforge.integrations.vllm.weights, "
             "kvforge.integrations.vllm.serve, kvforge.integrations.vllm.driver, "
             "kvforge.integrations.vllm.base_checkpoint, kvforge.integrations.vllm.kivi_options, "
-            "kvforge.integrations.vllm.kivi_exact, kvforge.integrations.vllm.kivi_pages; "
+            "kvforge.integrations.vllm.kivi_exact, kvforge.integrations.vllm.kivi_pages, "
+            "kvforge.integrations.vllm.kivi_stored, kvforge.integrations.vllm.kivi_layer; "
             "print(sorted(m for m in ('vllm', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -478,7 +479,7 @@ def test_vllm_serve_answers_openai_client(checkpoints: dict[str, Path], tmp_path
 
 # -- slow: kvforge's KIVI backend in vLLM (kivi_backend.py) ------------------------------------
 # residual=32: every prompt crosses R within its 32 tokens, so the 2-bit pages are read.
-KIVI_SETTINGS = {"r32": "residual=32", "paper": ""}
+KIVI_SETTINGS = {"r32": "residual=32", "paper": "", "quality3": "preset=quality3"}
 
 
 @pytest.fixture(scope="module")
@@ -492,7 +493,9 @@ def kivi_runs(checkpoints: dict[str, Path], prompt_ids: Path, vllm_cache: Path) 
             ("paper_prefix", "base", "paper", prompt_ids, []),
             # one prompt after the other in 64-token steps, as the kvforge engine it is compared with
             ("paper_prefix_64", "base", "paper", shared, ["--max-num-batched-tokens", "64", "--one-at-a-time"]),
-            ("l15_paper", "l15", "paper", prompt_ids, ["--no-prefix-caching"])):
+            ("l15_paper", "l15", "paper", prompt_ids, ["--no-prefix-caching"]),
+            ("quality3", "base", "quality3", prompt_ids, ["--no-prefix-caching"]),
+            ("quality3_prefix", "base", "quality3", prompt_ids, [])):
         runs[run] = _run_json([python, "-m", "kvforge.integrations.vllm.driver", "--threads", "2", "generate",
                                "--model", str(checkpoints[model]), "--prompt-ids", str(ids), "--kivi",
                                "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--kv-cache-bytes", str(KV_BYTES),
@@ -521,6 +524,23 @@ def test_vllm_kivi_greedy_tokens_equal_kvforge(kivi_runs: dict, tmp_path: Path) 
     got = [o["token_ids"] for o in kivi_runs["paper_prefix"]["outputs"]]
     assert kivi_runs["paper_prefix"]["prefix_cache"].get("prefix_cache_hits", 0) >= 128
     assert got[:4] == paper[:4]
+
+
+@pytest.mark.slow
+def test_vllm_kivi_quality3_greedy_tokens_equal_kvforge(kivi_runs: dict, tmp_path: Path) -> None:
+    """preset=quality3 (4-bit pre-RoPE keys over 128-token blocks, 2-bit Hadamard-rotated
+    values over 64 channels, 4 sinks). The two shared-prefix prompts (170 tokens) cross
+    R = 128, so their first block's pages, sinks and RoPE'd pre-RoPE keys are read; the
+    three short ones stay in the exact copies (pre-RoPE, RoPE'd by the readers)."""
+    expected = _kvforge_kivi_tokens("quality3", tmp_path)
+    assert [o["token_ids"] for o in kivi_runs["quality3"]["outputs"]] == expected
+    assert expected != _kvforge_kivi_tokens("paper", tmp_path)  # quality3's tokens, not the paper setting's
+    # prefix caching on, one step per prompt: the second shared-prefix prompt hits the first
+    # one's 128-token block and reads its 4-bit keys (kvforge's one-step prefill attends them
+    # exactly: see test_vllm_kivi_greedy_tokens_equal_kvforge); the others must match
+    run = kivi_runs["quality3_prefix"]
+    assert run["prefix_cache"].get("prefix_cache_hits", 0) >= 128
+    assert [o["token_ids"] for o in run["outputs"]][:4] == expected[:4]
 
 
 @pytest.mark.slow
@@ -581,6 +601,29 @@ def test_vllm_kivi_block_count_is_the_packed_page_and_its_share_of_the_copies(ki
     assert 30 * (cap["num_blocks"] * page + pool) <= KV_BYTES  # pages and copies, all within the budget
     bf16_blocks = KV_BYTES // (cap["block_size"] * 2 * 3 * 64 * 2 * 30)  # vLLM's own bfloat16 cache
     assert cap["num_blocks"] >= 4 * bf16_blocks
+
+
+@pytest.mark.slow
+def test_vllm_kivi_quality3_block_count_pays_for_sinks_and_copies(kivi_runs: dict) -> None:
+    from kvforge.integrations.vllm.kivi_options import (
+        block_bytes_with_copies,
+        bytes_per_token,
+        copy_pool_bytes,
+        kivi_config,
+        page_block_bytes,
+        sink_block_bytes,
+    )
+
+    cap = kivi_runs["quality3"]["capacity"]
+    config = kivi_config(KIVI_SETTINGS["quality3"])
+    block = page_block_bytes(config, 3, 64) + sink_block_bytes(config, 3, 64, 2)  # float16 sink area
+    pool = copy_pool_bytes(config, 3, 64, 2, 8)
+    assert cap["block_size"] == 128
+    assert cap["num_blocks"] == KV_BYTES // (30 * block_bytes_with_copies(block, pool, KV_BYTES, 30, 128))
+    assert 30 * (cap["num_blocks"] * block + pool) <= KV_BYTES
+    bf16_tokens = KV_BYTES // (2 * 3 * 64 * 2 * 30)  # vLLM's own bfloat16 cache
+    assert cap["tokens"] >= 2.6 * bf16_tokens  # 2.66x: a third of the budget holds the 128-token copies
+    assert bytes_per_token(config, 3, 64, 30) == 4860.0  # `kvforge info`'s kivi-quality3 row (sinks excluded)
 
 
 @pytest.mark.slow

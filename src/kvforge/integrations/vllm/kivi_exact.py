@@ -22,6 +22,13 @@ where this backend reads a quantised value kvforge's ring would hold exactly.
 Eviction: least recently used among the copies the current step does not read or write.
 A copy the step needs but that is missing raises (`LostExactCopy`) rather than being read
 from garbage.
+
+Sinks (`sinks` = N > 0, N <= G): the first N tokens of a sequence stay exact for good, in the
+sink area of the sequence's first block (kivi_pages.SinkArea), which lives as long as the
+block does, so a prefix-cache hit on that block finds them (a copy could be evicted). The
+plan names the rows that write them and, as kvforge's flush does, quantises the first
+block's keys with its sink tokens replaced by token N (the sinks are read from the sink
+area, never from the page, so they are left out of the page's per-channel range).
 """
 
 from __future__ import annotations
@@ -63,7 +70,11 @@ class ExactPlan:
     tokens in order (len(full_blocks) * block_size), an index into the step's source, the
     copies flattened [num_slots * block_size] followed by the step's rows. ring_sources: per
     sequence, R flattened copy indices, position t of the window [n - R, n) at t % R;
-    MISSING where the copy is gone (read the page), 0 where nothing is read."""
+    MISSING where the copy is gone (read the page), 0 where nothing is read.
+    sink_rows/blocks/tokens: step row -> (first block of its sequence, token index < N) for
+    the sink tokens written in the step. key_fill_to/from: positions in the full blocks'
+    token list whose key is replaced by another's before quantising (the sinks of a first
+    block, by token N)."""
 
     write_rows: list[int] = field(default_factory=list)
     write_slots: list[int] = field(default_factory=list)
@@ -71,6 +82,11 @@ class ExactPlan:
     full_blocks: list[int] = field(default_factory=list)
     full_sources: list[int] = field(default_factory=list)
     ring_sources: list[list[int]] = field(default_factory=list)
+    sink_rows: list[int] = field(default_factory=list)
+    sink_blocks: list[int] = field(default_factory=list)
+    sink_tokens: list[int] = field(default_factory=list)
+    key_fill_to: list[int] = field(default_factory=list)
+    key_fill_from: list[int] = field(default_factory=list)
 
     @property
     def any_missing(self) -> bool:
@@ -80,11 +96,14 @@ class ExactPlan:
 class ExactCopies:
     """Which pool slot holds the exact copy of which block (the tensors are elsewhere)."""
 
-    def __init__(self, num_slots: int, block_size: int, residual: int) -> None:
+    def __init__(self, num_slots: int, block_size: int, residual: int, sinks: int = 0) -> None:
         if num_slots < 1 or block_size < 1 or residual < block_size or residual % block_size:
             raise ValueError(f"need num_slots >= 1 and residual a multiple of block_size >= 1, got "
                              f"num_slots={num_slots}, block_size={block_size}, residual={residual}")
-        self.num_slots, self.block_size, self.residual = num_slots, block_size, residual
+        if not 0 <= sinks <= block_size:
+            raise ValueError(f"need 0 <= sinks <= block_size (the sinks live in a sequence's first block), "
+                             f"got sinks={sinks}, block_size={block_size}")
+        self.num_slots, self.block_size, self.residual, self.sinks = num_slots, block_size, residual, sinks
         self.slot_of: dict[int, int] = {}
         self.block_in: list[int | None] = [None] * num_slots
         self.last_used = [0] * num_slots
@@ -149,9 +168,17 @@ class ExactCopies:
                     plan.write_rows.append(seq.first_row + t - n)
                     plan.write_slots.append(slot)
                     plan.write_offsets.append(t % g)
+            for t in range(n, min(end, self.sinks)):
+                plan.sink_rows.append(seq.first_row + t - n)
+                plan.sink_blocks.append(seq.blocks[0])
+                plan.sink_tokens.append(t)
             # 3. Blocks completed in this step: old tokens from the copy, new ones from the rows.
             for k in range(n // g, end // g):
                 plan.full_blocks.append(seq.blocks[k])
+                if k == 0 and 0 < self.sinks < g:  # as kvforge's flush: sinks out of the keys' range
+                    first = len(plan.full_sources)
+                    plan.key_fill_to.extend(range(first, first + self.sinks))
+                    plan.key_fill_from.extend([first + self.sinks] * self.sinks)
                 for t in range(k * g, (k + 1) * g):
                     plan.full_sources.append(self.slot_of[seq.blocks[k]] * g + t % g if t < n
                                              else pool_tokens + seq.first_row + t - n)

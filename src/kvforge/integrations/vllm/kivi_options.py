@@ -5,7 +5,7 @@ The setting comes from the environment variable `KVFORGE_VLLM_KIVI`, written as 
 of kvforge's `--cache kivi:...` (so both engines parse it with the same code and reject the
 same values): unset or empty is the paper's setting (bits=2, group=32, residual=128), e.g.
 
-    KVFORGE_VLLM_KIVI="bits=4"            KVFORGE_VLLM_KIVI="preset=paper2"
+    KVFORGE_VLLM_KIVI="bits=4"    KVFORGE_VLLM_KIVI="preset=paper2"    KVFORGE_VLLM_KIVI="preset=quality3"
 
 One vLLM block holds one kvforge KIVI page: `key_tokens` (G) tokens of key codes per channel
 and value codes per token, with their float16 scales and zero points, for one attention
@@ -16,10 +16,17 @@ region. `block_bytes_with_copies` declares each block large enough that the bloc
 makes of its KV budget carry the pool in their spare bytes, so the budget holds pages and
 copies together (as kvforge's own KIVI cache takes its residual slots from its budget).
 
-Options the backend does not implement yet (they need the model's cooperation or sink
-buffers the block layout has no place for) are refused here, naming the option:
-`sinks`, `rotation`, `key_space=pre_rope`, `key_dot`/`value_dot=int8`; so `preset=quality3`
-(which sets sinks, a value rotation and pre-RoPE keys) is refused too.
+Beyond the paper (kivi_stored.py): `rotation` (values stored as v H, the output o H undone
+by H^T; rotated keys matched by rotating the queries, or unrotated before RoPE),
+`key_space=pre_rope` (the backend undoes the RoPE of the keys vLLM hands it, in float32 at
+each token's position, and readers RoPE them after dequantisation, as kvforge's do), and
+`sinks` <= G (the first N tokens exact in a sink area of every block, `sink_block_bytes`,
+read from a sequence's first block: kivi_exact.py). So `preset=quality3` runs. Bytes per
+token (`bytes_per_token`) are the page's, as `kvforge info` reports them: the sink area,
+like the exact copies, is declared in the block bytes (vLLM's block count pays for it) but
+is not part of bytes per token (kvforge counts its sink buffers in the residual slots).
+Refused here, naming the option: `key_dot`/`value_dot=int8` (the backend does not pass
+them to the kernels) and sinks > G.
 """
 
 from __future__ import annotations
@@ -33,9 +40,8 @@ from kvforge.errors import ConfigError
 from kvforge.integrations.vllm.kivi_exact import exact_slots
 
 KIVI_ENV = "KVFORGE_VLLM_KIVI"
-# What the block layout and the backend implement; anything else is refused by `check_supported`.
-UNSUPPORTED_DEFAULTS = {"sinks": 0, "rotation": "none", "key_space": "post_rope", "key_dot": "float",
-                        "value_dot": "float"}
+# Options the backend does not implement: only their default is accepted (`check_supported`).
+UNSUPPORTED_DEFAULTS = {"key_dot": "float", "value_dot": "float"}
 
 
 def kivi_config(options: str | None = None) -> KIVICacheConfig:
@@ -55,6 +61,11 @@ def check_supported(config: KIVICacheConfig) -> None:
             raise ConfigError(f"{KIVI_ENV} {name}", value,
                               f"is not implemented by kvforge's vLLM KIVI backend{source}; it supports "
                               f"{name}={default} only (use kvforge's own engine for it)")
+    if config.sinks > config.key_tokens:
+        group = "key_group" if config.key_group is not None else "group"
+        raise ConfigError(f"{KIVI_ENV} sinks", config.sinks,
+                          f"must be <= {group}={config.key_tokens} in kvforge's vLLM KIVI backend (the sinks "
+                          f"live in a sequence's first block, the only block prefix caching shares with it)")
 
 
 def residual_dtype_name(config: KIVICacheConfig, model_dtype: str) -> str:
@@ -73,6 +84,12 @@ def page_block_bytes(config: KIVICacheConfig, kv_heads: int, head_dim: int) -> i
         raise ConfigError("group" if config.value_group is None else "value_group", config.value_channels,
                           f"must divide head_dim={head_dim} (values are grouped over channels)")
     return page_bytes(1, kv_heads, head_dim, config.kbits, config.key_tokens, config.value_channels, config.vbits)
+
+
+def sink_block_bytes(config: KIVICacheConfig, kv_heads: int, head_dim: int, residual_element_bytes: int) -> int:
+    """Bytes of one block's sink area for one layer: N tokens of K and V in the residual
+    dtype (0 without sinks). Every block has one: any block can be a sequence's first."""
+    return 2 * config.sinks * kv_heads * head_dim * residual_element_bytes
 
 
 def bytes_per_token(config: KIVICacheConfig, kv_heads: int, head_dim: int, num_cache_layers: int) -> float:

@@ -8,8 +8,10 @@ tensor kvforge's KIVI store has and its kernels read in place (block id = page i
     k_codes uint8 [H, P, D, G*kb/8] | k_scale, k_zero fp16 [H, P, D] |
     v_codes uint8 [H, P, G, D*vb/8] | v_scale, v_zero fp16 [H, P, G, D/Gv]
 
-(P = num_blocks, G = key_tokens = vLLM block size, Gv = value channels per group). vLLM
-itself never reads these bytes; it only zeroes new blocks for mixed-precision or Mamba
+(P = num_blocks, G = key_tokens = vLLM block size, Gv = value channels per group). With
+sinks (N > 0) the pages are followed by the sink area, k_sink, v_sink [P, N, H, D] in the
+residual dtype (`SinkArea`: block p's area holds the first N tokens of a sequence whose
+first block is p), then by the exact copies (`ExactPool`). vLLM itself never reads these bytes; it only zeroes new blocks for mixed-precision or Mamba
 caches, neither of which this backend allows.
 """
 
@@ -114,8 +116,41 @@ class ExactPool:
                 torch.where(mask, flat_v[in_pool], rows_v[in_rows]))
 
 
+class SinkArea:
+    """The exact first N tokens of sequences, per block: keys and values [P, N, H, D] in the
+    residual dtype over `storage` (uint8 bytes after a layer's pages); only a sequence's
+    first block's area is written and read (kivi_exact.py)."""
+
+    def __init__(self, num_blocks: int, sinks: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 storage: torch.Tensor) -> None:
+        shape = (2, num_blocks, sinks, kv_heads, head_dim)
+        size = torch.tensor([], dtype=dtype).element_size()
+        need = torch.Size(shape).numel() * size
+        if storage.dtype != torch.uint8 or storage.numel() < need or storage.data_ptr() % size:
+            raise ValueError(f"the sink area needs {need} bytes aligned to {size}, got "
+                             f"{storage.numel()} {storage.dtype} at offset {storage.data_ptr() % size}")
+        both = storage[:need].view(dtype).view(shape)
+        self.keys, self.values = both[0], both[1]
+
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def write(self, blocks: torch.Tensor, tokens: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Token tokens[i] < N of keys/values [n, H, D] to the area of block blocks[i]."""
+        self.keys[blocks, tokens] = keys.to(self.keys.dtype)
+        self.values[blocks, tokens] = values.to(self.values.dtype)
+
+    def of(self, first_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sinks of the sequences whose first blocks are `first_blocks` [B], as kvforge's
+        per-slot sink buffers [B, H, N, D] (slot i = sequence i)."""
+        return (self.keys.index_select(0, first_blocks).transpose(1, 2).contiguous(),
+                self.values.index_select(0, first_blocks).transpose(1, 2).contiguous())
+
+
 def layer_view(parts: dict[str, torch.Tensor], config: KIVICacheConfig, ring_keys: torch.Tensor,
-               ring_values: torch.Tensor) -> KIVILayerView:
-    """kvforge's KIVILayerView over the pages, with rings [B, H, R, D] (slot i = sequence i)."""
+               ring_values: torch.Tensor, sinks: tuple[torch.Tensor, torch.Tensor] | None = None) -> KIVILayerView:
+    """kvforge's KIVILayerView over the pages, with rings [B, H, R, D] and, with sinks, sink
+    buffers [B, H, N, D] (slot i = sequence i)."""
+    k_sink, v_sink = sinks if sinks is not None else (None, None)
     return KIVILayerView(parts["k_codes"], parts["k_scale"], parts["k_zero"], parts["v_codes"], parts["v_scale"],
-                         parts["v_zero"], ring_keys, ring_values, config.kbits, value_bits=config.vbits)
+                         parts["v_zero"], ring_keys, ring_values, config.kbits, k_sink, v_sink, config.vbits)

@@ -162,7 +162,7 @@ def test_pool_over_given_bytes_is_zeroed_and_refuses_too_few() -> None:
     assert int((storage[64:] == 255).sum()) == 6  # nothing beyond the copies is touched
     pool.write(torch.tensor([1]), torch.tensor([3]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
     assert int(storage[:64].count_nonzero()) > 0
-    with pytest.raises(ValueError, match="need 64 bytes"):
+    with pytest.raises(ValueError, match="64 bytes aligned to 2 needed"):
         ExactPool(2, 4, 1, 2, torch.float16, torch.device("cpu"), storage=storage[:63])
 
 

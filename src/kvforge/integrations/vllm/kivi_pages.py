@@ -69,6 +69,17 @@ def layer_bytes(kv_cache: torch.Tensor, num_bytes: int) -> torch.Tensor:
     return kv_cache.reshape(-1).view(torch.uint8)
 
 
+def typed_view(storage: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """`shape` elements of `dtype` over the first bytes of `storage` (uint8, aligned to the
+    element size); `what` names the tenant in the error."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    need = torch.Size(shape).numel() * size
+    if storage.dtype != torch.uint8 or storage.numel() < need or storage.data_ptr() % size:
+        raise ValueError(f"{what}: {need} bytes aligned to {size} needed, got "
+                         f"{storage.numel()} {storage.dtype} at offset {storage.data_ptr() % size}")
+    return storage[:need].view(dtype).view(shape)
+
+
 class ExactPool:
     """Exact copies of `num_slots` blocks for one layer: keys and values [S, G, H, D] in the
     residual dtype (token-major, so a step's rows are written with one indexed copy). With
@@ -81,12 +92,7 @@ class ExactPool:
         if storage is None:
             both = torch.empty(shape, dtype=dtype, device=device)
         else:
-            size = torch.tensor([], dtype=dtype).element_size()
-            need = torch.Size(shape).numel() * size
-            if storage.dtype != torch.uint8 or storage.numel() < need or storage.data_ptr() % size:
-                raise ValueError(f"the exact copies need {need} bytes aligned to {size}, got "
-                                 f"{storage.numel()} {storage.dtype} at offset {storage.data_ptr() % size}")
-            both = storage[:need].view(dtype).view(shape)
+            both = typed_view(storage, shape, dtype, "the exact copies")
         # zeros: ring positions nobody reads still go through the kernels' arithmetic
         both.zero_()
         self.keys, self.values = both[0], both[1]
@@ -123,13 +129,7 @@ class SinkArea:
 
     def __init__(self, num_blocks: int, sinks: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  storage: torch.Tensor) -> None:
-        shape = (2, num_blocks, sinks, kv_heads, head_dim)
-        size = torch.tensor([], dtype=dtype).element_size()
-        need = torch.Size(shape).numel() * size
-        if storage.dtype != torch.uint8 or storage.numel() < need or storage.data_ptr() % size:
-            raise ValueError(f"the sink area needs {need} bytes aligned to {size}, got "
-                             f"{storage.numel()} {storage.dtype} at offset {storage.data_ptr() % size}")
-        both = storage[:need].view(dtype).view(shape)
+        both = typed_view(storage, (2, num_blocks, sinks, kv_heads, head_dim), dtype, "the sink area")
         self.keys, self.values = both[0], both[1]
 
     def nbytes(self) -> int:

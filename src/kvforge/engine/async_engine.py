@@ -14,6 +14,11 @@ Invariants:
   aborted and get the error, and the loop keeps serving new requests;
 - after `shutdown()` no request is accepted and every request in flight finishes with
   reason "abort".
+- a server builds its model on the engine thread (`build_on_engine_thread`), so one OS
+  thread runs every torch operation: on a CPU each thread that runs a parallel operation
+  keeps its own OpenMP team alive, and once the teams hold more threads than there are
+  cores, libgomp shortens its spin-wait and each parallel region pays a futex wake-up
+  (docs/benchmarks.md measures the cost).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
@@ -45,6 +50,8 @@ class EngineStepError(KVForgeError):
 # Called in the engine thread after each round of commands and step: (engine, the outputs
 # of the round (steps and aborts), seconds of the step or None when no step ran).
 StepObserver = Callable[[LLMEngine, Sequence[RequestOutput], float | None], None]
+
+Built = TypeVar("Built")
 
 
 @dataclass
@@ -88,6 +95,34 @@ class AsyncEngine:
         self._accepting = True
         self._stop = False
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def build_on_engine_thread(cls, build: Callable[[], Built], engine_of: Callable[[Built], LLMEngine],
+                               observer: StepObserver | None = None) -> tuple[AsyncEngine, Built]:
+        """Start the engine thread, run `build()` (the model's loading and warm-up) on it,
+        then step there: returns once built, with the thread running (`start()` is then a
+        no-op). An exception of `build` is raised here, in the caller's thread."""
+        built: list[Any] = []
+        ready = threading.Event()
+
+        def main() -> None:
+            try:
+                value = build()
+                engine = cls(engine_of(value), observer)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                built.append(exc)
+                ready.set()
+                return
+            engine._thread = threading.current_thread()
+            built.extend((engine, value))
+            ready.set()
+            engine._run()
+
+        threading.Thread(target=main, name="kvforge-engine", daemon=True).start()
+        ready.wait()
+        if isinstance(built[0], BaseException):
+            raise built[0]
+        return built[0], built[1]
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> None:

@@ -14,8 +14,13 @@ import logging
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from kvforge.errors import ConfigError, require
+
+if TYPE_CHECKING:
+    from kvforge.engine.async_engine import AsyncEngine, StepObserver
+    from kvforge.engine.llm import LLM
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -63,6 +68,24 @@ def check_port_free(host: str, port: int) -> None:
             raise ConfigError("port", port, f"cannot bind {host}:{port} ({exc.strerror}); choose a free --port") from exc
 
 
+def load_engine(args: argparse.Namespace, observer: StepObserver | None = None) -> tuple[AsyncEngine, LLM]:
+    """The model of `args`, loaded on the engine thread, which then steps it: one OS thread
+    runs every torch operation of the server (why: `kvforge.engine.async_engine`)."""
+    from kvforge.engine.async_engine import AsyncEngine
+    from kvforge.engine.llm import LLM
+
+    def load() -> LLM:
+        return LLM(model=args.model, load_format=args.load_format, swiftkv=args.swiftkv, cache=args.cache,
+                   cache_options=args.cache_opt, dtype=args.dtype, kv_budget=args.kv_budget,
+                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                   max_model_len=args.max_model_len, admission=args.admission, step_timing=args.step_timing,
+                   prefix_caching=args.prefix_caching, device=args.device, early_exit=args.early_exit,
+                   enforce_eager=args.enforce_eager, max_seq_len_to_capture=args.max_seq_len_to_capture,
+                   prepack_weights=args.prepack_weights)
+
+    return AsyncEngine.build_on_engine_thread(load, lambda llm: llm.engine, observer)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -72,8 +95,6 @@ def run_serve(args: argparse.Namespace) -> int:
         from kvforge.serve.metrics import ServerMetrics
     except ImportError as exc:
         raise ConfigError("serve", exc.name, "needs the serve extra: pip install 'kvforge[serve]'") from exc
-    from kvforge.engine.async_engine import AsyncEngine
-    from kvforge.engine.llm import LLM
     from kvforge.serve.served_model import ModelInfo, ServedModel
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -88,17 +109,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and api_key is None:
         print(f"kvforge serve: warning: {args.host} is reachable from other machines and no --api-key is set: "
               "anyone who can reach it can use the model", file=sys.stderr)
-    llm = LLM(model=args.model, load_format=args.load_format, swiftkv=args.swiftkv, cache=args.cache, cache_options=args.cache_opt,
-              dtype=args.dtype, kv_budget=args.kv_budget, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, admission=args.admission,
-              step_timing=args.step_timing, prefix_caching=args.prefix_caching, device=args.device,
-              early_exit=args.early_exit, enforce_eager=args.enforce_eager,
-              max_seq_len_to_capture=args.max_seq_len_to_capture, prepack_weights=args.prepack_weights)
-    for line in llm.start_up_lines():
-        print(f"kvforge serve: {line}", file=sys.stderr)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
-    engine = AsyncEngine(llm.engine, metrics.observe_step)
+    engine, llm = load_engine(args, metrics.observe_step)
+    for line in llm.start_up_lines():
+        print(f"kvforge serve: {line}", file=sys.stderr)
     info = ModelInfo(args.model, args.swiftkv, str(llm.cache_spec), str(llm.dtype).removeprefix("torch."),
                      llm.source.weights)
     app = create_app(ServedModel(name, engine, llm.tokenizer, info), metrics, api_key)

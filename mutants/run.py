@@ -22,8 +22,10 @@ scratch copy with its share of the cores (KVFORGE_TEST_THREADS, read by tests/co
 most of a mutation's time is single-threaded (interpreter start, imports, collection, a
 kernel's compile), so two jobs on two cores finish the list sooner than one.
 Exit status 1 if any mutation survived or a snippet is missing, so a refactor that moves
-the code under a mutation is caught too. Writes mutants/last_run.json; a run of part of
-the list says so there ("partial": true, and what selected it).
+the code under a mutation is caught too. A run of the whole list writes the committed
+record, mutants/last_run.json; a run of part of it writes mutants/last_partial_run.json
+(ignored by git, "partial": true and what selected it), so checking a few mutations never
+replaces the record of the whole list.
 """
 
 from __future__ import annotations
@@ -214,7 +216,8 @@ def main() -> int:
     print(f"{killed} of {len(results)} mutations killed in {total / 60:.1f} min"
           + (f"; survived: {', '.join(survived)}" if survived else "")
           + (f"; not run here (every test skipped on this machine): {', '.join(not_run)}" if not_run else ""))
-    (ROOT / "mutants" / "last_run.json").write_text(json.dumps(
+    record = ROOT / "mutants" / ("last_partial_run.json" if partial else "last_run.json")
+    record.write_text(json.dumps(
         {"killed": killed, "not_run_here": len(not_run), "total": len(results), "minutes": round(total / 60, 1),
          "partial": partial, "selection": selection, "jobs": jobs, "list_size": len(MUTATIONS), "results": results},
         indent=2) + "\n")

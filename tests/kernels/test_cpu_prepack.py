@@ -81,11 +81,13 @@ def test_an_unchanged_weight_keeps_the_copy_an_earlier_engine_made():
     prepack_weights([weight], "on", PLENTY)
     first = cpu_prepack._current_copy(weight)
     report = prepack_weights([weight], "on", PLENTY)  # a second engine on the same model
-    assert cpu_prepack._current_copy(weight) is first and report.weights == 1
+    assert cpu_prepack._current_copy(weight) is first and report.weights == 1 and report.reused == 1
+    assert "1 of them an earlier engine's copies kept" in report.describe()
     with torch.no_grad():
         weight.add_(1)
-    prepack_weights([weight], "on", PLENTY)
-    assert cpu_prepack._current_copy(weight) is not first  # changed since: packed anew
+    report = prepack_weights([weight], "on", PLENTY)
+    assert cpu_prepack._current_copy(weight) is not first and report.reused == 0  # changed since: packed anew
+    assert "earlier engine" not in report.describe()
     x = torch.randn(40, 64)
     assert torch.allclose(packed_linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-5)
 

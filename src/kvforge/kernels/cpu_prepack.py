@@ -49,18 +49,21 @@ _ATTRIBUTE = "_kvforge_onednn_packed"
 @dataclass(frozen=True)
 class PrepackReport:
     """What `prepack_weights` did: `weights` packed copies holding `bytes`, made in
-    `seconds`; `skipped` says why none were made (None when some were)."""
+    `seconds`, of which `reused` were an earlier engine's copies of unchanged weights (kept,
+    not made again); `skipped` says why none were made (None when some were)."""
 
     weights: int
     bytes: int
     seconds: float
     skipped: str | None = None
+    reused: int = 0
 
     def describe(self) -> str:
         if self.skipped is not None:
             return f"linear weights not prepacked for oneDNN: {self.skipped}"
+        kept = f", {self.reused} of them an earlier engine's copies kept" if self.reused else ""
         return (f"prepacked {self.weights} linear weights for oneDNN's prefill products "
-                f"({self.bytes / 2**20:.0f} MiB more memory, {self.seconds:.2f} s)")
+                f"({self.bytes / 2**20:.0f} MiB more memory{kept}, {self.seconds:.2f} s)")
 
 
 def prepack_available() -> bool:
@@ -110,14 +113,16 @@ def prepack_weights(weights: Iterable[torch.Tensor], policy: str, available_byte
                                  f"{AUTO_MEMORY_SHARE:.0%} of the available memory ({available_bytes / 2**20:.0f} MiB); "
                                  "--prepack-weights on packs anyway")
     start = time.perf_counter()
+    reused = 0
     with torch.no_grad():
         for weight in packable:
             if _current_copy(weight) is not None:
-                continue  # packed by an earlier engine on the same model, and unchanged since
+                reused += 1  # packed by an earlier engine on the same model, and unchanged since
+                continue
             source = weight.detach()
             packed = torch.ops.mkldnn._reorder_linear_weight(source, None)
             setattr(weight, _ATTRIBUTE, (source, weight._version, packed))
-    return PrepackReport(len(packable), total, time.perf_counter() - start)
+    return PrepackReport(len(packable), total, time.perf_counter() - start, reused=reused)
 
 
 def drop_packed(weights: Iterable[torch.Tensor]) -> None:

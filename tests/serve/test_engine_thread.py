@@ -94,3 +94,32 @@ def test_a_build_that_fails_raises_its_error_in_the_caller_and_ends_the_thread()
         if thread.ident not in before and thread.name == "kvforge-engine":
             thread.join(5)
             assert not thread.is_alive()
+
+
+_INTERRUPTED_LOAD = """
+import os, signal, sys, threading, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with SIGINT ignored
+import kvforge.engine.llm as llm_module
+from kvforge.cli import build_parser
+from kvforge.serve.server import load_engine
+
+class SlowLLM:
+    def __init__(self, *args, **kwargs):
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        time.sleep(30)
+
+llm_module.LLM = SlowLLM
+load_engine(build_parser(["serve"]).parse_args(["serve", "--model", "llama-tiny", "--load-format", "dummy"]))
+print("load_engine returned")
+"""
+
+
+def test_ctrl_c_while_the_engine_thread_loads_ends_the_server_at_once():
+    import subprocess
+    import sys
+
+    from kvforge.serve.server import INTERRUPTED_EXIT_CODE
+
+    done = subprocess.run([sys.executable, "-c", _INTERRUPTED_LOAD], capture_output=True, text=True, timeout=25)
+    assert done.returncode == INTERRUPTED_EXIT_CODE, done.stderr
+    assert "interrupted while loading the model" in done.stderr and "load_engine returned" not in done.stdout

@@ -26,6 +26,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 API_KEY_ENV = "KVFORGE_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+INTERRUPTED_EXIT_CODE = 130  # the shell's code for a process ended by SIGINT
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,13 @@ def load_engine(args: argparse.Namespace, observer: StepObserver | None = None) 
                    enforce_eager=args.enforce_eager, max_seq_len_to_capture=args.max_seq_len_to_capture,
                    prepack_weights=args.prepack_weights)
 
-    return AsyncEngine.build_on_engine_thread(load, lambda llm: llm.engine, observer)
+    try:
+        return AsyncEngine.build_on_engine_thread(load, lambda llm: llm.engine, observer)
+    except KeyboardInterrupt:
+        # Ctrl-C while the engine thread loads: that thread cannot be stopped, and ending
+        # the interpreter under it aborts the process from inside torch; leave at once.
+        print("kvforge serve: interrupted while loading the model", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED_EXIT_CODE)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -1673,7 +1673,7 @@ MUTATIONS: list[Mutation] = [
              (PREPACK + "::test_a_changed_weight_is_never_computed_from_its_stale_copy",),
              "a weight whose data was replaced (`.data =`, which keeps the version) is never computed from the old copy"),
     Mutation("prepack_repacks_unchanged_weights", S + "kernels/cpu_prepack.py",
-             "            if _current_copy(weight) is not None:\n                continue", "",
+             "            if _current_copy(weight) is not None:\n                reused += 1", "            if False:\n                reused += 1",
              (PREPACK + "::test_an_unchanged_weight_keeps_the_copy_an_earlier_engine_made",),
              "a second engine on the same, unchanged model keeps the packed copies instead of reordering again"),
     Mutation("peak_ignores_onednn_packed", S + "tools/bench/peak.py",

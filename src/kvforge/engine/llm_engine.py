@@ -36,6 +36,7 @@ from kvforge.engine.sampling import (
 from kvforge.engine.scheduler import ScheduledChunk, Scheduler
 from kvforge.errors import ConfigError
 from kvforge.kernels.cpu_prepack import PrepackReport, available_memory_bytes, prepack_weights
+from kvforge.malloc_tuning import keep_freed_memory
 from kvforge.models.causal_lm import CausalLM
 from kvforge.step_timing import StepTimer
 
@@ -58,7 +59,9 @@ class LLMEngine:
             self.capture_report = graphs.capture()
             self.runner.decode_graphs = graphs if graphs.enabled else None
         self.prepack_report: PrepackReport | None = None
+        self.malloc_report: str | None = None
         if self.runner.device.type == "cpu":
+            self.malloc_report = keep_freed_memory()
             with torch.no_grad():
                 self.prepack_report = prepack_weights(model.prefill_linear_weights(), self.config.prepack_weights,
                                                       available_memory_bytes())

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -102,27 +103,21 @@ class AsyncEngine:
         """Start the engine thread, run `build()` (the model's loading and warm-up) on it,
         then step there: returns once built, with the thread running (`start()` is then a
         no-op). An exception of `build` is raised here, in the caller's thread."""
-        built: list[Any] = []
-        ready = threading.Event()
+        built: Future[tuple[AsyncEngine, Built]] = Future()
 
         def main() -> None:
             try:
                 value = build()
                 engine = cls(engine_of(value), observer)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                built.append(exc)
-                ready.set()
+                built.set_exception(exc)
                 return
             engine._thread = threading.current_thread()
-            built.extend((engine, value))
-            ready.set()
+            built.set_result((engine, value))
             engine._run()
 
         threading.Thread(target=main, name="kvforge-engine", daemon=True).start()
-        ready.wait()
-        if isinstance(built[0], BaseException):
-            raise built[0]
-        return built[0], built[1]
+        return built.result()
 
     # -- life cycle -------------------------------------------------------------------
     def start(self) -> None:

@@ -312,7 +312,7 @@ ROWS = [
         "vLLM 0.32 CPU, same weights, `VLLM_CPU_OMP_THREADS_BIND=0-1`", "(the peer users would pick)"),
     Row("Serving a chat, bf16", "", "serve/vllm_2cores_chat_bf16.json", _serve_vs_vllm,
         "vLLM 0.32 CPU, both cores", ""),
-    Row("Serving, fp32, vLLM on both cores", "", "serve/vllm_2cores_burst_fp32.json", _serve_vs_vllm,
+    Row("Serving, fp32", "", "serve/vllm_2cores_burst_fp32.json", _serve_vs_vllm,
         "vLLM 0.32 CPU, `VLLM_CPU_OMP_THREADS_BIND=0-1`, float32", ""),
     Row("Serving under load, bf16", "", "serve/vllm_2cores_poisson_bf16.json", _serve_vs_vllm_rates,
         "vLLM 0.32 CPU, `VLLM_CPU_OMP_THREADS_BIND=0-1`", ""),

@@ -35,6 +35,9 @@ settings.load_profile(os.environ.get("KVFORGE_HYPOTHESIS", "repeatable"))
 # hardware: the suite pins it to float32 so that its exactness tests mean the same on every CPU
 # (subprocesses inherit it); tests/test_compute_dtype.py checks the resolution itself.
 os.environ.setdefault("KVFORGE_AUTO_DTYPE", "float32")
+# Likewise a bf16 model's prefill products run in bf16, never widened to float32 by a timing
+# (kernels/bf16_products.py measures which is faster); tests of the widened form ask for it.
+os.environ.setdefault("KVFORGE_BF16_PRODUCTS", "native")
 
 # Without a GPU the Triton kernel runs in Triton's CPU interpreter, so `make test` checks it.
 # `triton.jit` reads TRITON_INTERPRET when kvforge.cache.kivi.triton_decode (or

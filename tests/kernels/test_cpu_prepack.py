@@ -79,14 +79,14 @@ def test_a_changed_weight_is_never_computed_from_its_stale_copy():
 def test_an_unchanged_weight_keeps_the_copy_an_earlier_engine_made():
     weight, bias = _weights()
     prepack_weights([weight], "on", PLENTY)
-    first = cpu_prepack._current_copy(weight)
+    first = cpu_prepack._current_copy(weight)[0]
     report = prepack_weights([weight], "on", PLENTY)  # a second engine on the same model
-    assert cpu_prepack._current_copy(weight) is first and report.weights == 1 and report.reused == 1
+    assert cpu_prepack._current_copy(weight)[0] is first and report.weights == 1 and report.reused == 1
     assert "1 of them an earlier engine's copies kept" in report.describe()
     with torch.no_grad():
         weight.add_(1)
     report = prepack_weights([weight], "on", PLENTY)
-    assert cpu_prepack._current_copy(weight) is not first and report.reused == 0  # changed since: packed anew
+    assert cpu_prepack._current_copy(weight)[0] is not first and report.reused == 0  # changed since: packed anew
     assert "earlier engine" not in report.describe()
     x = torch.randn(40, 64)
     assert torch.allclose(packed_linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-5)

@@ -77,10 +77,11 @@ class LLM:
 
     def start_up_lines(self) -> list[str]:
         """What a command prints at start-up about the choices made for this machine: the
-        compute dtype (when `dtype` was auto), the weights' prepacking and malloc's settings
-        (on a CPU)."""
+        compute dtype (when `dtype` was auto), the form of a bf16 model's prefill products, the
+        weights' prepacking and malloc's settings (on a CPU)."""
         report = self.engine.prepack_report
-        return [line for line in (self.dtype_reason, report and report.describe(), self.engine.malloc_report) if line]
+        return [line for line in (self.dtype_reason, self.engine.bf16_report, report and report.describe(),
+                                  self.engine.malloc_report) if line]
 
     @property
     def is_chat_model(self) -> bool:

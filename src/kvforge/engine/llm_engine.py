@@ -35,6 +35,7 @@ from kvforge.engine.sampling import (
 )
 from kvforge.engine.scheduler import ScheduledChunk, Scheduler
 from kvforge.errors import ConfigError
+from kvforge.kernels.bf16_products import bf16_products
 from kvforge.kernels.cpu_prepack import PrepackReport, available_memory_bytes, prepack_weights
 from kvforge.malloc_tuning import keep_freed_memory
 from kvforge.models.causal_lm import CausalLM
@@ -60,11 +61,16 @@ class LLMEngine:
             self.runner.decode_graphs = graphs if graphs.enabled else None
         self.prepack_report: PrepackReport | None = None
         self.malloc_report: str | None = None
+        self.bf16_report: str | None = None
         if self.runner.device.type == "cpu":
             self.malloc_report = keep_freed_memory()
+            weights = list(model.prefill_linear_weights())
+            # measured here, on the thread that will step the engine (its OpenMP team)
+            products = bf16_products() if any(w.dtype == torch.bfloat16 for w in weights) else None
+            self.bf16_report = products and products.describe()
             with torch.no_grad():
-                self.prepack_report = prepack_weights(model.prefill_linear_weights(), self.config.prepack_weights,
-                                                      available_memory_bytes())
+                self.prepack_report = prepack_weights(weights, self.config.prepack_weights, available_memory_bytes(),
+                                                      widen_bf16=products is not None and products.linear)
         lifetimes_fit = None
         if self.config.admission == "reserve":
             def lifetimes_fit(requests: list[Request]) -> bool:

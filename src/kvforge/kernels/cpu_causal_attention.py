@@ -10,6 +10,10 @@ output for merging partial attentions (see cpu_causal_attention.cpp for the exac
 for bf16 the precision of ATen's bf16 path, float32 softmax with bf16 weights; for float32 all
 in float32).
 
+A bf16 call runs the float32 kernel on widened q, k, v (the same exact products, the weights
+kept in float32) and rounds the output to bf16 once when `bf16_products` found that form faster
+on this CPU.
+
 `causal_attention` returns None when the call is not eligible: neither bf16 nor float32 (or
 mixed), another device, autograd needed, a head dim that is not a multiple of 64, a CPU
 without the dtype's instructions (AVX512-BF16 for bf16, AVX-512F for float32), or the kernel
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from kvforge.kernels.bf16_products import bf16_products
 from kvforge.kernels.build import CppKernel, kernels_disabled
 
 __all__ = ["causal_attention", "causal_attention_available", "causal_attention_runs"]
@@ -78,4 +83,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k = k.contiguous()
     if v.stride(2) != 1:
         v = v.contiguous()
+    if pairs and causal_attention_available(torch.float32) and bf16_products().attention:
+        # exact bf16 products in float32 (bf16_products measured them faster here); rounded once
+        out, lse = torch.ops.kvforge_cpu_causal.causal_attention(q.float(), k.float(), v.float(), float(scale))
+        return out.to(dtype), lse
     return torch.ops.kvforge_cpu_causal.causal_attention(q, k, v, float(scale))

@@ -14,12 +14,18 @@ linear weights' bytes once more, which is what the policy bounds:
   `AUTO_MEMORY_SHARE` of the memory available at start-up;
 - "on" packs whenever oneDNN can, "off" never (and drops copies an earlier engine made).
 
+bf16 weights are packed as float32 when `widen_bf16` says their products run faster widened on
+this CPU (`bf16_products`): each call then widens x, multiplies in float32 and rounds y to bf16
+once, the same products as bf16's (exact in float32) summed in another order. The copy then
+takes twice the bf16 weights' bytes, and the policy's bound counts them so.
+
 Invariants:
 - a packed copy is used only while its weight is unchanged since packing (the same storage
   and `_version`) and only for calls that F.linear would compute the same way up to rounding: x of the
   weight's dtype on the CPU, a bias of that dtype or none, no autograd. Anything else, and
   any weight without a copy, runs F.linear (`packed_linear` returns None).
-- results differ from F.linear by rounding only (oneDNN's blocking of the same sums).
+- results differ from F.linear by rounding only (oneDNN's blocking of the same sums), and are
+  in the weight's dtype whichever form the copy has.
 """
 
 from __future__ import annotations
@@ -35,13 +41,13 @@ from kvforge.errors import require
 from kvforge.kernels.prepack_policy import PREPACK_POLICIES
 
 __all__ = ["AUTO_MEMORY_SHARE", "PACKABLE_DTYPES", "PREPACK_POLICIES", "PrepackReport", "available_memory_bytes", "drop_packed",
-           "packed_linear", "prepack_available", "prepack_weights"]
+           "has_widened_copy", "packed_linear", "packed_linear_float32", "prepack_available", "prepack_weights"]
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 AUTO_MEMORY_SHARE = 0.25
 # On a packed weight: (its tensor when packed, detached: same storage and version counter;
-# its version then; the packed copy). Holding the storage keeps its address from being
-# reused, so "same address and version" means "unchanged" even across `weight.data = ...`
+# its version then; the packed copy; whether that copy is the bf16 weight widened to float32).
+# Holding the storage keeps its address from being reused, so "same address and version" means "unchanged" even across `weight.data = ...`
 # (which keeps the version counter) and module casts.
 _ATTRIBUTE = "_kvforge_onednn_packed"
 
@@ -57,13 +63,15 @@ class PrepackReport:
     seconds: float
     skipped: str | None = None
     reused: int = 0
+    widened: int = 0
 
     def describe(self) -> str:
         if self.skipped is not None:
             return f"linear weights not prepacked for oneDNN: {self.skipped}"
         kept = f", {self.reused} of them an earlier engine's copies kept" if self.reused else ""
+        wide = f", {self.widened} bf16 weights packed as float32" if self.widened else ""
         return (f"prepacked {self.weights} linear weights for oneDNN's prefill products "
-                f"({self.bytes / 2**20:.0f} MiB more memory{kept}, {self.seconds:.2f} s)")
+                f"({self.bytes / 2**20:.0f} MiB more memory{kept}{wide}, {self.seconds:.2f} s)")
 
 
 def prepack_available() -> bool:
@@ -90,10 +98,19 @@ def _packable(weight: torch.Tensor) -> bool:
             and weight.numel() > 0)
 
 
-def prepack_weights(weights: Iterable[torch.Tensor], policy: str, available_bytes: int | None) -> PrepackReport:
+def _widens(weight: torch.Tensor, widen_bf16: bool) -> bool:
+    return widen_bf16 and weight.dtype == torch.bfloat16
+
+
+def _copy_bytes(weight: torch.Tensor, widen_bf16: bool) -> int:
+    return weight.numel() * (4 if _widens(weight, widen_bf16) else weight.element_size())
+
+
+def prepack_weights(weights: Iterable[torch.Tensor], policy: str, available_bytes: int | None,
+                    widen_bf16: bool = False) -> PrepackReport:
     """Attach a oneDNN-packed copy to each packable weight under `policy` (see the module
     docstring); `available_bytes` is the memory "auto" may take its share of (None: unknown,
-    so "auto" packs nothing)."""
+    so "auto" packs nothing). `widen_bf16`: pack bf16 weights as float32."""
     require(policy in PREPACK_POLICIES, "prepack_weights", policy, f"must be one of {list(PREPACK_POLICIES)}")
     weights = list({id(weight): weight for weight in weights}.values())  # a tied weight once
     if policy == "off":
@@ -104,7 +121,7 @@ def prepack_weights(weights: Iterable[torch.Tensor], policy: str, available_byte
     packable = [w for w in weights if _packable(w)]
     if not packable:
         return PrepackReport(0, 0, 0.0, "no float32 or bfloat16 CPU linear weights")
-    total = sum(w.numel() * w.element_size() for w in packable)
+    total = sum(_copy_bytes(w, widen_bf16) for w in packable)
     if policy == "auto":
         if available_bytes is None:
             return PrepackReport(0, 0, 0.0, "the available memory is unknown (--prepack-weights on packs anyway)")
@@ -116,13 +133,16 @@ def prepack_weights(weights: Iterable[torch.Tensor], policy: str, available_byte
     reused = 0
     with torch.no_grad():
         for weight in packable:
-            if _current_copy(weight) is not None:
+            wide = _widens(weight, widen_bf16)
+            current = _current_copy(weight)
+            if current is not None and current[1] == wide:
                 reused += 1  # packed by an earlier engine on the same model, and unchanged since
                 continue
             source = weight.detach()
-            packed = torch.ops.mkldnn._reorder_linear_weight(source, None)
-            setattr(weight, _ATTRIBUTE, (source, weight._version, packed))
-    return PrepackReport(len(packable), total, time.perf_counter() - start, reused=reused)
+            packed = torch.ops.mkldnn._reorder_linear_weight(source.float() if wide else source, None)
+            setattr(weight, _ATTRIBUTE, (source, weight._version, packed, wide))
+    return PrepackReport(len(packable), total, time.perf_counter() - start, reused=reused,
+                         widened=sum(_widens(w, widen_bf16) for w in packable))
 
 
 def drop_packed(weights: Iterable[torch.Tensor]) -> None:
@@ -132,25 +152,57 @@ def drop_packed(weights: Iterable[torch.Tensor]) -> None:
             delattr(weight, _ATTRIBUTE)
 
 
-def _current_copy(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight`'s packed copy while the weight is unchanged since packing, else None."""
+def _current_copy(weight: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """(`weight`'s packed copy, whether it is widened to float32) while the weight is
+    unchanged since packing, else None."""
     entry = getattr(weight, _ATTRIBUTE, None)
     if entry is None:
         return None
-    source, version, packed = entry
+    source, version, packed, wide = entry
     if weight.data_ptr() != source.data_ptr() or weight._version != version or weight.dtype != source.dtype:
         return None
-    return packed
+    return packed, wide
+
+
+def _qualifies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_dtypes: tuple) -> bool:
+    if x.dtype not in x_dtypes or not x.is_cpu or (bias is not None and (bias.dtype != weight.dtype or not bias.is_cpu)):
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                             or (bias is not None and bias.requires_grad)))
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """`F.linear(x, weight, bias)` on `weight`'s packed copy, or None when there is none or
-    the call does not qualify (module docstring)."""
-    packed = _current_copy(weight)
-    if (packed is None or x.dtype != weight.dtype or not x.is_cpu
-            or (bias is not None and (bias.dtype != weight.dtype or not bias.is_cpu))):
+    the call does not qualify (module docstring). With a widened copy x may also be float32
+    holding bf16 values (`widened_input`: one x widened once for several products)."""
+    current = _current_copy(weight)
+    if current is None:
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    packed, wide = current
+    if not _qualifies(x, weight, bias, (weight.dtype, torch.float32) if wide else (weight.dtype,)):
         return None
+    if wide:  # exact bf16 products in float32, rounded to bf16 once
+        return _widened_product(x, packed, bias).to(weight.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def packed_linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`x @ weight.T + bias` in float32, not rounded, on `weight`'s widened copy (a bf16 weight
+    packed as float32); x bf16 (widened exactly) or float32. None when the weight has no
+    widened copy or the call does not qualify. For a chain of products that keeps its
+    activations in float32 between them (GatedMLP's prefill)."""
+    current = _current_copy(weight)
+    if current is None or not current[1] or not _qualifies(x, weight, bias, (torch.bfloat16, torch.float32)):
+        return None
+    return _widened_product(x, current[0], bias)
+
+
+def has_widened_copy(weight: torch.Tensor) -> bool:
+    """True when `weight` is a bf16 weight whose current packed copy is float32."""
+    current = _current_copy(weight)
+    return current is not None and current[1]
+
+
+def _widened_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x if x.dtype == torch.float32 else x.float(), packed,
+                                              None if bias is None else bias.float(), "none", [], "")

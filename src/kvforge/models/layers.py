@@ -10,7 +10,7 @@ from torch import nn
 from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.kernels import cuda_fused
 from kvforge.kernels.cpu_fused import rms_norm, silu_mul
-from kvforge.kernels.cpu_linear import linear
+from kvforge.kernels.cpu_linear import linear, linear_float32, widened_input
 from kvforge.rope import PositionedRope
 
 
@@ -81,6 +81,9 @@ class GatedMLP(nn.Module):
         self.activation = _ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = self._float32_prefill(x)
+        if wide is not None:
+            return wide
         gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)
         up = linear(x, self.up_proj.weight, self.up_proj.bias)
         # SiLU through the fused CPU op when it applies: the fused decode layer calls the
@@ -93,6 +96,26 @@ class GatedMLP(nn.Module):
         if gated is None:
             gated = self.activation(gate) * up
         return linear(gated, self.down_proj.weight, self.down_proj.bias)
+
+    def _float32_prefill(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The prompt-sized MLP of a bf16 model whose products run widened on this CPU
+        (kernels/bf16_products.py): gate, up, the activation and down all in float32, the
+        result rounded to x's dtype once. The intermediate activations are not rounded to
+        bf16 between the products (only more precise than the bf16 chain), and two
+        [rows, intermediate] conversions fewer each way. None when any weight has no
+        widened copy (then the bf16 chain below runs)."""
+        wide = widened_input(x, self.gate_proj.weight)
+        gate = linear_float32(wide, self.gate_proj.weight, self.gate_proj.bias)
+        if gate is None:
+            return None
+        up = linear_float32(wide, self.up_proj.weight, self.up_proj.bias)
+        if up is None:
+            return None
+        gated = silu_mul(gate, up) if self.activation is F.silu else None
+        if gated is None:
+            gated = self.activation(gate) * up
+        out = linear_float32(gated, self.down_proj.weight, self.down_proj.bias)
+        return None if out is None else out.to(x.dtype)
 
 
 class CachedAttention(nn.Module):
@@ -121,9 +144,10 @@ class CachedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: CacheMethod, meta: StepMetadata, rope: PositionedRope) -> torch.Tensor:
         rows = x.shape[0]
-        q = linear(x, self.q_proj.weight, self.q_proj.bias).view(rows, self.num_heads, self.head_dim)
-        k = linear(x, self.k_proj.weight, self.k_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
-        v = linear(x, self.v_proj.weight, self.v_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
+        source = widened_input(x, self.q_proj.weight)  # widened once for q, k and v where they run widened
+        q = linear(source, self.q_proj.weight, self.q_proj.bias).view(rows, self.num_heads, self.head_dim)
+        k = linear(source, self.k_proj.weight, self.k_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
+        v = linear(source, self.v_proj.weight, self.v_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cache.write(self.cache_layer, meta, k, v, rope)

@@ -309,11 +309,15 @@ ROWS = [
     # vLLM computes on both cores in these rows (`VLLM_CPU_OMP_THREADS_BIND=0-1`); with its
     # defaults on 2 cores it computes on one (serve/vllm_burst_bf16.json, vllm_chat_bf16.json).
     Row("Serving, bf16", "the engine, served", "serve/vllm_2cores_burst_bf16.json", _serve_vs_vllm,
-        "vLLM 0.32 CPU, same weights, `VLLM_CPU_OMP_THREADS_BIND=0-1`", "(the peer users would pick)"),
+        "vLLM 0.32 CPU, same weights, 2-core EPYC, `VLLM_CPU_OMP_THREADS_BIND=0-1`", "(the peer users would pick)"),
     Row("Serving a chat, bf16", "", "serve/vllm_2cores_chat_bf16.json", _serve_vs_vllm,
         "vLLM 0.32 CPU, both cores", ""),
     Row("Serving, fp32", "", "serve/vllm_2cores_burst_fp32.json", _serve_vs_vllm,
         "vLLM 0.32 CPU, `VLLM_CPU_OMP_THREADS_BIND=0-1`, float32", ""),
+    Row("Serving, bf16, Xeon (no AMX)", "", "serve/vllm_xeon_burst_bf16.json", _serve_vs_vllm,
+        "the same, on a 2-core Xeon (AMX hidden)", ""),
+    Row("Serving, fp32, Xeon (no AMX)", "", "serve/vllm_xeon_burst_fp32.json", _serve_vs_vllm,
+        "the same, float32", ""),
     Row("Serving under load, bf16", "", "serve/vllm_2cores_poisson_bf16.json", _serve_vs_vllm_rates,
         "vLLM 0.32 CPU, `VLLM_CPU_OMP_THREADS_BIND=0-1`", ""),
     Row("SwiftKV served, bf16", "prompt tokens skip the later layers", "serve/vllm_2cores_burst_swiftkv_l15_bf16.json",

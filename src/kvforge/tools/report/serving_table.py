@@ -9,8 +9,9 @@ from typing import Any
 from kvforge.tools.report.markdown import fmt
 
 START, END = "<!-- serving-vs-vllm:start -->", "<!-- serving-vs-vllm:end -->"
-BURST = "serve/vllm_2cores_burst_bf16.json"
-CHAT = "serve/vllm_2cores_chat_bf16.json"
+# The 2-core Xeon (the machine type; its AMX hidden); the EPYC's runs are Results rows.
+BURST = "serve/vllm_xeon_burst_bf16.json"
+CHAT = "serve/vllm_xeon_chat_bf16.json"
 
 Document = dict[str, Any]
 

@@ -1,0 +1,198 @@
+"""A bf16 model's prefill products widened to float32 (kvforge/kernels/bf16_products.py): the
+verdict (override, measured rule, cached once), and the widened forms of the packed linear and
+the causal attention kernel, each against its definition: the bf16 operands widened exactly,
+multiplied in float32, the result rounded to bf16 once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_pair
+
+from kvforge.cache.registry import create_cache
+from kvforge.engine.engine_config import EngineConfig
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.errors import ConfigError
+from kvforge.kernels import bf16_products as products_module
+from kvforge.kernels.bf16_products import (
+    ENV,
+    WIDEN_MARGIN,
+    Bf16Products,
+    bf16_products,
+    measure_bf16_products,
+)
+from kvforge.kernels.cpu_causal_attention import causal_attention, causal_attention_available
+from kvforge.kernels.cpu_prepack import drop_packed, packed_linear, prepack_available, prepack_weights
+
+PLENTY = 1 << 40
+needs_prepack = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN packed linear ops")
+needs_kernel = pytest.mark.skipif(
+    not (causal_attention_available(torch.bfloat16) and causal_attention_available(torch.float32)),
+    reason="the causal attention kernel needs AVX512-BF16 and AVX-512F")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """An unmeasured process: the cached verdict cleared, the suite's pin lifted."""
+    monkeypatch.setattr(products_module, "_cached", None)
+    monkeypatch.delenv(ENV, raising=False)
+    return monkeypatch
+
+
+def test_the_environment_overrides_the_measurement(monkeypatch):
+    monkeypatch.setenv(ENV, "native")
+    assert bf16_products() == Bf16Products(False, False, f"${ENV}=native")
+    monkeypatch.setenv(ENV, "FLOAT32")
+    verdict = bf16_products()
+    assert verdict.linear and verdict.attention
+    assert "linear layers and attention of bf16 models run in float32" in verdict.describe()
+    monkeypatch.setenv(ENV, "fast")
+    with pytest.raises(ConfigError, match=f"{ENV}='fast'.*'auto', 'native', 'float32'"):
+        bf16_products()
+
+
+@pytest.mark.parametrize("linear,attention,widened", [
+    ((1.0, WIDEN_MARGIN), (1.0, WIDEN_MARGIN + 0.01), (True, False)),  # at the margin widens, above not
+    ((1.0, 0.99), (2.0, 1.0), (False, True)),
+    (None, None, (False, False)),                                       # no kernel: bf16 as it is
+])
+def test_float32_is_chosen_only_when_it_is_clearly_faster(fresh, linear, attention, widened):
+    fresh.setattr(products_module, "_linear_seconds", lambda: linear)
+    fresh.setattr(products_module, "_attention_seconds", lambda: attention)
+    verdict = measure_bf16_products()
+    assert (verdict.linear, verdict.attention) == widened
+    assert verdict.why.startswith("measured on this CPU")
+    if linear is None:
+        assert "linear unmeasured" in verdict.why and "attention unmeasured" in verdict.why
+    else:
+        assert f"linear bf16 / float32 time {linear[0] / linear[1]:.2f}x" in verdict.why
+
+
+def test_auto_measures_once_per_process_whatever_the_threads(fresh):
+    calls = []
+    fresh.setattr(products_module, "measure_bf16_products",
+                  lambda: calls.append(1) or Bf16Products(True, False, "measured"))
+    threads = [threading.Thread(target=bf16_products) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert bf16_products().linear and len(calls) == 1
+
+
+@needs_prepack
+@needs_kernel
+def test_the_real_measurement_times_both_products(fresh):
+    verdict = bf16_products()
+    assert "linear bf16 / float32 time" in verdict.why and "attention bf16 / float32 time" in verdict.why
+
+
+def _weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return ((torch.randn(96, 64, generator=generator) * 0.1).bfloat16(),
+            (torch.randn(96, generator=generator) * 0.1).bfloat16())
+
+
+@needs_prepack
+def test_a_widened_copy_is_the_float32_product_of_the_bf16_values_rounded_once():
+    weight, bias = _weights()
+    report = prepack_weights([weight], "on", PLENTY, widen_bf16=True)
+    assert report.widened == 1 and report.bytes == weight.numel() * 4  # float32 copy
+    assert "1 bf16 weights packed as float32" in report.describe()
+    x = torch.randn(3, 50, 64).bfloat16()
+    for b in (bias, None):
+        out = packed_linear(x, weight, b)
+        assert out.dtype == torch.bfloat16 and out.shape == (3, 50, 96)
+        exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        once = exact.to(torch.bfloat16).double()
+        # one rounding of a float32 sum: within one bf16 step of the exact value rounded
+        assert torch.allclose(out.double(), once, rtol=2 ** -7, atol=1e-6)
+    drop_packed([weight])
+
+
+@needs_prepack
+def test_a_copy_in_the_other_form_is_packed_again():
+    weight, bias = _weights()
+    prepack_weights([weight], "on", PLENTY)
+    again = prepack_weights([weight], "on", PLENTY, widen_bf16=True)
+    assert again.reused == 0 and again.widened == 1
+    assert prepack_weights([weight], "on", PLENTY, widen_bf16=True).reused == 1
+    float_weight = weight.float()
+    assert prepack_weights([float_weight], "on", PLENTY, widen_bf16=True).widened == 0  # float32 is as it is
+    drop_packed([weight, float_weight])
+
+
+def _qkv(n: int = 70, m: int = 70, heads: int = 4, kv_heads: int = 2):
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(n, heads, 64, generator=generator).bfloat16()
+    k, v = (torch.randn(kv_heads, m, 64, generator=generator).bfloat16() for _ in range(2))
+    return q, k, v
+
+
+@needs_kernel
+def test_widened_attention_is_the_float32_kernel_on_the_bf16_values(monkeypatch):
+    q, k, v = _qkv(n=40, m=70)
+    monkeypatch.setenv(ENV, "float32")
+    out, lse = causal_attention(q, k, v, 0.125)
+    wide_out, wide_lse = torch.ops.kvforge_cpu_causal.causal_attention(q.float(), k.float(), v.float(), 0.125)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, wide_out.to(torch.bfloat16)) and torch.equal(lse, wide_lse)
+    monkeypatch.setenv(ENV, "native")
+    native, _ = causal_attention(q, k, v, 0.125)
+    assert torch.equal(native, torch.ops.kvforge_cpu_causal.causal_attention(q, k, v, 0.125)[0])
+    # both against the definition (float64 softmax over the visible keys)
+    group = q.shape[1] // k.shape[0]
+    kk, vv = (t.double().repeat_interleave(group, dim=0) for t in (k, v))
+    offset = k.shape[1] - q.shape[0]
+    scores = torch.einsum("nhd,hmd->hnm", q.double(), kk) * 0.125
+    visible = torch.arange(k.shape[1])[None, :] <= torch.arange(q.shape[0])[:, None] + offset
+    reference = torch.einsum("hnm,hmd->nhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vv)
+    assert (out.double() - reference).abs().max() <= (native.double() - reference).abs().max() + 2 ** -8
+
+
+@needs_prepack
+@needs_kernel
+def test_an_engine_on_a_bf16_model_says_what_it_measured_and_packs_accordingly(monkeypatch):
+    _, model = make_pair("llama_gqa")
+    model = model.to(torch.bfloat16)
+    monkeypatch.setenv(ENV, "float32")
+    cache = create_cache("full:block_size=4", model.cache_layout(), 1 << 22, torch.bfloat16)
+    engine = LLMEngine(model, cache, None, EngineConfig(1 << 22, max_num_batched_tokens=128, prepack_weights="on"))
+    assert "run in float32" in engine.bf16_report
+    assert engine.prepack_report.widened == engine.prepack_report.weights > 0
+    float_model = make_pair("llama_gqa")[1]
+    cache32 = create_cache("full:block_size=4", float_model.cache_layout(), 1 << 22, torch.float32)
+    engine32 = LLMEngine(float_model, cache32, None, EngineConfig(1 << 22, prepack_weights="on"))
+    assert engine32.bf16_report is None and engine32.prepack_report.widened == 0
+
+
+@needs_prepack
+def test_a_prompt_sized_mlp_keeps_float32_between_its_widened_products():
+    from kvforge.kernels.cpu_linear import MAX_ROWS, widened_input
+    from kvforge.models.layers import GatedMLP
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 96, "silu", bias=False, dtype=torch.bfloat16)
+    weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    x = torch.randn(MAX_ROWS + 8, 64).bfloat16()
+    with torch.no_grad():
+        bf16_chain = mlp(x)  # no copies yet: the bf16 chain
+        prepack_weights(weights, "on", PLENTY, widen_bf16=True)
+        out = mlp(x)
+        g, u, d = (w.float() for w in weights)
+        x32 = x.float()
+        chain32 = (F.silu(x32 @ g.T) * (x32 @ u.T) @ d.T).to(torch.bfloat16)
+        g64, u64, d64 = (w.double() for w in weights)
+        exact = F.silu(x.double() @ g64.T) * (x.double() @ u64.T) @ d64.T
+    assert out.dtype == torch.bfloat16
+    # the float32 chain rounded once: equal but for a rare last-bit tie of the summation order
+    # (a bf16 rounding of the activations between the products leaves about 60% equal)
+    assert torch.allclose(out.float(), chain32.float(), rtol=2 ** -7, atol=1e-3)
+    assert (out == chain32).float().mean() >= 0.95
+    assert (out.double() - exact).abs().mean() < (bf16_chain.double() - exact).abs().mean()
+    # decode-sized rows and weights without a widened copy keep their dtype
+    assert widened_input(x[:MAX_ROWS], weights[0]).dtype == torch.bfloat16
+    assert widened_input(x, weights[0]).dtype == torch.float32
+    drop_packed(weights)
+    assert widened_input(x, weights[0]) is x

@@ -4,7 +4,8 @@ On a CPU with bfloat16 arithmetic in hardware (AMX-BF16 or AVX-512 BF16) it is b
 weights and the KV cache take half the bytes, and kvforge's kernels multiply bf16 in hardware
 while they accumulate in float32. Where that hardware multiplies bf16 more slowly than float32
 (kernels/bf16_products.py measures it), a prefill's large products run on exactly widened
-operands instead, so bfloat16 keeps float32's prefill speed and decode still reads half the bytes. Elsewhere, and on other devices, it is float32 (a GPU user
+operands instead, so bfloat16 comes close to float32's prefill speed while a decode step of up
+to 32 sequences still reads half the bytes. Elsewhere, and on other devices, it is float32 (a GPU user
 names the dtype). bfloat16 stays float32-equal enough on the shipped models: greedy argmax
 agrees with float32 at (tie-aware) >= 98% of the positions of a held-out passage
 (tests/models/test_auto_dtype.py, the check `kvforge verify` reports). `--dtype float32` is one

@@ -6,6 +6,7 @@ multiplied in float32, the result rounded to bf16 once."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -73,8 +74,13 @@ def test_float32_is_chosen_only_when_it_is_clearly_faster(fresh, linear, attenti
 
 def test_auto_measures_once_per_process_whatever_the_threads(fresh):
     calls = []
-    fresh.setattr(products_module, "measure_bf16_products",
-                  lambda: calls.append(1) or Bf16Products(True, False, "measured"))
+
+    def slow_measurement() -> Bf16Products:  # long enough for every thread to ask meanwhile
+        calls.append(1)
+        time.sleep(0.2)
+        return Bf16Products(True, False, "measured")
+
+    fresh.setattr(products_module, "measure_bf16_products", slow_measurement)
     threads = [threading.Thread(target=bf16_products) for _ in range(4)]
     for thread in threads:
         thread.start()
@@ -139,6 +145,11 @@ def test_widened_attention_is_the_float32_kernel_on_the_bf16_values(monkeypatch)
     out, lse = causal_attention(q, k, v, 0.125)
     wide_out, wide_lse = torch.ops.kvforge_cpu_causal.causal_attention(q.float(), k.float(), v.float(), 0.125)
     assert out.dtype == torch.bfloat16 and torch.equal(out, wide_out.to(torch.bfloat16)) and torch.equal(lse, wide_lse)
+    # a few queries (a decode step's, a short chunk's) keep the bf16 kernel: widening the whole
+    # K/V for them would cost more than it gains
+    few = q[:8]
+    assert torch.equal(causal_attention(few, k, v, 0.125)[0], torch.ops.kvforge_cpu_causal.causal_attention(
+        few, k, v, 0.125)[0])
     monkeypatch.setenv(ENV, "native")
     native, _ = causal_attention(q, k, v, 0.125)
     assert torch.equal(native, torch.ops.kvforge_cpu_causal.causal_attention(q, k, v, 0.125)[0])
@@ -162,6 +173,10 @@ def test_an_engine_on_a_bf16_model_says_what_it_measured_and_packs_accordingly(m
     engine = LLMEngine(model, cache, None, EngineConfig(1 << 22, max_num_batched_tokens=128, prepack_weights="on"))
     assert "run in float32" in engine.bf16_report
     assert engine.prepack_report.widened == engine.prepack_report.weights > 0
+    # the start-up line says what was done: without the copies the linear layers stay bf16
+    off = LLMEngine(model, create_cache("full:block_size=4", model.cache_layout(), 1 << 22, torch.bfloat16), None,
+                    EngineConfig(1 << 22, prepack_weights="off"))
+    assert "linear layers stay bf16" in off.bf16_report and "linear layers and" not in off.bf16_report
     float_model = make_pair("llama_gqa")[1]
     cache32 = create_cache("full:block_size=4", float_model.cache_layout(), 1 << 22, torch.float32)
     engine32 = LLMEngine(float_model, cache32, None, EngineConfig(1 << 22, prepack_weights="on"))
@@ -191,8 +206,75 @@ def test_a_prompt_sized_mlp_keeps_float32_between_its_widened_products():
     assert torch.allclose(out.float(), chain32.float(), rtol=2 ** -7, atol=1e-3)
     assert (out == chain32).float().mean() >= 0.95
     assert (out.double() - exact).abs().mean() < (bf16_chain.double() - exact).abs().mean()
-    # decode-sized rows and weights without a widened copy keep their dtype
-    assert widened_input(x[:MAX_ROWS], weights[0]).dtype == torch.bfloat16
-    assert widened_input(x, weights[0]).dtype == torch.float32
-    drop_packed(weights)
-    assert widened_input(x, weights[0]) is x
+    # decode-sized rows, autograd and weights without a widened copy keep x as it is
+    assert widened_input(x, weights[0]) is x  # the weight needs its gradient here
+    with torch.no_grad():
+        assert widened_input(x[:MAX_ROWS], weights[0]).dtype == torch.bfloat16
+        assert widened_input(x, weights[0]).dtype == torch.float32
+        drop_packed(weights)
+        assert widened_input(x, weights[0]) is x
+
+
+@needs_prepack
+def test_auto_packs_bf16_copies_where_float32_ones_would_not_fit():
+    weight, _ = _weights()
+    bf16_bytes = weight.numel() * 2
+    fits_bf16_only = int(bf16_bytes / 0.25) + 1  # AUTO_MEMORY_SHARE of it holds the bf16 copy, not the float32
+    report = prepack_weights([weight], "auto", fits_bf16_only, widen_bf16=True)
+    assert report.weights == 1 and report.widened == 0 and report.bytes == bf16_bytes
+    drop_packed([weight])
+
+
+@needs_prepack
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama_gqa", "gemma3_hybrid"])
+def test_a_widened_prefill_computes_the_bf16_model_within_its_rounding(monkeypatch, arch):
+    """The whole model, prompts longer than the small-M path, native bf16 against widened
+    (every product of a layer: q/k/v from one widened x, the float32 MLP chain, attention):
+    logits agree to bf16's rounding, and the widened run really took the widened products."""
+    from conftest import decode_logits
+
+    from kvforge.engine.runner import ModelRunner
+    from kvforge.kernels import cpu_prepack
+    _, model = make_pair(arch)
+    model = model.to(torch.bfloat16)
+    prompts = [list(range(3, 43)), list(range(50, 95))]
+
+    def logits(mode: str) -> torch.Tensor:
+        monkeypatch.setenv(ENV, mode)
+        prepack_weights(model.prefill_linear_weights(), "on", PLENTY, widen_bf16=mode == "float32")
+        cache = create_cache("full:block_size=4", model.cache_layout(), 1 << 22, torch.bfloat16)
+        with torch.no_grad():
+            return decode_logits(ModelRunner(model, cache), prompts, steps=2).float()
+
+    native = logits("native")
+    calls = []
+    real = cpu_prepack._widened_product
+    monkeypatch.setattr(cpu_prepack, "_widened_product", lambda *a: calls.append(1) or real(*a))
+    widened = logits("float32")
+    layers = len(model.model.layers)
+    assert len(calls) >= 7 * layers  # q, k, v, o, gate, up, down of every layer (the prompt steps)
+    scale = native.abs().max()
+    assert (widened - native).abs().max() <= 0.05 * scale
+    assert (widened - native).abs().mean() <= 0.01 * scale
+    drop_packed(model.prefill_linear_weights())
+
+
+@needs_prepack
+def test_a_projection_whose_copy_went_stale_takes_x_as_it_is():
+    """q/k/v share one widened x; a k_proj changed since packing has no widened copy and must
+    get the bf16 x (F.linear refuses a float32 x with a bf16 weight)."""
+    from kvforge.kernels.cpu_linear import MAX_ROWS, linear_from, widened_input
+    q_weight, _ = _weights(0)
+    k_weight, _ = _weights(1)
+    prepack_weights([q_weight, k_weight], "on", PLENTY, widen_bf16=True)
+    with torch.no_grad():
+        k_weight.mul_(2)  # stale copy
+        x = torch.randn(MAX_ROWS + 4, 64).bfloat16()
+        wide = widened_input(x, q_weight)
+        assert wide.dtype == torch.float32
+        k = linear_from(x, wide, k_weight, None)
+        q = linear_from(x, wide, q_weight, None)
+    assert k.dtype == q.dtype == torch.bfloat16
+    assert torch.equal(k, F.linear(x, k_weight))
+    drop_packed([q_weight, k_weight])

@@ -48,17 +48,16 @@ def aten(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
 
 
 def assert_as_close_as_aten(q, k, v, scale, out, lse):
-    """Error against float64 no worse than ATen's: the mean within 1.1x (over many seeds it
-    stayed at or below 1.03x on an AMD EPYC) plus a quarter of a float32 unit, the max, one
-    element's luck, within 1.5x; and the log-sum-exp within a few float32 units of its size.
-    (The quarter unit: on an Intel Xeon ATen's masked float32 path is more precise on a short
-    chunk, 3.2e-8 against the kernel's 3.9e-8 mean error at 5 x 70 keys, both far below a
-    float32 unit.)"""
+    """Error against float64 no worse than ATen's: the mean within 1.25x (over many seeds it
+    stayed at or below 1.03x on an AMD EPYC; on an Intel Xeon ATen's masked float32 path is
+    more precise on a short chunk: 3.2e-8 against the kernel's 3.9e-8 at 5 x 70 keys, 1.20x),
+    the max, one element's luck, within 1.5x; and the log-sum-exp within a few float32 units
+    of its size."""
     want, want_lse = definition(q, k, v, scale)
     ours = (out.double() - want).abs()
     theirs = (aten(q, k, v, scale).double() - want).abs()
     assert ours.max().item() <= 1.5 * theirs.max().item() + 2e-8, (ours.max().item(), theirs.max().item())
-    assert ours.mean().item() <= 1.1 * theirs.mean().item() + FLOAT32_EPS / 4, (ours.mean().item(), theirs.mean().item())
+    assert ours.mean().item() <= 1.25 * theirs.mean().item() + 1e-12, (ours.mean().item(), theirs.mean().item())
     lse_ulps = ((lse.double() - want_lse).abs() / want_lse.abs().clamp(min=1.0)).max().item() / FLOAT32_EPS
     assert lse_ulps <= 8, lse_ulps
 

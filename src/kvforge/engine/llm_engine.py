@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -65,12 +66,15 @@ class LLMEngine:
         if self.runner.device.type == "cpu":
             self.malloc_report = keep_freed_memory()
             weights = list(model.prefill_linear_weights())
-            # measured here, on the thread that will step the engine (its OpenMP team)
+            # measured once per process by its first caller: normally here, on the thread that will step the engine
             products = bf16_products() if any(w.dtype == torch.bfloat16 for w in weights) else None
-            self.bf16_report = products and products.describe()
             with torch.no_grad():
                 self.prepack_report = prepack_weights(weights, self.config.prepack_weights, available_memory_bytes(),
                                                       widen_bf16=products is not None and products.linear)
+            if products is not None and products.linear and not self.prepack_report.widened:
+                products = replace(products, linear=False, why=f"{products.why}; the linear layers stay bf16: "
+                                   "their weights are not packed as float32 (--prepack-weights)")
+            self.bf16_report = products and products.describe()
         lifetimes_fit = None
         if self.config.admission == "reserve":
             def lifetimes_fit(requests: list[Request]) -> bool:

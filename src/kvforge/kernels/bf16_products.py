@@ -2,13 +2,16 @@
 
 kvforge's bf16 arithmetic multiplies bf16 values and sums the products in float32. A product
 of two bf16 values is exact in float32, so widening both operands to float32 first and
-multiplying there computes the same products; only the order of the float32 sums may differ,
-and the result is rounded to bf16 once either way. Which form is faster depends on the CPU,
+multiplying there computes the same products; for a linear layer only the order of the float32
+sums may differ, and the result is rounded to bf16 once either way. (The widened attention
+also keeps its softmax weights in float32 where the bf16 kernel rounds them, and GatedMLP's
+widened chain skips the bf16 roundings between its products: both only more precise.) Which form is faster depends on the CPU,
 and flags do not tell: with AMX tiles, or a core whose AVX-512 BF16 dot product runs at the
 float32 FMA rate, bf16 wins; on a CPU whose bf16 dot product runs slower than its float32
 FMAs (an Intel Xeon whose AMX the hypervisor hides, measured in docs/benchmarks.md), float32
-wins. So `bf16_products()` measures it once per process, on the thread that asks (the
-engine's), for the two products a prefill spends its time in:
+wins. So `bf16_products()` measures it once per process, on the thread that first asks (an
+engine asks at start-up, on the thread that will step it), for the two products a prefill
+spends its time in:
 
 - "linear": oneDNN's packed GEMM (`cpu_prepack`), a prompt-sized [256, 1024] x [1024, 1024];
   widened means the weights are packed as float32 and each call widens x and rounds y;
@@ -17,7 +20,11 @@ engine's), for the two products a prefill spends its time in:
 
 Each form's timing includes its conversions, and float32 is chosen only when it is at least
 `WIDEN_MARGIN` faster, so a noisy measurement between two near-equal forms keeps bf16.
-Decode is untouched: a decode step reads its weights once, and bf16 weights halve those bytes.
+Decode steps of up to 32 sequences are untouched (cpu_linear.MAX_ROWS, the attention's
+WIDEN_MIN_QUERIES): they read the bf16 weights, half the bytes. A larger decode batch takes
+the packed copy, as it did before, and so the widened one. Because a timing picks the form,
+two processes on a CPU where the forms are close may round a result differently;
+`KVFORGE_BF16_PRODUCTS` fixes the choice where that matters.
 
 `KVFORGE_BF16_PRODUCTS` overrides the measurement: `native` (bf16 products), `float32`
 (widened), `auto` or unset (measure). The test suite pins `native` so that timing never

@@ -31,8 +31,8 @@ from kvforge.kernels.build import DEFAULT_FLAG_SETS, DISABLE_ENV, FLOAT_IO_DTYPE
 from kvforge.kernels.cpu_prepack import has_widened_copy, packed_linear, packed_linear_float32
 from kvforge.step_timing import current_timer
 
-__all__ = ["DISABLE_ENV", "KERNEL_DTYPES", "MAX_ROWS", "linear", "linear_float32", "small_m_linear_available",
-           "widened_input"]
+__all__ = ["DISABLE_ENV", "KERNEL_DTYPES", "MAX_ROWS", "linear", "linear_float32", "linear_from",
+           "small_m_linear_available", "widened_input"]
 
 KERNEL_DTYPES = FLOAT_IO_DTYPES
 MAX_ROWS = 32  # more rows: BLAS is as good (it is compute-bound then) and is used instead
@@ -66,19 +66,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def widened_input(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x widened to float32 (exactly) when it is prompt-sized and `weight`'s product runs
-    widened (a bf16 weight with a float32 packed copy), else x itself: a caller that multiplies
-    one x by several such weights (q, k, v; gate, up) widens it once. `linear` takes either."""
-    if x.dtype != torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1] or not has_widened_copy(weight):
+    """x widened to float32 (exactly) when it is prompt-sized, needs no autograd and `weight`'s
+    product runs widened (a bf16 weight with a float32 packed copy), else x itself: a caller
+    that multiplies one x by several such weights (q, k, v; gate, up) widens it once, then
+    passes both to `linear_from` (or the widened one to `linear_float32`)."""
+    if (x.dtype != torch.bfloat16 or x.numel() <= MAX_ROWS * x.shape[-1] or not has_widened_copy(weight)
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return x
     return x.float()
+
+
+def linear_from(x: torch.Tensor, wide: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear(x, weight, bias)`, computed from `wide` (`widened_input(x, some weight)`) where
+    this weight has a current widened copy; in x's dtype either way, so a weight without the
+    copy (never packed, or changed since) takes x as it is."""
+    if wide is not x and has_widened_copy(weight):
+        return linear(wide, weight, bias)
+    return linear(x, weight, bias)
 
 
 def linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """`x @ weight.T + bias` in float32, unrounded, for a prompt-sized x (more than MAX_ROWS
     rows) when `weight` has a float32-widened packed copy (cpu_prepack.packed_linear_float32),
     else None. Counted as "linear" like `linear`."""
-    if x.numel() <= MAX_ROWS * x.shape[-1]:
+    if x.numel() <= MAX_ROWS * x.shape[-1] or not has_widened_copy(weight):
         return None
     timer = current_timer()
     if timer is not None:
@@ -98,11 +109,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         out = torch.ops.kvforge_cpu_linear.small_m_linear(rows, weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
     out = packed_linear(x, weight, bias)
-    if out is None:
-        if x.dtype == torch.float32 and weight.dtype == torch.bfloat16:
-            x = x.to(weight.dtype)  # a `widened_input` whose weight has no current widened copy
-        return F.linear(x, weight, bias)
-    return out
+    return F.linear(x, weight, bias) if out is None else out
 
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

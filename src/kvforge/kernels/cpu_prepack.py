@@ -17,7 +17,8 @@ linear weights' bytes once more, which is what the policy bounds:
 bf16 weights are packed as float32 when `widen_bf16` says their products run faster widened on
 this CPU (`bf16_products`): each call then widens x, multiplies in float32 and rounds y to bf16
 once, the same products as bf16's (exact in float32) summed in another order. The copy then
-takes twice the bf16 weights' bytes, and the policy's bound counts them so.
+takes twice the bf16 weights' bytes, and the policy's bound counts them so; where float32
+copies would not fit under "auto", bf16 ones are made instead.
 
 Invariants:
 - a packed copy is used only while its weight is unchanged since packing (the same storage
@@ -122,6 +123,9 @@ def prepack_weights(weights: Iterable[torch.Tensor], policy: str, available_byte
     if not packable:
         return PrepackReport(0, 0, 0.0, "no float32 or bfloat16 CPU linear weights")
     total = sum(_copy_bytes(w, widen_bf16) for w in packable)
+    if policy == "auto" and widen_bf16 and available_bytes is not None and total > AUTO_MEMORY_SHARE * available_bytes:
+        widen_bf16 = False  # bf16 copies where float32 ones would not fit: still faster than none
+        total = sum(_copy_bytes(w, widen_bf16) for w in packable)
     if policy == "auto":
         if available_bytes is None:
             return PrepackReport(0, 0, 0.0, "the available memory is unknown (--prepack-weights on packs anyway)")

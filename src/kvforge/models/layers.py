@@ -10,7 +10,7 @@ from torch import nn
 from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.kernels import cuda_fused
 from kvforge.kernels.cpu_fused import rms_norm, silu_mul
-from kvforge.kernels.cpu_linear import linear, linear_float32, widened_input
+from kvforge.kernels.cpu_linear import linear, linear_float32, linear_from, widened_input
 from kvforge.rope import PositionedRope
 
 
@@ -144,10 +144,10 @@ class CachedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: CacheMethod, meta: StepMetadata, rope: PositionedRope) -> torch.Tensor:
         rows = x.shape[0]
-        source = widened_input(x, self.q_proj.weight)  # widened once for q, k and v where they run widened
-        q = linear(source, self.q_proj.weight, self.q_proj.bias).view(rows, self.num_heads, self.head_dim)
-        k = linear(source, self.k_proj.weight, self.k_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
-        v = linear(source, self.v_proj.weight, self.v_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
+        wide = widened_input(x, self.q_proj.weight)  # widened once for q, k and v where they run widened
+        q = linear_from(x, wide, self.q_proj.weight, self.q_proj.bias).view(rows, self.num_heads, self.head_dim)
+        k = linear_from(x, wide, self.k_proj.weight, self.k_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
+        v = linear_from(x, wide, self.v_proj.weight, self.v_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cache.write(self.cache_layer, meta, k, v, rope)

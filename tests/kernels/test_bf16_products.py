@@ -25,8 +25,9 @@ from kvforge.kernels.bf16_products import (
     bf16_products,
     measure_bf16_products,
 )
-from kvforge.kernels.cpu_causal_attention import causal_attention, causal_attention_available
+from kvforge.kernels.cpu_causal_attention import causal_attention_available
 from kvforge.kernels.cpu_prepack import drop_packed, packed_linear, prepack_available, prepack_weights
+from kvforge.kernels.prefill_attention import causal_attention
 
 PLENTY = 1 << 40
 needs_prepack = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN packed linear ops")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.cache.softmax_merge import LseMerge, OnlineSoftmax
-from kvforge.kernels.cpu_causal_attention import causal_attention
+from kvforge.kernels.prefill_attention import causal_attention
 
 # ATen's CPU flash attention, which returns the log-sum-exp beside the output (float32).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

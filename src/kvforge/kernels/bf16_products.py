@@ -16,12 +16,13 @@ spends its time in:
 - "linear": oneDNN's packed GEMM (`cpu_prepack`), a prompt-sized [256, 1024] x [1024, 1024];
   widened means the weights are packed as float32 and each call widens x and rounds y;
 - "attention": kvforge's causal attention kernel (`cpu_causal_attention`) over 256 tokens;
-  widened means q, k, v are widened and the float32 kernel's output is rounded to bf16.
+  widened means q, k, v are widened and the float32 kernel's output is rounded to bf16
+  (`prefill_attention`, which the caches call).
 
 Each form's timing includes its conversions, and float32 is chosen only when it is at least
 `WIDEN_MARGIN` faster, so a noisy measurement between two near-equal forms keeps bf16.
-Decode steps of up to 32 sequences are untouched (cpu_linear.MAX_ROWS, the attention's
-WIDEN_MIN_QUERIES): they read the bf16 weights, half the bytes. A larger decode batch takes
+Decode steps of up to 32 sequences are untouched (cpu_linear.MAX_ROWS,
+prefill_attention.WIDEN_MIN_QUERIES): they read the bf16 weights, half the bytes. A larger decode batch takes
 the packed copy, as it did before, and so the widened one. Because a timing picks the form,
 two processes on a CPU where the forms are close may round a result differently;
 `KVFORGE_BF16_PRODUCTS` fixes the choice where that matters.

@@ -10,11 +10,6 @@ output for merging partial attentions (see cpu_causal_attention.cpp for the exac
 for bf16 the precision of ATen's bf16 path, float32 softmax with bf16 weights; for float32 all
 in float32).
 
-A bf16 call of more than WIDEN_MIN_QUERIES queries runs the float32 kernel on widened q, k, v
-(the same exact score products; the softmax weights then stay float32 instead of being rounded
-to bf16) and rounds the output to bf16 once when `bf16_products` found that form faster on
-this CPU.
-
 `causal_attention` returns None when the call is not eligible: neither bf16 nor float32 (or
 mixed), another device, autograd needed, a head dim that is not a multiple of 64, a CPU
 without the dtype's instructions (AVX512-BF16 for bf16, AVX-512F for float32), or the kernel
@@ -30,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from kvforge.kernels.bf16_products import bf16_products
 from kvforge.kernels.build import CppKernel, kernels_disabled
 
 __all__ = ["causal_attention", "causal_attention_available", "causal_attention_runs"]
@@ -40,7 +34,6 @@ _KERNEL = CppKernel(name="kvforge_cpu_causal", source=Path(__file__).with_name("
                     what="causal attention kernel", fallback="ATen's attention")
 
 HEAD_DIM_MULTIPLE = 64  # the value micro-kernel covers 64 dims at a time
-WIDEN_MIN_QUERIES = 32  # a bf16 call widens only above this many queries (prompt-sized, as cpu_linear.MAX_ROWS)
 
 
 def causal_attention_runs() -> bool:
@@ -85,9 +78,4 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k = k.contiguous()
     if v.stride(2) != 1:
         v = v.contiguous()
-    if pairs and n > WIDEN_MIN_QUERIES and causal_attention_available(torch.float32) and bf16_products().attention:
-        # the float32 kernel on exactly widened inputs (bf16_products measured it faster here);
-        # a few queries over a long history would spend more converting K/V than they gain
-        out, lse = torch.ops.kvforge_cpu_causal.causal_attention(q.float(), k.float(), v.float(), float(scale))
-        return out.to(dtype), lse
     return torch.ops.kvforge_cpu_causal.causal_attention(q, k, v, float(scale))

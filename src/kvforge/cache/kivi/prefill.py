@@ -36,7 +36,8 @@ from kvforge.cache.kivi.attention import stored_parts
 from kvforge.cache.kivi.key_space import KeyTransform
 from kvforge.cache.kivi.store import KIVILayerView
 from kvforge.cache.softmax_merge import LseMerge
-from kvforge.kernels.cpu_causal_attention import causal_attention, causal_attention_available
+from kvforge.kernels.cpu_causal_attention import causal_attention_available
+from kvforge.kernels.prefill_attention import causal_attention
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,

@@ -1752,7 +1752,7 @@ MUTATIONS: list[Mutation] = [
              (BF16_PRODUCTS + "::test_widened_attention_is_the_float32_kernel_on_the_bf16_values",),
              "only prompt-sized bf16 attention widens; a few queries keep the bf16 kernel"),
     Mutation("peak_ignores_bf16_widened_product", S + "tools/bench/peak.py",
-             "        if a.dtype == torch.bfloat16 and bf16_products().linear:", "        if False:",
+             "        if (a.dtype == torch.bfloat16 and bf16_products().linear", "        if (False",
              ("tests/tools/bench/test_bench.py::test_a_bf16_peak_includes_the_widened_product_where_the_engine_widens",),
              "a bf16 matmul peak times the widened form the engine's prefill runs, so no step beats its roofline"),
     Mutation("prepack_swiftkv_fused_kv_left_out", S + "models/swiftkv.py",

@@ -5,8 +5,8 @@ of two bf16 values is exact in float32, so widening both operands to float32 fir
 multiplying there computes the same products; for a linear layer only the order of the float32
 sums may differ, and the result is rounded to bf16 once either way. (The widened attention
 also keeps its softmax weights in float32 where the bf16 kernel rounds them, and GatedMLP's
-widened chain skips the bf16 roundings between its products: both only more precise.) Which form is faster depends on the CPU,
-and flags do not tell: with AMX tiles, or a core whose AVX-512 BF16 dot product runs at the
+widened chain skips the bf16 roundings between its products: both only more precise.)
+Which form is faster depends on the CPU, and flags do not tell: with AMX tiles, or a core whose AVX-512 BF16 dot product runs at the
 float32 FMA rate, bf16 wins; on a CPU whose bf16 dot product runs slower than its float32
 FMAs (an Intel Xeon whose AMX the hypervisor hides, measured in docs/benchmarks.md), float32
 wins. So `bf16_products()` measures it once per process, on the thread that first asks (an
@@ -22,8 +22,8 @@ spends its time in:
 Each form's timing includes its conversions, and float32 is chosen only when it is at least
 `WIDEN_MARGIN` faster, so a noisy measurement between two near-equal forms keeps bf16.
 Decode steps of up to 32 sequences are untouched (cpu_linear.MAX_ROWS,
-prefill_attention.WIDEN_MIN_QUERIES): they read the bf16 weights, half the bytes. A larger decode batch takes
-the packed copy, as it did before, and so the widened one. Because a timing picks the form,
+prefill_attention.WIDEN_MIN_QUERIES): they read the bf16 weights, half the bytes. A larger
+decode batch takes the packed copy, as it did before, and so the widened one. Because a timing picks the form,
 two processes on a CPU where the forms are close may round a result differently;
 `KVFORGE_BF16_PRODUCTS` fixes the choice where that matters.
 
@@ -99,17 +99,16 @@ def _best_seconds(fn: Callable[[], object]) -> float:
 
 
 def _linear_seconds() -> tuple[float, float] | None:
-    from kvforge.kernels.cpu_prepack import prepack_available
-    if not prepack_available():
-        return None
+    # the engine's own path: a weight packed each way, multiplied through `packed_linear`
+    from kvforge.kernels.cpu_prepack import packed_linear, prepack_weights
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(256, 1024, generator=generator).to(torch.bfloat16)
-    weight = (torch.randn(1024, 1024, generator=generator) / 32).to(torch.bfloat16)
-    ops = torch.ops.mkldnn
-    native = ops._reorder_linear_weight(weight, None)
-    wide = ops._reorder_linear_weight(weight.float(), None)
-    return (_best_seconds(lambda: ops._linear_pointwise(x, native, None, "none", [], "")),
-            _best_seconds(lambda: ops._linear_pointwise(x.float(), wide, None, "none", [], "").to(torch.bfloat16)))
+    native = (torch.randn(1024, 1024, generator=generator) / 32).to(torch.bfloat16)
+    wide = native.clone()
+    if (prepack_weights([native], "on", None).weights != 1
+            or prepack_weights([wide], "on", None, widen_bf16=True).widened != 1):
+        return None
+    return _best_seconds(lambda: packed_linear(x, native, None)), _best_seconds(lambda: packed_linear(x, wide, None))
 
 
 def _attention_seconds() -> tuple[float, float] | None:

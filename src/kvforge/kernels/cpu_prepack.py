@@ -48,8 +48,9 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 AUTO_MEMORY_SHARE = 0.25
 # On a packed weight: (its tensor when packed, detached: same storage and version counter;
 # its version then; the packed copy; whether that copy is the bf16 weight widened to float32).
-# Holding the storage keeps its address from being reused, so "same address and version" means "unchanged" even across `weight.data = ...`
-# (which keeps the version counter) and module casts.
+# Holding the storage keeps its address from being reused, so "same address and version"
+# means "unchanged" even across `weight.data = ...` (which keeps the version counter) and
+# module casts.
 _ATTRIBUTE = "_kvforge_onednn_packed"
 
 

@@ -5,8 +5,8 @@
   stays under about a second), through torch.mm and, where this torch has oneDNN's packed
   linear ops, through the oneDNN product on a prepacked weight that kvforge's CPU prefill
   runs (kernels/cpu_prepack.py), and for bf16 where the engine widens its prefill products
-  (kernels/bf16_products.py) that widened form: the fastest of them, so that no engine step can beat its
-  own roofline (torch.mm's BLAS can be far from the machine's best: in float32 on the 2-core
+  (kernels/bf16_products.py) that widened form: the fastest of them, so that no engine step
+  can beat its own roofline (torch.mm's BLAS can be far from the machine's best: in float32 on the 2-core
   EPYC it measured about half of oneDNN's). Reported as the best of the repeats, in GFLOP/s:
   a peak, not a typical value; `matmul_kernel` names the product that set it.
 - read bandwidth: torch.sum over a 256 MiB float32 tensor (far larger than the caches), in
@@ -42,7 +42,7 @@ import torch
 
 from kvforge.errors import require
 from kvforge.kernels.bf16_products import bf16_products
-from kvforge.kernels.cpu_prepack import PACKABLE_DTYPES, prepack_available
+from kvforge.kernels.cpu_prepack import PACKABLE_DTYPES, packed_linear, prepack_available, prepack_weights
 
 MATMUL_SIZE = 2048
 PROBE_SECONDS = 0.05  # a smaller size is used when one 2048 call would take far longer
@@ -113,10 +113,10 @@ def _matmul_products(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[],
     if prepack_available() and a.dtype in PACKABLE_DTYPES:
         packed = torch.ops.mkldnn._reorder_linear_weight(b.T.contiguous(), None)
         products["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
-        if a.dtype == torch.bfloat16 and bf16_products().linear:  # the engine's bf16 prefill runs this form
-            wide = torch.ops.mkldnn._reorder_linear_weight(b.T.float().contiguous(), None)
-            products["oneDNN packed, bf16 widened to float32"] = lambda: torch.ops.mkldnn._linear_pointwise(
-                a.float(), wide, None, "none", [], "").to(torch.bfloat16)
+        weight = b.T.contiguous()
+        if (a.dtype == torch.bfloat16 and bf16_products().linear  # the engine's bf16 prefill runs this form
+                and prepack_weights([weight], "on", None, widen_bf16=True).widened):
+            products["oneDNN packed, bf16 widened to float32"] = lambda: packed_linear(a, weight, None)
     return products
 
 

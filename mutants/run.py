@@ -66,7 +66,9 @@ def _pytest(scratch: Path, tests: tuple[str, ...], threads: int,
         env["KVFORGE_TEXT_FILE"] = str(shared_text)
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+        # A mutation names its tests: the slow ones among them run too (the default deselects them).
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               "-m", "slow or not slow", *tests],
                               cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, time.perf_counter() - start, f"timeout after {timeout} s"
@@ -93,9 +95,10 @@ def _copy_repository(scratch: Path) -> None:
 
 def _status(passed: bool, last_line: str) -> str:
     """killed / SURVIVED / NOT RUN HERE, from pytest's outcome and its summary line."""
-    if not passed:
-        return "killed"
     counts = {word.strip(",") for word in last_line.split()}
+    if not passed:  # pytest exits 5 when it ran no test (all deselected): that kills nothing
+        ran_none = ("deselected" in counts or "no tests ran" in last_line) and not counts & {"failed", "error", "errors"}
+        return "NOT RUN HERE" if ran_none else "killed"
     return "NOT RUN HERE" if "skipped" in counts and "passed" not in counts else "SURVIVED"
 
 

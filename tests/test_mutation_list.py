@@ -35,6 +35,9 @@ def test_a_mutation_whose_tests_all_skip_here_is_neither_killed_nor_survived():
 
     assert _status(False, "1 failed, 3 passed in 1.20s") == "killed"
     assert _status(False, "timeout after 900 s") == "killed"
+    assert _status(False, "1 deselected in 0.17s") == "NOT RUN HERE"  # pytest's exit 5: no test ran
+    assert _status(False, "no tests ran in 0.05s") == "NOT RUN HERE"
+    assert _status(False, "1 failed, 2 deselected in 0.40s") == "killed"
     assert _status(True, "25 skipped in 18.37s") == "NOT RUN HERE"
     assert _status(True, "3 passed, 2 skipped in 1.02s") == "SURVIVED"
     assert _status(True, "3 passed in 1.02s") == "SURVIVED"

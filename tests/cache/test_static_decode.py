@@ -15,7 +15,7 @@ from sync_counter import SyncCounter
 from kvforge.batch import ForwardBatch
 from kvforge.cache.registry import create_cache, parse_cache_spec
 from kvforge.cache.static_decode import SCRATCH_SEQ, StaticDecode
-from kvforge.engine.decode_graphs import DecodeGraphs, powers_of_two_up_to
+from kvforge.engine.decode_graphs import CaptureReport, DecodeGraphs, powers_of_two_up_to
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.runner import ModelRunner, StepItem
@@ -201,6 +201,36 @@ def test_the_engine_captures_on_cuda_unless_told_not_to(enforce_eager):
                                                          enforce_eager=enforce_eager))
     assert (engine.runner.decode_graphs is None) == enforce_eager
     assert (engine.capture_report is None) == enforce_eager
+    assert ("--enforce-eager)" in engine.graphs_report) == enforce_eager
+    assert ("CUDA graphs" in engine.graphs_report) != enforce_eager
+
+
+def test_the_start_up_line_says_what_was_captured_at_what_cost():
+    """The line an engine on CUDA prints: the graphs, their buckets, the capture's seconds
+    and memory (vLLM logs the same), or, before any capture, that the buffers run eagerly."""
+    _, graphs = with_graphs(make_pair("llama_gqa")[1], "full:block_size=4", max_num_seqs=4, max_len=1024)
+    line = graphs.describe(CaptureReport(graphs=6, seconds=2.34, bytes=48 * 2**20))
+    assert line.startswith("decode steps replay 6 CUDA graphs (sequences [1, 2, 4] x tokens [512, 1024])"), line
+    assert "in 2.3 s, 48 MiB" in line and "--enforce-eager" in line
+    assert graphs.describe(CaptureReport(0, 0.0, 0)) == "decode steps run eagerly from fixed buffers (not captured)"
+
+
+def test_the_start_up_line_names_why_decode_runs_eagerly():
+    spec = "shadowkv:chunk=4,local=8,outliers=2,min_context=24,generated_window=8,rank=4,budget=8"
+    _, graphs = with_graphs(make_pair("llama_gqa")[1], spec)
+    assert not graphs.enabled
+    assert graphs.describe(CaptureReport(0, 0.0, 0)) == ("decode steps run eagerly: the ShadowKVCache cache has no "
+                                                         "fixed-shape decode step")
+
+
+def test_an_engine_says_how_its_decode_steps_run_at_start_up(monkeypatch):
+    """LLM.start_up_lines carries the engine's line (set on CUDA only; here set by hand)."""
+    from kvforge.engine.llm import LLM
+
+    llm = LLM("llama-tiny", load_format="dummy")
+    assert llm.engine.graphs_report is None  # a CPU engine captures nothing and says nothing of it
+    monkeypatch.setattr(llm.engine, "graphs_report", "decode steps run eagerly (--enforce-eager)")
+    assert llm.start_up_lines()[-1] == "decode steps run eagerly (--enforce-eager)"
 
 
 def test_kivi_hands_end_step_the_real_rows_only():

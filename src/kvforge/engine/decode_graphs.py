@@ -133,6 +133,20 @@ class DecodeGraphs:
                  self.row_buckets, self.length_buckets, report.seconds, report.bytes / 2**20)
         return report
 
+    def describe(self, report: CaptureReport) -> str:
+        """The start-up line saying how decode steps run: from which graphs, at what capture
+        cost, or why eagerly."""
+        if not self.steps:
+            why = ("the model reads device values on the host in a decode step (SwiftKV's early exit)"
+                   if not self.model.decode_reads_nothing_on_host()
+                   else f"the {type(self.cache).__name__} cache has no fixed-shape decode step")
+            return f"decode steps run eagerly: {why}"
+        if not report.graphs:
+            return "decode steps run eagerly from fixed buffers (not captured)"
+        return (f"decode steps replay {report.graphs} CUDA graphs (sequences {self.row_buckets} x tokens "
+                f"{self.length_buckets}), captured at start-up in {report.seconds:.1f} s, "
+                f"{report.bytes / 2**20:.0f} MiB of graph memory; --enforce-eager runs every step eagerly")
+
     def _capture_one(self, step: StaticDecode, pool: object
                      ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, StepMetadata]:
         # The buffers hold padding only (every row writes the scratch page), so warm-up and

@@ -35,6 +35,7 @@ from kvforge.engine.sampling import (
     sample,
 )
 from kvforge.engine.scheduler import ScheduledChunk, Scheduler
+from kvforge.engine.stepping_thread import SteppingThreadCheck
 from kvforge.errors import ConfigError
 from kvforge.kernels.bf16_products import bf16_products
 from kvforge.kernels.cpu_prepack import PrepackReport, available_memory_bytes, prepack_weights
@@ -54,12 +55,18 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.runner = ModelRunner(model, cache)
         self.capture_report: CaptureReport | None = None
-        # (a step timer reads the device between ops: its engine runs eagerly)
-        if not self.config.enforce_eager and not self.config.step_timing and self.runner.device.type == "cuda":
-            graphs = DecodeGraphs(model, cache, self.config.max_cudagraph_capture_size or self.config.max_num_seqs,
-                                  min(self.config.max_seq_len_to_capture, self.max_model_len), capture=True)
-            self.capture_report = graphs.capture()
-            self.runner.decode_graphs = graphs if graphs.enabled else None
+        self.graphs_report: str | None = None  # how decode steps run on CUDA, said at start-up
+        if self.runner.device.type == "cuda":
+            if self.config.enforce_eager:
+                self.graphs_report = "decode steps run eagerly (--enforce-eager)"
+            elif self.config.step_timing:  # the step timer reads the device between ops
+                self.graphs_report = "decode steps run eagerly: the step timer (--step-timing) reads the device"
+            else:
+                graphs = DecodeGraphs(model, cache, self.config.max_cudagraph_capture_size or self.config.max_num_seqs,
+                                      min(self.config.max_seq_len_to_capture, self.max_model_len), capture=True)
+                self.capture_report = graphs.capture()
+                self.graphs_report = graphs.describe(self.capture_report)
+                self.runner.decode_graphs = graphs if graphs.enabled else None
         self.prepack_report: PrepackReport | None = None
         self.malloc_report: str | None = None
         self.bf16_report: str | None = None
@@ -92,6 +99,7 @@ class LLMEngine:
         self.steps = 0
         self.step_timer = StepTimer(self.runner.device) if self.config.step_timing else None
         self._last_step_kind = "prefill"  # of the latest step: every chunk past its prompt -> "decode"
+        self._stepping_thread = SteppingThreadCheck(self.runner.device)  # (built here: this thread ran torch)
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -174,6 +182,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, apply the stop rules; the outputs of every
         request that changed."""
+        self._stepping_thread.check()
         if self.step_timer is None:
             return self._step()
         return self.step_timer.time_step(self._step, lambda: self._last_step_kind)

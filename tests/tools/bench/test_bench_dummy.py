@@ -88,6 +88,10 @@ def test_bench_serve_measures_a_served_dummy_model_on_random_token_ids(tmp_path)
     (rate,) = result["systems"][0]["rates"]
     assert rate["completed"] == 2 and rate["failed"] == 0 and rate["output_tokens"] == 6
     assert rate["prompt_tokens"] == 32
+    # the server's own start-up lines travel with the result: which form of the engine ran
+    start_up = result["systems"][0]["server_start_up"]
+    assert any("dtype float32" in line and "on http://127.0.0.1:" in line for line in start_up), start_up
+    assert any("malloc" in line for line in start_up), start_up
 
 
 def test_bench_serve_of_a_dummy_model_refuses_text_prompts_and_the_vllm_peer(capsys):

@@ -70,6 +70,13 @@ def test_missing_llama_cpp_says_how_to_install_it(monkeypatch, verb, capsys):
     assert "pip install -e '.[peers]'" in err and "compiling llama.cpp" in err
 
 
+@pytest.mark.parametrize("verb", ["prefill", "decode", "throughput"])
+def test_flash_attn_of_the_peer_without_the_peer_is_refused(verb, capsys):
+    assert main(["bench", verb, "--llama-cpp-flash-attn", "off"]) == 2
+    err = capsys.readouterr().err
+    assert "llama_cpp_flash_attn" in err and "off" in err and "add --compare llama.cpp" in err
+
+
 def test_the_peer_needs_a_gguf_model_on_the_cpu(installed):
     systems = parse_compare("full,llama.cpp", llama_cpp=True)
     llamacpp_option.check_run(systems, "gguf", "cpu")
@@ -186,9 +193,10 @@ def _systems(path):
 def test_decode_batch_2_against_llama_cpp(real_peer, tmp_path):
     out = tmp_path / "d.json"
     assert main(["bench", "decode", "--batch", "2", "--context", "24", "--gen", "5", "--compare", "llama.cpp",
-                 *SLOW, "--json", str(out)]) == 0
+                 "--llama-cpp-flash-attn", "off", *SLOW, "--json", str(out)]) == 0
     result, systems = _systems(out)
     peer = systems["llama.cpp[f16]"]
+    assert peer["llama_cpp"]["flash_attn"] == "off"  # the setting asked for, recorded
     assert peer["kind"] == "llama.cpp" and peer["tokens"] == 2 * 4 and peer["steps"] == 4
     assert peer["llama_cpp"]["n_seq_max"] == 2 and peer["llama_cpp"]["n_ctx_seq"] >= 24 + 5
     assert peer["llama_cpp"]["n_threads"] == 1 and peer["llama_cpp"]["file"].endswith("-f16.gguf")
@@ -210,11 +218,11 @@ def test_prefill_against_llama_cpp_converted_and_as_shipped(real_peer, tmp_path)
         assert systems[name]["achieved_gflops"] > 0 and systems[name]["llama_cpp"]["n_batch"] >= 64
 
 
-def _llama_cpp_greedy(path, prompts, count):
+def _llama_cpp_greedy(path, prompts, count, flash_attn="auto"):
     from kvforge.tools.bench.llamacpp_session import Session
 
     with Session(path, threads=1, sequences=len(prompts), tokens_per_sequence=max(map(len, prompts)) + count,
-                 prompt_tokens=sum(map(len, prompts))) as session:
+                 prompt_tokens=sum(map(len, prompts)), flash_attn=flash_attn) as session:
         session.load_prompts(prompts)
         outputs = [[token] for token in session.run_prompts()]
         for step in range(count - 1):  # prompts of one length: one position for the whole step
@@ -245,3 +253,5 @@ def test_llama_cpp_f16_greedy_tokens_match_kvforge(real_peer):
     together = _llama_cpp_greedy(path, prompts, count)
     assert together == [_llama_cpp_greedy(path, [p], count)[0] for p in prompts]
     assert together == [o.token_ids for o in outputs]
+    # without flash attention (faster on some CPUs, `--llama-cpp-flash-attn off`) it is the same model
+    assert _llama_cpp_greedy(path, prompts, count, flash_attn="off") == together

@@ -41,6 +41,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                              "with its forward compiled (compile time reported apart, never timed), or (bench "
                              "prefill and decode; pip install -e '.[peers]') llama.cpp[:f16|bf16|f32|as-shipped]: "
                              "llama.cpp on the model's GGUF file converted to that type (f16), or as shipped")
+    parser.add_argument("--llama-cpp-flash-attn", choices=("auto", "on", "off"), default="auto",
+                        help="the llama.cpp peer's flash attention (llama.cpp's -fa): auto, its default, turns it "
+                             "on where the backend supports it, which on some CPUs makes decode slower; measure "
+                             "both and quote the faster (auto)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA, kvforge systems run every step eagerly (default: decode steps replay CUDA "
                              "graphs captured when each engine starts)")
@@ -177,6 +181,18 @@ def _add_serve(kinds: Any) -> None:
 PEER_VERBS = ("prefill", "decode")  # the bench verbs that run the llama.cpp peer
 
 
+def _check_llamacpp_only_options(args: argparse.Namespace) -> None:
+    """An option of the llama.cpp peer given without that peer would change nothing: refused."""
+    from kvforge.errors import require
+    from kvforge.tools.bench.llamacpp_option import is_peer
+
+    flash_attn = getattr(args, "llama_cpp_flash_attn", "auto")
+    if flash_attn != "auto":
+        entries = [piece.strip() for text in getattr(args, "compare", ()) for piece in text.split(",")]
+        require(any(is_peer(entry) for entry in entries), "llama_cpp_flash_attn", flash_attn,
+                "sets the llama.cpp peer's flash attention: add --compare llama.cpp")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench_verb not in PEER_VERBS:  # before anything loads (bench prefix ignores --compare otherwise)
         from kvforge.tools.bench.llamacpp_option import is_peer, parse
@@ -184,6 +200,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for entry in (piece.strip() for text in getattr(args, "compare", ()) for piece in text.split(",")):
             if is_peer(entry):
                 parse(entry, allowed=False)
+    _check_llamacpp_only_options(args)
     module = importlib.import_module(f"kvforge.tools.bench.{args.bench_verb}")
     result = module.run(args)
     return 1 if result.get("failures") else 0  # a benchmark that judges properties (soak) lists what failed

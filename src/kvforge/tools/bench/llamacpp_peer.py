@@ -102,7 +102,8 @@ def open_session(ctx: BenchContext, system: System, sequences: int, tokens_per_s
     assert system.weights is not None
     path = weights_file(ctx.source.path, system.weights, ctx.args.threads)
     start = time.perf_counter()
-    session = Session(path, ctx.args.threads, sequences, tokens_per_sequence, prompt_tokens)
+    session = Session(path, ctx.args.threads, sequences, tokens_per_sequence, prompt_tokens,
+                      flash_attn=getattr(ctx.args, "llama_cpp_flash_attn", "auto"))
     log(f"llama.cpp model loaded ({time.perf_counter() - start:.1f} s): {session.model_description()}")
     return session
 

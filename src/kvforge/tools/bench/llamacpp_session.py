@@ -59,11 +59,16 @@ def cells_per_sequence(tokens_per_sequence: int) -> int:
     return -(-tokens_per_sequence // CELL_PAD) * CELL_PAD
 
 
+# --llama-cpp-flash-attn -> llama_context_params.flash_attn_type (llama.h: LLAMA_FLASH_ATTN_TYPE_*)
+FLASH_ATTN_TYPES = {"auto": -1, "off": 0, "on": 1}
+_FLASH_ATTN_NAMES = {value: name for name, value in FLASH_ATTN_TYPES.items()}
+
+
 class Session:
     """One model and one context on the CPU; `close` (or `with`) frees them."""
 
     def __init__(self, path: Path, threads: int, sequences: int, tokens_per_sequence: int,
-                 prompt_tokens: int) -> None:
+                 prompt_tokens: int, flash_attn: str = "auto") -> None:
         lib = self.lib = load_library()
         self.path, self.sequences = path, sequences
         self._model = self._ctx = None
@@ -79,6 +84,7 @@ class Session:
         params.kv_unified = False  # one KV stream per sequence (llama.cpp's default)
         params.swa_full = False  # sliding-window layers keep their window only, as llama.cpp's tools do
         params.no_perf = True
+        params.flash_attn_type = FLASH_ATTN_TYPES[flash_attn]
         self._ctx = lib.llama_init_from_model(self._model, params)
         if not self._ctx:
             self.close()
@@ -88,7 +94,9 @@ class Session:
             "n_ctx": lib.llama_n_ctx(self._ctx), "n_ctx_seq": lib.llama_n_ctx_seq(self._ctx),
             "n_seq_max": sequences, "n_batch": lib.llama_n_batch(self._ctx), "n_ubatch": lib.llama_n_ubatch(self._ctx),
             "n_threads": threads, "n_threads_batch": threads, "kv_unified": False, "swa_full": False,
-            "flash_attn": "auto (llama.cpp's default)", "kv_type": "f16 (llama.cpp's default)",
+            "flash_attn": _FLASH_ATTN_NAMES[params.flash_attn_type]  # what llama.cpp was given
+                          + (" (llama.cpp's default)" if params.flash_attn_type == FLASH_ATTN_TYPES["auto"] else ""),
+            "kv_type": "f16 (llama.cpp's default)",
         }
         self._prompt = self._new_batch(max(prompt_tokens, 1))
         self._prompt_rows: list[int] = []  # batch index of each sequence's last prompt token

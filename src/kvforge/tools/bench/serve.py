@@ -334,6 +334,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server = _start(args, plan, system)
         try:
             results.append(_measure_profiled(args, plan, system, server))
+            if system.kind != "vllm":
+                results[-1]["server_start_up"] = server.start_up_lines()
         finally:
             server.stop()
             unwaited_cpu_s += server.unwaited_cpu_s

@@ -27,6 +27,7 @@ import httpx
 from kvforge.errors import KVForgeError
 
 STARTUP_TIMEOUT_S = 600  # a first run may build the C++ kernels and convert a tokenizer
+SERVE_LINE_PREFIX = "kvforge serve: "  # how `kvforge serve` starts each line it prints about itself
 
 
 def free_loopback_port() -> int:
@@ -74,6 +75,17 @@ class ServerProcess:
                 raise KVForgeError(f"the {label} server was not ready after {timeout_s:.0f} s:\n"
                                    + server.log_tail())
             time.sleep(0.25)
+
+    def start_up_lines(self) -> list[str]:
+        """What a `kvforge serve` printed about itself at start-up (its "kvforge serve: " lines:
+        the dtype, the bf16 products' form, prepacking, malloc, the banner), so a result says
+        which form of the engine produced it. Empty for a server that prints none (vLLM)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        return [line.removeprefix(SERVE_LINE_PREFIX) for line in text.splitlines()
+                if line.startswith(SERVE_LINE_PREFIX)]
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -181,6 +181,11 @@ def _add_serve(kinds: Any) -> None:
 PEER_VERBS = ("prefill", "decode")  # the bench verbs that run the llama.cpp peer
 
 
+def _compare_entries(args: argparse.Namespace) -> list[str]:
+    """Every --compare entry, the comma-separated lists flattened."""
+    return [piece.strip() for text in getattr(args, "compare", ()) for piece in text.split(",")]
+
+
 def _check_llamacpp_only_options(args: argparse.Namespace) -> None:
     """An option of the llama.cpp peer given without that peer would change nothing: refused."""
     from kvforge.errors import require
@@ -188,8 +193,7 @@ def _check_llamacpp_only_options(args: argparse.Namespace) -> None:
 
     flash_attn = getattr(args, "llama_cpp_flash_attn", "auto")
     if flash_attn != "auto":
-        entries = [piece.strip() for text in getattr(args, "compare", ()) for piece in text.split(",")]
-        require(any(is_peer(entry) for entry in entries), "llama_cpp_flash_attn", flash_attn,
+        require(any(is_peer(entry) for entry in _compare_entries(args)), "llama_cpp_flash_attn", flash_attn,
                 "sets the llama.cpp peer's flash attention: add --compare llama.cpp")
 
 
@@ -197,7 +201,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench_verb not in PEER_VERBS:  # before anything loads (bench prefix ignores --compare otherwise)
         from kvforge.tools.bench.llamacpp_option import is_peer, parse
 
-        for entry in (piece.strip() for text in getattr(args, "compare", ()) for piece in text.split(",")):
+        for entry in _compare_entries(args):
             if is_peer(entry):
                 parse(entry, allowed=False)
     _check_llamacpp_only_options(args)

@@ -75,7 +75,8 @@ common=(--model "$MODEL" --device "$DEVICE" --dtype bfloat16 --warmup 1)
 if has graphs; then
     # Decode from CUDA graphs (issue 62): the capture/replay parity tests, then `full` with
     # graphs against itself eager and transformers, at the KIVI bench's shape.
-    TAIL=15 step graph-tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/cache/test_static_decode.py
+    TAIL=15 step graph-tests 200 $PY -m pytest -q -x -p no:cacheprovider tests/cache/test_static_decode.py \
+        tests/cache/test_shadowkv_static_decode.py
     TAIL=14 step bench-graphs 150 $PY -m kvforge bench decode "${common[@]}" --repeats 3 --cache full \
         --compare eager,hf "${KIVI_SHAPE[@]}" --json "$WORK/bench-graphs.json"
 fi
@@ -93,9 +94,12 @@ if has graphs-8b; then
         --json "$WORK/bench-8b-b1.json"
 fi
 if has bench-shadowkv; then
-    TAIL=14 step bench-shadowkv 160 $PY -m kvforge bench decode "${common[@]}" --repeats 2 \
-        --cache shadowkv:rank=32 --compare full,hf "${SHADOW_SHAPE[@]}" --max-position-embeddings 32768 \
-        --json "$WORK/bench-shadowkv.json"
+    # ShadowKV with its values in pinned RAM (read in place by the Triton kernels, decode steps
+    # captured), against itself eager, its staged fetch (values in pageable RAM, one host wait
+    # per layer), full and transformers.
+    TAIL=16 step bench-shadowkv 220 $PY -m kvforge bench decode "${common[@]}" --repeats 2 \
+        --cache shadowkv:rank=32,slow_store=pinned --compare eager,shadowkv:rank=32,full,hf "${SHADOW_SHAPE[@]}" \
+        --max-position-embeddings 32768 --json "$WORK/bench-shadowkv.json"
 fi
 if has bench-kivi; then
     TAIL=14 step bench-kivi 120 $PY -m kvforge bench decode "${common[@]}" --repeats 3 --cache kivi:bits=2 \
@@ -114,12 +118,16 @@ fi
 # bf16, each system at the same KV budget in one command. SMOKE=1 runs them on llama-tiny at toy
 # sizes (any device) to try the commands first.
 if [[ ${SMOKE:-0} == 1 ]]; then
-    PAPER_7B=llama-tiny; PAPER_8B=llama-tiny; PAPER_BUDGET=64MiB; PAPER_L=1; PAPER_RANK=32  # KV width 128
+    PAPER_7B=llama-tiny; PAPER_8B=llama-tiny; PAPER_BUDGET=64MiB; PAPER_SLOW=64MiB; PAPER_L=1
+    PAPER_RANK=32  # KV width 128
     KIVI_PAPER=(--num-requests 8 --input-len 256 --output-len 16)
     SHADOW_PAPER=(--num-requests 2 --input-len 4096 --output-len 8 --max-position-embeddings 8192)
     SWIFT_PREFILL=(--batch 1 --prompt-len 512); SWIFT_SERVE=(--num-prompts 4 --input-len 256 --output-len 8)
 else
     PAPER_7B=llama-2-7b; PAPER_8B=llama-3.1-8b; PAPER_BUDGET=60GiB; PAPER_L=16; PAPER_RANK=160
+    # ShadowKV's values in page-locked RAM (read in place, decode steps captured): 24 x 32K
+    # tokens of Llama-3.1-8B's values are 48 GiB
+    PAPER_SLOW=56GiB
     # KIVI's throughput table: 4K-token prompts, 1K generated; enough requests that the bf16
     # cache's batch (about 24 at 60 GiB) runs several waves and KIVI's about five times that one.
     KIVI_PAPER=(--num-requests 128 --input-len 4096 --output-len 1024)
@@ -134,9 +142,11 @@ if has paper-kivi; then
         --cache kivi:bits=2,group=32,residual=32 --compare full "${KIVI_PAPER[@]}" --json "$WORK/paper-kivi.json"
 fi
 if has paper-shadowkv; then
-    # Sparse budget 1.56%, chunk 8, rank 160 (the paper's Table 3 setting) against the bf16 cache.
+    # Sparse budget 1.56%, chunk 8, rank 160 (the paper's Table 3 setting) against the bf16 cache;
+    # values in pinned RAM (the Triton kernels read them in place; decode steps are captured).
     TAIL=16 step paper-shadowkv 560 $PY -m kvforge bench throughput --model "$PAPER_8B" "${paper[@]}" --repeats 1 \
-        --cache shadowkv:budget_fraction=0.0156,chunk=8,rank=$PAPER_RANK --compare full "${SHADOW_PAPER[@]}" \
+        --cache "shadowkv:budget_fraction=0.0156,chunk=8,rank=$PAPER_RANK,slow_store=pinned,slow_budget=$PAPER_SLOW" \
+        --compare full "${SHADOW_PAPER[@]}" \
         --json "$WORK/paper-shadowkv.json"
 fi
 if has paper-swiftkv; then

@@ -12,7 +12,8 @@ with two named exceptions:
 - ShadowKV fetches the values of missed chunks from its slow tier, which is host memory:
   the host has to know which pages to gather. That is one device-to-host copy of a
   fixed-size index tensor per global layer (`HostCopy`), queued behind the selection and
-  waited for only when the host needs it.
+  waited for only when the host needs it. With `slow_store=pinned` on CUDA a Triton kernel
+  reads the values in place instead, and ShadowKV's decode step reads nothing either.
 
 Per-step plans (page tables, rows, slots) are built on the host before the layer loop and
 reach the device in one non-blocking copy (`step_plan.upload`; nothing to copy to the CPU).

@@ -10,6 +10,8 @@ host-built plan and its one copy), `end_step`, and the model around them.
   global layer, the copy of the missed chunks' pages to the host, which gathers their
   values from the slow tier (host memory); none elsewhere, except that a step that folds
   chunks writes their values to the slow tier (`ChunkStore.write`, at `end_step`).
+  Its Triton path with the values read in place (`slow_store=pinned` on CUDA; run here in
+  Triton's interpreter): none in the layer loop either.
 
 The CUDA code paths give the CPU path's logits, and the counter is shown to see the reads
 the CPU path makes on purpose.
@@ -107,6 +109,34 @@ def test_shadowkv_sparse_decode_synchronises_once_per_global_layer():
     assert stats["folded_chunks"] > 0 and len(folds) == 2 * layers * stats["folded_chunks"]
     assert {(s.op, s.where.split(":")[0]) for s in folds} == {
         ("Tensor.cpu", "kvforge/cache/shadowkv/store.py"), ("Tensor.to", "kvforge/cache/shadowkv/store.py")}
+
+
+def test_shadowkv_triton_decode_reading_values_in_place_never_synchronises():
+    """The Triton path (forced on CPU tensors, interpreted) with the slow tier read by the
+    kernel: the layer loop reads nothing from the device; the hit and miss counts stay there
+    until the statistics are read, and equal the staged path's (the same picks)."""
+    from triton_helpers import kernel_device
+
+    if kernel_device() != "cpu":
+        pytest.skip("counts the CUDA code path on CPU tensors in Triton's interpreter")
+    runner = make_runner(make_pair("llama_gqa")[1], cache=SHADOWKV)
+    staged = make_runner(make_pair("llama_gqa")[1], cache=SHADOWKV)
+    for r, in_place in ((runner, True), (staged, False)):
+        r.cache.sparse.triton, r.cache.sparse.values_in_place = True, in_place
+        r.step([StepItem(seq, prompt) for seq, prompt in enumerate(PROMPTS)])
+    counter = SyncCounter()
+    _watch(runner, counter)
+    with counter.counting(device_paths=True):
+        for step in range(9):
+            items = [StepItem(seq, [(7 * step + seq) % 90]) for seq in range(len(PROMPTS))]
+            runner.step(items)
+    for step in range(9):
+        staged.step([StepItem(seq, [(7 * step + seq) % 90]) for seq in range(len(PROMPTS))])
+    assert counter.in_regions("layer") == [] and counter.in_regions("begin_step") == []
+    assert runner.cache.stats._pending.tolist() != [0, 0]  # counted on the device, not yet read
+    stats, expected = runner.cache.statistics(), staged.cache.statistics()
+    assert stats["compressed_sequences"] == 3 and stats["chunk_misses"] > 0 and stats["chunk_hits"] > 0
+    assert (stats["chunk_hits"], stats["chunk_misses"]) == (expected["chunk_hits"], expected["chunk_misses"])
 
 
 @pytest.mark.parametrize("spec", [

@@ -13,6 +13,7 @@ from conftest import across_kv_model, make_pair, make_runner
 from sync_counter import SyncCounter
 
 from kvforge.batch import ForwardBatch
+from kvforge.cache.base import CacheMethod
 from kvforge.cache.registry import create_cache, parse_cache_spec
 from kvforge.cache.static_decode import SCRATCH_SEQ, StaticDecode
 from kvforge.engine.decode_graphs import CaptureReport, DecodeGraphs, powers_of_two_up_to
@@ -219,8 +220,14 @@ def test_the_start_up_line_names_why_decode_runs_eagerly():
     spec = "shadowkv:chunk=4,local=8,outliers=2,min_context=24,generated_window=8,rank=4,budget=8"
     _, graphs = with_graphs(make_pair("llama_gqa")[1], spec)
     assert not graphs.enabled
-    assert graphs.describe(CaptureReport(0, 0.0, 0)) == ("decode steps run eagerly: the ShadowKVCache cache has no "
-                                                         "fixed-shape decode step")
+    assert graphs.describe(CaptureReport(0, 0.0, 0)) == ("decode steps run eagerly: ShadowKV's fixed decode step "
+                                                         "runs its Triton kernels (CUDA, `triton` installed, kernel=1)")
+    graphs.cache.sparse.triton, graphs.cache.sparse.values_in_place = True, False  # CUDA with pageable values
+    assert "--cache-opt slow_store=pinned" in graphs.describe(CaptureReport(0, 0.0, 0))
+    _, hybrid = with_graphs(make_pair("gemma3_hybrid")[1], spec)
+    assert "sliding-window layers" in hybrid.describe(CaptureReport(0, 0.0, 0))
+    # a method without a fixed step of its own says so by default
+    assert CacheMethod.why_no_static_decode(graphs.cache) == "the ShadowKVCache cache has no fixed-shape decode step"
 
 
 def test_an_engine_says_how_its_decode_steps_run_at_start_up(monkeypatch):

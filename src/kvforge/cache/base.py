@@ -171,6 +171,10 @@ class CacheMethod(ABC, Generic[Meta]):
         del rows, max_tokens
         return None
 
+    def why_no_static_decode(self) -> str:
+        """Why `static_decode` gives None (said in the engine's start-up line)."""
+        return f"the {type(self).__name__} cache has no fixed-shape decode step"
+
     # -- prefix caching (engine.prefix_cache drives it) ----------------------------------
     # Page sharing: methods whose stored pages are final once full set `prefix_block_size`
     # (tokens per page) and implement match_prefix / publish_prefix. Other methods keep

@@ -139,7 +139,7 @@ class DecodeGraphs:
         if not self.steps:
             why = ("the model reads device values on the host in a decode step (SwiftKV's early exit)"
                    if not self.model.decode_reads_nothing_on_host()
-                   else f"the {type(self.cache).__name__} cache has no fixed-shape decode step")
+                   else self.cache.why_no_static_decode())
             return f"decode steps run eagerly: {why}"
         if not report.graphs:
             return "decode steps run eagerly from fixed buffers (not captured)"

@@ -66,6 +66,18 @@ def test_single_sequence_without_reuse_and_with_mmap_values():
     assert runner.cache.statistics()["chunk_hits"] == 0 and runner.cache.statistics()["compressions"] == 1
 
 
+def test_pinned_values_on_a_cpu_are_the_memory_store():
+    """slow_store=pinned page-locks the slow tier for CUDA only; on a CPU it is a plain
+    tensor the decode path reads in place, with the memory store's logits."""
+    _, model = make_pair("llama_gqa")
+    prompt = [list(range(2, 50))]
+    runners = [make_runner(model, cache=exact_spec(model, slow_store=kind)) for kind in ("memory", "pinned")]
+    expected, got = (decode_logits(runner, prompt, 12) for runner in runners)
+    assert torch.equal(got, expected)
+    store = runners[1].cache.store
+    assert store.values_in_place and not store.values.is_pinned()
+
+
 def test_budget_equal_to_the_candidates_is_exact():
     """Budget = every candidate chunk exactly (10 chunks - 2 outliers = 8 chunks of 4): each
     step's picks fill every reuse slot, the path where decode attention needs no mask."""
@@ -206,6 +218,7 @@ def test_bad_configs_fail_naming_the_parameter():
              "shadowkv:generated_window=4": "generated_window",
              "shadowkv:slow_store=disk": "slow_store",
              "shadowkv:slow_budget=lots": "slow_budget",
+             "shadowkv:slow_store=pinned,slow_dir=/tmp": "slow_dir.*only applies with slow_store=mmap",
              "shadowkv:rank=0": "rank",
              "shadowkv:rank=fast": "rank.*auto.*paper",
              "shadowkv:energy=0": "energy.*\\(0, 1\\]",

@@ -35,10 +35,12 @@ def _rope(dim: int, device: str | torch.device = "cpu") -> PositionedRope:
 
 
 def _build(lengths: list[int], kv_heads: int, dim: int, ranks: list[int], ks: list[int], dtype: torch.dtype,
-           device: str, triton: bool, seed: int = 0) -> tuple[SparseAttention, list[CompressedSequence], ShadowKVStats]:
+           device: str, triton: bool, seed: int = 0, in_place: bool = True
+           ) -> tuple[SparseAttention, list[CompressedSequence], ShadowKVStats]:
     """One compressed layer per sequence (k its own), from random post-RoPE keys and values
     (compressed in float32, then stored in `dtype`), chunk pages scattered over the store.
-    Same seed: identical inputs for both paths."""
+    Same seed: identical inputs for both paths. `in_place`: the Triton path reads the
+    misses' values from the slow tier itself (else: the host gathers them, one staged copy)."""
     generator = torch.Generator().manual_seed(seed)
     chunks = [(n - LOCAL) // CHUNK for n in lengths]
     pages = 2 * sum(chunks) + 3
@@ -66,6 +68,7 @@ def _build(lengths: list[int], kv_heads: int, dim: int, ranks: list[int], ks: li
     stats = ShadowKVStats(device_type=device)
     sparse = SparseAttention(store, CHUNK, stats, reuse=True, device=torch.device(device), kernel=False,
                              triton=triton)
+    sparse.values_in_place = in_place
     return sparse, states, stats
 
 
@@ -102,14 +105,18 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["values-in-place", "values-staged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_path_equals_the_pytorch_path(case, dtype):
+def test_triton_path_equals_the_pytorch_path(case, dtype, in_place):
     device = kernel_device()
+    if in_place and device == "cuda":
+        pytest.skip("the slow tier of this test is pageable; test_cuda_cache_logits_equal_with_and_without_triton "
+                    "reads a pinned one in place")
     spec = CASES[case]
     args = (spec["lengths"], spec["kv_heads"], spec["dim"], spec["ranks"], spec["ks"], dtype, device)
     ref, ref_states, ref_stats = _build(*args, triton=False)
-    fast, fast_states, fast_stats = _build(*args, triton=True)
+    fast, fast_states, fast_stats = _build(*args, triton=True, in_place=in_place)
     generator = torch.Generator().manual_seed(1)
     batch, heads, kv_heads, dim = len(spec["lengths"]), spec["heads"], spec["kv_heads"], spec["dim"]
     q = torch.randn(batch, heads, dim, generator=generator)
@@ -141,8 +148,9 @@ def test_triton_path_equals_the_pytorch_path(case, dtype):
 def test_landmark_scores_equal_the_reference(dtype):
     """The scoring kernel alone against `select.chunk_scores` on a padded group."""
     device = kernel_device()
+    from kvforge.cache.shadowkv.pointer_table import sequence_info
     from kvforge.cache.shadowkv.select import chunk_scores
-    from kvforge.cache.shadowkv.triton_decode import landmark_scores, sequence_info
+    from kvforge.cache.shadowkv.triton_decode import landmark_scores
 
     spec = CASES["masked"]
     sparse, states, _ = _build(spec["lengths"], spec["kv_heads"], spec["dim"], spec["ranks"], spec["ks"], dtype,
@@ -150,9 +158,7 @@ def test_landmark_scores_equal_the_reference(dtype):
     group = SparseGroup.build(states, [0, 1, 2], 1, True, CHUNK, torch.device(device))
     q = torch.randn(3, spec["heads"], spec["dim"], generator=torch.Generator().manual_seed(2)).to(device, dtype)
     layers = [s.layers[0] for s in states]
-    info = sequence_info([t.keys for t in layers], [t.values for t in layers], [t.basis for t in layers],
-                         [t.coefficients for t in layers], [t.candidates for t in layers], group.meta,
-                         torch.device(device))
+    info = sequence_info(layers, group.meta, torch.device(device))
     got = landmark_scores(q, sparse.store.landmarks[0], group.table, info, 0.37)
     lm = [sparse.store.sequence_landmarks(0, s.page_table, s.run_start) for s in states]
     expected = chunk_scores(q[:, None], lm, group.candidates(0), 0.37)
@@ -161,10 +167,12 @@ def test_landmark_scores_equal_the_reference(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton path's dispatch on a GPU)")
+@pytest.mark.parametrize("slow_store", ["memory", "pinned"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_cache_logits_equal_with_and_without_triton(dtype):
-    """The cache on CUDA, end to end (compression, batched decode with folding, the fetch
-    side stream): `kernel=1` (the Triton path) against `kernel=0` (the PyTorch path)."""
+def test_cuda_cache_logits_equal_with_and_without_triton(dtype, slow_store):
+    """The cache on CUDA, end to end (compression, batched decode with folding; the fetch
+    side stream with `memory`, the kernel reading the page-locked slow tier at its host
+    address with `pinned`): `kernel=1` (the Triton path) against `kernel=0` (the PyTorch path)."""
     import copy
 
     if not triton_installed():
@@ -173,9 +181,10 @@ def test_cuda_cache_logits_equal_with_and_without_triton(dtype):
     model = copy.deepcopy(model).to("cuda", dtype)
     prompts = [list(range(3, 60)), list(range(5, 90)), list(range(7, 40))]
     spec = "shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=8,rank=3,budget=8"
-    runners = [ModelRunner(model, create_cache(spec + f",kernel={on}", model.cache_layout(), 1 << 22, dtype,
-                                               device="cuda")) for on in (0, 1)]
+    runners = [ModelRunner(model, create_cache(spec + f",kernel={on},slow_store={slow_store}", model.cache_layout(),
+                                               1 << 22, dtype, device="cuda")) for on in (0, 1)]
     assert not runners[0].cache.sparse.triton and runners[1].cache.sparse.triton
+    assert runners[1].cache.sparse.values_in_place == (slow_store == "pinned")
     expected, got = (decode_logits(runner, prompts, 16).float().cpu() for runner in runners)
     ref_stats, fast_stats = (runner.cache.statistics() for runner in runners)
     assert fast_stats["chunk_misses"] > 0 and fast_stats["folded_chunks"] > 0
@@ -207,3 +216,45 @@ def test_cache_logits_equal_with_the_triton_path_forced():
     assert fast_stats["chunk_misses"] == ref_stats["chunk_misses"] > 0
     assert fast_stats["chunk_hits"] == ref_stats["chunk_hits"] > 0
     assert fast_stats["folded_chunks"] > 0
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_fused_match_equals_match_slots(reuse):
+    """`match_in_place` (one launch: validity, held ids, the reuse rule, write-back, counts)
+    against slots.match_slots on random held ids and scores: sequences of different k (slots
+    past a sequence's k never take a miss), empty slots, picks with score -inf (fewer
+    candidates than k), with and without reuse."""
+    device = kernel_device()
+    from kvforge.cache.shadowkv.pointer_table import pointer_tables
+    from kvforge.cache.shadowkv.select import top_chunks
+    from kvforge.cache.shadowkv.slots import match_slots
+    from kvforge.cache.shadowkv.state import LayerState
+    from kvforge.cache.shadowkv.triton_slots import match_in_place
+
+    generator = torch.Generator().manual_seed(5)
+    heads, chunks, slots, ks = 3, 10, 4, [4, 2, 3, 1, 4]
+    layers = []
+    for k in ks:
+        held = torch.stack([torch.randperm(chunks, generator=generator)[:k] for _ in range(heads)])
+        held[torch.rand(held.shape, generator=generator) < 0.3] = -1  # empty slots
+        tiny = torch.zeros((heads, 1, 1))
+        layers.append(LayerState(basis=tiny[0], coefficients=tiny, outliers=held[:, :0], keys=tiny, values=tiny,
+                                 slot_ids=held.to(device), candidates=torch.zeros((heads, 1), dtype=torch.bool)))
+    held = torch.full((len(ks), heads, slots), -2, dtype=torch.long)
+    for b, layer in enumerate(layers):
+        held[b, :, :ks[b]] = layer.slot_ids.cpu()
+    scores = torch.rand((len(ks), heads, chunks), generator=generator)
+    scores[torch.rand(scores.shape, generator=generator) < 0.5] = float("-inf")  # some heads: fewer than k
+    picks, valid = top_chunks(scores, slots)
+    k = torch.tensor(ks)
+    valid &= (torch.arange(slots)[None, :] < k[:, None])[:, None, :]
+    expected = match_slots(held, picks, valid, torch.zeros((len(ks), chunks), dtype=torch.long), reuse)
+    info = pointer_tables([layers], torch.zeros((len(ks), 3), dtype=torch.long))[0].to(device)
+    counts = torch.zeros(2, dtype=torch.long, device=device)
+    top_scores, top_ids = torch.topk(scores, slots, dim=-1)
+    new_ids, filled = match_in_place(info, top_scores.to(device), top_ids.to(device), k.to(device), slots, reuse,
+                                     counts)
+    assert torch.equal(new_ids.cpu(), expected.new_ids) and torch.equal(filled.cpu(), expected.filled)
+    for b, layer in enumerate(layers):  # written back into each sequence's own ids
+        assert torch.equal(layer.slot_ids.cpu(), expected.new_ids[b, :, :ks[b]])
+    assert counts.tolist() == expected.to_host.tolist()[:2] and counts[0] > 0 and (counts[1] > 0) == reuse

@@ -529,10 +529,12 @@ def test_throughput_headline_runs_untimed_and_splits_the_step_once_per_system(ti
     from kvforge.tools.bench.common import BenchContext
 
     made: list[tuple[str, bool]] = []
+    shapes: set[tuple[int, int] | None] = set()
     make_engine = BenchContext.make_engine
 
     def recording(self, system, *args, step_timing=False, **kwargs):
         made.append((system.name, step_timing))
+        shapes.add(kwargs.get("graph_shape"))
         return make_engine(self, system, *args, step_timing=step_timing, **kwargs)
 
     monkeypatch.setattr(BenchContext, "make_engine", recording)
@@ -543,6 +545,8 @@ def test_throughput_headline_runs_untimed_and_splits_the_step_once_per_system(ti
     full, kivi = "kvforge[full:block_size=8]", "kvforge[kivi:group=8]"
     # round 1: each system's headline engine, then its timed one; round 2: headline engines only
     assert made == [(full, False), (full, True), (kivi, False), (kivi, True), (kivi, False), (full, False)]
+    # decode graphs up to every running sequence at the run's longest length (8 + 3 tokens)
+    assert shapes == {(256, 11)}
     for system in json.loads(out.read_text())["systems"]:
         assert system["decode_steps"] == 2 and system["split_run_seconds"] > 0
         assert system["decode_ms_per_step"] > 0

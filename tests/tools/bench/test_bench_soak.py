@@ -227,7 +227,12 @@ def test_a_short_soak_of_the_tiny_server_passes(tiny_soak, tmp_path):
     assert {"refused", "disconnect"} <= {r.expect for r in requests}  # the seed's plan has both
     result = soak.run(args)
     tally = result["counts"]
-    assert result["failures"] == [] and result["passed"]
+    # Six seconds are too short a run to judge the resident memory by: the second fifth may
+    # not have served every kind of request yet (it grew 5.7-6.1% in 1 run of 3 on the 2-core
+    # Xeon, unchanged code); the rule itself is tested on samples above. Here it must be
+    # measured, and everything else must pass.
+    assert result["memory"]["growth"] is not None
+    assert [f for f in result["failures"] if not f.startswith("resident memory grew")] == []
     assert tally["server_error"] == 0 and tally["unexpected"] == 0
     assert tally["sent"] == len(requests) == tally["served"] + tally["refused"] + tally["disconnected"]
     assert tally["skipped"] == 0
@@ -238,4 +243,5 @@ def test_a_short_soak_of_the_tiny_server_passes(tiny_soak, tmp_path):
     assert all(s["rss_bytes"] > 10 << 20 for s in result["samples"])
     assert json.loads(out.read_text(), parse_constant=lambda word: pytest.fail(f"non-standard JSON: {word}"))
     assert out.with_suffix(".png").stat().st_size > 10_000
-    assert format_soak(result).splitlines()[-1] == "PASS"
+    verdict = format_soak(result).splitlines()[-1]
+    assert verdict == "PASS" if result["passed"] else verdict.startswith("FAIL: resident memory grew")

@@ -36,7 +36,7 @@ from kvforge.cache.shadowkv.lowrank import rank_for_energy
 from kvforge.errors import require
 from kvforge.sizes import parse_bytes
 
-SLOW_STORES = ("memory", "mmap")
+SLOW_STORES = ("memory", "mmap", "pinned")
 RANK_RULES = ("auto", "attention", "paper")
 BUDGET_RULES = ("auto", "paper")
 COEFFICIENT_DTYPES = ("float16", "compute")
@@ -89,8 +89,11 @@ class ShadowKVConfig:
     reuse: bool = True  # keep the previous step's selected chunks (temporal locality)
     block_size: int = 16  # page size of the exact (not yet compressed) storage
     # Slow tier for the values of compressed chunks: "memory" (a pageable tensor in RAM; on
-    # CUDA only a staging buffer of each fetch is pinned) or "mmap" (a temporary file, so a
-    # context can exceed RAM).
+    # CUDA only a staging buffer of each fetch is pinned, and each global layer of a decode
+    # step waits once for the host to learn which pages to gather), "mmap" (a temporary
+    # file, so a context can exceed RAM) or "pinned" (RAM page-locked for the whole slow
+    # budget at start-up; on CUDA the Triton decode kernels read the missed values from it
+    # in place, so a decode step never waits for the host; on a CPU it is "memory").
     slow_store: str = "memory"
     slow_budget: str | None = None  # bytes of the slow tier, e.g. 16GiB; None: the kv budget
     slow_dir: str | None = None  # directory of the mmap file (None: the system temp dir)

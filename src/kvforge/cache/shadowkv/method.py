@@ -39,6 +39,7 @@ from kvforge.cache.shadowkv.memory import ShadowKVMemorySpec, ShadowKVSizes, chu
 from kvforge.cache.shadowkv.query_samples import QuerySampler
 from kvforge.cache.shadowkv.sparse import SparseAttention, SparseGroup
 from kvforge.cache.shadowkv.split import PARTS, BudgetSplit
+from kvforge.cache.shadowkv.static_decode import ShadowKVStaticDecode, scratch_state
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.step import ShadowKVStepMetadata, exact_rope, exact_sub_batch, split_rows
 from kvforge.cache.shadowkv.store import ChunkStore
@@ -186,6 +187,31 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         kernel = self.sparse is not None and self.sparse.uses_kernel(self.compute_dtype)
         return SparseGroup.build(states, rows, spans[0].query_len, spans[0].query_len == 1,  # type: ignore[arg-type]
                                  self.config.chunk, self.device, kernel)
+
+    def static_decode(self, rows: int, max_tokens: int) -> ShadowKVStaticDecode | None:
+        """Fixed-shape decode steps of compressed sequences (static_decode.py) when the step
+        reads nothing on the host: the Triton path with the slow tier read in place, and no
+        sliding-window layers (their inner cache has its own plan). Otherwise None: eager."""
+        if self.why_no_static_decode():
+            return None
+        chunk, heads = self.config.chunk, self.layout.num_kv_heads
+        scratch = scratch_state(heads, self.layout.head_dim, chunk, self.compute_dtype, self.coefficient_dtype,
+                                self.device)
+        return ShadowKVStaticDecode(self.begin_step, len(self.global_layers), scratch, chunk, self.device, rows,
+                                    -(-max_tokens // chunk), self.config.budget_tokens(max_tokens, heads) // chunk)
+
+    def why_no_static_decode(self) -> str:
+        """Empty when decode steps of compressed sequences can run in fixed shapes."""
+        if self.sparse is None:
+            return "ShadowKV compresses no layer of this model (sliding-window layers only)"
+        if self.sliding_layers:
+            return "ShadowKV keeps this model's sliding-window layers in a cache of their own, which has no fixed step"
+        if not self.sparse.triton:
+            return "ShadowKV's fixed decode step runs its Triton kernels (CUDA, `triton` installed, kernel=1)"
+        if not self.sparse.values_in_place:
+            return ("ShadowKV's fixed decode step reads the slow tier in place: run it with "
+                    "--cache-opt slow_store=pinned")
+        return ""
 
     def write(self, cache_layer: int, meta: ShadowKVStepMetadata, k_pre: torch.Tensor, v: torch.Tensor,
               rope: PositionedRope) -> None:

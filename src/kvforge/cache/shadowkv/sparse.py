@@ -42,15 +42,28 @@ from dataclasses import dataclass, field
 import torch
 
 from kvforge.cache.shadowkv.attention import Part, masked_attention, sparse_attention
+from kvforge.cache.shadowkv.chunk_rope import ChunkRope
 from kvforge.cache.shadowkv.cpu_decode import cpu_shadowkv_kernel_available, shadowkv_decode_cpu
 from kvforge.cache.shadowkv.select import chunk_scores, top_chunks
 from kvforge.cache.shadowkv.slots import SlotMatch, match_slots, miss_pairs
-from kvforge.cache.shadowkv.state import CompressedSequence, LayerState
+from kvforge.cache.shadowkv.state import CompressedSequence, LayerState, padded_page_tables
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.store import ChunkStore
 from kvforge.kernels.triton_runtime import triton_installed
-from kvforge.rope import PositionedRope, rotate_half
+from kvforge.rope import PositionedRope
 from kvforge.step_plan import upload
+
+
+@dataclass(frozen=True)
+class TritonLayerInputs:
+    """What the Triton kernels read of one layer of a decode group: the pointer table
+    [B, FIELDS] (triton_decode.sequence_info) and tensors whose dtypes the kernels cast
+    the K/V buffers', bases' and coefficients' pointers to."""
+
+    info: torch.Tensor
+    keys_like: torch.Tensor
+    basis_like: torch.Tensor
+    coefficients_like: torch.Tensor
 
 
 @dataclass
@@ -75,6 +88,12 @@ class SparseGroup:
     # Decode group served by the fused kernel, decided once per step (it also writes the
     # step's token into the buffers, so `write` leaves that to it).
     kernel: bool = False
+    # The Triton path's pointer table of each global layer, when a fixed-shape step
+    # (static_decode.py) filled it; None: built per layer from `states`.
+    triton_inputs: list[TritonLayerInputs] | None = None
+    # A fixed-shape step's reuse slots per (sequence, head), its bucket's largest k (0: the
+    # group's largest k, `k_max`)
+    fixed_slots: int = 0
     _candidates: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -82,7 +101,7 @@ class SparseGroup:
               chunk: int, device: torch.device, kernel: bool = False) -> SparseGroup:
         width = max(s.num_chunks for s in states)
         # Built on the host from the page lists, then one copy to the device (step_plan).
-        table_host = torch.tensor([s.pages + [0] * (width - s.num_chunks) for s in states], dtype=torch.long)
+        table_host = padded_page_tables(states, len(states), width)
         table, row_tensor, chunks_per_step, slots_start = upload(
             (table_host, torch.tensor(rows, dtype=torch.long),
              torch.tensor([s.chunks_per_step for s in states], dtype=torch.long),
@@ -100,11 +119,12 @@ class SparseGroup:
 
     @property
     def size(self) -> int:
-        return len(self.states)
+        """B: the group's sequences (a fixed-shape step's: its bucket's rows, padding included)."""
+        return len(self.row_list) // self.queries
 
     @property
     def k_max(self) -> int:
-        return max(s.chunks_per_step for s in self.states)
+        return self.fixed_slots or max(s.chunks_per_step for s in self.states)
 
     def layer(self, b: int, layer: int) -> LayerState:
         state = self.states[b].layers[layer]
@@ -136,35 +156,6 @@ class SparseGroup:
         return out
 
 
-class ChunkRope:
-    """RoPE of whole chunks from cos/sin tables [chunks, chunk, D] computed once per rotary
-    embedding (grown on demand) instead of per rebuilt row and step."""
-
-    def __init__(self, chunk: int) -> None:
-        self.chunk = chunk
-        self._tables: dict[int, tuple[object, torch.Tensor, torch.Tensor]] = {}
-
-    def tables(self, rope: PositionedRope, num_chunks: int, dtype: torch.dtype,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [S, chunk, D] of positions 0 .. S x chunk - 1, S >= num_chunks."""
-        rotary = rope.rotary
-        entry = self._tables.get(id(rotary))
-        if entry is None or entry[1].shape[0] < num_chunks or entry[1].dtype != dtype:
-            size = max(num_chunks, 2 * entry[1].shape[0]) if entry is not None else num_chunks
-            positions = torch.arange(size * self.chunk, device=device)
-            cos, sin = rotary.cos_sin(positions, dtype)
-            # the rotary is kept in the entry, so its id cannot be reused while cached
-            entry = (rotary, cos.view(size, self.chunk, -1), sin.view(size, self.chunk, -1))
-            self._tables[id(rotary)] = entry
-        return entry[1], entry[2]
-
-    def apply(self, keys: torch.Tensor, chunks: torch.Tensor, rope: PositionedRope, num_chunks: int) -> torch.Tensor:
-        """keys [M, chunk, D] of chunk ids [M] (all < num_chunks), rotated at their positions."""
-        cos, sin = self.tables(rope, num_chunks, keys.dtype, keys.device)
-        cos, sin = cos.index_select(0, chunks), sin.index_select(0, chunks)
-        return keys * cos + rotate_half(keys) * sin
-
-
 class SparseAttention:
     def __init__(self, store: ChunkStore, chunk: int, stats: ShadowKVStats, reuse: bool,
                  device: torch.device, kernel: bool = True, triton: bool | None = None) -> None:
@@ -180,6 +171,9 @@ class SparseAttention:
         # installed and `kernel` is on (None: decide so); True forces them (tests run them on
         # CPU tensors in Triton's interpreter), False keeps the PyTorch path.
         self.triton = kernel and device.type == "cuda" and triton_installed() if triton is None else triton
+        # The Triton path reads the misses' values from the slow tier in place when the device
+        # can (store.py): no host wait per layer, hit and miss counts stay on the device.
+        self.values_in_place = store.values_in_place
         self.rope = ChunkRope(chunk)
         self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -259,41 +253,66 @@ class SparseAttention:
     def _attend_triton(self, layer: int, group: SparseGroup, q: torch.Tensor, own_keys: torch.Tensor,
                        own_values: torch.Tensor, rope: PositionedRope, scale: float) -> torch.Tensor:
         """Decode group (Q = 1) through the Triton kernels (triton_decode.py), each launched
-        once over the whole group: landmark scores (then one topk), the shared chunk reuse
-        (slots.py), key rebuild into the slots receiving a miss (queued before the host
-        waits for the misses' pages), the misses' values from one staged fetch written by one
-        kernel, and attention, which also writes the step's token (own_keys/own_values
-        [B, H, D]) into its window row. Same picks, slot ids and outputs as the PyTorch path.
-        Per sequence the host only reads data pointers (`sequence_info`) and stores slot ids
-        as views (`fetch_misses`): no device work."""
-        from kvforge.cache.shadowkv import triton_decode as kernels  # imports triton: only on this path
+        once over the whole group: landmark scores (then one topk), the reuse slots' ids read
+        through the pointer table, the shared chunk reuse (slots.py), key rebuild into the
+        slots receiving a miss, the misses' values (read in place from the slow tier, or from
+        one staged fetch after the host learns them), the step's slot ids written back, and
+        attention, which also writes the step's token (own_keys/own_values [B, H, D]) into its
+        window row. Same picks, slot ids and outputs as the PyTorch path. The host only
+        builds the pointer table (`sequence_info`, or the fixed step's, static_decode.py)."""
+        # these import triton: only on this path
+        from kvforge.cache.shadowkv import triton_decode as kernels
+        from kvforge.cache.shadowkv import triton_slots as slot_kernels
 
-        states = [group.layer(b, layer) for b in range(group.size)]
-        query, keys, bases = q[:, 0].contiguous(), [st.keys for st in states], [st.basis for st in states]
-        coefficients = [st.coefficients for st in states]
-        info = kernels.sequence_info(keys, [st.values for st in states], bases, coefficients,
-                                     [st.candidates for st in states], group.meta, self.device)
+        inputs = group.triton_inputs[layer] if group.triton_inputs is not None else self._triton_inputs(layer, group)
+        query, info = q[:, 0].contiguous(), inputs.info
+        kv_heads, slots, dim = own_keys.shape[1], group.k_max, query.shape[-1]
+        in_place = self.values_in_place
         with self.stats.timed("selection"):
             scores = kernels.landmark_scores(query, self.store.landmarks[layer], group.table, info, scale)
-            picks, valid = top_chunks(scores, group.k_max)
-            positions = torch.arange(picks.shape[-1], device=picks.device)
-            valid &= (positions[None, :] < group.chunks_per_step[:, None])[:, None, :]
+            if in_place:
+                top_scores, picks = torch.topk(scores, min(slots, scores.shape[-1]), dim=-1)
+            else:
+                picks, valid = top_chunks(scores, slots)
+                positions = torch.arange(picks.shape[-1], device=picks.device)
+                valid &= (positions[None, :] < group.chunks_per_step[:, None])[:, None, :]
         with self.stats.timed("rebuild"):
-            slots, dim = group.k_max, query.shape[-1]
-            match = match_slots(group.slot_ids(layer, slots), picks, valid, group.table, self.reuse)
-            new_ids = match.new_ids.contiguous()
-            cos, sin = self.rope.tables(rope, group.table.shape[1], keys[0].dtype, self.device)
-            kernels.rebuild_keys(info, keys[0], bases[0], coefficients[0], new_ids, match.filled.contiguous(),
+            if in_place:  # validity, matching, write-back and counts in one launch
+                new_ids, filled = slot_kernels.match_in_place(info, top_scores, picks, group.chunks_per_step, slots,
+                                                              self.reuse, self.stats.device_counter(self.device))
+            else:
+                held = slot_kernels.held_slot_ids(info, kv_heads, slots)
+                match = match_slots(held, picks, valid, group.table, self.reuse)
+                new_ids, filled = match.new_ids.contiguous(), match.filled.contiguous()
+                slot_kernels.keep_slot_ids(info, new_ids)
+            cos, sin = self.rope.tables(rope, group.table.shape[1], inputs.keys_like.dtype, self.device)
+            kernels.rebuild_keys(info, inputs.keys_like, inputs.basis_like, inputs.coefficients_like, new_ids, filled,
                                  cos.view(-1, dim), sin.view(-1, dim), self.chunk)
-        fetched = self.fetch_misses(layer, group, match)
-        if fetched is not None:
-            with self.stats.timed("rebuild"):
-                kernels.write_values(info, states[0].values, fetched.contiguous(), match.order, keys[0].shape[0],
-                                     slots)
+        if in_place:
+            with self.stats.timed("fetch"):
+                slot_kernels.read_values_in_place(info, inputs.keys_like, self.store.values[layer], new_ids, filled,
+                                             group.table)
+        else:
+            fetched = self.fetch_misses(layer, match)
+            if fetched is not None:
+                with self.stats.timed("rebuild"):
+                    kernels.write_values(info, inputs.keys_like, fetched.contiguous(), match.order, kv_heads, slots)
         with self.stats.timed("attention"):
-            out = kernels.slot_attention(query, own_keys.contiguous(), own_values.contiguous(), info, keys[0],
-                                         new_ids, self.chunk, scale, mask_slots=not group.slots_full)
+            out = kernels.slot_attention(query, own_keys.contiguous(), own_values.contiguous(), info,
+                                         inputs.keys_like, new_ids, self.chunk, scale,
+                                         mask_slots=not group.slots_full)
         return out[:, None]
+
+    def _triton_inputs(self, layer: int, group: SparseGroup) -> TritonLayerInputs:
+        """The pointer table of one layer of a decode group, built now (one host tensor, one copy)."""
+        from kvforge.cache.shadowkv.pointer_table import sequence_info
+
+        states = [group.layer(b, layer) for b in range(group.size)]
+        for st in states:
+            if not st.slot_ids.is_contiguous():  # a view left by the PyTorch path
+                st.slot_ids = st.slot_ids.contiguous()
+        info = sequence_info(states, group.meta, self.device)
+        return TritonLayerInputs(info, states[0].keys, states[0].basis, states[0].coefficients)
 
     def _fill_slots(self, layer: int, group: SparseGroup, picks: torch.Tensor, valid: torch.Tensor,
                     rope: PositionedRope) -> torch.Tensor:
@@ -313,7 +332,10 @@ class SparseAttention:
             match = match_slots(group.slot_ids(layer, slots), picks, valid, group.table, self.reuse)
             chunks = match.new_ids.clamp(min=0)  # chunk of every slot (0 where nothing is written)
             rebuilt = self._rebuild(layer, group, chunks, rope)  # queued while the copy is on its way
-        fetched = self.fetch_misses(layer, group, match)
+        for b in range(group.size):  # the slot ids of this step (views into new_ids: no copy)
+            st = group.layer(b, layer)
+            st.slot_ids = match.new_ids[b, :, :st.slot_ids.shape[1]]
+        fetched = self.fetch_misses(layer, match)
         if fetched is None:  # no misses (known on the host now): nothing to write
             return match.new_ids >= 0
         with self.stats.timed("rebuild"):
@@ -331,14 +353,11 @@ class SparseAttention:
                     region.copy_(torch.where(written[b, :, :width], new[b, :, :width].to(buffer.dtype), region))
         return match.new_ids >= 0
 
-    def fetch_misses(self, layer: int, group: SparseGroup, match: SlotMatch) -> torch.Tensor | None:
-        """Store the step's slot ids in the sequences' states, wait for the host copy of
-        `match`, count hits and misses, and fetch the misses' values [M, chunk, D] (in
-        `match.order`) onto the device in one staged copy; None without misses. On CUDA the
-        copy runs on a side stream, beside the rebuild queued before (not yet run on a GPU)."""
-        for b in range(group.size):  # the slot ids of this step (views into new_ids: no copy)
-            st = group.layer(b, layer)
-            st.slot_ids = match.new_ids[b, :, :st.slot_ids.shape[1]]
+    def fetch_misses(self, layer: int, match: SlotMatch) -> torch.Tensor | None:
+        """Wait for the host copy of `match`, count hits and misses, and fetch the misses'
+        values [M, chunk, D] (in `match.order`) onto the device in one staged copy; None
+        without misses. On CUDA the copy runs on a side stream, beside the rebuild queued
+        before (not yet run on a GPU)."""
         host = match.to_host.tolist()
         misses, hits = host[0], host[1]
         self.stats.chunk_misses += misses

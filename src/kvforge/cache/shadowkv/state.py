@@ -51,6 +51,23 @@ class LayerState:
     slot_ids: torch.Tensor  # [H, k] chunk held by each reuse slot, -1: empty
     candidates: torch.Tensor  # [H, C] bool: selectable chunks (every chunk but the outliers)
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # Replacing any tensor (a fold grows the coefficients and candidates) drops what a
+        # kernel derived from their addresses (`kernel_view`).
+        object.__setattr__(self, name, value)
+        if name not in ("kernel_view", "_kernel_view"):
+            object.__setattr__(self, "_kernel_view", None)
+
+    @property
+    def kernel_view(self) -> object | None:
+        """What a kernel derived from these tensors' addresses and sizes (triton_decode's
+        pointer row), kept until a tensor is replaced; None: derive it again."""
+        return getattr(self, "_kernel_view", None)
+
+    @kernel_view.setter
+    def kernel_view(self, view: object) -> None:
+        object.__setattr__(self, "_kernel_view", view)
+
 
 @dataclass
 class CompressedSequence:
@@ -66,6 +83,7 @@ class CompressedSequence:
     # pages[0] when the pages are one run of consecutive ids (lets a step read landmarks
     # in place, see ChunkStore.gather_landmarks), else None
     run_start: int | None = None
+    _pages_host: torch.Tensor | None = field(default=None, repr=False)  # `pages` as a host tensor
 
     def __post_init__(self) -> None:
         self.run_start = self.pages[0] if self.pages and _is_run(self.pages, self.pages[0]) else None
@@ -88,8 +106,23 @@ class CompressedSequence:
         self.pages.extend(pages)
         self.page_table = torch.cat((self.page_table, table))
 
+    def pages_host(self) -> torch.Tensor:
+        """`pages` as a host int64 tensor, made again only when folds have appended pages."""
+        if self._pages_host is None or self._pages_host.numel() != len(self.pages):
+            self._pages_host = torch.tensor(self.pages, dtype=torch.long)
+        return self._pages_host
+
     def window_start(self, chunk: int) -> int:
         return self.slots_start + self.chunks_per_step * chunk
+
+
+def padded_page_tables(states: Sequence[CompressedSequence], rows: int, width: int) -> torch.Tensor:
+    """Host [rows, width] int64: row b the chunk pages of states[b], padded with page 0
+    (never a candidate), then rows of page 0."""
+    table = torch.zeros((rows, width), dtype=torch.long)
+    for b, state in enumerate(states):
+        table[b, :state.num_chunks] = state.pages_host()
+    return table
 
 
 def _is_run(pages: list[int], first: int) -> bool:

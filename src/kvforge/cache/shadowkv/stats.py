@@ -28,8 +28,12 @@ PHASES = ("selection", "rebuild", "fetch", "attention", "compress", "fold")
 
 @dataclass
 class ShadowKVStats:
-    chunk_hits: int = 0  # selected chunks found in the previous step's reuse cache
-    chunk_misses: int = 0  # selected chunks rebuilt and fetched
+    _hits: int = 0  # selected chunks found in the previous step's reuse cache
+    _misses: int = 0  # selected chunks rebuilt and fetched
+    # [misses, hits] of steps whose counts stayed on the device (a decode path that never
+    # waits for the host), added in when the counts are read. One tensor for the cache's
+    # life, only ever updated in place: a captured step (CUDA graph) adds into it.
+    _pending: torch.Tensor | None = None
     compressions: int = 0  # sequences compressed
     folded_chunks: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
@@ -51,7 +55,42 @@ class ShadowKVStats:
         """Mean rank of each global layer over the sequences compressed so far."""
         return [total / self.ranked_sequences for total in self.rank_sums] if self.ranked_sequences else []
 
+    def device_counter(self, device: torch.device) -> torch.Tensor:
+        """The [misses, hits] int64 tensor on `device` that kernels add a layer's counts into
+        without the host reading them."""
+        if self._pending is None:
+            self._pending = torch.zeros(2, dtype=torch.int64, device=device)
+        return self._pending
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            misses, hits = self._pending.tolist()
+            self._misses, self._hits = self._misses + misses, self._hits + hits
+            with torch.inference_mode():  # made in a step, under inference mode
+                self._pending.zero_()
+
+    @property
+    def chunk_hits(self) -> int:
+        self._settle()
+        return self._hits
+
+    @chunk_hits.setter
+    def chunk_hits(self, value: int) -> None:
+        self._settle()
+        self._hits = value
+
+    @property
+    def chunk_misses(self) -> int:
+        self._settle()
+        return self._misses
+
+    @chunk_misses.setter
+    def chunk_misses(self, value: int) -> None:
+        self._settle()
+        self._misses = value
+
     def reset(self) -> None:
+        self._settle()
         self.chunk_hits = self.chunk_misses = self.compressions = self.folded_chunks = 0
         self.seconds = dict.fromkeys(PHASES, 0.0)
 

@@ -13,20 +13,25 @@ with one index operation.
 Tensors (P pages, Lg global cache layers):
   landmarks    [Lg, H, P, D]         fast (compute device), head-major: index_select over
                                      pages gives [H, ..]
-  values       [Lg, H, P, chunk, D]  slow: a pageable CPU tensor ("memory") or a memory-mapped
-               temporary file ("mmap", so values can exceed RAM)
+  values       [Lg, H, P, chunk, D]  slow: a pageable CPU tensor ("memory"), a memory-mapped
+               temporary file ("mmap", so values can exceed RAM) or a page-locked CPU
+               tensor ("pinned")
 All are allocated once with `torch.empty` (or a sparse file). On the CPU untouched pages cost
 no memory; on CUDA the fast tensors cost their whole size, so their pages are the chunk share
-of the budget split (split.py). The slow tier is never pinned: pinned memory is allocated
-whole (and rounded up to a power of two), so pinning it would lock the whole slow budget in
-RAM. On CUDA a fetch gathers its values into a pinned staging buffer instead, the only pinned
-memory: as large as the largest single fetch (the misses of one layer of one decode group).
+of the budget split (split.py). With "memory" and "mmap" the slow tier is not pinned (pinning
+locks all of it in RAM), and on CUDA a fetch gathers its values into a pinned staging buffer,
+as large as the largest single fetch (the misses of one layer of one decode group), after the
+host has learnt which pages to gather. With "pinned" on CUDA the whole tier is page-locked
+once (`cudaHostRegister`, exactly its size: torch's pinned allocator would round it up to a
+power of two), so kernels read it in place through its host address (unified addressing):
+`values_in_place` says whether the compute device can read the slow tier so.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import weakref
 
 import numpy as np
 import torch
@@ -51,6 +56,20 @@ def slow_tensor(shape: tuple[int, ...], dtype: torch.dtype, kind: str, directory
     return torch.empty(shape, dtype=dtype)
 
 
+def register_pinned(tensor: torch.Tensor) -> None:
+    """Page-lock `tensor`'s memory for CUDA: device-readable at its host address."""
+    cudart = torch.cuda.cudart()
+    size = tensor.numel() * tensor.element_size()
+    status = int(cudart.cudaHostRegister(tensor.data_ptr(), size, 0))  # 0: default flags (mapped, portable)
+    if status != 0:
+        raise RuntimeError(f"slow_store=pinned: cudaHostRegister of {size} bytes failed "
+                           f"({cudart.cudaGetErrorString(status)}); use slow_store=memory")
+
+
+def unregister_pinned(tensor: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
 class ChunkStore:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, chunk: int, num_pages: int,
                  dtype: torch.dtype, device: torch.device, slow_kind: str, slow_dir: str | None) -> None:
@@ -58,7 +77,14 @@ class ChunkStore:
         self.device = device
         self.pool = BlockPool(num_pages)
         self.landmarks = torch.empty((num_layers, kv_heads, num_pages, head_dim), dtype=dtype, device=device)
-        self.values = slow_tensor((num_layers, kv_heads, num_pages, chunk, head_dim), dtype, slow_kind, slow_dir)
+        self.values = slow_tensor((num_layers, kv_heads, num_pages, chunk, head_dim), dtype,
+                                  "memory" if slow_kind == "pinned" else slow_kind, slow_dir)
+        self.values_in_place = device.type != "cuda" or slow_kind == "pinned"
+        if device.type == "cuda" and slow_kind == "pinned":
+            register_pinned(self.values)
+            # The finaliser holds the tensor until the store is collected, so the memory is
+            # unregistered before it can be freed.
+            weakref.finalize(self, unregister_pinned, self.values)
         self._staging: torch.Tensor | None = None  # pinned buffer of fetched values (CUDA)
         self._copied: torch.cuda.Event | None = None
 

@@ -20,15 +20,9 @@ over sequences or heads on the host:
 Dot products and softmax run in float32 (IEEE dots, no TF32); results are written in the
 buffers' / q's dtype.
 
-Per-sequence tensors (K/V buffers, basis, coefficients, candidate masks) are separate
-tensors of different sizes (ranks, chunk counts and buffer rows differ per sequence), so
-the kernels address them through `info`, an int64 tensor [B, FIELDS] per layer and step
-holding their data pointers and sizes (`sequence_info`), rather than pooling them into
-group-wide tensors: pooling would copy every sequence's state each step or change how
-state.py owns it, whereas a pointer table is B x FIELDS integers built on the host and
-copied once. A pointer is cast in the kernel to the element type of a "like" tensor of
-the same dtype (every sequence's tensor of a kind shares one dtype; checked on the host).
-Every addressed tensor is contiguous (checked when the table is built).
+Each sequence's own tensors are addressed through `info`, the layer's pointer table
+(pointer_table.py). The reuse slots' kernels and the in-place value read are in
+triton_slots.py.
 
 Importing this module imports triton (kernels/triton_jit.py); sparse.py imports it only
 for a decode group on the Triton path, so CPU runs never import triton.
@@ -38,17 +32,25 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.cache.shadowkv.pointer_table import (
+    BASIS,
+    CANDIDATES,
+    CHUNKS,
+    COEFFICIENTS,
+    FIELDS,
+    KEYS,
+    RANK,
+    ROWS,
+    ROWS_USED,
+    SLOTS_START,
+    VALUES,
+    WINDOW_START,
+)
 from kvforge.errors import require
 from kvforge.kernels.triton_jit import INTERPRETED, jit, tl, triton
-from kvforge.step_plan import pack
 
-__all__ = ["FIELDS", "landmark_scores", "rebuild_keys", "sequence_info", "slot_attention", "write_values"]
+__all__ = ["check_device", "landmark_scores", "rebuild_keys", "slot_attention", "write_values"]
 
-# Columns of `info` [B, FIELDS] (int64): data pointers, then sizes (constexpr: kernels read them).
-FIELDS = 11
-_constexpr = tl.constexpr if tl is not None else int
-KEYS, VALUES, BASIS, COEFFICIENTS, CANDIDATES, RANK, CHUNKS, ROWS, SLOTS_START, WINDOW_START, ROWS_USED = (
-    _constexpr(column) for column in range(FIELDS))
 MIN_DOT = 16  # smallest dimension tl.dot accepts
 BLOCK_C = 32  # chunks per tile of the scores
 BLOCK_N = 32  # buffer rows per tile of the attention
@@ -237,26 +239,7 @@ def _attention_kernel(q_ptr, own_k_ptr, own_v_ptr, info_ptr, keys_like, slot_ids
              mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def sequence_info(keys: list[torch.Tensor], values: list[torch.Tensor], bases: list[torch.Tensor],
-                  coefficients: list[torch.Tensor], candidates: list[torch.Tensor], meta: torch.Tensor,
-                  device: torch.device) -> torch.Tensor:
-    """`info` [B, FIELDS] on `device`: per sequence the data pointers of its K/V buffers
-    [H, R, D], basis [r, H x D], coefficients [>= C, chunk, r] and candidate mask [H, C]
-    (bool), then r, C, R and its meta row (slots_start, window_start, rows used; host
-    int64 [B, 3]). One host tensor, one copy."""
-    rows = []
-    for k, v, basis, coef, cand, (slots_start, window_start, used) in zip(
-            keys, values, bases, coefficients, candidates, meta.tolist()):
-        for name, t, like in (("keys", k, keys[0]), ("values", v, keys[0]), ("basis", basis, bases[0]),
-                              ("coefficients", coef, coefficients[0]), ("candidates", cand, candidates[0])):
-            require(t.is_contiguous() and t.dtype == like.dtype, name, f"{tuple(t.shape)} {t.dtype}",
-                    f"must be contiguous and of one dtype in the group ({like.dtype})")
-        rows.append([k.data_ptr(), v.data_ptr(), basis.data_ptr(), coef.data_ptr(), cand.data_ptr(),
-                     basis.shape[0], cand.shape[1], k.shape[1], slots_start, window_start, used])
-    return pack([torch.tensor(rows, dtype=torch.int64)], device)[0]
-
-
-def _check_device(t: torch.Tensor, what: str) -> None:
+def check_device(t: torch.Tensor, what: str) -> None:
     if triton is None:
         raise RuntimeError("the Triton ShadowKV kernels need the `triton` package (pip install 'kvforge[triton]')")
     if not (t.is_cuda or INTERPRETED):
@@ -273,7 +256,7 @@ def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, table: torch.Tenso
     """q [B, heads, D] (RoPE applied); landmarks [H, P, D] (unit stride along D); table
     [B, Cmax] int64 page ids -> scores [B, H, Cmax] float32, as `select.chunk_scores` for
     one query token."""
-    _check_device(q, "landmark_scores")
+    check_device(q, "landmark_scores")
     batch, heads, dim = q.shape
     kv_heads, width = landmarks.shape[0], table.shape[1]
     require(landmarks.stride(-1) == 1 and q.stride(-1) == 1, "landmarks", tuple(landmarks.stride()),
@@ -293,7 +276,7 @@ def rebuild_keys(info: torch.Tensor, keys_like: torch.Tensor, basis_like: torch.
     """Rebuild into the key buffers (in place) the chunk new_ids[b, h, j] of every slot
     with filled[b, h, j] ([B, H, slots] int64 / bool, contiguous); cos/sin [N, D] tables
     of positions 0..N-1 with N >= chunk x (most chunks of a sequence)."""
-    _check_device(new_ids, "rebuild_keys")
+    check_device(new_ids, "rebuild_keys")
     batch, kv_heads, slots = new_ids.shape
     dim = cos.shape[-1]
     if new_ids.numel() == 0:
@@ -309,7 +292,7 @@ def write_values(info: torch.Tensor, values_like: torch.Tensor, fetched: torch.T
                  kv_heads: int, slots: int) -> None:
     """fetched [M, chunk, D] (contiguous) into the value buffers: miss m into the slot with
     flat index order[m] = (b x kv_heads + h) x slots + j."""
-    _check_device(fetched, "write_values")
+    check_device(fetched, "write_values")
     misses, chunk, dim = fetched.shape
     if misses == 0:
         return
@@ -326,7 +309,7 @@ def slot_attention(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, in
     with slot_ids [B, H, slots] < 0 masked when `mask_slots` -> [B, heads, D] in q's dtype.
     The last row in use is the step's token own_k/own_v [B, H, D] (contiguous), which the
     kernel writes into the buffers."""
-    _check_device(q, "slot_attention")
+    check_device(q, "slot_attention")
     require(own_k.is_contiguous() and own_v.shape == own_k.shape and own_v.is_contiguous(), "own_k",
             tuple(own_k.shape), f"must be contiguous [B, H, D] as own_v {tuple(own_v.shape)}")
     batch, heads, dim = q.shape

@@ -1,0 +1,81 @@
+"""The pointer table through which ShadowKV's Triton decode kernels address each sequence's
+own tensors (triton_decode.py, triton_slots.py).
+
+Per-sequence tensors (K/V buffers, basis, coefficients, candidate masks, reuse-slot ids) are
+separate tensors of different sizes (ranks, chunk counts and buffer rows differ per
+sequence), so the kernels read them through `info`, an int64 tensor [B, FIELDS] per layer
+and step holding their data pointers and sizes, rather than pooling them into group-wide
+tensors: pooling would copy every sequence's state each step or change how state.py owns
+it, whereas a pointer table is B x FIELDS integers built on the host and copied once. A
+pointer is cast in the kernel to the element type of a "like" tensor of the same dtype
+(every sequence's tensor of a kind shares one dtype; checked on the host). Every addressed
+tensor is contiguous (checked when a row is made). A `LayerState` keeps its row
+(`kernel_view`) until one of its tensors is replaced, so a step rebuilds only the per-step
+columns.
+
+Importing this module imports triton (the columns are Triton constants); it is imported
+only where a Triton kernel may run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.cache.shadowkv.state import LayerState
+from kvforge.errors import require
+from kvforge.kernels.triton_jit import tl
+from kvforge.step_plan import pack
+
+__all__ = ["FIELDS", "pointer_tables", "sequence_info"]
+
+# Columns of `info` [B, FIELDS] (int64): data pointers, then sizes (constexpr: kernels read them).
+FIELDS = 13
+_constexpr = tl.constexpr if tl is not None else int
+(KEYS, VALUES, BASIS, COEFFICIENTS, CANDIDATES, SLOT_IDS, RANK, CHUNKS, ROWS, SLOTS_START, WINDOW_START, ROWS_USED,
+ OWN_SLOTS) = (_constexpr(column) for column in range(FIELDS))
+_PER_STEP = slice(9, 12)  # SLOTS_START, WINDOW_START, ROWS_USED: filled for each step
+assert [getattr(c, "value", c) for c in (SLOTS_START, WINDOW_START, ROWS_USED)] == [9, 10, 11]
+
+
+_TENSORS = ("keys", "values", "basis", "coefficients", "candidates", "slot_ids")
+
+
+def _layer_row(layer: LayerState) -> tuple[list[int], tuple[torch.dtype, ...]]:
+    """A layer state's pointers and sizes (every column of `info` but the per-step ones) and
+    its tensors' dtypes, derived once per set of tensors (`LayerState.kernel_view`)."""
+    view = layer.kernel_view
+    if view is None:
+        tensors = [getattr(layer, name) for name in _TENSORS]
+        for name, t in zip(_TENSORS, tensors):
+            require(t.is_contiguous(), name, tuple(t.shape), "must be contiguous")
+        row = [t.data_ptr() for t in tensors] + [layer.basis.shape[0], layer.candidates.shape[1],
+                                                 layer.keys.shape[1], 0, 0, 0, layer.slot_ids.shape[1]]
+        view = layer.kernel_view = (row, tuple(t.dtype for t in tensors))
+    return view  # type: ignore[return-value]
+
+
+def pointer_tables(layers: list[list[LayerState]], meta: torch.Tensor) -> torch.Tensor:
+    """The host `info` of several layers of one group at once: [L, B, FIELDS] from
+    layers[l][b], the `LayerState` of sequence b in layer l (see `sequence_info`)."""
+    rows = []
+    dtypes = None
+    for states in layers:
+        for layer in states:
+            row, kinds = _layer_row(layer)
+            dtypes = dtypes or kinds
+            require(kinds == dtypes, "dtypes", kinds, f"must be one set in the group ({dtypes})")
+            rows.append(row)
+    host = torch.tensor(rows, dtype=torch.int64).view(len(layers), -1, FIELDS)
+    host[:, :, _PER_STEP] = meta
+    return host
+
+
+def sequence_info(layers: list[LayerState], meta: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """`info` [B, FIELDS] of one layer of a group: per sequence (its `LayerState`) the data
+    pointers of its K/V buffers [H, R, D], basis [r, H x D], coefficients [>= C, chunk, r],
+    candidate mask [H, C] (bool) and reuse-slot ids [H, k] (int64), then r, C, R, its meta
+    row (slots_start, window_start, rows used; host int64 [B, 3]) and k. Every sequence's
+    tensors must have the first one's dtypes (the kernels cast pointers to one type). One
+    host tensor, copied once to `device` (None: left on the host)."""
+    host = pointer_tables([layers], meta)[0]
+    return host if device is None else pack([host], device)[0]

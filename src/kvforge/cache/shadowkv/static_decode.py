@@ -1,0 +1,114 @@
+"""The `shadowkv` method's decode-only steps in fixed shapes (cache/static_decode.py), for a
+step whose every sequence is compressed and decodes through the Triton kernels with the slow
+tier read in place (`slow_store=pinned` on CUDA): such a step reads nothing on the host,
+so it can be captured in a CUDA graph.
+
+The buffers of a bucket of `rows` sequences of at most `max_tokens` tokens: the chunk page
+table padded to `width` chunks, each sequence's k (chunks selected per KV head), and per
+global layer the Triton kernels' pointer table (triton_decode.sequence_info: the
+per-sequence K/V buffers, basis, coefficients, candidate mask and reuse-slot ids, with
+their sizes), refilled from the host each step, so a fold that moves a sequence's state is
+seen by the next step. The step selects `slots` chunks per (sequence, head), the bucket's
+largest k: a sequence's own k masks the rest, as in a group of different k.
+
+Padding rows point at a scratch state: no candidate chunk (so no pick, miss or fetch), k = 0
+(no slot id read or written), one buffer row, into which the attention kernel writes the
+row's token and which it attends alone. A step with an exact (not yet compressed) or a
+compressing sequence, sliding-window layers, or a table wider than the bucket runs eagerly.
+
+After the step, `finish` hands the host metadata the step's RoPE per layer (a fold at
+`end_step` un-rotates the folded keys with it); the window append and folds run eagerly
+in `end_step`, as in the dynamic step (the step's tokens are already in the buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvforge.batch import ForwardBatch
+from kvforge.cache.shadowkv.query_samples import QuerySampler
+from kvforge.cache.shadowkv.sparse import SparseGroup, TritonLayerInputs
+from kvforge.cache.shadowkv.state import LayerState, padded_page_tables
+from kvforge.cache.shadowkv.step import ShadowKVStepMetadata
+from kvforge.cache.static_decode import StaticDecode
+
+
+def scratch_state(kv_heads: int, head_dim: int, chunk: int, dtype: torch.dtype, coefficient_dtype: torch.dtype,
+                  device: torch.device) -> LayerState:
+    """What padding rows point at: one buffer row, rank 1, no candidate chunk, k = 0."""
+    return LayerState(basis=torch.zeros((1, kv_heads * head_dim), dtype=dtype, device=device),
+                      coefficients=torch.zeros((1, chunk, 1), dtype=coefficient_dtype, device=device),
+                      outliers=torch.zeros((kv_heads, 0), dtype=torch.long, device=device),
+                      keys=torch.zeros((kv_heads, 1, head_dim), dtype=dtype, device=device),
+                      values=torch.zeros((kv_heads, 1, head_dim), dtype=dtype, device=device),
+                      slot_ids=torch.zeros((kv_heads, 0), dtype=torch.long, device=device),
+                      candidates=torch.zeros((kv_heads, 0), dtype=torch.bool, device=device))
+
+
+class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
+    def __init__(self, begin_step: Callable[[ForwardBatch], ShadowKVStepMetadata], num_layers: int,
+                 scratch: LayerState, chunk: int, device: torch.device, rows: int, width: int, slots: int) -> None:
+        """`begin_step`: the cache's (its checks and the step's host metadata); `num_layers`:
+        global cache layers; `width`: chunks of the longest sequence; `slots`: the largest k."""
+        from kvforge.cache.shadowkv.pointer_table import FIELDS, sequence_info
+
+        self.begin_step, self.num_layers, self.scratch = begin_step, num_layers, scratch
+        self.chunk, self.device, self.width, self.slots = chunk, device, width, slots
+        shapes: dict[str, tuple[int, ...]] = {"table": (rows, width), "chunks_per_step": (rows,)}
+        shapes.update({f"{g}.info": (rows, FIELDS) for g in range(num_layers)})
+        super().__init__(rows, shapes, device)
+        self.row_order = torch.arange(rows, device=device)
+        # one padding row of the pointer table (the scratch state: rows used 1, slots and
+        # window at row 0)
+        self.padding_info = sequence_info([scratch], torch.tensor([[0, 0, 1]], dtype=torch.long), None)
+        # Until the first step loads, every row is padding (a capture runs on these values).
+        self.buffers.fill({"table": torch.zeros((rows, width), dtype=torch.long),
+                           "chunks_per_step": torch.zeros(rows, dtype=torch.long),
+                           "token_ids": torch.zeros(rows, dtype=torch.long),
+                           "positions": torch.zeros(rows, dtype=torch.long)}
+                          | {f"{g}.info": self.padding_info.expand(rows, -1) for g in range(num_layers)})
+
+    def make_meta(self) -> ShadowKVStepMetadata:
+        buffers = self.buffers.tensors
+        likes = (self.scratch.keys, self.scratch.basis, self.scratch.coefficients)
+        rows = self.rows
+        group = SparseGroup(
+            states=(), rows=self.row_order, queries=1, own_in_buffer=True, table=buffers["table"],
+            chunks_per_step=buffers["chunks_per_step"], slots_start=self.row_order, rows_used=[],
+            row_list=list(range(rows)), first_page=None, slots_full=False, meta=torch.zeros((0, 3), dtype=torch.long),
+            triton_inputs=[TritonLayerInputs(buffers[f"{g}.info"], *likes) for g in range(self.num_layers)],
+            fixed_slots=self.slots)
+        return ShadowKVStepMetadata(
+            self.batch, exact=None, sliding=None, exact_rows=None, compressing=(), compressed_spans=(),
+            groups=(group,), any_compressed=True, queries=QuerySampler(enabled=False))
+
+    def plan(self, batch: ForwardBatch) -> tuple[ShadowKVStepMetadata, dict[str, torch.Tensor]] | None:
+        from kvforge.cache.shadowkv.pointer_table import pointer_tables
+
+        host_meta = self.begin_step(batch)
+        if (host_meta.exact is not None or host_meta.sliding is not None or host_meta.compressing
+                or len(host_meta.groups) != 1 or not host_meta.groups[0].own_in_buffer):
+            return None
+        group = host_meta.groups[0]
+        states = group.states
+        if max(s.num_chunks for s in states) > self.width or group.k_max > self.slots:
+            return None
+        pad = self.rows - len(states)
+        values = {"table": padded_page_tables(states, self.rows, self.width),
+                  "chunks_per_step": torch.tensor([s.chunks_per_step for s in states] + [0] * pad, dtype=torch.long)}
+        by_layer = [[group.layer(b, g) for b in range(len(states))] for g in range(self.num_layers)]
+        for layer in (layer for layers in by_layer for layer in layers):
+            if not layer.slot_ids.is_contiguous():  # a view left by the PyTorch path
+                layer.slot_ids = layer.slot_ids.contiguous()
+        # the scratch state first in every layer: `pointer_tables` holds every sequence's
+        # tensors to its dtypes, which the kernels were captured with
+        tables = pointer_tables([[self.scratch, *layers] for layers in by_layer],
+                                torch.cat((torch.tensor([[0, 0, 1]]), group.meta)))[:, 1:]
+        for g in range(self.num_layers):
+            values[f"{g}.info"] = torch.cat((tables[g], self.padding_info.expand(pad, -1)))
+        return host_meta, values
+
+    def finish(self, host_meta: ShadowKVStepMetadata, meta: ShadowKVStepMetadata, rows: int) -> None:
+        host_meta.layer_ropes = dict(meta.layer_ropes)

@@ -1,0 +1,132 @@
+"""ShadowKV's fixed-shape decode step (cache/shadowkv/static_decode.py): the step a CUDA
+graph captures when every sequence is compressed and the Triton kernels read the slow tier
+in place. Here it runs eagerly on CPU tensors in Triton's interpreter (exactly what a
+capture records) and is held to the dynamic step's logits, chunk reuse and folds across
+buckets, sequences leaving and joining, and the steps that must stay eager; it reads
+nothing on the host. The capture itself is tested on CUDA only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_pair
+from sync_counter import SyncCounter
+from test_static_decode import Counting
+from triton_helpers import kernel_device
+
+from kvforge.cache.registry import create_cache
+from kvforge.engine.runner import ModelRunner, StepItem
+
+# compressed at the end of a prompt of >= 24 tokens; folds every 4 tokens past an exact tail
+# of 8 + 8; k (chunks selected per head) 10% of the prompt in whole chunks: 1 at 30 or 40
+# tokens, 2 at 65, while the 128-token bucket selects 4 (a sequence's own k masks the rest)
+SPEC = ("shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=8,rank=3,budget=paper,budget_floor=4,"
+        "budget_fraction=0.1,kernel=0")
+
+
+def _runner(model, device: str, static: bool, spec: str = SPEC) -> tuple[ModelRunner, Counting | None]:
+    if device == "cuda":
+        spec += ",slow_store=pinned"  # values read in place: what the fixed step needs on CUDA
+    runner = ModelRunner(model, create_cache(spec, model.cache_layout(), 1 << 22, torch.float32, device))
+    runner.cache.sparse.triton = True  # kernel=0 keeps the fused C++ kernel off on the CPU
+    graphs = None
+    if static:
+        graphs = runner.decode_graphs = Counting(model, runner.cache, 4, 128, capture=device == "cuda")
+        if device == "cuda":
+            assert graphs.capture().graphs == len(graphs.steps) > 0
+    return runner, graphs
+
+
+def _script(runner: ModelRunner) -> list[torch.Tensor]:
+    """Three prompts (compressed at their end), decode steps with 3 then 2 sequences (one
+    freed), a prompt joining (a mixed step, eager; compressed at its end), then 3 again."""
+    token = lambda seq, step: (7 * step + 3 * seq + 1) % 90  # noqa: E731
+    out = [runner.step([StepItem(0, list(range(1, 41))), StepItem(1, list(range(7, 72))),
+                        StepItem(2, list(range(9, 39)))])]
+    for step in range(5):
+        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in range(3)]))
+    runner.release(1)
+    for step in range(5, 9):
+        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 2)]))
+    out.append(runner.step([StepItem(0, [token(0, 9)], decode=True), StepItem(3, list(range(4, 34)))]))
+    for step in range(10, 22):
+        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 2, 3)]))
+    return out
+
+
+def test_static_steps_give_the_dynamic_logits_chunk_reuse_and_folds():
+    device = kernel_device()
+    model = make_pair("llama_gqa")[1].to(device)
+    eager_runner, _ = _runner(model, device, static=False)
+    eager = _script(eager_runner)
+    runner, graphs = _runner(model, device, static=True)
+    assert graphs is not None and graphs.enabled
+    static = _script(runner)
+    assert [runner.cache._seqs[seq].compressed.chunks_per_step for seq in (0, 2, 3)] == [1, 1, 1]
+    assert graphs.steps[4, 128].slots == 4 and eager_runner.cache._seqs[0].compressed.chunks_per_step == 1
+    assert len(static) == len(eager)
+    for step, (a, b) in enumerate(zip(static, eager)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+    # every decode step but the mixed one: 5 + 4 + 12
+    assert graphs.static_steps == 21
+    got, expected = runner.cache.statistics(), eager_runner.cache.statistics()
+    assert got["folded_chunks"] == expected["folded_chunks"] > 0
+    assert (got["chunk_hits"], got["chunk_misses"]) == (expected["chunk_hits"], expected["chunk_misses"])
+    assert got["chunk_hits"] > 0 and got["chunk_misses"] > 0
+    for seq in (0, 2, 3):  # the same reuse slots in every layer
+        for ours, theirs in zip(runner.cache._seqs[seq].compressed.layers,
+                                eager_runner.cache._seqs[seq].compressed.layers):
+            assert torch.equal(ours.slot_ids, theirs.slot_ids)
+
+
+def test_steps_that_are_not_all_compressed_or_do_not_fit_run_eagerly():
+    device = kernel_device()
+    if device != "cpu":
+        pytest.skip("counts static steps without capture")
+    model = make_pair("llama_gqa")[1]
+    runner, graphs = _runner(model, device, static=True)
+    runner.step([StepItem(0, list(range(1, 41))), StepItem(1, list(range(1, 12)))])  # 11 tokens: stays exact
+    runner.step([StepItem(seq, [5]) for seq in (0, 1)])
+    assert graphs.static_steps == 0  # an exact sequence decodes beside a compressed one
+    runner.release(1)
+    runner.step([StepItem(0, [5])])
+    assert graphs.static_steps == 1
+    runner.step([StepItem(2, [1 + i % 89 for i in range(139)])])
+    runner.step([StepItem(2, [5])])  # 140 tokens > the 128-token bucket
+    assert graphs.static_steps == 1
+
+
+def test_no_static_form_without_in_place_values_or_the_triton_path():
+    model = make_pair("llama_gqa")[1]
+    cache = create_cache(SPEC, model.cache_layout(), 1 << 22, torch.float32)
+    assert cache.static_decode(4, 128) is None  # the PyTorch path
+    cache.sparse.triton = True
+    assert cache.static_decode(4, 128) is not None
+    cache.sparse.values_in_place = False  # the host gathers the misses' values
+    assert cache.static_decode(4, 128) is None
+    hybrid = make_pair("gemma3_hybrid")[1]
+    sliding = create_cache(SPEC, hybrid.cache_layout(), 1 << 22, torch.float32)
+    sliding.sparse.triton = True
+    assert sliding.static_decode(4, 128) is None  # sliding-window layers: eager
+
+
+def test_the_static_step_reads_nothing_on_the_host():
+    """What a capture records (the loaded step's forward) must read no device value on the
+    host, on the code paths CUDA takes."""
+    if kernel_device() != "cpu":
+        pytest.skip("counts the CUDA code path on CPU tensors")
+    model = make_pair("llama_gqa")[1]
+    runner, graphs = _runner(model, "cpu", static=True)
+    runner.step([StepItem(seq, list(range(1 + seq, 41 + 9 * seq))) for seq in range(3)])
+    cache = runner.cache
+    from kvforge.batch import ForwardBatch
+
+    cached = [cache.num_cached_tokens(seq) for seq in range(3)]
+    assert all(cache.allocate(seq, n + 1) for seq, n in enumerate(cached))
+    batch = ForwardBatch.build([0, 1, 2], [[4], [5], [6]], cached)
+    step = graphs.steps[graphs.bucket(batch)]
+    assert step.load(batch) is not None
+    counter = SyncCounter()
+    with counter.counting(device_paths=True), counter.within("forward_step"), torch.inference_mode():
+        model.forward_step(cache, step.make_meta())
+    assert counter.syncs == []

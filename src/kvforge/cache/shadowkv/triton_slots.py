@@ -54,12 +54,18 @@ def _values_in_place_kernel(info_ptr, values_like, slow_address, new_ids_ptr, fi
 
 
 @jit
+def _own_slot_ids(info_ptr, seq, kv_head, NFIELDS: tl.constexpr):
+    """(pointer to the slot ids of a (sequence, KV head), the sequence's own k)."""
+    info = info_ptr + seq * NFIELDS
+    own = tl.load(info + OWN_SLOTS)
+    return tl.load(info + SLOT_IDS).to(tl.pointer_type(tl.int64)) + kv_head * own, own
+
+
+@jit
 def _held_kernel(info_ptr, held_ptr, slots, BLOCK_S: tl.constexpr, NFIELDS: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    info = info_ptr + seq * NFIELDS
-    own = tl.load(info + OWN_SLOTS)
-    ids = tl.load(info + SLOT_IDS).to(tl.pointer_type(tl.int64)) + kv_head * own
+    ids, own = _own_slot_ids(info_ptr, seq, kv_head, NFIELDS)
     j = tl.arange(0, BLOCK_S)
     held = tl.load(ids + j, mask=j < own, other=-2)  # -2: past the sequence's own k (never free)
     tl.store(held_ptr + (seq * tl.num_programs(1) + kv_head) * slots + j, held, mask=j < slots)
@@ -69,9 +75,7 @@ def _held_kernel(info_ptr, held_ptr, slots, BLOCK_S: tl.constexpr, NFIELDS: tl.c
 def _keep_kernel(info_ptr, new_ids_ptr, slots, BLOCK_S: tl.constexpr, NFIELDS: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    info = info_ptr + seq * NFIELDS
-    own = tl.load(info + OWN_SLOTS)
-    ids = tl.load(info + SLOT_IDS).to(tl.pointer_type(tl.int64)) + kv_head * own
+    ids, own = _own_slot_ids(info_ptr, seq, kv_head, NFIELDS)
     j = tl.arange(0, BLOCK_S)
     new = tl.load(new_ids_ptr + (seq * tl.num_programs(1) + kv_head) * slots + j, mask=j < own)
     tl.store(ids + j, new, mask=j < own)
@@ -91,9 +95,7 @@ def _match_kernel(info_ptr, top_scores_ptr, top_ids_ptr, k_ptr, new_ids_ptr, fil
     pick = tl.load(top_ids_ptr + pair * picks + i, mask=in_picks, other=-3)
     # a pick with score -inf (fewer candidates than k) or past the sequence's own k is invalid
     valid = in_picks & (score > float("-inf")) & (i < tl.load(k_ptr + seq))
-    info = info_ptr + seq * NFIELDS
-    own = tl.load(info + OWN_SLOTS)
-    ids = tl.load(info + SLOT_IDS).to(tl.pointer_type(tl.int64)) + kv_head * own
+    ids, own = _own_slot_ids(info_ptr, seq, kv_head, NFIELDS)
     held = tl.load(ids + j, mask=in_slots & (j < own), other=-2)  # -2: past the own k, never free
     if not REUSE:
         held = tl.minimum(held, -1)  # forget everything: every pick is a miss

@@ -6,7 +6,8 @@ event lies inside a layer's forward, marked by a profiler range per layer; on th
 nothing launches kernels, the leaf ATen ops per layer instead, and none when the fused CPU
 decode layer runs the layers in one call). A study tool for GPU sessions
 (benchmarks/gpu/run_on_device.sh), not a bench: the headline speeds come from
-`kvforge bench decode`.
+`kvforge bench decode`. Steps run eagerly (`enforce_eager`), so that kernels can be counted
+per layer; the ms per step is the eager step's.
 
     python benchmarks/gpu/profile_decode.py --model DIR --device cuda --batch 16 --context 2048 \
         --spec full --spec kivi:bits=2 [--json OUT]
@@ -95,8 +96,10 @@ def per_layer_counts(events: list) -> dict:
 
 def profile_spec(args: argparse.Namespace, spec: str) -> dict:
     device = torch.device(args.device)
+    # Eager steps: a replayed CUDA graph launches its kernels from no layer's forward, so
+    # they could not be counted per layer (`kvforge bench decode` times the graphs).
     llm = LLM(args.model, cache=spec, dtype=args.dtype, kv_budget=args.kv_budget, device=args.device,
-              max_num_batched_tokens=max(2048, args.batch * args.context), prefix_caching=False)
+              max_num_batched_tokens=max(2048, args.batch * args.context), prefix_caching=False, enforce_eager=True)
     engine = llm.engine
     _prefill(llm, args.batch, args.context, args.warmup + args.timed + args.profiled + 2, args.seed)
     for _ in range(args.warmup):

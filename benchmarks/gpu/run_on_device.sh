@@ -11,7 +11,8 @@
 # device call). PROFILE_SPECS
 # (space-separated cache specs) picks what `profile` looks at; it prints kernels per decoder
 # layer for each (`full`: the paged Triton kernel and fused ops, `full:decode_kernel=gather`:
-# the gathered path, for the count before them).
+# the gathered path, for the count before them; ShadowKV's sequences are compressed at the
+# end of their 2,048-token prompts).
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 # Logs and JSON land in $WORK; after every step they are packed into $OUT/results.tgz (the
@@ -106,8 +107,8 @@ if has bench-kivi; then
         --compare full,full:decode_kernel=torch,hf "${KIVI_SHAPE[@]}" --json "$WORK/bench-kivi.json"
 fi
 if has profile; then
-    read -r -a specs <<< "${PROFILE_SPECS:-full full:decode_kernel=gather kivi:bits=2}"
-    TAIL=0 step profile 130 $PY benchmarks/gpu/profile_decode.py --model "$MODEL" --device "$DEVICE" \
+    read -r -a specs <<< "${PROFILE_SPECS:-full full:decode_kernel=gather kivi:bits=2 shadowkv:rank=32,slow_store=pinned}"
+    TAIL=0 step profile 170 $PY benchmarks/gpu/profile_decode.py --model "$MODEL" --device "$DEVICE" \
         "${PROFILE_SHAPE[@]}" "${specs[@]/#/--spec=}" --json "$WORK/profile.json"
 fi
 if has check; then

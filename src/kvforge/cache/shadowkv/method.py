@@ -171,7 +171,7 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         exact_batch, exact_rows = exact_sub_batch(batch, exact)
         groups: list[SparseGroup] = []
         if decoding:
-            groups.append(self._group(decoding))
+            groups.append(self._group(decoding, batch.num_tokens))
         groups.extend(self._group([span]) for span in multi)
         return ShadowKVStepMetadata(
             batch,
@@ -181,12 +181,16 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
             groups=tuple(groups), any_compressed=bool(decoding or multi),
             queries=QuerySampler(enabled=self.config.rank == "attention"))
 
-    def _group(self, spans: list[SequenceSpan]) -> SparseGroup:
+    def _group(self, spans: list[SequenceSpan], num_tokens: int = -1) -> SparseGroup:
+        """The sparse group of `spans`; it is `every_row` when its rows are the step's
+        `num_tokens` rows in order."""
         states = [self._seqs[s.seq_id].compressed for s in spans]
         rows = [row for s in spans for row in range(s.query_start, s.query_end)]
         kernel = self.sparse is not None and self.sparse.uses_kernel(self.compute_dtype)
-        return SparseGroup.build(states, rows, spans[0].query_len, spans[0].query_len == 1,  # type: ignore[arg-type]
-                                 self.config.chunk, self.device, kernel)
+        group = SparseGroup.build(states, rows, spans[0].query_len, spans[0].query_len == 1,  # type: ignore[arg-type]
+                                  self.config.chunk, self.device, kernel)
+        group.every_row = rows == list(range(num_tokens))
+        return group
 
     def static_decode(self, rows: int, max_tokens: int) -> ShadowKVStaticDecode | None:
         """Fixed-shape decode steps of compressed sequences (static_decode.py) when the step
@@ -250,19 +254,22 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         meta.queries.record(cache_layer, meta.batch, meta.compressing, q)
         if meta.exact_batch is meta.batch:
             return self.exact.attend(index, meta.exact, q, rope)  # type: ignore[arg-type]
+        if meta.exact is None and len(meta.groups) == 1 and meta.groups[0].every_row:
+            return self._attend_compressed(cache_layer, meta, q, rope, None)  # no gather or scatter of rows
         out = torch.empty_like(q)
         if meta.exact is not None:
             rows = meta.exact_rows
             out[rows] = self.exact.attend(index, meta.exact, q[rows], exact_rope(meta, rope))
-        self._attend_compressed(cache_layer, meta, q, rope, out)
-        return out
+        return self._attend_compressed(cache_layer, meta, q, rope, out)
 
     def _attend_compressed(self, cache_layer: int, meta: ShadowKVStepMetadata, q: torch.Tensor,
-                           rope: PositionedRope, out: torch.Tensor) -> None:
+                           rope: PositionedRope, out: torch.Tensor | None) -> torch.Tensor:
         """Attention of the step's compressed sequences (their sparse groups): q and out
-        cover every row of the batch; only the groups' rows of out are written."""
+        cover every row of the batch; only the groups' rows of out are written, and out is
+        returned. out None: one group of every row in order, whose result is returned."""
         if not meta.groups:
-            return
+            assert out is not None
+            return out
         assert self.sparse is not None
         k_post, v = meta.step_kv[cache_layer]
         scale = self.layout.specs[cache_layer].scale
@@ -270,17 +277,23 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         # it uses torch's threads. `threads` is for the PyTorch path's many small ops.
         kernel_only = all(group.kernel for group in meta.groups)
         with cpu_threads(0 if kernel_only else self.config.threads, self.device):
-            self._attend_groups(self._inner_index[cache_layer], meta.groups, q, k_post, v, rope, scale, out)
+            return self._attend_groups(self._inner_index[cache_layer], meta.groups, q, k_post, v, rope, scale, out)
 
     def _attend_groups(self, index: int, groups: tuple[SparseGroup, ...], q: torch.Tensor, k_post: torch.Tensor,
-                       v: torch.Tensor, rope: PositionedRope, scale: float, out: torch.Tensor) -> None:
+                       v: torch.Tensor, rope: PositionedRope, scale: float, out: torch.Tensor | None) -> torch.Tensor:
         assert self.sparse is not None
         for group in groups:
             shape = (group.size, group.queries)
+            if out is None:  # the group is every row of the batch, in order
+                return self.sparse.attend(index, group, q.view(*shape, *q.shape[1:]),
+                                          k_post.view(*shape, *k_post.shape[1:]), v.view(*shape, *v.shape[1:]),
+                                          rope, scale).view(q.shape)
             result = self.sparse.attend(index, group, q[group.rows].view(*shape, *q.shape[1:]),
                                         k_post[group.rows].view(*shape, *k_post.shape[1:]),
                                         v[group.rows].view(*shape, *v.shape[1:]), rope, scale)
             out[group.rows] = result.view(-1, *q.shape[1:])
+        assert out is not None
+        return out
 
     def attend_rows(self, cache_layer: int, meta: ShadowKVStepMetadata, q: torch.Tensor, rope: PositionedRope,
                     rows: torch.Tensor) -> torch.Tensor:

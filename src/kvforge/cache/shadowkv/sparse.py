@@ -94,6 +94,9 @@ class SparseGroup:
     # A fixed-shape step's reuse slots per (sequence, head), its bucket's largest k (0: the
     # group's largest k, `k_max`)
     fixed_slots: int = 0
+    # The group's rows are every row of the step, in order (attention needs no gather or
+    # scatter of rows)
+    every_row: bool = False
     _candidates: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod

@@ -79,7 +79,7 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
             chunks_per_step=buffers["chunks_per_step"], slots_start=self.row_order, rows_used=[],
             row_list=list(range(rows)), first_page=None, slots_full=False, meta=torch.zeros((0, 3), dtype=torch.long),
             triton_inputs=[TritonLayerInputs(buffers[f"{g}.info"], *likes) for g in range(self.num_layers)],
-            fixed_slots=self.slots)
+            fixed_slots=self.slots, every_row=True)
         return ShadowKVStepMetadata(
             self.batch, exact=None, sliding=None, exact_rows=None, compressing=(), compressed_spans=(),
             groups=(group,), any_compressed=True, queries=QuerySampler(enabled=False))

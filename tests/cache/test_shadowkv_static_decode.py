@@ -102,8 +102,14 @@ def test_no_static_form_without_in_place_values_or_the_triton_path():
     assert cache.static_decode(4, 128) is None  # the PyTorch path
     cache.sparse.triton = True
     assert cache.static_decode(4, 128) is not None
+    assert cache.static_decode(4, 16) is None  # shorter than min_context = 24: never a compressed sequence
     cache.sparse.values_in_place = False  # the host gathers the misses' values
     assert cache.static_decode(4, 128) is None
+    # buckets too short to hold a compressed sequence are not made (nor captured)
+    longer = create_cache(SPEC.replace("min_context=24", "min_context=600"), model.cache_layout(), 1 << 22,
+                          torch.float32)
+    longer.sparse.triton = True
+    assert sorted(Counting(model, longer, 2, 1024, capture=False).steps) == [(1, 1024), (2, 1024)]
     hybrid = make_pair("gemma3_hybrid")[1]
     sliding = create_cache(SPEC, hybrid.cache_layout(), 1 << 22, torch.float32)
     sliding.sparse.triton = True

@@ -65,9 +65,8 @@ class DecodeGraphs:
             for rows in self.row_buckets:
                 for tokens in self.length_buckets:
                     step = cache.static_decode(rows, tokens)
-                    if step is None:
-                        break
-                    self.steps[rows, tokens] = step
+                    if step is not None:  # (None: the method has no fixed step for such a bucket)
+                        self.steps[rows, tokens] = step
         self.capture_enabled = capture and bool(self.steps)
         # bucket -> (graph, its logits, the metadata it was captured with)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, StepMetadata]] = {}

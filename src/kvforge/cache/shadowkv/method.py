@@ -195,9 +195,10 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
     def static_decode(self, rows: int, max_tokens: int) -> ShadowKVStaticDecode | None:
         """Fixed-shape decode steps of compressed sequences (static_decode.py) when the step
         reads nothing on the host: the Triton path with the slow tier read in place, and no
-        sliding-window layers (their inner cache has its own plan). Otherwise None: eager."""
-        if self.why_no_static_decode():
-            return None
+        sliding-window layers (their inner cache has its own plan), for buckets of at least
+        min_context tokens. Otherwise None: eager."""
+        if self.why_no_static_decode() or max_tokens < self.config.min_context:
+            return None  # (a bucket shorter than min_context would only ever hold exact sequences)
         chunk, heads = self.config.chunk, self.layout.num_kv_heads
         scratch = scratch_state(heads, self.layout.head_dim, chunk, self.compute_dtype, self.coefficient_dtype,
                                 self.device)

@@ -15,6 +15,7 @@ from test_static_decode import Counting
 from triton_helpers import kernel_device
 
 from kvforge.cache.registry import create_cache
+from kvforge.engine.decode_graphs import CaptureReport
 from kvforge.engine.runner import ModelRunner, StepItem
 
 # compressed at the end of a prompt of >= 24 tokens; folds every 4 tokens past an exact tail
@@ -110,6 +111,10 @@ def test_no_static_form_without_in_place_values_or_the_triton_path():
                           torch.float32)
     longer.sparse.triton = True
     assert sorted(Counting(model, longer, 2, 1024, capture=False).steps) == [(1, 1024), (2, 1024)]
+    short = Counting(model, longer, 2, 512, capture=False)
+    assert short.describe(CaptureReport(0, 0.0, 0)) == ("decode steps run eagerly: no bucket up to 512 tokens "
+                                                        "(--max-seq-len-to-capture) fits the ShadowKVCache cache's "
+                                                        "fixed decode step")
     hybrid = make_pair("gemma3_hybrid")[1]
     sliding = create_cache(SPEC, hybrid.cache_layout(), 1 << 22, torch.float32)
     sliding.sparse.triton = True

@@ -138,7 +138,9 @@ class DecodeGraphs:
         if not self.steps:
             why = ("the model reads device values on the host in a decode step (SwiftKV's early exit)"
                    if not self.model.decode_reads_nothing_on_host()
-                   else self.cache.why_no_static_decode())
+                   else self.cache.why_no_static_decode()
+                   or f"no bucket up to {self.length_buckets[-1]} tokens (--max-seq-len-to-capture) fits "
+                      f"the {type(self.cache).__name__} cache's fixed decode step")
             return f"decode steps run eagerly: {why}"
         if not report.graphs:
             return "decode steps run eagerly from fixed buffers (not captured)"

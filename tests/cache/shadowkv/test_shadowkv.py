@@ -78,6 +78,31 @@ def test_pinned_values_on_a_cpu_are_the_memory_store():
     assert store.values_in_place and not store.values.is_pinned()
 
 
+def test_a_failed_page_lock_names_the_option(monkeypatch):
+    """cudaHostRegister failing (more than the RAM that can be locked) raises naming
+    slow_store and the way out; CUDA's error code arrives as torch's enum, which
+    cudaGetErrorString takes (a fake runtime here: there is no GPU)."""
+    from kvforge.cache.shadowkv.store import register_pinned
+
+    class Status:  # stands for torch's cudaError enum
+        def __int__(self) -> int:
+            return 2
+
+    status = Status()
+
+    class Runtime:
+        def cudaHostRegister(self, pointer: int, size: int, flags: int) -> Status:
+            return status
+
+        def cudaGetErrorString(self, error: Status) -> str:
+            assert error is status, "given the enum"
+            return "out of memory"
+
+    monkeypatch.setattr(torch.cuda, "cudart", Runtime)
+    with pytest.raises(RuntimeError, match="slow_store=pinned.*16 bytes failed .out of memory.*slow_budget"):
+        register_pinned(torch.zeros(4))
+
+
 def test_budget_equal_to_the_candidates_is_exact():
     """Budget = every candidate chunk exactly (10 chunks - 2 outliers = 8 chunks of 4): each
     step's picks fill every reuse slot, the path where decode attention needs no mask."""

@@ -218,12 +218,15 @@ def test_cache_logits_equal_with_the_triton_path_forced():
     assert fast_stats["folded_chunks"] > 0
 
 
+@pytest.mark.parametrize("slots, picks, tile", [(4, 4, 4096), (5, 3, 4096), (6, 6, 8), (7, 5, 16)],
+                         ids=["one-tile", "fewer-picks-than-slots", "one-pick-a-tile", "two-picks-a-tile"])
 @pytest.mark.parametrize("reuse", [True, False])
-def test_the_fused_match_equals_match_slots(reuse):
+def test_the_fused_match_equals_match_slots(reuse, slots, picks, tile):
     """`match_in_place` (one launch: validity, held ids, the reuse rule, write-back, counts)
     against slots.match_slots on random held ids and scores: sequences of different k (slots
     past a sequence's k never take a miss), empty slots, picks with score -inf (fewer
-    candidates than k), with and without reuse."""
+    candidates than k), slot counts that are not powers of two, fewer picks than slots (a
+    narrow table), picks taken a tile at a time, with and without reuse."""
     device = kernel_device()
     from kvforge.cache.shadowkv.pointer_table import pointer_tables
     from kvforge.cache.shadowkv.select import top_chunks
@@ -232,10 +235,12 @@ def test_the_fused_match_equals_match_slots(reuse):
     from kvforge.cache.shadowkv.triton_slots import match_in_place
 
     generator = torch.Generator().manual_seed(5)
-    heads, chunks, slots, ks = 3, 10, 4, [4, 2, 3, 1, 4]
+    heads, chunks = 3, picks  # the table is as wide as the picks: top-k of every chunk
+    ks = [slots, 2, 3, 1, slots]
     layers = []
     for k in ks:
-        held = torch.stack([torch.randperm(chunks, generator=generator)[:k] for _ in range(heads)])
+        held = torch.stack([torch.randperm(chunks + slots, generator=generator)[:k] for _ in range(heads)])
+        held[held >= chunks] = -1  # chunk ids the table no longer has room for stand for empty slots
         held[torch.rand(held.shape, generator=generator) < 0.3] = -1  # empty slots
         tiny = torch.zeros((heads, 1, 1))
         layers.append(LayerState(basis=tiny[0], coefficients=tiny, outliers=held[:, :0], keys=tiny, values=tiny,
@@ -245,15 +250,16 @@ def test_the_fused_match_equals_match_slots(reuse):
         held[b, :, :ks[b]] = layer.slot_ids.cpu()
     scores = torch.rand((len(ks), heads, chunks), generator=generator)
     scores[torch.rand(scores.shape, generator=generator) < 0.5] = float("-inf")  # some heads: fewer than k
-    picks, valid = top_chunks(scores, slots)
+    top, valid = top_chunks(scores, slots)
+    assert top.shape[-1] == picks
     k = torch.tensor(ks)
-    valid &= (torch.arange(slots)[None, :] < k[:, None])[:, None, :]
-    expected = match_slots(held, picks, valid, torch.zeros((len(ks), chunks), dtype=torch.long), reuse)
+    valid &= (torch.arange(picks)[None, :] < k[:, None])[:, None, :]
+    expected = match_slots(held, top, valid, torch.zeros((len(ks), chunks), dtype=torch.long), reuse)
     info = pointer_tables([layers], torch.zeros((len(ks), 3), dtype=torch.long))[0].to(device)
     counts = torch.zeros(2, dtype=torch.long, device=device)
-    top_scores, top_ids = torch.topk(scores, slots, dim=-1)
+    top_scores, top_ids = torch.topk(scores, picks, dim=-1)
     new_ids, filled = match_in_place(info, top_scores.to(device), top_ids.to(device), k.to(device), slots, reuse,
-                                     counts)
+                                     counts, tile=tile)
     assert torch.equal(new_ids.cpu(), expected.new_ids) and torch.equal(filled.cpu(), expected.filled)
     for b, layer in enumerate(layers):  # written back into each sequence's own ids
         assert torch.equal(layer.slot_ids.cpu(), expected.new_ids[b, :, :ks[b]])

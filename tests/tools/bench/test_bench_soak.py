@@ -227,11 +227,11 @@ def test_a_short_soak_of_the_tiny_server_passes(tiny_soak, tmp_path):
     assert {"refused", "disconnect"} <= {r.expect for r in requests}  # the seed's plan has both
     result = soak.run(args)
     tally = result["counts"]
-    # Six seconds are too short a run to judge the resident memory by: the second fifth may
-    # not have served every kind of request yet (it grew 5.7-6.1% in 1 run of 3 on the 2-core
-    # Xeon, unchanged code); the rule itself is tested on samples above. Here it must be
-    # measured, and everything else must pass.
-    assert result["memory"]["growth"] is not None
+    # Six seconds are too short a run to hold to the soak's 5% rule for resident memory (tested
+    # on samples above): the second fifth may not have served every kind of request yet (it
+    # grew 5.5-6.1% in some runs on the 2-core Xeon, unchanged code). A leak still shows:
+    # growth must stay under 15%, and everything else must pass.
+    assert result["memory"]["growth"] is not None and result["memory"]["growth"] < 0.15
     assert [f for f in result["failures"] if not f.startswith("resident memory grew")] == []
     assert tally["server_error"] == 0 and tally["unexpected"] == 0
     assert tally["sent"] == len(requests) == tally["served"] + tally["refused"] + tally["disconnected"]

@@ -247,8 +247,7 @@ class SparseAttention:
             [st.keys for st in states],
             [st.values for st in states], [st.slot_ids for st in states], own_keys, own_values, group.meta, scale,
             self.reuse)
-        self.stats.chunk_hits += counters.hits
-        self.stats.chunk_misses += counters.misses
+        self.stats.count(counters.misses, counters.hits)
         for phase in ("selection", "rebuild", "fetch", "attention"):
             self.stats.seconds[phase] += getattr(counters, phase)
         return out[:, None]
@@ -363,8 +362,7 @@ class SparseAttention:
         before (not yet run on a GPU)."""
         host = match.to_host.tolist()
         misses, hits = host[0], host[1]
-        self.stats.chunk_misses += misses
-        self.stats.chunk_hits += hits
+        self.stats.count(misses, hits)
         if not misses:
             return None
         side = self._side_stream

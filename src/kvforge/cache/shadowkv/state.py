@@ -58,6 +58,10 @@ class LayerState:
         if name not in ("kernel_view", "_kernel_view"):
             object.__setattr__(self, "_kernel_view", None)
 
+    def __getstate__(self) -> dict[str, object]:
+        # a copy's tensors live elsewhere: it derives its own view
+        return {**self.__dict__, "_kernel_view": None}
+
     @property
     def kernel_view(self) -> object | None:
         """What a kernel derived from these tensors' addresses and sizes (triton_decode's

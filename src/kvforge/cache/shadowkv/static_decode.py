@@ -9,7 +9,9 @@ global layer the Triton kernels' pointer table (triton_decode.sequence_info: the
 per-sequence K/V buffers, basis, coefficients, candidate mask and reuse-slot ids, with
 their sizes), refilled from the host each step, so a fold that moves a sequence's state is
 seen by the next step. The step selects `slots` chunks per (sequence, head), the bucket's
-largest k: a sequence's own k masks the rest, as in a group of different k.
+largest k: a sequence's own k masks the rest, as in a group of different k. (Chunks of equal
+score may be ordered differently by a top-k over the bucket's width than over the group's;
+the picks are then another choice among equals, which CUDA's top-k does not fix anyway.)
 
 Padding rows point at a scratch state: no candidate chunk (so no pick, miss or fetch), k = 0
 (no slot id read or written), one buffer row, into which the attention kernel writes the

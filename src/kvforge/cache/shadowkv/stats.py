@@ -33,7 +33,7 @@ class ShadowKVStats:
     # [misses, hits] of steps whose counts stayed on the device (a decode path that never
     # waits for the host), added in when the counts are read. One tensor for the cache's
     # life, only ever updated in place: a captured step (CUDA graph) adds into it.
-    _pending: torch.Tensor | None = None
+    _pending: torch.Tensor | None = field(default=None, repr=False, compare=False)
     compressions: int = 0  # sequences compressed
     folded_chunks: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
@@ -69,29 +69,24 @@ class ShadowKVStats:
             with torch.inference_mode():  # made in a step, under inference mode
                 self._pending.zero_()
 
+    def count(self, misses: int, hits: int) -> None:
+        """Add counts the host knows (nothing is read from the device)."""
+        self._misses += misses
+        self._hits += hits
+
     @property
     def chunk_hits(self) -> int:
         self._settle()
         return self._hits
-
-    @chunk_hits.setter
-    def chunk_hits(self, value: int) -> None:
-        self._settle()
-        self._hits = value
 
     @property
     def chunk_misses(self) -> int:
         self._settle()
         return self._misses
 
-    @chunk_misses.setter
-    def chunk_misses(self, value: int) -> None:
-        self._settle()
-        self._misses = value
-
     def reset(self) -> None:
         self._settle()
-        self.chunk_hits = self.chunk_misses = self.compressions = self.folded_chunks = 0
+        self._hits = self._misses = self.compressions = self.folded_chunks = 0
         self.seconds = dict.fromkeys(PHASES, 0.0)
 
     @contextmanager

@@ -60,10 +60,10 @@ def register_pinned(tensor: torch.Tensor) -> None:
     """Page-lock `tensor`'s memory for CUDA: device-readable at its host address."""
     cudart = torch.cuda.cudart()
     size = tensor.numel() * tensor.element_size()
-    status = int(cudart.cudaHostRegister(tensor.data_ptr(), size, 0))  # 0: default flags (mapped, portable)
-    if status != 0:
+    status = cudart.cudaHostRegister(tensor.data_ptr(), size, 0)  # 0: default flags (mapped, portable)
+    if int(status) != 0:  # (cudaGetErrorString takes the enum, not its value)
         raise RuntimeError(f"slow_store=pinned: cudaHostRegister of {size} bytes failed "
-                           f"({cudart.cudaGetErrorString(status)}); use slow_store=memory")
+                           f"({cudart.cudaGetErrorString(status)}); lower slow_budget or use slow_store=memory")
 
 
 def unregister_pinned(tensor: torch.Tensor) -> None:

@@ -28,6 +28,8 @@ from kvforge.kernels.triton_jit import jit, tl, triton
 
 __all__ = ["held_slot_ids", "keep_slot_ids", "match_in_place", "read_values_in_place"]
 
+MATCH_TILE = 4096  # most elements of a picks x slots tile of the match kernel (whatever k is)
+
 
 @jit
 def _values_in_place_kernel(info_ptr, values_like, slow_address, new_ids_ptr, filled_ptr, table_ptr, stab_b,
@@ -82,39 +84,62 @@ def _keep_kernel(info_ptr, new_ids_ptr, slots, BLOCK_S: tl.constexpr, NFIELDS: t
 
 
 @jit
-def _match_kernel(info_ptr, top_scores_ptr, top_ids_ptr, k_ptr, new_ids_ptr, filled_ptr, counts_ptr, picks, slots,
-                  REUSE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, NFIELDS: tl.constexpr):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
-    pair = seq * tl.num_programs(1) + kv_head
-    i = tl.arange(0, BLOCK_K)
-    j = tl.arange(0, BLOCK_S)
+def _match_tile(top_scores_ptr, top_ids_ptr, pair, start, picks, own_k, held, in_slots, BLOCK_K: tl.constexpr):
+    """Picks [start, start + BLOCK_K) of a (sequence, head): (pick ids, valid, same [BLOCK_K,
+    BLOCK_S]: pick i is held in slot j)."""
+    i = start + tl.arange(0, BLOCK_K)
     in_picks = i < picks
-    in_slots = j < slots
     score = tl.load(top_scores_ptr + pair * picks + i, mask=in_picks, other=float("-inf"))
     pick = tl.load(top_ids_ptr + pair * picks + i, mask=in_picks, other=-3)
     # a pick with score -inf (fewer candidates than k) or past the sequence's own k is invalid
-    valid = in_picks & (score > float("-inf")) & (i < tl.load(k_ptr + seq))
+    valid = in_picks & (score > float("-inf")) & (i < own_k)
+    same = (pick[:, None] == held[None, :]) & valid[:, None] & in_slots[None, :]
+    return pick, valid, same
+
+
+@jit
+def _match_kernel(info_ptr, top_scores_ptr, top_ids_ptr, k_ptr, new_ids_ptr, filled_ptr, counts_ptr, picks, slots,
+                  REUSE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, NFIELDS: tl.constexpr):
+    # Picks are taken BLOCK_K at a time against every slot, so a tile is BLOCK_K x BLOCK_S
+    # whatever k is: one pass finds the slots holding a pick again (kept), the second gives
+    # the r-th miss the r-th free slot, counting misses over the tiles before.
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    pair = seq * tl.num_programs(1) + kv_head
+    j = tl.arange(0, BLOCK_S)
+    in_slots = j < slots
+    own_k = tl.load(k_ptr + seq)
     ids, own = _own_slot_ids(info_ptr, seq, kv_head, NFIELDS)
     held = tl.load(ids + j, mask=in_slots & (j < own), other=-2)  # -2: past the own k, never free
     if not REUSE:
         held = tl.minimum(held, -1)  # forget everything: every pick is a miss
-    same = (pick[:, None] == held[None, :]) & valid[:, None] & in_slots[None, :]
-    hit = tl.max(same.to(tl.int32), axis=1) > 0
-    kept = tl.max(same.to(tl.int32), axis=0) > 0
-    miss = valid & ~hit
+    kept = j < 0
+    for start in range(0, picks, BLOCK_K):
+        _, _, same = _match_tile(top_scores_ptr, top_ids_ptr, pair, start, picks, own_k, held, in_slots, BLOCK_K)
+        kept = kept | (tl.max(same.to(tl.int32), axis=0) > 0)
     free = ~kept & (held > -2) & in_slots
     free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
-    miss_rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
-    assign = miss[:, None] & free[None, :] & (free_rank[None, :] == miss_rank[:, None])
-    filled = tl.max(assign.to(tl.int32), axis=0) > 0
-    taken = tl.sum(tl.where(assign, pick[:, None], 0), axis=0)
-    new = tl.where(kept, held, tl.where(filled, taken, -1))
+    new = tl.where(kept, held, -1)
+    filled = j < 0
+    misses = tl.sum(filled.to(tl.int32), axis=0)  # 0, as a tensor carried through the loop
+    hits = misses
+    for start in range(0, picks, BLOCK_K):
+        pick, valid, same = _match_tile(top_scores_ptr, top_ids_ptr, pair, start, picks, own_k, held, in_slots,
+                                        BLOCK_K)
+        hit = tl.max(same.to(tl.int32), axis=1) > 0
+        miss = valid & ~hit
+        miss_rank = misses + tl.cumsum(miss.to(tl.int32), axis=0) - 1
+        assign = miss[:, None] & free[None, :] & (free_rank[None, :] == miss_rank[:, None])
+        got = tl.max(assign.to(tl.int32), axis=0) > 0
+        new = tl.where(got, tl.sum(tl.where(assign, pick[:, None], 0), axis=0), new)
+        filled = filled | got
+        misses += tl.sum(miss.to(tl.int32), axis=0)
+        hits += tl.sum(hit.to(tl.int32), axis=0)
     tl.store(new_ids_ptr + pair * slots + j, new, mask=in_slots)
     tl.store(filled_ptr + pair * slots + j, filled, mask=in_slots)
     tl.store(ids + j, new, mask=in_slots & (j < own))
-    tl.atomic_add(counts_ptr, tl.sum(miss.to(tl.int64), axis=0))
-    tl.atomic_add(counts_ptr + 1, tl.sum(hit.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr, misses.to(tl.int64))
+    tl.atomic_add(counts_ptr + 1, hits.to(tl.int64))
 
 
 def read_values_in_place(info: torch.Tensor, values_like: torch.Tensor, slow: torch.Tensor, new_ids: torch.Tensor,
@@ -162,20 +187,22 @@ def keep_slot_ids(info: torch.Tensor, new_ids: torch.Tensor) -> None:
 
 
 def match_in_place(info: torch.Tensor, top_scores: torch.Tensor, top_ids: torch.Tensor, k: torch.Tensor,
-                   slots: int, reuse: bool, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   slots: int, reuse: bool, counts: torch.Tensor, tile: int = MATCH_TILE
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk reuse of a layer in one launch: top_scores/top_ids [B, H, k'] (a topk of
     the landmark scores, best first), k [B] each sequence's own k, the held ids read and the
     new ones written back through `info`; returns (new_ids [B, H, slots] int64, filled
     [B, H, slots] bool) as slots.match_slots, and adds the layer's (misses, hits) to
-    `counts` [2] (int64, on the device)."""
+    `counts` [2] (int64, on the device). `tile`: most elements of a picks x slots tile."""
     check_device(top_ids, "match_in_place")
     batch, kv_heads, picks = top_ids.shape
     new_ids = torch.empty((batch, kv_heads, slots), dtype=torch.int64, device=top_ids.device)
     filled = torch.empty((batch, kv_heads, slots), dtype=torch.bool, device=top_ids.device)
+    block_slots = triton.next_power_of_2(slots)
     if new_ids.numel():
         with torch.cuda.device_of(top_ids):
             _match_kernel[(batch, kv_heads)](
                 info, top_scores.contiguous(), top_ids.contiguous(), k, new_ids, filled, counts, picks, slots,
-                REUSE=reuse, BLOCK_K=triton.next_power_of_2(max(picks, 1)), BLOCK_S=triton.next_power_of_2(slots),
-                NFIELDS=FIELDS)
+                REUSE=reuse, BLOCK_K=max(1, min(triton.next_power_of_2(max(picks, 1)), tile // block_slots)),
+                BLOCK_S=block_slots, NFIELDS=FIELDS)
     return new_ids, filled

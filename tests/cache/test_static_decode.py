@@ -238,6 +238,9 @@ def test_an_engine_says_how_its_decode_steps_run_at_start_up(monkeypatch):
     assert llm.engine.graphs_report is None  # a CPU engine captures nothing and says nothing of it
     monkeypatch.setattr(llm.engine, "graphs_report", "decode steps run eagerly (--enforce-eager)")
     assert llm.start_up_lines()[-1] == "decode steps run eagerly (--enforce-eager)"
+    # the cache method's own line (ShadowKV's page-locked RAM) comes before it
+    monkeypatch.setattr(llm.engine.cache, "start_up_line", lambda: "the cache's line")
+    assert llm.start_up_lines()[-2:] == ["the cache's line", "decode steps run eagerly (--enforce-eager)"]
 
 
 def test_kivi_hands_end_step_the_real_rows_only():

@@ -111,6 +111,11 @@ class CacheMethod(ABC, Generic[Meta]):
     def memory_usage(self) -> dict[str, int]:
         """Bytes in use per storage tier, e.g. {"fast": ..., "slow": ...}."""
 
+    def start_up_line(self) -> str | None:
+        """What the method did at start-up that a user should hear of (LLM.start_up_lines),
+        or None."""
+        return None
+
     def statistics(self) -> dict[str, float]:
         """Method-specific counters (hit rates, compression ratios, ...)."""
         return {}

@@ -79,10 +79,12 @@ class LLM:
         """What a command prints at start-up about the choices made for this machine: the
         compute dtype (when `dtype` was auto), the form of a bf16 model's prefill products, the
         weights' prepacking and malloc's settings (on a CPU), and how decode steps run (CUDA
-        graphs captured, at what cost, or why eagerly; on CUDA)."""
+        graphs captured, at what cost, or why eagerly; on CUDA), and what the cache method did
+        at start-up (e.g. RAM page-locked for ShadowKV's slow tier)."""
         report = self.engine.prepack_report
         return [line for line in (self.dtype_reason, self.engine.bf16_report, report and report.describe(),
-                                  self.engine.malloc_report, self.engine.graphs_report) if line]
+                                  self.engine.malloc_report, self.engine.cache.start_up_line(),
+                                  self.engine.graphs_report) if line]
 
     @property
     def is_chat_model(self) -> bool:

@@ -76,6 +76,11 @@ def test_pinned_values_on_a_cpu_are_the_memory_store():
     assert torch.equal(got, expected)
     store = runners[1].cache.store
     assert store.values_in_place and not store.values.is_pinned()
+    assert runners[1].cache.start_up_line() is None  # nothing was locked
+    store.pinned_seconds = 2.5  # as CUDA would record it
+    gib = store.values.numel() * store.values.element_size() / 2**30
+    assert runners[1].cache.start_up_line() == (f"ShadowKV's slow tier: {gib:.1f} GiB of RAM page-locked in 2.5 s "
+                                                "(slow_store=pinned: the decode kernels read values from it in place)")
 
 
 def test_a_failed_page_lock_names_the_option(monkeypatch):

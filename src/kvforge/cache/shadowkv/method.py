@@ -113,6 +113,14 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         self._fixed_bytes = 0
         self._reserved_pages = 0
 
+    def start_up_line(self) -> str | None:
+        store = self.store
+        if store is None or store.pinned_seconds is None:
+            return None
+        size = store.values.numel() * store.values.element_size()
+        return (f"ShadowKV's slow tier: {size / 2**30:.1f} GiB of RAM page-locked in {store.pinned_seconds:.1f} s "
+                f"(slow_store=pinned: the decode kernels read values from it in place)")
+
     # -- statistics -------------------------------------------------------------------
     def statistics(self) -> dict[str, float]:
         usage = self.memory_usage()

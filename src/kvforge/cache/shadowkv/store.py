@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import weakref
 
 import numpy as np
@@ -80,8 +81,11 @@ class ChunkStore:
         self.values = slow_tensor((num_layers, kv_heads, num_pages, chunk, head_dim), dtype,
                                   "memory" if slow_kind == "pinned" else slow_kind, slow_dir)
         self.values_in_place = device.type != "cuda" or slow_kind == "pinned"
+        self.pinned_seconds: float | None = None  # how long page-locking the slow tier took (CUDA, pinned)
         if device.type == "cuda" and slow_kind == "pinned":
+            start = time.perf_counter()
             register_pinned(self.values)
+            self.pinned_seconds = time.perf_counter() - start
             # The finaliser holds the tensor until the store is collected, so the memory is
             # unregistered before it can be freed.
             weakref.finalize(self, unregister_pinned, self.values)

@@ -156,6 +156,11 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
 
     # -- step -------------------------------------------------------------------------
     def begin_step(self, batch: ForwardBatch) -> ShadowKVStepMetadata:
+        return self._begin_step(batch, self.device)
+
+    def _begin_step(self, batch: ForwardBatch, group_device: torch.device) -> ShadowKVStepMetadata:
+        """begin_step with the sparse groups' tensors on `group_device` (the fixed step plans
+        on the host: its own buffers are what the device reads)."""
         self.check_batch(batch)
         exact: list[SequenceSpan] = []
         compressing: list[SequenceSpan] = []
@@ -179,8 +184,8 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         exact_batch, exact_rows = exact_sub_batch(batch, exact)
         groups: list[SparseGroup] = []
         if decoding:
-            groups.append(self._group(decoding, batch.num_tokens))
-        groups.extend(self._group([span]) for span in multi)
+            groups.append(self._group(decoding, group_device, batch.num_tokens))
+        groups.extend(self._group([span], group_device) for span in multi)
         return ShadowKVStepMetadata(
             batch,
             exact=self.exact.begin_step(exact_batch) if self.exact is not None and exact_batch is not None else None,
@@ -189,14 +194,14 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
             groups=tuple(groups), any_compressed=bool(decoding or multi),
             queries=QuerySampler(enabled=self.config.rank == "attention"))
 
-    def _group(self, spans: list[SequenceSpan], num_tokens: int = -1) -> SparseGroup:
+    def _group(self, spans: list[SequenceSpan], device: torch.device, num_tokens: int = -1) -> SparseGroup:
         """The sparse group of `spans`; it is `every_row` when its rows are the step's
         `num_tokens` rows in order."""
         states = [self._seqs[s.seq_id].compressed for s in spans]
         rows = [row for s in spans for row in range(s.query_start, s.query_end)]
         kernel = self.sparse is not None and self.sparse.uses_kernel(self.compute_dtype)
         group = SparseGroup.build(states, rows, spans[0].query_len, spans[0].query_len == 1,  # type: ignore[arg-type]
-                                  self.config.chunk, self.device, kernel)
+                                  self.config.chunk, device, kernel)
         group.every_row = rows == list(range(num_tokens))
         return group
 
@@ -210,8 +215,10 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         chunk, heads = self.config.chunk, self.layout.num_kv_heads
         scratch = scratch_state(heads, self.layout.head_dim, chunk, self.compute_dtype, self.coefficient_dtype,
                                 self.device)
-        return ShadowKVStaticDecode(self.begin_step, len(self.global_layers), scratch, chunk, self.device, rows,
-                                    -(-max_tokens // chunk), self.config.budget_tokens(max_tokens, heads) // chunk)
+        host = torch.device("cpu")
+        return ShadowKVStaticDecode(lambda batch: self._begin_step(batch, host), len(self.global_layers), scratch,
+                                    chunk, self.device, rows, -(-max_tokens // chunk),
+                                    self.config.budget_tokens(max_tokens, heads) // chunk)
 
     def why_no_static_decode(self) -> str:
         """Empty when decode steps of compressed sequences can run in fixed shapes."""

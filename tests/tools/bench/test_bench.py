@@ -547,12 +547,43 @@ def test_throughput_headline_runs_untimed_and_splits_the_step_once_per_system(ti
     assert made == [(full, False), (full, True), (kivi, False), (kivi, True), (kivi, False), (full, False)]
     # decode graphs up to every running sequence at the run's longest length (8 + 3 tokens)
     assert shapes == {(256, 11)}
-    for system in json.loads(out.read_text())["systems"]:
+    systems = json.loads(out.read_text())["systems"]
+    for system in systems:
         assert system["decode_steps"] == 2 and system["split_run_seconds"] > 0
-        assert system["decode_ms_per_step"] > 0
+        assert system["decode_ms_per_step"] > 0 and system["decode_tokens_per_s"] > 0
+    assert systems[0]["decode_tokens_ratio"] == 1.0
+    assert systems[1]["decode_tokens_ratio"] == systems[0]["decode_tokens_per_s"] / systems[1]["decode_tokens_per_s"]
     made.clear()
     assert main(["bench", "throughput", "--model", "tiny", "--cache", "full:block_size=8", "--num-requests", "2",
                  "--input-len", "8", "--output-len", "2", "--kv-budget", "4MiB", "--threads", "1", "--warmup", "0",
                  "--repeats", "1", "--no-step-split", "--json", str(out)]) == 0
     assert made == [(full, False)]
     assert "decode_steps" not in json.loads(out.read_text())["systems"][0]
+
+
+def test_throughput_counts_the_decode_phase_apart(monkeypatch):
+    """Decode tok/s counts only tokens of decode-only steps, over those steps' time: with two
+    3-token requests the prompt step samples each request's first token, the two decode steps
+    the other four. A fake clock advances 10 s in a prefill step and 1 s in a decode step."""
+    from types import SimpleNamespace
+
+    from kvforge.engine.llm import LLM
+    from kvforge.engine.sampling import SamplingParams
+    from kvforge.tools.bench import throughput
+
+    engine = LLM("llama-tiny", load_format="dummy").engine
+    clock = [0.0]
+    monkeypatch.setattr(throughput, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    step = engine.step
+
+    def timed_step():
+        outputs = step()
+        clock[0] += 1.0 if engine.last_step_kind == "decode" else 10.0
+        return outputs
+
+    monkeypatch.setattr(engine, "step", timed_step)
+    params = SamplingParams.greedy_params(max_tokens=3, ignore_eos=True)
+    drained = throughput._drain_counting(engine, [[1, 2, 3, 4], [5, 6, 7, 8]], params)
+    assert drained.generated == 6 and drained.decode_tokens == 4 and clock[0] == 12.0
+    assert drained.decode_seconds == 2.0 and drained.decode_tokens_per_s == 2.0
+    assert sum(drained.decode_keys.values()) == 4 and set(drained.decode_keys) == {5, 6}

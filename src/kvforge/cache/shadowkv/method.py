@@ -184,7 +184,7 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         exact_batch, exact_rows = exact_sub_batch(batch, exact)
         groups: list[SparseGroup] = []
         if decoding:
-            groups.append(self._group(decoding, group_device, batch.num_tokens))
+            groups.append(self._group(decoding, group_device))
         groups.extend(self._group([span], group_device) for span in multi)
         return ShadowKVStepMetadata(
             batch,
@@ -194,16 +194,12 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
             groups=tuple(groups), any_compressed=bool(decoding or multi),
             queries=QuerySampler(enabled=self.config.rank == "attention"))
 
-    def _group(self, spans: list[SequenceSpan], device: torch.device, num_tokens: int = -1) -> SparseGroup:
-        """The sparse group of `spans`; it is `every_row` when its rows are the step's
-        `num_tokens` rows in order."""
+    def _group(self, spans: list[SequenceSpan], device: torch.device) -> SparseGroup:
         states = [self._seqs[s.seq_id].compressed for s in spans]
         rows = [row for s in spans for row in range(s.query_start, s.query_end)]
         kernel = self.sparse is not None and self.sparse.uses_kernel(self.compute_dtype)
-        group = SparseGroup.build(states, rows, spans[0].query_len, spans[0].query_len == 1,  # type: ignore[arg-type]
-                                  self.config.chunk, device, kernel)
-        group.every_row = rows == list(range(num_tokens))
-        return group
+        return SparseGroup.build(states, rows, spans[0].query_len, spans[0].query_len == 1,  # type: ignore[arg-type]
+                                 self.config.chunk, device, kernel)
 
     def static_decode(self, rows: int, max_tokens: int) -> ShadowKVStaticDecode | None:
         """Fixed-shape decode steps of compressed sequences (static_decode.py) when the step
@@ -270,8 +266,10 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         meta.queries.record(cache_layer, meta.batch, meta.compressing, q)
         if meta.exact_batch is meta.batch:
             return self.exact.attend(index, meta.exact, q, rope)  # type: ignore[arg-type]
-        if meta.exact is None and len(meta.groups) == 1 and meta.groups[0].every_row:
-            return self._attend_compressed(cache_layer, meta, q, rope, None)  # no gather or scatter of rows
+        if meta.exact is None and len(meta.groups) == 1:
+            # every sequence compressed, in one group (all decoding, or one multi-token span
+            # alone): the group's rows are every row of the step in order, no gather or scatter
+            return self._attend_compressed(cache_layer, meta, q, rope, None)
         out = torch.empty_like(q)
         if meta.exact is not None:
             rows = meta.exact_rows

@@ -45,6 +45,8 @@ def _layer_row(layer: LayerState) -> tuple[list[int], tuple[torch.dtype, ...]]:
     its tensors' dtypes, derived once per set of tensors (`LayerState.kernel_view`)."""
     view = layer.kernel_view
     if view is None:
+        if not layer.slot_ids.is_contiguous():  # a view left by the PyTorch path (sparse.py)
+            layer.slot_ids = layer.slot_ids.contiguous()
         tensors = [getattr(layer, name) for name in _TENSORS]
         for name, t in zip(_TENSORS, tensors):
             require(t.is_contiguous(), name, tuple(t.shape), "must be contiguous")

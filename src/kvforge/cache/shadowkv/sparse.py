@@ -57,7 +57,7 @@ from kvforge.step_plan import upload
 @dataclass(frozen=True)
 class TritonLayerInputs:
     """What the Triton kernels read of one layer of a decode group: the pointer table
-    [B, FIELDS] (triton_decode.sequence_info) and tensors whose dtypes the kernels cast
+    [B, FIELDS] (pointer_table.sequence_info) and tensors whose dtypes the kernels cast
     the K/V buffers', bases' and coefficients' pointers to."""
 
     info: torch.Tensor
@@ -94,9 +94,6 @@ class SparseGroup:
     # A fixed-shape step's reuse slots per (sequence, head), its bucket's largest k (0: the
     # group's largest k, `k_max`)
     fixed_slots: int = 0
-    # The group's rows are every row of the step, in order (attention needs no gather or
-    # scatter of rows)
-    every_row: bool = False
     _candidates: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -292,8 +289,8 @@ class SparseAttention:
                                  cos.view(-1, dim), sin.view(-1, dim), self.chunk)
         if in_place:
             with self.stats.timed("fetch"):
-                slot_kernels.read_values_in_place(info, inputs.keys_like, self.store.values[layer], new_ids, filled,
-                                             group.table)
+                slot_kernels.read_values_in_place(info, inputs.keys_like, self.store.values[layer], new_ids,
+                                                  filled, group.table)
         else:
             fetched = self.fetch_misses(layer, match)
             if fetched is not None:
@@ -310,9 +307,6 @@ class SparseAttention:
         from kvforge.cache.shadowkv.pointer_table import sequence_info
 
         states = [group.layer(b, layer) for b in range(group.size)]
-        for st in states:
-            if not st.slot_ids.is_contiguous():  # a view left by the PyTorch path
-                st.slot_ids = st.slot_ids.contiguous()
         info = sequence_info(states, group.meta, self.device)
         return TritonLayerInputs(info, states[0].keys, states[0].basis, states[0].coefficients)
 

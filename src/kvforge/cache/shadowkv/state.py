@@ -64,8 +64,8 @@ class LayerState:
 
     @property
     def kernel_view(self) -> object | None:
-        """What a kernel derived from these tensors' addresses and sizes (triton_decode's
-        pointer row), kept until a tensor is replaced; None: derive it again."""
+        """What a kernel derived from these tensors' addresses and sizes (pointer_table.py's
+        row), kept until a tensor is replaced; None: derive it again."""
         return getattr(self, "_kernel_view", None)
 
     @kernel_view.setter

@@ -5,7 +5,7 @@ so it can be captured in a CUDA graph.
 
 The buffers of a bucket of `rows` sequences of at most `max_tokens` tokens: the chunk page
 table padded to `width` chunks, each sequence's k (chunks selected per KV head), and per
-global layer the Triton kernels' pointer table (triton_decode.sequence_info: the
+global layer the Triton kernels' pointer table (pointer_table.py: the
 per-sequence K/V buffers, basis, coefficients, candidate mask and reuse-slot ids, with
 their sizes), refilled from the host each step, so a fold that moves a sequence's state is
 seen by the next step. The step selects `slots` chunks per (sequence, head), the bucket's
@@ -36,6 +36,10 @@ from kvforge.cache.shadowkv.state import LayerState, padded_page_tables
 from kvforge.cache.shadowkv.step import ShadowKVStepMetadata
 from kvforge.cache.static_decode import StaticDecode
 
+# The scratch state's meta row (slots_start, window_start, rows used): slots and window at
+# row 0, one row in use (the padding row's own token).
+SCRATCH_META = torch.tensor([[0, 0, 1]], dtype=torch.long)
+
 
 def scratch_state(kv_heads: int, head_dim: int, chunk: int, dtype: torch.dtype, coefficient_dtype: torch.dtype,
                   device: torch.device) -> LayerState:
@@ -64,7 +68,7 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
         self.row_order = torch.arange(rows, device=device)
         # one padding row of the pointer table (the scratch state: rows used 1, slots and
         # window at row 0)
-        self.padding_info = sequence_info([scratch], torch.tensor([[0, 0, 1]], dtype=torch.long), None)
+        self.padding_info = sequence_info([scratch], SCRATCH_META, None)
         # Until the first step loads, every row is padding (a capture runs on these values).
         self.buffers.fill({"table": torch.zeros((rows, width), dtype=torch.long),
                            "chunks_per_step": torch.zeros(rows, dtype=torch.long),
@@ -81,7 +85,7 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
             chunks_per_step=buffers["chunks_per_step"], slots_start=self.row_order, rows_used=[],
             row_list=list(range(rows)), first_page=None, slots_full=False, meta=torch.zeros((0, 3), dtype=torch.long),
             triton_inputs=[TritonLayerInputs(buffers[f"{g}.info"], *likes) for g in range(self.num_layers)],
-            fixed_slots=self.slots, every_row=True)
+            fixed_slots=self.slots)
         return ShadowKVStepMetadata(
             self.batch, exact=None, sliding=None, exact_rows=None, compressing=(), compressed_spans=(),
             groups=(group,), any_compressed=True, queries=QuerySampler(enabled=False))
@@ -101,13 +105,10 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
         values = {"table": padded_page_tables(states, self.rows, self.width),
                   "chunks_per_step": torch.tensor([s.chunks_per_step for s in states] + [0] * pad, dtype=torch.long)}
         by_layer = [[group.layer(b, g) for b in range(len(states))] for g in range(self.num_layers)]
-        for layer in (layer for layers in by_layer for layer in layers):
-            if not layer.slot_ids.is_contiguous():  # a view left by the PyTorch path
-                layer.slot_ids = layer.slot_ids.contiguous()
         # the scratch state first in every layer: `pointer_tables` holds every sequence's
         # tensors to its dtypes, which the kernels were captured with
         tables = pointer_tables([[self.scratch, *layers] for layers in by_layer],
-                                torch.cat((torch.tensor([[0, 0, 1]]), group.meta)))[:, 1:]
+                                torch.cat((SCRATCH_META, group.meta)))[:, 1:]
         for g in range(self.num_layers):
             values[f"{g}.info"] = torch.cat((tables[g], self.padding_info.expand(pad, -1)))
         return host_meta, values

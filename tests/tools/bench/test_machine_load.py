@@ -32,7 +32,10 @@ def test_the_probe_counts_other_programs_and_not_this_one():
     cores = LoadProbe().report()["cpu_count"]
     if baseline > cores - 0.5:  # every core already busy: one more program cannot show
         pytest.skip(f"other programs already keep {baseline:.2f} of {cores} cores busy")
-    assert _foreign(_spin) < baseline + 0.3  # this process's own work is not foreign
+    # this process's own work is not foreign: the lower of two tries, so a burst of another
+    # program during one (0.46 of a core once, in a CI run on the shared 2-core Xeon) is
+    # not taken for this process's work, which would show in both
+    assert min(_foreign(_spin), _foreign(_spin)) < baseline + 0.3
     # a program that is not this process (a child not yet waited for while it runs)
     probe = LoadProbe()
     busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"])

@@ -3,20 +3,22 @@ graph captures when every sequence is compressed and the Triton kernels read the
 in place. Here it runs eagerly on CPU tensors in Triton's interpreter (exactly what a
 capture records) and is held to the dynamic step's logits, chunk reuse and folds across
 buckets, sequences leaving and joining, and the steps that must stay eager; it reads
-nothing on the host. The capture itself is tested on CUDA only."""
+nothing on the host. The main test captures its steps: on CUDA in graphs, here in the
+CPU emulation of a capture and its replays (graph_replay.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import make_pair
+from static_steps import Counting, Replayed
 from sync_counter import SyncCounter
-from test_static_decode import Counting
 from triton_helpers import kernel_device
 
 from kvforge.cache.registry import create_cache
 from kvforge.engine.decode_graphs import CaptureReport
 from kvforge.engine.runner import ModelRunner, StepItem
+from kvforge.host_sync import device_code_paths
 
 # compressed at the end of a prompt of >= 24 tokens; folds every 4 tokens past an exact tail
 # of 8 + 8; k (chunks selected per head) 10% of the prompt in whole chunks: 1 at 30 or 40
@@ -25,15 +27,19 @@ SPEC = ("shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=8,r
         "budget_fraction=0.1,kernel=0")
 
 
-def _runner(model, device: str, static: bool, spec: str = SPEC) -> tuple[ModelRunner, Counting | None]:
+def _runner(model, device: str, static: bool, spec: str = SPEC, capture: bool = False
+            ) -> tuple[ModelRunner, Counting | None]:
+    """`static`: decode steps from the buckets' buffers, run eagerly or, with `capture`,
+    captured (on CUDA) or recorded and replayed (on the CPU, static_steps.Replayed)."""
     if device == "cuda":
         spec += ",slow_store=pinned"  # values read in place: what the fixed step needs on CUDA
     runner = ModelRunner(model, create_cache(spec, model.cache_layout(), 1 << 22, torch.float32, device))
     runner.cache.sparse.triton = True  # kernel=0 keeps the fused C++ kernel off on the CPU
     graphs = None
     if static:
-        graphs = runner.decode_graphs = Counting(model, runner.cache, 4, 128, capture=device == "cuda")
-        if device == "cuda":
+        kind = Replayed if capture and device == "cpu" else Counting
+        graphs = runner.decode_graphs = kind(model, runner.cache, 4, 128, capture=capture)
+        if capture:
             assert graphs.capture().graphs == len(graphs.steps) > 0
     return runner, graphs
 
@@ -60,9 +66,11 @@ def test_static_steps_give_the_dynamic_logits_chunk_reuse_and_folds():
     model = make_pair("llama_gqa")[1].to(device)
     eager_runner, _ = _runner(model, device, static=False)
     eager = _script(eager_runner)
-    runner, graphs = _runner(model, device, static=True)
+    runner, graphs = _runner(model, device, static=True, capture=True)
     assert graphs is not None and graphs.enabled
-    static = _script(runner)
+    assert device != "cpu" or isinstance(graphs, Replayed) and graphs.launches > 0
+    with device_code_paths():  # (the branches CUDA takes around the replays too)
+        static = _script(runner)
     assert [runner.cache._seqs[seq].compressed.chunks_per_step for seq in (0, 2, 3)] == [1, 1, 1]
     assert graphs.steps[4, 128].slots == 4 and eager_runner.cache._seqs[0].compressed.chunks_per_step == 1
     assert len(static) == len(eager)

@@ -1,15 +1,19 @@
 """The static decode step (engine/decode_graphs.py, cache/static_decode.py): decode-only
 steps run from fixed buffers, rows padded to a bucket, page tables padded to a fixed width,
-padding rows writing a scratch page. On the CPU it runs eagerly, which is exactly what a
-CUDA graph captures; these tests hold it to the dynamic step's logits for every
-architecture and decode path, across buckets, ragged lengths, sequences leaving and
-joining, and steps that must fall back to the eager path."""
+padding rows writing a scratch page. These tests hold it to the dynamic step's logits for
+every architecture and decode path, across buckets, ragged lengths, sequences leaving and
+joining, and steps that must fall back to the eager path: run eagerly, and captured once
+per bucket and replayed, as CUDA runs it (on the CPU, graph_replay.py's emulation of a
+capture; on CUDA, real graphs)."""
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import pytest
 import torch
 from conftest import across_kv_model, make_pair, make_runner
+from static_steps import Counting, Replayed
 from sync_counter import SyncCounter
 
 from kvforge.batch import ForwardBatch
@@ -20,6 +24,7 @@ from kvforge.engine.decode_graphs import CaptureReport, DecodeGraphs, powers_of_
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.runner import ModelRunner, StepItem
+from kvforge.host_sync import device_code_paths
 from kvforge.tools.bench.compare import parse_compare
 
 FULL_PATHS = ["full:block_size=4", "full:block_size=4,decode_kernel=gather", "full:block_size=4,decode_kernel=torch",
@@ -31,21 +36,18 @@ KIVI_PATHS = [KIVI, f"{KIVI},decode_kernel=torch", f"{KIVI},decode_kernel=triton
               "key_space=pre_rope,rotation=hadamard,decode_kernel=torch", f"{KIVI},sinks=2,decode_kernel=torch"]
 
 
-class Counting(DecodeGraphs):
-    """Counts the steps that ran from the fixed buffers."""
-
-    static_steps = 0
-
-    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        logits = super().run(batch)
-        self.static_steps += logits is not None
-        return logits
-
-
 def with_graphs(model, spec: str, max_num_seqs: int = 4, max_len: int = 32) -> tuple[ModelRunner, Counting]:
     runner = make_runner(model, spec)
     graphs = Counting(model, runner.cache, max_num_seqs, max_len, capture=False)
     runner.decode_graphs = graphs
+    return runner, graphs
+
+
+def replaying(model, spec: str) -> tuple[ModelRunner, Replayed]:
+    """A runner whose decode steps are captured and replayed as on CUDA (static_steps.Replayed)."""
+    runner = make_runner(model, spec)
+    graphs = runner.decode_graphs = Replayed(model, runner.cache, 4, 32, capture=True)
+    assert graphs.capture().graphs == len(graphs.steps) > 0
     return runner, graphs
 
 
@@ -65,11 +67,16 @@ def script(runner: ModelRunner) -> list[torch.Tensor]:
     return out
 
 
-def check_same(model, spec: str) -> Counting:
-    eager = script(make_runner(model, spec))
-    runner, graphs = with_graphs(model, spec)
-    static = script(runner)
+def check_same(model, spec: str, replay: bool = False) -> Counting:
+    """The script's logits with decode steps from the buckets' buffers, run eagerly or
+    (`replay`) captured once and replayed, equal the dynamic steps'. A replay is what CUDA
+    runs; it takes CUDA's code paths, and so does its reference."""
+    with device_code_paths() if replay else nullcontext():
+        eager = script(make_runner(model, spec))
+        runner, graphs = replaying(model, spec) if replay else with_graphs(model, spec)
+        static = script(runner)
     assert len(static) == len(eager)
+    assert not replay or ("triton" in spec) == (graphs.launches > 0)
     # Padding rows change how the CPU blocks its matmuls (last-bit differences), and KIVI's
     # stored codes follow them, so differences grow to ~3e-5 over the script; a planning
     # error moves logits by orders of magnitude more.
@@ -85,16 +92,23 @@ def test_static_steps_give_the_dynamic_logits(arch, spec):
     assert graphs.static_steps >= 10
 
 
-@pytest.mark.parametrize("spec", FULL_PATHS[1:] + KIVI_PATHS[1:])
-def test_every_decode_path_of_a_static_step_gives_the_dynamic_logits(spec):
+def test_a_step_from_the_buffers_without_a_graph_plans_afresh():
+    """Without a capture each step derives its plan from the buffers anew (a plan caches
+    its masks per metadata object); the gathered path on Gemma3 reads those masks."""
+    graphs = check_same(make_pair("gemma3_hybrid")[1], "full:block_size=4,decode_kernel=gather")
+    assert graphs.static_steps >= 10
+
+
+@pytest.mark.parametrize("spec", FULL_PATHS + KIVI_PATHS)
+def test_every_decode_path_of_a_replayed_step_gives_the_dynamic_logits(spec):
     """Gemma3's hybrid layers: sliding-window groups beside global ones."""
-    graphs = check_same(make_pair("gemma3_hybrid")[1], spec)
+    graphs = check_same(make_pair("gemma3_hybrid")[1], spec, replay=True)
     assert graphs.static_steps >= 10
 
 
 @pytest.mark.parametrize("spec", ["full:block_size=4", KIVI])
-def test_static_steps_with_swiftkv_and_across_kv(spec):
-    graphs = check_same(across_kv_model(), spec)
+def test_replayed_steps_with_swiftkv_and_across_kv(spec):
+    graphs = check_same(across_kv_model(), spec, replay=True)
     assert graphs.static_steps >= 10
 
 

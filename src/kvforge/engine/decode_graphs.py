@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -151,14 +152,24 @@ class DecodeGraphs:
     def _capture_one(self, step: StaticDecode, pool: object
                      ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, StepMetadata]:
         # The buffers hold padding only (every row writes the scratch page), so warm-up and
-        # capture change nothing a sequence reads.
+        # capture change nothing a sequence reads. The warm-up (lazy inits, kernel
+        # compiles) runs on metadata of its own: what a step derives and caches on its
+        # metadata must be computed inside the capture, so that each replay recomputes it.
         meta = step.make_meta()
+        self._warm_up(lambda: self.model.forward_step(self.cache, step.make_meta()))
+        graph, logits = self._record(lambda: self.model.forward_step(self.cache, meta), pool)
+        return graph, logits, meta
+
+    def _warm_up(self, forward: Callable[[], torch.Tensor]) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(side):
-            self.model.forward_step(self.cache, step.make_meta())  # warm-up: lazy inits, autotuning
+            forward()
         torch.cuda.current_stream().wait_stream(side)
+
+    def _record(self, forward: Callable[[], torch.Tensor], pool: object
+                ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-            logits = self.model.forward_step(self.cache, meta)
-        return graph, logits, meta
+            logits = forward()
+        return graph, logits

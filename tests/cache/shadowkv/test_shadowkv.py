@@ -108,6 +108,40 @@ def test_a_failed_page_lock_names_the_option(monkeypatch):
         register_pinned(torch.zeros(4))
 
 
+@pytest.mark.parametrize("offset", [0, 4096])
+def test_page_locking_checks_the_device_reads_the_host_address(monkeypatch, offset):
+    """The kernels read the slow tier at its host address: where the driver maps registered
+    memory elsewhere, page-locking undoes itself and says which store to use instead (a
+    fake runtime and driver here: there is no GPU)."""
+    from kvforge.cache.shadowkv import store
+
+    unregistered: list[int] = []
+
+    class Runtime:
+        def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:
+            return 0
+
+        def cudaHostUnregister(self, pointer: int) -> int:
+            unregistered.append(pointer)
+            return 0
+
+    class Driver:
+        def cuMemHostGetDevicePointer_v2(self, address, pointer, flags: int) -> int:
+            address._obj.value = pointer.value + offset
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", Runtime)
+    monkeypatch.setattr(store, "cuda_driver", Driver)
+    values = torch.zeros(4)
+    if offset == 0:
+        store.register_pinned(values)
+        assert unregistered == []
+        return
+    with pytest.raises(RuntimeError, match="slow_store=pinned: this GPU reads .* another address.*slow_store=memory"):
+        store.register_pinned(values)
+    assert unregistered == [values.data_ptr()]
+
+
 def test_budget_equal_to_the_candidates_is_exact():
     """Budget = every candidate chunk exactly (10 chunks - 2 outliers = 8 chunks of 4): each
     step's picks fill every reuse slot, the path where decode attention needs no mask."""

@@ -29,6 +29,7 @@ power of two), so kernels read it in place through its host address (unified add
 
 from __future__ import annotations
 
+import ctypes
 import os
 import tempfile
 import time
@@ -65,6 +66,34 @@ def register_pinned(tensor: torch.Tensor) -> None:
     if int(status) != 0:  # (cudaGetErrorString takes the enum, not its value)
         raise RuntimeError(f"slow_store=pinned: cudaHostRegister of {size} bytes failed "
                            f"({cudart.cudaGetErrorString(status)}); lower slow_budget or use slow_store=memory")
+    # The kernels read the tier at its host address, which the device shares only where it
+    # can use host pointers for registered memory (x86 with unified addressing; not every
+    # platform): a device address that differs would make every read fault.
+    mapped = device_address(tensor.data_ptr())
+    if mapped is not None and mapped != tensor.data_ptr():
+        cudart.cudaHostUnregister(tensor.data_ptr())
+        raise RuntimeError(f"slow_store=pinned: this GPU reads page-locked host memory at another address "
+                           f"({mapped:#x}) than the CPU's ({tensor.data_ptr():#x}), and the kernels read it at the "
+                           "CPU's; use slow_store=memory")
+
+
+def cuda_driver() -> ctypes.CDLL | None:
+    """The CUDA driver library, or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def device_address(pointer: int) -> int | None:
+    """Where the current CUDA device reads the registered host memory at `pointer`
+    (cuMemHostGetDevicePointer), or None when the driver cannot say."""
+    driver = cuda_driver()
+    if driver is None:
+        return None
+    address = ctypes.c_uint64()
+    status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(address), ctypes.c_void_p(pointer), 0)
+    return address.value if status == 0 else None
 
 
 def unregister_pinned(tensor: torch.Tensor) -> None:

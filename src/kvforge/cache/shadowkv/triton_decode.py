@@ -109,10 +109,11 @@ def _scores_kernel(q_ptr, landmarks_ptr, table_ptr, info_ptr, scores_ptr, sq_b, 
 def _rebuild_kernel(info_ptr, keys_like, basis_like, coef_like, new_ids_ptr, filled_ptr, cos_ptr, sin_ptr,
                     basis_width, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
                     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr, NFIELDS: tl.constexpr):
-    seq = tl.program_id(0).to(tl.int64)
+    # slots on the grid's x axis: CUDA caps y and z at 65,535, x at 2**31 - 1
+    slot = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    slot = tl.program_id(2).to(tl.int64)
-    slot_index = (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + slot
+    seq = tl.program_id(2).to(tl.int64)
+    slot_index = (seq * tl.num_programs(1) + kv_head) * tl.num_programs(0) + slot
     if tl.load(filled_ptr + slot_index) != 0:  # only slots that receive a miss are written
         chunk_id = tl.load(new_ids_ptr + slot_index)
         info = info_ptr + seq * NFIELDS
@@ -282,7 +283,7 @@ def rebuild_keys(info: torch.Tensor, keys_like: torch.Tensor, basis_like: torch.
     if new_ids.numel() == 0:
         return
     with torch.cuda.device_of(new_ids):
-        _rebuild_kernel[(batch, kv_heads, slots)](
+        _rebuild_kernel[(slots, kv_heads, batch)](
             info, keys_like, basis_like, coef_like, new_ids, filled, cos, sin, kv_heads * dim, CHUNK=chunk,
             BLOCK_T=_block(chunk), HEAD_DIM=dim, HALF=dim // 2, BLOCK_HALF=_block(dim // 2), BLOCK_R=BLOCK_R,
             NFIELDS=FIELDS)

@@ -35,10 +35,11 @@ MATCH_TILE = 4096  # most elements of a picks x slots tile of the match kernel (
 def _values_in_place_kernel(info_ptr, values_like, slow_address, new_ids_ptr, filled_ptr, table_ptr, stab_b,
                             slow_head_stride, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, NFIELDS: tl.constexpr):
-    seq = tl.program_id(0).to(tl.int64)
+    # slots on the grid's x axis: CUDA caps y and z at 65,535, x at 2**31 - 1
+    slot = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    slot = tl.program_id(2).to(tl.int64)
-    slot_index = (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + slot
+    seq = tl.program_id(2).to(tl.int64)
+    slot_index = (seq * tl.num_programs(1) + kv_head) * tl.num_programs(0) + slot
     if tl.load(filled_ptr + slot_index) != 0:  # only slots that receive a miss are written
         page = tl.load(table_ptr + seq * stab_b + tl.load(new_ids_ptr + slot_index)).to(tl.int64)
         element = values_like.dtype.element_ty
@@ -158,7 +159,7 @@ def read_values_in_place(info: torch.Tensor, values_like: torch.Tensor, slow: to
     if new_ids.numel() == 0:
         return
     with torch.cuda.device_of(new_ids):
-        _values_in_place_kernel[(batch, kv_heads, slots)](
+        _values_in_place_kernel[(slots, kv_heads, batch)](
             info, values_like, slow.data_ptr(), new_ids, filled, table, table.stride(0), slow.stride(0), CHUNK=chunk,
             BLOCK_T=triton.next_power_of_2(chunk), HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim),
             NFIELDS=FIELDS)

@@ -1745,6 +1745,10 @@ MUTATIONS: list[Mutation] = [
              ("tests/cache/test_static_decode.py::test_every_decode_path_of_a_replayed_step_gives_the_dynamic_logits",),
              "the warm-up runs on metadata of its own, so what a step caches on its metadata is computed inside "
              "the capture and recomputed by each replay"),
+    Mutation("capture_collects_garbage", S + "engine/decode_graphs.py",
+             "    gc.disable()\n", "    pass\n",
+             ("tests/cache/test_static_decode.py::test_garbage_is_not_collected_during_a_capture",),
+             "no garbage collection (and so no finaliser, e.g. an unregistering of pinned memory) inside a capture"),
     Mutation("static_decode_kivi_stores_padding", S + "cache/kivi/static_decode.py",
              "host_meta.step_kv = {layer: (k[:rows], v[:rows])", "host_meta.step_kv = {layer: (k, v)",
              ("tests/cache/test_static_decode.py::test_kivi_hands_end_step_the_real_rows_only",),

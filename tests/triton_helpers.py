@@ -20,3 +20,15 @@ def kernel_device() -> str:
     if INTERPRETED:
         return "cpu"
     pytest.skip("no CUDA, and Triton's interpreter is off (TRITON_INTERPRET was set to 0)")
+
+
+def interpreted_or_skip() -> None:
+    """Skips a test that runs Triton kernels on CPU tensors unless Triton's interpreter is
+    on (tests/conftest.py turns it on only without CUDA: on a GPU machine such a test's
+    kernels run on the GPU in the CUDA tests instead)."""
+    if not triton_installed():
+        pytest.skip("the `triton` package is not installed (pip install 'kvforge[triton]')")
+    from kvforge.kernels.triton_jit import INTERPRETED
+
+    if not INTERPRETED:
+        pytest.skip("Triton kernels on CPU tensors need Triton's interpreter, which is off on a machine with CUDA")

@@ -76,8 +76,12 @@ common=(--model "$MODEL" --device "$DEVICE" --dtype bfloat16 --warmup 1)
 if has graphs; then
     # Decode from CUDA graphs (issue 62): the capture/replay parity tests, then `full` with
     # graphs against itself eager and transformers, at the KIVI bench's shape.
-    TAIL=15 step graph-tests 200 $PY -m pytest -q -x -p no:cacheprovider tests/cache/test_static_decode.py \
-        tests/cache/test_shadowkv_static_decode.py
+    # The tests that capture CUDA graphs (their CPU cases run in `make test`; here, without
+    # CUDA, the ShadowKV one runs in the CPU emulation of a capture).
+    TAIL=15 step graph-tests 200 $PY -m pytest -q -x -p no:cacheprovider \
+        tests/cache/test_static_decode.py::test_captured_graphs_replay_the_eager_logits \
+        tests/cache/test_static_decode.py::test_the_engine_captures_on_cuda_unless_told_not_to \
+        tests/cache/test_shadowkv_static_decode.py::test_static_steps_give_the_dynamic_logits_chunk_reuse_and_folds
     TAIL=14 step bench-graphs 150 $PY -m kvforge bench decode "${common[@]}" --repeats 3 --cache full \
         --compare eager,hf "${KIVI_SHAPE[@]}" --json "$WORK/bench-graphs.json"
 fi

@@ -3,13 +3,14 @@ CUDA graph capture is emulated on CPU tensors (graph_replay.py)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
 from graph_replay import RecordedGraph, recording
 
 from kvforge.batch import ForwardBatch
-from kvforge.engine.decode_graphs import CaptureReport, DecodeGraphs
+from kvforge.engine.decode_graphs import DecodeGraphs
 from kvforge.host_sync import device_code_paths
 
 
@@ -26,15 +27,18 @@ class Counting(DecodeGraphs):
 
 class Replayed(Counting):
     """Each bucket's step captured once on its padding-only buffers after a warm-up
-    (DecodeGraphs._capture_one), then replayed for every later step of the bucket, with
-    graph_replay's recording (on the code paths CUDA takes) in place of torch.cuda.graph."""
+    (DecodeGraphs.capture and _capture_one), then replayed for every later step of the
+    bucket, with graph_replay's recording (on the code paths CUDA takes) in place of
+    torch.cuda.graph, and no device to wait for."""
 
     launches = 0  # Triton kernel launches recorded over every bucket
+    collecting_during_capture: list[bool] = []  # gc.isenabled() at each bucket's record
 
-    def capture(self) -> CaptureReport:
-        for key in sorted(self.steps, reverse=True):
-            self._graphs[key] = self._capture_one(self.steps[key], None)
-        return CaptureReport(len(self._graphs), 0.0, 0)
+    def _new_pool(self) -> object:
+        return None
+
+    def _wait_for_device(self) -> None:
+        pass
 
     def _warm_up(self, forward: Callable[[], torch.Tensor]) -> None:
         with device_code_paths(), torch.inference_mode():
@@ -42,6 +46,7 @@ class Replayed(Counting):
 
     def _record(self, forward: Callable[[], torch.Tensor], pool: object  # type: ignore[override]
                 ) -> tuple[RecordedGraph, torch.Tensor]:
+        self.collecting_during_capture = [*self.collecting_during_capture, gc.isenabled()]
         graph = RecordedGraph()
         with device_code_paths(), torch.inference_mode(), recording(graph):
             logits = forward()

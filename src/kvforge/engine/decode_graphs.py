@@ -16,9 +16,11 @@ step's logits, and the form a capture records.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,22 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> list[int]:
         sizes.append(size)
         size *= 2
     return [*sizes, limit]
+
+
+@contextmanager
+def collection_paused() -> Iterator[None]:
+    """No garbage collection inside the block, after one before it. A collection during a
+    capture would run finalisers there (ShadowKV's store unregisters its page-locked memory,
+    a call CUDA refuses while a stream captures), and capturing many graphs is faster
+    without one (vLLM pauses it too)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -124,10 +142,11 @@ class DecodeGraphs:
             return CaptureReport(0, 0.0, 0)
         start = time.perf_counter()
         before = torch.cuda.memory_reserved()
-        pool = torch.cuda.graph_pool_handle()
-        for key in sorted(self.steps, reverse=True):
-            self._graphs[key] = self._capture_one(self.steps[key], pool)
-        torch.cuda.synchronize()
+        pool = self._new_pool()
+        with collection_paused():
+            for key in sorted(self.steps, reverse=True):
+                self._graphs[key] = self._capture_one(self.steps[key], pool)
+        self._wait_for_device()
         report = CaptureReport(len(self._graphs), time.perf_counter() - start, torch.cuda.memory_reserved() - before)
         log.info("captured %d decode graphs (rows %s x lengths %s) in %.1f s, %.1f MiB", report.graphs,
                  self.row_buckets, self.length_buckets, report.seconds, report.bytes / 2**20)
@@ -159,6 +178,12 @@ class DecodeGraphs:
         self._warm_up(lambda: self.model.forward_step(self.cache, step.make_meta()))
         graph, logits = self._record(lambda: self.model.forward_step(self.cache, meta), pool)
         return graph, logits, meta
+
+    def _new_pool(self) -> object:
+        return torch.cuda.graph_pool_handle()
+
+    def _wait_for_device(self) -> None:
+        torch.cuda.synchronize()
 
     def _warm_up(self, forward: Callable[[], torch.Tensor]) -> None:
         side = torch.cuda.Stream()

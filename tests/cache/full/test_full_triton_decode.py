@@ -157,3 +157,40 @@ def test_model_decode_same_logits_through_the_triton_kernel(name, monkeypatch):
                                     prompts, steps=6) for kernel in ("triton", "torch")}
     assert calls, "decode_kernel=triton did not run the Triton kernel"
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("warps", [None, "8"])
+def test_the_decode_warps_knob_reaches_the_launch(monkeypatch, warps):
+    """KVFORGE_TRITON_DECODE_WARPS sets the warps per program of the decode kernels (4
+    unset); the output is the same either way (on CUDA compiled at that count)."""
+    kernel_device()
+    from kvforge.cache.full import triton_decode
+    from kvforge.kernels.triton_jit import DECODE_WARPS_ENV
+
+    launched: list[int | None] = []
+    kernel = triton_decode._paged_decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs.get("num_warps"))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_decode, "_paged_decode_kernel", Spy())
+    if warps is None:
+        monkeypatch.delenv(DECODE_WARPS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DECODE_WARPS_ENV, warps)
+    out, ref = run(make_case([0, 5, 37], 2, 2, dim=32, block=4, storage=torch.float32), splits=1)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+    assert launched == [int(warps or 4)]
+
+
+def test_a_bad_decode_warps_value_names_the_variable(monkeypatch):
+    kernel_device()
+    from kvforge.kernels.triton_jit import DECODE_WARPS_ENV, decode_warps
+
+    monkeypatch.setenv(DECODE_WARPS_ENV, "6")
+    with pytest.raises(ConfigError, match="KVFORGE_TRITON_DECODE_WARPS.*'6'.*must be one of 1, 2, 4, 8, 16"):
+        decode_warps()

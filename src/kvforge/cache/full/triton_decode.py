@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.errors import require
-from kvforge.kernels.triton_jit import INTERPRETED, jit, tl, triton
+from kvforge.kernels.triton_jit import INTERPRETED, decode_warps, jit, tl, triton
 
 __all__ = ["choose_splits", "paged_decode_attention_triton"]
 
@@ -196,7 +196,7 @@ def paged_decode_attention_triton(
             float(scale), split_tokens,
             QUERY_GROUP=query_group, BLOCK_Q=max(MIN_DOT, triton.next_power_of_2(query_group)), HEAD_DIM=dim,
             BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), PAGE_BLOCK=block, BLOCK_T=BLOCK_T,
-            SPLIT=splits > 1)
+            SPLIT=splits > 1, num_warps=decode_warps())
         if splits > 1:
             _reduce_kernel[(batch * heads,)](parts, part_max, part_sum, out, splits, HEAD_DIM=dim,
                                              BLOCK_D=triton.next_power_of_2(dim),

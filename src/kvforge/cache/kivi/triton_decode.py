@@ -43,8 +43,8 @@ import torch
 from kvforge.cache.kivi.quant import SUPPORTED_BITS, codes_per_byte
 from kvforge.errors import require
 from kvforge.kernels.triton_jit import INTERPRETED as _INTERPRETED
+from kvforge.kernels.triton_jit import decode_warps, tl, triton, triton_available
 from kvforge.kernels.triton_jit import jit as _jit
-from kvforge.kernels.triton_jit import tl, triton, triton_available
 
 __all__ = ["kivi_decode_attention_triton", "triton_available", "triton_interpreted"]
 
@@ -239,7 +239,7 @@ def kivi_decode_attention_triton(
             float(scale), part_max, part_sum, split_tokens,
             QUERY_GROUP=query_group, BLOCK_Q=max(MIN_DOT, triton.next_power_of_2(query_group)), HEAD_DIM=dim,
             BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), BITS=bits, GROUP=group, BLOCK_T=BLOCK_T,
-            SPLIT=splits > 1)
+            SPLIT=splits > 1, num_warps=decode_warps())
         if splits > 1:
             _combine_kernel[(batch * heads,)](parts, part_max, part_sum, out, splits, HEAD_DIM=dim,
                                               BLOCK_D=triton.next_power_of_2(dim),

@@ -47,7 +47,7 @@ from kvforge.cache.shadowkv.pointer_table import (
     WINDOW_START,
 )
 from kvforge.errors import require
-from kvforge.kernels.triton_jit import INTERPRETED, jit, tl, triton
+from kvforge.kernels.triton_jit import INTERPRETED, decode_warps, jit, tl, triton
 
 __all__ = ["check_device", "landmark_scores", "rebuild_keys", "slot_attention", "write_values"]
 
@@ -267,7 +267,8 @@ def landmark_scores(q: torch.Tensor, landmarks: torch.Tensor, table: torch.Tenso
         _scores_kernel[(batch, kv_heads)](
             q, landmarks, table, info, scores, q.stride(0), q.stride(1), landmarks.stride(0), landmarks.stride(1),
             table.stride(0), width, float(scale), QUERY_GROUP=heads // kv_heads,
-            BLOCK_G=_block(heads // kv_heads), HEAD_DIM=dim, BLOCK_D=_block(dim), BLOCK=BLOCK_C, NFIELDS=FIELDS)
+            BLOCK_G=_block(heads // kv_heads), HEAD_DIM=dim, BLOCK_D=_block(dim), BLOCK=BLOCK_C, NFIELDS=FIELDS,
+            num_warps=decode_warps())
     return scores
 
 
@@ -321,5 +322,5 @@ def slot_attention(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, in
             q, own_k, own_v, info, keys_like, slot_ids, out, q.stride(0), q.stride(1), own_k.stride(0),
             own_k.stride(1), slots, float(scale),
             QUERY_GROUP=heads // kv_heads, BLOCK_G=_block(heads // kv_heads), HEAD_DIM=dim, BLOCK_D=_block(dim),
-            CHUNK=chunk, BLOCK=BLOCK_N, MASK_SLOTS=mask_slots, NFIELDS=FIELDS)
+            CHUNK=chunk, BLOCK=BLOCK_N, MASK_SLOTS=mask_slots, NFIELDS=FIELDS, num_warps=decode_warps())
     return out

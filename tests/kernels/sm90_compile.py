@@ -1,0 +1,114 @@
+"""Compile every kvforge Triton kernel for an H100/H200 (sm_90) without a GPU, and print
+what each gave as one JSON object: {kernel: {"error": str | None, "shared": bytes}} under
+"kernels", and the launchable kernels the modules define under "defined".
+
+Triton's interpreter (how `make test` runs the kernels) accepts code the GPU compiler
+refuses and never lowers it; `triton.compile` with a GPU target runs the whole pipeline
+(TTIR, TTGIR, LLVM, PTX and the bundled ptxas to a cubin) on the host. The settings are
+Llama-3.1-8B's decode in bf16: head_dim 128, four query heads per KV head, ShadowKV chunks
+of 8, KIVI 2-bit groups of 32, pages of 16 tokens. Run in a process of its own: the kernels
+must be decorated with the interpreter off (TRITON_INTERPRET unset before triton loads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kvforge.cache.full import triton_decode as full  # noqa: E402
+from kvforge.cache.kivi import triton_decode as kivi  # noqa: E402
+from kvforge.cache.shadowkv import triton_decode as shadowkv  # noqa: E402
+from kvforge.cache.shadowkv import triton_slots as slots  # noqa: E402
+from kvforge.kernels import triton_fused as fused  # noqa: E402
+
+MODULES = (full, kivi, shadowkv, slots, fused)
+TARGET = GPUTarget("cuda", 90, 32)
+IDS, I32, I64, BF16, F32, BOOL = "*i64", "i32", "i64", "*bf16", "*fp32", "*i1"
+SHADOWKV_FIELDS = 13
+
+# kernel -> (argument types, constexpr values); an argument named in neither is an error
+KERNELS = {
+    full._paged_decode_kernel: (
+        dict(q_ptr=BF16, k_self_ptr=BF16, v_self_ptr=BF16, k_pages_ptr=BF16, v_pages_ptr=BF16, table_ptr=IDS,
+             first_ptr=IDS, from_ptr=IDS, to_ptr=IDS, out_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, sq_b=I32,
+             sq_h=I32, sks_b=I32, sks_h=I32, svs_b=I32, svs_h=I32, skp_h=I64, skp_p=I32, skp_t=I32, svp_h=I64,
+             svp_p=I32, svp_t=I32, stab_b=I32, table_width=I32, scale="fp32", split_tokens=I32),
+        dict(QUERY_GROUP=4, BLOCK_Q=16, HEAD_DIM=128, BLOCK_D=128, PAGE_BLOCK=16, BLOCK_T=32, SPLIT=True)),
+    full._reduce_kernel: (
+        dict(part_acc_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, out_ptr=BF16, splits=I32),
+        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32)),
+    kivi._kivi_decode_kernel: (
+        dict(q_ptr=BF16, k_self_ptr=BF16, v_self_ptr=BF16, k_codes_ptr="*u8", v_codes_ptr="*u8",
+             k_scale_ptr="*fp16", k_zero_ptr="*fp16", v_scale_ptr="*fp16", v_zero_ptr="*fp16", k_res_ptr=BF16,
+             v_res_ptr=BF16, out_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, scale="fp32"),
+        dict(QUERY_GROUP=4, BLOCK_Q=16, HEAD_DIM=128, BLOCK_D=128, BITS=2, GROUP=32, BLOCK_T=32, SPLIT=True)),
+    kivi._combine_kernel: (
+        dict(part_acc_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, out_ptr=F32, splits=I32),
+        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32)),
+    shadowkv._scores_kernel: (
+        dict(q_ptr=BF16, landmarks_ptr=BF16, table_ptr=IDS, info_ptr=IDS, scores_ptr=F32, sq_b=I32, sq_h=I32,
+             sl_h=I32, sl_p=I32, stab_b=I32, width=I32, scale="fp32"),
+        dict(QUERY_GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK=32, NFIELDS=SHADOWKV_FIELDS)),
+    shadowkv._rebuild_kernel: (
+        dict(info_ptr=IDS, keys_like=BF16, basis_like=BF16, coef_like=BF16, new_ids_ptr=IDS, filled_ptr=BOOL,
+             cos_ptr=BF16, sin_ptr=BF16, basis_width=I32),
+        dict(CHUNK=8, BLOCK_T=16, HEAD_DIM=128, HALF=64, BLOCK_HALF=64, BLOCK_R=16, NFIELDS=SHADOWKV_FIELDS)),
+    shadowkv._values_kernel: (
+        dict(info_ptr=IDS, values_like=BF16, fetched_ptr=BF16, order_ptr=IDS, kv_heads=I32, slots=I32),
+        dict(CHUNK=8, BLOCK_T=8, HEAD_DIM=128, BLOCK_D=128, NFIELDS=SHADOWKV_FIELDS)),
+    shadowkv._attention_kernel: (
+        dict(q_ptr=BF16, own_k_ptr=BF16, own_v_ptr=BF16, info_ptr=IDS, keys_like=BF16, slot_ids_ptr=IDS,
+             out_ptr=BF16, sq_b=I32, sq_h=I32, so_b=I32, so_h=I32, slots=I32, scale="fp32"),
+        dict(QUERY_GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, CHUNK=8, BLOCK=32, MASK_SLOTS=True,
+             NFIELDS=SHADOWKV_FIELDS)),
+    slots._values_in_place_kernel: (
+        dict(info_ptr=IDS, values_like=BF16, slow_address=I64, new_ids_ptr=IDS, filled_ptr=BOOL, table_ptr=IDS,
+             stab_b=I32, slow_head_stride=I64),
+        dict(CHUNK=8, BLOCK_T=8, HEAD_DIM=128, BLOCK_D=128, NFIELDS=SHADOWKV_FIELDS)),
+    slots._held_kernel: (dict(info_ptr=IDS, held_ptr=IDS, slots=I32), dict(BLOCK_S=256, NFIELDS=SHADOWKV_FIELDS)),
+    slots._keep_kernel: (dict(info_ptr=IDS, new_ids_ptr=IDS, slots=I32), dict(BLOCK_S=256, NFIELDS=SHADOWKV_FIELDS)),
+    slots._match_kernel: (
+        dict(info_ptr=IDS, top_scores_ptr=F32, top_ids_ptr=IDS, k_ptr=IDS, new_ids_ptr=IDS, filled_ptr=BOOL,
+             counts_ptr=IDS, picks=I32, slots=I32),
+        dict(REUSE=True, BLOCK_K=16, BLOCK_S=256, NFIELDS=SHADOWKV_FIELDS)),
+    fused._rms_norm_kernel: (dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, dim=I32, eps="fp32"),
+                             dict(GEMMA=False, BLOCK_D=4096)),
+    fused._rope_kernel: (dict(x_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, out_ptr=BF16, heads=I32, dim=I32, half=I32),
+                         dict(BLOCK_H=32, BLOCK_HALF=64)),
+    fused._silu_mul_kernel: (dict(gate_ptr=BF16, up_ptr=BF16, out_ptr=BF16, n=I32), dict(BLOCK=1024)),
+}
+
+
+def _signature(kernel: triton.JITFunction, types: dict[str, str], constants: dict[str, object]) -> dict[str, str]:
+    """Each argument's type; of the kernel's other arguments, `*_ptr` ones point at int64
+    (tables, ids, lengths) and the rest (strides, sizes) are i32."""
+    named = {**types, **dict.fromkeys(constants, "constexpr")}
+    return {arg: named.get(arg, IDS if arg.endswith("_ptr") else I32) for arg in kernel.arg_names}
+
+
+def compile_one(kernel: triton.JITFunction, types: dict[str, str], constants: dict[str, object]) -> dict:
+    try:
+        source = ASTSource(kernel, _signature(kernel, types, constants), constexprs=constants)
+        compiled = triton.compile(source, target=TARGET)
+    except Exception as error:  # what the compiler says is the finding
+        return {"error": f"{type(error).__name__}: {str(error)[:2000]}", "shared": 0}
+    return {"error": None, "shared": int(compiled.metadata.shared)}
+
+
+def main() -> None:
+    defined = sorted(f"{module.__name__}.{name}" for module in MODULES for name, value in vars(module).items()
+                     if isinstance(value, triton.JITFunction) and name.endswith("_kernel"))
+    results = {f"{kernel.fn.__module__}.{kernel.fn.__name__}": compile_one(kernel, *settings)
+               for kernel, settings in KERNELS.items()}
+    json.dump({"defined": defined, "kernels": results}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Every Triton kernel compiles for an H100/H200 (sm_90) here, without a GPU: Triton's
+interpreter, which the kernels' parity tests run in, accepts code the GPU compiler refuses
+(sm90_compile.py runs the whole compile pipeline, ptxas included, in a process of its own).
+Each kernel's shared memory must fit an H100/H200 block (227 KiB)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SHARED_MEMORY_PER_BLOCK = 227 * 1024  # H100 and H200 (sm_90), opt-in maximum
+
+
+def _compile_all(tmp_path: Path) -> dict:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("the `triton` package is not installed (pip install 'kvforge[triton]')")
+    ptxas = Path(importlib.util.find_spec("triton").origin).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip(f"this triton has no bundled ptxas ({ptxas}) to compile for a GPU with")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2] / "src"), env.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("sm90_compile.py"))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+def test_every_triton_kernel_compiles_for_sm90(tmp_path):
+    found = _compile_all(tmp_path)
+    assert sorted(found["kernels"]) == found["defined"], "sm90_compile.KERNELS must name every kernel defined"
+    failed = {name: result["error"] for name, result in found["kernels"].items() if result["error"]}
+    assert not failed, "\n\n".join(f"{name}:\n{error}" for name, error in failed.items())
+    too_big = {name: result["shared"] for name, result in found["kernels"].items()
+               if result["shared"] > SHARED_MEMORY_PER_BLOCK}
+    assert not too_big, f"shared memory per block above {SHARED_MEMORY_PER_BLOCK} bytes: {too_big}"
+    assert len(found["kernels"]) >= 15

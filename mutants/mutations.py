@@ -938,8 +938,8 @@ MUTATIONS: list[Mutation] = [
              SHADOWKV_STATIC, "a step with an exact (uncompressed) sequence runs eagerly: the fixed step holds "
              "compressed sequences only"),
     Mutation("shadowkv_pinned_device_address_unchecked", S + "cache/shadowkv/store.py",
-             "if mapped is not None and mapped != tensor.data_ptr():", "if False:",
-             ("tests/cache/shadowkv/test_shadowkv.py::test_page_locking_checks_the_device_reads_the_host_address",),
+             "    if in_place is False:\n", "    if False:\n",
+             ("tests/cache/shadowkv/test_shadowkv.py::test_page_locking_asks_whether_the_device_reads_the_host_address",),
              "slow_store=pinned refuses a GPU that maps registered host memory at another address than the CPU's"),
     Mutation("shadowkv_in_place_values_grid_axes_swapped", S + "cache/shadowkv/triton_slots.py",
              "_values_in_place_kernel[(slots, kv_heads, batch)](", "_values_in_place_kernel[(batch, kv_heads, slots)](",

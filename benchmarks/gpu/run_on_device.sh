@@ -76,8 +76,8 @@ common=(--model "$MODEL" --device "$DEVICE" --dtype bfloat16 --warmup 1)
 if has graphs; then
     # Decode from CUDA graphs (issue 62): the capture/replay parity tests, then `full` with
     # graphs against itself eager and transformers, at the KIVI bench's shape.
-    # The tests that capture CUDA graphs (their CPU cases run in `make test`; here, without
-    # CUDA, the ShadowKV one runs in the CPU emulation of a capture).
+    # The tests that capture CUDA graphs (their CPU cases run in `make test`; in a SMOKE run
+    # on a CPU the CUDA ones skip and the ShadowKV one runs in the CPU emulation of a capture).
     TAIL=15 step graph-tests 200 $PY -m pytest -q -x -p no:cacheprovider \
         tests/cache/test_static_decode.py::test_captured_graphs_replay_the_eager_logits \
         tests/cache/test_static_decode.py::test_the_engine_captures_on_cuda_unless_told_not_to \

@@ -57,6 +57,48 @@ def test_state_made_during_a_capture_holds_garbage_until_a_replay():
     assert state["scale"].tolist() == [2.0]
 
 
+def test_a_capture_writes_nothing_into_existing_memory():
+    """A CUDA capture executes no kernel: what the recorded operations wrote into tensors
+    that existed before is undone (the replay writes it)."""
+    store, counter = torch.zeros(4), torch.zeros(1, dtype=torch.long)
+
+    def step(b: torch.Tensor) -> None:
+        store[1:3].add_(b)
+        torch.add(counter, 1, out=counter)
+
+    buffer = torch.ones(2)
+    graph = RecordedGraph()
+    with recording(graph):
+        step(buffer)
+    assert store.tolist() == [0, 0, 0, 0] and counter.tolist() == [0]
+    graph.replay()
+    graph.replay()
+    assert store.tolist() == [0, 2, 2, 0] and counter.tolist() == [2]
+
+
+def test_an_allocation_keeps_its_garbage_on_replay():
+    """Replaying an allocation writes nothing: memory a kernel leaves unwritten keeps
+    whatever was there (here the capture's garbage), never fresh zeros."""
+    buffer = torch.ones(3)
+    graph = RecordedGraph()
+    with recording(graph):
+        out = torch.empty(5)
+        out[:3] = buffer * 2
+    graph.replay()
+    assert out[:3].tolist() == [2, 2, 2] and out[3:].isnan().all()
+
+
+def test_results_of_many_outputs_and_out_arguments_are_replayed():
+    values, target = torch.zeros(4), torch.zeros(4)
+    graph = RecordedGraph()
+    with recording(graph):
+        top, ids = torch.sort(values, descending=True)
+        torch.mul(top, 10, out=target)
+    values.copy_(torch.tensor([1.0, 4.0, 2.0, 3.0]))
+    graph.replay()
+    assert ids.tolist() == [1, 3, 2, 0] and target.tolist() == [40, 30, 20, 10]
+
+
 def test_a_host_value_baked_into_the_step_is_caught():
     """A length read as a Python int at capture stays that length on every replay."""
     lengths = [2]
@@ -95,7 +137,8 @@ def test_a_tensor_made_for_one_step_is_stale_on_replay():
 
 
 @pytest.mark.parametrize("read", [lambda t: t.sum().item(), lambda t: bool(t.any()), lambda t: t.nonzero(),
-                                  lambda t: t[t > 0]], ids=["item", "bool", "nonzero", "mask"])
+                                  lambda t: t[t > 0], lambda t: torch.arange(3).repeat_interleave(t.long())],
+                         ids=["item", "bool", "nonzero", "mask", "repeat_interleave"])
 def test_reading_a_device_value_on_the_host_fails_the_capture(read):
     with pytest.raises(CaptureError, match="may not read device values on the host"), recording(RecordedGraph()):
         read(torch.ones(3))

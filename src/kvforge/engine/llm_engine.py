@@ -39,6 +39,7 @@ from kvforge.engine.stepping_thread import SteppingThreadCheck
 from kvforge.errors import ConfigError
 from kvforge.kernels.bf16_products import bf16_products
 from kvforge.kernels.cpu_prepack import PrepackReport, available_memory_bytes, prepack_weights
+from kvforge.kernels.triton_runtime import decode_warps
 from kvforge.malloc_tuning import keep_freed_memory
 from kvforge.models.causal_lm import CausalLM
 from kvforge.step_timing import StepTimer
@@ -57,6 +58,7 @@ class LLMEngine:
         self.capture_report: CaptureReport | None = None
         self.graphs_report: str | None = None  # how decode steps run on CUDA, said at start-up
         if self.runner.device.type == "cuda":
+            decode_warps()  # (a bad KVFORGE_TRITON_DECODE_WARPS fails here, not in a step or a capture)
             if self.config.enforce_eager:
                 self.graphs_report = "decode steps run eagerly (--enforce-eager)"
             elif self.config.step_timing:  # the step timer reads the device between ops

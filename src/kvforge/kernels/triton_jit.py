@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from kvforge.kernels.triton_runtime import DECODE_WARPS_ENV, decode_warps
+
 try:
     import triton
     import triton.language as tl
@@ -49,22 +51,3 @@ INTERPRETED = triton_interpreting()
 # Without triton a kernel body stays a plain (never called) function, so its module imports.
 jit: Callable = triton.jit if triton is not None else (lambda fn: fn)
 
-
-DECODE_WARPS_ENV = "KVFORGE_TRITON_DECODE_WARPS"
-_WARPS = ("1", "2", "4", "8", "16")
-
-
-def decode_warps() -> int:
-    """Warps per program of the decode attention kernels (full, KIVI, ShadowKV's scores and
-    attention): Triton's default 4 unless KVFORGE_TRITON_DECODE_WARPS names another count, so
-    that a GPU run can time 8 against 4 without an edit (compiled at 4, those kernels spill
-    registers at head_dim 128). The interpreter ignores it."""
-    raw = os.environ.get(DECODE_WARPS_ENV)
-    if raw is None:
-        return 4
-    if raw.strip() not in _WARPS:
-        from kvforge.errors import ConfigError
-
-        raise ConfigError(DECODE_WARPS_ENV, raw, f"must be one of {', '.join(_WARPS)} (warps per program of the "
-                                                 "Triton decode kernels)")
-    return int(raw)

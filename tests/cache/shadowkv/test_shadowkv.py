@@ -105,41 +105,49 @@ def test_a_failed_page_lock_names_the_option(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "cudart", Runtime)
     with pytest.raises(RuntimeError, match="slow_store=pinned.*16 bytes failed .out of memory.*slow_budget"):
-        register_pinned(torch.zeros(4))
+        register_pinned(torch.zeros(4), torch.device("cuda", 0))
 
 
-@pytest.mark.parametrize("offset", [0, 4096])
-def test_page_locking_checks_the_device_reads_the_host_address(monkeypatch, offset):
-    """The kernels read the slow tier at its host address: where the driver maps registered
-    memory elsewhere, page-locking undoes itself and says which store to use instead (a
-    fake runtime and driver here: there is no GPU)."""
+@pytest.mark.parametrize("answer", [1, 0, None])
+def test_page_locking_asks_whether_the_device_reads_the_host_address(monkeypatch, caplog, answer):
+    """The kernels read the slow tier at its host address: a device that cannot
+    (CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 0) is refused before
+    anything is locked, naming the store to use; a driver that cannot say is warned of
+    (a fake runtime and driver here: there is no GPU)."""
     from kvforge.cache.shadowkv import store
 
-    unregistered: list[int] = []
+    registered: list[int] = []
+    asked: list[tuple[int, int]] = []
 
     class Runtime:
         def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:
-            return 0
-
-        def cudaHostUnregister(self, pointer: int) -> int:
-            unregistered.append(pointer)
+            registered.append(pointer)
             return 0
 
     class Driver:
-        def cuMemHostGetDevicePointer_v2(self, address, pointer, flags: int) -> int:
-            address._obj.value = pointer.value + offset
+        def cuDeviceGet(self, handle, ordinal) -> int:
+            handle._obj.value = 10 + ordinal.value
+            return 0
+
+        def cuDeviceGetAttribute(self, value, attribute, handle) -> int:
+            asked.append((attribute.value, handle.value))
+            if answer is None:
+                return 1  # CUDA_ERROR_INVALID_VALUE
+            value._obj.value = answer
             return 0
 
     monkeypatch.setattr(torch.cuda, "cudart", Runtime)
     monkeypatch.setattr(store, "cuda_driver", Driver)
     values = torch.zeros(4)
-    if offset == 0:
-        store.register_pinned(values)
-        assert unregistered == []
-        return
-    with pytest.raises(RuntimeError, match="slow_store=pinned: this GPU reads .* another address.*slow_store=memory"):
-        store.register_pinned(values)
-    assert unregistered == [values.data_ptr()]
+    if answer == 0:
+        with pytest.raises(RuntimeError, match="slow_store=pinned: cuda:1 cannot read .*slow_store=memory"):
+            store.register_pinned(values, torch.device("cuda", 1))
+        assert registered == []
+    else:
+        store.register_pinned(values, torch.device("cuda", 1))
+        assert registered == [values.data_ptr()]
+        assert ("did not say" in caplog.text) == (answer is None)
+    assert asked == [(91, 11)]
 
 
 def test_budget_equal_to_the_candidates_is_exact():

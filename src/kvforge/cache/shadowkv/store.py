@@ -30,6 +30,7 @@ power of two), so kernels read it in place through its host address (unified add
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import tempfile
 import time
@@ -39,6 +40,8 @@ import numpy as np
 import torch
 
 from kvforge.cache.block_pool import BlockPool
+
+log = logging.getLogger(__name__)
 
 
 def slow_tensor(shape: tuple[int, ...], dtype: torch.dtype, kind: str, directory: str | None = None) -> torch.Tensor:
@@ -58,23 +61,29 @@ def slow_tensor(shape: tuple[int, ...], dtype: torch.dtype, kind: str, directory
     return torch.empty(shape, dtype=dtype)
 
 
-def register_pinned(tensor: torch.Tensor) -> None:
+def register_pinned(tensor: torch.Tensor, device: torch.device) -> None:
     """Page-lock `tensor`'s memory for CUDA: device-readable at its host address."""
+    # The kernels read the tier at its host address, which a device shares only where it can
+    # use host pointers for registered memory (x86 with unified addressing; not every
+    # platform): elsewhere every read would fault.
+    in_place = reads_registered_memory_in_place(device)
+    if in_place is False:
+        raise RuntimeError(f"slow_store=pinned: {device} cannot read page-locked host memory at the CPU's address "
+                           "(CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is 0), which the kernels "
+                           "need; use slow_store=memory")
+    if in_place is None:
+        log.warning("slow_store=pinned: the CUDA driver did not say whether %s reads page-locked host memory at the "
+                    "CPU's address; assuming it does (as on x86 with unified addressing)", device)
     cudart = torch.cuda.cudart()
     size = tensor.numel() * tensor.element_size()
     status = cudart.cudaHostRegister(tensor.data_ptr(), size, 0)  # 0: default flags (mapped, portable)
     if int(status) != 0:  # (cudaGetErrorString takes the enum, not its value)
         raise RuntimeError(f"slow_store=pinned: cudaHostRegister of {size} bytes failed "
                            f"({cudart.cudaGetErrorString(status)}); lower slow_budget or use slow_store=memory")
-    # The kernels read the tier at its host address, which the device shares only where it
-    # can use host pointers for registered memory (x86 with unified addressing; not every
-    # platform): a device address that differs would make every read fault.
-    mapped = device_address(tensor.data_ptr())
-    if mapped is not None and mapped != tensor.data_ptr():
-        cudart.cudaHostUnregister(tensor.data_ptr())
-        raise RuntimeError(f"slow_store=pinned: this GPU reads page-locked host memory at another address "
-                           f"({mapped:#x}) than the CPU's ({tensor.data_ptr():#x}), and the kernels read it at the "
-                           "CPU's; use slow_store=memory")
+
+
+# cuda.h: CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM
+_HOST_POINTER_FOR_REGISTERED_MEM = 91
 
 
 def cuda_driver() -> ctypes.CDLL | None:
@@ -85,15 +94,19 @@ def cuda_driver() -> ctypes.CDLL | None:
         return None
 
 
-def device_address(pointer: int) -> int | None:
-    """Where the current CUDA device reads the registered host memory at `pointer`
-    (cuMemHostGetDevicePointer), or None when the driver cannot say."""
+def reads_registered_memory_in_place(device: torch.device) -> bool | None:
+    """Whether CUDA `device` reads registered host memory at the CPU's virtual address (the
+    driver's device attribute), or None when the driver cannot say."""
     driver = cuda_driver()
     if driver is None:
         return None
-    address = ctypes.c_uint64()
-    status = driver.cuMemHostGetDevicePointer_v2(ctypes.byref(address), ctypes.c_void_p(pointer), 0)
-    return address.value if status == 0 else None
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    handle, value = ctypes.c_int(), ctypes.c_int()
+    if driver.cuDeviceGet(ctypes.byref(handle), ctypes.c_int(ordinal)) != 0:
+        return None
+    if driver.cuDeviceGetAttribute(ctypes.byref(value), ctypes.c_int(_HOST_POINTER_FOR_REGISTERED_MEM), handle) != 0:
+        return None
+    return value.value == 1
 
 
 def unregister_pinned(tensor: torch.Tensor) -> None:
@@ -113,7 +126,7 @@ class ChunkStore:
         self.pinned_seconds: float | None = None  # how long page-locking the slow tier took (CUDA, pinned)
         if device.type == "cuda" and slow_kind == "pinned":
             start = time.perf_counter()
-            register_pinned(self.values)
+            register_pinned(self.values, device)
             self.pinned_seconds = time.perf_counter() - start
             # The finaliser holds the tensor until the store is collected, so the memory is
             # unregistered before it can be freed.

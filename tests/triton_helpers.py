@@ -32,3 +32,20 @@ def interpreted_or_skip() -> None:
 
     if not INTERPRETED:
         pytest.skip("Triton kernels on CPU tensors need Triton's interpreter, which is off on a machine with CUDA")
+
+
+def warps_of_launches(monkeypatch, module, kernel_name: str) -> list[int | None]:
+    """Replace `module.kernel_name` by a spy that records each launch's `num_warps` and then
+    launches the kernel; returns the list it fills."""
+    kernel = getattr(module, kernel_name)
+    warps: list[int | None] = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                warps.append(kwargs.get("num_warps"))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, kernel_name, Spy())
+    return warps

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import decode_logits, make_pair, make_runner
 from decode_cases import make_case
-from triton_helpers import kernel_device
+from triton_helpers import kernel_device, warps_of_launches
 
 from kvforge.cache.attention import decode_attention
 from kvforge.cache.full import decode_kernels
@@ -167,17 +167,7 @@ def test_the_decode_warps_knob_reaches_the_launch(monkeypatch, warps):
     from kvforge.cache.full import triton_decode
     from kvforge.kernels.triton_jit import DECODE_WARPS_ENV
 
-    launched: list[int | None] = []
-    kernel = triton_decode._paged_decode_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append(kwargs.get("num_warps"))
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(triton_decode, "_paged_decode_kernel", Spy())
+    launched = warps_of_launches(monkeypatch, triton_decode, "_paged_decode_kernel")
     if warps is None:
         monkeypatch.delenv(DECODE_WARPS_ENV, raising=False)
     else:

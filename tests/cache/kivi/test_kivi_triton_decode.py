@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from kivi_helpers import triton_test_device
+from triton_helpers import warps_of_launches
 
 from kvforge.cache.attention import reference_attention
 from kvforge.cache.kivi import triton_decode
@@ -173,6 +174,18 @@ def test_triton_kernel_matches_reference(triton_device: str, bits: int, options:
     expected = kivi_decode_attention_reference(**case)
     out = kivi_decode_attention_triton(**on(case, triton_device)).cpu()
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_decode_warps_knob_reaches_the_launch(triton_device: str, monkeypatch) -> None:
+    """KVFORGE_TRITON_DECODE_WARPS sets the kernel's warps per program; the output is the same."""
+    from kvforge.kernels.triton_runtime import DECODE_WARPS_ENV
+
+    warps = warps_of_launches(monkeypatch, triton_decode, "_kivi_decode_kernel")
+    monkeypatch.setenv(DECODE_WARPS_ENV, "8")
+    case, _ = make_case(LENGTHS, 2, **CASES[0].values[0])
+    out = kivi_decode_attention_triton(**on(case, triton_device), splits=1).cpu()
+    torch.testing.assert_close(out, kivi_decode_attention_reference(**case), rtol=1e-4, atol=1e-4)
+    assert warps == [8]
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 6])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import decode_logits, make_pair
-from triton_helpers import kernel_device
+from triton_helpers import kernel_device, warps_of_launches
 
 from kvforge.cache.registry import create_cache
 from kvforge.cache.shadowkv.compress import compress_layer
@@ -142,6 +142,24 @@ def test_triton_path_equals_the_pytorch_path(case, dtype, in_place):
     assert fast_stats.chunk_hits > 0 and misses[-1] > misses[0] > 0  # later steps both hit and miss
     if case == "masked":
         assert (fast_states[-1].layers[0].slot_ids == -1).any()  # an empty slot, masked
+
+
+def test_the_decode_warps_knob_reaches_the_scores_and_attention_launches(monkeypatch):
+    """KVFORGE_TRITON_DECODE_WARPS sets the warps per program of both decode kernels."""
+    from kvforge.cache.shadowkv import triton_decode
+    from kvforge.kernels.triton_runtime import DECODE_WARPS_ENV
+
+    device = kernel_device()
+    warps = {name: warps_of_launches(monkeypatch, triton_decode, name) for name in ("_scores_kernel", "_attention_kernel")}
+    monkeypatch.setenv(DECODE_WARPS_ENV, "8")
+    spec = CASES["full"]
+    sparse, states, _ = _build(spec["lengths"], spec["kv_heads"], spec["dim"], spec["ranks"], spec["ks"],
+                               torch.float32, device, triton=True, in_place=device == "cpu")
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(len(states), spec["heads"], spec["dim"], generator=generator)
+    own_k, own_v = torch.randn(2, len(states), spec["kv_heads"], spec["dim"], generator=generator)
+    _step(sparse, states, *(t.to(device) for t in (q, own_k, own_v)))
+    assert warps == {"_scores_kernel": [8], "_attention_kernel": [8]}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

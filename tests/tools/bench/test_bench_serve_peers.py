@@ -224,7 +224,7 @@ def test_a_servers_unwaited_workers_are_counted_as_this_runs_cpu(tmp_path):
     import sys
     import time
 
-    from kvforge.tools.bench.serve_server import ServerProcess, group_cpu_seconds
+    from kvforge.tools.bench.serve_server import ServerProcess, group_cpu_seconds, group_states
 
     script = ("import os, subprocess, sys, time\n"
               "subprocess.Popen([sys.executable, '-c', 'import time\\nend = time.time() + 60\\nwhile time.time() < end: pass'])\n"
@@ -243,27 +243,13 @@ def test_a_servers_unwaited_workers_are_counted_as_this_runs_cpu(tmp_path):
     assert server.unwaited_cpu_s > 0.5
     # The worker went with the group: SIGKILL takes effect when the kernel next schedules it
     # (a tick later on a busy machine), after which no process of the group runs.
-    while any(state != "Z" for state in _group_states(process.pid)):
+    while any(state != "Z" for state in group_states(process.pid)):
         assert time.monotonic() < deadline, "the worker outlived its group's SIGKILL"
         time.sleep(0.05)
     left = group_cpu_seconds(process.pid)
     time.sleep(0.5)
     assert group_cpu_seconds(process.pid) == left
 
-
-def _group_states(pgid: int) -> list[str]:
-    """The /proc state letter of every process in group `pgid` (Z: exited, not yet reaped)."""
-    from pathlib import Path
-
-    states = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and int(fields[2]) == pgid:
-            states.append(fields[0])
-    return states
 
 
 def test_vllms_version_is_read_from_its_environments_package_metadata(tmp_path):

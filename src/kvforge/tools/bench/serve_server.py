@@ -121,20 +121,31 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """CPU seconds of every live process in process group `pgid`, each with the time of the
-    children it has waited for (Linux /proc; 0 elsewhere)."""
-    total = 0.0
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+def _group_stats(pgid: int) -> list[list[str]]:
+    """The /proc stat fields after the command name (state ppid pgrp ...) of every process
+    in process group `pgid` (Linux; none elsewhere)."""
+    found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        # after the command: state ppid pgrp ...; utime stime cutime cstime are fields 14-17
         if len(fields) > 14 and int(fields[2]) == pgid:
-            total += sum(int(x) for x in fields[11:15]) / tick
-    return total
+            found.append(fields)
+    return found
+
+
+def group_states(pgid: int) -> list[str]:
+    """The state letter of every process in group `pgid` (Z: exited, not yet reaped)."""
+    return [fields[0] for fields in _group_stats(pgid)]
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds of every live process in process group `pgid`, each with the time of the
+    children it has waited for (Linux /proc; 0 elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    # utime stime cutime cstime are stat fields 14-17 (11-14 after the command name)
+    return sum(sum(int(x) for x in fields[11:15]) for fields in _group_stats(pgid)) / tick
 
 
 def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:

@@ -1,10 +1,11 @@
 """ShadowKV's fixed-shape decode step (cache/shadowkv/static_decode.py): the step a CUDA
-graph captures when every sequence is compressed and the Triton kernels read the slow tier
-in place. Here it runs eagerly on CPU tensors in Triton's interpreter (exactly what a
-capture records) and is held to the dynamic step's logits, chunk reuse and folds across
-buckets, sequences leaving and joining, and the steps that must stay eager; it reads
-nothing on the host. The main test captures its steps: on CUDA in graphs, here in the
-CPU emulation of a capture and its replays (graph_replay.py)."""
+graph captures when the Triton kernels read the slow tier in place, over exact and
+compressed sequences in any mix, and sliding-window layers. Here it runs eagerly on CPU
+tensors in Triton's interpreter (exactly what a capture records) and is held to the
+dynamic step's logits, chunk reuse and folds across buckets, sequences leaving, joining
+and compressing, and the steps that must stay eager; it reads nothing on the host. The
+main tests capture their steps: on CUDA in graphs, here in the CPU emulation of a capture
+and its replays (graph_replay.py)."""
 
 from __future__ import annotations
 
@@ -45,25 +46,30 @@ def _runner(model, device: str, static: bool, spec: str = SPEC, capture: bool = 
 
 
 def _script(runner: ModelRunner) -> list[torch.Tensor]:
-    """Three prompts (compressed at their end), decode steps with 3 then 2 sequences (one
-    freed), a prompt joining (a mixed step, eager; compressed at its end), then 3 again."""
+    """Three prompts (compressed at their end) and a 20-token one (exact), decode steps with
+    4 sequences (the exact one compresses at 24 tokens, in an eager step), then 3 (one
+    freed), prompts joining (a prefill step, eager; a 30-token one compressed at its end,
+    an 11-token one staying exact), then 4 again, exact beside compressed."""
     token = lambda seq, step: (7 * step + 3 * seq + 1) % 90  # noqa: E731
     out = [runner.step([StepItem(0, list(range(1, 41))), StepItem(1, list(range(7, 72))),
-                        StepItem(2, list(range(9, 39)))])]
+                        StepItem(2, list(range(9, 39))), StepItem(4, list(range(2, 22)))])]
     for step in range(5):
-        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in range(3)]))
+        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 1, 2, 4)]))
     runner.release(1)
     for step in range(5, 9):
-        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 2)]))
-    out.append(runner.step([StepItem(0, [token(0, 9)], decode=True), StepItem(3, list(range(4, 34)))]))
+        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 2, 4)]))
+    runner.release(4)
+    out.append(runner.step([StepItem(0, [token(0, 9)], decode=True), StepItem(3, list(range(4, 34))),
+                            StepItem(5, list(range(3, 14)))]))
     for step in range(10, 22):
-        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 2, 3)]))
+        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 5, 2, 3)]))
     return out
 
 
-def test_static_steps_give_the_dynamic_logits_chunk_reuse_and_folds():
+@pytest.mark.parametrize("architecture", ["llama_gqa", "gemma3_hybrid"])
+def test_static_steps_give_the_dynamic_logits_chunk_reuse_and_folds(architecture):
     device = kernel_device()
-    model = make_pair("llama_gqa")[1].to(device)
+    model = make_pair(architecture)[1].to(device)
     eager_runner, _ = _runner(model, device, static=False)
     eager = _script(eager_runner)
     runner, graphs = _runner(model, device, static=True, capture=True)
@@ -72,12 +78,14 @@ def test_static_steps_give_the_dynamic_logits_chunk_reuse_and_folds():
     with device_code_paths():  # (the branches CUDA takes around the replays too)
         static = _script(runner)
     assert [runner.cache._seqs[seq].compressed.chunks_per_step for seq in (0, 2, 3)] == [1, 1, 1]
+    assert not runner.cache.is_compressed(5) and runner.cache.num_cached_tokens(5) == 23
     assert graphs.steps[4, 128].slots == 4 and eager_runner.cache._seqs[0].compressed.chunks_per_step == 1
     assert len(static) == len(eager)
     for step, (a, b) in enumerate(zip(static, eager)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
-    # every decode step but the mixed one: 5 + 4 + 12
-    assert graphs.static_steps == 21
+    # every decode step but the one compressing sequence 4: 4 + 4 + 12 (the prefill steps
+    # are eager)
+    assert graphs.static_steps == 20
     got, expected = runner.cache.statistics(), eager_runner.cache.statistics()
     assert got["folded_chunks"] == expected["folded_chunks"] > 0
     assert (got["chunk_hits"], got["chunk_misses"]) == (expected["chunk_hits"], expected["chunk_misses"])
@@ -88,21 +96,23 @@ def test_static_steps_give_the_dynamic_logits_chunk_reuse_and_folds():
             assert torch.equal(ours.slot_ids, theirs.slot_ids)
 
 
-def test_steps_that_are_not_all_compressed_or_do_not_fit_run_eagerly():
+def test_steps_that_compress_or_do_not_fit_run_eagerly():
     device = kernel_device()
     if device != "cpu":
         pytest.skip("counts static steps without capture")
     model = make_pair("llama_gqa")[1]
     runner, graphs = _runner(model, device, static=True)
-    runner.step([StepItem(0, list(range(1, 41))), StepItem(1, list(range(1, 12)))])  # 11 tokens: stays exact
+    runner.step([StepItem(0, list(range(1, 41))), StepItem(1, list(range(1, 23)))])  # 22 tokens: stays exact
     runner.step([StepItem(seq, [5]) for seq in (0, 1)])
-    assert graphs.static_steps == 0  # an exact sequence decodes beside a compressed one
+    assert graphs.static_steps == 1  # an exact sequence decodes beside a compressed one
+    runner.step([StepItem(seq, [5]) for seq in (0, 1)])  # sequence 1 reaches min_context: compresses
+    assert graphs.static_steps == 1 and runner.cache.is_compressed(1)
     runner.release(1)
     runner.step([StepItem(0, [5])])
-    assert graphs.static_steps == 1
+    assert graphs.static_steps == 2
     runner.step([StepItem(2, [1 + i % 89 for i in range(139)])])
     runner.step([StepItem(2, [5])])  # 140 tokens > the 128-token bucket
-    assert graphs.static_steps == 1
+    assert graphs.static_steps == 2
 
 
 def test_no_static_form_without_in_place_values_or_the_triton_path():
@@ -126,7 +136,8 @@ def test_no_static_form_without_in_place_values_or_the_triton_path():
     hybrid = make_pair("gemma3_hybrid")[1]
     sliding = create_cache(SPEC, hybrid.cache_layout(), 1 << 22, torch.float32)
     sliding.sparse.triton = True
-    assert sliding.static_decode(4, 128) is None  # sliding-window layers: eager
+    step = sliding.static_decode(4, 128)  # sliding-window layers: their inner cache's fixed buffers
+    assert step is not None and step.sliding is not None and step.make_meta().sliding is not None
 
 
 def test_the_static_step_reads_nothing_on_the_host():
@@ -136,13 +147,15 @@ def test_the_static_step_reads_nothing_on_the_host():
         pytest.skip("counts the CUDA code path on CPU tensors")
     model = make_pair("llama_gqa")[1]
     runner, graphs = _runner(model, "cpu", static=True)
-    runner.step([StepItem(seq, list(range(1 + seq, 41 + 9 * seq))) for seq in range(3)])
+    # three compressed sequences and an exact one (11 tokens)
+    runner.step([StepItem(seq, list(range(1 + seq, 41 + 9 * seq))) for seq in range(3)]
+                + [StepItem(3, list(range(1, 12)))])
     cache = runner.cache
     from kvforge.batch import ForwardBatch
 
-    cached = [cache.num_cached_tokens(seq) for seq in range(3)]
+    cached = [cache.num_cached_tokens(seq) for seq in range(4)]
     assert all(cache.allocate(seq, n + 1) for seq, n in enumerate(cached))
-    batch = ForwardBatch.build([0, 1, 2], [[4], [5], [6]], cached)
+    batch = ForwardBatch.build([0, 1, 2, 3], [[4], [5], [6], [7]], cached)
     step = graphs.steps[graphs.bucket(batch)]
     assert step.load(batch) is not None
     counter = SyncCounter()

@@ -251,7 +251,8 @@ def test_the_start_up_line_names_why_decode_runs_eagerly():
     graphs.cache.sparse.triton, graphs.cache.sparse.values_in_place = True, False  # CUDA with pageable values
     assert "--cache-opt slow_store=pinned" in graphs.describe(CaptureReport(0, 0.0, 0))
     _, hybrid = with_graphs(make_pair("gemma3_hybrid")[1], spec)
-    assert "sliding-window layers" in hybrid.describe(CaptureReport(0, 0.0, 0))
+    # sliding-window layers have a fixed step (their inner cache's): only the kernels decide
+    assert "runs its Triton kernels" in hybrid.describe(CaptureReport(0, 0.0, 0))
     # a method without a fixed step of its own says so by default
     assert CacheMethod.why_no_static_decode(graphs.cache) == "the ShadowKVCache cache has no fixed-shape decode step"
 

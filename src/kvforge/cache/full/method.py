@@ -114,8 +114,13 @@ class FullCache(CacheMethod[FullStepMetadata]):
 
     # -- step -------------------------------------------------------------------------
     def begin_step(self, batch: ForwardBatch) -> FullStepMetadata:
+        return self.begin_step_on(batch, self.device)
+
+    def begin_step_on(self, batch: ForwardBatch, device: torch.device) -> FullStepMetadata:
+        """begin_step with the plan's tensors on `device` (an outer method's fixed step plans
+        its inner caches on the host: its own buffers are what the device reads)."""
         self.check_batch(batch)
-        return plan_step(self.pages, batch, self.device)
+        return plan_step(self.pages, batch, device)
 
     def end_step(self, meta: FullStepMetadata) -> None:
         for span in meta.batch.spans:

@@ -6,11 +6,15 @@ Padding rows write to the scratch page (one page per group held by `SCRATCH_SEQ`
 from the pool when the first bucket is made) and see nothing stored: visible_from ==
 visible_to == 0, so each attends only to its own token. Padding table entries are page 0,
 masked by position like the padding of any ragged batch (plan.py).
+
+`FullStaticLayout` is those buffers alone, so a method that keeps inner `full` caches
+(ShadowKV's exact and sliding-window stores) can hold them among its own buffers, under a
+prefix, with its sequences at any rows and the other rows padding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -24,59 +28,87 @@ from kvforge.errors import CacheCapacityError
 _RANGES = ("first_page_position", "visible_from", "visible_to")
 
 
-class FullStaticDecode(StaticDecode[FullStepMetadata]):
-    def __init__(self, pages: PageTable, check_batch: Callable[[ForwardBatch], None], device: torch.device,
-                 rows: int, width: int) -> None:
-        """`pages`: the cache's page tables; `check_batch`: its `begin_step` check."""
+class FullStaticLayout:
+    """The fixed buffers of a `full` cache's decode step over `rows` rows with tables at
+    most `width` pages wide, named `prefix` + `{group}.{field}`."""
+
+    def __init__(self, pages: PageTable, rows: int, width: int, prefix: str = "") -> None:
         if not pages.has(SCRATCH_SEQ) and not pages.allocate(SCRATCH_SEQ, 1):
             raise CacheCapacityError("no free page for the static decode step's scratch page")
-        self.pages, self.check_batch, self.device, self.width = pages, check_batch, device, width
+        self.pages, self.rows, self.width, self.prefix = pages, rows, width, prefix
         groups = pages.groups.num_groups
         self.scratch_slots = [pages.require_slots(SCRATCH_SEQ, g, 0, 1)[0] * pages.block_size for g in range(groups)]
-        shapes: dict[str, tuple[int, ...]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for g in range(groups):
-            shapes[f"{g}.write_slots"] = (rows,)
-            shapes[f"{g}.page_table"] = (rows, width)
-            shapes.update({f"{g}.{name}": (rows,) for name in _RANGES})
-        super().__init__(rows, shapes, device)
-        self.row_order = torch.arange(rows, device=device)
-        # Until the first step loads, every row is padding (a capture runs on these values).
-        self.buffers.fill({name: (torch.full(shape, self.scratch_slots[int(name.split(".")[0])])
-                                  if name.endswith(".write_slots") else torch.zeros(shape, dtype=torch.long))
-                           for name, shape in shapes.items()}
-                          | {"token_ids": torch.zeros(rows, dtype=torch.long),
-                             "positions": torch.zeros(rows, dtype=torch.long)})
+            self.shapes[self._name(g, "write_slots")] = (rows,)
+            self.shapes[self._name(g, "page_table")] = (rows, width)
+            self.shapes.update({self._name(g, name): (rows,) for name in _RANGES})
 
-    def make_meta(self) -> FullStepMetadata:
-        buffers = self.buffers.tensors
-        block = self.pages.block_size
-        groups = []
-        for g in range(len(self.scratch_slots)):
-            decode = DecodePlan(
-                seq_ids=tuple(span.seq_id for span in self.batch.spans), rows=self.row_order,
-                page_table=buffers[f"{g}.page_table"],
-                **{name: buffers[f"{g}.{name}"] for name in _RANGES},
-                every_row=True, compact_tables=True, slots=self.width * block)
-            groups.append(GroupPlan(write_rows=None, write_slots=buffers[f"{g}.write_slots"], decode=decode,
-                                    prefills=()))
-        meta = FullStepMetadata(self.batch, groups)
-        # attend_rows (SwiftKV's later layers) asks for every row: located here, outside any
-        # capture, since locating copies a small plan to the device.
-        rows = self.batch.logit_rows
-        meta.row_queries = (rows, locate_rows(meta, rows, self.device))
-        return meta
+    def _name(self, group: int, field: str) -> str:
+        return f"{self.prefix}{group}.{field}"
 
-    def plan(self, batch: ForwardBatch) -> tuple[FullStepMetadata, dict[str, torch.Tensor]] | None:
-        self.check_batch(batch)
-        pad = self.rows - len(batch.spans)
-        host_groups = [plan_group(self.pages, g, batch) for g in range(len(self.scratch_slots))]
-        values: dict[str, torch.Tensor] = {}
+    def padding(self) -> dict[str, torch.Tensor]:
+        """Every row padding: writes to the scratch page, sees nothing stored."""
+        return {name: (torch.full(shape, self.scratch_slots[g]) if name.endswith(".write_slots")
+                       else torch.zeros(shape, dtype=torch.long))
+                for g in range(len(self.scratch_slots))
+                for name, shape in self.shapes.items() if name.startswith(self._name(g, ""))}
+
+    def values(self, host_groups: list[GroupPlan], at: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+        """The buffers' host values for a decode-only host plan (`plan_group` per group) whose
+        sequences go to rows `at` (None: the first rows), padding elsewhere; None when the
+        plan is not every row decoding or a table is wider than the buffers."""
+        values = self.padding()
         for g, group in enumerate(host_groups):
             decode = group.decode
             if group.write_rows is not None or decode is None or decode.page_table.shape[1] > self.width:
                 return None
-            values[f"{g}.write_slots"] = F.pad(group.write_slots, (0, pad), value=self.scratch_slots[g])
-            table = decode.page_table
-            values[f"{g}.page_table"] = F.pad(table, (0, self.width - table.shape[1], 0, pad))
-            values.update({f"{g}.{name}": F.pad(getattr(decode, name), (0, pad)) for name in _RANGES})
-        return FullStepMetadata(batch, host_groups), values
+            rows = at if at is not None else slice(0, decode.page_table.shape[0])
+            values[self._name(g, "write_slots")][rows] = group.write_slots
+            values[self._name(g, "page_table")][rows] = F.pad(decode.page_table,
+                                                              (0, self.width - decode.page_table.shape[1]))
+            for name in _RANGES:
+                values[self._name(g, name)][rows] = getattr(decode, name)
+        return values
+
+    def meta(self, buffers: Mapping[str, torch.Tensor], batch: ForwardBatch, row_order: torch.Tensor,
+             device: torch.device) -> FullStepMetadata:
+        """Step metadata over the buffers for `batch` (the static step's padded batch)."""
+        block = self.pages.block_size
+        groups = []
+        for g in range(len(self.scratch_slots)):
+            decode = DecodePlan(
+                seq_ids=tuple(span.seq_id for span in batch.spans), rows=row_order,
+                page_table=buffers[self._name(g, "page_table")],
+                **{name: buffers[self._name(g, name)] for name in _RANGES},
+                every_row=True, compact_tables=True, slots=self.width * block)
+            groups.append(GroupPlan(write_rows=None, write_slots=buffers[self._name(g, "write_slots")],
+                                    decode=decode, prefills=()))
+        meta = FullStepMetadata(batch, groups)
+        # attend_rows (SwiftKV's later layers) asks for every row: located here, outside any
+        # capture, since locating copies a small plan to the device.
+        rows = batch.logit_rows
+        meta.row_queries = (rows, locate_rows(meta, rows, device))
+        return meta
+
+
+class FullStaticDecode(StaticDecode[FullStepMetadata]):
+    def __init__(self, pages: PageTable, check_batch: Callable[[ForwardBatch], None], device: torch.device,
+                 rows: int, width: int) -> None:
+        """`pages`: the cache's page tables; `check_batch`: its `begin_step` check."""
+        self.layout = FullStaticLayout(pages, rows, width)
+        self.pages, self.check_batch, self.device, self.width = pages, check_batch, device, width
+        super().__init__(rows, self.layout.shapes, device)
+        self.row_order = torch.arange(rows, device=device)
+        # Until the first step loads, every row is padding (a capture runs on these values).
+        self.buffers.fill(self.layout.padding() | {"token_ids": torch.zeros(rows, dtype=torch.long),
+                                                   "positions": torch.zeros(rows, dtype=torch.long)})
+
+    def make_meta(self) -> FullStepMetadata:
+        return self.layout.meta(self.buffers.tensors, self.batch, self.row_order, self.device)
+
+    def plan(self, batch: ForwardBatch) -> tuple[FullStepMetadata, dict[str, torch.Tensor]] | None:
+        self.check_batch(batch)
+        host_groups = [plan_group(self.pages, g, batch) for g in range(len(self.layout.scratch_slots))]
+        values = self.layout.values(host_groups, None)
+        return (FullStepMetadata(batch, host_groups), values) if values is not None else None

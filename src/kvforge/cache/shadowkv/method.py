@@ -159,8 +159,8 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         return self._begin_step(batch, self.device)
 
     def _begin_step(self, batch: ForwardBatch, group_device: torch.device) -> ShadowKVStepMetadata:
-        """begin_step with the sparse groups' tensors on `group_device` (the fixed step plans
-        on the host: its own buffers are what the device reads)."""
+        """begin_step with the sparse groups' and inner plans' tensors on `group_device` (the
+        fixed step plans on the host: its own buffers are what the device reads)."""
         self.check_batch(batch)
         exact: list[SequenceSpan] = []
         compressing: list[SequenceSpan] = []
@@ -188,8 +188,9 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         groups.extend(self._group([span], group_device) for span in multi)
         return ShadowKVStepMetadata(
             batch,
-            exact=self.exact.begin_step(exact_batch) if self.exact is not None and exact_batch is not None else None,
-            sliding=self.sliding.begin_step(batch) if self.sliding is not None else None,
+            exact=self.exact.begin_step_on(exact_batch, group_device)
+            if self.exact is not None and exact_batch is not None else None,
+            sliding=self.sliding.begin_step_on(batch, group_device) if self.sliding is not None else None,
             exact_rows=exact_rows, compressing=tuple(compressing), compressed_spans=tuple(decoding + multi),
             groups=tuple(groups), any_compressed=bool(decoding or multi),
             queries=QuerySampler(enabled=self.config.rank == "attention"))
@@ -202,26 +203,26 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
                                  self.config.chunk, device, kernel)
 
     def static_decode(self, rows: int, max_tokens: int) -> ShadowKVStaticDecode | None:
-        """Fixed-shape decode steps of compressed sequences (static_decode.py) when the step
-        reads nothing on the host: the Triton path with the slow tier read in place, and no
-        sliding-window layers (their inner cache has its own plan), for buckets of at least
-        min_context tokens. Otherwise None: eager."""
+        """Fixed-shape decode steps of exact and compressed sequences (static_decode.py) when
+        the step reads nothing on the host: the Triton path with the slow tier read in place,
+        for buckets of at least min_context tokens. Otherwise None: eager."""
         if self.why_no_static_decode() or max_tokens < self.config.min_context:
             return None  # (a bucket shorter than min_context would only ever hold exact sequences)
         chunk, heads = self.config.chunk, self.layout.num_kv_heads
         scratch = scratch_state(heads, self.layout.head_dim, chunk, self.compute_dtype, self.coefficient_dtype,
                                 self.device)
         host = torch.device("cpu")
+        pages = lambda inner: (inner.pages, -(-max_tokens // inner.block_size))  # noqa: E731
+        assert self.exact is not None
         return ShadowKVStaticDecode(lambda batch: self._begin_step(batch, host), len(self.global_layers), scratch,
                                     chunk, self.device, rows, -(-max_tokens // chunk),
-                                    self.config.budget_tokens(max_tokens, heads) // chunk)
+                                    self.config.budget_tokens(max_tokens, heads) // chunk, pages(self.exact),
+                                    pages(self.sliding) if self.sliding is not None else None)
 
     def why_no_static_decode(self) -> str:
         """Empty when decode steps of compressed sequences can run in fixed shapes."""
         if self.sparse is None:
             return "ShadowKV compresses no layer of this model (sliding-window layers only)"
-        if self.sliding_layers:
-            return "ShadowKV keeps this model's sliding-window layers in a cache of their own, which has no fixed step"
         if not self.sparse.triton:
             return "ShadowKV's fixed decode step runs its Triton kernels (CUDA, `triton` installed, kernel=1)"
         if not self.sparse.values_in_place:
@@ -264,6 +265,10 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
             return self.sliding.attend(index, meta.sliding, q, rope)
         assert self.exact is not None
         meta.queries.record(cache_layer, meta.batch, meta.compressing, q)
+        if meta.mixed_rows is not None:
+            assert meta.exact is not None
+            return self._keep_own(meta, self.exact.attend(index, meta.exact, q, rope),
+                                  self._attend_compressed(cache_layer, meta, q, rope, None))
         if meta.exact_batch is meta.batch:
             return self.exact.attend(index, meta.exact, q, rope)  # type: ignore[arg-type]
         if meta.exact is None and len(meta.groups) == 1:
@@ -275,6 +280,13 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
             rows = meta.exact_rows
             out[rows] = self.exact.attend(index, meta.exact, q[rows], exact_rope(meta, rope))
         return self._attend_compressed(cache_layer, meta, q, rope, out)
+
+    @staticmethod
+    def _keep_own(meta: ShadowKVStepMetadata, exact: torch.Tensor, compressed: torch.Tensor) -> torch.Tensor:
+        """A fixed step's rows each from its own attention (the other saw padding)."""
+        assert meta.mixed_rows is not None
+        keep = meta.mixed_rows.view(-1, *([1] * (exact.dim() - 1))) != 0
+        return torch.where(keep, exact, compressed)
 
     def _attend_compressed(self, cache_layer: int, meta: ShadowKVStepMetadata, q: torch.Tensor,
                            rope: PositionedRope, out: torch.Tensor | None) -> torch.Tensor:
@@ -316,6 +328,10 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
             assert self.sliding is not None and meta.sliding is not None
             return self.sliding.attend_rows(index, meta.sliding, q, rope, rows)
         meta.queries.record(cache_layer, meta.batch, meta.compressing, q, rows)
+        if meta.mixed_rows is not None:  # (a fixed step asks for every row, in order)
+            assert meta.exact is not None and rows is meta.batch.logit_rows
+            return self._keep_own(meta, self.exact.attend_rows(index, meta.exact, q, rope, rows),
+                                  self._attend_compressed(cache_layer, meta, q, rope, None))
         if meta.exact_batch is meta.batch:
             assert self.exact is not None and meta.exact is not None
             return self.exact.attend_rows(index, meta.exact, q, rope, rows)

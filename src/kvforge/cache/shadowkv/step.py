@@ -33,6 +33,9 @@ class ShadowKVStepMetadata(StepMetadata):
     # rank=attention: the compressing prompts' last queries, from this step's attention calls
     queries: QuerySampler
     exact_ropes: dict[int, PositionedRope] = field(default_factory=dict)  # sub-ropes of exact rows
+    # A fixed step (static_decode.py): 1 where the row's sequence is exact. Both attentions
+    # then run over every row and each row keeps its own (None: a dynamic step).
+    mixed_rows: torch.Tensor | None = None
     # attend_rows of a mixed step: the rows asked for and where they go (None: generic path),
     # located once for every later layer
     row_split: tuple[torch.Tensor, RowSplit | None] | None = None

@@ -40,7 +40,7 @@ needs_text = pytest.mark.skipif(not (ROOT.parent / "shared" / "data" / "wikitext
 README_SIZES = {"--input-len": "48", "--output-len": "4", "--request-rate": "inf", "--prompt-len": "64",
                 "--context": "160", "--gen": "4", "--lengths": "512", "--max-tokens": "8"}
 EXTRA = {("bench", "prefill"): ["--repeats", "1", "--warmup", "0"],
-         ("bench", "decode"): ["--repeats", "1", "--warmup", "0"],
+         ("bench", "decode"): ["--repeats", "1", "--warmup", "0", "--gen", "4"],
          ("bench", "serve"): ["--num-prompts", "2"],
          ("eval", "niah"): ["--depths", "2"],
          ("eval", "ppl"): ["--context", "160", "--prefill-len", "32"]}

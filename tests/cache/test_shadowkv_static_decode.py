@@ -46,13 +46,14 @@ def _runner(model, device: str, static: bool, spec: str = SPEC, capture: bool = 
 
 
 def _script(runner: ModelRunner) -> list[torch.Tensor]:
-    """Three prompts (compressed at their end) and a 20-token one (exact), decode steps with
-    4 sequences (the exact one compresses at 24 tokens, in an eager step), then 3 (one
-    freed), prompts joining (a prefill step, eager; a 30-token one compressed at its end,
-    an 11-token one staying exact), then 4 again, exact beside compressed."""
+    """Three prompts (compressed at their end) and a 14-token one (exact); decode steps with
+    4 sequences (the exact one last), then 3 (one freed: the exact one beside a padding
+    row); prompts joining (a prefill step, eager; a 30-token one compressed at its end, a
+    13-token one exact); then 4 again, the exact one first, until it compresses at 24
+    tokens (an eager step) and decodes compressed."""
     token = lambda seq, step: (7 * step + 3 * seq + 1) % 90  # noqa: E731
     out = [runner.step([StepItem(0, list(range(1, 41))), StepItem(1, list(range(7, 72))),
-                        StepItem(2, list(range(9, 39))), StepItem(4, list(range(2, 22)))])]
+                        StepItem(2, list(range(9, 39))), StepItem(4, list(range(2, 16)))])]
     for step in range(5):
         out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 1, 2, 4)]))
     runner.release(1)
@@ -60,9 +61,9 @@ def _script(runner: ModelRunner) -> list[torch.Tensor]:
         out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 2, 4)]))
     runner.release(4)
     out.append(runner.step([StepItem(0, [token(0, 9)], decode=True), StepItem(3, list(range(4, 34))),
-                            StepItem(5, list(range(3, 14)))]))
+                            StepItem(5, list(range(3, 16)))]))
     for step in range(10, 22):
-        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (0, 5, 2, 3)]))
+        out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (5, 0, 2, 3)]))
     return out
 
 
@@ -77,13 +78,13 @@ def test_static_steps_give_the_dynamic_logits_chunk_reuse_and_folds(architecture
     assert device != "cpu" or isinstance(graphs, Replayed) and graphs.launches > 0
     with device_code_paths():  # (the branches CUDA takes around the replays too)
         static = _script(runner)
-    assert [runner.cache._seqs[seq].compressed.chunks_per_step for seq in (0, 2, 3)] == [1, 1, 1]
-    assert not runner.cache.is_compressed(5) and runner.cache.num_cached_tokens(5) == 23
+    assert [runner.cache._seqs[seq].compressed.chunks_per_step for seq in (0, 2, 3, 5)] == [1, 1, 1, 1]
+    assert runner.cache.num_cached_tokens(5) == 25  # compressed at 24
     assert graphs.steps[4, 128].slots == 4 and eager_runner.cache._seqs[0].compressed.chunks_per_step == 1
     assert len(static) == len(eager)
     for step, (a, b) in enumerate(zip(static, eager)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
-    # every decode step but the one compressing sequence 4: 4 + 4 + 12 (the prefill steps
+    # every decode step but the one compressing sequence 5: 5 + 4 + 11 (the prefill steps
     # are eager)
     assert graphs.static_steps == 20
     got, expected = runner.cache.statistics(), eager_runner.cache.statistics()
@@ -121,18 +122,10 @@ def test_no_static_form_without_in_place_values_or_the_triton_path():
     assert cache.static_decode(4, 128) is None  # the PyTorch path
     cache.sparse.triton = True
     assert cache.static_decode(4, 128) is not None
-    assert cache.static_decode(4, 16) is None  # shorter than min_context = 24: never a compressed sequence
     cache.sparse.values_in_place = False  # the host gathers the misses' values
     assert cache.static_decode(4, 128) is None
-    # buckets too short to hold a compressed sequence are not made (nor captured)
-    longer = create_cache(SPEC.replace("min_context=24", "min_context=600"), model.cache_layout(), 1 << 22,
-                          torch.float32)
-    longer.sparse.triton = True
-    assert sorted(Counting(model, longer, 2, 1024, capture=False).steps) == [(1, 1024), (2, 1024)]
-    short = Counting(model, longer, 2, 512, capture=False)
-    assert short.describe(CaptureReport(0, 0.0, 0)) == ("decode steps run eagerly: no bucket up to 512 tokens "
-                                                        "(--max-seq-len-to-capture) fits the ShadowKVCache cache's "
-                                                        "fixed decode step")
+    assert "--cache-opt slow_store=pinned" in Counting(model, cache, 2, 128, capture=False).describe(
+        CaptureReport(0, 0.0, 0))
     hybrid = make_pair("gemma3_hybrid")[1]
     sliding = create_cache(SPEC, hybrid.cache_layout(), 1 << 22, torch.float32)
     sliding.sparse.triton = True
@@ -162,3 +155,29 @@ def test_the_static_step_reads_nothing_on_the_host():
     with counter.counting(device_paths=True), counter.within("forward_step"), torch.inference_mode():
         model.forward_step(cache, step.make_meta())
     assert counter.syncs == []
+
+
+def test_a_bucket_shorter_than_min_context_is_its_inner_caches_step_alone():
+    """No compressed sequence fits a bucket shorter than min_context: its fixed step (slots
+    0) has no sparse buffers or kernels, and decodes exact sequences as the dynamic step does."""
+    if kernel_device() != "cpu":
+        pytest.skip("counts static steps without capture")
+    model = make_pair("gemma3_hybrid")[1]
+    spec = SPEC.replace("min_context=24", "min_context=600")
+
+    def decode(static: bool) -> tuple[list[torch.Tensor], Counting | None]:
+        runner, graphs = _runner(model, "cpu", static=False, spec=spec)
+        if static:
+            graphs = runner.decode_graphs = Counting(model, runner.cache, 2, 1024, capture=False)
+        out = [runner.step([StepItem(0, list(range(1, 21))), StepItem(1, list(range(5, 35)))])]
+        out += [runner.step([StepItem(seq, [3 + step + seq], decode=True) for seq in (0, 1)]) for step in range(3)]
+        return out, graphs
+
+    static, graphs = decode(True)
+    eager, _ = decode(False)
+    assert graphs is not None and sorted(graphs.steps) == [(1, 512), (1, 1024), (2, 512), (2, 1024)]
+    short = graphs.steps[2, 512]
+    assert short.slots == 0 and "0.info" not in short.buffers.tensors and graphs.steps[2, 1024].slots > 0
+    assert short.make_meta().groups == () and graphs.static_steps == 3
+    for a, b in zip(static, eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -283,3 +283,25 @@ def test_kivi_hands_end_step_the_real_rows_only():
     step.finish(host, meta, 3)
     assert step.rows == 4 and host.step_kv.keys() == meta.step_kv.keys()
     assert all(k.shape[0] == v.shape[0] == 3 for k, v in host.step_kv.values())
+
+
+@pytest.mark.parametrize("spec", ["full:block_size=4",
+                                  "shadowkv:chunk=4,local=8,outliers=1,min_context=24,rank=3,kernel=0"])
+def test_the_scratch_pages_are_left_out_of_what_admission_counts(spec):
+    """The fixed step's scratch pages (one per layer group of each paged store) are taken
+    once, and the capacity admission checks shrinks by them: a prompt admitted is one the
+    cache can then hold."""
+    model = make_pair("gemma3_hybrid")[1]
+    cache = create_cache(spec, model.cache_layout(), 1 << 18, torch.float32)
+    if hasattr(cache, "sparse"):
+        cache.sparse.triton = True
+    paged = [c for c in (getattr(cache, "exact", None), getattr(cache, "sliding", None)) if c is not None] or [cache]
+    before = [(c.memory.capacity["fast"], c.pages.pool.num_free) for c in paged]
+    longest = max(n for n in range(1, 4096) if cache.memory.fits_together([n]))
+    assert cache.static_decode(2, 64) is not None and cache.static_decode(4, 64) is not None  # (taken once)
+    for c, (capacity, free) in zip(paged, before):
+        taken = free - c.pages.pool.num_free
+        assert taken == c.pages.groups.num_groups > 0
+        assert c.memory.capacity["fast"] == capacity - taken * c.page_bytes
+    admitted = max(n for n in range(1, longest + 1) if cache.memory.fits_together([n]))
+    assert admitted < longest and cache.allocate(7, admitted)

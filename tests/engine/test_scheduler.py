@@ -172,3 +172,16 @@ def test_no_admission_in_a_step_that_preempted():
     for chunk in out.chunks:
         chunk.request.num_computed_tokens = chunk.end
     assert [c.request for c in scheduler.schedule().chunks] == [old, new, small]  # the next step admits them
+
+
+def test_a_waiting_request_that_cannot_start_even_alone_is_dropped_not_waited_on():
+    """Admission (LLMEngine.validate_prompt) should refuse such a prompt; if a request still
+    gets through, it is dropped (reported as an error by the engine) and the requests behind
+    it run, instead of every later step waiting on it."""
+    scheduler = Scheduler(FakeCache(4), max_num_batched_tokens=64, max_num_seqs=8)
+    too_long, fits = make_request(0, 20), make_request(1, 6)
+    scheduler.add(too_long)
+    scheduler.add(fits)
+    out = scheduler.schedule()
+    assert out.dropped == [too_long] and too_long.finish_reason == FinishReason.LENGTH
+    assert [c.request for c in out.chunks] == [fits] and not scheduler.waiting

@@ -6,15 +6,21 @@ Triton's interpreter (how `make test` runs the kernels) accepts code the GPU com
 refuses and never lowers it; `triton.compile` with a GPU target runs the whole pipeline
 (TTIR, TTGIR, LLVM, PTX and the bundled ptxas to a cubin) on the host. The settings are
 Llama-3.1-8B's decode in bf16: head_dim 128, four query heads per KV head, ShadowKV chunks
-of 8, KIVI 2-bit groups of 32, pages of 16 tokens. Run in a process of its own: the kernels
-must be decorated with the interpreter off (TRITON_INTERPRET unset before triton loads).
+of 8, KIVI 2-bit groups of 32, pages of 16 tokens. As Triton's JIT does at a launch, every
+pointer argument is taken as 16-byte aligned (torch's allocations are), and so is every
+integer marked `:16` (a stride or address such a launch passes as a multiple of 16). Each
+kernel also reports its global loads and stores by width in bytes, read from the PTX
+("ld2": 2-byte loads). Run in a process of its own: the kernels must be decorated with the
+interpreter off (TRITON_INTERPRET unset before triton loads).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+from collections import Counter
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -31,6 +37,7 @@ from kvforge.kernels import triton_fused as fused  # noqa: E402
 MODULES = (full, kivi, shadowkv, slots, fused)
 TARGET = GPUTarget("cuda", 90, 32)
 IDS, I32, I64, BF16, F32, BOOL = "*i64", "i32", "i64", "*bf16", "*fp32", "*i1"
+I32_16, I64_16 = "i32:16", "i64:16"  # multiples of 16 at these shapes
 SHADOWKV_FIELDS = 13
 
 # kernel -> (argument types, constexpr values); an argument named in neither is an error
@@ -58,19 +65,19 @@ KERNELS = {
         dict(QUERY_GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK=32, NFIELDS=SHADOWKV_FIELDS)),
     shadowkv._rebuild_kernel: (
         dict(info_ptr=IDS, keys_like=BF16, basis_like=BF16, coef_like=BF16, new_ids_ptr=IDS, filled_ptr=BOOL,
-             cos_ptr=BF16, sin_ptr=BF16, basis_width=I32),
+             cos_ptr=BF16, sin_ptr=BF16, basis_width=I32_16),
         dict(CHUNK=8, BLOCK_T=16, HEAD_DIM=128, HALF=64, BLOCK_HALF=64, BLOCK_R=16, NFIELDS=SHADOWKV_FIELDS)),
     shadowkv._values_kernel: (
         dict(info_ptr=IDS, values_like=BF16, fetched_ptr=BF16, order_ptr=IDS, kv_heads=I32, slots=I32),
         dict(CHUNK=8, BLOCK_T=8, HEAD_DIM=128, BLOCK_D=128, NFIELDS=SHADOWKV_FIELDS)),
     shadowkv._attention_kernel: (
         dict(q_ptr=BF16, own_k_ptr=BF16, own_v_ptr=BF16, info_ptr=IDS, keys_like=BF16, slot_ids_ptr=IDS,
-             out_ptr=BF16, sq_b=I32, sq_h=I32, so_b=I32, so_h=I32, slots=I32, scale="fp32"),
+             out_ptr=BF16, sq_b=I32_16, sq_h=I32_16, so_b=I32_16, so_h=I32_16, slots=I32, scale="fp32"),
         dict(QUERY_GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, CHUNK=8, BLOCK=32, MASK_SLOTS=True,
              NFIELDS=SHADOWKV_FIELDS)),
     slots._values_in_place_kernel: (
-        dict(info_ptr=IDS, values_like=BF16, slow_address=I64, new_ids_ptr=IDS, filled_ptr=BOOL, table_ptr=IDS,
-             stab_b=I32, slow_head_stride=I64),
+        dict(info_ptr=IDS, values_like=BF16, slow_address=I64_16, new_ids_ptr=IDS, filled_ptr=BOOL, table_ptr=IDS,
+             stab_b=I32, slow_head_stride=I64_16),
         dict(CHUNK=8, BLOCK_T=8, HEAD_DIM=128, BLOCK_D=128, NFIELDS=SHADOWKV_FIELDS)),
     slots._held_kernel: (dict(info_ptr=IDS, held_ptr=IDS, slots=I32), dict(BLOCK_S=256, NFIELDS=SHADOWKV_FIELDS)),
     slots._keep_kernel: (dict(info_ptr=IDS, new_ids_ptr=IDS, slots=I32), dict(BLOCK_S=256, NFIELDS=SHADOWKV_FIELDS)),
@@ -93,13 +100,32 @@ def _signature(kernel: triton.JITFunction, types: dict[str, str], constants: dic
     return {arg: named.get(arg, IDS if arg.endswith("_ptr") else I32) for arg in kernel.arg_names}
 
 
+def _aligned(kernel: triton.JITFunction, signature: dict[str, str]) -> dict[tuple[int], list[list[object]]]:
+    """Triton's divisibility hints: pointers, and the integers marked `:16`."""
+    return {(index,): [["tt.divisibility", 16]] for index, arg in enumerate(kernel.arg_names)
+            if signature[arg].startswith("*") or signature[arg].endswith(":16")}
+
+
+def access_widths(ptx: str) -> dict[str, int]:
+    """Global loads and stores by bytes moved per instruction ("ld16": 16-byte loads)."""
+    found: Counter[str] = Counter()
+    for op, qualifiers in re.findall(r"\b(ld|st)\.global(\S*)", ptx):  # e.g. ld.global.v4.b32
+        vector = re.search(r"\.v(\d)\b", qualifiers)
+        bits = re.search(r"\.[bfsu](\d+)\b", qualifiers)
+        assert bits, f"no element type in {op}.global{qualifiers}"
+        found[f"{op}{int(vector.group(1) if vector else 1) * int(bits.group(1)) // 8}"] += 1
+    return dict(found)
+
+
 def compile_one(kernel: triton.JITFunction, types: dict[str, str], constants: dict[str, object]) -> dict:
+    signature = _signature(kernel, types, constants)
     try:
-        source = ASTSource(kernel, _signature(kernel, types, constants), constexprs=constants)
+        source = ASTSource(kernel, {arg: kind.removesuffix(":16") for arg, kind in signature.items()},
+                           constexprs=constants, attrs=_aligned(kernel, signature))
         compiled = triton.compile(source, target=TARGET)
     except Exception as error:  # what the compiler says is the finding
-        return {"error": f"{type(error).__name__}: {str(error)[:2000]}", "shared": 0}
-    return {"error": None, "shared": int(compiled.metadata.shared)}
+        return {"error": f"{type(error).__name__}: {str(error)[:2000]}", "shared": 0, "widths": {}}
+    return {"error": None, "shared": int(compiled.metadata.shared), "widths": access_widths(compiled.asm["ptx"])}
 
 
 def main() -> None:

@@ -135,6 +135,13 @@ class Scheduler:
                 if not self._allocate(request, request.num_computed_tokens + take):
                     if started is not None:
                         self.prefix.cancel(request, started)
+                    if not self.running:
+                        # Alone, every kept prefix evicted, and still no room: it never will
+                        # be. Waiting on it would stall the engine (admission should have
+                        # refused it; this is the net under that check).
+                        self.finish(request, FinishReason.LENGTH)
+                        out.dropped.append(request)
+                        continue
                     break
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING

@@ -282,3 +282,32 @@ def test_the_fused_match_equals_match_slots(reuse, slots, picks, tile):
     for b, layer in enumerate(layers):  # written back into each sequence's own ids
         assert torch.equal(layer.slot_ids.cpu(), expected.new_ids[b, :, :ks[b]])
     assert counts.tolist() == expected.to_host.tolist()[:2] and counts[0] > 0 and (counts[1] > 0) == reuse
+
+
+def test_every_tensor_the_pointer_table_addresses_is_16_byte_aligned():
+    """The kernels tell the compiler that each pointer of the table is 16-byte aligned
+    (`table_pointer`: vector loads); a tensor that is not (a view at an offset) is replaced by
+    an aligned copy of the same values when its row is made, and the table points at it."""
+    from kvforge.cache.shadowkv.pointer_table import ALIGNMENT_BYTES, FIELDS, sequence_info
+
+    spec = CASES["masked"]
+    _, states, _ = _build(spec["lengths"], spec["kv_heads"], spec["dim"], spec["ranks"], spec["ks"], torch.float32,
+                          "cpu", triton=True)
+    layer = states[0].layers[0]
+    names = ("keys", "values", "basis", "coefficients", "candidates", "slot_ids")
+    expected = {}
+    for name in names:  # each tensor moved to one element past a 16-byte boundary
+        t = getattr(layer, name)
+        spare = torch.empty(t.numel() + ALIGNMENT_BYTES, dtype=t.dtype)
+        start = next(i for i in range(1, ALIGNMENT_BYTES) if (spare.data_ptr() + i * t.element_size()) % 16)
+        shifted = spare[start:start + t.numel()].view(t.shape)
+        shifted.copy_(t)
+        setattr(layer, name, shifted)
+        assert shifted.data_ptr() % ALIGNMENT_BYTES
+        expected[name] = t.clone()
+    info = sequence_info([layer], torch.zeros((1, 3), dtype=torch.long), None)
+    assert info.shape == (1, FIELDS)
+    for column, name in enumerate(names):
+        t = getattr(layer, name)
+        assert t.data_ptr() % ALIGNMENT_BYTES == 0 and info[0, column].item() == t.data_ptr(), name
+        assert torch.equal(t, expected[name]), name

@@ -18,6 +18,7 @@ decode kernel (parity-tested against the PyTorch path).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -36,7 +37,8 @@ from kvforge.cache.full.static_decode import FullStaticDecode
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import LayerGroups, PageTable
 from kvforge.cache.registry import register_cache_method
-from kvforge.errors import ConfigError
+from kvforge.cache.static_decode import SCRATCH_SEQ
+from kvforge.errors import CacheCapacityError, ConfigError
 from kvforge.rope import PositionedRope
 
 
@@ -152,7 +154,19 @@ class FullCache(CacheMethod[FullStepMetadata]):
         flat.view(torch.uint8).index_copy_(1, slots, codes.view(torch.uint8))
         scales.view(heads, -1).index_copy_(1, slots, row_scales)
 
+    def set_aside_scratch_pages(self) -> None:
+        """Take, once, the pages that padding rows of fixed decode steps write (one per layer
+        group, held by SCRATCH_SEQ), and leave them out of `memory`: admission then never
+        promises a sequence a page it cannot have."""
+        if self.pages.has(SCRATCH_SEQ):
+            return
+        free = self.pages.pool.num_free
+        if not self.pages.allocate(SCRATCH_SEQ, 1):
+            raise CacheCapacityError("no free page for the static decode step's scratch page")
+        self.memory = replace(self.memory, num_pages=self.memory.num_pages - (free - self.pages.pool.num_free))
+
     def static_decode(self, rows: int, max_tokens: int) -> FullStaticDecode:
+        self.set_aside_scratch_pages()
         return FullStaticDecode(self.pages, self.check_batch, self.device, rows, -(-max_tokens // self.block_size))
 
     def fused_decode_target(self, cache_layer: int, meta: FullStepMetadata) -> FullFusedTarget | None:

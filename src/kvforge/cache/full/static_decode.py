@@ -2,8 +2,9 @@
 group, the write slots, the page tables padded to `width` pages, and the visible ranges,
 all fixed buffers; the plan's row order is the identity (every row a sequence, in order).
 
-Padding rows write to the scratch page (one page per group held by `SCRATCH_SEQ`, taken
-from the pool when the first bucket is made) and see nothing stored: visible_from ==
+Padding rows write to the scratch page (one page per group held by `SCRATCH_SEQ`, which
+the cache sets aside before the first bucket is made: `FullCache.set_aside_scratch_pages`,
+which also leaves it out of the capacity admission counts on) and see nothing stored: visible_from ==
 visible_to == 0, so each attends only to its own token. Padding table entries are page 0,
 masked by position like the padding of any ragged batch (plan.py).
 
@@ -23,7 +24,6 @@ from kvforge.batch import ForwardBatch
 from kvforge.cache.full.plan import DecodePlan, FullStepMetadata, GroupPlan, locate_rows, plan_group
 from kvforge.cache.page_table import PageTable
 from kvforge.cache.static_decode import SCRATCH_SEQ, StaticDecode
-from kvforge.errors import CacheCapacityError
 
 _RANGES = ("first_page_position", "visible_from", "visible_to")
 
@@ -33,8 +33,7 @@ class FullStaticLayout:
     most `width` pages wide, named `prefix` + `{group}.{field}`."""
 
     def __init__(self, pages: PageTable, rows: int, width: int, prefix: str = "") -> None:
-        if not pages.has(SCRATCH_SEQ) and not pages.allocate(SCRATCH_SEQ, 1):
-            raise CacheCapacityError("no free page for the static decode step's scratch page")
+        assert pages.has(SCRATCH_SEQ), "the cache sets its scratch pages aside first (set_aside_scratch_pages)"
         self.pages, self.rows, self.width, self.prefix = pages, rows, width, prefix
         groups = pages.groups.num_groups
         self.scratch_slots = [pages.require_slots(SCRATCH_SEQ, g, 0, 1)[0] * pages.block_size for g in range(groups)]

@@ -26,6 +26,8 @@ usage are the `ShadowKVAllocator` mixin in allocator.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvforge.batch import ForwardBatch, SequenceSpan
@@ -204,20 +206,34 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
 
     def static_decode(self, rows: int, max_tokens: int) -> ShadowKVStaticDecode | None:
         """Fixed-shape decode steps of exact and compressed sequences (static_decode.py) when
-        the step reads nothing on the host: the Triton path with the slow tier read in place,
-        for buckets of at least min_context tokens. Otherwise None: eager."""
-        if self.why_no_static_decode() or max_tokens < self.config.min_context:
-            return None  # (a bucket shorter than min_context would only ever hold exact sequences)
+        the step reads nothing on the host: the Triton path with the slow tier read in place.
+        Otherwise None: eager. A bucket shorter than min_context only ever holds exact
+        sequences: its step has no sparse part (slots 0)."""
+        if self.why_no_static_decode():
+            return None
         chunk, heads = self.config.chunk, self.layout.num_kv_heads
         scratch = scratch_state(heads, self.layout.head_dim, chunk, self.compute_dtype, self.coefficient_dtype,
                                 self.device)
         host = torch.device("cpu")
-        pages = lambda inner: (inner.pages, -(-max_tokens // inner.block_size))  # noqa: E731
         assert self.exact is not None
+        self._set_aside_scratch_pages()
+        pages = lambda inner: (inner.pages, -(-max_tokens // inner.block_size))  # noqa: E731
+        slots = max(1, self.config.budget_tokens(max_tokens, heads) // chunk) \
+            if max_tokens >= self.config.min_context else 0
         return ShadowKVStaticDecode(lambda batch: self._begin_step(batch, host), len(self.global_layers), scratch,
                                     chunk, self.device, rows, -(-max_tokens // chunk),
-                                    self.config.budget_tokens(max_tokens, heads) // chunk, pages(self.exact),
+                                    slots, pages(self.exact),
                                     pages(self.sliding) if self.sliding is not None else None)
+
+    def _set_aside_scratch_pages(self) -> None:
+        """The inner caches' scratch pages (what the fixed step's padding rows write), left
+        out of the stores' capacities that admission checks."""
+        inner = {"exact": self.exact, "sliding": self.sliding}
+        for cache in inner.values():
+            if cache is not None:
+                cache.set_aside_scratch_pages()
+        capacity = {name: cache.memory.capacity["fast"] for name, cache in inner.items() if cache is not None}
+        self.memory = replace(self.memory, store_capacity={**self.memory.store_capacity, **capacity})
 
     def why_no_static_decode(self) -> str:
         """Empty when decode steps of compressed sequences can run in fixed shapes."""
@@ -328,8 +344,10 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
             assert self.sliding is not None and meta.sliding is not None
             return self.sliding.attend_rows(index, meta.sliding, q, rope, rows)
         meta.queries.record(cache_layer, meta.batch, meta.compressing, q, rows)
-        if meta.mixed_rows is not None:  # (a fixed step asks for every row, in order)
-            assert meta.exact is not None and rows is meta.batch.logit_rows
+        if meta.mixed_rows is not None:
+            if rows is not meta.batch.logit_rows:  # (its sparse group is every row, in order)
+                raise ValueError("a fixed ShadowKV decode step attends its logit rows: every row, in order")
+            assert meta.exact is not None
             return self._keep_own(meta, self.exact.attend_rows(index, meta.exact, q, rope, rows),
                                   self._attend_compressed(cache_layer, meta, q, rope, None))
         if meta.exact_batch is meta.batch:

@@ -10,7 +10,9 @@ fixed step serves a batch of exact and compressed sequences in any mix, as servi
 of different lengths gives (a prompt shorter than min_context stays exact). The price of
 the all-compressed step is the exact attention of padding rows: one paged decode kernel
 per global layer over one token per row. Sliding-window layers run their inner `full`
-cache's fixed step over every row (every sequence keeps its window exact).
+cache's fixed step over every row (every sequence keeps its window exact). A bucket
+shorter than min_context never holds a compressed sequence: its step (`slots` 0) is the
+inner caches' alone, with no sparse buffers or kernels.
 
 The sparse buffers of a bucket of `rows` sequences of at most `max_tokens` tokens: the
 chunk page table padded to `width` chunks, each sequence's k (chunks selected per KV head),
@@ -71,7 +73,7 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
                  exact: tuple[PageTable, int], sliding: tuple[PageTable, int] | None) -> None:
         """`begin_step`: the cache's (its checks and the step's host metadata, planned on the
         host); `num_layers`: global cache layers; `width`: chunks of the longest sequence;
-        `slots`: the largest k; `exact`, `sliding`: the inner caches' page tables and their
+        `slots`: the largest k (0: no compressed sequence fits the bucket); `exact`, `sliding`: the inner caches' page tables and their
         widths in pages (sliding None: no sliding-window layer)."""
         from kvforge.cache.shadowkv.pointer_table import FIELDS, sequence_info
 
@@ -79,9 +81,10 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
         self.chunk, self.device, self.width, self.slots = chunk, device, width, slots
         self.exact = FullStaticLayout(exact[0], rows, exact[1], prefix="exact.")
         self.sliding = FullStaticLayout(sliding[0], rows, sliding[1], prefix="sliding.") if sliding else None
-        shapes: dict[str, tuple[int, ...]] = {"table": (rows, width), "chunks_per_step": (rows,),
-                                              "exact_row": (rows,)}
-        shapes.update({f"{g}.info": (rows, FIELDS) for g in range(num_layers)})
+        shapes: dict[str, tuple[int, ...]] = {}
+        if slots:
+            shapes.update({"table": (rows, width), "chunks_per_step": (rows,), "exact_row": (rows,)})
+            shapes.update({f"{g}.info": (rows, FIELDS) for g in range(num_layers)})
         shapes.update(self.exact.shapes | (self.sliding.shapes if self.sliding else {}))
         super().__init__(rows, shapes, device)
         self.row_order = torch.arange(rows, device=device)
@@ -95,14 +98,23 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
     def _padding(self) -> dict[str, torch.Tensor]:
         """Every row padding in every store."""
         rows = self.rows
+        inner = self.exact.padding() | (self.sliding.padding() if self.sliding else {})
+        if not self.slots:
+            return inner
         return ({"table": torch.zeros((rows, self.width), dtype=torch.long),
                  "chunks_per_step": torch.zeros(rows, dtype=torch.long),
                  "exact_row": torch.zeros(rows, dtype=torch.long)}
-                | {f"{g}.info": self.padding_info.expand(rows, -1).clone() for g in range(self.num_layers)}
-                | self.exact.padding() | (self.sliding.padding() if self.sliding else {}))
+                | {f"{g}.info": self.padding_info.expand(rows, -1).clone() for g in range(self.num_layers)} | inner)
 
     def make_meta(self) -> ShadowKVStepMetadata:
         buffers = self.buffers.tensors
+        inner = (self.batch, self.row_order, self.device)
+        exact = self.exact.meta(buffers, *inner)
+        sliding = self.sliding.meta(buffers, *inner) if self.sliding else None
+        if not self.slots:  # every row an exact sequence or padding
+            return ShadowKVStepMetadata(self.batch, exact=exact, sliding=sliding, exact_rows=None, compressing=(),
+                                        compressed_spans=(), groups=(), any_compressed=False,
+                                        queries=QuerySampler(enabled=False))
         likes = (self.scratch.keys, self.scratch.basis, self.scratch.coefficients)
         rows = self.rows
         group = SparseGroup(
@@ -111,19 +123,17 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
             row_list=list(range(rows)), first_page=None, slots_full=False, meta=torch.zeros((0, 3), dtype=torch.long),
             triton_inputs=[TritonLayerInputs(buffers[f"{g}.info"], *likes) for g in range(self.num_layers)],
             fixed_slots=self.slots)
-        inner = (self.batch, self.row_order, self.device)
         return ShadowKVStepMetadata(
-            self.batch, exact=self.exact.meta(buffers, *inner),
-            sliding=self.sliding.meta(buffers, *inner) if self.sliding else None, exact_rows=None,
-            compressing=(), compressed_spans=(), groups=(group,), any_compressed=True,
-            queries=QuerySampler(enabled=False), mixed_rows=buffers["exact_row"])
+            self.batch, exact=exact, sliding=sliding, exact_rows=None, compressing=(), compressed_spans=(),
+            groups=(group,), any_compressed=True, queries=QuerySampler(enabled=False),
+            mixed_rows=buffers["exact_row"])
 
     def plan(self, batch: ForwardBatch) -> tuple[ShadowKVStepMetadata, dict[str, torch.Tensor]] | None:
         host_meta = self.begin_step(batch)
         if host_meta.compressing or len(host_meta.groups) > 1 or any(not g.own_in_buffer for g in host_meta.groups):
             return None
         values = self._padding()
-        if host_meta.groups and not self._place_compressed(host_meta.groups[0], values):
+        if host_meta.groups and not (self.slots and self._place_compressed(host_meta.groups[0], values)):
             return None
         if host_meta.exact is not None:
             at = host_meta.exact_rows  # (None: every sequence is exact)
@@ -131,7 +141,8 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
             if exact is None:
                 return None
             values |= exact
-            values["exact_row"][at if at is not None else slice(0, len(batch.spans))] = 1
+            if self.slots:
+                values["exact_row"][at if at is not None else slice(0, len(batch.spans))] = 1
         if host_meta.sliding is not None:
             assert self.sliding is not None
             sliding = self.sliding.values(host_meta.sliding.groups, None)

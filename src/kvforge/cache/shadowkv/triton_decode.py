@@ -45,6 +45,7 @@ from kvforge.cache.shadowkv.pointer_table import (
     SLOTS_START,
     VALUES,
     WINDOW_START,
+    table_pointer,
 )
 from kvforge.errors import require
 from kvforge.kernels.triton_jit import INTERPRETED, decode_warps, jit, tl, triton
@@ -72,7 +73,7 @@ def _scores_kernel(q_ptr, landmarks_ptr, table_ptr, info_ptr, scores_ptr, sq_b, 
     q = tl.load(q_ptr + seq * sq_b + (kv_head * QUERY_GROUP + rows)[:, None] * sq_h + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32) * scale
     chunks = tl.load(info_ptr + seq * NFIELDS + CHUNKS)
-    allowed_ptr = tl.load(info_ptr + seq * NFIELDS + CANDIDATES).to(tl.pointer_type(tl.int8)) + kv_head * chunks
+    allowed_ptr = table_pointer(info_ptr + seq * NFIELDS, CANDIDATES, tl.int8) + kv_head * chunks
     lm_base = landmarks_ptr + kv_head * sl_h
     running_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     running_sum = tl.zeros([BLOCK_G], tl.float32)
@@ -117,9 +118,9 @@ def _rebuild_kernel(info_ptr, keys_like, basis_like, coef_like, new_ids_ptr, fil
     if tl.load(filled_ptr + slot_index) != 0:  # only slots that receive a miss are written
         chunk_id = tl.load(new_ids_ptr + slot_index)
         info = info_ptr + seq * NFIELDS
-        keys = tl.load(info + KEYS).to(tl.pointer_type(keys_like.dtype.element_ty))
-        basis = tl.load(info + BASIS).to(tl.pointer_type(basis_like.dtype.element_ty))
-        coefficients = tl.load(info + COEFFICIENTS).to(tl.pointer_type(coef_like.dtype.element_ty))
+        keys = table_pointer(info, KEYS, keys_like.dtype.element_ty)
+        basis = table_pointer(info, BASIS, basis_like.dtype.element_ty)
+        coefficients = table_pointer(info, COEFFICIENTS, coef_like.dtype.element_ty)
         rank = tl.load(info + RANK)
         rows = tl.load(info + ROWS)
         first_row = tl.load(info + SLOTS_START) + slot * CHUNK
@@ -165,7 +166,7 @@ def _values_kernel(info_ptr, values_like, fetched_ptr, order_ptr, kv_heads, slot
     kv_head = (flat // slots) % kv_heads
     slot = flat % slots
     info = info_ptr + seq * NFIELDS
-    values = tl.load(info + VALUES).to(tl.pointer_type(values_like.dtype.element_ty))
+    values = table_pointer(info, VALUES, values_like.dtype.element_ty)
     rows = tl.load(info + ROWS)
     first_row = tl.load(info + SLOTS_START) + slot * CHUNK
     tokens = tl.arange(0, BLOCK_T)
@@ -195,8 +196,8 @@ def _attention_kernel(q_ptr, own_k_ptr, own_v_ptr, info_ptr, keys_like, slot_ids
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32) * scale
     info = info_ptr + seq * NFIELDS
     element = keys_like.dtype.element_ty
-    keys = tl.load(info + KEYS).to(tl.pointer_type(element))
-    values = tl.load(info + VALUES).to(tl.pointer_type(element))
+    keys = table_pointer(info, KEYS, element)
+    values = table_pointer(info, VALUES, element)
     rows = tl.load(info + ROWS)
     slots_start = tl.load(info + SLOTS_START)
     window_start = tl.load(info + WINDOW_START)

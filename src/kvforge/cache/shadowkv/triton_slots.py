@@ -21,7 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.cache.shadowkv.pointer_table import FIELDS, OWN_SLOTS, ROWS, SLOT_IDS, SLOTS_START, VALUES
+from kvforge.cache.shadowkv.pointer_table import (
+    FIELDS,
+    OWN_SLOTS,
+    ROWS,
+    SLOT_IDS,
+    SLOTS_START,
+    VALUES,
+    table_pointer,
+)
 from kvforge.cache.shadowkv.triton_decode import check_device
 from kvforge.errors import require
 from kvforge.kernels.triton_jit import jit, tl, triton
@@ -46,7 +54,7 @@ def _values_in_place_kernel(info_ptr, values_like, slow_address, new_ids_ptr, fi
         # the slow tier of this layer, [H, P, chunk, D] contiguous, at its host address
         source = slow_address.to(tl.pointer_type(element)) + kv_head * slow_head_stride + page * CHUNK * HEAD_DIM
         info = info_ptr + seq * NFIELDS
-        values = tl.load(info + VALUES).to(tl.pointer_type(element))
+        values = table_pointer(info, VALUES, element)
         rows = tl.load(info + ROWS)
         first_row = tl.load(info + SLOTS_START) + slot * CHUNK
         tokens = tl.arange(0, BLOCK_T)
@@ -61,7 +69,7 @@ def _own_slot_ids(info_ptr, seq, kv_head, NFIELDS: tl.constexpr):
     """(pointer to the slot ids of a (sequence, KV head), the sequence's own k)."""
     info = info_ptr + seq * NFIELDS
     own = tl.load(info + OWN_SLOTS)
-    return tl.load(info + SLOT_IDS).to(tl.pointer_type(tl.int64)) + kv_head * own, own
+    return table_pointer(info, SLOT_IDS, tl.int64) + kv_head * own, own
 
 
 @jit

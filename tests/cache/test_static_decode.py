@@ -303,5 +303,6 @@ def test_the_scratch_pages_are_left_out_of_what_admission_counts(spec):
         taken = free - c.pages.pool.num_free
         assert taken == c.pages.groups.num_groups > 0
         assert c.memory.capacity["fast"] == capacity - taken * c.page_bytes
+    assert cache.memory_usage()["fast"] == 0  # (left out of usage too: idle is empty)
     admitted = max(n for n in range(1, longest + 1) if cache.memory.fits_together([n]))
     assert admitted < longest and cache.allocate(7, admitted)

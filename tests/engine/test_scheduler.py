@@ -185,3 +185,32 @@ def test_a_waiting_request_that_cannot_start_even_alone_is_dropped_not_waited_on
     out = scheduler.schedule()
     assert out.dropped == [too_long] and too_long.finish_reason == FinishReason.LENGTH
     assert [c.request for c in out.chunks] == [fits] and not scheduler.waiting
+
+
+class AdoptsUngrowablePrefix:
+    """A prefix cache whose hit hands the request a kept sequence that cannot grow (as a
+    compressed ShadowKV sequence can need more room to grow than a fresh start)."""
+
+    def __init__(self, cache: FakeCache) -> None:
+        self.cache = cache
+
+    def admit(self, request: Request) -> int:
+        request.seq_id, request.num_computed_tokens = 99, 8
+        return 8
+
+    def cancel(self, request: Request, seq_id: int) -> None:
+        request.seq_id, request.num_computed_tokens = seq_id, 0
+
+    def evict_one(self) -> bool:
+        return False
+
+
+def test_a_request_whose_adopted_prefix_cannot_grow_alone_starts_from_scratch():
+    cache = FakeCache(4)
+    cache.allocate = lambda seq_id, n, grow=cache.allocate: seq_id != 99 and grow(seq_id, n)
+    scheduler = Scheduler(cache, max_num_batched_tokens=64, max_num_seqs=8, prefix=AdoptsUngrowablePrefix(cache))
+    request = make_request(0, 12)
+    scheduler.add(request)
+    out = scheduler.schedule()
+    assert not out.dropped and [(c.request, c.start, c.num_tokens) for c in out.chunks] == [(request, 0, 12)]
+    assert request.seq_id == 0 and cache.held == {0: 3}

@@ -135,14 +135,17 @@ class Scheduler:
                 if not self._allocate(request, request.num_computed_tokens + take):
                     if started is not None:
                         self.prefix.cancel(request, started)
-                    if not self.running:
-                        # Alone, every kept prefix evicted, and still no room: it never will
-                        # be. Waiting on it would stall the engine (admission should have
-                        # refused it; this is the net under that check).
+                    if self.running:
+                        break
+                    # Alone, with every kept prefix evictable: from scratch (growing an
+                    # adopted prefix can need more than a fresh start), or never. Waiting on
+                    # it would stall the engine (admission should have refused it: this is
+                    # the net under that check).
+                    take = min(request.num_tokens, budget)
+                    if started is None or not self._allocate(request, take):
                         self.finish(request, FinishReason.LENGTH)
                         out.dropped.append(request)
                         continue
-                    break
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)

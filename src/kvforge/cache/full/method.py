@@ -68,6 +68,7 @@ class FullCache(CacheMethod[FullStepMetadata]):
         self.memory = PagedMemorySpec(layout.num_cache_layers, self.groups, self.block_size, token_layer_bytes,
                                       self.page_bytes, num_pages)
         self.pages = PageTable(BlockPool(num_pages), self.block_size, self.groups)
+        self.scratch_pages = 0  # set aside for fixed decode steps (set_aside_scratch_pages)
         shape = (self.groups.group_size, layout.num_kv_heads, num_pages, self.block_size, layout.head_dim)
         self.k_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
         self.v_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
@@ -88,11 +89,13 @@ class FullCache(CacheMethod[FullStepMetadata]):
         return self.pages.num_tokens(seq_id)
 
     def memory_usage(self) -> dict[str, int]:
-        return {"fast": self.pages.pool.num_used * self.page_bytes, "slow": 0}
+        """(The scratch pages are left out, as they are of `memory.capacity`.)"""
+        return {"fast": (self.pages.pool.num_used - self.scratch_pages) * self.page_bytes, "slow": 0}
 
     def statistics(self) -> dict[str, float]:
         pool = self.pages.pool
-        return {"pages_used": pool.num_used, "pages_total": pool.num_blocks, "pages_cached": pool.num_cached,
+        return {"pages_used": pool.num_used - self.scratch_pages, "pages_total": pool.num_blocks - self.scratch_pages,
+                "pages_cached": pool.num_cached,
                 "pages_evicted": pool.evictions, "sequences": len(self.pages.sequences())}
 
     # -- prefix caching: pages are final once full (exact K/V of fixed tokens and positions)
@@ -163,7 +166,8 @@ class FullCache(CacheMethod[FullStepMetadata]):
         free = self.pages.pool.num_free
         if not self.pages.allocate(SCRATCH_SEQ, 1):
             raise CacheCapacityError("no free page for the static decode step's scratch page")
-        self.memory = replace(self.memory, num_pages=self.memory.num_pages - (free - self.pages.pool.num_free))
+        self.scratch_pages = free - self.pages.pool.num_free
+        self.memory = replace(self.memory, num_pages=self.memory.num_pages - self.scratch_pages)
 
     def static_decode(self, rows: int, max_tokens: int) -> FullStaticDecode:
         self.set_aside_scratch_pages()

@@ -33,7 +33,8 @@ class FullStaticLayout:
     most `width` pages wide, named `prefix` + `{group}.{field}`."""
 
     def __init__(self, pages: PageTable, rows: int, width: int, prefix: str = "") -> None:
-        assert pages.has(SCRATCH_SEQ), "the cache sets its scratch pages aside first (set_aside_scratch_pages)"
+        if not pages.has(SCRATCH_SEQ):
+            raise RuntimeError("the cache sets its scratch pages aside first (FullCache.set_aside_scratch_pages)")
         self.pages, self.rows, self.width, self.prefix = pages, rows, width, prefix
         groups = pages.groups.num_groups
         self.scratch_slots = [pages.require_slots(SCRATCH_SEQ, g, 0, 1)[0] * pages.block_size for g in range(groups)]

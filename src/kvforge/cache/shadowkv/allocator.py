@@ -78,7 +78,9 @@ class ShadowKVAllocator:
 
     def memory_usage(self) -> dict[str, int]:
         slow = (self.store.pool.num_used + self._reserved_pages) * self.slow_chunk_bytes if self.store is not None else 0
-        return {"fast": self._fast_used(), "slow": slow}
+        # (the inner caches' scratch pages left out, as of their capacities: idle is empty)
+        scratch = sum(inner.scratch_pages * inner.page_bytes for inner in (self.exact, self.sliding) if inner is not None)
+        return {"fast": self._fast_used() - scratch, "slow": slow}
 
     def _plan(self, seq_id: int, num_tokens: int) -> tuple[int, int, bool, int]:
         """(fast bytes of inner pages, chunk pages, compress, fixed bytes) the step needs."""

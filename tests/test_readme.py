@@ -6,8 +6,7 @@ The commands run as written, with these documented reductions so the suite stays
 files go to a scratch directory, port 8000 becomes a free loopback port, and `kvforge
 report` only checks (`--check`) instead of rewriting the docs. `make` lines are skipped
 (they are what runs this suite). A backgrounded `kvforge serve ... &` is started, waited
-for on /health, used by the curl lines and the client snippet, in order, and stopped; the
-other examples are independent and run two at a time beside it. A command measuring
+for on /health, used by the blocks after it, and stopped at the end. A command measuring
 vLLM (`--compare vllm`) runs only where $KVFORGE_VLLM_PYTHON names vLLM's environment (vLLM
 is not one of kvforge's dependencies: docs/serving.md#against-vllm).
 """
@@ -22,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -84,69 +82,42 @@ def _reduce(words: list[str], scratch: Path) -> list[str]:
 def test_every_readme_example_runs(tmp_path):
     port = free_loopback_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    alone: list[list[str]] = []  # commands that need nothing else running
-    served: list[str] = []  # what needs the README's server, in README order
-    server_argv: list[str] | None = None
-    for command in shell_commands():
-        command = command.replace("localhost:8000", f"localhost:{port}")
-        if command.startswith("curl"):
-            served.append(command)
-            continue
-        words = _reduce(shlex.split(command.rstrip("&").strip()), tmp_path)
-        assert words[0] == "kvforge", command
-        if "vllm" in words and not os.environ.get("KVFORGE_VLLM_PYTHON"):
-            continue
-        argv = [sys.executable, "-m", "kvforge.cli", *words[1:]]
-        if command.endswith("&"):
-            assert words[1] == "serve" and server_argv is None, "only one server runs in the background"
-            server_argv = argv + ["--port", str(port)]
-        else:
-            alone.append(argv)
-    snippets = []
-    for snippet in blocks("python"):
-        code = snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        for pattern, replacement in PYTHON_SIZES:
-            code = re.sub(pattern, replacement, code)
-        (served if "OpenAI(" in code else snippets).append(code)
-    assert server_argv is not None or not served, "the client examples need the server example before them"
-    # The examples are independent of each other but for the server's: they run two at a time
-    # (each is mostly one process loading a model), the server's in order on one of the two.
-    jobs = [lambda argv=argv: _run(argv, env) for argv in alone]
-    jobs += [lambda code=code: _run_snippet(code, env) for code in snippets]
-    if server_argv is not None:
-        jobs.append(lambda: _with_server(server_argv, port, served, env))
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for job in [pool.submit(job) for job in jobs]:
-            job.result()
-
-
-def _run(argv: list[str], env: dict[str, str]) -> None:
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{shlex.join(argv[2:])}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-
-
-def _run_snippet(code: str, env: dict[str, str]) -> None:
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, f"{code}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    assert done.stdout.strip(), f"the snippet printed nothing:\n{code}"
-
-
-def _with_server(argv: list[str], port: int, served: list[str], env: dict[str, str]) -> None:
-    """Start the README's server, run what uses it in order (curl lines, the client
-    snippet), and stop it: it must exit cleanly."""
-    server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = None
     try:
-        _wait_healthy(server, port)
-        for item in served:
-            if item.startswith("curl"):
-                done = subprocess.run(item, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120)
-                assert done.returncode == 0 and '"choices"' in done.stdout, (item, done.stdout, done.stderr)
-            else:
-                _run_snippet(item, env)
+        for command in shell_commands():
+            command = command.replace("localhost:8000", f"localhost:{port}")
+            background = command.endswith("&")
+            if command.startswith("curl"):
+                done = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120)
+                assert done.returncode == 0 and '"choices"' in done.stdout, (command, done.stdout, done.stderr)
+                continue
+            words = _reduce(shlex.split(command.rstrip("&").strip()), tmp_path)
+            assert words[0] == "kvforge", command
+            if "vllm" in words and not os.environ.get("KVFORGE_VLLM_PYTHON"):
+                continue
+            argv = [sys.executable, "-m", "kvforge.cli", *words[1:]]
+            if background:
+                assert words[1] == "serve", "only the server runs in the background"
+                server = subprocess.Popen(argv + ["--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True)
+                _wait_healthy(server, port)
+                continue
+            done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        for snippet in blocks("python"):
+            code = snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+            for pattern, replacement in PYTHON_SIZES:
+                code = re.sub(pattern, replacement, code)
+            if "OpenAI(" in code:
+                assert server is not None, "the client example needs the server example before it"
+            done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=600)
+            assert done.returncode == 0, f"{snippet}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+            assert done.stdout.strip(), f"the snippet printed nothing:\n{snippet}"
     finally:
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=60) == 0
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(timeout=60) == 0
 
 
 def _wait_healthy(server: subprocess.Popen, port: int) -> None:

@@ -41,3 +41,24 @@ def test_each_kernel_builds_with_its_first_flag_set(module):
     assert kernel.available(), f"{module}: the kernel did not build at all (see the logged warning)"
     assert kernel.loaded_flags == kernel.flag_sets[0], (
         f"{module}: built with {kernel.loaded_flags}, not {kernel.flag_sets[0]}: its native build fails")
+
+
+def test_setup_builds_the_quanto_peers_extension_and_never_fails_on_it(monkeypatch):
+    """`make setup` builds optimum-quanto's C++ extension (else the `hf-quanto` peer compiles
+    it inside a user's first evaluation); a missing package or a failed build is reported,
+    never raised, so setup goes on."""
+    import importlib.util
+
+    from kvforge.prebuild import build_quanto_extension
+
+    if importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.quanto") is not None:
+        assert build_quanto_extension() == "ready"
+        from optimum.quanto.library import extensions
+
+        def broken(name: str):
+            raise RuntimeError(f"no compiler for {name}")
+
+        monkeypatch.setattr(extensions, "get_extension", broken)
+        assert build_quanto_extension() == "not built (RuntimeError: no compiler for quanto_cpp)"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert build_quanto_extension() == "not installed"

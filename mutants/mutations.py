@@ -1774,7 +1774,7 @@ MUTATIONS: list[Mutation] = [
              "return self.temperature == 0 or self.top_k == 1", ("tests/engine/test_repetition_penalty_min_p.py",),
              "a temperature too small to divide float32 logits by is greedy, never a NaN draw of an id past the vocabulary"),
     Mutation("static_decode_padding_writes_page_0", S + "cache/full/static_decode.py",
-             "torch.full(shape, self.scratch_slots[g])", "torch.full(shape, 0)",
+             'values[self._name(g, "write_slots")].fill_(slot)', 'values[self._name(g, "write_slots")].fill_(0)',
              ("tests/cache/test_static_decode.py::test_padding_rows_write_only_the_scratch_page",),
              "padding rows of a static decode step write the scratch page, never a page a sequence owns"),
     Mutation("static_decode_stale_plan", S + "engine/decode_graphs.py",

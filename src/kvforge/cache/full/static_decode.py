@@ -2,10 +2,10 @@
 group, the write slots, the page tables padded to `width` pages, and the visible ranges,
 all fixed buffers; the plan's row order is the identity (every row a sequence, in order).
 
-Padding rows write to the scratch page (one page per group held by `SCRATCH_SEQ`, which
-the cache sets aside before the first bucket is made: `FullCache.set_aside_scratch_pages`,
-which also leaves it out of the capacity admission counts on) and see nothing stored: visible_from ==
-visible_to == 0, so each attends only to its own token. Padding table entries are page 0,
+Padding rows write to the scratch page (one page per group held by `SCRATCH_SEQ`, set
+aside before the first bucket is made and left out of the capacity admission checks:
+`FullCache.set_aside_scratch_pages`) and see nothing stored: visible_from == visible_to ==
+0, so each attends only to its own token. Padding table entries are page 0,
 masked by position like the padding of any ragged batch (plan.py).
 
 `FullStaticLayout` is those buffers alone, so a method that keeps inner `full` caches
@@ -35,7 +35,7 @@ class FullStaticLayout:
     def __init__(self, pages: PageTable, rows: int, width: int, prefix: str = "") -> None:
         if not pages.has(SCRATCH_SEQ):
             raise RuntimeError("the cache sets its scratch pages aside first (FullCache.set_aside_scratch_pages)")
-        self.pages, self.rows, self.width, self.prefix = pages, rows, width, prefix
+        self.pages, self.width, self.prefix = pages, width, prefix
         groups = pages.groups.num_groups
         self.scratch_slots = [pages.require_slots(SCRATCH_SEQ, g, 0, 1)[0] * pages.block_size for g in range(groups)]
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -49,10 +49,10 @@ class FullStaticLayout:
 
     def padding(self) -> dict[str, torch.Tensor]:
         """Every row padding: writes to the scratch page, sees nothing stored."""
-        return {name: (torch.full(shape, self.scratch_slots[g]) if name.endswith(".write_slots")
-                       else torch.zeros(shape, dtype=torch.long))
-                for g in range(len(self.scratch_slots))
-                for name, shape in self.shapes.items() if name.startswith(self._name(g, ""))}
+        values = {name: torch.zeros(shape, dtype=torch.long) for name, shape in self.shapes.items()}
+        for g, slot in enumerate(self.scratch_slots):
+            values[self._name(g, "write_slots")].fill_(slot)
+        return values
 
     def values(self, host_groups: list[GroupPlan], at: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
         """The buffers' host values for a decode-only host plan (`plan_group` per group) whose
@@ -97,7 +97,7 @@ class FullStaticDecode(StaticDecode[FullStepMetadata]):
                  rows: int, width: int) -> None:
         """`pages`: the cache's page tables; `check_batch`: its `begin_step` check."""
         self.layout = FullStaticLayout(pages, rows, width)
-        self.pages, self.check_batch, self.device, self.width = pages, check_batch, device, width
+        self.pages, self.check_batch, self.device = pages, check_batch, device
         super().__init__(rows, self.layout.shapes, device)
         self.row_order = torch.arange(rows, device=device)
         # Until the first step loads, every row is padding (a capture runs on these values).

@@ -10,7 +10,8 @@ of 8, KIVI 2-bit groups of 32, pages of 16 tokens. As Triton's JIT does at a lau
 pointer argument is taken as 16-byte aligned (torch's allocations are), and so is every
 integer marked `:16` (a stride or address such a launch passes as a multiple of 16). Each
 kernel also reports its global loads and stores by width in bytes, read from the PTX
-("ld2": 2-byte loads). Run in a process of its own: the kernels must be decorated with the
+("ld2": 2-byte loads; "cp16": 16-byte asynchronous copies to shared memory, which is how a
+pipelined loop loads its next tile). Run in a process of its own: the kernels must be decorated with the
 interpreter off (TRITON_INTERPRET unset before triton loads).
 """
 
@@ -39,14 +40,20 @@ TARGET = GPUTarget("cuda", 90, 32)
 IDS, I32, I64, BF16, F32, BOOL = "*i64", "i32", "i64", "*bf16", "*fp32", "*i1"
 I32_16, I64_16 = "i32:16", "i64:16"  # multiples of 16 at these shapes
 SHADOWKV_FIELDS = 13
+# Strides a launch passes as multiples of 16 at these shapes (query and own-token rows,
+# residual rings, the store's heads and pages): Triton's JIT hints such integers, as it does
+# aligned pointers, so these compile as a real launch does.
+FULL_STRIDES = "sq_b sq_h sks_b sks_h svs_b svs_h skp_p skp_t svp_p svp_t"
+KIVI_STRIDES = "sq_b sq_h sks_b sks_h svs_b svs_h skc_h skc_p sks_hh sks_p svc_h svc_p svp_h svp_p " \
+               "skr_s skr_h skr_r svr_s svr_h svr_r"
 
 # kernel -> (argument types, constexpr values); an argument named in neither is an error
 KERNELS = {
     full._paged_decode_kernel: (
         dict(q_ptr=BF16, k_self_ptr=BF16, v_self_ptr=BF16, k_pages_ptr=BF16, v_pages_ptr=BF16, table_ptr=IDS,
-             first_ptr=IDS, from_ptr=IDS, to_ptr=IDS, out_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, sq_b=I32,
-             sq_h=I32, sks_b=I32, sks_h=I32, svs_b=I32, svs_h=I32, skp_h=I64, skp_p=I32, skp_t=I32, svp_h=I64,
-             svp_p=I32, svp_t=I32, stab_b=I32, table_width=I32, scale="fp32", split_tokens=I32),
+             first_ptr=IDS, from_ptr=IDS, to_ptr=IDS, out_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, skp_h=I64_16,
+             svp_h=I64_16,
+             stab_b=I32, table_width=I32, scale="fp32", split_tokens=I32, **dict.fromkeys(FULL_STRIDES.split(), I32_16)),
         dict(QUERY_GROUP=4, BLOCK_Q=16, HEAD_DIM=128, BLOCK_D=128, PAGE_BLOCK=16, BLOCK_T=32, SPLIT=True)),
     full._reduce_kernel: (
         dict(part_acc_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, out_ptr=BF16, splits=I32),
@@ -54,8 +61,10 @@ KERNELS = {
     kivi._kivi_decode_kernel: (
         dict(q_ptr=BF16, k_self_ptr=BF16, v_self_ptr=BF16, k_codes_ptr="*u8", v_codes_ptr="*u8",
              k_scale_ptr="*fp16", k_zero_ptr="*fp16", v_scale_ptr="*fp16", v_zero_ptr="*fp16", k_res_ptr=BF16,
-             v_res_ptr=BF16, out_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, scale="fp32"),
-        dict(QUERY_GROUP=4, BLOCK_Q=16, HEAD_DIM=128, BLOCK_D=128, BITS=2, GROUP=32, BLOCK_T=32, SPLIT=True)),
+             v_res_ptr=BF16, out_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, scale="fp32",
+             **dict.fromkeys(KIVI_STRIDES.split(), I32_16)),
+        dict(QUERY_GROUP=4, BLOCK_Q=16, HEAD_DIM=128, BLOCK_D=128, BITS=2, GROUP=32, BLOCK_T=32, SUB=32, PARTS=1,
+             GROUPS_BLOCK=4, SPLIT=True)),
     kivi._combine_kernel: (
         dict(part_acc_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, out_ptr=F32, splits=I32),
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32)),
@@ -107,8 +116,12 @@ def _aligned(kernel: triton.JITFunction, signature: dict[str, str]) -> dict[tupl
 
 
 def access_widths(ptx: str) -> dict[str, int]:
-    """Global loads and stores by bytes moved per instruction ("ld16": 16-byte loads)."""
+    """Global loads and stores by bytes moved per instruction ("ld16": 16-byte loads), and
+    asynchronous copies from global to shared memory ("cp16"), which is how the compiler
+    loads a pipelined loop's next tile."""
     found: Counter[str] = Counter()
+    for size in re.findall(r"\bcp\.async\.c[ag]\.shared\.global\s*\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-f]+|\d+)", ptx):
+        found[f"cp{int(size, 0)}"] += 1
     for op, qualifiers in re.findall(r"\b(ld|st)\.global(\S*)", ptx):  # e.g. ld.global.v4.b32
         vector = re.search(r"\.v(\d)\b", qualifiers)
         bits = re.search(r"\.[bfsu](\d+)\b", qualifiers)

@@ -1,8 +1,9 @@
 """Every Triton kernel compiles for an H100/H200 (sm_90) here, without a GPU: Triton's
 interpreter, which the kernels' parity tests run in, accepts code the GPU compiler refuses
 (sm90_compile.py runs the whole compile pipeline, ptxas included, in a process of its own).
-Each kernel's shared memory must fit an H100/H200 block (227 KiB), and ShadowKV's kernels
+Each kernel's shared memory must fit an H100/H200 block (227 KiB), ShadowKV's kernels
 read and write each sequence's tensors, addressed through its pointer table, in vector
+accesses, and the paged decode kernels of `full` and KIVI read their pages in vector
 accesses."""
 
 from __future__ import annotations
@@ -63,3 +64,18 @@ def test_shadowkv_reads_and_writes_its_pointer_table_tensors_in_vector_accesses(
     assert attention.get("ld2", 0) <= 2 and attention.get("st2", 0) <= 2 and attention.get("ld16", 0) >= 2, attention
     for kernel in ("_rebuild_kernel", "_values_kernel", "_values_in_place_kernel"):
         assert widths[kernel].get("st2", 0) == 0 and widths[kernel].get("st16", 0) >= 1, (kernel, widths[kernel])
+
+
+def test_paged_decode_kernels_read_their_pages_in_vector_accesses(compiled):
+    """The decode kernels of `full` and KIVI, compiled as a launch at Llama-3.1-8B's shapes
+    specialises them: key and value rows move in 8- and 16-byte accesses (loads, or the
+    asynchronous copies of a pipelined loop). KIVI's tiles are aligned to its pages, so a
+    channel's 2-bit key codes of a tile are 8 consecutive bytes and a token's value codes 32;
+    reading them per element took 64 one-byte loads, and each channel gathering its value
+    scale 64 two-byte loads. What stays 2-byte is the step's own token and KIVI's key
+    scales ([head_dim] rows: one element per thread)."""
+    found = compiled["kernels"]
+    widths = {name.rsplit(".", 1)[1]: found[name]["widths"] for name in found}
+    kivi, full = widths["_kivi_decode_kernel"], widths["_paged_decode_kernel"]
+    assert kivi.get("ld1", 0) == 0 and kivi.get("ld2", 0) <= 6 and kivi.get("cp16", 0) >= 8, kivi
+    assert full.get("ld2", 0) <= 2 and full.get("cp16", 0) >= 8, full

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -176,6 +177,25 @@ def test_triton_kernel_matches_reference(triton_device: str, bits: int, options:
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("group, dim", [pytest.param(12, 48, id="group12-dim48"),
+                                        pytest.param(64, 64, id="group64"), pytest.param(4, 32, id="group4")])
+@pytest.mark.parametrize("options", CASES)
+def test_triton_kernel_matches_reference_at_other_groups(triton_device: str, monkeypatch, bits: int, group: int,
+                                                         dim: int, options: dict) -> None:
+    """Tiles are 32 tokens in parts that each lie in one page: a group of 12 (not a power of
+    two: parts of 4 tokens, each channel gathering its value scale, head_dim padded to 64),
+    a group of 64 (two tiles per page, reading from the middle of a channel's codes) and a
+    group of 4 (eight pages per tile)."""
+    module = sys.modules[__name__]
+    for name, value in (("GROUP", group), ("DIM", dim), ("RESIDUAL", 2 * group if group > 16 else 48)):
+        monkeypatch.setattr(module, name, value)
+    case, _ = make_case(LENGTHS, bits, **options)
+    expected = kivi_decode_attention_reference(**case)
+    out = kivi_decode_attention_triton(**on(case, triton_device), splits=2).cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_the_decode_warps_knob_reaches_the_launch(triton_device: str, monkeypatch) -> None:
     """KVFORGE_TRITON_DECODE_WARPS sets the kernel's warps per program; the output is the same."""
     from kvforge.kernels.triton_runtime import DECODE_WARPS_ENV
@@ -197,6 +217,21 @@ def test_split_k_matches_reference(triton_device: str, splits: int, options: dic
     case, _ = make_case(LENGTHS, 2, table_padding=0, **options)
     expected = kivi_decode_attention_reference(**case)
     out = kivi_decode_attention_triton(**on(case, triton_device), splits=splits).cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_splits_cover_the_aligned_first_tile(triton_device: str) -> None:
+    """Tiles start at multiples of 32 tokens, so a sequence whose window starts mid-tile
+    spans up to 31 tokens more than its table and ring hold. Here: 144 tokens, visible from
+    48 (tiles from 32), keys and values quantised below 112 in a table of the four pages
+    48..111 (the pages of ring tokens are absent, as the contract allows) and a full ring of
+    32: 96 tokens of bound, 112 to walk; one split of 96 would miss the last 16."""
+    case, _ = make_case([144], 2, window=97, split=lambda n: (112, 112), table_from_first_kept=True,
+                        table_padding=0)
+    assert case["visible_from"].tolist() == [48] and case["page_table"].shape[1] > 4
+    case["page_table"] = case["page_table"][:, :4].contiguous()
+    expected = kivi_decode_attention_reference(**case)
+    out = kivi_decode_attention_triton(**on(case, triton_device), splits=1).cpu()
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -254,6 +289,9 @@ def test_triton_launcher_rejects_bad_arguments(triton_device: str) -> None:
         kivi_decode_attention_triton(**on({**case, "bits": 3}, triton_device))
     with pytest.raises(ConfigError, match="k_codes"):
         kivi_decode_attention_triton(**on({**case, "bits": 4}, triton_device))
+    loose = case["v_codes"].transpose(2, 3).contiguous().transpose(2, 3)  # a page's tokens not contiguous
+    with pytest.raises(ConfigError, match="quantised store.*v_codes"):
+        kivi_decode_attention_triton(**on({**case, "v_codes": loose}, triton_device))
 
 
 @pytest.mark.skipif(not triton_available() or torch.cuda.is_available(),

@@ -6,14 +6,20 @@ layout) and is parity-tested against it. One program handles one (sequence, kv h
 split) triple: the `heads // kv_heads` queries of the group are loaded once (padded to 16
 rows so `tl.dot` applies) and walk their split's share of the visible tokens
 [visible_from, n) in tiles of `BLOCK_T`.
-For every token of a tile the kernel loads the packed bytes from the token's page,
-unpacks the code with a shift and a mask, dequantises it with the fp16 scale and zero
-(key: per channel of the page; value: per token and channel group), or reads the
+Tiles start at multiples of `BLOCK_T` (tokens before visible_from are masked) and are cut
+into parts of `SUB` tokens, the largest power of two dividing the group (at most a tile), so
+each part lies in one page and starts on a byte of its codes. For each part the kernel loads
+every channel's key codes as consecutive bytes and each token's value codes as one row,
+unpacks them with shifts and a mask, dequantises them with the fp16 scale and zero (key:
+per channel of the page; value: per token and channel group, loaded once per token and
+spread over the group's channels when the group is a power of two), or reads the
 full-precision residual instead (t >= nk for keys, t >= nv for values: ring row t % R of
-the sequence's slot), and feeds both into an online softmax in float32. Nothing is dequantised beyond the current tile.
+the sequence's slot), and feeds both into an online softmax in float32. Nothing is
+dequantised beyond the current tile. Reading a tile's codes as rows rather than one token
+at a time is what lets the compiler move them in 8- and 16-byte accesses
+(tests/kernels/test_triton_compile.py). A page's codes and scales must be contiguous (a view
+of one layer of the store is).
 
-Tiles are token ranges, not pages: every token looks up its own page, so `BLOCK_T` is free
-of the quantisation group (which may be smaller than the 16 tokens `tl.dot` needs).
 Dot products run in float32 with IEEE precision (no TF32), which is what makes the kernel
 match the reference to ~1e-6; a tensor-core (fp16/bf16 operand) variant is not written.
 
@@ -64,21 +70,25 @@ def _kivi_decode_kernel(
         k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
         k_res_ptr, v_res_ptr, slot_ptr, table_ptr, first_ptr, nk_ptr, nv_ptr, from_ptr, n_ptr, out_ptr,
         sq_b, sq_h, sks_b, sks_h, svs_b, svs_h,
-        skc_h, skc_p, skc_d, skc_c, sks_hh, sks_p, sks_d,
-        svc_h, svc_p, svc_t, svc_c, svp_h, svp_p, svp_t, svp_g,
+        skc_h, skc_p, sks_hh, sks_p, svc_h, svc_p, svp_h, svp_p,
         skr_s, skr_h, skr_r, k_ring, svr_s, svr_h, svr_r, v_ring, stab_b, table_width, scale,
         part_max_ptr, part_sum_ptr, split_tokens,
         QUERY_GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
-        SPLIT: tl.constexpr):
+        SUB: tl.constexpr, PARTS: tl.constexpr, GROUPS_BLOCK: tl.constexpr, SPLIT: tl.constexpr):
     # Unit stride along D is required of q/k_self/v_self/residuals/out (the launcher
-    # ensures it); the quantised store may have any strides.
+    # ensures it); the quantised store's heads and pages may have any strides, and within a
+    # page its rows are contiguous (the launcher checks), so their strides are constants and
+    # the compiler knows each row's alignment.
     # SPLIT: out_ptr/part_*_ptr hold one part per split, [B, heads, splits(, D)], unnormalised;
     # otherwise out_ptr is the [B, heads, D] result.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
     PER_BYTE: tl.constexpr = 8 // BITS
+    K_ROW: tl.constexpr = GROUP // PER_BYTE  # bytes of a channel's codes in a page
+    V_ROW: tl.constexpr = HEAD_DIM // PER_BYTE  # bytes of a token's value codes
+    V_GROUPS: tl.constexpr = HEAD_DIM // GROUP  # value scales of a token
     MASK: tl.constexpr = (1 << BITS) - 1
     rows = tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, BLOCK_D)
@@ -99,44 +109,77 @@ def _kivi_decode_kernel(
     acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32) + tl.where(first_split, v_own, 0.0)[None, :]
     nk = tl.load(nk_ptr + seq)
     nv = tl.load(nv_ptr + seq)
-    begin = tl.load(from_ptr + seq) + split * split_tokens
+    lo = tl.load(from_ptr + seq)
+    # Tiles start at multiples of BLOCK_T (tokens before `lo` are masked), so each of a
+    # tile's PARTS parts of SUB tokens lies in one page at a byte boundary of its codes.
+    begin = (lo // BLOCK_T) * BLOCK_T + split * split_tokens
     end = tl.minimum(tl.load(n_ptr + seq), begin + split_tokens)
     first_column = tl.load(first_ptr + seq) // GROUP  # logical page of table column 0
     k_res_base = k_res_ptr + tl.load(slot_ptr + seq) * skr_s + kv_head * skr_h
     v_res_base = v_res_ptr + tl.load(slot_ptr + seq) * svr_s + kv_head * svr_h
+    parts = tl.arange(0, PARTS)
+    part_bytes = tl.arange(0, SUB // PER_BYTE)
+    shifts = tl.arange(0, PER_BYTE) * BITS  # code j of a byte sits at bit j * BITS
+    row_bytes = tl.arange(0, BLOCK_D // PER_BYTE)  # a value token's packed channels
+    row_byte_ok = row_bytes < HEAD_DIM // PER_BYTE
     for start in range(begin, end, BLOCK_T):
         t = start + toks
-        visible = t < end
+        visible = (t >= lo) & (t < end)
         key_quantised = visible & (t < nk)
         value_quantised = visible & (t < nv)
-        column = t // GROUP - first_column
-        offset = t % GROUP
-        # Page ids are read only for tokens that use a page (released entries may be -1).
-        page = tl.load(table_ptr + seq * stab_b + column, mask=(key_quantised | value_quantised)
+        # A part reads its page only if one of its visible tokens is quantised (others may
+        # be released: -1 in the table).
+        part_first = start + parts * SUB
+        seen_from = tl.maximum(part_first, lo)
+        part_end = tl.minimum(part_first + SUB, end)
+        keys_in_page = seen_from < tl.minimum(part_end, nk)
+        values_in_page = seen_from < tl.minimum(part_end, nv)
+        column = part_first // GROUP - first_column
+        page = tl.load(table_ptr + seq * stab_b + column, mask=(keys_in_page | values_in_page)
                        & (column >= 0) & (column < table_width), other=0).to(tl.int64)
-        # Keys: byte offset // PER_BYTE of channel d's packed token axis, code at bit
-        # (offset % PER_BYTE) * BITS; scale/zero per (page, channel).
-        k_mask = key_quantised[:, None] & dim_ok[None, :]
-        k_param = kv_head * sks_hh + page[:, None] * sks_p + dims[None, :] * sks_d
-        k_bytes = tl.load(k_codes_ptr + kv_head * skc_h + page[:, None] * skc_p + dims[None, :] * skc_d
-                          + (offset // PER_BYTE)[:, None] * skc_c, mask=k_mask, other=0).to(tl.int32)
-        k_code = ((k_bytes >> ((offset % PER_BYTE) * BITS)[:, None]) & MASK).to(tl.float32)
-        k_hat = (tl.load(k_zero_ptr + k_param, mask=k_mask, other=0.0).to(tl.float32)
-                 + k_code * tl.load(k_scale_ptr + k_param, mask=k_mask, other=0.0).to(tl.float32))
+        # Keys: each channel's codes of the part are SUB // PER_BYTE consecutive bytes,
+        # unpacked to [PARTS, D, SUB] (token s of a part: byte s // PER_BYTE, bit
+        # (s % PER_BYTE) * BITS), then laid out as [BLOCK_T, D]; scale/zero per (page, channel).
+        k_mask = keys_in_page[:, None] & dim_ok[None, :]
+        k_param = kv_head * sks_hh + page[:, None] * sks_p + dims[None, :]
+        # part_first is a multiple of SUB, which divides GROUP
+        first_byte = tl.multiple_of((part_first % GROUP) // PER_BYTE, SUB // PER_BYTE)
+        k_bytes = tl.load(k_codes_ptr + kv_head * skc_h + (page * skc_p)[:, None, None] + (dims * K_ROW)[None, :, None]
+                          + (first_byte[:, None, None] + part_bytes[None, None, :]),
+                          mask=k_mask[:, :, None], other=0).to(tl.int32)
+        k_code = tl.reshape((k_bytes[:, :, :, None] >> shifts[None, None, None, :]) & MASK, [PARTS, BLOCK_D, SUB])
+        k_hat = (tl.load(k_zero_ptr + k_param, mask=k_mask, other=0.0).to(tl.float32)[:, :, None]
+                 + k_code.to(tl.float32) * tl.load(k_scale_ptr + k_param, mask=k_mask, other=0.0)
+                 .to(tl.float32)[:, :, None])
+        k_hat = tl.reshape(tl.permute(k_hat, (0, 2, 1)), [BLOCK_T, BLOCK_D])
         k_res = tl.load(k_res_base + (t % k_ring)[:, None] * skr_r + dims[None, :],
                         mask=(visible & (t >= nk))[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
         k = tl.where(key_quantised[:, None], k_hat, k_res)  # 0 for hidden tokens
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         scores = tl.where(visible[None, :], scores, float("-inf"))
-        # Values: byte d // PER_BYTE of the token's packed channel axis, code at bit
-        # (d % PER_BYTE) * BITS; scale/zero per (page, token, channel group d // GROUP).
-        v_mask = value_quantised[:, None] & dim_ok[None, :]
-        v_param = kv_head * svp_h + page[:, None] * svp_p + offset[:, None] * svp_t + (dims // GROUP)[None, :] * svp_g
-        v_bytes = tl.load(v_codes_ptr + kv_head * svc_h + page[:, None] * svc_p + offset[:, None] * svc_t
-                          + (dims // PER_BYTE)[None, :] * svc_c, mask=v_mask, other=0).to(tl.int32)
-        v_code = ((v_bytes >> ((dims % PER_BYTE) * BITS)[None, :]) & MASK).to(tl.float32)
-        v_hat = (tl.load(v_zero_ptr + v_param, mask=v_mask, other=0.0).to(tl.float32)
-                 + v_code * tl.load(v_scale_ptr + v_param, mask=v_mask, other=0.0).to(tl.float32))
+        # Values: a token's codes are one row of D // PER_BYTE bytes (channel d: byte
+        # d // PER_BYTE, bit (d % PER_BYTE) * BITS); scale/zero per (page, token, channel
+        # group d // GROUP).
+        token_page = tl.reshape(tl.broadcast_to(page[:, None], [PARTS, SUB]), [BLOCK_T])
+        offset = t % GROUP
+        v_bytes = tl.load(v_codes_ptr + kv_head * svc_h + (token_page * svc_p + offset * V_ROW)[:, None]
+                          + row_bytes[None, :], mask=value_quantised[:, None] & row_byte_ok[None, :],
+                          other=0).to(tl.int32)
+        v_code = tl.reshape((v_bytes[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_T, BLOCK_D])
+        v_row = kv_head * svp_h + token_page * svp_p + offset * V_GROUPS
+        if GROUPS_BLOCK > 0:  # a power-of-two group: load a token's V_GROUPS scales, spread them
+            groups = tl.arange(0, GROUPS_BLOCK)
+            v_mask = value_quantised[:, None] & (groups < V_GROUPS)[None, :]
+            v_param = v_row[:, None] + groups[None, :]
+            v_zero = tl.load(v_zero_ptr + v_param, mask=v_mask, other=0.0).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr + v_param, mask=v_mask, other=0.0).to(tl.float32)
+            v_hat = tl.reshape(v_zero[:, :, None] + tl.reshape(v_code.to(tl.float32), [BLOCK_T, GROUPS_BLOCK, GROUP])
+                               * v_scale[:, :, None], [BLOCK_T, BLOCK_D])
+        else:  # each channel reads its group's scale
+            v_mask = value_quantised[:, None] & dim_ok[None, :]
+            v_param = v_row[:, None] + (dims // GROUP)[None, :]
+            v_hat = (tl.load(v_zero_ptr + v_param, mask=v_mask, other=0.0).to(tl.float32)
+                     + v_code.to(tl.float32) * tl.load(v_scale_ptr + v_param, mask=v_mask, other=0.0).to(tl.float32))
         v_res = tl.load(v_res_base + (t % v_ring)[:, None] * svr_r + dims[None, :],
                         mask=(visible & (t >= nv))[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
         v = tl.where(value_quantised[:, None], v_hat, v_res)  # 0 for hidden tokens (masked loads)
@@ -199,12 +242,18 @@ def kivi_decode_attention_triton(
     kv_heads = k_self.shape[1]
     require(heads % kv_heads == 0, "heads", heads, f"must be a multiple of kv_heads={kv_heads}")
     require(dim % group == 0, "group", group, f"must divide head_dim={dim}")
+    require(group % codes_per_byte(bits) == 0, "group", group,
+            f"must be a multiple of {codes_per_byte(bits)} ({bits}-bit codes fill whole bytes)")
     require(tuple(k_codes.shape[2:]) == (dim, group * bits // 8), "k_codes", tuple(k_codes.shape),
             f"must be [kv_heads, pages, {dim}, {group * bits // 8}] for {bits}-bit codes, group {group}")
     require(tuple(v_codes.shape[2:]) == (group, dim // codes_per_byte(bits)), "v_codes", tuple(v_codes.shape),
             f"must be [kv_heads, pages, {group}, {dim * bits // 8}] for {bits}-bit codes, group {group}")
     require(k_scale.stride() == k_zero.stride() and v_scale.stride() == v_zero.stride(), "scale strides",
             (k_scale.stride(), k_zero.stride()), "scale and zero of keys (and of values) must share strides")
+    loose = [name for name, t in (("k_codes", k_codes), ("k_scale", k_scale), ("v_codes", v_codes),
+                                  ("v_scale", v_scale)) if not _pages_contiguous(t)]
+    require(not loose, "quantised store", loose, "must hold each page contiguously (heads and pages may have any "
+            "strides, as in a view of one layer of the store)")
     query_group = heads // kv_heads
     q, k_self, v_self, k_residual, v_residual = (_unit_last(t) for t in (q, k_self, v_self, k_residual, v_residual))
     page_table = _as(page_table, torch.int64)
@@ -213,8 +262,15 @@ def kivi_decode_attention_triton(
     out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
     if batch == 0:
         return out.to(q.dtype)
-    # Visible tokens of a sequence: at most its table's pages plus a residual ring.
-    bound = page_table.shape[1] * group + max(k_residual.shape[2], v_residual.shape[2])
+    # Tokens a sequence's tiles span: at most its table's pages plus a residual ring, and
+    # the part of the first tile before visible_from.
+    bound = page_table.shape[1] * group + max(k_residual.shape[2], v_residual.shape[2]) + BLOCK_T - 1
+    group_power = group & -group  # the largest power of two dividing group
+    sub = min(group_power, BLOCK_T)  # tokens of a tile part, all in one page
+    block_d = max(MIN_DOT, triton.next_power_of_2(dim))
+    # With a power-of-two group, [tokens, block_d // group] value scales are loaded and spread
+    # over their channels; otherwise each channel gathers its own (0).
+    groups_block = block_d // group if group == group_power else 0
     if splits is None:
         splits = choose_splits(batch * kv_heads, bound, q.device)
     require(1 <= splits <= MAX_SPLITS, "splits", splits, f"must be in 1..{MAX_SPLITS}")
@@ -233,13 +289,13 @@ def kivi_decode_attention_triton(
             q, k_self, v_self, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
             k_residual, v_residual, slots, page_table, first_page_position, nk, nv, visible_from, n, parts,
             q.stride(0), q.stride(1), k_self.stride(0), k_self.stride(1), v_self.stride(0), v_self.stride(1),
-            *k_codes.stride(), *k_scale.stride(), *v_codes.stride(), *v_scale.stride(),
+            *k_codes.stride()[:2], *k_scale.stride()[:2], *v_codes.stride()[:2], *v_scale.stride()[:2],
             *k_residual.stride()[:3], k_residual.shape[2], *v_residual.stride()[:3], v_residual.shape[2],
             page_table.stride(0), page_table.shape[1],
             float(scale), part_max, part_sum, split_tokens,
             QUERY_GROUP=query_group, BLOCK_Q=max(MIN_DOT, triton.next_power_of_2(query_group)), HEAD_DIM=dim,
-            BLOCK_D=max(MIN_DOT, triton.next_power_of_2(dim)), BITS=bits, GROUP=group, BLOCK_T=BLOCK_T,
-            SPLIT=splits > 1, num_warps=decode_warps())
+            BLOCK_D=block_d, BITS=bits, GROUP=group, BLOCK_T=BLOCK_T, SUB=sub, PARTS=BLOCK_T // sub,
+            GROUPS_BLOCK=groups_block, SPLIT=splits > 1, num_warps=decode_warps())
         if splits > 1:
             _combine_kernel[(batch * heads,)](parts, part_max, part_sum, out, splits, HEAD_DIM=dim,
                                               BLOCK_D=triton.next_power_of_2(dim),
@@ -273,6 +329,16 @@ def _multiprocessors(device: torch.device) -> int:
     if index not in _SM_COUNTS:
         _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNTS[index]
+
+
+def _pages_contiguous(t: torch.Tensor) -> bool:
+    """Whether the dimensions after [kv_heads, pages] are laid out contiguously."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ IDS, I32, I64, BF16, F32, BOOL = "*i64", "i32", "i64", "*bf16", "*fp32", "*i1"
 I32_16, I64_16 = "i32:16", "i64:16"  # multiples of 16 at these shapes
 SHADOWKV_FIELDS = 13
 # Strides a launch passes as multiples of 16 at these shapes (query and own-token rows,
-# residual rings, the store's heads and pages): Triton's JIT hints such integers, as it does
+# residual rings, the stores' heads and pages; ShadowKV's landmarks likewise): Triton's JIT hints such integers, as it does
 # aligned pointers, so these compile as a real launch does.
 FULL_STRIDES = "sq_b sq_h sks_b sks_h svs_b svs_h skp_p skp_t svp_p svp_t"
 KIVI_STRIDES = "sq_b sq_h sks_b sks_h svs_b svs_h skc_h skc_p sks_hh sks_p svc_h svc_p svp_h svp_p " \
@@ -69,8 +69,8 @@ KERNELS = {
         dict(part_acc_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, out_ptr=F32, splits=I32),
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32)),
     shadowkv._scores_kernel: (
-        dict(q_ptr=BF16, landmarks_ptr=BF16, table_ptr=IDS, info_ptr=IDS, scores_ptr=F32, sq_b=I32, sq_h=I32,
-             sl_h=I32, sl_p=I32, stab_b=I32, width=I32, scale="fp32"),
+        dict(q_ptr=BF16, landmarks_ptr=BF16, table_ptr=IDS, info_ptr=IDS, scores_ptr=F32, sq_b=I32_16, sq_h=I32_16,
+             sl_h=I32_16, sl_p=I32_16, stab_b=I32, width=I32, scale="fp32"),
         dict(QUERY_GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK=32, NFIELDS=SHADOWKV_FIELDS)),
     shadowkv._rebuild_kernel: (
         dict(info_ptr=IDS, keys_like=BF16, basis_like=BF16, coef_like=BF16, new_ids_ptr=IDS, filled_ptr=BOOL,
@@ -94,11 +94,12 @@ KERNELS = {
         dict(info_ptr=IDS, top_scores_ptr=F32, top_ids_ptr=IDS, k_ptr=IDS, new_ids_ptr=IDS, filled_ptr=BOOL,
              counts_ptr=IDS, picks=I32, slots=I32),
         dict(REUSE=True, BLOCK_K=16, BLOCK_S=256, NFIELDS=SHADOWKV_FIELDS)),
-    fused._rms_norm_kernel: (dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, dim=I32, eps="fp32"),
+    fused._rms_norm_kernel: (dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, dim=I32_16, eps="fp32"),
                              dict(GEMMA=False, BLOCK_D=4096)),
-    fused._rope_kernel: (dict(x_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, out_ptr=BF16, heads=I32, dim=I32, half=I32),
+    fused._rope_kernel: (dict(x_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, out_ptr=BF16, heads=I32, dim=I32_16,
+                              half=I32_16),
                          dict(BLOCK_H=32, BLOCK_HALF=64)),
-    fused._silu_mul_kernel: (dict(gate_ptr=BF16, up_ptr=BF16, out_ptr=BF16, n=I32), dict(BLOCK=1024)),
+    fused._silu_mul_kernel: (dict(gate_ptr=BF16, up_ptr=BF16, out_ptr=BF16, n=I32_16), dict(BLOCK=1024)),
 }
 
 

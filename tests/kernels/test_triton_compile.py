@@ -67,7 +67,7 @@ def test_shadowkv_reads_and_writes_its_pointer_table_tensors_in_vector_accesses(
 
 
 def test_paged_decode_kernels_read_their_pages_in_vector_accesses(compiled):
-    """The decode kernels of `full` and KIVI, compiled as a launch at Llama-3.1-8B's shapes
+    """The decode kernels of `full` and KIVI (and the fused RMSNorm, RoPE and SiLU), compiled as a launch at Llama-3.1-8B's shapes
     specialises them: key and value rows move in 8- and 16-byte accesses (loads, or the
     asynchronous copies of a pipelined loop). KIVI's tiles are aligned to its pages, so a
     channel's 2-bit key codes of a tile are 8 consecutive bytes and a token's value codes 32;
@@ -79,3 +79,5 @@ def test_paged_decode_kernels_read_their_pages_in_vector_accesses(compiled):
     kivi, full = widths["_kivi_decode_kernel"], widths["_paged_decode_kernel"]
     assert kivi.get("ld1", 0) == 0 and kivi.get("ld2", 0) <= 6 and kivi.get("cp16", 0) >= 8, kivi
     assert full.get("ld2", 0) <= 2 and full.get("cp16", 0) >= 8, full
+    for kernel in ("_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel"):  # the fused layer ops: rows only
+        assert widths[kernel].get("ld2", 0) == widths[kernel].get("st2", 0) == 0, (kernel, widths[kernel])

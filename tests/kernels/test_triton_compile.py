@@ -64,6 +64,9 @@ def test_shadowkv_reads_and_writes_its_pointer_table_tensors_in_vector_accesses(
     assert attention.get("ld2", 0) <= 2 and attention.get("st2", 0) <= 2 and attention.get("ld16", 0) >= 2, attention
     for kernel in ("_rebuild_kernel", "_values_kernel", "_values_in_place_kernel"):
         assert widths[kernel].get("st2", 0) == 0 and widths[kernel].get("st16", 0) >= 1, (kernel, widths[kernel])
+    # the in-place value read takes its rows from host memory at an address it is given
+    in_place = widths["_values_in_place_kernel"]
+    assert in_place.get("ld2", 0) == 0 and in_place.get("ld16", 0) >= 1, in_place
 
 
 def test_paged_decode_kernels_read_their_pages_in_vector_accesses(compiled):

@@ -311,3 +311,21 @@ def test_every_tensor_the_pointer_table_addresses_is_16_byte_aligned():
         t = getattr(layer, name)
         assert t.data_ptr() % ALIGNMENT_BYTES == 0 and info[0, column].item() == t.data_ptr(), name
         assert torch.equal(t, expected[name]), name
+
+
+def test_values_read_in_place_need_an_aligned_slow_layer():
+    """The in-place value read takes the slow layer's host address as 16-byte aligned (vector
+    reads over the bus); a layer that is not is refused, naming it, before any launch."""
+    from kvforge.cache.shadowkv.pointer_table import ALIGNMENT_BYTES
+    from kvforge.cache.shadowkv.triton_slots import read_values_in_place
+    from kvforge.errors import ConfigError
+
+    kv_heads, pages, chunk, dim = 2, 3, 8, 16
+    spare = torch.empty(kv_heads * pages * chunk * dim + ALIGNMENT_BYTES, dtype=torch.float32)
+    start = next(i for i in range(1, ALIGNMENT_BYTES) if (spare.data_ptr() + 4 * i) % ALIGNMENT_BYTES)
+    slow = spare[start:start + kv_heads * pages * chunk * dim].view(kv_heads, pages, chunk, dim)
+    assert slow.is_contiguous() and slow.data_ptr() % ALIGNMENT_BYTES
+    ids = torch.zeros((1, kv_heads, 4), dtype=torch.long)
+    with pytest.raises(ConfigError, match="slow.*16-byte boundary"):
+        read_values_in_place(torch.zeros((1, 13), dtype=torch.long), torch.zeros(1), slow, ids,
+                             torch.zeros_like(ids, dtype=torch.bool), torch.zeros((1, pages), dtype=torch.long))

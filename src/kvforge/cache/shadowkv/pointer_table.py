@@ -30,7 +30,7 @@ from kvforge.errors import require
 from kvforge.kernels.triton_jit import jit, tl
 from kvforge.step_plan import pack
 
-__all__ = ["ALIGNMENT_BYTES", "FIELDS", "pointer_tables", "sequence_info", "table_pointer"]
+__all__ = ["ALIGNMENT_BYTES", "FIELDS", "aligned_pointer", "pointer_tables", "sequence_info", "table_pointer"]
 
 ALIGNMENT_BYTES = 16  # every tensor the table addresses starts on such a boundary
 
@@ -97,4 +97,12 @@ def sequence_info(layers: list[LayerState], meta: torch.Tensor, device: torch.de
 def table_pointer(info, column: tl.constexpr, element: tl.constexpr):
     """Column `column` of a sequence's `info` row as a pointer to `element`, 16-byte aligned
     (`_layer_row` holds every addressed tensor to it): what lets the compiler vectorise."""
-    return tl.multiple_of(tl.load(info + column).to(tl.pointer_type(element)), _ALIGNMENT)
+    return aligned_pointer(tl.load(info + column), element)
+
+
+@jit
+def aligned_pointer(address, element: tl.constexpr):
+    """An integer address, which the caller holds to ALIGNMENT_BYTES, as a pointer to
+    `element` that the compiler knows is so aligned (a pointer made from an integer has no
+    known alignment, so every element would otherwise move in an access of its own)."""
+    return tl.multiple_of(address.to(tl.pointer_type(element)), _ALIGNMENT)

@@ -22,12 +22,14 @@ from __future__ import annotations
 import torch
 
 from kvforge.cache.shadowkv.pointer_table import (
+    ALIGNMENT_BYTES,
     FIELDS,
     OWN_SLOTS,
     ROWS,
     SLOT_IDS,
     SLOTS_START,
     VALUES,
+    aligned_pointer,
     table_pointer,
 )
 from kvforge.cache.shadowkv.triton_decode import check_device
@@ -52,7 +54,7 @@ def _values_in_place_kernel(info_ptr, values_like, slow_address, new_ids_ptr, fi
         page = tl.load(table_ptr + seq * stab_b + tl.load(new_ids_ptr + slot_index)).to(tl.int64)
         element = values_like.dtype.element_ty
         # the slow tier of this layer, [H, P, chunk, D] contiguous, at its host address
-        source = slow_address.to(tl.pointer_type(element)) + kv_head * slow_head_stride + page * CHUNK * HEAD_DIM
+        source = aligned_pointer(slow_address, element) + kv_head * slow_head_stride + page * CHUNK * HEAD_DIM
         info = info_ptr + seq * NFIELDS
         values = table_pointer(info, VALUES, element)
         rows = tl.load(info + ROWS)
@@ -164,6 +166,8 @@ def read_values_in_place(info: torch.Tensor, values_like: torch.Tensor, slow: to
     require(slow.is_contiguous() and slow.dtype == values_like.dtype and slow.shape[0] == kv_heads, "slow",
             f"{tuple(slow.shape)} {slow.dtype}",
             f"must be one contiguous layer [H={kv_heads}, P, chunk, D] in the buffers' dtype {values_like.dtype}")
+    require(slow.data_ptr() % ALIGNMENT_BYTES == 0, "slow", f"at address {slow.data_ptr():#x}",
+            f"must start on a {ALIGNMENT_BYTES}-byte boundary (the kernel reads its rows in vector accesses)")
     if new_ids.numel() == 0:
         return
     with torch.cuda.device_of(new_ids):

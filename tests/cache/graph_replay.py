@@ -58,6 +58,10 @@ class RecordedGraph:
     def __init__(self) -> None:
         self.ops: list[Callable[[], None]] = []
         self.launches = 0  # Triton kernel launches among `ops`
+        self.names: list[str] = []  # each of `ops`: the aten operation's name, or "triton:" and the kernel's
+        # the names of the operations that launch a device kernel: Triton launches, and aten
+        # operations that write a tensor or make one (not views, aliases and no-op casts)
+        self.kernels: list[str] = []
         self.made: list[torch.Tensor] = []  # the tensors the recorded operations allocated
         # (tensor, its contents before the recording first wrote it), for tensors that existed before
         self._before: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -158,15 +162,31 @@ class _Recorder(TorchDispatchMode):
         self.graph.made.extend(captured[i] for i in fresh)
         if name not in ALLOCATIONS:
             self.graph.ops.append(lambda: _rerun(func, args, kwargs, fresh, captured))
+            self.graph.names.append(str(func._schema.name))
+            if fresh or _written(func, args, kwargs):
+                self.graph.kernels.append(str(func._schema.name))
         return out
+
+
+_RECORDING: list[RecordedGraph] = []  # the graph being recorded, if any
+
+
+def active_graph() -> RecordedGraph | None:
+    """The graph `recording` is filling now (None outside one): what hooks inside the
+    recorded call (a decoder layer's, say) can read, such as how many kernels it holds."""
+    return _RECORDING[-1] if _RECORDING else None
 
 
 @contextmanager
 def recording(graph: RecordedGraph) -> Iterator[None]:
     """Run the block as a capture into `graph` (see the module docstring)."""
     recorder = _Recorder(graph)
-    with recorder, _triton_launches(recorder):
-        yield
+    _RECORDING.append(graph)
+    try:
+        with recorder, _triton_launches(recorder):
+            yield
+    finally:
+        _RECORDING.pop()
     graph.undo_writes()
     graph.poison()
 
@@ -186,15 +206,17 @@ def _triton_launches(recorder: _Recorder) -> Iterator[None]:
         if callable(grid):
             raise CaptureError(f"{kernel.__name__}: a grid computed at launch; a graph keeps the one its capture saw "
                                "(pass the grid as a tuple)")
-        # a kernel may write any tensor it is given
-        recorder.graph.keep_before_writing([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
-        recorder.inside_kernel += 1
+        recorder.inside_kernel += 1  # (the copies kept below are the recording's own, not the step's)
         try:
+            # a kernel may write any tensor it is given
+            recorder.graph.keep_before_writing([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)])
             result = launch(kernel, *args, grid=grid, warmup=False, **kwargs)
         finally:
             recorder.inside_kernel -= 1
         recorder.graph.ops.append(lambda: launch(kernel, *args, grid=grid, warmup=False, **kwargs))
         recorder.graph.launches += 1
+        recorder.graph.names.append(f"triton:{kernel.__name__}")
+        recorder.graph.kernels.append(f"triton:{kernel.__name__}")
         return result
 
     InterpretedFunction.run = recorded  # type: ignore[method-assign]

@@ -66,7 +66,7 @@ KERNELS = {
         dict(QUERY_GROUP=4, BLOCK_Q=16, HEAD_DIM=128, BLOCK_D=128, BITS=2, GROUP=32, BLOCK_T=32, SUB=32, PARTS=1,
              GROUPS_BLOCK=4, SPLIT=True)),
     kivi._combine_kernel: (
-        dict(part_acc_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, out_ptr=F32, splits=I32),
+        dict(part_acc_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, out_ptr=BF16, splits=I32),
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32)),
     shadowkv._scores_kernel: (
         dict(q_ptr=BF16, landmarks_ptr=BF16, table_ptr=IDS, info_ptr=IDS, scores_ptr=F32, sq_b=I32_16, sq_h=I32_16,

@@ -117,13 +117,16 @@ def resolve_decode_kernel(requested: str, device: torch.device, config: KIVICach
 def kivi_decode(kernel: str, q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
                 page_table: torch.Tensor, first_page_position: torch.Tensor, visible_from: torch.Tensor,
                 lengths: torch.Tensor, slots: torch.Tensor, scale: float, tile_pages: int,
-                key_transform: KeyTransform = None, key_dot: str = "float", value_dot: str = "float") -> torch.Tensor:
+                key_transform: KeyTransform = None, key_dot: str = "float", value_dot: str = "float",
+                residual_split: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode attention with the resolved `kernel`; arguments as
     `attention.kivi_decode_attention` (`tile_pages` is used by the PyTorch path only; a
-    compiled kernel was resolved only where it reads every option in use)."""
+    compiled kernel was resolved only where it reads every option in use).
+    `residual_split`: (nk, nv) of `lengths` under the residual rules (`Decode.residual_split`,
+    made once per step), which the Triton kernel reads; None: computed here."""
     args = (q, k_self, v_self, view, page_table, first_page_position, visible_from, lengths, slots, scale)
     if kernel == "triton":
-        return _triton_over_view(*args)
+        return _triton_over_view(*args, residual_split=residual_split)
     if kernel == "cpp" and cpu_kivi_kernel_available():  # False only under "auto" (checked when forced)
         tables = None
         if isinstance(key_transform, StoredKeys):
@@ -137,11 +140,13 @@ def kivi_decode(kernel: str, q: torch.Tensor, k_self: torch.Tensor, v_self: torc
 
 def _triton_over_view(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tensor, view: KIVILayerView,
                       page_table: torch.Tensor, first_page_position: torch.Tensor, visible_from: torch.Tensor,
-                      lengths: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+                      lengths: torch.Tensor, slots: torch.Tensor, scale: float,
+                      residual_split: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     # The kernel takes nk and nv per sequence; for the cache they follow the residual rules
     # (keys flushed R at a time, values a window of the last R tokens).
     r = view.residual
+    nk, nv = residual_split if residual_split is not None else ((lengths // r) * r, (lengths - r).clamp(min=0))
     return _triton_module().kivi_decode_attention_triton(
         q, k_self, v_self, view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero,
-        view.k_res, view.v_res, slots, page_table, first_page_position,
-        (lengths // r) * r, (lengths - r).clamp(min=0), visible_from, lengths, scale, view.bits, view.group)
+        view.k_res, view.v_res, slots, page_table, first_page_position, nk, nv, visible_from, lengths, scale,
+        view.bits, view.group)

@@ -295,7 +295,8 @@ class KIVICache(CacheMethod[KiviStepMetadata]):
         return kivi_decode(self.decode_kernel, q, k_new, v_new, view, d.page_table, d.first_page_position,
                            d.visible_from, d.lengths, d.slots, scale,
                            tile_pages=max(1, self.config.decode_tile_tokens // self.config.key_tokens),
-                           key_transform=key_transform, key_dot=self.config.key_dot, value_dot=self.config.value_dot)
+                           key_transform=key_transform, key_dot=self.config.key_dot, value_dot=self.config.value_dot,
+                           residual_split=d.residual_split(view.residual) if self.decode_kernel == "triton" else None)
 
     def end_step(self, meta: KiviStepMetadata) -> None:
         for group in range(self.groups.num_groups):  # before the residual writes overwrite the rings

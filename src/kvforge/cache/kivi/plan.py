@@ -50,6 +50,17 @@ class Decode:
     # rows is 0, 1, ..., n - 1 (known on the host): with no prefill in the step, the step's
     # tensors are the decode rows as they are, and no row is gathered or scattered.
     rows_in_order: bool = False
+    # residual_split's results by residual size: made once per step for every layer of the
+    # group (plans are rebuilt every step, and a captured step records them once)
+    _splits: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, compare=False, repr=False)
+
+    def residual_split(self, residual: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(nk, nv) per row under the residual rules for rings of `residual` tokens: keys of
+        tokens < nk are in the pages (flushed `residual` at a time), values of tokens < nv
+        (all but the last `residual`)."""
+        if residual not in self._splits:
+            self._splits[residual] = ((self.lengths // residual) * residual, (self.lengths - residual).clamp(min=0))
+        return self._splits[residual]
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def _kivi_decode_kernel(
     # page its rows are contiguous (the launcher checks), so their strides are constants and
     # the compiler knows each row's alignment.
     # SPLIT: out_ptr/part_*_ptr hold one part per split, [B, heads, splits(, D)], unnormalised;
-    # otherwise out_ptr is the [B, heads, D] result.
+    # otherwise out_ptr is the [B, heads, D] result in q's dtype.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
@@ -259,9 +259,9 @@ def kivi_decode_attention_triton(
     page_table = _as(page_table, torch.int64)
     slots, first_page_position, nk, nv, visible_from, n = (
         _as(t, torch.int64) for t in (slots, first_page_position, nk, nv, visible_from, n))
-    out = torch.empty(batch, heads, dim, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)  # (the kernels' stores round to it)
     if batch == 0:
-        return out.to(q.dtype)
+        return out
     # Tokens a sequence's tiles span: at most its table's pages plus a residual ring, and
     # the part of the first tile before visible_from.
     bound = page_table.shape[1] * group + max(k_residual.shape[2], v_residual.shape[2]) + BLOCK_T - 1
@@ -300,7 +300,7 @@ def kivi_decode_attention_triton(
             _combine_kernel[(batch * heads,)](parts, part_max, part_sum, out, splits, HEAD_DIM=dim,
                                               BLOCK_D=triton.next_power_of_2(dim),
                                               BLOCK_S=triton.next_power_of_2(splits))
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out
 
 
 PROGRAMS_PER_SM = 4  # programs per multiprocessor that split-K aims for

@@ -260,7 +260,10 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
             self.exact.write(index, meta.exact, k_pre if rows is None else k_pre[rows],
                              v if rows is None else v[rows], exact_rope(meta, rope))
         if meta.any_compressed:
-            k_post = rope.apply(k_pre)
+            if meta.exact is not None and meta.exact_rows is None:  # (a fixed step) the exact write roped every row
+                k_post = meta.exact.step_kv[index][0]
+            else:
+                k_post = rope.apply(k_pre)
             meta.step_kv[cache_layer] = (k_post, v)
             chunk = self.config.chunk
             assert self.sparse is not None
@@ -301,8 +304,9 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
     def _keep_own(meta: ShadowKVStepMetadata, exact: torch.Tensor, compressed: torch.Tensor) -> torch.Tensor:
         """A fixed step's rows each from its own attention (the other saw padding)."""
         assert meta.mixed_rows is not None
-        keep = meta.mixed_rows.view(-1, *([1] * (exact.dim() - 1))) != 0
-        return torch.where(keep, exact, compressed)
+        if meta.keep_exact is None:
+            meta.keep_exact = meta.mixed_rows.view(-1, *([1] * (exact.dim() - 1))) != 0
+        return torch.where(meta.keep_exact, exact, compressed)
 
     def _attend_compressed(self, cache_layer: int, meta: ShadowKVStepMetadata, q: torch.Tensor,
                            rope: PositionedRope, out: torch.Tensor | None) -> torch.Tensor:

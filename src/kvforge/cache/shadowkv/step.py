@@ -36,6 +36,7 @@ class ShadowKVStepMetadata(StepMetadata):
     # A fixed step (static_decode.py): 1 where the row's sequence is exact. Both attentions
     # then run over every row and each row keeps its own (None: a dynamic step).
     mixed_rows: torch.Tensor | None = None
+    keep_exact: torch.Tensor | None = None  # mixed_rows != 0, made at the first global layer for the others
     # attend_rows of a mixed step: the rows asked for and where they go (None: generic path),
     # located once for every later layer
     row_split: tuple[torch.Tensor, RowSplit | None] | None = None

@@ -1,0 +1,89 @@
+"""Kernels a captured decode step launches per decoder layer, counted in graph_replay's
+emulation of a capture on the CPU (on CUDA code paths): Triton launches, and aten
+operations that write or make a tensor (views, aliases and no-op casts launch nothing).
+On CPU the projections, RMSNorm, RoPE and SiLU-and-multiply are one operation each, as
+their CUDA counterparts are one kernel each (a GEMM, the fused Triton ops), so the counts
+are what a GPU's profiler would see in the layer, give or take a split-K reduction; the
+GPU profile (benchmarks/gpu/profile_decode.py) is the measurement, this is the guard.
+
+Per-step work must run once per step, not once per layer: a layer after the first may
+launch at most the layer's own kernels, and the first only the few per-step ones more
+(KIVI's residual split, ShadowKV's row choice)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_pair, make_runner
+from graph_replay import active_graph
+from static_steps import Replayed
+from triton_helpers import interpreted_or_skip
+
+from kvforge.cache.registry import create_cache
+from kvforge.engine.runner import ModelRunner
+from kvforge.host_sync import device_code_paths
+from kvforge.kernels.cpu_fused import fused_ops_available
+from kvforge.kernels.cpu_linear import small_m_linear_available
+
+SHADOWKV = ("shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=8,rank=3,budget=paper,"
+            "budget_floor=4,budget_fraction=0.1,kernel=0")
+# spec -> (kernels of a layer after the first, more in the first layer of a step)
+# full: norm, q, k, v, RoPE of k, 2 page writes, RoPE of q, paged attention, o, add, norm,
+# gate, up, SiLU-and-multiply, down, add
+BUDGETS = {"full:block_size=4,decode_kernel=triton": (17, 0),
+           "kivi:bits=2,group=4,residual=8,decode_kernel=triton": (15, 4),  # its stores run after the step
+           SHADOWKV: (24, 1)}
+
+
+def _layer_kernels(spec: str) -> list[list[list[str]]]:
+    """For each captured bucket that holds decoder layers: each layer's kernels, in order."""
+    interpreted_or_skip()
+    if not (small_m_linear_available() and fused_ops_available()):
+        pytest.skip("kvforge's CPU kernels did not build: the layer's operations are not one each")
+    model = make_pair("llama_gqa")[1]
+    spans: list[tuple[object, int, list[int]]] = []
+
+    def before(module, args) -> None:
+        graph = active_graph()
+        if graph is not None:
+            spans.append((graph, len(graph.kernels), [0]))
+
+    def after(module, args, out) -> None:
+        graph = active_graph()
+        if graph is not None:
+            spans[-1][2][0] = len(graph.kernels)
+
+    hooks = [h for layer in model.model.layers
+             for h in (layer.register_forward_pre_hook(before), layer.register_forward_hook(after))]
+    try:
+        with device_code_paths():
+            if spec == SHADOWKV:
+                runner = ModelRunner(model, create_cache(spec, model.cache_layout(), 1 << 22, torch.float32))
+                runner.cache.sparse.triton = True  # kernel=0 keeps the fused C++ kernel off on the CPU
+                graphs = runner.decode_graphs = Replayed(model, runner.cache, 4, 128, capture=True)
+            else:
+                runner = make_runner(model, spec)
+                graphs = runner.decode_graphs = Replayed(model, runner.cache, 4, 32, capture=True)
+            assert graphs.capture().graphs > 0
+    finally:
+        for hook in hooks:
+            hook.remove()
+    steps: dict[int, list[list[str]]] = {}
+    for graph, start, (end,) in spans:
+        steps.setdefault(id(graph), []).append([name.split("::")[-1] for name in graph.kernels[start:end]])
+    assert steps and all(len(layers) == len(model.model.layers) for layers in steps.values())
+    return list(steps.values())
+
+
+@pytest.mark.parametrize("spec", list(BUDGETS), ids=["full", "kivi", "shadowkv"])
+def test_a_captured_decode_step_launches_a_few_kernels_per_layer(spec: str) -> None:
+    per_layer, once = BUDGETS[spec]
+    steps = _layer_kernels(spec)
+    for layers in steps:
+        first, *rest = layers
+        for kernels in rest:
+            assert len(kernels) <= per_layer, f"{len(kernels)} kernels in a layer: {kernels}"
+        assert len(first) <= per_layer + once, f"{len(first)} kernels in the first layer: {first}"
+    # the counting sees the layer's work: its projections and its attention at least
+    assert all(sum(name == "small_m_linear" for name in kernels) == 7 for layers in steps for kernels in layers)
+    assert any(name.startswith("triton:") for kernels in steps[-1] for name in kernels)

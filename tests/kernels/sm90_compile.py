@@ -1,6 +1,7 @@
 """Compile every kvforge Triton kernel for an H100/H200 (sm_90) without a GPU, and print
 what each gave as one JSON object: {kernel: {"error": str | None, "shared": bytes}} under
-"kernels", and the launchable kernels the modules define under "defined".
+"kernels", the launchable kernels the modules define under "defined", and other settings of
+some kernels under "variants".
 
 Triton's interpreter (how `make test` runs the kernels) accepts code the GPU compiler
 refuses and never lowers it; `triton.compile` with a GPU target runs the whole pipeline
@@ -102,6 +103,18 @@ KERNELS = {
     fused._silu_mul_kernel: (dict(gate_ptr=BF16, up_ptr=BF16, out_ptr=BF16, n=I32_16), dict(BLOCK=1024)),
 }
 
+# Other settings of kernels whose code paths depend on their constants, compiled beside the
+# ones above: KIVI with parts of 4 tokens over several pages, each channel gathering its value
+# scale, head_dim 96 padded to 128, and the output written unsplit in bf16; and 4-bit codes
+# in pages of 128 tokens (four tiles per page).
+_KIVI_TYPES, _KIVI_CONSTANTS = KERNELS[kivi._kivi_decode_kernel]
+VARIANTS = {
+    "kivi group 12, head_dim 96, unsplit": (kivi._kivi_decode_kernel, {**_KIVI_TYPES, "out_ptr": BF16}, {
+        **_KIVI_CONSTANTS, "HEAD_DIM": 96, "GROUP": 12, "SUB": 4, "PARTS": 8, "GROUPS_BLOCK": 0, "SPLIT": False}),
+    "kivi 4-bit, group 128": (kivi._kivi_decode_kernel, _KIVI_TYPES, {
+        **_KIVI_CONSTANTS, "BITS": 4, "GROUP": 128, "SUB": 32, "PARTS": 1, "GROUPS_BLOCK": 1}),
+}
+
 
 def _signature(kernel: triton.JITFunction, types: dict[str, str], constants: dict[str, object]) -> dict[str, str]:
     """Each argument's type; of the kernel's other arguments, `*_ptr` ones point at int64
@@ -147,7 +160,8 @@ def main() -> None:
                      if isinstance(value, triton.JITFunction) and name.endswith("_kernel"))
     results = {f"{kernel.fn.__module__}.{kernel.fn.__name__}": compile_one(kernel, *settings)
                for kernel, settings in KERNELS.items()}
-    json.dump({"defined": defined, "kernels": results}, sys.stdout)
+    variants = {label: compile_one(kernel, *settings) for label, (kernel, *settings) in VARIANTS.items()}
+    json.dump({"defined": defined, "kernels": results, "variants": variants}, sys.stdout)
 
 
 if __name__ == "__main__":

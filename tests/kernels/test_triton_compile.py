@@ -46,7 +46,9 @@ def test_every_triton_kernel_compiles_for_sm90(compiled):
     assert sorted(found["kernels"]) == found["defined"], "sm90_compile.KERNELS must name every kernel defined"
     failed = {name: result["error"] for name, result in found["kernels"].items() if result["error"]}
     assert not failed, "\n\n".join(f"{name}:\n{error}" for name, error in failed.items())
-    too_big = {name: result["shared"] for name, result in found["kernels"].items()
+    failed = {name: result["error"] for name, result in found["variants"].items() if result["error"]}
+    assert not failed, "\n\n".join(f"{name}:\n{error}" for name, error in failed.items())
+    too_big = {name: result["shared"] for name, result in (*found["kernels"].items(), *found["variants"].items())
                if result["shared"] > SHARED_MEMORY_PER_BLOCK}
     assert not too_big, f"shared memory per block above {SHARED_MEMORY_PER_BLOCK} bytes: {too_big}"
     assert len(found["kernels"]) >= 15

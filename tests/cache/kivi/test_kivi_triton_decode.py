@@ -43,6 +43,12 @@ def free_split(n: int) -> tuple[int, int]:
     return math.ceil(max(0, n - RESIDUAL) / GROUP) * GROUP, n - n // 5
 
 
+def ragged_split(n: int) -> tuple[int, int]:
+    """nk and nv inside pages (the contract allows it; the cache's rules never make it): the
+    page holding token nk is quantised whole, and its keys from nk on are read from the ring."""
+    return max(0, n - RESIDUAL // 2 - 1), max(0, n - RESIDUAL + 5)
+
+
 def make_case(lengths: list[int], bits: int, window: int | None = None, split=contract_split,
               table_from_first_kept: bool = False, seed: int = 0, table_padding: int = 2) -> tuple[dict, torch.Tensor]:
     """(kernel arguments, expected output). Every sequence gets random exact K/V; keys of
@@ -76,17 +82,20 @@ def make_case(lengths: list[int], bits: int, window: int | None = None, split=co
     splits = [split(n) for n in lengths]
     tables, first_positions, visible_from, expected = [], [], [], []
     for b, (n, (nk, nv)) in enumerate(zip(lengths, splits)):
-        assert 0 <= n - nk <= RESIDUAL and 0 <= n - nv <= RESIDUAL and nk % GROUP == 0
+        assert 0 <= n - nk <= RESIDUAL and 0 <= n - nv <= RESIDUAL
         start = 0 if window is None else max(0, n - window + 1)
-        keys, values = torch.randn(n, KV_HEADS, DIM, generator=gen), torch.randn(n, KV_HEADS, DIM, generator=gen)
+        # keys for whole pages: a page holding token nk - 1 is quantised over all its tokens
+        keys = torch.randn(math.ceil(n / GROUP) * GROUP, KV_HEADS, DIM, generator=gen)
+        values = torch.randn(n, KV_HEADS, DIM, generator=gen)
         pages = {j: free_pages.pop() for j in range(start // GROUP, math.ceil(n / GROUP))}  # logical -> id
         k_seen, v_seen = keys.clone(), values.clone()
-        for j in range(start // GROUP, nk // GROUP):  # keys: per channel over the page's tokens
+        for j in range(start // GROUP, math.ceil(nk / GROUP)):  # keys: per channel over the page's tokens
             tokens = slice(j * GROUP, (j + 1) * GROUP)
             quantised = quantize(keys[tokens].permute(1, 2, 0), bits, GROUP)  # [H, D, GROUP]
             k_codes[:, pages[j]], k_scale[:, pages[j]], k_zero[:, pages[j]] = (
                 quantised.packed, quantised.scale[..., 0], quantised.zero[..., 0])
             k_seen[tokens] = dequantize(quantised).permute(2, 0, 1)
+        k_seen[nk:] = keys[nk:]  # (from the ring)
         if nv:  # values: per token over groups of GROUP channels
             quantised = quantize(values[:nv], bits, GROUP)
             v_seen[:nv] = dequantize(quantised)
@@ -102,7 +111,7 @@ def make_case(lengths: list[int], bits: int, window: int | None = None, split=co
         tables.append([pages.get(j, -1) for j in range(first_page, math.ceil(n / GROUP))])
         first_positions.append(first_page * GROUP)
         visible_from.append(start)
-        k_all = torch.cat((k_seen[start:], k_self[b:b + 1]))
+        k_all = torch.cat((k_seen[start:n], k_self[b:b + 1]))
         v_all = torch.cat((v_seen[start:], v_self[b:b + 1]))
         positions = torch.arange(start, n + 1)
         expected.append(reference_attention(q[b:b + 1], k_all, v_all, torch.tensor([n]), positions,
@@ -123,6 +132,7 @@ CASES = [
     pytest.param(dict(window=None, split=contract_split), id="global"),
     pytest.param(dict(window=50, split=contract_split, table_from_first_kept=True), id="window50"),
     pytest.param(dict(window=21, split=free_split), id="window21-free-split"),
+    pytest.param(dict(window=50, split=ragged_split), id="window50-ragged-split"),
 ]
 
 
@@ -177,16 +187,19 @@ def test_triton_kernel_matches_reference(triton_device: str, bits: int, options:
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("group, dim", [pytest.param(12, 48, id="group12-dim48"),
-                                        pytest.param(64, 64, id="group64"), pytest.param(4, 32, id="group4")])
+OTHER_GROUPS = [(12, 48, 2), (12, 48, 4), (64, 64, 2), (64, 64, 4), (4, 32, 2), (4, 32, 4), (16, 48, 2), (16, 48, 4),
+                (8, 24, 8), (1, 16, 8)]
+
+
+@pytest.mark.parametrize("group, dim, bits", [pytest.param(*g, id="group{}-dim{}-{}bit".format(*g)) for g in OTHER_GROUPS])
 @pytest.mark.parametrize("options", CASES)
 def test_triton_kernel_matches_reference_at_other_groups(triton_device: str, monkeypatch, bits: int, group: int,
                                                          dim: int, options: dict) -> None:
     """Tiles are 32 tokens in parts that each lie in one page: a group of 12 (not a power of
     two: parts of 4 tokens, each channel gathering its value scale, head_dim padded to 64),
-    a group of 64 (two tiles per page, reading from the middle of a channel's codes) and a
-    group of 4 (eight pages per tile)."""
+    a group of 64 (two tiles per page, reading from the middle of a channel's codes), groups
+    of 4 and 1 (eight and 32 pages per tile), and head_dims of 48 and 24 (padded to 64 and
+    32: a token's padded value scales and code bytes are masked)."""
     module = sys.modules[__name__]
     for name, value in (("GROUP", group), ("DIM", dim), ("RESIDUAL", 2 * group if group > 16 else 48)):
         monkeypatch.setattr(module, name, value)

@@ -52,7 +52,8 @@ class Decode:
     rows_in_order: bool = False
     # residual_split's results by residual size: made once per step for every layer of the
     # group (plans are rebuilt every step, and a captured step records them once)
-    _splits: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, compare=False, repr=False)
+    _splits: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False, compare=False,
+                                                                   repr=False)  # (a `replace` starts afresh)
 
     def residual_split(self, residual: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(nk, nv) per row under the residual rules for rings of `residual` tokens: keys of

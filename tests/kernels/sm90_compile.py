@@ -64,7 +64,7 @@ KERNELS = {
              k_scale_ptr="*fp16", k_zero_ptr="*fp16", v_scale_ptr="*fp16", v_zero_ptr="*fp16", k_res_ptr=BF16,
              v_res_ptr=BF16, out_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, scale="fp32",
              **dict.fromkeys(KIVI_STRIDES.split(), I32_16)),
-        dict(QUERY_GROUP=4, BLOCK_Q=16, HEAD_DIM=128, BLOCK_D=128, BITS=2, GROUP=32, BLOCK_T=32, SUB=32, PARTS=1,
+        dict(QUERY_GROUP=4, BLOCK_Q=16, HEAD_DIM=128, BLOCK_D=128, BITS=2, VALUE_BITS=2, GROUP=32, BLOCK_T=32, SUB=32, PARTS=1,
              GROUPS_BLOCK=4, SPLIT=True)),
     kivi._combine_kernel: (
         dict(part_acc_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, out_ptr=BF16, splits=I32),
@@ -105,14 +105,15 @@ KERNELS = {
 
 # Other settings of kernels whose code paths depend on their constants, compiled beside the
 # ones above: KIVI with parts of 4 tokens over several pages, each channel gathering its value
-# scale, head_dim 96 padded to 128, and the output written unsplit in bf16; and 4-bit codes
-# in pages of 128 tokens (four tiles per page).
+# scale, head_dim 96 padded to 128, and the output written unsplit in bf16; 4-bit codes in
+# pages of 128 tokens (four tiles per page); and 4-bit keys beside 2-bit values.
 _KIVI_TYPES, _KIVI_CONSTANTS = KERNELS[kivi._kivi_decode_kernel]
 VARIANTS = {
     "kivi group 12, head_dim 96, unsplit": (kivi._kivi_decode_kernel, {**_KIVI_TYPES, "out_ptr": BF16}, {
         **_KIVI_CONSTANTS, "HEAD_DIM": 96, "GROUP": 12, "SUB": 4, "PARTS": 8, "GROUPS_BLOCK": 0, "SPLIT": False}),
     "kivi 4-bit, group 128": (kivi._kivi_decode_kernel, _KIVI_TYPES, {
-        **_KIVI_CONSTANTS, "BITS": 4, "GROUP": 128, "SUB": 32, "PARTS": 1, "GROUPS_BLOCK": 1}),
+        **_KIVI_CONSTANTS, "BITS": 4, "VALUE_BITS": 4, "GROUP": 128, "SUB": 32, "PARTS": 1, "GROUPS_BLOCK": 1}),
+    "kivi 4-bit keys, 2-bit values": (kivi._kivi_decode_kernel, _KIVI_TYPES, {**_KIVI_CONSTANTS, "BITS": 4}),
 }
 
 

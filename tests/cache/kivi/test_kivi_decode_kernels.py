@@ -146,6 +146,28 @@ def test_triton_decode_matches_torch_path(monkeypatch, name: str) -> None:
         assert any(bool((c["visible_from"] > 0).any()) for c in seen)
 
 
+def test_triton_decode_reads_keys_and_values_of_different_widths(monkeypatch) -> None:
+    """4-bit keys and 2-bit values (the quality2 preset's widths): auto takes the Triton
+    kernel on CUDA, and it gives the torch path's logits and greedy tokens."""
+    monkeypatch.setattr(triton_decode, "triton_available", lambda: True)
+    config = parse_cache_spec(f"{SPEC},key_bits=4,value_bits=2").config()
+    assert resolve_decode_kernel("auto", torch.device("cuda"), config) == "triton"
+    device = triton_test_device()
+    _, model = make_pair("llama_gqa")
+    model.to(device)
+    calls = spy_on_kernels(monkeypatch)
+
+    def runner(kernel: str) -> ModelRunner:
+        return ModelRunner(model, create_cache(f"{SPEC},key_bits=4,value_bits=2,decode_kernel={kernel}",
+                                               model.cache_layout(), 1 << 22, torch.float32, device))
+
+    torch_logits = decode_logits(runner("torch"), PROMPTS, STEPS)
+    triton_logits = decode_logits(runner("triton"), PROMPTS, STEPS)
+    assert calls["triton"] and {(c["bits"], c["value_bits"]) for c in calls["triton"]} == {(4, 2)}
+    torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(triton_logits.argmax(-1), torch_logits.argmax(-1))
+
+
 @pytest.mark.parametrize(("options", "expected"), [
     ("key_space=pre_rope", "cpp"), ("key_space=pre_rope,sinks=4,key_bits=4,value_bits=2", "cpp"),
     ("key_space=pre_rope,rotation=hadamard_values", "cpp"),

@@ -49,7 +49,7 @@ def ragged_split(n: int) -> tuple[int, int]:
     return max(0, n - RESIDUAL // 2 - 1), max(0, n - RESIDUAL + 5)
 
 
-def make_case(lengths: list[int], bits: int, window: int | None = None, split=contract_split,
+def make_case(lengths: list[int], bits: int | tuple[int, int], window: int | None = None, split=contract_split,
               table_from_first_kept: bool = False, seed: int = 0, table_padding: int = 2) -> tuple[dict, torch.Tensor]:
     """(kernel arguments, expected output). Every sequence gets random exact K/V; keys of
     tokens < nk are quantised page by page per channel and values of tokens < nv per token,
@@ -59,16 +59,18 @@ def make_case(lengths: list[int], bits: int, window: int | None = None, split=co
     before visible_from are released: -1 in a table that starts at logical page 0, or left
     out of a table that starts at the first kept page (`table_from_first_kept`). The
     expected output is `reference_attention` over the dequantised K/V (exact residual
-    tokens) plus the step's own token. Random K/V do not depend on `bits`."""
+    tokens) plus the step's own token. Random K/V do not depend on `bits` (one width, or
+    the widths of the keys' and the values' codes)."""
     gen = torch.Generator().manual_seed(seed)
     garbage = torch.Generator().manual_seed(seed + 1)
+    bits, value_bits = bits if isinstance(bits, tuple) else (bits, bits)
     per_byte = 8 // bits
     batch = len(lengths)
     num_pages, num_slots = sum(math.ceil(n / GROUP) for n in lengths) + 4, batch + 2
     nan = float("nan")
     k_codes = torch.randint(0, 256, (KV_HEADS, num_pages, DIM, GROUP // per_byte), generator=garbage,
                             dtype=torch.uint8)
-    v_codes = torch.randint(0, 256, (KV_HEADS, num_pages, GROUP, DIM // per_byte), generator=garbage,
+    v_codes = torch.randint(0, 256, (KV_HEADS, num_pages, GROUP, DIM * value_bits // 8), generator=garbage,
                             dtype=torch.uint8)
     k_scale, k_zero = (torch.full((KV_HEADS, num_pages, DIM), nan, dtype=torch.float16) for _ in range(2))
     v_scale, v_zero = (torch.full((KV_HEADS, num_pages, GROUP, DIM // GROUP), nan, dtype=torch.float16)
@@ -97,7 +99,7 @@ def make_case(lengths: list[int], bits: int, window: int | None = None, split=co
             k_seen[tokens] = dequantize(quantised).permute(2, 0, 1)
         k_seen[nk:] = keys[nk:]  # (from the ring)
         if nv:  # values: per token over groups of GROUP channels
-            quantised = quantize(values[:nv], bits, GROUP)
+            quantised = quantize(values[:nv], value_bits, GROUP)
             v_seen[:nv] = dequantize(quantised)
             for t in range(start // GROUP * GROUP, nv):
                 page, offset = pages[t // GROUP], t % GROUP
@@ -125,6 +127,8 @@ def make_case(lengths: list[int], bits: int, window: int | None = None, split=co
                 nk=torch.tensor([s[0] for s in splits]), nv=torch.tensor([s[1] for s in splits]),
                 visible_from=torch.tensor(visible_from), n=torch.tensor(lengths), scale=DIM ** -0.5, bits=bits,
                 group=GROUP)
+    if value_bits != bits:
+        case["value_bits"] = value_bits
     return case, torch.cat(expected)
 
 
@@ -185,6 +189,19 @@ def test_triton_kernel_matches_reference(triton_device: str, bits: int, options:
     expected = kivi_decode_attention_reference(**case)
     out = kivi_decode_attention_triton(**on(case, triton_device)).cpu()
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [(4, 2), (2, 4), (8, 2)], ids=["k4v2", "k2v4", "k8v2"])
+@pytest.mark.parametrize("options", CASES)
+def test_triton_kernel_matches_reference_with_key_and_value_bits_apart(triton_device: str, bits: tuple[int, int],
+                                                                       options: dict) -> None:
+    """Keys and values in codes of different widths (the `quality2` preset: 4-bit keys, 2-bit
+    values): the reference dequantises each with its own, and so must the kernel."""
+    case, expected = make_case(LENGTHS, bits, **options)
+    reference = kivi_decode_attention_reference(**case)
+    torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-5)
+    out = kivi_decode_attention_triton(**on(case, triton_device), splits=2).cpu()
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
 
 
 OTHER_GROUPS = [(12, 48, 2), (12, 48, 4), (64, 64, 2), (64, 64, 4), (4, 32, 2), (4, 32, 4), (16, 48, 2), (16, 48, 4),

@@ -30,6 +30,7 @@ from kvforge.cache.kivi.attention import kivi_decode_attention
 from kvforge.cache.kivi.config import KIVICacheConfig
 from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
 from kvforge.cache.kivi.key_space import KeyTransform, StoredKeys
+from kvforge.cache.kivi.quant import SUPPORTED_BITS
 from kvforge.cache.kivi.store import KIVILayerView
 from kvforge.errors import ConfigError
 from kvforge.kernels.build import DISABLE_ENV
@@ -49,7 +50,8 @@ def _triton_module() -> ModuleType:
 KERNEL_OPTIONS: dict[str, frozenset[str]] = {
     "cpp": frozenset({"sinks", "value_group", "key_bits=4,value_bits=2", "key_space=pre_rope", "key_dot=int8",
                        "value_dot=int8"}),
-    "triton": frozenset()}
+    # the Triton kernel reads any bits of keys and of values
+    "triton": frozenset(f"key_bits={k},value_bits={v}" for k in SUPPORTED_BITS for v in SUPPORTED_BITS if k != v)}
 
 
 def requested_options(config: KIVICacheConfig | None) -> list[str]:
@@ -149,4 +151,4 @@ def _triton_over_view(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tenso
     return _triton_module().kivi_decode_attention_triton(
         q, k_self, v_self, view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero,
         view.k_res, view.v_res, slots, page_table, first_page_position, nk, nv, visible_from, lengths, scale,
-        view.bits, view.group)
+        view.bits, view.group, value_bits=view.vbits)

@@ -21,6 +21,7 @@ Arguments (the KIVI storage layout, for one cache layer, i.e. already indexed by
   sliding window, padding, pages past nk) are never used and may be -1 or absent.
 - nk, nv, visible_from, n [B]: keys of tokens < nk and values of tokens < nv come from the
   pages, the others from the residuals; tokens [visible_from, n) are visible.
+`bits`: of the key codes; `value_bits`: of the value codes (None: `bits`).
 Returns [B, heads, D] in q's dtype; query head h reads kv head h // (heads // kv_heads).
 """
 
@@ -41,7 +42,7 @@ def kivi_decode_attention_reference(
         k_residual: torch.Tensor, v_residual: torch.Tensor, slots: torch.Tensor,
         page_table: torch.Tensor, first_page_position: torch.Tensor,
         nk: torch.Tensor, nv: torch.Tensor, visible_from: torch.Tensor, n: torch.Tensor,
-        scale: float, bits: int, group: int) -> torch.Tensor:
+        scale: float, bits: int, group: int, value_bits: int | None = None) -> torch.Tensor:
     batch, heads, dim = q.shape
     kv_heads = k_self.shape[1]
     qh = (q.float() * scale).view(batch, kv_heads, heads // kv_heads, dim)
@@ -66,7 +67,8 @@ def kivi_decode_attention_reference(
         ids = page_table.long().gather(1, columns)[:, 0].clamp(min=0) if width else columns[:, 0] * 0
         k_page = dequantize(QuantizedGroups(k_codes[:, ids], k_scale[:, ids, :, None], k_zero[:, ids, :, None],
                                             bits, group))  # [H, B, D, group]
-        v_page = dequantize(QuantizedGroups(v_codes[:, ids], v_scale[:, ids], v_zero[:, ids], bits, group))
+        v_page = dequantize(QuantizedGroups(v_codes[:, ids], v_scale[:, ids], v_zero[:, ids],
+                                            bits if value_bits is None else value_bits, group))
         k = torch.where((positions < nk)[:, None, :, None], k_page.permute(1, 0, 3, 2),
                         _residual_rows(k_ring, positions))
         v = torch.where((positions < nv)[:, None, :, None], v_page.transpose(0, 1),

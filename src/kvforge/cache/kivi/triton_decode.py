@@ -74,7 +74,8 @@ def _kivi_decode_kernel(
         skr_s, skr_h, skr_r, k_ring, svr_s, svr_h, svr_r, v_ring, stab_b, table_width, scale,
         part_max_ptr, part_sum_ptr, split_tokens,
         QUERY_GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr, BITS: tl.constexpr, VALUE_BITS: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_T: tl.constexpr,
         SUB: tl.constexpr, PARTS: tl.constexpr, GROUPS_BLOCK: tl.constexpr, SPLIT: tl.constexpr):
     # Unit stride along D is required of q/k_self/v_self/residuals/out (the launcher
     # ensures it); the quantised store's heads and pages may have any strides, and within a
@@ -85,11 +86,14 @@ def _kivi_decode_kernel(
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
+    # keys in BITS-bit codes, values in VALUE_BITS-bit ones
     PER_BYTE: tl.constexpr = 8 // BITS
+    V_PER_BYTE: tl.constexpr = 8 // VALUE_BITS
     K_ROW: tl.constexpr = GROUP // PER_BYTE  # bytes of a channel's codes in a page
-    V_ROW: tl.constexpr = HEAD_DIM // PER_BYTE  # bytes of a token's value codes
+    V_ROW: tl.constexpr = HEAD_DIM // V_PER_BYTE  # bytes of a token's value codes
     V_GROUPS: tl.constexpr = HEAD_DIM // GROUP  # value scales of a token
     MASK: tl.constexpr = (1 << BITS) - 1
+    V_MASK: tl.constexpr = (1 << VALUE_BITS) - 1
     rows = tl.arange(0, BLOCK_Q)
     dims = tl.arange(0, BLOCK_D)
     toks = tl.arange(0, BLOCK_T)
@@ -120,8 +124,9 @@ def _kivi_decode_kernel(
     parts = tl.arange(0, PARTS)
     part_bytes = tl.arange(0, SUB // PER_BYTE)
     shifts = tl.arange(0, PER_BYTE) * BITS  # code j of a byte sits at bit j * BITS
-    row_bytes = tl.arange(0, BLOCK_D // PER_BYTE)  # a value token's packed channels
-    row_byte_ok = row_bytes < HEAD_DIM // PER_BYTE
+    v_shifts = tl.arange(0, V_PER_BYTE) * VALUE_BITS
+    row_bytes = tl.arange(0, BLOCK_D // V_PER_BYTE)  # a value token's packed channels
+    row_byte_ok = row_bytes < V_ROW
     for start in range(begin, end, BLOCK_T):
         t = start + toks
         visible = (t >= lo) & (t < end)
@@ -157,15 +162,15 @@ def _kivi_decode_kernel(
         k = tl.where(key_quantised[:, None], k_hat, k_res)  # 0 for hidden tokens
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         scores = tl.where(visible[None, :], scores, float("-inf"))
-        # Values: a token's codes are one row of D // PER_BYTE bytes (channel d: byte
-        # d // PER_BYTE, bit (d % PER_BYTE) * BITS); scale/zero per (page, token, channel
-        # group d // GROUP).
+        # Values: a token's codes are one row of V_ROW bytes (channel d: byte d // V_PER_BYTE,
+        # bit (d % V_PER_BYTE) * VALUE_BITS); scale/zero per (page, token, channel group
+        # d // GROUP).
         token_page = tl.reshape(tl.broadcast_to(page[:, None], [PARTS, SUB]), [BLOCK_T])
         offset = t % GROUP
         v_bytes = tl.load(v_codes_ptr + kv_head * svc_h + (token_page * svc_p + offset * V_ROW)[:, None]
                           + row_bytes[None, :], mask=value_quantised[:, None] & row_byte_ok[None, :],
                           other=0).to(tl.int32)
-        v_code = tl.reshape((v_bytes[:, :, None] >> shifts[None, None, :]) & MASK, [BLOCK_T, BLOCK_D])
+        v_code = tl.reshape((v_bytes[:, :, None] >> v_shifts[None, None, :]) & V_MASK, [BLOCK_T, BLOCK_D])
         v_row = kv_head * svp_h + token_page * svp_p + offset * V_GROUPS
         if GROUPS_BLOCK > 0:  # a power-of-two group: load a token's V_GROUPS scales, spread them
             groups = tl.arange(0, GROUPS_BLOCK)
@@ -226,28 +231,34 @@ def kivi_decode_attention_triton(
         k_residual: torch.Tensor, v_residual: torch.Tensor, slots: torch.Tensor,
         page_table: torch.Tensor, first_page_position: torch.Tensor,
         nk: torch.Tensor, nv: torch.Tensor, visible_from: torch.Tensor, n: torch.Tensor,
-        scale: float, bits: int, group: int, splits: int | None = None) -> torch.Tensor:
+        scale: float, bits: int, group: int, splits: int | None = None,
+        value_bits: int | None = None) -> torch.Tensor:
     """Fused KIVI decode attention; arguments and result as
     `kivi_decode_attention_reference`. All tensors on one CUDA device (or on CPU with
     TRITON_INTERPRET=1). Raises RuntimeError without triton. `splits`: parts of each
-    sequence's token range run by separate programs (None: `choose_splits`)."""
+    sequence's token range run by separate programs (None: `choose_splits`). `bits`: of the
+    key codes; `value_bits`: of the value codes (None: `bits`)."""
     if triton is None:
         raise RuntimeError("the Triton KIVI attention kernel needs the `triton` package "
                            "(pip install 'kvforge[triton]')")
     if not (q.is_cuda or _INTERPRETED):
         raise ValueError("kivi_decode_attention_triton runs on CUDA tensors (or on CPU tensors "
                          "when TRITON_INTERPRET=1 was set before this module was imported)")
+    vbits = bits if value_bits is None else value_bits
     require(bits in SUPPORTED_BITS, "bits", bits, f"must be one of {list(SUPPORTED_BITS)}")
+    require(vbits in SUPPORTED_BITS, "value_bits", vbits, f"must be one of {list(SUPPORTED_BITS)}")
     batch, heads, dim = q.shape
     kv_heads = k_self.shape[1]
     require(heads % kv_heads == 0, "heads", heads, f"must be a multiple of kv_heads={kv_heads}")
     require(dim % group == 0, "group", group, f"must divide head_dim={dim}")
     require(group % codes_per_byte(bits) == 0, "group", group,
             f"must be a multiple of {codes_per_byte(bits)} ({bits}-bit codes fill whole bytes)")
+    require(dim % codes_per_byte(vbits) == 0, "head_dim", dim,
+            f"must be a multiple of {codes_per_byte(vbits)} ({vbits}-bit value codes fill whole bytes)")
     require(tuple(k_codes.shape[2:]) == (dim, group * bits // 8), "k_codes", tuple(k_codes.shape),
             f"must be [kv_heads, pages, {dim}, {group * bits // 8}] for {bits}-bit codes, group {group}")
-    require(tuple(v_codes.shape[2:]) == (group, dim // codes_per_byte(bits)), "v_codes", tuple(v_codes.shape),
-            f"must be [kv_heads, pages, {group}, {dim * bits // 8}] for {bits}-bit codes, group {group}")
+    require(tuple(v_codes.shape[2:]) == (group, dim // codes_per_byte(vbits)), "v_codes", tuple(v_codes.shape),
+            f"must be [kv_heads, pages, {group}, {dim * vbits // 8}] for {vbits}-bit codes, group {group}")
     require(k_scale.stride() == k_zero.stride() and v_scale.stride() == v_zero.stride(), "scale strides",
             (k_scale.stride(), k_zero.stride()), "scale and zero of keys (and of values) must share strides")
     loose = [name for name, t in (("k_codes", k_codes), ("k_scale", k_scale), ("v_codes", v_codes),
@@ -294,7 +305,7 @@ def kivi_decode_attention_triton(
             page_table.stride(0), page_table.shape[1],
             float(scale), part_max, part_sum, split_tokens,
             QUERY_GROUP=query_group, BLOCK_Q=max(MIN_DOT, triton.next_power_of_2(query_group)), HEAD_DIM=dim,
-            BLOCK_D=block_d, BITS=bits, GROUP=group, BLOCK_T=BLOCK_T, SUB=sub, PARTS=BLOCK_T // sub,
+            BLOCK_D=block_d, BITS=bits, VALUE_BITS=vbits, GROUP=group, BLOCK_T=BLOCK_T, SUB=sub, PARTS=BLOCK_T // sub,
             GROUPS_BLOCK=groups_block, SPLIT=splits > 1, num_warps=decode_warps())
         if splits > 1:
             _combine_kernel[(batch * heads,)](parts, part_max, part_sum, out, splits, HEAD_DIM=dim,

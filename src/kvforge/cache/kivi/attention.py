@@ -22,6 +22,7 @@ import torch
 from kvforge.cache.kivi.int8_keys import int8_key_scores
 from kvforge.cache.kivi.int8_values import int8_value_sums
 from kvforge.cache.kivi.key_space import KeyTransform
+from kvforge.cache.kivi.plan import residual_split
 from kvforge.cache.kivi.store import KIVILayerView, dequantize_key_pages, dequantize_value_pages
 from kvforge.cache.softmax_merge import OnlineSoftmax
 from kvforge.host_sync import host_memory
@@ -170,8 +171,7 @@ def kivi_decode_attention(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.T
     group = heads // kv_heads
     pairs = kv_heads * batch
     residual, g = view.residual, view.group
-    nk = (lengths // residual) * residual
-    nv = (lengths - residual).clamp(min=0)
+    nk, nv = residual_split(lengths, residual)
     qh = (q.float() * scale).view(batch, kv_heads, group, dim).transpose(0, 1).reshape(pairs, group, dim)
     own_k = k_self.float().transpose(0, 1).reshape(pairs, dim, 1)
     own_v = v_self.float().transpose(0, 1).reshape(pairs, 1, dim)

@@ -30,6 +30,7 @@ from kvforge.cache.kivi.attention import kivi_decode_attention
 from kvforge.cache.kivi.config import KIVICacheConfig
 from kvforge.cache.kivi.cpu_decode import cpu_kivi_kernel_available, kivi_decode_attention_cpu
 from kvforge.cache.kivi.key_space import KeyTransform, StoredKeys
+from kvforge.cache.kivi.plan import residual_split as split_by_residual
 from kvforge.cache.kivi.quant import SUPPORTED_BITS
 from kvforge.cache.kivi.store import KIVILayerView
 from kvforge.errors import ConfigError
@@ -146,8 +147,7 @@ def _triton_over_view(q: torch.Tensor, k_self: torch.Tensor, v_self: torch.Tenso
                       residual_split: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     # The kernel takes nk and nv per sequence; for the cache they follow the residual rules
     # (keys flushed R at a time, values a window of the last R tokens).
-    r = view.residual
-    nk, nv = residual_split if residual_split is not None else ((lengths // r) * r, (lengths - r).clamp(min=0))
+    nk, nv = residual_split if residual_split is not None else split_by_residual(lengths, view.residual)
     return _triton_module().kivi_decode_attention_triton(
         q, k_self, v_self, view.k_codes, view.k_scale, view.k_zero, view.v_codes, view.v_scale, view.v_zero,
         view.k_res, view.v_res, slots, page_table, first_page_position, nk, nv, visible_from, lengths, scale,

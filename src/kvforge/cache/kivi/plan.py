@@ -56,12 +56,17 @@ class Decode:
                                                                    repr=False)  # (a `replace` starts afresh)
 
     def residual_split(self, residual: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(nk, nv) per row under the residual rules for rings of `residual` tokens: keys of
-        tokens < nk are in the pages (flushed `residual` at a time), values of tokens < nv
-        (all but the last `residual`)."""
+        """`residual_split(self.lengths, residual)`, made once per step."""
         if residual not in self._splits:
-            self._splits[residual] = ((self.lengths // residual) * residual, (self.lengths - residual).clamp(min=0))
+            self._splits[residual] = residual_split(self.lengths, residual)
         return self._splits[residual]
+
+
+def residual_split(lengths: torch.Tensor, residual: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nk, nv) per sequence of `lengths` tokens under the residual rules for rings of
+    `residual` tokens: keys of tokens < nk are in the pages (flushed `residual` at a time),
+    values of tokens < nv (all but the last `residual`)."""
+    return (lengths // residual) * residual, (lengths - residual).clamp(min=0)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ FULL_TRITON = ("tests/cache/full/test_full_triton_decode.py",)
 TRITON_FUSED = ("tests/kernels/test_triton_fused.py",)
 SHADOWKV_TRITON = ("tests/cache/shadowkv/test_shadowkv_triton_decode.py",)
 SHADOWKV_STATIC = ("tests/cache/test_shadowkv_static_decode.py",)
+VOCAB_LOGITS = "tests/kernels/test_vocab_logits.py::"
+BF16_VERDICT = "tests/kernels/test_bf16_products.py::"
 
 MUTATIONS: list[Mutation] = [
     # -- vLLM KIVI backend ---------------------------------------------------------------
@@ -528,8 +530,8 @@ MUTATIONS: list[Mutation] = [
              "static Op load_x(const XT* p) { return _mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(0xFFFF)); }",
              ("tests/kernels/test_cpu_linear.py",), "the pair dot product sums both products of each lane"),
     Mutation("linear_bias_dropped_for_two_byte_dtypes", S + "kernels/cpu_linear.cpp",
-             "const_data_ptr()), bias_of(i),\n                    reinterpret_cast<T*>(ys[i]",
-             "const_data_ptr()), nullptr,\n                    reinterpret_cast<T*>(ys[i]",
+             "const_data_ptr()), bias_of(i),\n                    out_of(i)",
+             "const_data_ptr()), nullptr,\n                    out_of(i)",
              ("tests/kernels/test_cpu_linear.py",), "a bf16 layer's bias is added like a float32 one's"),
     Mutation("rms_norm_gemma_without_one_plus_w", S + "kernels/cpu_fused.cpp",
              "static_cast<float>(xr[k]) * inv * (1.0f + static_cast<float>(w[k]))",
@@ -2007,4 +2009,44 @@ MUTATIONS: list[Mutation] = [
              "        if not self.leader_attentions():  # l = L: no later layer, no fused K/V GEMM\n            return weights\n",
              "", ("tests/tools/swiftkv/test_side_by_side.py::test_all_layers_kept_continues_exactly_like_the_base",),
              "a SwiftKV model keeping every layer (no fused K/V GEMM) still starts an engine (nothing to prepack there)"),
+    # -- float32 logits, one bf16 verdict per machine ------------------------------------------
+    Mutation("vocab_logits_rounded_by_the_kernel", S + "kernels/vocab_logits.py",
+             "torch.ops.kvforge_cpu_linear.small_m_linear_float_out(rows, weight, bias)",
+             "torch.ops.kvforge_cpu_linear.small_m_linear(rows, weight, bias).float()",
+             (VOCAB_LOGITS + "test_a_gap_below_bf16_resolution_keeps_its_order",),
+             "a bf16 model's decode logits are the unrounded float32 sums: bf16 rounding ties candidates"),
+    Mutation("vocab_logits_widened_slices_leave_a_gap", S + "kernels/vocab_logits.py",
+             "stop = min(start + _WIDEN_ROWS, weight.shape[0])", "stop = min(start + _WIDEN_ROWS - 1, weight.shape[0])",
+             (VOCAB_LOGITS + "test_logits_are_the_float32_product_of_the_bf16_values",),
+             "the widened product's vocabulary slices cover every row once"),
+    Mutation("vocab_logits_float_output_drops_the_bias", S + "kernels/cpu_linear.cpp",
+             "yf[r] = p.bias != nullptr ? sums[r] + p.bias[n0 + r] : sums[r];", "yf[r] = sums[r];",
+             (VOCAB_LOGITS + "test_logits_are_the_float32_product_of_the_bf16_values",),
+             "the kernel's float output adds the bias as its rounded output does"),
+    Mutation("model_logits_rounded_to_the_model_dtype", S + "models/causal_lm.py",
+             "logits = vocab_logits(self.model.norm(hidden), self.lm_head.weight, self.lm_head.bias)",
+             "logits = vocab_logits(self.model.norm(hidden), self.lm_head.weight, self.lm_head.bias).to(hidden.dtype)",
+             (VOCAB_LOGITS + "test_a_bf16_models_logits_are_float32",),
+             "a bf16 model's logits stay float32"),
+    Mutation("bf16_verdict_not_remembered", S + "kernels/bf16_products.py",
+             '_cached = None if mode == "measure" else _recall(key)', "_cached = None",
+             (BF16_VERDICT + "test_a_machines_first_verdict_is_taken_by_every_later_process",),
+             "a later process takes the machine's first verdict, so one greedy command prints the same text each run"),
+    Mutation("bf16_verdict_key_ignores_threads", S + "kernels/bf16_products.py",
+             'f"threads={torch.get_num_threads()}", ', "",
+             (BF16_VERDICT + "test_another_thread_count_or_an_unreadable_file_is_measured_afresh",),
+             "a verdict is remembered per thread count (the timings depend on it)"),
+    Mutation("model_load_initialises_weights_it_overwrites", S + "models/loader.py",
+             "model = build_model(config, dtype=torch_dtype, device=device, initialise=False)",
+             "model = build_model(config, dtype=torch_dtype, device=device)",
+             ("tests/models/test_strict_loading.py::test_a_load_draws_no_random_weights_and_leaves_building_as_it_was",),
+             "a checkpoint's load skips the random initialisation it overwrites (1.5-4 s of every start)"),
+    Mutation("model_build_leaves_initialisation_off", S + "models/registry.py",
+             "            nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved\n", "            pass\n",
+             ("tests/models/test_strict_loading.py::test_a_load_draws_no_random_weights_and_leaves_building_as_it_was",),
+             "every build after a load (tests' random models, training) initialises its weights again"),
+    Mutation("eval_tokenizer_read_per_use", S + "tools/eval/context.py",
+             "    if key not in _tokenizers:\n", "    if True:\n",
+             ("tests/tools/eval/test_context.py",),
+             "an evaluation reads a model's tokenizer once (4 s for gemma3-270m)"),
 ]

@@ -37,11 +37,65 @@ needs_kernel = pytest.mark.skipif(
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """An unmeasured process: the cached verdict cleared, the suite's pin lifted."""
+def fresh(monkeypatch, tmp_path):
+    """An unmeasured process on a machine with nothing remembered: the cached verdict cleared,
+    the suite's pin lifted, the verdict file in a scratch directory."""
     monkeypatch.setattr(products_module, "_cached", None)
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(products_module, "verdict_path", lambda: tmp_path / products_module.VERDICT_FILE)
     return monkeypatch
+
+
+def _stub_timings(monkeypatch, linear: tuple[float, float], attention: tuple[float, float]) -> list[str]:
+    """Stands in for both timings; returns the list each timing appends its name to."""
+    timed: list[str] = []
+    monkeypatch.setattr(products_module, "_linear_seconds", lambda: timed.append("linear") or linear)
+    monkeypatch.setattr(products_module, "_attention_seconds", lambda: timed.append("attention") or attention)
+    return timed
+
+
+def test_a_machines_first_verdict_is_taken_by_every_later_process(fresh):
+    """A later process (the per-process cache cleared) takes the remembered verdict even where
+    its own timing would decide otherwise, so one command prints the same text run after run."""
+    timed = _stub_timings(fresh, (1.0, 0.5), (1.0, 0.99))
+    first = bf16_products()
+    assert (first.linear, first.attention) == (True, False) and timed == ["linear", "attention"]
+    fresh.setattr(products_module, "_cached", None)
+    timed = _stub_timings(fresh, (1.0, 0.99), (1.0, 0.5))  # this process would measure the reverse
+    later = bf16_products()
+    assert (later.linear, later.attention) == (True, False) and timed == []
+    assert later.why.startswith(first.why) and "remembered from" in later.why and f"${ENV}=measure" in later.why
+
+
+def test_measure_measures_again_and_the_next_process_takes_that(fresh):
+    _stub_timings(fresh, (1.0, 0.5), (1.0, 0.99))
+    bf16_products()
+    fresh.setattr(products_module, "_cached", None)
+    fresh.setenv(ENV, "measure")
+    timed = _stub_timings(fresh, (1.0, 0.99), (1.0, 0.5))
+    again = bf16_products()
+    assert (again.linear, again.attention) == (False, True) and timed == ["linear", "attention"]
+    fresh.setattr(products_module, "_cached", None)
+    fresh.delenv(ENV)
+    assert (bf16_products().linear, bf16_products().attention) == (False, True)
+
+
+def test_another_thread_count_or_an_unreadable_file_is_measured_afresh(fresh):
+    _stub_timings(fresh, (1.0, 0.5), (1.0, 0.99))
+    bf16_products()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        fresh.setattr(products_module, "_cached", None)
+        timed = _stub_timings(fresh, (1.0, 0.99), (1.0, 0.5))
+        assert not bf16_products().linear and timed == ["linear", "attention"]
+    finally:
+        torch.set_num_threads(threads)
+    products_module.verdict_path().write_text("{not json")
+    fresh.setattr(products_module, "_cached", None)
+    timed = _stub_timings(fresh, (1.0, 0.99), (1.0, 0.99))
+    assert bf16_products() == Bf16Products(False, False, bf16_products().why) and timed == ["linear", "attention"]
+    assert "remembered" not in bf16_products().why
 
 
 def test_the_environment_overrides_the_measurement(monkeypatch):

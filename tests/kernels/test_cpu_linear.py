@@ -206,7 +206,7 @@ def test_model_decode_same_logits_with_and_without_kernel(name, monkeypatch):
     _, model = make_pair(name)
     calls = []
     original = cpu_linear.linear
-    for module in ("kvforge.models.layers", "kvforge.models.causal_lm"):
+    for module in ("kvforge.models.layers", "kvforge.kernels.vocab_logits"):
         monkeypatch.setattr(f"{module}.linear", lambda *args: calls.append(1) or original(*args))
     prompts = [list(range(3, 30)), [7, 8], list(range(40, 52))]
     logits = {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import across_kv_model, make_pair
 
-from kvforge.errors import ModelLoadError
+from kvforge.errors import ConfigError, ModelLoadError
 from kvforge.models.loader import load_model
 from kvforge.models.registry import build_model
 from kvforge.models.swiftkv_checkpoint import write_checkpoint
@@ -99,3 +99,34 @@ def test_load_model_names_a_tensor_missing_from_a_checkpoint_directory(tmp_path)
     write_checkpoint(tmp_path / "ckpt", model.config, state, torch.float32)
     with pytest.raises(ModelLoadError, match=re.escape("model.layers.1.self_attn.k_proj.bias")):
         load_model(tmp_path / "ckpt")
+
+
+def test_a_load_draws_no_random_weights_and_leaves_building_as_it_was(tmp_path, monkeypatch):
+    """Loading a checkpoint (or drawing a dummy model) builds the model without initialising
+    its linear and embedding weights, which the load overwrites, and every build after it
+    (and after a refused one) initialises again."""
+    import json
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from kvforge.models.swiftkv_checkpoint import hf_config_dict
+
+    calls: list[str] = []
+    for cls in (nn.Linear, nn.Embedding):
+        monkeypatch.setattr(cls, "reset_parameters",
+                            lambda self, original=cls.reset_parameters: calls.append(type(self).__name__) or original(self))
+    model = make_pair("llama_gqa")[1]
+    save_file(checkpoint_of(model), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(model.config)))
+    calls.clear()
+    loaded, _ = load_model(str(tmp_path))
+    load_model("llama-tiny", load_format="dummy")
+    assert calls == []
+    for (name, ours), (_, theirs) in zip(loaded.named_parameters(), model.named_parameters(), strict=True):
+        assert torch.equal(ours, theirs), name
+    with pytest.raises(ConfigError):
+        build_model(replace(model.config, architecture="NoSuchForCausalLM"), initialise=False)
+    build_model(model.config)
+    assert "Linear" in calls and "Embedding" in calls

@@ -23,22 +23,31 @@ Each form's timing includes its conversions, and float32 is chosen only when it 
 `WIDEN_MARGIN` faster, so a noisy measurement between two near-equal forms keeps bf16.
 Decode steps of up to 32 sequences are untouched (cpu_linear.MAX_ROWS,
 prefill_attention.WIDEN_MIN_QUERIES): they read the bf16 weights, half the bytes. A larger
-decode batch takes the packed copy, as it did before, and so the widened one. Because a timing picks the form,
-two processes on a CPU where the forms are close may round a result differently;
-`KVFORGE_BF16_PRODUCTS` fixes the choice where that matters.
+decode batch takes the packed copy, as it did before, and so the widened one.
 
-`KVFORGE_BF16_PRODUCTS` overrides the measurement: `native` (bf16 products), `float32`
-(widened), `auto` or unset (measure). The test suite pins `native` so that timing never
-decides what a test computes.
+A timing picks the form, and the two forms round differently, so on a CPU where they are
+close a fresh measurement in every process would make the same greedy command print
+different text from one run to the next (seen on this project's Xeon, whose attention ratio
+sits at the margin). So the first verdict on a machine is remembered (`VERDICT_FILE` beside
+the built kernels, keyed by the CPU, torch, the thread count and the attention kernel's
+source) and every later process takes it.
+
+`KVFORGE_BF16_PRODUCTS` overrides it: `native` (bf16 products), `float32` (widened),
+`measure` (measure again and remember that), `auto` or unset (the remembered verdict, else
+measure and remember). The test suite pins `native` so that timing never decides what a
+test computes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -47,7 +56,8 @@ from kvforge.errors import ConfigError
 __all__ = ["ENV", "MODES", "WIDEN_MARGIN", "Bf16Products", "bf16_products", "measure_bf16_products"]
 
 ENV = "KVFORGE_BF16_PRODUCTS"
-MODES = ("auto", "native", "float32")
+MODES = ("auto", "native", "float32", "measure")
+VERDICT_FILE = "kvforge_bf16_products.json"
 WIDEN_MARGIN = 0.85  # widened only when it takes at most this share of the bf16 time
 _REPEATS = 5
 
@@ -72,7 +82,8 @@ _cached: Bf16Products | None = None
 
 
 def bf16_products() -> Bf16Products:
-    """This process's verdict (the environment's override, else measured once)."""
+    """This process's verdict (the environment's override, else the machine's remembered
+    verdict, else measured once and remembered)."""
     global _cached
     mode = os.environ.get(ENV, "").strip().lower() or "auto"
     if mode not in MODES:
@@ -84,8 +95,59 @@ def bf16_products() -> Bf16Products:
     if _cached is None:  # checked again under the lock: two threads measure once
         with _lock:
             if _cached is None:
-                _cached = measure_bf16_products()
+                key = _machine_key()
+                _cached = None if mode == "measure" else _recall(key)
+                if _cached is None:
+                    _cached = measure_bf16_products()
+                    _remember(key, _cached)
     return _cached
+
+
+def verdict_path() -> Path:
+    """The file holding this machine's verdicts (beside the built kernels)."""
+    from kvforge.kernels.build import build_root
+
+    return Path(build_root()) / VERDICT_FILE
+
+
+def _machine_key() -> str:
+    from kvforge.kernels.build import cpu_description
+
+    kernel = Path(__file__).with_name("cpu_causal_attention.cpp")
+    source = kernel.read_text() if kernel.is_file() else ""
+    parts = [cpu_description(), torch.__version__, f"threads={torch.get_num_threads()}", source]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _recall(key: str) -> Bf16Products | None:
+    """The verdict remembered under `key`, or None (none, or an unreadable file)."""
+    try:
+        entry = json.loads(verdict_path().read_text())[key]
+        verdict = Bf16Products(bool(entry["linear"]), bool(entry["attention"]), str(entry["why"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Bf16Products(verdict.linear, verdict.attention,
+                        f"{verdict.why}; remembered from {entry.get('when', 'an earlier run')} "
+                        f"(${ENV}=measure measures again)")
+
+
+def _remember(key: str, verdict: Bf16Products) -> None:
+    """Add the verdict to the file (best effort: an unwritable place only means the next
+    process measures again). Written whole and renamed, so a reader never sees half a file."""
+    path = verdict_path()
+    try:
+        try:
+            entries = json.loads(path.read_text())
+            entries = entries if isinstance(entries, dict) else {}
+        except (OSError, ValueError):
+            entries = {}
+        entries[key] = {**asdict(verdict), "when": time.strftime("%Y-%m-%d %H:%M")}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(entries, indent=1))
+        partial.replace(path)
+    except OSError:
+        pass
 
 
 def _best_seconds(fn: Callable[[], object]) -> float:

@@ -134,8 +134,7 @@ class CppKernel:
 
     def _load(self, cpp_extension, flags: tuple[str, ...]) -> None:
         name = f"{self.name}_{self._fingerprint(flags)}"
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-        build_dir = os.path.join(root, name)
+        build_dir = os.path.join(build_root(), name)
         source = os.path.join(build_dir, f"{name}.cpp")
         start = time.perf_counter()
         openmp = ["-fopenmp"] if "-fopenmp" in flags else []
@@ -160,6 +159,19 @@ class CppKernel:
         parts = [self.source, self.headers, " ".join(flags), torch.__version__, platform.python_version(), platform.machine(),
                  _cpu_description(), self.include_dir]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def build_root() -> str:
+    """Where kernels are built and kept: $TORCH_EXTENSIONS_DIR, else torch's default (per
+    user, per torch build)."""
+    from torch.utils import cpp_extension
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+
+
+def cpu_description() -> str:
+    """The CPU's model name and feature flags (what a build or a timing depends on)."""
+    return _cpu_description()
 
 
 def _cpu_description() -> str:

@@ -232,8 +232,9 @@ struct Problem {
   const XT* x;        // [M, K]
   const T* w;         // [N, K]
   const float* bias;  // [N] or nullptr
-  T* y;               // [M, N], each element rounded once from float
+  T* y;               // [M, N], each element rounded once from float (unused with y_float)
   int64_t m, k, n;
+  float* y_float = nullptr;  // [M, N] float32 output instead of y: the sums unrounded (logits)
 };
 
 // Software prefetch of a W range (a later tile), spread evenly over all the K steps of all
@@ -303,6 +304,11 @@ inline void tile(const Problem<typename Isa::XT, T>& p, int64_t n0, int64_t m0, 
     float sums[4];
     Isa::reduce4(acc[0][i], NR > 1 ? acc[1 % NR][i] : z, NR > 2 ? acc[2 % NR][i] : z,
                  NR > 3 ? acc[3 % NR][i] : z, sums);
+    if (p.y_float != nullptr) {  // the same sums (+ bias), kept in float32
+      float* yf = p.y_float + (m0 + i) * p.n + n0;
+      for (int r = 0; r < NR; ++r) yf[r] = p.bias != nullptr ? sums[r] + p.bias[n0 + r] : sums[r];
+      continue;
+    }
     T* y = p.y + (m0 + i) * p.n + n0;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     if constexpr (kIsBFloat16<T> && NR == 4) {
@@ -436,7 +442,11 @@ bool amx_applies(int64_t k, const at::Tensor& weight) {
 
 template <typename T>
 void run_typed(const at::Tensor& x, const std::vector<const at::Tensor*>& weights,
-               const std::vector<const at::Tensor*>& biases, std::vector<at::Tensor>& ys, bool widen) {
+               const std::vector<const at::Tensor*>& biases, std::vector<at::Tensor>& ys, bool widen,
+               bool float_out) {
+  // float_out: ys are float32 and take each output's float sum (+ bias) unrounded
+  auto out_of = [&](size_t i) -> T* { return float_out ? nullptr : reinterpret_cast<T*>(ys[i].data_ptr()); };
+  auto float_of = [&](size_t i) -> float* { return float_out ? ys[i].data_ptr<float>() : nullptr; };
   std::vector<std::vector<float>> bias_buffers(weights.size());
   auto bias_of = [&](size_t i) -> const float* {
     return biases[i] == nullptr ? nullptr : kvforge_convert::floats_of(*biases[i], bias_buffers[i]);
@@ -449,7 +459,7 @@ void run_typed(const at::Tensor& x, const std::vector<const at::Tensor*>& weight
 #if defined(KVFORGE_AMX_LINEAR)
     std::vector<kvforge_amx::Product> tiled;
     for (size_t i = 0; i < weights.size(); ++i) {
-      if (!amx_applies(x.size(1), *weights[i])) {
+      if (float_out || !amx_applies(x.size(1), *weights[i])) {  // the tile path writes bf16 only
         rest.push_back(i);
         continue;
       }
@@ -467,7 +477,7 @@ void run_typed(const at::Tensor& x, const std::vector<const at::Tensor*>& weight
     for (size_t i : rest) {
       ps.push_back({reinterpret_cast<const c10::BFloat16*>(x.const_data_ptr()),
                     reinterpret_cast<const T*>(weights[i]->const_data_ptr()), bias_of(i),
-                    reinterpret_cast<T*>(ys[i].data_ptr()), x.size(0), x.size(1), weights[i]->size(0)});
+                    out_of(i), x.size(0), x.size(1), weights[i]->size(0), float_of(i)});
     }
     if constexpr (kIsBFloat16<T>) run_many<Avx512Bf16, T>(ps);
     return;
@@ -477,8 +487,8 @@ void run_typed(const at::Tensor& x, const std::vector<const at::Tensor*>& weight
   const float* xf = kvforge_convert::floats_of(x, x_buffer);
   std::vector<Problem<float, T>> ps;
   for (size_t i = 0; i < weights.size(); ++i) {
-    ps.push_back({xf, reinterpret_cast<const T*>(weights[i]->const_data_ptr()), bias_of(i),
-                  reinterpret_cast<T*>(ys[i].data_ptr()), x.size(0), x.size(1), weights[i]->size(0)});
+    ps.push_back({xf, reinterpret_cast<const T*>(weights[i]->const_data_ptr()), bias_of(i), out_of(i), x.size(0),
+                  x.size(1), weights[i]->size(0), float_of(i)});
   }
   run_many<Isa, T>(ps);
 }
@@ -506,11 +516,12 @@ void check_operands(const at::Tensor& x, const at::Tensor& weight, const std::op
 // ys[i] = x @ weights[i]^T (+ biases[i]) for products sharing x (every output bitwise as its
 // own small_m_linear call would give it).
 std::vector<at::Tensor> linear_many(const at::Tensor& x, const std::vector<const at::Tensor*>& weights,
-                                    const std::vector<const at::Tensor*>& biases, bool widen) {
+                                    const std::vector<const at::Tensor*>& biases, bool widen,
+                                    bool float_out = false) {
   std::vector<at::Tensor> ys;
   bool empty = false;
   for (const at::Tensor* w : weights) {
-    ys.push_back(at::empty({x.size(0), w->size(0)}, x.options()));
+    ys.push_back(at::empty({x.size(0), w->size(0)}, float_out ? x.options().dtype(at::kFloat) : x.options()));
     empty = empty || ys.back().numel() == 0;
   }
   if (weights.empty() || empty) {  // nothing to compute for an empty product: run the others alone
@@ -519,22 +530,22 @@ std::vector<at::Tensor> linear_many(const at::Tensor& x, const std::vector<const
       std::vector<at::Tensor> one{ys[i]};
       const std::vector<const at::Tensor*> w{weights[i]}, b{biases[i]};
       switch (weights[i]->scalar_type()) {
-        case at::kBFloat16: run_typed<c10::BFloat16>(x, w, b, one, widen); break;
-        case at::kHalf: run_typed<c10::Half>(x, w, b, one, widen); break;
-        default: run_typed<float>(x, w, b, one, widen); break;
+        case at::kBFloat16: run_typed<c10::BFloat16>(x, w, b, one, widen, float_out); break;
+        case at::kHalf: run_typed<c10::Half>(x, w, b, one, widen, float_out); break;
+        default: run_typed<float>(x, w, b, one, widen, float_out); break;
       }
     }
     return ys;
   }
   switch (weights[0]->scalar_type()) {
     case at::kBFloat16:
-      run_typed<c10::BFloat16>(x, weights, biases, ys, widen);
+      run_typed<c10::BFloat16>(x, weights, biases, ys, widen, float_out);
       break;
     case at::kHalf:
-      run_typed<c10::Half>(x, weights, biases, ys, widen);
+      run_typed<c10::Half>(x, weights, biases, ys, widen, float_out);
       break;
     default:
-      run_typed<float>(x, weights, biases, ys, widen);
+      run_typed<float>(x, weights, biases, ys, widen, float_out);
       break;
   }
   return ys;
@@ -548,6 +559,17 @@ at::Tensor small_m_linear(const at::Tensor& x, const at::Tensor& weight, const s
   const at::Tensor* bias_ptr = nullptr;
   check_operands(x, weight, bias, bias_ptr);
   return linear_many(x, {&weight}, {bias_ptr}, widen)[0];
+}
+
+// small_m_linear with a float32 y holding each output's float sum (+ bias) before the rounding
+// small_m_linear applies (the same arithmetic otherwise, so M-invariant too): the
+// vocabulary projection of a 2-byte model, whose logits rounded to bf16 would tie (at |y| ~ 25
+// bf16 steps by 0.125) where the model's preference is clear.
+at::Tensor small_m_linear_float_out(const at::Tensor& x, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias) {
+  const at::Tensor* bias_ptr = nullptr;
+  check_operands(x, weight, bias, bias_ptr);
+  return linear_many(x, {&weight}, {bias_ptr}, false, true)[0];
 }
 
 // Several weights against one x (all of x's dtype and K), e.g. a layer's q, k and v.
@@ -599,6 +621,7 @@ bool set_amx(bool enabled) {
 TORCH_LIBRARY(kvforge_cpu_linear, m) {
   m.def("small_m_linear(Tensor x, Tensor weight, Tensor? bias=None, bool widen=False) -> Tensor");
   m.def("small_m_linear_many(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
+  m.def("small_m_linear_float_out(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("set_prefetch_bytes(int bytes) -> int", &set_prefetch_bytes);
   m.def("amx_supported() -> bool", &amx_supported);
   m.def("set_amx(bool enabled) -> bool", &set_amx);
@@ -607,4 +630,5 @@ TORCH_LIBRARY(kvforge_cpu_linear, m) {
 TORCH_LIBRARY_IMPL(kvforge_cpu_linear, CPU, m) {
   m.impl("small_m_linear", &small_m_linear);
   m.impl("small_m_linear_many", &small_m_linear_many);
+  m.impl("small_m_linear_float_out", &small_m_linear_float_out);
 }

@@ -32,7 +32,8 @@ from kvforge.kernels.cpu_prepack import has_widened_copy, packed_linear, packed_
 from kvforge.step_timing import current_timer
 
 __all__ = ["DISABLE_ENV", "KERNEL_DTYPES", "MAX_ROWS", "linear", "linear_float32", "linear_from",
-           "small_m_linear_available", "widened_input"]
+           "small_m_eligible", "small_m_linear_available",
+           "widened_input"]
 
 KERNEL_DTYPES = FLOAT_IO_DTYPES
 MAX_ROWS = 32  # more rows: BLAS is as good (it is compute-bound then) and is used instead
@@ -98,7 +99,7 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if _eligible(x, weight, bias):
+    if small_m_eligible(x, weight, bias):
         if bias is not None and not bias.is_contiguous():
             bias = bias.contiguous()
         if x.dim() == 2 and x.is_contiguous():  # the decode step's shape: no reshape, no view
@@ -112,7 +113,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return F.linear(x, weight, bias) if out is None else out
 
 
-def _eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def small_m_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear(x, weight, bias)` runs on the small-M kernel (the rule in `linear`)."""
     # Ordered cheapest first: this runs for every projection of every decode step (211 calls
     # a step on smollm2), so each check is an attribute read where one will do.
     if x.dtype != weight.dtype or x.dtype not in KERNEL_DTYPES or not x.is_cpu or not weight.is_cpu:

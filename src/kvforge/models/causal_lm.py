@@ -22,7 +22,7 @@ from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.config import ModelConfig, RopeConfig
 from kvforge.errors import ModelLoadError
-from kvforge.kernels.cpu_linear import linear
+from kvforge.kernels.vocab_logits import vocab_logits
 from kvforge.kernels.cpu_prepack import drop_packed
 from kvforge.rope import PositionedRope, RotaryEmbedding
 
@@ -115,8 +115,9 @@ class CausalLM(nn.Module):
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # lm_head through the small-M CPU kernel when eligible (decode), else F.linear.
-        logits = linear(self.model.norm(hidden), self.lm_head.weight, self.lm_head.bias)
+        # float32 logits, unrounded, whatever the model's dtype (kernels/vocab_logits.py): a
+        # bf16 rounding would tie candidates the model ranks apart
+        logits = vocab_logits(self.model.norm(hidden), self.lm_head.weight, self.lm_head.bias)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

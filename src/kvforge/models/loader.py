@@ -211,7 +211,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = "float32",
         state_dict.update(swiftkv_ckpt.read_overlay_tensors(overlay, torch_dtype))
     if config.swiftkv is not None:
         state_dict = swiftkv_ckpt.model_state_for_swiftkv(state_dict, config)
-    model = build_model(config, dtype=torch_dtype, device=device)
+    model = build_model(config, dtype=torch_dtype, device=device, initialise=False)  # every tensor loaded next
     model.load_hf_state_dict(state_dict)
     del state_dict  # the model holds its own copies (on `device`)
     model.eval()
@@ -232,7 +232,7 @@ def _load_dummy(source: ModelSource, dtype: torch.dtype, device: torch.device,
         if not overlay.is_dir():
             raise ModelLoadError(f"SwiftKV checkpoint {overlay} is not a directory")
         config = swiftkv_ckpt.overlay_config(config, overlay)
-    model = build_model(config, dtype=dtype, device=device)
+    model = build_model(config, dtype=dtype, device=device, initialise=False)  # every parameter drawn next
     fill_dummy_weights(model, config, source.seed)
     if overlay is not None:
         parameters = dict(model.named_parameters())

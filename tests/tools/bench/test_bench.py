@@ -198,14 +198,6 @@ def test_throughput_end_to_end(fast_bench, tmp_path):
         assert system["generated_tokens_per_s"] < system["total_tokens_per_s"]
 
 
-@needs_model
-def test_prefill_against_transformers(fast_bench, tmp_path):
-    out = tmp_path / "hf.json"
-    assert main(["bench", "prefill", "--prompt-len", "16", "--compare", "hf", *COMMON, "--json", str(out)]) == 0
-    result = _check_result(out, "prefill", "prompt_tokens_per_s", ["kvforge[full]", "hf"])
-    assert result["systems"][1]["kind"] == "hf"
-
-
 def test_every_cpu_kernel_is_built_before_the_first_system_runs(monkeypatch, capsys):
     """A kernel's first use may not fall inside a timed region (--warmup 0 once timed a 26 s
     compile): run_systems builds them all before measuring the peak or any system."""

@@ -37,6 +37,19 @@ def test_info_reports_the_kv_bytes_of_llama_31_8b_without_weights(tmp_path, caps
     assert "dummy (random, seed 0)" in capsys.readouterr().out
 
 
+def test_bench_prefill_runs_against_transformers(small_peak, tmp_path):
+    """The transformers peer in `bench prefill` (a dummy model: transformers' own loading of the
+    real GGUF file, 20 s here, runs in the README's `bench decode --compare hf` example)."""
+    out = tmp_path / "p.json"
+    assert main(["bench", "prefill", "--load-format", "dummy", "--model", "llama-tiny", "--compare", "hf",
+                 "--prompt-len", "16", "--repeats", "1", "--warmup", "0", "--threads", "1", "--kv-budget", "16MiB",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "prefill" and result["headline_metric"] == "prompt_tokens_per_s"
+    assert [(s["name"], s["kind"]) for s in result["systems"]] == [("kvforge[full]", "kvforge"), ("hf", "hf")]
+    assert all(s["prompt_tokens_per_s"] > 0 for s in result["systems"])
+
+
 def test_bench_decode_runs_a_dummy_model_against_transformers_on_the_same_weights(small_peak, tmp_path, capsys):
     out = tmp_path / "d.json"
     assert main(["bench", "decode", "--load-format", "dummy", "--model", "llama-tiny", "--compare", "hf",

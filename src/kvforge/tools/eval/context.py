@@ -30,12 +30,24 @@ def load_kvforge(model: str, dtype: torch.dtype, swiftkv: str | None = None,
                  device: str = "cpu") -> tuple[torch.nn.Module, Any, ModelSource]:
     """kvforge model, tokenizer and source (tests replace this with tiny models)."""
     net, source = load_model(model, dtype=dtype, swiftkv=swiftkv, device=device)
-    return net, load_tokenizer(source), source
+    return net, _tokenizer_of(source), source
 
 
 def load_tokenizer_only(model: str) -> Any:
     """The model's tokenizer without its weights (tests replace this too)."""
-    return load_tokenizer(resolve_model_source(model))
+    return _tokenizer_of(resolve_model_source(model))
+
+
+_tokenizers: dict[tuple[str, str], Any] = {}
+
+
+def _tokenizer_of(source: ModelSource) -> Any:
+    """One tokenizer per file in this process: an evaluation reads it before the weights (to
+    build and check its prompts) and again with them, and gemma3-270m's takes 4 s to load."""
+    key = (source.kind, str(source.path))
+    if key not in _tokenizers:
+        _tokenizers[key] = load_tokenizer(source)
+    return _tokenizers[key]
 
 
 def load_hf(source: ModelSource, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:

@@ -95,3 +95,18 @@ def test_cuda_logits_are_the_float32_product():
         got = vocab_logits(x, weight, b)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, _exact(x, weight, b), atol=1e-4, rtol=1e-4)
+
+
+def test_a_torch_without_float_output_on_cuda_falls_back_once_and_says_so(monkeypatch, caplog):
+    """Tried here on CPU tensors, where this torch's `mm(..., out_dtype)` does not exist: the
+    first call finds that, warns, and rounds as before; later calls do not try again."""
+    monkeypatch.setattr(vocab_logits_module, "_cuda_float_out", None)
+    x, weight, _ = _operands(3, bias=False)
+    with caplog.at_level("WARNING", logger=vocab_logits_module.__name__):
+        out = vocab_logits_module._cuda_float_product(x, weight)
+    assert vocab_logits_module._cuda_float_out is False and "no float32 output" in caplog.text
+    assert out.dtype == torch.float32 and torch.equal(out, torch.nn.functional.linear(x, weight).float())
+    tried = []
+    monkeypatch.setattr(torch, "mm", lambda *args, **kwargs: tried.append(1))
+    vocab_logits_module._cuda_float_product(x, weight)
+    assert not tried

@@ -20,6 +20,8 @@ float32 and float64 weights are multiplied as they are (`linear`): their logits 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,7 @@ from kvforge.step_timing import current_timer
 __all__ = ["vocab_logits"]
 
 _WIDEN_ROWS = 8192  # vocabulary rows widened at a time off the kernels (32 MiB at K = 1024)
+_cuda_float_out: bool | None = None  # whether this torch's CUDA mm takes out_dtype (tried once)
 
 
 def vocab_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,7 +54,7 @@ def _float_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
         out = torch.ops.kvforge_cpu_linear.small_m_linear_float_out(rows, weight, bias)
     elif x.is_cuda and not needs_grad and x.dtype == weight.dtype:
-        out = torch.mm(rows, weight.t(), out_dtype=torch.float32)
+        out = _cuda_float_product(rows, weight)
         if bias is not None:
             out = out + bias.float()
     elif needs_grad:
@@ -64,3 +67,23 @@ def _float_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             part = None if bias is None else bias[start:stop].float()
             out[:, start:stop] = F.linear(wide, weight[start:stop].float(), part)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _cuda_float_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows @ weight.T in float32 from cuBLAS; a torch without `mm(..., out_dtype)` on CUDA
+    (found at the first call, which is eager: a captured step is warmed up first) rounds to
+    the weight's dtype and widens, as the engine did before, and says so once."""
+    global _cuda_float_out
+    if _cuda_float_out is not False:
+        try:
+            out = torch.mm(rows, weight.t(), out_dtype=torch.float32)
+            _cuda_float_out = True
+            return out
+        except (RuntimeError, TypeError, NotImplementedError) as error:
+            if _cuda_float_out:
+                raise
+            _cuda_float_out = False
+            logging.getLogger(__name__).warning(
+                "this torch's CUDA mm has no float32 output for %s inputs (%s): logits are rounded to %s",
+                weight.dtype, str(error).splitlines()[0][:120], weight.dtype)
+    return F.linear(rows, weight).float()

@@ -2049,4 +2049,12 @@ MUTATIONS: list[Mutation] = [
              "    if key not in _tokenizers:\n", "    if True:\n",
              ("tests/tools/eval/test_context.py",),
              "an evaluation reads a model's tokenizer once (4 s for gemma3-270m)"),
+    Mutation("bf16_verdict_without_a_kernel_kept", S + "kernels/bf16_products.py",
+             'if "unmeasured" not in _cached.why:', "if True:",
+             (BF16_VERDICT + "test_a_verdict_with_an_unmeasured_product_is_not_kept",),
+             "a process whose kernel did not build does not decide for the machine's later processes"),
+    Mutation("vocab_logits_any_cuda_error_taken_for_a_missing_feature", S + "kernels/vocab_logits.py",
+             "if _cuda_float_out or not unsupported:", "if _cuda_float_out:",
+             (VOCAB_LOGITS + "test_another_cuda_error_is_raised_not_taken_for_a_missing_feature",),
+             "a CUDA error at the first logits call is raised, not read as a torch without float32 output"),
 ]

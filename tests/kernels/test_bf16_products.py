@@ -80,6 +80,17 @@ def test_measure_measures_again_and_the_next_process_takes_that(fresh):
     assert (bf16_products().linear, bf16_products().attention) == (False, True)
 
 
+def test_a_verdict_with_an_unmeasured_product_is_not_kept(fresh):
+    """A process whose kernel did not build (or was turned off) decides for itself only: the
+    next process, with the kernel, measures."""
+    fresh.setattr(products_module, "_linear_seconds", lambda: (1.0, 0.5))
+    fresh.setattr(products_module, "_attention_seconds", lambda: None)
+    assert "attention unmeasured" in bf16_products().why
+    fresh.setattr(products_module, "_cached", None)
+    timed = _stub_timings(fresh, (1.0, 0.99), (1.0, 0.5))
+    assert (bf16_products().linear, bf16_products().attention) == (False, True) and timed == ["linear", "attention"]
+
+
 def test_another_thread_count_or_an_unreadable_file_is_measured_afresh(fresh):
     _stub_timings(fresh, (1.0, 0.5), (1.0, 0.99))
     bf16_products()

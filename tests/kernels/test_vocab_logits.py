@@ -97,16 +97,32 @@ def test_cuda_logits_are_the_float32_product():
         torch.testing.assert_close(got, _exact(x, weight, b), atol=1e-4, rtol=1e-4)
 
 
+def _mm_raising(error: Exception, tried: list[int]):
+    def mm(*args, **kwargs):
+        tried.append(1)
+        raise error
+    return mm
+
+
 def test_a_torch_without_float_output_on_cuda_falls_back_once_and_says_so(monkeypatch, caplog):
-    """Tried here on CPU tensors, where this torch's `mm(..., out_dtype)` does not exist: the
-    first call finds that, warns, and rounds as before; later calls do not try again."""
+    """A torch whose mm has no float32 output (played by a stand-in raising as torch does):
+    the first call finds that, warns, and rounds as before; later calls do not try again."""
     monkeypatch.setattr(vocab_logits_module, "_cuda_float_out", None)
     x, weight, _ = _operands(3, bias=False)
+    tried: list[int] = []
+    monkeypatch.setattr(torch, "mm", _mm_raising(NotImplementedError("Could not run 'aten::mm.dtype'"), tried))
     with caplog.at_level("WARNING", logger=vocab_logits_module.__name__):
         out = vocab_logits_module._cuda_float_product(x, weight)
     assert vocab_logits_module._cuda_float_out is False and "no float32 output" in caplog.text
     assert out.dtype == torch.float32 and torch.equal(out, torch.nn.functional.linear(x, weight).float())
-    tried = []
-    monkeypatch.setattr(torch, "mm", lambda *args, **kwargs: tried.append(1))
     vocab_logits_module._cuda_float_product(x, weight)
-    assert not tried
+    assert tried == [1]
+
+
+def test_another_cuda_error_is_raised_not_taken_for_a_missing_feature(monkeypatch):
+    monkeypatch.setattr(vocab_logits_module, "_cuda_float_out", None)
+    x, weight, _ = _operands(3, bias=False)
+    monkeypatch.setattr(torch, "mm", _mm_raising(RuntimeError("CUDA error: an illegal memory access"), []))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        vocab_logits_module._cuda_float_product(x, weight)
+    assert vocab_logits_module._cuda_float_out is None  # still untried: the next call tries again

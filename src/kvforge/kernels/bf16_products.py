@@ -29,8 +29,10 @@ A timing picks the form, and the two forms round differently, so on a CPU where 
 close a fresh measurement in every process would make the same greedy command print
 different text from one run to the next (seen on this project's Xeon, whose attention ratio
 sits at the margin). So the first verdict on a machine is remembered (`VERDICT_FILE` beside
-the built kernels, keyed by the CPU, torch, the thread count and the attention kernel's
-source) and every later process takes it.
+the built kernels, keyed by the CPU, torch, the thread count, the margin and the attention
+kernel's sources; a verdict with an unmeasured product, its kernel missing, is not kept)
+and every later process takes it. A first timing taken on a busy machine sticks too, which
+the start-up line's date and `measure` are for.
 
 `KVFORGE_BF16_PRODUCTS` overrides it: `native` (bf16 products), `float32` (widened),
 `measure` (measure again and remember that), `auto` or unset (the remembered verdict, else
@@ -99,7 +101,8 @@ def bf16_products() -> Bf16Products:
                 _cached = None if mode == "measure" else _recall(key)
                 if _cached is None:
                     _cached = measure_bf16_products()
-                    _remember(key, _cached)
+                    if "unmeasured" not in _cached.why:  # a missing kernel is no verdict to keep
+                        _remember(key, _cached)
     return _cached
 
 
@@ -113,9 +116,11 @@ def verdict_path() -> Path:
 def _machine_key() -> str:
     from kvforge.kernels.build import cpu_description
 
-    kernel = Path(__file__).with_name("cpu_causal_attention.cpp")
-    source = kernel.read_text() if kernel.is_file() else ""
-    parts = [cpu_description(), torch.__version__, f"threads={torch.get_num_threads()}", source]
+    here = Path(__file__).parent  # the timed attention kernel's source and its headers
+    sources = [path.read_text() for path in (here / "cpu_causal_attention.cpp", here / "cpu_bf16_attention.h",
+                                             here / "cpu_avx512_softmax.h") if path.is_file()]
+    parts = [cpu_description(), torch.__version__, f"threads={torch.get_num_threads()}",
+             f"margin={WIDEN_MARGIN}", *sources]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

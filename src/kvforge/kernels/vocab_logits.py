@@ -9,11 +9,13 @@ float32 and never rounds the result:
 
 - CPU, at most `MAX_ROWS` rows (decode, a prompt's last token): the small-M kernel's float
   output (`small_m_linear_float_out`), the same reads and arithmetic as `linear` without the
-  final rounding, so it is M-invariant as `linear` is and costs nothing more;
+  final rounding (on a CPU with AMX: the AVX512-BF16 path, as the tile path writes bf16
+  only), so it is M-invariant as `linear` is and costs nothing more;
 - CUDA: cuBLAS's float32 output from 2-byte inputs (`torch.mm(..., out_dtype=float32)`);
 - elsewhere (more rows on a CPU, no kernel, autograd): the product of the widened operands,
   the weight widened `_WIDEN_ROWS` vocabulary rows at a time so a large vocabulary never
-  needs a float32 copy of the whole matrix.
+  needs a float32 copy of the whole matrix. Widening the weight at every call makes this
+  the slow form for a decode step (where the kernels are off or did not build).
 
 float32 and float64 weights are multiplied as they are (`linear`): their logits already are.
 """
@@ -80,7 +82,11 @@ def _cuda_float_product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
             _cuda_float_out = True
             return out
         except (RuntimeError, TypeError, NotImplementedError) as error:
-            if _cuda_float_out:
+            # no such overload (TypeError), no CUDA kernel for it (NotImplementedError), or a
+            # kernel refusing these dtypes; anything else (out of memory) is no verdict on torch
+            unsupported = (isinstance(error, (TypeError, NotImplementedError))
+                           or ("dtype" in str(error) and not isinstance(error, torch.cuda.OutOfMemoryError)))
+            if _cuda_float_out or not unsupported:
                 raise
             _cuda_float_out = False
             logging.getLogger(__name__).warning(

@@ -2033,7 +2033,7 @@ MUTATIONS: list[Mutation] = [
              (BF16_VERDICT + "test_a_machines_first_verdict_is_taken_by_every_later_process",),
              "a later process takes the machine's first verdict, so one greedy command prints the same text each run"),
     Mutation("bf16_verdict_key_ignores_threads", S + "kernels/bf16_products.py",
-             'f"threads={torch.get_num_threads()}", ', "",
+             'f"threads={torch.get_num_threads()}",', "",
              (BF16_VERDICT + "test_another_thread_count_or_an_unreadable_file_is_measured_afresh",),
              "a verdict is remembered per thread count (the timings depend on it)"),
     Mutation("model_load_initialises_weights_it_overwrites", S + "models/loader.py",

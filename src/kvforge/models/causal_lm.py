@@ -22,8 +22,8 @@ from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.config import ModelConfig, RopeConfig
 from kvforge.errors import ModelLoadError
-from kvforge.kernels.vocab_logits import vocab_logits
 from kvforge.kernels.cpu_prepack import drop_packed
+from kvforge.kernels.vocab_logits import vocab_logits
 from kvforge.rope import PositionedRope, RotaryEmbedding
 
 

@@ -2050,7 +2050,7 @@ MUTATIONS: list[Mutation] = [
              ("tests/tools/eval/test_context.py",),
              "an evaluation reads a model's tokenizer once (4 s for gemma3-270m)"),
     Mutation("bf16_verdict_without_a_kernel_kept", S + "kernels/bf16_products.py",
-             'if "unmeasured" not in _cached.why:', "if True:",
+             'if _UNMEASURED not in _cached.why:', "if True:",
              (BF16_VERDICT + "test_a_verdict_with_an_unmeasured_product_is_not_kept",),
              "a process whose kernel did not build does not decide for the machine's later processes"),
     Mutation("vocab_logits_any_cuda_error_taken_for_a_missing_feature", S + "kernels/vocab_logits.py",

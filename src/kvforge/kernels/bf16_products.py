@@ -62,6 +62,7 @@ MODES = ("auto", "native", "float32", "measure")
 VERDICT_FILE = "kvforge_bf16_products.json"
 WIDEN_MARGIN = 0.85  # widened only when it takes at most this share of the bf16 time
 _REPEATS = 5
+_UNMEASURED = "unmeasured"  # in the verdict's why for a product whose kernel is missing
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def bf16_products() -> Bf16Products:
                 _cached = None if mode == "measure" else _recall(key)
                 if _cached is None:
                     _cached = measure_bf16_products()
-                    if "unmeasured" not in _cached.why:  # a missing kernel is no verdict to keep
+                    if _UNMEASURED not in _cached.why:  # a missing kernel is no verdict to keep
                         _remember(key, _cached)
     return _cached
 
@@ -128,12 +129,11 @@ def _recall(key: str) -> Bf16Products | None:
     """The verdict remembered under `key`, or None (none, or an unreadable file)."""
     try:
         entry = json.loads(verdict_path().read_text())[key]
-        verdict = Bf16Products(bool(entry["linear"]), bool(entry["attention"]), str(entry["why"]))
+        return Bf16Products(bool(entry["linear"]), bool(entry["attention"]),
+                            f"{entry['why']}; remembered from {entry.get('when', 'an earlier run')} "
+                            f"(${ENV}=measure measures again)")
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return Bf16Products(verdict.linear, verdict.attention,
-                        f"{verdict.why}; remembered from {entry.get('when', 'an earlier run')} "
-                        f"(${ENV}=measure measures again)")
 
 
 def _remember(key: str, verdict: Bf16Products) -> None:
@@ -197,7 +197,7 @@ def measure_bf16_products() -> Bf16Products:
         for name, seconds in (("linear", _linear_seconds()), ("attention", _attention_seconds())):
             if seconds is None:
                 verdicts.append(False)
-                notes.append(f"{name} unmeasured (no kernel)")
+                notes.append(f"{name} {_UNMEASURED} (no kernel)")
                 continue
             native, wide = seconds
             verdicts.append(wide <= WIDEN_MARGIN * native)

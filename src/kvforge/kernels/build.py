@@ -157,7 +157,7 @@ class CppKernel:
         directory would each recompile the other's build on every load (a CI clone once made
         the next demo compile inside its timed decode)."""
         parts = [self.source, self.headers, " ".join(flags), torch.__version__, platform.python_version(), platform.machine(),
-                 _cpu_description(), self.include_dir]
+                 cpu_description(), self.include_dir]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -171,10 +171,6 @@ def build_root() -> str:
 
 def cpu_description() -> str:
     """The CPU's model name and feature flags (what a build or a timing depends on)."""
-    return _cpu_description()
-
-
-def _cpu_description() -> str:
     try:
         with open("/proc/cpuinfo") as info:
             lines = [line for line in info if line.startswith(("model name", "flags", "Features"))]

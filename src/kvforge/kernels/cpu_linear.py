@@ -32,8 +32,7 @@ from kvforge.kernels.cpu_prepack import has_widened_copy, packed_linear, packed_
 from kvforge.step_timing import current_timer
 
 __all__ = ["DISABLE_ENV", "KERNEL_DTYPES", "MAX_ROWS", "linear", "linear_float32", "linear_from",
-           "small_m_eligible", "small_m_linear_available",
-           "widened_input"]
+           "small_m_eligible", "small_m_linear_available", "widened_input"]
 
 KERNEL_DTYPES = FLOAT_IO_DTYPES
 MAX_ROWS = 32  # more rows: BLAS is as good (it is compute-bound then) and is used instead

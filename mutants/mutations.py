@@ -560,6 +560,9 @@ MUTATIONS: list[Mutation] = [
     Mutation("kernels_disabled_ignores_the_variable", S + "kernels/build.py",
              "return os.environ.get(DISABLE_ENV, \"\").strip() not in (\"\", \"0\")", "return False",
              ("tests/kernels/test_cpu_fused.py",), "KVFORGE_DISABLE_CPU_KERNELS turns every kernel off at run time"),
+    Mutation("kernel_compile_not_announced", S + "kernels/build.py",
+             "if not cached:  # said before the compiler runs", "if False:  # said before the compiler runs",
+             ("tests/kernels/test_build_lock.py",), "a first use says it is compiling before the compiler runs"),
     # -- gpu_check: the lossy judgement ----------------------------------------------------
     Mutation("gpu_check_floor_from_the_device", S + "tools/gpu_check/correctness.py",
              "return run_workload(pair.perturbed_reference(seed), spec.cache,",

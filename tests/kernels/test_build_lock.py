@@ -115,3 +115,34 @@ def test_kernel_build_clears_a_stale_baton_and_times_out_into_a_fallback(tmp_pat
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_a_compile_is_announced_before_it_starts_and_a_cached_build_is_not(tmp_path, monkeypatch, caplog):
+    """A first use compiles for a minute or more: the user is told before the compiler runs
+    (the stand-in compiler records what had been logged by then), and not when a build is
+    already there."""
+    root = tmp_path / "ext"
+    fake = _FakeExtension(root)
+    logged_before_compiling: list[str] = []
+    real_load = fake.load
+
+    def load(*args, **kwargs):
+        logged_before_compiling.extend(record.getMessage() for record in caplog.records)
+        return real_load(*args, **kwargs)
+
+    fake.load = load
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", fake)
+    monkeypatch.setattr("torch.utils.cpp_extension", fake, raising=False)
+    monkeypatch.delenv(build_module.DISABLE_ENV, raising=False)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert _kernel(tmp_path).available() is False
+    assert any("compiling the test kernel" in message and str(root) in message for message in logged_before_compiling)
+
+    kernel = _kernel(tmp_path)
+    name = f"kvforge_test_kernel_{kernel._fingerprint(('-O1',))}"
+    (root / name / f"{name}.so").write_text("")  # a build is already there
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert kernel.available() is False  # (the stand-in still registers no operator)
+    assert not any("compiling" in record.getMessage() for record in caplog.records)

@@ -141,6 +141,10 @@ class CppKernel:
         with build_lock(build_dir):  # never waits forever on a killed build (build_lock.py)
             _write_if_changed(source, self.source)
             cached = os.path.exists(os.path.join(build_dir, f"{name}.so"))
+            if not cached:  # said before the compiler runs: a first use otherwise looks like a hang
+                logger.warning("kvforge: compiling the %s for this CPU (once per kernel source, torch and CPU; "
+                               "kept in %s; `python -m kvforge.prebuild` compiles them all ahead)", self.what,
+                               build_root())
             cpp_extension.load(name=name, sources=[source], extra_cflags=list(flags), extra_ldflags=openmp,
                                extra_include_paths=[self.include_dir], build_directory=build_dir,
                                is_python_module=False, verbose=False)

@@ -563,6 +563,10 @@ MUTATIONS: list[Mutation] = [
     Mutation("kernel_compile_not_announced", S + "kernels/build.py",
              "if not cached:  # said before the compiler runs", "if False:  # said before the compiler runs",
              ("tests/kernels/test_build_lock.py",), "a first use says it is compiling before the compiler runs"),
+    Mutation("kernel_build_takes_the_ninja_path_has", S + "kernels/build.py",
+             "if bundled is not None and (first is None or os.path.realpath(first) != os.path.realpath(bundled)):",
+             "if bundled is not None and first is None:",
+             ("tests/kernels/test_build_ninja.py",), "every build runs the packaged ninja, whatever PATH holds"),
     # -- gpu_check: the lossy judgement ----------------------------------------------------
     Mutation("gpu_check_floor_from_the_device", S + "tools/gpu_check/correctness.py",
              "return run_workload(pair.perturbed_reference(seed), spec.cache,",

@@ -184,16 +184,21 @@ def cpu_description() -> str:
 
 
 def _ensure_ninja(cpp_extension) -> bool:
-    if cpp_extension.is_ninja_available():
-        return True
-    try:  # the `ninja` PyPI package, whose binary is not on PATH unless the venv is active
+    """Put one ninja first on PATH for every build: the `ninja` package's (a dependency),
+    else whichever PATH has. One binary matters: ninja 1.12+ hashes a command line
+    differently from older releases, so a build recorded by one reads as "command line
+    changed" to the other and compiles again. A system ninja 1.11 on PATH with the venv
+    inactive (`make test`) and the package's 1.13 with it active (a user's shell) rebuilt
+    every kernel at each switch."""
+    try:
         import ninja  # type: ignore[import-not-found]
+
+        bundled = shutil.which("ninja", path=ninja.BIN_DIR) if ninja.BIN_DIR else None
     except ImportError:
-        return False
-    binary = shutil.which("ninja", path=ninja.BIN_DIR)
-    if binary is None:
-        return False
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        bundled = None
+    first = shutil.which("ninja")
+    if bundled is not None and (first is None or os.path.realpath(first) != os.path.realpath(bundled)):
+        os.environ["PATH"] = os.path.dirname(bundled) + os.pathsep + os.environ.get("PATH", "")
     return cpp_extension.is_ninja_available()
 
 

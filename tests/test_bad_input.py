@@ -27,6 +27,7 @@ CASES = [
     (["generate", "--top-k", "-3", "hi"], ["top_k", "-3", ">= 1"]),
     (["generate", "--min-p", "1.5", "hi"], ["min_p", "1.5", "[0, 1]"]),
     (["generate", "--repetition-penalty", "0", "hi"], ["repetition_penalty", "0", "> 0"]),
+    (["generate", "--frequency-penalty", "3", "hi"], ["frequency_penalty", "3", "[-2, 2]"]),
     (["generate", "--min-tokens", "9", "--max-tokens", "2", "hi"], ["min_tokens", "9", "max_tokens=2"]),
     (["generate", "--seed", "-1", "hi"], ["seed", "-1", "2**64"]),
     (["generate", "--cache", "nope", "hi"], ["cache", "nope", "known cache methods"]),

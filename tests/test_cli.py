@@ -78,9 +78,12 @@ def test_generate_passes_vllms_min_p_and_repetition_penalty():
     from kvforge.cli import build_full_parser
     from kvforge.commands import _sampling_params
 
-    args = build_full_parser().parse_args(["generate", "--min-p", "0.1", "--repetition-penalty", "1.3", "hi"])
+    args = build_full_parser().parse_args(["generate", "--min-p", "0.1", "--repetition-penalty", "1.3",
+                                           "--frequency-penalty", "0.5", "--presence-penalty", "-0.25", "hi"])
     params = _sampling_params(args)
     assert params.min_p == 0.1 and params.repetition_penalty == 1.3
+    assert params.frequency_penalty == 0.5 and params.presence_penalty == -0.25
     plain = _sampling_params(build_full_parser().parse_args(["chat"]))
     assert plain.min_p == 0.0 and plain.repetition_penalty == 1.0
+    assert plain.frequency_penalty == 0.0 and plain.presence_penalty == 0.0
 

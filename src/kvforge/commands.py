@@ -80,6 +80,10 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0,
                         help="> 0: logits of tokens already in the prompt or output divided by it when positive, "
                              "multiplied when negative, as vLLM (1.0 = off)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="in [-2, 2]: minus this times a token's count in the output so far, as OpenAI (0 = off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="in [-2, 2]: minus this for every token already in the output, as OpenAI (0 = off)")
     parser.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
@@ -90,7 +94,9 @@ def _sampling_params(args: argparse.Namespace):
 
     return SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                          seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
 
 
 def _make_llm(args: argparse.Namespace):

@@ -123,9 +123,9 @@ def test_the_engine_gives_the_sampler_the_prompt_and_the_output_so_far(monkeypat
     recorded = []
     real = llm_engine.sample
 
-    def spy(logits, params, generators, banned, seen):
+    def spy(logits, params, generators, banned, seen, generated):
         recorded.append([list(ids) if ids is not None else None for ids in seen])
-        return real(logits, params, generators, banned, seen)
+        return real(logits, params, generators, banned, seen, generated)
 
     monkeypatch.setattr(llm_engine, "sample", spy)
     tokenizer = char_tokenizer()

@@ -11,10 +11,10 @@ import torch
 from kvforge.engine.sampling import (
     SamplingParams,
     banned_token_ids,
-    find_stop,
     make_generator,
     sample,
 )
+from kvforge.engine.stop_strings import find_stop
 from kvforge.errors import ConfigError
 
 

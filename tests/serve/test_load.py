@@ -39,7 +39,7 @@ BAD_REQUESTS = [
     ({"prompt": [5, 999999]}, 400, "prompt"),
     ({"prompt": "x", "stop": 7}, 400, "stop"),
     ({"prompt": "x", "seed": -1}, 400, "seed"),
-    ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "x", "top_k": -5}, 400, "top_k"),
     ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),

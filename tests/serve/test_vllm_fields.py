@@ -1,5 +1,5 @@
-"""What a vLLM client meets: prompt token ids checked before any use; repetition_penalty
-and min_p honoured; every OpenAI or vLLM field kvforge does not implement refused with a
+"""What a vLLM client meets: prompt token ids checked before any use; repetition_penalty,
+min_p and OpenAI's logit_bias, frequency_penalty and presence_penalty honoured; every OpenAI or vLLM field kvforge does not implement refused with a
 400 naming it (accepted at its neutral value); /v1/models and the start-up banner say
 what is served (base model, SwiftKV checkpoint, cache, dtype)."""
 
@@ -105,7 +105,6 @@ def test_each_unimplemented_field_is_refused_by_name_and_accepted_when_neutral(a
     (CHAT, {"tool_choice": "auto"}, "tool_choice"), (CHAT, {"tool_choice": "required"}, "tool_choice"),
     (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
-    (COMPLETIONS, {"presence_penalty": 0.5}, "presence_penalty"), (CHAT, {"frequency_penalty": -1}, "frequency_penalty"),
     (CHAT, {"add_generation_prompt": False}, "add_generation_prompt"),
     (COMPLETIONS, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     (COMPLETIONS, {"skip_special_tokens": False}, "skip_special_tokens"),
@@ -125,6 +124,36 @@ def test_what_a_vllm_client_may_send_and_kvforge_does_not_honour_is_refused(app_
 def test_neutral_values_are_accepted(app_client, path, body):
     response = post(app_client, path, **body)
     assert response.status_code == 200, response.text
+
+
+# -- honoured: OpenAI's logit_bias, frequency_penalty and presence_penalty ---------------------
+def test_logit_bias_forces_and_bans_tokens(app_client):
+    greedy = token_ids(app_client, temperature=0)
+    assert token_ids(app_client, temperature=0, logit_bias={"7": 100}) == [7] * len(greedy)
+    banned = token_ids(app_client, temperature=0, logit_bias={str(greedy[0]): -100})
+    assert banned[0] != greedy[0]
+
+
+def test_penalties_change_greedy_output_and_zero_does_not(app_client):
+    greedy = token_ids(app_client, temperature=0)
+    assert token_ids(app_client, temperature=0, frequency_penalty=0, presence_penalty=0.0) == greedy
+    repeats = max(greedy.count(token) for token in set(greedy))
+    assert repeats > 1  # the tiny model repeats itself: a penalty on repeats has work to do
+    penalised = token_ids(app_client, temperature=0, frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalised != greedy and max(penalised.count(token) for token in set(penalised)) < repeats
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    (COMPLETIONS, {"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    (CHAT, {"frequency_penalty": -3}, "frequency_penalty", "[-2, 2]"),
+    (COMPLETIONS, {"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    (CHAT, {"logit_bias": {"-4": 1}}, "logit_bias", "token ids"),
+    (COMPLETIONS, {"logit_bias": {str(VOCAB): 1}}, "logit_bias", f"[0, {VOCAB})"),
+    (COMPLETIONS, {"logit_bias": {"9" * 5000: 1}}, "logit_bias", "token ids"),
+    (COMPLETIONS, {"logit_bias": {"5": 101}}, "logit_bias[5]", "[-100, 100]"),
+])
+def test_out_of_range_penalties_and_biases_are_a_400_naming_the_field(app_client, path, body, param, words):
+    assert words in refused(post(app_client, path, **body), param)
 
 
 # -- what is served ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.engine.decode_graphs import CaptureReport, DecodeGraphs
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.engine_config import EngineConfig
+from kvforge.engine.logit_adjustments import needs_output, needs_prompt_and_output
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.prefix_cache import PrefixCache
 from kvforge.engine.request import FinishReason, Request
@@ -29,13 +30,13 @@ from kvforge.engine.sampling import (
     SampleOutput,
     SamplingParams,
     banned_token_ids,
-    find_stop,
     make_generator,
     most_likely,
     sample,
 )
 from kvforge.engine.scheduler import ScheduledChunk, Scheduler
 from kvforge.engine.stepping_thread import SteppingThreadCheck
+from kvforge.engine.stop_strings import find_stop
 from kvforge.errors import ConfigError
 from kvforge.kernels.bf16_products import bf16_products
 from kvforge.kernels.cpu_prepack import PrepackReport, available_memory_bytes, prepack_weights
@@ -114,6 +115,10 @@ class LLMEngine:
             raise ConfigError("params", type(params).__name__, "must be a SamplingParams")
         prompt = [int(t) for t in prompt_token_ids]
         self.validate_prompt(prompt)
+        vocab = self.model.config.vocab_size
+        outside = [token for token, _ in params.logit_bias if token >= vocab]
+        if outside:
+            raise ConfigError("logit_bias token id", outside[0], f"must be in [0, {vocab}) (the vocabulary)")
         number = next(self._ids)
         request_id = str(number) if request_id is None else str(request_id)
         if request_id in self._requests and not self._requests[request_id].is_finished:
@@ -233,12 +238,15 @@ class LLMEngine:
         return list(outputs.values())
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
-        # Ids seen so far, for the rows whose repetition penalty reads them (None elsewhere:
-        # a plain step builds no list).
-        seen = [r.prompt_token_ids + r.output_token_ids if r.params.repetition_penalty != 1.0 else None
+        # Ids seen so far (prompt and output) for the rows whose repetition penalty reads them,
+        # and output ids for their frequency and presence penalties (None elsewhere: a plain
+        # step builds no list).
+        seen = [r.prompt_token_ids + r.output_token_ids if needs_prompt_and_output(r.params) else None
                 for r in requests]
+        generated = [r.output_token_ids if needs_output(r.params) else None for r in requests]
         args = (logits, [r.params for r in requests], [r.generator for r in requests],
-                [banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens) for r in requests], seen)
+                [banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens) for r in requests], seen,
+                generated)
         return sample(*args) if self.step_timer is None else self.step_timer.measure("sampling", sample, *args)
 
     def _item(self, chunk: ScheduledChunk) -> StepItem:

@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.engine.sampling import SamplingParams, TopLogprobs, pending_stop_length
+from kvforge.engine.sampling import SamplingParams, TopLogprobs
+from kvforge.engine.stop_strings import pending_stop_length
 
 
 class RequestStatus(enum.Enum):

@@ -1,4 +1,5 @@
-"""Per-request sampling: parameters, token choice for one step, stop-string search.
+"""Per-request sampling: parameters and the token choice of one step (stop strings:
+`stop_strings.py`; logit bias and penalties: `logit_adjustments.py`).
 
 `sample` turns the logits of one step (one row per request) into one token per row.
 Invariants:
@@ -11,12 +12,12 @@ Invariants:
   nothing from their generator.
 - Banned ids (`min_tokens` not reached yet) are masked to -inf before anything else;
   a token with zero probability after masking, min-p, top-k and top-p is never returned.
-- `repetition_penalty` (vLLM's definition) rescales the raw logit of every id seen in the
-  prompt or the output so far, before temperature, for greedy rows too: a positive logit
-  is divided by it, a negative one multiplied. `min_p` (after temperature, before top-k
-  and top-p) drops every id whose probability is below min_p times the top id's; it
-  cannot change an argmax, so greedy rows ignore it. At their neutral values (1.0 and
-  0.0) neither does any work, and the tokens are bitwise those without them.
+- `logit_bias`, `repetition_penalty`, `frequency_penalty` and `presence_penalty` change
+  the raw logits after banning and before temperature, for greedy rows too
+  (`logit_adjustments.py` defines them and their order). `min_p` (after temperature,
+  before top-k and top-p) drops every id whose probability is below min_p times the top
+  id's; it cannot change an argmax, so greedy rows ignore it. At their neutral values none
+  of them does any work, and the tokens are bitwise those without them.
 - Log-probabilities are those of the *unmodified* model distribution: log_softmax of the
   raw logits, before banning, repetition penalty, temperature, min-p, top-k and top-p.
 - Everything is computed in float32 (cumulative sums in float64), whatever the logits'
@@ -26,14 +27,26 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvforge.engine.logit_adjustments import (
+    BIAS_LIMIT,
+    PENALTY_LIMIT,
+    adjust_logits,
+    adjusts_logits,
+    needs_output,
+    needs_prompt_and_output,
+    penalize_repetition,
+)
 from kvforge.errors import require
 from kvforge.kernels.cpu_fused import argmax_rows
+
+__all__ = ["SamplingParams", "SampleOutput", "sample", "banned_token_ids", "make_generator", "most_likely",
+           "keep_min_p", "penalize_repetition"]
 
 # Cumulative probabilities carry float32 rounding (about 1e-7); a prefix whose sum is
 # within this of top_p counts as reaching it, so probs [0.5, 0.3, ...] with top_p=0.8
@@ -73,6 +86,10 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables top-p
     min_p: float = 0.0  # in [0, 1]: keep ids with probability >= min_p * the top one's; 0 disables
     repetition_penalty: float = 1.0  # > 0: rescales logits of ids already seen; 1 disables
+    frequency_penalty: float = 0.0  # in [-2, 2]: minus this times an id's count in the output; 0 disables
+    presence_penalty: float = 0.0  # in [-2, 2]: minus this for each id present in the output; 0 disables
+    # (token id, value) pairs added to those logits, from a {id: value} mapping; values in [-100, 100]
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; the output text is cut where one starts
@@ -105,6 +122,12 @@ class SamplingParams:
                 and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
                 "must be a finite number > 0 (1 disables it)")
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            require(_is_real(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT, name, value,
+                    f"must be a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (0 disables it)")
+            object.__setattr__(self, name, float(value))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < _MAX_SEED), "seed",
                 self.seed, "must be None or an integer in [0, 2**64)")
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int))
@@ -135,6 +158,23 @@ class SamplingParams:
     def greedy_params(cls, max_tokens: int = 128, **overrides: Any) -> SamplingParams:
         """Greedy decoding (temperature 0) with the other fields given by keyword."""
         return cls(max_tokens=max_tokens, temperature=0.0, **overrides)
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """A {token id: value} mapping (or its pairs) as sorted (id, float) pairs, each checked."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    require(isinstance(pairs, Iterable) and not isinstance(pairs, (str, bytes)), "logit_bias", bias,
+            "must map token ids to values")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        require(isinstance(pair, tuple) and len(pair) == 2, "logit_bias", bias, "must map token ids to values")
+        token, value = pair
+        require(_is_int(token) and token >= 0, "logit_bias token id", token, "must be an integer >= 0")
+        require(token not in out, "logit_bias token id", token, "must appear once")
+        require(_is_real(value) and -BIAS_LIMIT <= value <= BIAS_LIMIT, f"logit_bias[{token}]", value,
+                f"must be a number in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}]")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _as_tuple(value: Any, scalar: type) -> tuple[Any, ...]:
@@ -186,14 +226,16 @@ class SampleOutput:
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None] | None = None,
            banned: Sequence[Collection[int] | None] | None = None,
-           seen: Sequence[Sequence[int] | None] | None = None) -> SampleOutput:
+           seen: Sequence[Sequence[int] | None] | None = None,
+           generated: Sequence[Sequence[int] | None] | None = None) -> SampleOutput:
     """Choose one token per row of `logits` [R, V].
 
     `generators[i]` is row i's stream (None -> torch's default generator on the logits'
     device, which is not reproducible per request); greedy rows never use it.
     `banned[i]` are ids row i must not produce (ids outside [0, V) are ignored).
-    `seen[i]` are the ids of row i's prompt and output so far; read only for rows whose
-    repetition_penalty is not 1, which must have it.
+    `seen[i]` are the ids of row i's prompt and output so far, `generated[i]` those of its
+    output alone: read only for rows whose repetition penalty (`seen`), or frequency or
+    presence penalty (`generated`), is on, which must have them.
     """
     require(logits.dim() == 2, "logits", tuple(logits.shape), "must be 2-D [rows, vocab]")
     rows, vocab = logits.shape
@@ -211,15 +253,20 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
                 ban_rows.append(i)
                 ban_cols.append(int(t))
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    penalty_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    adjusted_rows = [i for i, p in enumerate(params) if adjusts_logits(p)]
     history: Sequence[Sequence[int] | None] = [None] * rows if seen is None else seen
-    missing = [i for i in penalty_rows if i >= len(history) or history[i] is None]
+    outputs: Sequence[Sequence[int] | None] = [None] * rows if generated is None else generated
+    missing = [i for i in adjusted_rows if needs_prompt_and_output(params[i])
+               and (i >= len(history) or history[i] is None)]
     require(not missing, "seen", missing, "must give the prompt and output ids of every row with a "
                                           "repetition_penalty")
+    missing = [i for i in adjusted_rows if needs_output(params[i]) and (i >= len(outputs) or outputs[i] is None)]
+    require(not missing, "generated", missing, "must give the output ids of every row with a frequency or "
+                                               "presence penalty")
     # Every row greedy, nothing banned or penalised (a plain decode step): one pass over the
     # logits as they are, no float32 copy (argmax_rows is torch.argmax; None where it does
     # not apply).
-    plain = len(greedy_rows) == rows and not ban_rows and not penalty_rows
+    plain = len(greedy_rows) == rows and not ban_rows and not adjusted_rows
     fast = argmax_rows(logits.detach()) if plain else None
     # Masked float32 view/copy; elementwise, so a row's values do not depend on the others.
     work = logits.detach() if fast is not None else logits.detach().float()  # no copy when float32
@@ -228,10 +275,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             work = work.clone()  # never write into the caller's logits
         device = work.device
         work[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = -math.inf
-    if penalty_rows and work.data_ptr() == logits.data_ptr():
+    if adjusted_rows and work.data_ptr() == logits.data_ptr():
         work = work.clone()
-    for i in penalty_rows:
-        penalize_repetition(work[i], history[i] or (), params[i].repetition_penalty)
+    for i in adjusted_rows:
+        adjust_logits(work[i], params[i], history[i] if i < len(history) else None,
+                      outputs[i] if i < len(outputs) else None)
 
     if fast is not None:
         tokens = fast
@@ -302,16 +350,6 @@ def _sample_row(scores: torch.Tensor, params: SamplingParams,
     return choice if candidates is None else candidates[choice]
 
 
-def penalize_repetition(row: torch.Tensor, seen: Sequence[int], penalty: float) -> None:
-    """vLLM's repetition penalty, in place on one float row [V]: the logit of every id in
-    `seen` (each counted once; ids outside [0, V) ignored) is divided by `penalty` when
-    positive and multiplied by it otherwise."""
-    vocab = row.shape[0]
-    ids = torch.tensor(sorted({t for t in seen if 0 <= t < vocab}), dtype=torch.long, device=row.device)
-    values = row[ids]
-    row[ids] = torch.where(values > 0, values / penalty, values * penalty)
-
-
 def keep_min_p(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
     """`scaled` [V] (temperature applied, maximum exactly 0) with every id whose probability
     is below min_p times the top id's set to -inf. With the maximum at 0, exp(scaled) is
@@ -350,34 +388,3 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
     index = torch.searchsorted(cdf, u * total, right=True)
     last_positive = torch.searchsorted(cdf, total)  # first index reaching the total mass
     return torch.minimum(index, last_positive).squeeze(0)
-
-
-def find_stop(text: str, stops: Sequence[str], search_from: int) -> int | None:
-    """Index in `text` where the earliest stop string starts, or None.
-
-    `text[:search_from]` was searched before (it held no stop string), so only matches
-    that end after `search_from` are looked for: each stop s is searched from
-    `search_from - len(s) + 1`, which keeps incremental decoding O(new text).
-    Empty stop strings are ignored.
-    """
-    best: int | None = None
-    for stop in stops:
-        if not stop:
-            continue
-        found = text.find(stop, max(0, search_from - len(stop) + 1))
-        if found >= 0 and (best is None or found < best):
-            best = found
-    return best
-
-
-def pending_stop_length(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string:
-    the text a stop string may still claim when more text follows. A stream holds it back
-    (a delta never shows text the final output will not have)."""
-    longest = 0
-    for stop in stops:
-        for length in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:length]):
-                longest = length
-                break
-    return longest

@@ -73,7 +73,7 @@ class ChatHandler:
         served.check_prompt(prompt, "messages")
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, served.max_tokens(requested, len(prompt), name),
+        params = sampling_params(body, served.max_tokens(requested, len(prompt), name), served.vocab_size,
                                  logprobs=bool(body.logprobs), top_logprobs=top)
         return prompt, params
 

@@ -82,7 +82,7 @@ class CompletionHandler:
         for index, (prompt, text) in enumerate(self._prompts(body.prompt)):
             served.check_prompt(prompt, "prompt")
             max_tokens = 1 if hidden else served.max_tokens(body.max_tokens, len(prompt), "max_tokens")
-            params = sampling_params(body, max_tokens, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+            params = sampling_params(body, max_tokens, served.vocab_size, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
                                      prompt_logprobs=(logprobs or 0) if echo and logprobs is not None else None)
             if params.stop and served.tokenizer is None:
                 raise bad_request("stop", list(params.stop), "needs text, and this server's model has no tokenizer: "

@@ -122,7 +122,7 @@ class ServedModel:
         return requested
 
 
-def sampling_params(body: _GenerationFields, max_tokens: int, **logprob_fields: Any) -> SamplingParams:
+def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, **logprob_fields: Any) -> SamplingParams:
     """The engine's SamplingParams from the fields both endpoints share. Fields OpenAI
     defines that kvforge does not implement must keep their neutral value."""
     for name in unimplemented_fields(type(body)):
@@ -135,12 +135,13 @@ def sampling_params(body: _GenerationFields, max_tokens: int, **logprob_fields: 
         raise bad_request("best_of", body.best_of, "only best_of=1 (= n) is supported")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise bad_request("response_format", body.response_format, "only {'type': 'text'} is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        if value not in (None, 0):
-            raise bad_request(name, value, "is not supported by kvforge: must be 0 or omitted")
-    if body.logit_bias:
-        raise bad_request("logit_bias", body.logit_bias, "is not supported by kvforge: must be empty or omitted")
+    logit_bias = {}
+    for key, value in (body.logit_bias or {}).items():  # JSON keys are strings: token ids in decimal
+        # (the length bound before int(): Python refuses to convert thousands of digits)
+        if not (key.isascii() and key.isdigit() and len(key) <= 12 and int(key) < vocab_size):
+            raise bad_request("logit_bias", key if len(key) <= 40 else key[:37] + "...",
+                              f"keys must be token ids in [0, {vocab_size}) (the vocabulary), written as strings")
+        logit_bias[int(key)] = value
     top_k = body.top_k or 0
     if top_k < -1:
         raise bad_request("top_k", top_k, "must be >= 1, or 0 or -1 to disable top-k")
@@ -152,6 +153,8 @@ def sampling_params(body: _GenerationFields, max_tokens: int, **logprob_fields: 
             top_k=max(top_k, 0), top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed,
             min_p=0.0 if body.min_p is None else body.min_p,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+            logit_bias=logit_bias,
             stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
             **logprob_fields)
     except ConfigError as exc:

@@ -1,0 +1,93 @@
+"""What a request's own parameters do to its logits before any token is chosen: OpenAI's
+`logit_bias`, vLLM's repetition penalty, and OpenAI's frequency and presence penalties.
+
+Applied to one float32 row [V] in place, in vLLM's order: bias, then repetition, then
+frequency, then presence. Invariants:
+
+- Each rule reads only the row's own parameters and history, so a row's result never
+  depends on the other rows of the batch; ids outside [0, V) are ignored.
+- At neutral values (no bias, penalties 1.0 / 0.0 / 0.0) `adjusts_logits` is False and the
+  sampler does no work for the row: its tokens are bitwise those without these fields.
+- Repetition reads the prompt and the output; frequency and presence read the output only
+  (OpenAI's definition: tokens "so far" in the text being generated; vLLM's too).
+- Log-probabilities are reported from the raw logits, never from adjusted ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvforge.engine.sampling import SamplingParams
+
+# OpenAI's ranges: penalties in [-2, 2], a bias in [-100, 100] (at +-100 a token is in
+# effect forced or banned).
+PENALTY_LIMIT = 2.0
+BIAS_LIMIT = 100.0
+
+
+def adjusts_logits(params: SamplingParams) -> bool:
+    """True when any of the rules here changes the row."""
+    return (bool(params.logit_bias) or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0)
+
+
+def needs_prompt_and_output(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0
+
+
+def needs_output(params: SamplingParams) -> bool:
+    return params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
+def adjust_logits(row: torch.Tensor, params: SamplingParams, seen: Sequence[int] | None,
+                  generated: Sequence[int] | None) -> None:
+    """Every rule of `params` on one float row [V], in place. `seen` (prompt and output
+    ids) is read for a repetition penalty, `generated` (output ids) for frequency and
+    presence penalties; each must be given when its rule is on."""
+    if params.logit_bias:
+        add_logit_bias(row, params.logit_bias)
+    if needs_prompt_and_output(params):
+        penalize_repetition(row, seen or (), params.repetition_penalty)
+    if needs_output(params):
+        penalize_frequency_and_presence(row, generated or (), params.frequency_penalty, params.presence_penalty)
+
+
+def add_logit_bias(row: torch.Tensor, bias: Sequence[tuple[int, float]]) -> None:
+    """OpenAI's logit_bias on one float row [V]: each (id, value) adds value to that id's
+    logit."""
+    vocab = row.shape[0]
+    pairs = [(token, value) for token, value in bias if 0 <= token < vocab]
+    if not pairs:
+        return
+    ids = torch.tensor([token for token, _ in pairs], dtype=torch.long, device=row.device)
+    row[ids] += torch.tensor([value for _, value in pairs], dtype=row.dtype, device=row.device)
+
+
+def penalize_repetition(row: torch.Tensor, seen: Sequence[int], penalty: float) -> None:
+    """vLLM's repetition penalty, in place on one float row [V]: the logit of every id in
+    `seen` (each counted once; ids outside [0, V) ignored) is divided by `penalty` when
+    positive and multiplied by it otherwise."""
+    vocab = row.shape[0]
+    ids = torch.tensor(sorted({t for t in seen if 0 <= t < vocab}), dtype=torch.long, device=row.device)
+    values = row[ids]
+    row[ids] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def penalize_frequency_and_presence(row: torch.Tensor, generated: Sequence[int], frequency: float,
+                                    presence: float) -> None:
+    """OpenAI's penalties on one float row [V]: an id generated c > 0 times so far loses
+    c * frequency + presence from its logit (ids outside [0, V) ignored)."""
+    vocab = row.shape[0]
+    counts: dict[int, int] = {}
+    for token in generated:
+        if 0 <= token < vocab:
+            counts[token] = counts.get(token, 0) + 1
+    if not counts:
+        return
+    ids = torch.tensor(list(counts), dtype=torch.long, device=row.device)
+    times = torch.tensor(list(counts.values()), dtype=row.dtype, device=row.device)
+    row[ids] -= times * frequency + presence

@@ -29,7 +29,7 @@ BAD_REQUESTS = [
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ({"prompt": "x", "n": 3}, 400, "n"),
+    ({"prompt": "x", "n": 65}, 400, "n"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": 42}, 400, "prompt"),
     ({"prompt": [1, "a"]}, 400, "prompt"),

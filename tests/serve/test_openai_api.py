@@ -151,7 +151,7 @@ def test_errors_use_openai_schema(client, server):
         client.completions.create(model="other", prompt="x", max_tokens=1)
     assert missing.value.body["param"] == "model" and missing.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1, n=2)
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1, n=0)
     assert bad.value.body["param"] == "n" and bad.value.body["type"] == "invalid_request_error"
     response = httpx.post(f"{server.base_url}/v1/completions", content=b"{not json", timeout=30,
                           headers={"Content-Type": "application/json"})

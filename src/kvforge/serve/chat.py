@@ -20,7 +20,7 @@ from kvforge.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kvforge.models.tokenizer import encode_prompt, has_chat_template
 from kvforge.serve.logprobs import chat_logprobs
 from kvforge.serve.protocol import ChatCompletionRequest, ChatMessage, bad_request
-from kvforge.serve.served_model import ServedModel, sampling_params
+from kvforge.serve.served_model import ServedModel, sample_params, samples_per_prompt, sampling_params
 from kvforge.serve.streams import DONE, last_items, merge, sse, unless_disconnected
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -36,22 +36,29 @@ class ChatHandler:
         served.check_available()
         prompt, params = self._inputs(body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = served.engine.generate(prompt, params, request_id, time.perf_counter())
+        arrival = time.perf_counter()
+        # One engine request per choice (OpenAI's n); the first keeps the response's id.
+        streams = [served.engine.generate(prompt, sample_params(params, index),
+                                          request_id if index == 0 else f"{request_id}-{index}", arrival)
+                   for index in range(samples_per_prompt(body))]
         head = {"id": request_id, "created": int(time.time()), "model": served.name}
         ids = bool(body.return_token_ids)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._events(head, prompt, stream, params, usage, ids),
+            return StreamingResponse(self._events(head, prompt, streams, params, usage, ids),
                                      media_type="text/event-stream")
-        (out,) = await unless_disconnected(raw, last_items([stream]))
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                                  "logprobs": self._logprobs(out.token_ids, out, params),
-                                  "finish_reason": out.finish_reason}
-        if ids:
-            choice["prompt_token_ids"] = prompt
-            choice["token_ids"] = out.token_ids
-        return JSONResponse({**head, "object": "chat.completion", "choices": [choice],
-                             "usage": _usage(prompt, out)})
+        finals = await unless_disconnected(raw, last_items(streams))
+        choices = []
+        for index, out in enumerate(finals):
+            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": out.text},
+                                      "logprobs": self._logprobs(out.token_ids, out, params),
+                                      "finish_reason": out.finish_reason}
+            if ids:
+                choice["prompt_token_ids"] = prompt
+                choice["token_ids"] = out.token_ids
+            choices.append(choice)
+        return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                             "usage": _usage(prompt, finals)})
 
     # -- request -> engine inputs -----------------------------------------------------
     def _inputs(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
@@ -86,27 +93,28 @@ class ChatHandler:
         return chat_logprobs(self.served.token_text, token_ids, (out.logprobs or [])[-count:] if count else [],
                              tops or None)
 
-    async def _events(self, head: dict[str, Any], prompt: list[int], stream: AsyncIterator[RequestOutput],
+    async def _events(self, head: dict[str, Any], prompt: list[int], streams: list[AsyncIterator[RequestOutput]],
                       params: SamplingParams, include_usage: bool, ids: bool) -> AsyncIterator[str]:
         chunk_head = {**head, "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
-        first: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}
-        if ids:
-            first["prompt_token_ids"] = prompt
-        yield sse({**chunk_head, "choices": [first], **extra})
-        last: RequestOutput | None = None
-        async for _, out in merge([stream]):
-            last = out
+        for index in range(len(streams)):  # each choice opens with the assistant's role
+            first: dict[str, Any] = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}
+            if ids:
+                first["prompt_token_ids"] = prompt
+            yield sse({**chunk_head, "choices": [first], **extra})
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for index, out in merge(streams):
+            finals[index] = out
             choice: dict[str, Any] = {
-                "index": 0, "delta": {"content": out.new_text} if out.new_text else {},
+                "index": index, "delta": {"content": out.new_text} if out.new_text else {},
                 "logprobs": self._logprobs(out.new_token_ids, out, params),
                 "finish_reason": out.finish_reason if out.finished else None}
             if ids:
                 choice["token_ids"] = out.new_token_ids
             yield sse({**chunk_head, "choices": [choice], **extra})
-        if include_usage and last is not None:
-            yield sse({**chunk_head, "choices": [], "usage": _usage(prompt, last)})
+        if include_usage and all(out is not None for out in finals):
+            yield sse({**chunk_head, "choices": [], "usage": _usage(prompt, finals)})
         yield DONE
 
 
@@ -131,6 +139,7 @@ def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-def _usage(prompt: list[int], out: RequestOutput) -> dict[str, int]:
-    completion = len(out.token_ids)
+def _usage(prompt: list[int], finals: list[RequestOutput] | list[RequestOutput | None]) -> dict[str, int]:
+    """The prompt counted once, whatever n; the completions of every choice."""
+    completion = sum(len(out.token_ids) for out in finals if out is not None)
     return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion}

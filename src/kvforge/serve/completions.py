@@ -21,15 +21,16 @@ from kvforge.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kvforge.models.tokenizer import encode_prompt
 from kvforge.serve.logprobs import CompletionLogprobs
 from kvforge.serve.protocol import CompletionRequest, bad_request
-from kvforge.serve.served_model import ServedModel, sampling_params
+from kvforge.serve.served_model import ServedModel, sample_params, samples_per_prompt, sampling_params
 from kvforge.serve.streams import DONE, last_items, merge, sse, unless_disconnected
 
 
 @dataclass(frozen=True)
 class _Job:
-    """One prompt of a completion request."""
+    """One completion of one prompt of a request: choice `index` = prompt number x n + sample."""
 
     index: int
+    sample: int  # which of the prompt's n completions (0 counts the prompt's tokens in the usage)
     prompt: list[int]
     text: str  # the prompt as text (what echo returns)
     params: SamplingParams
@@ -78,8 +79,9 @@ class CompletionHandler:
             raise bad_request("max_tokens", 0, "must be >= 1 (0 is allowed only with echo=true)")
         hidden = body.max_tokens == 0
         options = _Options(echo, logprobs, hidden, bool(body.return_token_ids))
+        samples = samples_per_prompt(body)
         jobs = []
-        for index, (prompt, text) in enumerate(self._prompts(body.prompt)):
+        for number, (prompt, text) in enumerate(self._prompts(body.prompt)):
             served.check_prompt(prompt, "prompt")
             max_tokens = 1 if hidden else served.max_tokens(body.max_tokens, len(prompt), "max_tokens")
             params = sampling_params(body, max_tokens, served.vocab_size, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
@@ -87,7 +89,8 @@ class CompletionHandler:
             if params.stop and served.tokenizer is None:
                 raise bad_request("stop", list(params.stop), "needs text, and this server's model has no tokenizer: "
                                                              "use stop_token_ids")
-            jobs.append(_Job(index, prompt, text, params))
+            jobs += [_Job(number * samples + sample, sample, prompt, text, sample_params(params, sample))
+                     for sample in range(samples)]
         return options, jobs
 
     def _prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[tuple[list[int], str]]:
@@ -143,7 +146,7 @@ class CompletionHandler:
             if options.logprobs is not None and new_ids:
                 count = len(new_ids)
                 builder.add(new_ids, (out.logprobs or [])[-count:], (out.top_logprobs or [])[-count:] or None)
-            choice: dict[str, Any] = {"index": index, "text": text,
+            choice: dict[str, Any] = {"index": job.index, "text": text,
                                       "logprobs": builder.take() if options.logprobs is not None else None,
                                       "finish_reason": _finish_reason(out, options) if out.finished else None}
             if options.return_token_ids:
@@ -161,6 +164,6 @@ def _finish_reason(out: RequestOutput, options: _Options) -> str | None:
 
 
 def _usage(jobs: list[_Job], finals: list[RequestOutput | None], options: _Options) -> dict[str, int]:
-    prompt = sum(len(job.prompt) for job in jobs)
+    prompt = sum(len(job.prompt) for job in jobs if job.sample == 0)  # once per prompt, whatever n
     completion = 0 if options.hidden else sum(len(out.token_ids) for out in finals if out is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

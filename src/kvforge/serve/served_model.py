@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -17,6 +17,9 @@ from kvforge.engine.async_engine import AsyncEngine
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import ConfigError
 from kvforge.serve.protocol import APIError, _GenerationFields, bad_request, is_neutral, unimplemented_fields
+
+# Most completions one request may ask for per prompt (`n`): each is an engine request.
+MAX_SAMPLES = 64
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,24 @@ class ServedModel:
         return requested
 
 
+def samples_per_prompt(body: _GenerationFields) -> int:
+    """OpenAI's `n`: how many completions each prompt gets (1 when omitted)."""
+    if body.n is None:
+        return 1
+    if not 1 <= body.n <= MAX_SAMPLES:
+        raise bad_request("n", body.n, f"must be an integer in [1, {MAX_SAMPLES}]")
+    return body.n
+
+
+def sample_params(params: SamplingParams, sample: int) -> SamplingParams:
+    """The parameters of a prompt's `sample`-th completion (of n): with a seed, seed +
+    sample (as vLLM's parallel sampling), so the n completions differ and each repeats; without
+    one, each already has its own random stream."""
+    if params.seed is None or sample == 0:
+        return params
+    return replace(params, seed=(params.seed + sample) % 2**64)
+
+
 def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, **logprob_fields: Any) -> SamplingParams:
     """The engine's SamplingParams from the fields both endpoints share. Fields OpenAI
     defines that kvforge does not implement must keep their neutral value."""
@@ -129,10 +150,9 @@ def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, *
         value = getattr(body, name)
         if not is_neutral(name, value):
             raise bad_request(name, value, "is not supported by kvforge: must be omitted or null")
-    if body.n not in (None, 1):
-        raise bad_request("n", body.n, "only n=1 is supported (send the request n times)")
-    if body.best_of not in (None, 1):
-        raise bad_request("best_of", body.best_of, "only best_of=1 (= n) is supported")
+    samples = samples_per_prompt(body)
+    if body.best_of not in (None, samples):
+        raise bad_request("best_of", body.best_of, f"only best_of=n ({samples}) is supported (or omit it)")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise bad_request("response_format", body.response_format, "only {'type': 'text'} is supported")
     logit_bias = {}

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +147,40 @@ def test_a_compile_is_announced_before_it_starts_and_a_cached_build_is_not(tmp_p
     with caplog.at_level(logging.WARNING):
         assert kernel.available() is False  # (the stand-in still registers no operator)
     assert not any("compiling" in record.getMessage() for record in caplog.records)
+
+
+def test_the_compile_command_names_no_checkout_so_copies_of_the_sources_share_a_build(tmp_path, monkeypatch):
+    """The source and the shared headers are compiled from copies in the build directory:
+    ninja rebuilds when its command changes, so a command naming the checkout's kernels/
+    directory gave every checkout (a mutation run's scratch copies) a build of its own."""
+    root = tmp_path / "ext"
+    fake = _FakeExtension(root)
+    seen: dict = {}
+    real_load = fake.load
+
+    def load(name, sources, build_directory, **kwargs):
+        seen.update(sources=sources, include=kwargs["extra_include_paths"], build=build_directory)
+        return real_load(name, sources, build_directory, **kwargs)
+
+    fake.load = load
+    monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", fake)
+    monkeypatch.setattr("torch.utils.cpp_extension", fake, raising=False)
+    monkeypatch.delenv(build_module.DISABLE_ENV, raising=False)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    first, second = tmp_path / "checkout-a", tmp_path / "checkout-b"
+    kernels = []
+    for checkout in (first, second):
+        checkout.mkdir()
+        (checkout / "k.cpp").write_text('#include "cpu_checks.h"\n')
+        kernels.append(CppKernel("kvforge_test_kernel", checkout / "k.cpp", "kvforge_test", "op", "test kernel",
+                                 "the fallback", flag_sets=(("-O1",),)))
+    assert kernels[0]._fingerprint(("-O1",)) == kernels[1]._fingerprint(("-O1",))
+    assert kernels[0].available() is False  # (the stand-in builds nothing)
+    build = Path(seen["build"])
+    assert build.parent == root and seen["include"] == [str(build)]
+    assert all(Path(source).parent == build for source in seen["sources"])
+    assert (build / "cpu_checks.h").read_text() == (Path(build_module.__file__).parent / "cpu_checks.h").read_text()
+    edited = CppKernel("kvforge_test_kernel", first / "k.cpp", "kvforge_test", "op", "test kernel", "the fallback",
+                       flag_sets=(("-O1",),))
+    edited.header_files = {**edited.header_files, "cpu_checks.h": "// edited\n"}
+    assert edited._fingerprint(("-O1",)) != kernels[0]._fingerprint(("-O1",))  # an edited header rebuilds

@@ -12,10 +12,11 @@ Invariants:
   it is read on every call, so it can be toggled at run time (tests do).
 - A build holds `build_lock` (build_lock.py): a build killed midway never blocks a later
   process, and a live one is waited for only up to a timeout.
-- The build directory name hashes the source, the flags, torch, Python, a CPU
-  fingerprint and the include directory, so `-march=native` binaries are never loaded on a
-  different CPU, an edited source never loads a stale binary, and two checkouts never
-  rebuild each other's builds.
+- The build directory name hashes the source and headers, the flags, torch (version and
+  install path), Python and a CPU fingerprint, so `-march=native` binaries are never loaded
+  on a different CPU, an edited source or header never loads a stale binary, and two
+  environments never rebuild each other's builds; checkouts of the same sources on one
+  environment share them (the compile command names only the build directory's copies).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import os
 import platform
 import shutil
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -82,10 +84,10 @@ class CppKernel:
                  flag_sets: tuple[tuple[str, ...], ...] = DEFAULT_FLAG_SETS) -> None:
         self.name = name
         self.source = source.read_text(encoding="utf-8")
-        # The shared headers (cpu_checks.h) are found on this include path and hashed into
-        # the fingerprint, so an edited header rebuilds every kernel that includes it.
-        self.include_dir = str(Path(__file__).parent)
-        self.headers = "".join(p.read_text(encoding="utf-8") for p in sorted(Path(self.include_dir).glob("*.h")))
+        # The shared headers (cpu_checks.h, ...) are copied beside the source in the build
+        # directory, so the compile command names no checkout, and hashed into the
+        # fingerprint, so an edited header rebuilds every kernel that includes it.
+        self.header_files = {p.name: p.read_text(encoding="utf-8") for p in sorted(Path(__file__).parent.glob("*.h"))}
         self.namespace = namespace
         self.op = op
         self.what = what
@@ -140,13 +142,15 @@ class CppKernel:
         openmp = ["-fopenmp"] if "-fopenmp" in flags else []
         with build_lock(build_dir):  # never waits forever on a killed build (build_lock.py)
             _write_if_changed(source, self.source)
+            for header, text in self.header_files.items():
+                _write_if_changed(os.path.join(build_dir, header), text)
             cached = os.path.exists(os.path.join(build_dir, f"{name}.so"))
             if not cached:  # said before the compiler runs: a first use otherwise looks like a hang
                 logger.warning("kvforge: compiling the %s for this CPU (once per kernel source, torch and CPU; "
                                "kept in %s; `python -m kvforge.prebuild` compiles them all ahead)", self.what,
                                build_root())
             cpp_extension.load(name=name, sources=[source], extra_cflags=list(flags), extra_ldflags=openmp,
-                               extra_include_paths=[self.include_dir], build_directory=build_dir,
+                               extra_include_paths=[build_dir], build_directory=build_dir,
                                is_python_module=False, verbose=False)
         getattr(getattr(torch.ops, self.namespace), self.op)  # raises if not registered
         self.build_seconds = time.perf_counter() - start
@@ -156,12 +160,16 @@ class CppKernel:
                     build_dir, " ".join(flags))
 
     def _fingerprint(self, flags: tuple[str, ...]) -> str:
-        """Hash of everything the binary depends on: source, flags, torch, Python and the CPU,
-        and the include directory: the build records it, so two checkouts sharing one build
-        directory would each recompile the other's build on every load (a CI clone once made
-        the next demo compile inside its timed decode)."""
-        parts = [self.source, self.headers, " ".join(flags), torch.__version__, platform.python_version(), platform.machine(),
-                 cpu_description(), self.include_dir]
+        """Hash of everything the binary depends on: source, headers, flags, torch, Python
+        and the CPU, and the include paths the compile command names (torch's and Python's
+        headers): ninja rebuilds when its command changes, so two environments sharing one
+        build directory would each recompile the other's build on every load (a CI clone's
+        venv once made the next demo compile inside its timed decode). No checkout path is
+        in it: checkouts of the same sources on one environment (a mutation run's scratch
+        copies) share their builds."""
+        headers = "".join(f"{name}\0{text}" for name, text in self.header_files.items())
+        parts = [self.source, headers, " ".join(flags), torch.__version__, platform.python_version(), platform.machine(),
+                 cpu_description(), os.path.dirname(torch.__file__), sysconfig.get_paths()["include"]]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

@@ -1755,7 +1755,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("frequency_penalty_counts_the_prompt", S + "engine/llm_engine.py",
              "generated = [r.output_token_ids if needs_output(r.params)",
              "generated = [r.prompt_token_ids + r.output_token_ids if needs_output(r.params)",
-             ("tests/engine/test_logit_adjustments.py",), "frequency and presence read the output only"),
+             ("tests/engine/test_repetition_penalty_min_p.py",), "frequency and presence read the output only"),
     Mutation("penalty_range_unchecked", S + "engine/sampling.py",
              "require(_is_real(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT, name, value,",
              "require(_is_real(value), name, value,",

@@ -116,6 +116,8 @@ def test_bad_values_name_the_parameter_the_value_and_the_rule(name, value, rule)
 
 
 def test_the_engine_gives_the_sampler_the_prompt_and_the_output_so_far(monkeypatch):
+    """The repetition penalty reads prompt and output ids; frequency and presence read the
+    output alone (logit_adjustments.py); a request without penalties builds no list."""
     from server_helpers import char_tokenizer, make_engine, tiny_model
 
     from kvforge.engine import llm_engine
@@ -124,7 +126,7 @@ def test_the_engine_gives_the_sampler_the_prompt_and_the_output_so_far(monkeypat
     real = llm_engine.sample
 
     def spy(logits, params, generators, banned, seen, generated):
-        recorded.append([list(ids) if ids is not None else None for ids in seen])
+        recorded.append([[list(ids) if ids is not None else None for ids in lists] for lists in (seen, generated)])
         return real(logits, params, generators, banned, seen, generated)
 
     monkeypatch.setattr(llm_engine, "sample", spy)
@@ -134,15 +136,18 @@ def test_the_engine_gives_the_sampler_the_prompt_and_the_output_so_far(monkeypat
     penalised = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.5,
                                                           ignore_eos=True))
     engine.add_request(tokenizer.encode("xy"), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    by_frequency = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, frequency_penalty=1.0,
+                                                             ignore_eos=True))
     outputs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = out
-    generated = outputs[penalised].token_ids
+    generated, frequency_generated = outputs[penalised].token_ids, outputs[by_frequency].token_ids
     assert len(recorded) == 4
-    for step, seen in enumerate(recorded):
-        assert seen[0] == prompt + generated[:step]  # the penalised request's history
-        assert seen[1] is None  # a request without a penalty builds no list
+    for step, (seen, output) in enumerate(recorded):
+        assert seen[0] == prompt + generated[:step] and output[0] is None  # the repetition penalty's history
+        assert seen[1] is None and output[1] is None  # a request without a penalty builds no list
+        assert seen[2] is None and output[2] == frequency_generated[:step]  # the output alone
 
 
 @pytest.mark.parametrize("temperature", [9.631634438219779e-257, 1e-300, 5e-6])

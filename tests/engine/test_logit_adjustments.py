@@ -82,6 +82,19 @@ def test_a_penalised_row_needs_its_output_ids():
         sample(torch.zeros(2, 4), [SamplingParams(), SamplingParams(presence_penalty=0.5)], generated=[[1], None])
 
 
+def test_a_bias_is_bounded_in_size():
+    assert len(SamplingParams(logit_bias=dict.fromkeys(range(1024), 1.0)).logit_bias) == 1024
+    with pytest.raises(ConfigError, match="at most 1024"):
+        SamplingParams(logit_bias=dict.fromkeys(range(1025), 1.0))
+
+
+def test_counts_and_ids_of_the_output_penalise_alike():
+    by_ids, by_counts = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 3.0])
+    penalize_frequency_and_presence(by_ids, [2, 0, 2], frequency=0.5, presence=0.25)
+    penalize_frequency_and_presence(by_counts, {2: 2, 0: 1, 1: 0}, frequency=0.5, presence=0.25)  # 0 times: absent
+    assert by_ids.tolist() == by_counts.tolist() == [0.25, 2.0, 1.75]
+
+
 def test_neutral_values_do_nothing():
     assert not adjusts_logits(SamplingParams(frequency_penalty=0, presence_penalty=0.0, logit_bias={}))
     assert adjusts_logits(SamplingParams(logit_bias={3: 0.0}))  # a bias of 0 is still a request for one

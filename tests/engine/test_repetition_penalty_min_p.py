@@ -7,6 +7,7 @@ they leave every choice bitwise unchanged and the greedy fast path in use."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -126,7 +127,8 @@ def test_the_engine_gives_the_sampler_the_prompt_and_the_output_so_far(monkeypat
     real = llm_engine.sample
 
     def spy(logits, params, generators, banned, seen, generated):
-        recorded.append([[list(ids) if ids is not None else None for ids in lists] for lists in (seen, generated)])
+        recorded.append([[list(ids) if ids is not None else None for ids in seen],
+                         [dict(counts) if counts is not None else None for counts in generated]])  # (live: copied)
         return real(logits, params, generators, banned, seen, generated)
 
     monkeypatch.setattr(llm_engine, "sample", spy)
@@ -136,18 +138,20 @@ def test_the_engine_gives_the_sampler_the_prompt_and_the_output_so_far(monkeypat
     penalised = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, repetition_penalty=1.5,
                                                           ignore_eos=True))
     engine.add_request(tokenizer.encode("xy"), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    # the bias makes it repeat one id: the counts then have more than ones to get right
     by_frequency = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0, frequency_penalty=1.0,
-                                                             ignore_eos=True))
+                                                             logit_bias={5: 100.0}, ignore_eos=True))
     outputs = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = out
     generated, frequency_generated = outputs[penalised].token_ids, outputs[by_frequency].token_ids
+    assert len(set(frequency_generated)) < len(frequency_generated)
     assert len(recorded) == 4
     for step, (seen, output) in enumerate(recorded):
         assert seen[0] == prompt + generated[:step] and output[0] is None  # the repetition penalty's history
         assert seen[1] is None and output[1] is None  # a request without a penalty builds no list
-        assert seen[2] is None and output[2] == frequency_generated[:step]  # the output alone
+        assert seen[2] is None and output[2] == Counter(frequency_generated[:step])  # the output alone, counted
 
 
 @pytest.mark.parametrize("temperature", [9.631634438219779e-257, 1e-300, 5e-6])

@@ -180,6 +180,10 @@ def test_the_compile_command_names_no_checkout_so_copies_of_the_sources_share_a_
     assert build.parent == root and seen["include"] == [str(build)]
     assert all(Path(source).parent == build for source in seen["sources"])
     assert (build / "cpu_checks.h").read_text() == (Path(build_module.__file__).parent / "cpu_checks.h").read_text()
+    # a later load leaves the copies untouched: a newer mtime would make ninja compile again
+    stamps = {path.name: path.stat().st_mtime_ns for path in build.iterdir() if path.suffix in (".h", ".cpp")}
+    assert kernels[1].available() is False
+    assert {path.name: path.stat().st_mtime_ns for path in build.iterdir() if path.suffix in (".h", ".cpp")} == stamps
     edited = CppKernel("kvforge_test_kernel", first / "k.cpp", "kvforge_test", "op", "test kernel", "the fallback",
                        flag_sets=(("-O1",),))
     edited.header_files = {**edited.header_files, "cpu_checks.h": "// edited\n"}

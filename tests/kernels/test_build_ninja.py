@@ -28,10 +28,14 @@ def _fake_ninja(directory) -> str:
 def test_the_packaged_ninja_goes_first_even_when_path_has_another(tmp_path, monkeypatch):
     system = _fake_ninja(tmp_path / "system")
     packaged = _fake_ninja(tmp_path / "venv-bin")
+    (tmp_path / "venv-bin" / "python").write_text("")  # the venv's other programs must not move ahead
     monkeypatch.setenv("PATH", os.path.dirname(system))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
     monkeypatch.setitem(sys.modules, "ninja", types.SimpleNamespace(BIN_DIR=os.path.dirname(packaged)))
     assert build_module._ensure_ninja(_Extension())
-    assert shutil.which("ninja") == packaged
+    assert os.path.realpath(shutil.which("ninja")) == packaged
+    first = os.environ["PATH"].split(os.pathsep)[0]
+    assert os.listdir(first) == ["ninja"]  # a directory of ninja alone
     once = os.environ["PATH"]
     assert build_module._ensure_ninja(_Extension())
     assert os.environ["PATH"] == once  # already first: PATH does not grow build after build

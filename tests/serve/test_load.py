@@ -163,10 +163,12 @@ def test_concurrent_streams_disconnects_and_bad_requests():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_has_its_request_aborted(stream):
+@pytest.mark.parametrize("stream, path, choices", [(True, "/v1/completions", 1), (False, "/v1/completions", 1),
+                                                   (True, "/v1/chat/completions", 4),
+                                                   (False, "/v1/chat/completions", 4)])
+def test_a_client_that_disconnects_has_its_request_aborted(stream, path, choices):
     """A long request (would run 400 tokens) is left after its first bytes: within a few
-    engine steps nothing runs and no cache byte is held."""
+    engine steps nothing runs and no cache byte is held, for each of its n choices."""
     tokenizer, model = char_tokenizer(), tiny_model()
     engine = make_engine(model, tokenizer)
     # The tiny model can run 400 steps inside the non-streaming client's 0.3 s timeout on a
@@ -176,16 +178,17 @@ def test_a_client_that_disconnects_has_its_request_aborted(stream):
     engine.step = lambda: (time.sleep(0.01), step())[1]
     with serve(engine, tokenizer) as server:
         async def leave_early() -> None:
-            body = {"prompt": "abc", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": stream}
+            text = {"prompt": "abc"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "abc"}]}
+            body = {**text, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": stream, "n": choices}
             async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
                 if stream:
-                    async with client.stream("POST", "/v1/completions", json=body) as response:
+                    async with client.stream("POST", path, json=body) as response:
                         async for line in response.aiter_lines():
                             if line.startswith("data: "):
                                 break
                 else:
                     with pytest.raises(httpx.ReadTimeout):
-                        await client.post("/v1/completions", json=body, timeout=0.3)
+                        await client.post(path, json=body, timeout=0.3)
         steps_before = engine.steps
         asyncio.run(leave_early())
         deadline = time.monotonic() + 10

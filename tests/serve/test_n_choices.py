@@ -109,6 +109,20 @@ def test_bad_n_and_best_of_are_a_400_naming_them(app_client, path, body, param, 
     assert error["param"] == param and words in error["message"], error
 
 
+def test_a_batch_times_n_is_bounded_and_one_id_spelled_twice_is_refused(app_client):
+    response = app_client.post(COMPLETIONS, json={"model": MODEL_NAME, "prompt": ["ab"] * 17, "n": 64, "max_tokens": 1})
+    assert response.status_code == 400 and "1024" in response.json()["error"]["message"], response.text
+    response = app_client.post(COMPLETIONS, json={"model": MODEL_NAME, "prompt": "ab", "max_tokens": 1,
+                                                  "logit_bias": {"7": 1, "07": -1}})
+    assert response.status_code == 400 and "twice" in response.json()["error"]["message"], response.text
+
+
+def test_each_of_n_echoes_the_prompt(app_client):
+    out = post(app_client, COMPLETIONS, prompt="xyz", n=2, echo=True, logprobs=1, max_tokens=0)
+    assert [c["text"] for c in out["choices"]] == ["xyz", "xyz"]
+    assert out["choices"][0]["logprobs"] == out["choices"][1]["logprobs"]
+
+
 def test_best_of_equal_to_n_is_accepted(app_client):
     out = post(app_client, COMPLETIONS, prompt="xyz", n=2, best_of=2, max_tokens=2)
     assert len(out["choices"]) == 2

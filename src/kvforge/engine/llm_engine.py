@@ -243,7 +243,7 @@ class LLMEngine:
         # step builds no list).
         seen = [r.prompt_token_ids + r.output_token_ids if needs_prompt_and_output(r.params) else None
                 for r in requests]
-        generated = [r.output_token_ids if needs_output(r.params) else None for r in requests]
+        generated = [r.output_counts if needs_output(r.params) else None for r in requests]
         args = (logits, [r.params for r in requests], [r.generator for r in requests],
                 [banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens) for r in requests], seen,
                 generated)
@@ -280,7 +280,7 @@ class LLMEngine:
     def _accept(self, request: Request, token: int, logprob: float | None, now: float) -> RequestOutput:
         """Append a sampled token and apply the stop rules."""
         params = request.params
-        request.output_token_ids.append(token)
+        request.append_output(token)
         if logprob is not None:
             request.output_logprobs.append(logprob)
         if request.metrics.first_token_time is None:

@@ -15,7 +15,7 @@ frequency, then presence. Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,9 +24,10 @@ if TYPE_CHECKING:
     from kvforge.engine.sampling import SamplingParams
 
 # OpenAI's ranges: penalties in [-2, 2], a bias in [-100, 100] (at +-100 a token is in
-# effect forced or banned).
+# effect forced or banned). A bias is applied at every step: its size is bounded too.
 PENALTY_LIMIT = 2.0
 BIAS_LIMIT = 100.0
+MAX_BIASED_TOKENS = 1024
 
 
 def adjusts_logits(params: SamplingParams) -> bool:
@@ -44,10 +45,10 @@ def needs_output(params: SamplingParams) -> bool:
 
 
 def adjust_logits(row: torch.Tensor, params: SamplingParams, seen: Sequence[int] | None,
-                  generated: Sequence[int] | None) -> None:
+                  generated: Mapping[int, int] | Sequence[int] | None) -> None:
     """Every rule of `params` on one float row [V], in place. `seen` (prompt and output
-    ids) is read for a repetition penalty, `generated` (output ids) for frequency and
-    presence penalties; each must be given when its rule is on."""
+    ids) is read for a repetition penalty, `generated` (the output: ids, or each id's
+    count) for frequency and presence penalties; each must be given when its rule is on."""
     if params.logit_bias:
         add_logit_bias(row, params.logit_bias)
     if needs_prompt_and_output(params):
@@ -77,15 +78,18 @@ def penalize_repetition(row: torch.Tensor, seen: Sequence[int], penalty: float) 
     row[ids] = torch.where(values > 0, values / penalty, values * penalty)
 
 
-def penalize_frequency_and_presence(row: torch.Tensor, generated: Sequence[int], frequency: float,
-                                    presence: float) -> None:
+def penalize_frequency_and_presence(row: torch.Tensor, generated: Mapping[int, int] | Sequence[int],
+                                    frequency: float, presence: float) -> None:
     """OpenAI's penalties on one float row [V]: an id generated c > 0 times so far loses
-    c * frequency + presence from its logit (ids outside [0, V) ignored)."""
+    c * frequency + presence from its logit (ids outside [0, V) ignored). `generated` is the
+    output's ids, or each id's count (the engine keeps those: `Request.output_counts`)."""
     vocab = row.shape[0]
-    counts: dict[int, int] = {}
-    for token in generated:
-        if 0 <= token < vocab:
-            counts[token] = counts.get(token, 0) + 1
+    if not isinstance(generated, Mapping):
+        tally: dict[int, int] = {}
+        for token in generated:
+            tally[token] = tally.get(token, 0) + 1
+        generated = tally
+    counts = {token: count for token, count in generated.items() if 0 <= token < vocab and count > 0}
     if not counts:
         return
     ids = torch.tensor(list(counts), dtype=torch.long, device=row.device)

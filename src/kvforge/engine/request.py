@@ -53,6 +53,9 @@ class Request:
     # Token ids that end generation unless params.ignore_eos (the model's EOS ids).
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
+    # How often each id was generated (frequency and presence penalties), kept as tokens are
+    # appended (`append_output`) so a step does not count the whole output again.
+    output_counts: dict[int, int] = field(default_factory=dict)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     # With params.prompt_logprobs: one entry per prompt token computed so far (None for
@@ -80,6 +83,10 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def append_output(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.output_counts[token] = self.output_counts.get(token, 0) + 1
 
     @property
     def num_tokens(self) -> int:

@@ -35,6 +35,7 @@ import torch
 
 from kvforge.engine.logit_adjustments import (
     BIAS_LIMIT,
+    MAX_BIASED_TOKENS,
     PENALTY_LIMIT,
     adjust_logits,
     adjusts_logits,
@@ -174,6 +175,8 @@ def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
         require(_is_real(value) and -BIAS_LIMIT <= value <= BIAS_LIMIT, f"logit_bias[{token}]", value,
                 f"must be a number in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}]")
         out[token] = float(value)
+    require(len(out) <= MAX_BIASED_TOKENS, "logit_bias", f"{len(out)} token ids",
+            f"must bias at most {MAX_BIASED_TOKENS} token ids")
     return tuple(sorted(out.items()))
 
 
@@ -227,14 +230,14 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None] | None = None,
            banned: Sequence[Collection[int] | None] | None = None,
            seen: Sequence[Sequence[int] | None] | None = None,
-           generated: Sequence[Sequence[int] | None] | None = None) -> SampleOutput:
+           generated: Sequence[Mapping[int, int] | Sequence[int] | None] | None = None) -> SampleOutput:
     """Choose one token per row of `logits` [R, V].
 
     `generators[i]` is row i's stream (None -> torch's default generator on the logits'
     device, which is not reproducible per request); greedy rows never use it.
     `banned[i]` are ids row i must not produce (ids outside [0, V) are ignored).
     `seen[i]` are the ids of row i's prompt and output so far, `generated[i]` those of its
-    output alone: read only for rows whose repetition penalty (`seen`), or frequency or
+    output alone (or each one's count): read only for rows whose repetition penalty (`seen`), or frequency or
     presence penalty (`generated`), is on, which must have them.
     """
     require(logits.dim() == 2, "logits", tuple(logits.shape), "must be 2-D [rows, vocab]")
@@ -255,7 +258,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     adjusted_rows = [i for i, p in enumerate(params) if adjusts_logits(p)]
     history: Sequence[Sequence[int] | None] = [None] * rows if seen is None else seen
-    outputs: Sequence[Sequence[int] | None] = [None] * rows if generated is None else generated
+    outputs: Sequence[Mapping[int, int] | Sequence[int] | None] = [None] * rows if generated is None else generated
     missing = [i for i in adjusted_rows if needs_prompt_and_output(params[i])
                and (i >= len(history) or history[i] is None)]
     require(not missing, "seen", missing, "must give the prompt and output ids of every row with a "

@@ -191,23 +191,46 @@ def cpu_description() -> str:
         return platform.processor()
 
 
+_ninja_lock = threading.Lock()
+
+
 def _ensure_ninja(cpp_extension) -> bool:
     """Put one ninja first on PATH for every build: the `ninja` package's (a dependency),
     else whichever PATH has. One binary matters: ninja 1.12+ hashes a command line
     differently from older releases, so a build recorded by one reads as "command line
     changed" to the other and compiles again. A system ninja 1.11 on PATH with the venv
     inactive (`make test`) and the package's 1.13 with it active (a user's shell) rebuilt
-    every kernel at each switch."""
-    try:
-        import ninja  # type: ignore[import-not-found]
+    every kernel at each switch. PATH gains a directory holding a link to that ninja alone
+    (the package's directory is the venv's bin/, whose python and pip must not move ahead)."""
+    with _ninja_lock:  # kernels build on several threads (prebuild)
+        try:
+            import ninja  # type: ignore[import-not-found]
 
-        bundled = shutil.which("ninja", path=ninja.BIN_DIR) if ninja.BIN_DIR else None
-    except ImportError:
-        bundled = None
-    first = shutil.which("ninja")
-    if bundled is not None and (first is None or os.path.realpath(first) != os.path.realpath(bundled)):
-        os.environ["PATH"] = os.path.dirname(bundled) + os.pathsep + os.environ.get("PATH", "")
+            bin_dir = getattr(ninja, "BIN_DIR", None)
+            bundled = shutil.which("ninja", path=bin_dir) if bin_dir else None
+        except ImportError:
+            bundled = None
+        first = shutil.which("ninja")
+        if bundled is not None and (first is None or os.path.realpath(first) != os.path.realpath(bundled)):
+            os.environ["PATH"] = _directory_of_only(bundled) + os.pathsep + os.environ.get("PATH", "")
     return cpp_extension.is_ninja_available()
+
+
+def _directory_of_only(binary: str) -> str:
+    """A directory under the build root whose one entry is a link to `binary` (its own
+    directory where links cannot be made). One per binary: another environment's link is
+    never repointed under a running process."""
+    directory = os.path.join(build_root(), f"kvforge-ninja-{hashlib.sha256(binary.encode()).hexdigest()[:12]}")
+    link = os.path.join(directory, os.path.basename(binary))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if not (os.path.islink(link) and os.readlink(link) == binary):
+            staged = f"{link}.{os.getpid()}"
+            os.symlink(binary, staged)
+            os.replace(staged, link)  # atomic: a process reading the link never sees it missing
+    except OSError:
+        return os.path.dirname(binary)
+    return directory
 
 
 def _write_if_changed(path: str, text: str) -> None:

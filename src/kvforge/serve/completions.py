@@ -21,7 +21,13 @@ from kvforge.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kvforge.models.tokenizer import encode_prompt
 from kvforge.serve.logprobs import CompletionLogprobs
 from kvforge.serve.protocol import CompletionRequest, bad_request
-from kvforge.serve.served_model import ServedModel, sample_params, samples_per_prompt, sampling_params
+from kvforge.serve.served_model import (
+    MAX_CHOICES,
+    ServedModel,
+    sample_params,
+    samples_per_prompt,
+    sampling_params,
+)
 from kvforge.serve.streams import DONE, last_items, merge, sse, unless_disconnected
 
 
@@ -80,8 +86,11 @@ class CompletionHandler:
         hidden = body.max_tokens == 0
         options = _Options(echo, logprobs, hidden, bool(body.return_token_ids))
         samples = samples_per_prompt(body)
+        prompts = self._prompts(body.prompt)
+        if samples > 1 and samples * len(prompts) > MAX_CHOICES:
+            raise bad_request("n", samples, f"times the {len(prompts)} prompts must be <= {MAX_CHOICES} completions")
         jobs = []
-        for number, (prompt, text) in enumerate(self._prompts(body.prompt)):
+        for number, (prompt, text) in enumerate(prompts):
             served.check_prompt(prompt, "prompt")
             max_tokens = 1 if hidden else served.max_tokens(body.max_tokens, len(prompt), "max_tokens")
             params = sampling_params(body, max_tokens, served.vocab_size, logprobs=logprobs is not None, top_logprobs=logprobs or 0,

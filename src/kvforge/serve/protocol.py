@@ -72,7 +72,7 @@ class _GenerationFields(_Body):
     temperature: float | None = None  # None: 1.0, as OpenAI
     top_p: float | None = None
     n: int | None = None
-    best_of: int | None = None  # vLLM's; only 1 (= n) is supported
+    best_of: int | None = None  # vLLM's; only best_of = n is supported
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None

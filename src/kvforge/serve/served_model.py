@@ -18,8 +18,10 @@ from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import ConfigError
 from kvforge.serve.protocol import APIError, _GenerationFields, bad_request, is_neutral, unimplemented_fields
 
-# Most completions one request may ask for per prompt (`n`): each is an engine request.
+# Most completions one request may ask for per prompt (`n`), and in all (n x prompts, when
+# n > 1): each is an engine request.
 MAX_SAMPLES = 64
+MAX_CHOICES = 1024
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,8 @@ def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, *
         if not (key.isascii() and key.isdigit() and len(key) <= 12 and int(key) < vocab_size):
             raise bad_request("logit_bias", key if len(key) <= 40 else key[:37] + "...",
                               f"keys must be token ids in [0, {vocab_size}) (the vocabulary), written as strings")
+        if int(key) in logit_bias:  # "7" and "07": one id twice, whose value would be a guess
+            raise bad_request("logit_bias", key, f"names token id {int(key)} twice")
         logit_bias[int(key)] = value
     top_k = body.top_k or 0
     if top_k < -1:

@@ -31,3 +31,13 @@ def require(condition: bool, parameter: str, value: Any, rule: str) -> None:
     """Raise ConfigError(parameter, value, rule) unless `condition` holds."""
     if not condition:
         raise ConfigError(parameter, value, rule)
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool (True is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """An int or a float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -126,3 +126,43 @@ def test_the_engine_refuses_a_bias_outside_the_vocabulary_and_keeps_nothing():
     assert not engine.has_unfinished_requests()
     engine.add_request([5, 6], SamplingParams(max_tokens=2, logit_bias={VOCAB - 1: 1.0}))  # the last id is fine
     assert engine.has_unfinished_requests()
+
+
+# -- vLLM's allowed_token_ids -------------------------------------------------------------------
+def test_only_allowed_ids_are_ever_chosen_and_a_bias_cannot_bring_another_back():
+    logits = torch.tensor([3.0, 2.5, 1.0, 0.5, -1.0])
+    greedy = SamplingParams(temperature=0, allowed_token_ids=[2, 4])
+    assert sample(logits.unsqueeze(0), [greedy]).token_ids == [2]
+    sampled = SamplingParams(temperature=2.0, allowed_token_ids=[1, 3, 4], logit_bias={0: 100.0})
+    drawn = {sample(logits.unsqueeze(0), [sampled], [make_generator(s)]).token_ids[0] for s in range(DRAWS)}
+    assert drawn == {1, 3, 4}
+    row = logits.clone()
+    adjust_logits(row, SamplingParams(allowed_token_ids=[1, 99]), None, None)  # 99 lies outside the row
+    assert row.tolist() == [-math.inf, 2.5, -math.inf, -math.inf, -math.inf]
+
+
+@pytest.mark.parametrize("value, rule", [([], "at least one"), ([-1], "integers >= 0"), ([True], "integers >= 0"),
+                                         (["3"], "integers >= 0"), ("3", "a list"), ({3: 1}, "a list")])
+def test_bad_allowed_ids_are_refused_by_name(value, rule):
+    with pytest.raises(ConfigError, match="allowed_token_ids") as error:
+        SamplingParams(allowed_token_ids=value)
+    assert rule in str(error.value)
+
+
+def test_the_engine_refuses_allowed_ids_it_cannot_honour():
+    from server_helpers import VOCAB, char_tokenizer, make_engine, tiny_model
+
+    engine = make_engine(tiny_model(), char_tokenizer())
+    with pytest.raises(ConfigError, match=rf"allowed_token_ids.*{VOCAB}"):
+        engine.add_request([5, 6], SamplingParams(allowed_token_ids=[3, VOCAB]))
+    eos = sorted(engine.eos_token_ids)
+    with pytest.raises(ConfigError, match="min_tokens=2"):  # every allowed id banned until 2 tokens exist
+        engine.add_request([5, 6], SamplingParams(allowed_token_ids=eos, min_tokens=2, stop_token_ids=[9]))
+    assert not engine.has_unfinished_requests()
+    engine.add_request([5, 6], SamplingParams(allowed_token_ids=eos, max_tokens=2))  # no min_tokens: fine
+    forced = engine.add_request([5, 6], SamplingParams(allowed_token_ids=[*eos, 7], min_tokens=2, max_tokens=3))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert outputs[forced].token_ids[:2] == [7, 7]  # the one allowed id min_tokens leaves

@@ -143,7 +143,16 @@ def test_penalties_change_greedy_output_and_zero_does_not(app_client):
     assert penalised != greedy and max(penalised.count(token) for token in set(penalised)) < repeats
 
 
+def test_allowed_token_ids_are_the_only_ids_chosen(app_client):
+    for body in ({"temperature": 0}, {"temperature": 1.5, "seed": 4}):
+        assert set(token_ids(app_client, allowed_token_ids=[7, 9], **body)) <= {7, 9}
+    assert set(token_ids(app_client, temperature=1.5, seed=4, allowed_token_ids=[7, 9])) == {7, 9}
+
+
 @pytest.mark.parametrize("path, body, param, words", [
+    (COMPLETIONS, {"allowed_token_ids": [3, VOCAB]}, "allowed_token_ids", f"[0, {VOCAB})"),
+    (CHAT, {"allowed_token_ids": []}, "allowed_token_ids", "at least one"),
+    (COMPLETIONS, {"allowed_token_ids": [-2]}, "allowed_token_ids", ">= 0"),
     (COMPLETIONS, {"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
     (CHAT, {"frequency_penalty": -3}, "frequency_penalty", "[-2, 2]"),
     (COMPLETIONS, {"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),

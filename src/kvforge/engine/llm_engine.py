@@ -115,10 +115,7 @@ class LLMEngine:
             raise ConfigError("params", type(params).__name__, "must be a SamplingParams")
         prompt = [int(t) for t in prompt_token_ids]
         self.validate_prompt(prompt)
-        vocab = self.model.config.vocab_size
-        outside = [token for token, _ in params.logit_bias if token >= vocab]
-        if outside:
-            raise ConfigError("logit_bias token id", outside[0], f"must be in [0, {vocab}) (the vocabulary)")
+        self.validate_params(params)
         number = next(self._ids)
         request_id = str(number) if request_id is None else str(request_id)
         if request_id in self._requests and not self._requests[request_id].is_finished:
@@ -160,6 +157,21 @@ class LLMEngine:
     def num_uncomputed_prompt_tokens(self) -> int:
         """Prompt tokens of unfinished requests whose K/V are not in the cache yet (progress of a prefill)."""
         return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self._requests.values())
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raise ConfigError if a request's token ids do not fit this model, or it could
+        never choose a token (read-only: safe from another thread while the engine steps)."""
+        vocab = self.model.config.vocab_size
+        outside = [token for token, _ in params.logit_bias if token >= vocab]
+        if outside:
+            raise ConfigError("logit_bias token id", outside[0], f"must be in [0, {vocab}) (the vocabulary)")
+        allowed = params.allowed_token_ids
+        if allowed is not None:
+            if allowed[-1] >= vocab:  # (sorted)
+                raise ConfigError("allowed_token_ids", allowed[-1], f"must be token ids in [0, {vocab}) (the vocabulary)")
+            if set(allowed) <= banned_token_ids(params, self.eos_token_ids, 0):
+                raise ConfigError("allowed_token_ids", list(allowed), f"are all stop or EOS ids, banned until "
+                                  f"min_tokens={params.min_tokens} tokens: no token could be chosen")
 
     def validate_prompt(self, prompt: Sequence[int]) -> None:
         """Raise ConfigError if a prompt can never run here (read-only: safe to call from

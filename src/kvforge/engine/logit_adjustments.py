@@ -1,12 +1,13 @@
-"""What a request's own parameters do to its logits before any token is chosen: OpenAI's
-`logit_bias`, vLLM's repetition penalty, and OpenAI's frequency and presence penalties.
+"""What a request's own parameters do to its logits before any token is chosen: vLLM's
+`allowed_token_ids`, OpenAI's `logit_bias`, vLLM's repetition penalty, and OpenAI's
+frequency and presence penalties.
 
-Applied to one float32 row [V] in place, in vLLM's order: bias, then repetition, then
-frequency, then presence. Invariants:
+Applied to one float32 row [V] in place, in vLLM's order: the allowed ids (every other id
+to -inf), bias, repetition, frequency, then presence. Invariants:
 
 - Each rule reads only the row's own parameters and history, so a row's result never
   depends on the other rows of the batch; ids outside [0, V) are ignored.
-- At neutral values (no bias, penalties 1.0 / 0.0 / 0.0) `adjusts_logits` is False and the
+- At neutral values (no allowed list, no bias, penalties 1.0 / 0.0 / 0.0) `adjusts_logits` is False and the
   sampler does no work for the row: its tokens are bitwise those without these fields.
 - Repetition reads the prompt and the output; frequency and presence read the output only
   (OpenAI's definition: tokens "so far" in the text being generated; vLLM's too).
@@ -15,10 +16,13 @@ frequency, then presence. Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from kvforge.errors import is_int, is_real, require
 
 if TYPE_CHECKING:
     from kvforge.engine.sampling import SamplingParams
@@ -32,7 +36,7 @@ MAX_BIASED_TOKENS = 1024
 
 def adjusts_logits(params: SamplingParams) -> bool:
     """True when any of the rules here changes the row."""
-    return (bool(params.logit_bias) or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+    return (params.allowed_token_ids is not None or bool(params.logit_bias) or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0)
 
 
@@ -49,12 +53,56 @@ def adjust_logits(row: torch.Tensor, params: SamplingParams, seen: Sequence[int]
     """Every rule of `params` on one float row [V], in place. `seen` (prompt and output
     ids) is read for a repetition penalty, `generated` (the output: ids, or each id's
     count) for frequency and presence penalties; each must be given when its rule is on."""
+    if params.allowed_token_ids is not None:
+        keep_only(row, params.allowed_token_ids)
     if params.logit_bias:
         add_logit_bias(row, params.logit_bias)
     if needs_prompt_and_output(params):
         penalize_repetition(row, seen or (), params.repetition_penalty)
     if needs_output(params):
         penalize_frequency_and_presence(row, generated or (), params.frequency_penalty, params.presence_penalty)
+
+
+def bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """A {token id: value} mapping (or its pairs) as sorted (id, float) pairs, each checked."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    require(isinstance(pairs, Iterable) and not isinstance(pairs, (str, bytes)), "logit_bias", bias,
+            "must map token ids to values")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        require(isinstance(pair, tuple) and len(pair) == 2, "logit_bias", bias, "must map token ids to values")
+        token, value = pair
+        require(is_int(token) and token >= 0, "logit_bias token id", token, "must be an integer >= 0")
+        require(token not in out, "logit_bias token id", token, "must appear once")
+        require(is_real(value) and -BIAS_LIMIT <= value <= BIAS_LIMIT, f"logit_bias[{token}]", value,
+                f"must be a number in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}]")
+        out[token] = float(value)
+    require(len(out) <= MAX_BIASED_TOKENS, "logit_bias", f"{len(out)} token ids",
+            f"must bias at most {MAX_BIASED_TOKENS} token ids")
+    return tuple(sorted(out.items()))
+
+
+def allowed_ids(ids: Any) -> tuple[int, ...] | None:
+    """vLLM's allowed_token_ids as sorted distinct ids (None: every id allowed), checked."""
+    if ids is None:
+        return None
+    require(isinstance(ids, Iterable) and not isinstance(ids, (str, bytes, Mapping)), "allowed_token_ids", ids,
+            "must be a list of token ids")
+    ids = list(ids)
+    out = tuple(sorted(set(ids))) if all(is_int(t) for t in ids) else None
+    require(out is not None and all(t >= 0 for t in out), "allowed_token_ids", ids,
+            "must hold token ids (integers >= 0)")
+    require(bool(out), "allowed_token_ids", ids, "must hold at least one token id (omit it to allow every id)")
+    return out
+
+
+def keep_only(row: torch.Tensor, allowed: Sequence[int]) -> None:
+    """vLLM's allowed_token_ids on one float row [V]: every other id to -inf (ids outside
+    [0, V) ignored)."""
+    keep = torch.zeros(row.shape[0], dtype=torch.bool, device=row.device)
+    ids = [token for token in allowed if 0 <= token < row.shape[0]]
+    keep[torch.tensor(ids, dtype=torch.long, device=row.device)] = True
+    row.masked_fill_(~keep, -math.inf)
 
 
 def add_logit_bias(row: torch.Tensor, bias: Sequence[tuple[int, float]]) -> None:

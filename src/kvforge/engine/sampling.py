@@ -34,16 +34,16 @@ from typing import Any
 import torch
 
 from kvforge.engine.logit_adjustments import (
-    BIAS_LIMIT,
-    MAX_BIASED_TOKENS,
     PENALTY_LIMIT,
     adjust_logits,
     adjusts_logits,
+    allowed_ids,
+    bias_pairs,
     needs_output,
     needs_prompt_and_output,
     penalize_repetition,
 )
-from kvforge.errors import require
+from kvforge.errors import is_int, is_real, require
 from kvforge.kernels.cpu_fused import argmax_rows
 
 __all__ = ["SamplingParams", "SampleOutput", "sample", "banned_token_ids", "make_generator", "most_likely",
@@ -60,14 +60,6 @@ NUCLEUS_CANDIDATES = 1024
 _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
 # Most alternatives reported per position (OpenAI's chat API allows 20 top_logprobs).
 MAX_TOP_LOGPROBS = 20
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): a float32 division by them
@@ -91,6 +83,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]: minus this for each id present in the output; 0 disables
     # (token id, value) pairs added to those logits, from a {id: value} mapping; values in [-100, 100]
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these ids may be chosen; None: any
     seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; the output text is cut where one starts
@@ -102,37 +95,38 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+        require(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
                 "must be an integer >= 1")
-        require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+        require(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
                 "must be an integer >= 0")
         require(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                 f"must be <= max_tokens={self.max_tokens}")
-        require(_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+        require(is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
                 "temperature", self.temperature, "must be a finite number >= 0 (0 means greedy)")
         object.__setattr__(self, "temperature", float(self.temperature))
-        require(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
+        require(is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k,
                 "must be an integer >= 1, or 0 to disable top-k")
-        require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p,
+        require(is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p,
                 "must be in (0, 1] (1 disables top-p)")
         object.__setattr__(self, "top_p", float(self.top_p))
-        require(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p,
+        require(is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p,
                 "must be in [0, 1] (0 disables min-p)")
         object.__setattr__(self, "min_p", float(self.min_p))
-        require(_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+        require(is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
                 and self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty,
                 "must be a finite number > 0 (1 disables it)")
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
-            require(_is_real(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT, name, value,
+            require(is_real(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT, name, value,
                     f"must be a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (0 disables it)")
             object.__setattr__(self, name, float(value))
-        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
-        require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < _MAX_SEED), "seed",
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", allowed_ids(self.allowed_token_ids))
+        require(self.seed is None or (is_int(self.seed) and 0 <= self.seed < _MAX_SEED), "seed",
                 self.seed, "must be None or an integer in [0, 2**64)")
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int))
-        bad_ids = [t for t in self.stop_token_ids if not (_is_int(t) and t >= 0)]
+        bad_ids = [t for t in self.stop_token_ids if not (is_int(t) and t >= 0)]
         require(not bad_ids, "stop_token_ids", self.stop_token_ids,
                 "must be non-negative integer token ids")
         object.__setattr__(self, "stop", _as_tuple(self.stop, str))
@@ -140,12 +134,12 @@ class SamplingParams:
         require(not bad_stops, "stop", self.stop, "must be non-empty strings")
         require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
         require(isinstance(self.logprobs, bool), "logprobs", self.logprobs, "must be a bool")
-        require(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
+        require(is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                 self.top_logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         require(self.top_logprobs == 0 or self.logprobs, "top_logprobs", self.top_logprobs,
                 "needs logprobs=True")
         require(self.prompt_logprobs is None
-                or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+                or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
                 "prompt_logprobs", self.prompt_logprobs, f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
@@ -159,25 +153,6 @@ class SamplingParams:
     def greedy_params(cls, max_tokens: int = 128, **overrides: Any) -> SamplingParams:
         """Greedy decoding (temperature 0) with the other fields given by keyword."""
         return cls(max_tokens=max_tokens, temperature=0.0, **overrides)
-
-
-def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
-    """A {token id: value} mapping (or its pairs) as sorted (id, float) pairs, each checked."""
-    pairs = bias.items() if isinstance(bias, Mapping) else bias
-    require(isinstance(pairs, Iterable) and not isinstance(pairs, (str, bytes)), "logit_bias", bias,
-            "must map token ids to values")
-    out: dict[int, float] = {}
-    for pair in pairs:
-        require(isinstance(pair, tuple) and len(pair) == 2, "logit_bias", bias, "must map token ids to values")
-        token, value = pair
-        require(_is_int(token) and token >= 0, "logit_bias token id", token, "must be an integer >= 0")
-        require(token not in out, "logit_bias token id", token, "must appear once")
-        require(_is_real(value) and -BIAS_LIMIT <= value <= BIAS_LIMIT, f"logit_bias[{token}]", value,
-                f"must be a number in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}]")
-        out[token] = float(value)
-    require(len(out) <= MAX_BIASED_TOKENS, "logit_bias", f"{len(out)} token ids",
-            f"must bias at most {MAX_BIASED_TOKENS} token ids")
-    return tuple(sorted(out.items()))
 
 
 def _as_tuple(value: Any, scalar: type) -> tuple[Any, ...]:

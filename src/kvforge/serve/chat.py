@@ -82,6 +82,7 @@ class ChatHandler:
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, served.max_tokens(requested, len(prompt), name), served.vocab_size,
                                  logprobs=bool(body.logprobs), top_logprobs=top)
+        served.check_params(params)
         return prompt, params
 
     # -- engine outputs -> response ---------------------------------------------------

@@ -95,6 +95,7 @@ class CompletionHandler:
             max_tokens = 1 if hidden else served.max_tokens(body.max_tokens, len(prompt), "max_tokens")
             params = sampling_params(body, max_tokens, served.vocab_size, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
                                      prompt_logprobs=(logprobs or 0) if echo and logprobs is not None else None)
+            served.check_params(params)
             if params.stop and served.tokenizer is None:
                 raise bad_request("stop", list(params.stop), "needs text, and this server's model has no tokenizer: "
                                                              "use stop_token_ids")

@@ -3,7 +3,7 @@
 Requests follow OpenAI's schema. Unknown fields are ignored (as OpenAI's SDKs expect of a
 compatible server); known fields are type-checked strictly (no "10" for 10, no true for
 1), so a wrong type is a 400 that names the field. Extensions follow vLLM's names:
-`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `allowed_token_ids`,
 `return_token_ids`.
 
 Fields OpenAI or vLLM define that kvforge does not implement are declared here too, so
@@ -26,7 +26,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     # vLLM's sampling extensions
     "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
-    "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (), "logits_processors": (),
+    "bad_words": ([],), "prompt_logprobs": (), "logits_processors": (),
     # vLLM's structured output and other extensions
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
@@ -88,6 +88,7 @@ class _GenerationFields(_Body):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None  # only these ids may be chosen
     return_token_ids: bool | None = None  # adds token_ids (and prompt_token_ids) to each choice
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
     # Not implemented: accepted only at their neutral value (NEUTRAL), refused by name otherwise.
@@ -97,7 +98,6 @@ class _GenerationFields(_Body):
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     prompt_logprobs: Any = None
     logits_processors: Any = None

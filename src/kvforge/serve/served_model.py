@@ -112,6 +112,13 @@ class ServedModel:
         except ConfigError as exc:
             raise APIError(400, f"{param}: {exc}", param=param) from exc
 
+    def check_params(self, params: SamplingParams) -> None:
+        """The engine's checks of a request's token ids (vocabulary, min_tokens) as a 400."""
+        try:
+            self.engine.engine.validate_params(params)
+        except ConfigError as exc:
+            raise bad_request(exc.parameter, exc.value, exc.rule) from exc
+
     def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
         """`requested` checked against the context left after the prompt (None: all of it),
         as vLLM does: prompt + max_tokens must fit max_model_len."""
@@ -178,7 +185,7 @@ def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, *
             min_p=0.0 if body.min_p is None else body.min_p,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
-            logit_bias=logit_bias,
+            logit_bias=logit_bias, allowed_token_ids=body.allowed_token_ids,
             stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
             **logprob_fields)
     except ConfigError as exc:

@@ -106,7 +106,6 @@ def test_each_unimplemented_field_is_refused_by_name_and_accepted_when_neutral(a
     (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
     (CHAT, {"add_generation_prompt": False}, "add_generation_prompt"),
-    (COMPLETIONS, {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     (COMPLETIONS, {"skip_special_tokens": False}, "skip_special_tokens"),
     (COMPLETIONS, {"skip_special_tokens": 1}, "skip_special_tokens"),  # 1 is not true
     (COMPLETIONS, {"priority": False}, "priority"),  # false is not 0
@@ -141,6 +140,25 @@ def test_penalties_change_greedy_output_and_zero_does_not(app_client):
     assert repeats > 1  # the tiny model repeats itself: a penalty on repeats has work to do
     penalised = token_ids(app_client, temperature=0, frequency_penalty=2.0, presence_penalty=2.0)
     assert penalised != greedy and max(penalised.count(token) for token in set(penalised)) < repeats
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(app_client):
+    def text(**body):
+        response = post(app_client, COMPLETIONS, max_tokens=12, temperature=0, ignore_eos=True, **body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]
+    whole = text()["text"]
+    stop = whole[4:6]
+    cut, kept = text(stop=[stop]), text(stop=["never here", stop], include_stop_str_in_output=True)
+    assert cut["text"] == whole[:whole.index(stop)] and cut["finish_reason"] == "stop"
+    assert kept["text"] == whole[:whole.index(stop) + len(stop)] and kept["finish_reason"] == "stop"
+    assert text(include_stop_str_in_output=False, stop=[stop])["text"] == cut["text"]
+    body = {"model": MODEL_NAME, "prompt": "xyz", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stop": [stop], "include_stop_str_in_output": True, "stream": True}
+    with app_client.stream("POST", COMPLETIONS, json=body) as response:
+        lines = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    streamed = "".join(json.loads(line)["choices"][0]["text"] for line in lines[:-1])
+    assert streamed == kept["text"]  # the held-back start of the stop string comes out with it
 
 
 def test_allowed_token_ids_are_the_only_ids_chosen(app_client):

@@ -306,6 +306,8 @@ class LLMEngine:
                 # text of a token past that point (one ending earlier never stops).
                 if request.num_output_tokens >= params.min_tokens:
                     cut = find_stop(request.output_text, params.stop, request.stop_search_from)
+                    if cut is not None and params.include_stop_str_in_output:  # vLLM's: the text ends with it
+                        cut += len(next(s for s in params.stop if request.output_text.startswith(s, cut)))
                     if cut is not None:
                         request.output_text = request.output_text[:cut]
                         stopped = True

@@ -87,6 +87,7 @@ class SamplingParams:
     seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; the output text is cut where one starts
+    include_stop_str_in_output: bool = False  # vLLM's: cut where the stop string ends instead
     ignore_eos: bool = False  # don't stop on the model's EOS ids
     logprobs: bool = False  # report log_softmax(raw logits) at each chosen token
     top_logprobs: int = 0  # with logprobs: also the N most likely ids of each position
@@ -133,6 +134,8 @@ class SamplingParams:
         bad_stops = [s for s in self.stop if not (isinstance(s, str) and s)]
         require(not bad_stops, "stop", self.stop, "must be non-empty strings")
         require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
+        require(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
+                self.include_stop_str_in_output, "must be a bool")
         require(isinstance(self.logprobs, bool), "logprobs", self.logprobs, "must be a bool")
         require(is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs",
                 self.top_logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")

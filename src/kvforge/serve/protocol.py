@@ -3,8 +3,8 @@
 Requests follow OpenAI's schema. Unknown fields are ignored (as OpenAI's SDKs expect of a
 compatible server); known fields are type-checked strictly (no "10" for 10, no true for
 1), so a wrong type is a 400 that names the field. Extensions follow vLLM's names:
-`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `allowed_token_ids`,
-`return_token_ids`.
+`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`allowed_token_ids`, `include_stop_str_in_output`, `return_token_ids`.
 
 Fields OpenAI or vLLM define that kvforge does not implement are declared here too, so
 that a client who sets one learns it: each is accepted at its neutral value (`NEUTRAL`:
@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 # (booleans compare by identity, numbers by value).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     # vLLM's sampling extensions
-    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,), "length_penalty": (1,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "bad_words": ([],), "prompt_logprobs": (), "logits_processors": (),
     # vLLM's structured output and other extensions
@@ -89,12 +89,12 @@ class _GenerationFields(_Body):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None  # only these ids may be chosen
+    include_stop_str_in_output: bool | None = None  # the text ends with the stop string that ended it
     return_token_ids: bool | None = None  # adds token_ids (and prompt_token_ids) to each choice
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
     # Not implemented: accepted only at their neutral value (NEUTRAL), refused by name otherwise.
     use_beam_search: Any = None
     length_penalty: Any = None
-    include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None

@@ -187,6 +187,7 @@ def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, *
             frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
             logit_bias=logit_bias, allowed_token_ids=body.allowed_token_ids,
             stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
+            include_stop_str_in_output=bool(body.include_stop_str_in_output),
             **logprob_fields)
     except ConfigError as exc:
         raise bad_request(exc.parameter, exc.value, exc.rule) from exc

@@ -27,9 +27,16 @@ from kvforge.engine.async_engine import EngineStepError, EngineUnavailableError
 from kvforge.serve.chat import ChatHandler
 from kvforge.serve.completions import CompletionHandler
 from kvforge.serve.metrics import CONTENT_TYPE, ServerMetrics
-from kvforge.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kvforge.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kvforge.serve.served_model import ServedModel
 from kvforge.serve.streams import ClientDisconnected
+from kvforge.serve.tokenize import TokenizeHandler
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,7 @@ def create_app(served: ServedModel, metrics: ServerMetrics | None = None, api_ke
 
     app = FastAPI(title="kvforge", lifespan=lifespan)
     completions, chat = CompletionHandler(served), ChatHandler(served)
+    tokens = TokenizeHandler(served, chat)
 
     async def check_key(authorization: str | None = Header(default=None)) -> None:
         if api_key is None:
@@ -83,6 +91,15 @@ def create_app(served: ServedModel, metrics: ServerMetrics | None = None, api_ke
         if served.engine.accepting:
             return JSONResponse({"status": "ok", "model": served.name})
         return JSONResponse({"status": "unavailable", "model": served.name}, status_code=503)
+
+    @app.post("/tokenize", dependencies=[Depends(check_key)])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's endpoint: the token ids a prompt or a chat's messages would generate from."""
+        return tokens.tokenize(body)
+
+    @app.post("/detokenize", dependencies=[Depends(check_key)])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return tokens.detokenize(body)
 
     @app.post("/reset_prefix_cache", dependencies=[Depends(check_key)])
     async def reset_prefix_cache() -> Response:

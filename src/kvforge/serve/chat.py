@@ -61,6 +61,14 @@ class ChatHandler:
                              "usage": _usage(prompt, finals)})
 
     # -- request -> engine inputs -----------------------------------------------------
+    def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
+        """The token ids of `messages` through the model's chat template (also /tokenize's)."""
+        served = self.served
+        served.require_tokenizer("messages", "...")
+        if not has_chat_template(served.tokenizer):
+            raise bad_request("messages", "...", f"{served.name} has no chat template: use /v1/completions")
+        return encode_prompt(served.tokenizer, _messages(messages), chat=True)
+
     def _inputs(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         served = self.served
         if body.tools:
@@ -68,15 +76,12 @@ class ChatHandler:
         if body.tool_choice not in (None, "none"):
             raise bad_request("tool_choice", body.tool_choice,
                               "needs tools, and tool calling is not supported by kvforge: omit it or send 'none'")
-        served.require_tokenizer("messages", "...")
-        if not has_chat_template(served.tokenizer):
-            raise bad_request("messages", "...", f"{served.name} has no chat template: use /v1/completions")
         top = body.top_logprobs or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_request("top_logprobs", top, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if top and not body.logprobs:
             raise bad_request("top_logprobs", top, "needs logprobs=true")
-        prompt = encode_prompt(served.tokenizer, _messages(body.messages), chat=True)
+        prompt = self.prompt_ids(body.messages)
         served.check_prompt(prompt, "messages")
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -156,6 +156,20 @@ class ChatCompletionRequest(_GenerationFields):
     prediction: Any = None
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a completion's `prompt` or a chat's `messages`, as the server would
+    encode them for generation."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
 class APIError(Exception):
     """A request the server refuses; rendered in OpenAI's error schema."""
 

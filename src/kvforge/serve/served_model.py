@@ -102,7 +102,7 @@ class ServedModel:
         for position, token_id in enumerate(ids):
             if not 0 <= token_id < vocab:
                 shown = str(token_id) if len(str(token_id)) <= 40 else str(token_id)[:37] + "..."
-                raise APIError(400, f"invalid {where} token id {shown} at position {position}: must be in "
+                raise APIError(400, f"invalid {where + ' ' if where else ''}token id {shown} at position {position}: must be in "
                                     f"[0, {vocab}) (0 <= id < the vocabulary size)", param=param)
 
     def check_prompt(self, prompt: Sequence[int], param: str) -> None:

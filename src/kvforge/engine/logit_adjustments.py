@@ -18,14 +18,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from kvforge.errors import is_int, is_real, require
 
-if TYPE_CHECKING:
-    from kvforge.engine.sampling import SamplingParams
+
+class LogitRules(Protocol):
+    """The fields of SamplingParams read here (a protocol: sampling.py imports this module)."""
+
+    allowed_token_ids: tuple[int, ...] | None
+    logit_bias: tuple[tuple[int, float], ...]
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+
 
 # OpenAI's ranges: penalties in [-2, 2], a bias in [-100, 100] (at +-100 a token is in
 # effect forced or banned). A bias is applied at every step: its size is bounded too.
@@ -34,21 +42,21 @@ BIAS_LIMIT = 100.0
 MAX_BIASED_TOKENS = 1024
 
 
-def adjusts_logits(params: SamplingParams) -> bool:
+def adjusts_logits(params: LogitRules) -> bool:
     """True when any of the rules here changes the row."""
     return (params.allowed_token_ids is not None or bool(params.logit_bias) or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0)
 
 
-def needs_prompt_and_output(params: SamplingParams) -> bool:
+def needs_prompt_and_output(params: LogitRules) -> bool:
     return params.repetition_penalty != 1.0
 
 
-def needs_output(params: SamplingParams) -> bool:
+def needs_output(params: LogitRules) -> bool:
     return params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
-def adjust_logits(row: torch.Tensor, params: SamplingParams, seen: Sequence[int] | None,
+def adjust_logits(row: torch.Tensor, params: LogitRules, seen: Sequence[int] | None,
                   generated: Mapping[int, int] | Sequence[int] | None) -> None:
     """Every rule of `params` on one float row [V], in place. `seen` (prompt and output
     ids) is read for a repetition penalty, `generated` (the output: ids, or each id's

@@ -161,6 +161,41 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(app_clien
     assert streamed == kept["text"]  # the held-back start of the stop string comes out with it
 
 
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text(app_client):
+    whole = post(app_client, COMPLETIONS, max_tokens=12, temperature=0, ignore_eos=True,
+                 return_token_ids=True).json()["choices"][0]
+    stop_id = whole["token_ids"][3]
+    body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop_id]}
+    cut = post(app_client, COMPLETIONS, **body).json()["choices"][0]["text"]
+    kept = post(app_client, COMPLETIONS, include_stop_str_in_output=True, **body).json()["choices"][0]["text"]
+    assert cut == whole["text"][:3] and kept == whole["text"][:4]  # (one character per token here)
+
+
+def test_with_include_stop_str_in_output_a_stream_holds_nothing_back(app_client):
+    """Any start of a stop string ends up in the text either way, so every chunk carries its
+    own token's text at once (one character per token here), as vLLM's stream does."""
+    whole = post(app_client, COMPLETIONS, max_tokens=8, temperature=0, ignore_eos=True,
+                 return_token_ids=True).json()["choices"][0]
+    own_texts = [char_tokenizer().decode([token], skip_special_tokens=True) for token in whole["token_ids"]]
+    assert "".join(own_texts) == whole["text"] and whole["text"][1] in own_texts[1]
+    body = {"model": MODEL_NAME, "prompt": "xyz", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "stop": [whole["text"][1] + "\x00"], "include_stop_str_in_output": True, "stream": True}
+    with app_client.stream("POST", COMPLETIONS, json=body) as response:
+        lines = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert [json.loads(line)["choices"][0]["text"] for line in lines[:-1]] == own_texts
+
+
+def test_the_stop_string_found_is_the_one_kept(app_client):
+    """Two stop strings, the shorter listed first and complete before min_tokens (so it
+    never stops): the longer one, found later, is the one whose text ends the output."""
+    whole = post(app_client, COMPLETIONS, max_tokens=12, temperature=0, ignore_eos=True).json()["choices"][0]["text"]
+    short, long = whole[1], whole[1:4]
+    assert whole.index(short) == 1  # the short one first appears where the long one starts
+    kept = post(app_client, COMPLETIONS, max_tokens=12, temperature=0, ignore_eos=True, min_tokens=3,
+                stop=[short, long], include_stop_str_in_output=True).json()["choices"][0]["text"]
+    assert kept == whole[:4]
+
+
 def test_allowed_token_ids_are_the_only_ids_chosen(app_client):
     for body in ({"temperature": 0}, {"temperature": 1.5, "seed": 4}):
         assert set(token_ids(app_client, allowed_token_ids=[7, 9], **body)) <= {7, 9}
@@ -169,6 +204,9 @@ def test_allowed_token_ids_are_the_only_ids_chosen(app_client):
 
 @pytest.mark.parametrize("path, body, param, words", [
     (COMPLETIONS, {"allowed_token_ids": [3, VOCAB]}, "allowed_token_ids", f"[0, {VOCAB})"),
+    (CHAT, {"allowed_token_ids": [3, VOCAB]}, "allowed_token_ids", f"[0, {VOCAB})"),
+    (CHAT, {"allowed_token_ids": [VOCAB - 1], "stop_token_ids": [VOCAB - 1], "min_tokens": 1}, "allowed_token_ids",
+     "min_tokens=1"),
     (CHAT, {"allowed_token_ids": []}, "allowed_token_ids", "at least one"),
     (COMPLETIONS, {"allowed_token_ids": [-2]}, "allowed_token_ids", ">= 0"),
     (COMPLETIONS, {"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),

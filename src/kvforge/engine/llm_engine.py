@@ -36,7 +36,7 @@ from kvforge.engine.sampling import (
 )
 from kvforge.engine.scheduler import ScheduledChunk, Scheduler
 from kvforge.engine.stepping_thread import SteppingThreadCheck
-from kvforge.engine.stop_strings import find_stop
+from kvforge.engine.stop_strings import find_stop_match
 from kvforge.errors import ConfigError
 from kvforge.kernels.bf16_products import bf16_products
 from kvforge.kernels.cpu_prepack import PrepackReport, available_memory_bytes, prepack_weights
@@ -298,16 +298,18 @@ class LLMEngine:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         stopped = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-        if request.detokenizer is not None and not stopped:
+        # A stop token's text is left out, unless include_stop_str_in_output (vLLM's; special
+        # tokens, such as EOS, have no text: the detokenizer skips them)
+        if request.detokenizer is not None and (not stopped or params.include_stop_str_in_output):
             request.detokenizer.add(token)
             request.output_text = request.detokenizer.text
-            if params.stop:
+            if params.stop and not stopped:
                 # A stop string counts once min_tokens tokens exist: it must end in the
                 # text of a token past that point (one ending earlier never stops).
                 if request.num_output_tokens >= params.min_tokens:
-                    cut = find_stop(request.output_text, params.stop, request.stop_search_from)
-                    if cut is not None and params.include_stop_str_in_output:  # vLLM's: the text ends with it
-                        cut += len(next(s for s in params.stop if request.output_text.startswith(s, cut)))
+                    match = find_stop_match(request.output_text, params.stop, request.stop_search_from)
+                    # vLLM's include_stop_str_in_output: the text ends with the stop string found
+                    cut = None if match is None else match[0] + (len(match[1]) if params.include_stop_str_in_output else 0)
                     if cut is not None:
                         request.output_text = request.output_text[:cut]
                         stopped = True

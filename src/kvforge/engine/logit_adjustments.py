@@ -17,6 +17,7 @@ to -inf), bias, repetition, frequency, then presence. Invariants:
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -28,11 +29,16 @@ from kvforge.errors import is_int, is_real, require
 class LogitRules(Protocol):
     """The fields of SamplingParams read here (a protocol: sampling.py imports this module)."""
 
-    allowed_token_ids: tuple[int, ...] | None
-    logit_bias: tuple[tuple[int, float], ...]
-    repetition_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
+    @property
+    def allowed_token_ids(self) -> tuple[int, ...] | None: ...
+    @property
+    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
 
 
 # OpenAI's ranges: penalties in [-2, 2], a bias in [-100, 100] (at +-100 a token is in
@@ -107,10 +113,29 @@ def allowed_ids(ids: Any) -> tuple[int, ...] | None:
 def keep_only(row: torch.Tensor, allowed: Sequence[int]) -> None:
     """vLLM's allowed_token_ids on one float row [V]: every other id to -inf (ids outside
     [0, V) ignored)."""
-    keep = torch.zeros(row.shape[0], dtype=torch.bool, device=row.device)
-    ids = [token for token in allowed if 0 <= token < row.shape[0]]
-    keep[torch.tensor(ids, dtype=torch.long, device=row.device)] = True
-    row.masked_fill_(~keep, -math.inf)
+    row.masked_fill_(_dropped(allowed, row.shape[0], row.device), -math.inf)
+
+
+# A request's allowed list is the same tuple at every step: its mask of dropped ids is made
+# once (a list may hold most of a 150k vocabulary). Keyed by the tuple's id, the tuple kept
+# in the entry so the id stays its own; the oldest entries go first.
+_DROPPED: dict[tuple[int, int, str], tuple[Sequence[int], torch.Tensor]] = {}
+_DROPPED_ENTRIES = 64
+_dropped_lock = threading.Lock()  # (engines in several threads share it)
+
+
+def _dropped(allowed: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    key = (id(allowed), vocab, str(device))
+    with _dropped_lock:
+        entry = _DROPPED.get(key)
+        if entry is None or entry[0] is not allowed:
+            dropped = torch.ones(vocab, dtype=torch.bool, device=device)
+            ids = [token for token in allowed if 0 <= token < vocab]
+            dropped[torch.tensor(ids, dtype=torch.long, device=device)] = False
+            while len(_DROPPED) >= _DROPPED_ENTRIES:
+                _DROPPED.pop(next(iter(_DROPPED)))
+            entry = _DROPPED[key] = (allowed, dropped)
+        return entry[1]
 
 
 def add_logit_bias(row: torch.Tensor, bias: Sequence[tuple[int, float]]) -> None:

@@ -123,7 +123,7 @@ class Request:
         The released part never shrinks: a stop string found later starts at or after it,
         because every suffix that could begin a match was held back."""
         end = len(self.output_text)
-        if not self.is_finished:
+        if not self.is_finished and not self.params.include_stop_str_in_output:  # (kept either way: nothing to hold)
             end -= pending_stop_length(self.output_text, self.params.stop)
         piece = self.output_text[self.num_released_chars:end]
         self.num_released_chars = max(self.num_released_chars, end)

@@ -15,13 +15,20 @@ def find_stop(text: str, stops: Sequence[str], search_from: int) -> int | None:
     `search_from - len(s) + 1`, which keeps incremental decoding O(new text).
     Empty stop strings are ignored.
     """
-    best: int | None = None
+    match = find_stop_match(text, stops, search_from)
+    return None if match is None else match[0]
+
+
+def find_stop_match(text: str, stops: Sequence[str], search_from: int) -> tuple[int, str] | None:
+    """`find_stop`'s index with the stop string found there (of two starting at one index,
+    the first in `stops`)."""
+    best: tuple[int, str] | None = None
     for stop in stops:
         if not stop:
             continue
         found = text.find(stop, max(0, search_from - len(stop) + 1))
-        if found >= 0 and (best is None or found < best):
-            best = found
+        if found >= 0 and (best is None or found < best[0]):
+            best = (found, stop)
     return best
 
 

@@ -163,6 +163,14 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (vLLM's defaults)
+    return_token_strs: bool | None = None
+    # chat template options kvforge does not implement: refused unless neutral (NEUTRAL)
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    mm_processor_kwargs: Any = None
 
 
 class DetokenizeRequest(_Body):

@@ -8,7 +8,13 @@ from typing import Any
 
 from kvforge.models.tokenizer import encode_prompt
 from kvforge.serve.chat import ChatHandler
-from kvforge.serve.protocol import DetokenizeRequest, TokenizeRequest, bad_request
+from kvforge.serve.protocol import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    is_neutral,
+    unimplemented_fields,
+)
 from kvforge.serve.served_model import ServedModel
 
 
@@ -19,13 +25,24 @@ class TokenizeHandler:
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         served = self.served
         served.check_name(body.model)
+        for name in unimplemented_fields(TokenizeRequest):
+            if not is_neutral(name, getattr(body, name)):
+                raise bad_request(name, getattr(body, name), "is not supported by kvforge: must be omitted or null")
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("prompt", body.prompt, "send exactly one of prompt (text) and messages (a chat)")
         if body.messages is not None:
+            if body.add_special_tokens:
+                raise bad_request("add_special_tokens", True, "must be false with messages: the chat template "
+                                                              "places the special tokens")
             ids = self.chat.prompt_ids(body.messages)
         else:
-            ids = encode_prompt(served.require_tokenizer("prompt", body.prompt), body.prompt, chat=False)
-        return {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids}
+            tokenizer = served.require_tokenizer("prompt", body.prompt)
+            ids = (encode_prompt(tokenizer, body.prompt, chat=False) if body.add_special_tokens in (None, True)
+                   else [int(t) for t in tokenizer.encode(body.prompt, add_special_tokens=False)])
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = served.tokenizer.convert_ids_to_tokens(ids)
+        return out
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         served = self.served

@@ -44,7 +44,7 @@ BAD_SAMPLING = (
     ({"max_tokens": 0}, "max_tokens"),
     ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
     ({"temperature": "hot"}, "temperature"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
 )
 
 

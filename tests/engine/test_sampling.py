@@ -14,7 +14,7 @@ from kvforge.engine.sampling import (
     make_generator,
     sample,
 )
-from kvforge.engine.stop_strings import find_stop
+from kvforge.engine.stop_strings import find_stop_match
 from kvforge.errors import ConfigError
 
 
@@ -234,6 +234,11 @@ def test_shape_mismatches_are_refused():
 
 
 # ---------------------------------------------------------------- stop strings
+def find_stop(text, stops, search_from):
+    match = find_stop_match(text, stops, search_from)
+    return None if match is None else match[0]
+
+
 def test_find_stop():
     assert find_stop("STOP here", ["STOP"], 0) == 0  # at the start
     assert find_stop("no stop here", ["STOP", "xyz"], 0) is None

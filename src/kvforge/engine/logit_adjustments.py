@@ -7,8 +7,9 @@ to -inf), bias, repetition, frequency, then presence. Invariants:
 
 - Each rule reads only the row's own parameters and history, so a row's result never
   depends on the other rows of the batch; ids outside [0, V) are ignored.
-- At neutral values (no allowed list, no bias, penalties 1.0 / 0.0 / 0.0) `adjusts_logits` is False and the
-  sampler does no work for the row: its tokens are bitwise those without these fields.
+- At neutral values (no allowed list, no bias, penalties 1.0 / 0.0 / 0.0) `adjusts_logits`
+  is False and the sampler does no work for the row: its tokens are bitwise those without
+  these fields.
 - Repetition reads the prompt and the output; frequency and presence read the output only
   (OpenAI's definition: tokens "so far" in the text being generated; vLLM's too).
 - Log-probabilities are reported from the raw logits, never from adjusted ones.
@@ -50,8 +51,8 @@ MAX_BIASED_TOKENS = 1024
 
 def adjusts_logits(params: LogitRules) -> bool:
     """True when any of the rules here changes the row."""
-    return (params.allowed_token_ids is not None or bool(params.logit_bias) or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0)
+    return (params.allowed_token_ids is not None or bool(params.logit_bias) or needs_prompt_and_output(params)
+            or needs_output(params))
 
 
 def needs_prompt_and_output(params: LogitRules) -> bool:

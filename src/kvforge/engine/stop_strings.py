@@ -7,21 +7,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def find_stop(text: str, stops: Sequence[str], search_from: int) -> int | None:
-    """Index in `text` where the earliest stop string starts, or None.
+def find_stop_match(text: str, stops: Sequence[str], search_from: int) -> tuple[int, str] | None:
+    """(index in `text` where the earliest stop string starts, that stop string), or None;
+    of two starting at one index, the first in `stops`.
 
     `text[:search_from]` was searched before (it held no stop string), so only matches
     that end after `search_from` are looked for: each stop s is searched from
     `search_from - len(s) + 1`, which keeps incremental decoding O(new text).
     Empty stop strings are ignored.
     """
-    match = find_stop_match(text, stops, search_from)
-    return None if match is None else match[0]
-
-
-def find_stop_match(text: str, stops: Sequence[str], search_from: int) -> tuple[int, str] | None:
-    """`find_stop`'s index with the stop string found there (of two starting at one index,
-    the first in `stops`)."""
     best: tuple[int, str] | None = None
     for stop in stops:
         if not stop:

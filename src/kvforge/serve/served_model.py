@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
+from pydantic import BaseModel
+
 from kvforge.engine.async_engine import AsyncEngine
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import ConfigError
@@ -134,6 +136,15 @@ class ServedModel:
         return requested
 
 
+def refuse_unimplemented(body: BaseModel) -> None:
+    """A 400 naming the first field of `body` that kvforge declares but does not implement
+    and that is not at its neutral value."""
+    for name in unimplemented_fields(type(body)):
+        value = getattr(body, name)
+        if not is_neutral(name, value):
+            raise bad_request(name, value, "is not supported by kvforge: must be omitted or null")
+
+
 def samples_per_prompt(body: _GenerationFields) -> int:
     """OpenAI's `n`: how many completions each prompt gets (1 when omitted)."""
     if body.n is None:
@@ -155,10 +166,7 @@ def sample_params(params: SamplingParams, sample: int) -> SamplingParams:
 def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, **logprob_fields: Any) -> SamplingParams:
     """The engine's SamplingParams from the fields both endpoints share. Fields OpenAI
     defines that kvforge does not implement must keep their neutral value."""
-    for name in unimplemented_fields(type(body)):
-        value = getattr(body, name)
-        if not is_neutral(name, value):
-            raise bad_request(name, value, "is not supported by kvforge: must be omitted or null")
+    refuse_unimplemented(body)
     samples = samples_per_prompt(body)
     if body.best_of not in (None, samples):
         raise bad_request("best_of", body.best_of, f"only best_of=n ({samples}) is supported (or omit it)")

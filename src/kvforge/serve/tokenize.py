@@ -12,10 +12,8 @@ from kvforge.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     bad_request,
-    is_neutral,
-    unimplemented_fields,
 )
-from kvforge.serve.served_model import ServedModel
+from kvforge.serve.served_model import ServedModel, refuse_unimplemented
 
 
 class TokenizeHandler:
@@ -25,9 +23,7 @@ class TokenizeHandler:
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         served = self.served
         served.check_name(body.model)
-        for name in unimplemented_fields(TokenizeRequest):
-            if not is_neutral(name, getattr(body, name)):
-                raise bad_request(name, getattr(body, name), "is not supported by kvforge: must be omitted or null")
+        refuse_unimplemented(body)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("prompt", body.prompt, "send exactly one of prompt (text) and messages (a chat)")
         if body.messages is not None:

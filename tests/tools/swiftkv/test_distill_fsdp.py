@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from kvforge.cli import main
 from kvforge.errors import ConfigError
+from kvforge.prebuild import build_cpu_kernels
 from kvforge.tools.bench.serve_server import free_loopback_port
 from kvforge.tools.swiftkv.parallel import DataParallel
 from kvforge.tools.swiftkv.sharding import shard_distill_model
@@ -68,6 +69,10 @@ def _worker(rank: int, world: int, port: int, out: str, phase: str) -> None:
 
 
 def _spawn(out, phase: str) -> None:
+    # The kernels are built here first, so the two ranks never build them concurrently: the
+    # one CI crash of this file (rank 0 aborted by SIGABRT, "terminate called without an
+    # active exception") came right after rank 0 had waited for rank 1's build.
+    build_cpu_kernels()
     torch.multiprocessing.spawn(_worker, args=(2, free_loopback_port(), str(out), phase), nprocs=2, join=True)
 
 

@@ -38,6 +38,8 @@ KIVI_QUANT = ("tests/cache/kivi/test_kivi_cpu_quant.py", "tests/cache/kivi/test_
 ROUNDS = ("tests/tools/bench/test_bench.py::test_rounds_alternate_the_order_of_systems_and_merge_their_runs",
           "tests/tools/bench/test_bench.py::test_throughput_rounds_end_to_end")
 STREAM_TEXT = ("tests/engine/test_stream_text.py",)
+STRUCTURED = ("tests/engine/test_structured_output.py",)
+STRUCTURED_API = ("tests/serve/test_structured_output_api.py",)
 DETOKENIZER = ("tests/engine/test_detokenizer.py",)
 PREPACK = "tests/kernels/test_cpu_prepack.py"
 BF16_PRODUCTS = "tests/kernels/test_bf16_products.py"
@@ -2169,4 +2171,37 @@ MUTATIONS: list[Mutation] = [
              "if _cuda_float_out or not unsupported:", "if _cuda_float_out:",
              (VOCAB_LOGITS + "test_another_cuda_error_is_raised_not_taken_for_a_missing_feature",),
              "a CUDA error at the first logits call is raised, not read as a torch without float32 output"),
+    Mutation("structured_mask_not_applied", S + "engine/sampling.py",
+             "        work[i].masked_fill_(~masks[i].to(work.device), -math.inf)\n", "        pass\n", STRUCTURED,
+             "a constrained request only ever samples ids its matcher allows"),
+    Mutation("structured_mask_skipped_on_the_greedy_fast_path", S + "engine/sampling.py",
+             "and not adjusted_rows and not masked_rows", "and not adjusted_rows", STRUCTURED,
+             "a greedy step with a constrained row never takes the raw argmax"),
+    Mutation("structured_mask_bits_read_backwards", S + "engine/grammar_matcher.py",
+             'bitorder="little"', 'bitorder="big"', STRUCTURED,
+             "the mask's bit i is token id i (the matcher's words are least significant bit first)"),
+    Mutation("structured_matcher_not_fed", S + "engine/llm_engine.py",
+             "constraint_done = request.grammar is not None and advance(request.grammar, token)",
+             "constraint_done = False", STRUCTURED, "each chosen token advances the request's matcher"),
+    Mutation("structured_done_does_not_end_the_request", S + "engine/llm_engine.py",
+             "        if stopped or constraint_done:", "        if stopped:", STRUCTURED,
+             "a complete constraint ends the request on its last token, with no EOS after it"),
+    Mutation("structured_stuck_request_not_ended", S + "engine/llm_engine.py",
+             "stuck = [i for i, mask in enumerate(allowed) if mask is not None and not bool(mask.any())]",
+             "stuck = []", STRUCTURED, "a request whose matcher allows nothing ends alone, with an error"),
+    Mutation("structured_compact_json_not_asked", S + "engine/structured_output.py",
+             'compact = {"whitespace_flexible": False} if constraint.disable_any_whitespace else None',
+             "compact = None", STRUCTURED, "disable_any_whitespace gives JSON without whitespace"),
+    Mutation("structured_min_tokens_allowed", S + "engine/sampling.py",
+             "require(self.min_tokens == 0,", "require(True,", STRUCTURED,
+             "min_tokens with a constraint is refused (it bans the ids the constraint may end with)"),
+    Mutation("structured_fields_ignored_by_the_server", S + "serve/structured_fields.py",
+             "    response_format = _from_response_format(body.response_format)\n",
+             "    response_format = None\n", STRUCTURED_API, "response_format constrains the text"),
+    Mutation("structured_two_constraints_accepted", S + "serve/structured_fields.py",
+             "    if len(found) > 1:\n", "    if False:\n", STRUCTURED_API,
+             "two constraints in one request are a 400 naming the second"),
+    Mutation("structured_guided_fields_ignored", S + "serve/structured_fields.py",
+             "            found.append((name, {kind: value}))\n", "            pass\n", STRUCTURED_API,
+             "vLLM's older guided_* fields constrain the text"),
 ]

@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from kvforge.engine.sampling import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputs":
+        from kvforge.engine.structured_output import StructuredOutputs
+
+        return StructuredOutputs
     raise AttributeError(name)

@@ -126,10 +126,11 @@ def test_the_engine_gives_the_sampler_the_prompt_and_the_output_so_far(monkeypat
     recorded = []
     real = llm_engine.sample
 
-    def spy(logits, params, generators, banned, seen, generated):
+    def spy(logits, params, generators, banned, seen, generated, allowed):
         recorded.append([[list(ids) if ids is not None else None for ids in seen],
                          [dict(counts) if counts is not None else None for counts in generated]])  # (live: copied)
-        return real(logits, params, generators, banned, seen, generated)
+        assert allowed is None  # no request is constrained
+        return real(logits, params, generators, banned, seen, generated, allowed)
 
     monkeypatch.setattr(llm_engine, "sample", spy)
     tokenizer = char_tokenizer()

@@ -96,19 +96,17 @@ def test_each_unimplemented_field_is_refused_by_name_and_accepted_when_neutral(a
 
 
 @pytest.mark.parametrize("path, body, param", [
-    (COMPLETIONS, {"guided_json": {"type": "object"}}, "guided_json"),
-    (CHAT, {"guided_choice": ["yes", "no"]}, "guided_choice"),
-    (CHAT, {"guided_regex": "[0-9]+"}, "guided_regex"),
     (COMPLETIONS, {"use_beam_search": True}, "use_beam_search"),
     (COMPLETIONS, {"length_penalty": 0.7}, "length_penalty"),
     (COMPLETIONS, {"best_of": 3}, "best_of"), (CHAT, {"best_of": 2}, "best_of"),
     (CHAT, {"tool_choice": "auto"}, "tool_choice"), (CHAT, {"tool_choice": "required"}, "tool_choice"),
     (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    (COMPLETIONS, {"response_format": {"type": "json_object"}}, "response_format"),
     (CHAT, {"add_generation_prompt": False}, "add_generation_prompt"),
     (COMPLETIONS, {"skip_special_tokens": False}, "skip_special_tokens"),
     (COMPLETIONS, {"skip_special_tokens": 1}, "skip_special_tokens"),  # 1 is not true
     (COMPLETIONS, {"priority": False}, "priority"),  # false is not 0
+    (COMPLETIONS, {"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    (COMPLETIONS, {"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
 ])
 def test_what_a_vllm_client_may_send_and_kvforge_does_not_honour_is_refused(app_client, path, body, param):
     refused(post(app_client, path, **body), param)

@@ -21,6 +21,7 @@ from kvforge.cache.base import CacheMethod
 from kvforge.engine.decode_graphs import CaptureReport, DecodeGraphs
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.engine_config import EngineConfig
+from kvforge.engine.grammar_matcher import GrammarCompiler, advance, allowed_ids
 from kvforge.engine.logit_adjustments import needs_output, needs_prompt_and_output
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.prefix_cache import PrefixCache
@@ -97,6 +98,7 @@ class LLMEngine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.steps = 0
@@ -127,6 +129,8 @@ class LLMEngine:
             request.generator = make_generator(params.seed, self.runner.device)
         if self.tokenizer is not None:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.matcher(params.structured_outputs)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -172,6 +176,8 @@ class LLMEngine:
             if set(allowed) <= banned_token_ids(params, self.eos_token_ids, 0):
                 raise ConfigError("allowed_token_ids", list(allowed), f"are all stop or EOS ids, banned until "
                                   f"min_tokens={params.min_tokens} tokens: no token could be chosen")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
 
     def validate_prompt(self, prompt: Sequence[int]) -> None:
         """Raise ConfigError if a prompt can never run here (read-only: safe to call from
@@ -239,9 +245,22 @@ class LLMEngine:
                 sample_rows.append(row - 1)
             if self.prefix is not None:
                 self.prefix.published(request)
+        allowed = None
+        if any(r.grammar is not None for r in sampling):
+            allowed = [None if r.grammar is None else allowed_ids(r.grammar, logits.shape[-1]) for r in sampling]
+            stuck = [i for i, mask in enumerate(allowed) if mask is not None and not bool(mask.any())]
+            for i in stuck:  # (a matcher in error, e.g. past a parser limit): this request alone ends
+                request = sampling[i]
+                request.error = f"structured output: no token can continue the text ({request.grammar.get_error()})"
+                self.scheduler.finish(request, FinishReason.ERROR)
+                self._requests.pop(request.request_id, None)
+                outputs[request.request_id] = RequestOutput.of(request, [], request.release_text())
+            if stuck:
+                keep = [i for i in range(len(sampling)) if i not in stuck]
+                sampling, sample_rows, allowed = ([seq[i] for i in keep] for seq in (sampling, sample_rows, allowed))
         if sampling:
             rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-            chosen = self._sample(rows, sampling)
+            chosen = self._sample(rows, sampling, allowed)
             for index, request in enumerate(sampling):
                 if request.params.top_logprobs:
                     request.output_top_logprobs.append(chosen.top_logprobs[index])
@@ -249,7 +268,8 @@ class LLMEngine:
                                                            chosen.logprobs[index], now)
         return list(outputs.values())
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleOutput:
+    def _sample(self, logits: torch.Tensor, requests: list[Request],
+                allowed: list[torch.Tensor | None] | None = None) -> SampleOutput:
         # Ids seen so far (prompt and output) for the rows whose repetition penalty reads them,
         # and output ids for their frequency and presence penalties (None elsewhere: a plain
         # step builds no list).
@@ -258,7 +278,7 @@ class LLMEngine:
         generated = [r.output_counts if needs_output(r.params) else None for r in requests]
         args = (logits, [r.params for r in requests], [r.generator for r in requests],
                 [banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens) for r in requests], seen,
-                generated)
+                generated, allowed)
         return sample(*args) if self.step_timer is None else self.step_timer.measure("sampling", sample, *args)
 
     def _item(self, chunk: ScheduledChunk) -> StepItem:
@@ -293,6 +313,8 @@ class LLMEngine:
         """Append a sampled token and apply the stop rules."""
         params = request.params
         request.append_output(token)
+        # The constraint is complete and nothing may follow: the request ends, this token's text kept.
+        constraint_done = request.grammar is not None and advance(request.grammar, token)
         if logprob is not None:
             request.output_logprobs.append(logprob)
         if request.metrics.first_token_time is None:
@@ -314,7 +336,7 @@ class LLMEngine:
                         request.output_text = request.output_text[:cut]
                         stopped = True
                 request.stop_search_from = len(request.output_text)
-        if stopped:
+        if stopped or constraint_done:
             self.scheduler.finish(request, FinishReason.STOP)
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             self.scheduler.finish(request, FinishReason.LENGTH)

@@ -43,6 +43,7 @@ from kvforge.engine.logit_adjustments import (
     needs_prompt_and_output,
     penalize_repetition,
 )
+from kvforge.engine.structured_output import StructuredOutputs
 from kvforge.errors import is_int, is_real, require
 from kvforge.kernels.cpu_fused import argmax_rows
 
@@ -94,6 +95,8 @@ class SamplingParams:
     # None: off. N >= 0: the log-probability of every prompt token given the tokens before
     # it (None for the first), plus the N most likely ids at each prompt position.
     prompt_logprobs: int | None = None
+    # vLLM's: the text must be JSON of a schema, match a regex, be one of a list, ... (None: free)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         require(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
@@ -144,6 +147,14 @@ class SamplingParams:
         require(self.prompt_logprobs is None
                 or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
                 "prompt_logprobs", self.prompt_logprobs, f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.structured_outputs is not None:
+            require(isinstance(self.structured_outputs, StructuredOutputs), "structured_outputs",
+                    type(self.structured_outputs).__name__, "must be a StructuredOutputs")
+            # Each would ban ids the constraint may need (its end among them): no token could be chosen.
+            require(self.min_tokens == 0, "min_tokens", self.min_tokens, "must be 0 with structured_outputs "
+                    "(the constraint decides where the text ends)")
+            require(self.allowed_token_ids is None, "allowed_token_ids", "[...]",
+                    "cannot be combined with structured_outputs (the constraint decides the allowed ids)")
 
     @property
     def greedy(self) -> bool:
@@ -208,7 +219,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None] | None = None,
            banned: Sequence[Collection[int] | None] | None = None,
            seen: Sequence[Sequence[int] | None] | None = None,
-           generated: Sequence[Mapping[int, int] | Sequence[int] | None] | None = None) -> SampleOutput:
+           generated: Sequence[Mapping[int, int] | Sequence[int] | None] | None = None,
+           allowed: Sequence[torch.Tensor | None] | None = None) -> SampleOutput:
     """Choose one token per row of `logits` [R, V].
 
     `generators[i]` is row i's stream (None -> torch's default generator on the logits'
@@ -217,6 +229,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     `seen[i]` are the ids of row i's prompt and output so far, `generated[i]` those of its
     output alone (or each one's count): read only for rows whose repetition penalty (`seen`), or frequency or
     presence penalty (`generated`), is on, which must have them.
+    `allowed[i]` (bool [V], a structured-output constraint's) are the only ids row i may
+    produce; applied before the other rules.
     """
     require(logits.dim() == 2, "logits", tuple(logits.shape), "must be 2-D [rows, vocab]")
     rows, vocab = logits.shape
@@ -247,7 +261,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     # Every row greedy, nothing banned or penalised (a plain decode step): one pass over the
     # logits as they are, no float32 copy (argmax_rows is torch.argmax; None where it does
     # not apply).
-    plain = len(greedy_rows) == rows and not ban_rows and not adjusted_rows
+    masks: Sequence[torch.Tensor | None] = [None] * rows if allowed is None else allowed
+    require(len(masks) == rows, "allowed", len(masks), f"must have one entry per logits row ({rows})")
+    masked_rows = [i for i, mask in enumerate(masks) if mask is not None]
+    plain = len(greedy_rows) == rows and not ban_rows and not adjusted_rows and not masked_rows
     fast = argmax_rows(logits.detach()) if plain else None
     # Masked float32 view/copy; elementwise, so a row's values do not depend on the others.
     work = logits.detach() if fast is not None else logits.detach().float()  # no copy when float32
@@ -256,8 +273,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             work = work.clone()  # never write into the caller's logits
         device = work.device
         work[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = -math.inf
-    if adjusted_rows and work.data_ptr() == logits.data_ptr():
+    if (adjusted_rows or masked_rows) and work.data_ptr() == logits.data_ptr():
         work = work.clone()
+    for i in masked_rows:
+        work[i].masked_fill_(~masks[i].to(work.device), -math.inf)
     for i in adjusted_rows:
         adjust_logits(work[i], params[i], history[i] if i < len(history) else None,
                       outputs[i] if i < len(outputs) else None)

@@ -4,7 +4,8 @@ Requests follow OpenAI's schema. Unknown fields are ignored (as OpenAI's SDKs ex
 compatible server); known fields are type-checked strictly (no "10" for 10, no true for
 1), so a wrong type is a 400 that names the field. Extensions follow vLLM's names:
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`allowed_token_ids`, `include_stop_str_in_output`, `return_token_ids`.
+`allowed_token_ids`, `include_stop_str_in_output`, `return_token_ids`, and the structured-output
+fields (`structured_outputs`, `guided_json`, ...).
 
 Fields OpenAI or vLLM define that kvforge does not implement are declared here too, so
 that a client who sets one learns it: each is accepted at its neutral value (`NEUTRAL`:
@@ -28,8 +29,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "bad_words": ([],), "prompt_logprobs": (), "logits_processors": (),
     # vLLM's structured output and other extensions
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "guided_decoding_backend": ("auto", "guidance"), "guided_whitespace_pattern": (),
     "return_tokens_as_token_ids": (False,), "priority": (0,), "request_id": (), "cache_salt": (),
     "kv_transfer_params": (), "vllm_xargs": (), "prompt_embeds": (),
     # chat only: templates, documents, multimodal and reasoning options
@@ -91,7 +91,13 @@ class _GenerationFields(_Body):
     allowed_token_ids: list[int] | None = None  # only these ids may be chosen
     include_stop_str_in_output: bool | None = None  # the text ends with the stop string that ended it
     return_token_ids: bool | None = None  # adds token_ids (and prompt_token_ids) to each choice
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    # The text's shape (serve/structured_fields.py): OpenAI's, and vLLM's current and older fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Not implemented: accepted only at their neutral value (NEUTRAL), refused by name otherwise.
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -101,13 +107,8 @@ class _GenerationFields(_Body):
     bad_words: Any = None
     prompt_logprobs: Any = None
     logits_processors: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
+    guided_decoding_backend: Any = None  # llguidance (vLLM's "guidance") always
     guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
     return_tokens_as_token_ids: Any = None
     priority: Any = None
     request_id: Any = None

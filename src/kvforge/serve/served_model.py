@@ -19,6 +19,7 @@ from kvforge.engine.async_engine import AsyncEngine
 from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import ConfigError
 from kvforge.serve.protocol import APIError, _GenerationFields, bad_request, is_neutral, unimplemented_fields
+from kvforge.serve.structured_fields import structured_outputs_of
 
 # Most completions one request may ask for per prompt (`n`), and in all (n x prompts, when
 # n > 1): each is an engine request.
@@ -170,8 +171,7 @@ def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, *
     samples = samples_per_prompt(body)
     if body.best_of not in (None, samples):
         raise bad_request("best_of", body.best_of, f"only best_of=n ({samples}) is supported (or omit it)")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("response_format", body.response_format, "only {'type': 'text'} is supported")
+    structured = structured_outputs_of(body)
     logit_bias = {}
     for key, value in (body.logit_bias or {}).items():  # JSON keys are strings: token ids in decimal
         # (the length bound before int(): Python refuses to convert thousands of digits)
@@ -195,7 +195,7 @@ def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, *
             frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
             logit_bias=logit_bias, allowed_token_ids=body.allowed_token_ids,
             stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
-            include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            include_stop_str_in_output=bool(body.include_stop_str_in_output), structured_outputs=structured,
             **logprob_fields)
     except ConfigError as exc:
         raise bad_request(exc.parameter, exc.value, exc.rule) from exc

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 from kvforge.errors import ConfigError, require
@@ -124,6 +125,9 @@ def run_serve(args: argparse.Namespace) -> int:
     info = ModelInfo(args.model, args.swiftkv, str(llm.cache_spec), str(llm.dtype).removeprefix("torch."),
                      llm.source.weights)
     app = create_app(ServedModel(name, engine, llm.tokenizer, info), metrics, api_key)
+    # Structured output wraps the tokenizer for llguidance once (up to seconds for a large
+    # vocabulary): done now, beside start-up, so the first such request does not wait for it.
+    threading.Thread(target=engine.engine.grammars.warm_up, name="kvforge-grammar-warm-up", daemon=True).start()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     print(f"kvforge serve: {name} ({info.banner()}) on http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -1,0 +1,79 @@
+"""The request fields that constrain a completion's text, read into the engine's one
+`StructuredOutputs`:
+
+- OpenAI's `response_format`: `{"type": "text"}` (none), `{"type": "json_object"}` (any
+  JSON object), `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`;
+- vLLM's `structured_outputs`: `{"json" | "regex" | "choice" | "grammar" | "json_object":
+  ..., "disable_any_whitespace": bool}`;
+- vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+
+At most one of them may set a constraint (vLLM lets `response_format` override the others
+silently; a 400 says it instead). Errors name the field the client sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvforge.engine.structured_output import KINDS, StructuredOutputs
+from kvforge.errors import ConfigError
+from kvforge.serve.protocol import _GenerationFields, bad_request
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# vLLM's structured_outputs options kvforge does not implement -> their neutral value
+UNSUPPORTED_OPTIONS = {"disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None,
+                       "disable_fallback": False}
+
+
+def structured_outputs_of(body: _GenerationFields) -> StructuredOutputs | None:
+    """The constraint the body asks for, or None; a 400 naming the field when it is malformed."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    response_format = _from_response_format(body.response_format)
+    if response_format is not None:
+        found.append(("response_format", response_format))
+    if body.structured_outputs is not None:
+        found.append(("structured_outputs", _from_structured_outputs(body.structured_outputs)))
+    for name, kind in GUIDED.items():
+        value = getattr(body, name)
+        if value is not None:
+            found.append((name, {kind: value}))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = [name for name, _ in found]
+        raise bad_request(names[1], "...", f"cannot be combined with {names[0]}: one constraint per request")
+    origin, fields = found[0]
+    try:
+        return StructuredOutputs(**fields, origin=origin)
+    except ConfigError as exc:
+        raise bad_request(exc.parameter, exc.value, exc.rule) from exc
+
+
+def _from_response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not value:
+        return None
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad_request("response_format", value, "type json_schema needs json_schema.schema, a JSON schema "
+                                                        "object")
+        return {"json": spec["schema"]}
+    raise bad_request("response_format", value, "type must be text, json_object or json_schema")
+
+
+def _from_structured_outputs(value: dict[str, Any]) -> dict[str, Any]:
+    known = {*KINDS, "disable_any_whitespace", *UNSUPPORTED_OPTIONS}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise bad_request(f"structured_outputs.{unknown[0]}", value[unknown[0]],
+                          f"is not a structured_outputs field ({', '.join(sorted(known))})")
+    for name, neutral in UNSUPPORTED_OPTIONS.items():
+        if value.get(name) not in (None, neutral):
+            raise bad_request(f"structured_outputs.{name}", value[name], "is not supported by kvforge: must be "
+                                                                         "omitted or null")
+    return {key: item for key, item in value.items() if key not in UNSUPPORTED_OPTIONS and item is not None}

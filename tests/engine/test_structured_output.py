@@ -1,0 +1,241 @@
+"""Structured output on the engine: every constrained request's text is one the constraint
+accepts (a choice, a regex, a JSON schema, any JSON object), whatever the sampling; the
+mask at each step is exactly the set of ids that keep the text a prefix of an accepted one;
+unconstrained requests in the same batch are untouched; bad constraints fail before the
+request is queued, naming the field; a request whose matcher can go no further ends alone.
+
+The model is a tiny random Llama over a byte-fallback tokenizer (tests/grammar_helpers.py):
+its choices are noise, so only the constraint keeps the text in shape."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from grammar_helpers import WORDS, byte_model, byte_tokenizer
+from server_helpers import make_engine
+
+from kvforge.engine import llm_engine
+from kvforge.engine.grammar_matcher import GrammarCompiler, allowed_ids
+from kvforge.engine.sampling import SamplingParams
+from kvforge.engine.structured_output import StructuredOutputs, lark_literal
+from kvforge.errors import ConfigError
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "b": {"enum": ["x", "yes", "no"]}, "c": {"type": "boolean"}},
+          "required": ["a", "b", "c"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield byte_model()
+    torch.set_num_threads(threads)
+
+
+def run(model, tokenizer, requests: list[SamplingParams], prompt: str = "hello"):
+    """The final output of each request, all in one engine."""
+    engine = make_engine(model, tokenizer)
+    ids = [engine.add_request(tokenizer.encode(prompt), params) for params in requests]
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return [final[i] for i in ids]
+
+
+def sampled(constraint: StructuredOutputs, seeds=range(6), max_tokens: int = 48) -> list[SamplingParams]:
+    """Hot sampling (where the model alone would wander anywhere), one request per seed."""
+    return [SamplingParams(max_tokens=max_tokens, temperature=1.5, seed=seed, structured_outputs=constraint)
+            for seed in seeds]
+
+
+def test_a_choice_gives_exactly_one_of_the_strings(model, tokenizer):
+    choices = ("yes", "no", "yellow", "maybe so")
+    outputs = run(model, tokenizer, sampled(StructuredOutputs(choice=choices), range(12)))
+    assert all(out.text in choices and out.finish_reason == "stop" for out in outputs), [o.text for o in outputs]
+    assert len({out.text for out in outputs}) > 1  # the model still chooses among them
+    # the request ends with the choice's last token (nothing may follow it), not an EOS after it
+    assert all(out.token_ids[-1] != tokenizer.eos_token_id for out in outputs)
+
+
+def test_a_regex_is_matched_in_full(model, tokenizer):
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    outputs = run(model, tokenizer, sampled(StructuredOutputs(regex=pattern)))
+    for out in outputs:
+        assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop", out.text
+
+
+def test_an_open_ended_regex_ends_with_eos_or_the_length(model, tokenizer):
+    outputs = run(model, tokenizer, sampled(StructuredOutputs(regex=r"[0-9]+"), max_tokens=6))
+    for out in outputs:
+        assert out.text.isdigit(), out.text
+        assert out.finish_reason == "length" or out.token_ids[-1] == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_json_of_a_schema_parses_and_follows_it(model, tokenizer, compact):
+    constraint = StructuredOutputs(json=SCHEMA, disable_any_whitespace=compact)
+    outputs = run(model, tokenizer, sampled(constraint, max_tokens=120))
+    finished = [out for out in outputs if out.finish_reason == "stop"]
+    assert len(finished) >= len(outputs) // 2  # (flexible whitespace may run to the length)
+    for out in finished:
+        value = json.loads(out.text)
+        assert set(value) == {"a", "b", "c"} and 0 <= value["a"] <= 99 and value["b"] in ("x", "yes", "no")
+        assert isinstance(value["c"], bool)
+        if compact:
+            assert " " not in out.text and "\n" not in out.text
+    for out in outputs:  # cut or not, the text is a prefix of an accepted one
+        assert out.text.startswith("{") or out.text.lstrip().startswith("{")
+
+
+def test_json_object_mode_gives_an_object(model, tokenizer):
+    outputs = run(model, tokenizer, sampled(StructuredOutputs(json_object=True, disable_any_whitespace=True),
+                                            max_tokens=160))
+    parsed = [json.loads(out.text) for out in outputs if out.finish_reason == "stop"]
+    assert parsed and all(isinstance(value, dict) for value in parsed)
+
+
+def test_greedy_requests_are_constrained_too(model, tokenizer):
+    (out,) = run(model, tokenizer, [SamplingParams.greedy_params(16, structured_outputs=StructuredOutputs(
+        choice=("maybe so", "no")))])
+    assert out.text in ("maybe so", "no") and out.finish_reason == "stop"
+
+
+def test_the_mask_is_the_set_of_ids_that_keep_the_text_a_prefix_of_a_choice(tokenizer):
+    """The definition, checked id by id: after each prefix of a choice, id t is allowed iff
+    the text plus t's text is a prefix of some choice (or t is EOS and the text is one),
+    give or take byte-fallback tokens (3-258)."""
+    choices = ("yes", "yellow", "no 1")
+    compiler = GrammarCompiler(tokenizer, 320, frozenset({2}))
+    texts = {t: token_text(tokenizer.convert_ids_to_tokens(t)) for t in range(3, len(tokenizer))}  # (0-2: specials)
+    for choice in choices:
+        for cut in range(len(choice) + 1):
+            matcher = compiler.matcher(StructuredOutputs(choice=choices))
+            for token in tokenizer.encode(choice[:cut], add_special_tokens=False)[1:] if cut else []:
+                assert matcher.consume_token(token)  # (the first id is the leading-space marker)
+            text = choice[:cut]
+            expected = {t for t, piece in texts.items() if piece and any(c.startswith(text + piece) for c in choices)}
+            if text in choices:
+                expected.add(2)
+            allowed = set(allowed_ids(matcher, 320).nonzero().flatten().tolist())
+            # llguidance may leave out a byte-fallback token where a whole token says the same
+            assert allowed <= expected and expected - allowed <= BYTE_TOKENS, (text, expected ^ allowed)
+
+
+BYTE_TOKENS = set(range(3, 259))
+
+
+def token_text(token: str) -> str:
+    """The text a token of byte_tokenizer stands for: a byte token's byte (ASCII here, the
+    rest never prefix a choice), the leading-space marker as a space."""
+    if re.fullmatch(r"<0x[0-9A-F]{2}>", token):
+        return chr(int(token[3:5], 16)) if int(token[3:5], 16) < 128 else "\ufffd"
+    return token.replace("▁", " ")
+
+
+def test_unconstrained_requests_in_the_batch_are_untouched(model, tokenizer):
+    free = [SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
+            SamplingParams.greedy_params(12, ignore_eos=True)]
+    alone = run(model, tokenizer, free)
+    together = run(model, tokenizer, [free[0], *sampled(StructuredOutputs(regex=r"[a-z]+"), range(2)), free[1]])
+    assert [o.token_ids for o in alone] == [together[0].token_ids, together[-1].token_ids]
+
+
+def test_a_request_whose_constraint_can_go_no_further_ends_alone(model, tokenizer, monkeypatch):
+    """A matcher in error (a parser limit, say) allows no id: from its third step on, this
+    one's mask is made empty. Its request ends with an error; the other runs to its length."""
+    real = llm_engine.allowed_ids
+    masks_made: list[int] = []
+
+    def empty_from_the_third_step(matcher, vocab):
+        mask = real(matcher, vocab)
+        if matcher is not stuck:
+            return mask
+        masks_made.append(1)
+        return torch.zeros_like(mask) if len(masks_made) > 2 else mask
+
+    engine = make_engine(model, tokenizer)
+    constrained = engine.add_request(tokenizer.encode("hi"), SamplingParams(
+        max_tokens=10, temperature=1.0, seed=1, ignore_eos=True, structured_outputs=StructuredOutputs(regex="[a-z]+")))
+    free = engine.add_request(tokenizer.encode("hi"), SamplingParams.greedy_params(6, ignore_eos=True))
+    stuck = engine._requests[constrained].grammar
+    monkeypatch.setattr(llm_engine, "allowed_ids", empty_from_the_third_step)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final[constrained].finish_reason == "error" and len(final[constrained].token_ids) == 2
+    assert final[free].finish_reason == "length" and len(final[free].token_ids) == 6
+
+
+@pytest.mark.parametrize(("constraint", "parameter"), [
+    (dict(regex="("), "structured_outputs.regex"),
+    (dict(grammar="start: foo"), "structured_outputs.grammar"),
+    (dict(grammar="root ::= (("), "structured_outputs.grammar"),
+    (dict(json={"type": "integer", "minimum": 5, "maximum": 2}), "structured_outputs.json"),
+])
+def test_a_constraint_that_does_not_compile_fails_before_it_is_queued(model, tokenizer, constraint, parameter):
+    engine = make_engine(model, tokenizer)
+    with pytest.raises(ConfigError) as caught:
+        engine.add_request(tokenizer.encode("hi"), SamplingParams(structured_outputs=StructuredOutputs(**constraint)))
+    assert caught.value.parameter == parameter
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(("fields", "parameter"), [
+    (dict(), "structured_outputs"),
+    (dict(regex="a", choice=["a"]), "structured_outputs"),
+    (dict(json="{not json"), "structured_outputs.json"),
+    (dict(json="[1, 2]"), "structured_outputs.json"),
+    (dict(choice=[]), "structured_outputs.choice"),
+    (dict(choice=["a", ""]), "structured_outputs.choice"),
+    (dict(regex=""), "structured_outputs.regex"),
+    (dict(json_object=1), "structured_outputs.json_object"),
+    (dict(json_object=True, disable_any_whitespace="yes"), "structured_outputs.disable_any_whitespace"),
+])
+def test_a_malformed_constraint_names_its_field(fields, parameter):
+    with pytest.raises(ConfigError) as caught:
+        StructuredOutputs(**fields)
+    assert caught.value.parameter == parameter
+
+
+def test_rules_that_would_ban_the_constraints_ids_are_refused():
+    constraint = StructuredOutputs(json_object=True)
+    with pytest.raises(ConfigError, match="min_tokens"):
+        SamplingParams(min_tokens=2, structured_outputs=constraint)
+    with pytest.raises(ConfigError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[5], structured_outputs=constraint)
+
+
+def test_without_a_tokenizer_or_the_package_the_error_says_what_is_missing(model, tokenizer, monkeypatch):
+    engine = make_engine(model, None)
+    with pytest.raises(ConfigError, match="needs a tokenizer"):
+        engine.add_request([5, 6], SamplingParams(structured_outputs=StructuredOutputs(regex="a")))
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)
+    engine = make_engine(model, tokenizer)
+    with pytest.raises(ConfigError, match="pip install"):
+        engine.add_request([5, 6], SamplingParams(structured_outputs=StructuredOutputs(regex="a")))
+
+
+def test_a_choice_literal_matches_exactly_its_text(tokenizer):
+    """Quotes, backslashes, newlines and non-ASCII characters are literal in a choice."""
+    odd = ('say "hi"', "back\\slash", "two\nlines", "été ☃")
+    compiler = GrammarCompiler(tokenizer, 320, frozenset({2}))
+    for choice in odd:
+        matcher = compiler.matcher(StructuredOutputs(choice=odd))
+        ids = tokenizer.encode(choice, add_special_tokens=False)[1:]
+        assert matcher.consume_tokens(ids) and matcher.is_stopped(), (choice, lark_literal(choice))
+    assert set(WORDS) >= {"yes", "no"}

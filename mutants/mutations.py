@@ -40,6 +40,7 @@ ROUNDS = ("tests/tools/bench/test_bench.py::test_rounds_alternate_the_order_of_s
 STREAM_TEXT = ("tests/engine/test_stream_text.py",)
 STRUCTURED = ("tests/engine/test_structured_output.py",)
 STRUCTURED_API = ("tests/serve/test_structured_output_api.py",)
+TRUNCATION = ("tests/serve/test_truncation_and_special_tokens.py",)
 DETOKENIZER = ("tests/engine/test_detokenizer.py",)
 PREPACK = "tests/kernels/test_cpu_prepack.py"
 BF16_PRODUCTS = "tests/kernels/test_bf16_products.py"
@@ -2204,4 +2205,21 @@ MUTATIONS: list[Mutation] = [
     Mutation("structured_guided_fields_ignored", S + "serve/structured_fields.py",
              "            found.append((name, {kind: value}))\n", "            pass\n", STRUCTURED_API,
              "vLLM's older guided_* fields constrain the text"),
+    Mutation("truncation_keeps_the_wrong_end", S + "serve/served_model.py",
+             'return prompt[-keep:] if side == "left" else prompt[:keep]',
+             'return prompt[:keep] if side == "left" else prompt[-keep:]', TRUNCATION,
+             "truncation_side left (vLLM's default) keeps the prompt's last tokens, right its first"),
+    Mutation("truncation_minus_one_leaves_no_room", S + "serve/served_model.py",
+             "            keep = self.max_model_len - 1\n", "            keep = self.max_model_len\n", TRUNCATION,
+             "truncate_prompt_tokens=-1 keeps the context less one token, room for one generated"),
+    Mutation("truncation_echo_returns_the_whole_prompt", S + "serve/completions.py",
+             'text = served.tokenizer.decode(prompt) if served.tokenizer is not None else ""', "pass",
+             TRUNCATION, "echo returns the truncated prompt the model saw"),
+    Mutation("skip_special_tokens_ignored_by_the_server", S + "serve/served_model.py",
+             "skip_special_tokens=body.skip_special_tokens is not False,", "skip_special_tokens=True,", TRUNCATION,
+             "skip_special_tokens=false shows special tokens' text"),
+    Mutation("skip_special_tokens_ignored_by_the_engine", S + "engine/llm_engine.py",
+             "IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)",
+             "IncrementalDetokenizer(self.tokenizer)", TRUNCATION,
+             "a request's skip_special_tokens reaches its detokenizer"),
 ]

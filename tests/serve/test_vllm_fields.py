@@ -102,7 +102,6 @@ def test_each_unimplemented_field_is_refused_by_name_and_accepted_when_neutral(a
     (CHAT, {"tool_choice": "auto"}, "tool_choice"), (CHAT, {"tool_choice": "required"}, "tool_choice"),
     (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     (CHAT, {"add_generation_prompt": False}, "add_generation_prompt"),
-    (COMPLETIONS, {"skip_special_tokens": False}, "skip_special_tokens"),
     (COMPLETIONS, {"skip_special_tokens": 1}, "skip_special_tokens"),  # 1 is not true
     (COMPLETIONS, {"priority": False}, "priority"),  # false is not 0
     (COMPLETIONS, {"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),

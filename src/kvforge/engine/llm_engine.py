@@ -128,7 +128,7 @@ class LLMEngine:
         if not params.greedy:
             request.generator = make_generator(params.seed, self.runner.device)
         if self.tokenizer is not None:
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         if params.structured_outputs is not None:
             request.grammar = self.grammars.matcher(params.structured_outputs)
         self._requests[request_id] = request

@@ -90,6 +90,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the output text is cut where one starts
     include_stop_str_in_output: bool = False  # vLLM's: cut where the stop string ends instead
     ignore_eos: bool = False  # don't stop on the model's EOS ids
+    skip_special_tokens: bool = True  # False: the text shows special tokens (a stop token's still not)
     logprobs: bool = False  # report log_softmax(raw logits) at each chosen token
     top_logprobs: int = 0  # with logprobs: also the N most likely ids of each position
     # None: off. N >= 0: the log-probability of every prompt token given the tokens before
@@ -137,6 +138,8 @@ class SamplingParams:
         bad_stops = [s for s in self.stop if not (isinstance(s, str) and s)]
         require(not bad_stops, "stop", self.stop, "must be non-empty strings")
         require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
+        require(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", self.skip_special_tokens,
+                "must be a bool")
         require(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output",
                 self.include_stop_str_in_output, "must be a bool")
         require(isinstance(self.logprobs, bool), "logprobs", self.logprobs, "must be a bool")

@@ -81,7 +81,7 @@ class ChatHandler:
             raise bad_request("top_logprobs", top, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if top and not body.logprobs:
             raise bad_request("top_logprobs", top, "needs logprobs=true")
-        prompt = self.prompt_ids(body.messages)
+        prompt = served.truncated(self.prompt_ids(body.messages), body)
         served.check_prompt(prompt, "messages")
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

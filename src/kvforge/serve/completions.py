@@ -90,7 +90,10 @@ class CompletionHandler:
         if samples > 1 and samples * len(prompts) > MAX_CHOICES:
             raise bad_request("n", samples, f"times the {len(prompts)} prompts must be <= {MAX_CHOICES} completions")
         jobs = []
-        for number, (prompt, text) in enumerate(prompts):
+        for number, (whole, text) in enumerate(prompts):
+            prompt = served.truncated(whole, body)
+            if len(prompt) < len(whole):  # echo returns the prompt the model saw
+                text = served.tokenizer.decode(prompt) if served.tokenizer is not None else ""
             served.check_prompt(prompt, "prompt")
             max_tokens = 1 if hidden else served.max_tokens(body.max_tokens, len(prompt), "max_tokens")
             params = sampling_params(body, max_tokens, served.vocab_size, logprobs=logprobs is not None, top_logprobs=logprobs or 0,

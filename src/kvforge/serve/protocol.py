@@ -4,7 +4,8 @@ Requests follow OpenAI's schema. Unknown fields are ignored (as OpenAI's SDKs ex
 compatible server); known fields are type-checked strictly (no "10" for 10, no true for
 1), so a wrong type is a 400 that names the field. Extensions follow vLLM's names:
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`allowed_token_ids`, `include_stop_str_in_output`, `return_token_ids`, and the structured-output
+`allowed_token_ids`, `include_stop_str_in_output`, `return_token_ids`, `skip_special_tokens`,
+`truncate_prompt_tokens` (with `truncation_side`), and the structured-output
 fields (`structured_outputs`, `guided_json`, ...).
 
 Fields OpenAI or vLLM define that kvforge does not implement are declared here too, so
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     # vLLM's sampling extensions
     "use_beam_search": (False,), "length_penalty": (1,),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "spaces_between_special_tokens": (True,),
     "bad_words": ([],), "prompt_logprobs": (), "logits_processors": (),
     # vLLM's structured output and other extensions
     "guided_decoding_backend": ("auto", "guidance"), "guided_whitespace_pattern": (),
@@ -91,6 +92,9 @@ class _GenerationFields(_Body):
     allowed_token_ids: list[int] | None = None  # only these ids may be chosen
     include_stop_str_in_output: bool | None = None  # the text ends with the stop string that ended it
     return_token_ids: bool | None = None  # adds token_ids (and prompt_token_ids) to each choice
+    skip_special_tokens: bool | None = None  # false: special tokens' text is part of the output
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: max_model_len - 1)
+    truncation_side: str | None = None  # which end truncation keeps: "left" (default) keeps the last tokens
     # The text's shape (serve/structured_fields.py): OpenAI's, and vLLM's current and older fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -101,9 +105,7 @@ class _GenerationFields(_Body):
     # Not implemented: accepted only at their neutral value (NEUTRAL), refused by name otherwise.
     use_beam_search: Any = None
     length_penalty: Any = None
-    skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
-    truncate_prompt_tokens: Any = None
     bad_words: Any = None
     prompt_logprobs: Any = None
     logits_processors: Any = None

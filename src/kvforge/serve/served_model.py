@@ -122,6 +122,24 @@ class ServedModel:
         except ConfigError as exc:
             raise bad_request(exc.parameter, exc.value, exc.rule) from exc
 
+    def truncated(self, prompt: list[int], body: _GenerationFields) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt cut to that many tokens (-1: the
+        context less one, the room of one generated token), keeping its end (`truncation_side`
+        "left", vLLM's default for generation) or its start ("right")."""
+        keep, side = body.truncate_prompt_tokens, body.truncation_side or "left"
+        if side not in ("left", "right"):
+            raise bad_request("truncation_side", side, "must be 'left' (keep the last tokens) or 'right' (the first)")
+        if keep is None:
+            return prompt
+        if keep == -1:
+            keep = self.max_model_len - 1
+        if not 1 <= keep <= self.max_model_len:
+            raise bad_request("truncate_prompt_tokens", body.truncate_prompt_tokens,
+                              f"must be -1 or an integer in [1, {self.max_model_len}] (the model's context)")
+        if len(prompt) <= keep:
+            return prompt
+        return prompt[-keep:] if side == "left" else prompt[:keep]
+
     def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
         """`requested` checked against the context left after the prompt (None: all of it),
         as vLLM does: prompt + max_tokens must fit max_model_len."""
@@ -196,6 +214,7 @@ def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, *
             logit_bias=logit_bias, allowed_token_ids=body.allowed_token_ids,
             stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
             include_stop_str_in_output=bool(body.include_stop_str_in_output), structured_outputs=structured,
+            skip_special_tokens=body.skip_special_tokens is not False,
             **logprob_fields)
     except ConfigError as exc:
         raise bad_request(exc.parameter, exc.value, exc.rule) from exc

@@ -1,0 +1,104 @@
+"""vLLM's truncate_prompt_tokens (with truncation_side) and skip_special_tokens: a
+truncated prompt generates exactly what its kept tokens sent alone generate, counts as
+those in the usage, and is what echo returns; -1 keeps the context less one token; a bad
+value is a 400 naming the field. skip_special_tokens=false puts special tokens' text in
+the output (a stop token's still not, as vLLM); the default leaves it out.
+
+The app runs in-process on the tiny model and character tokenizer (tests/server_helpers.py:
+a context of 512 tokens; <s> = 1, </s> = 2, the EOS)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from in_process import app_client_fixture  # noqa: F401 - fixture
+from server_helpers import CONTEXT, MODEL_NAME, char_tokenizer, make_engine, model_fixture, tokenizer_fixture  # noqa: F401
+
+from kvforge.engine.sampling import SamplingParams
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+PROMPT = "the quick brown fox jumps over the lazy dog"
+
+
+def post(client, path: str, **body: Any):
+    response = client.post(path, json={"model": MODEL_NAME, "max_tokens": 6, "temperature": 0,
+                                       "return_token_ids": True, "ignore_eos": True, **body})
+    return response
+
+
+def ok(response) -> dict[str, Any]:
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def refused(response, param: str) -> None:
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.parametrize(("side", "keep"), [(None, slice(-10, None)), ("left", slice(-10, None)),
+                                            ("right", slice(0, 10))])
+def test_a_truncated_prompt_generates_what_its_kept_tokens_generate_alone(app_client, side, keep):
+    ids = char_tokenizer().encode(PROMPT)
+    cut = ok(post(app_client, COMPLETIONS, prompt=ids, truncate_prompt_tokens=10, truncation_side=side))
+    alone = ok(post(app_client, COMPLETIONS, prompt=ids[keep]))
+    assert cut["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+    assert cut["choices"][0]["prompt_token_ids"] == ids[keep]
+    assert cut["usage"]["prompt_tokens"] == 10
+
+
+def test_a_prompt_within_the_limit_is_left_whole(app_client):
+    ids = char_tokenizer().encode(PROMPT)
+    whole = ok(post(app_client, COMPLETIONS, prompt=PROMPT, truncate_prompt_tokens=len(ids)))
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_echo_returns_the_prompt_the_model_saw(app_client):
+    tokenizer = char_tokenizer()
+    kept = tokenizer.decode(tokenizer.encode(PROMPT)[-8:])
+    body = ok(post(app_client, COMPLETIONS, prompt=PROMPT, truncate_prompt_tokens=8, echo=True))
+    assert body["choices"][0]["text"].startswith(kept) and kept.endswith("lazy dog")
+
+
+def test_minus_one_keeps_the_context_less_one_token(app_client):
+    long = "ab" * CONTEXT
+    refused(post(app_client, COMPLETIONS, prompt=long, max_tokens=1), "prompt")
+    body = ok(post(app_client, COMPLETIONS, prompt=long, max_tokens=1, truncate_prompt_tokens=-1))
+    assert body["usage"]["prompt_tokens"] == CONTEXT - 1
+
+
+def test_chat_prompts_are_truncated_too(app_client):
+    messages = [{"role": "user", "content": PROMPT}]
+    body = ok(post(app_client, CHAT, messages=messages, truncate_prompt_tokens=12))
+    assert body["usage"]["prompt_tokens"] == 12
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": CONTEXT + 1}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": "8"}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 8, "truncation_side": "middle"}, "truncation_side"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+])
+def test_bad_values_are_a_400_naming_the_field(app_client, fields, param):
+    refused(post(app_client, COMPLETIONS, prompt=PROMPT, **fields), param)
+
+
+def test_skip_special_tokens_false_shows_special_tokens_text(app_client):
+    forced = {"logit_bias": {"1": 100}}  # <s>, a special token that is not the EOS
+    shown = ok(post(app_client, COMPLETIONS, prompt=PROMPT, skip_special_tokens=False, **forced))
+    assert shown["choices"][0]["token_ids"] == [1] * 6 and shown["choices"][0]["text"] == "<s>" * 6
+    hidden = ok(post(app_client, COMPLETIONS, prompt=PROMPT, **forced))
+    assert hidden["choices"][0]["text"] == ""
+
+
+def test_a_stop_token_text_stays_out_with_special_tokens_shown(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    params = SamplingParams.greedy_params(6, skip_special_tokens=False, logit_bias={2: 100})  # </s>, the EOS
+    engine.add_request(tokenizer.encode(PROMPT), params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].token_ids == [2] and outputs[-1].text == "" and outputs[-1].finish_reason == "stop"

@@ -41,6 +41,7 @@ STREAM_TEXT = ("tests/engine/test_stream_text.py",)
 STRUCTURED = ("tests/engine/test_structured_output.py",)
 STRUCTURED_API = ("tests/serve/test_structured_output_api.py",)
 TRUNCATION = ("tests/serve/test_truncation_and_special_tokens.py",)
+BAD_WORDS = ("tests/engine/test_bad_words.py",)
 DETOKENIZER = ("tests/engine/test_detokenizer.py",)
 PREPACK = "tests/kernels/test_cpu_prepack.py"
 BF16_PRODUCTS = "tests/kernels/test_bf16_products.py"
@@ -1311,8 +1312,8 @@ MUTATIONS: list[Mutation] = [
              "                top[i] = row_top[:params[i].top_logprobs]", "                top[i] = row_top",
              REQUEST_RULES, "each request gets its own number of alternatives, whatever shares its batch"),
     Mutation("min_tokens_ban_lifts_a_token_early", S + "engine/llm_engine.py",
-             "banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens)",
-             "banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens + 1)", REQUEST_RULES,
+             "banned_token_ids(request.params, request.eos_token_ids, request.num_output_tokens)",
+             "banned_token_ids(request.params, request.eos_token_ids, request.num_output_tokens + 1)", REQUEST_RULES,
              "no stop id or EOS among the first min_tokens tokens"),
     Mutation("engine_ignores_the_seed", S + "engine/llm_engine.py",
              "request.generator = make_generator(params.seed, self.runner.device)",
@@ -2193,8 +2194,8 @@ MUTATIONS: list[Mutation] = [
     Mutation("structured_compact_json_not_asked", S + "engine/structured_output.py",
              'compact = {"whitespace_flexible": False} if constraint.disable_any_whitespace else None',
              "compact = None", STRUCTURED, "disable_any_whitespace gives JSON without whitespace"),
-    Mutation("structured_min_tokens_allowed", S + "engine/sampling.py",
-             "require(self.min_tokens == 0,", "require(True,", STRUCTURED,
+    Mutation("structured_min_tokens_allowed", S + "engine/conflicting_bans.py",
+             "require(params.min_tokens == 0,", "require(True,", STRUCTURED,
              "min_tokens with a constraint is refused (it bans the ids the constraint may end with)"),
     Mutation("structured_fields_ignored_by_the_server", S + "serve/structured_fields.py",
              "    response_format = _from_response_format(body.response_format)\n",
@@ -2222,4 +2223,16 @@ MUTATIONS: list[Mutation] = [
              "IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)",
              "IncrementalDetokenizer(self.tokenizer)", TRUNCATION,
              "a request's skip_special_tokens reaches its detokenizer"),
+    Mutation("bad_word_banned_without_its_prefix", S + "engine/bad_words.py",
+             "if before == 0 or list(output[-before:]) == list(sequence[:before]):", "if True:", BAD_WORDS,
+             "a word of several tokens bans its last one only once the output ends with the rest"),
+    Mutation("bad_word_spaced_form_always_kept", S + "engine/bad_words.py",
+             "sequence is bare or (sequence[0] != bare[0] and len(sequence) == len(bare))", "True", BAD_WORDS,
+             "a spaced form counts only when the space makes another first token of the same count"),
+    Mutation("bad_words_not_banned_by_the_engine", S + "engine/llm_engine.py",
+             "    if request.bad_word_ids:\n", "    if False:\n", BAD_WORDS,
+             "the engine's output never completes a bad word"),
+    Mutation("bad_words_ignored_by_the_server", S + "serve/served_model.py",
+             "bad_words=tuple(body.bad_words or ())", "bad_words=()", TRUNCATION,
+             "bad_words sent over HTTP reach the engine"),
 ]

@@ -102,3 +102,19 @@ def test_a_stop_token_text_stays_out_with_special_tokens_shown(model, tokenizer)
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert outputs[-1].token_ids == [2] and outputs[-1].text == "" and outputs[-1].finish_reason == "stop"
+
+
+def test_bad_words_never_appear_in_the_output(app_client):
+    free = ok(post(app_client, COMPLETIONS, prompt=PROMPT, max_tokens=16))["choices"][0]["text"]
+    words = [free[2:4], free[6:9]]
+    text = ok(post(app_client, COMPLETIONS, prompt=PROMPT, max_tokens=16, bad_words=words))["choices"][0]["text"]
+    assert text != free and not any(word in text for word in words), (free, text, words)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"bad_words": [""]}, "bad_words"), ({"bad_words": "ab"}, "bad_words"),
+    ({"bad_words": ["ab"], "allowed_token_ids": [5]}, "bad_words"),
+    ({"bad_words": ["ab"], "guided_choice": ["x"]}, "bad_words"),
+])
+def test_bad_words_that_cannot_work_are_a_400(app_client, fields, param):
+    refused(post(app_client, COMPLETIONS, prompt=PROMPT, **fields), param)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvforge.cache.base import CacheMethod
+from kvforge.engine.bad_words import bad_word_sequences, banned_by_bad_words
 from kvforge.engine.decode_graphs import CaptureReport, DecodeGraphs
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.engine_config import EngineConfig
@@ -131,6 +132,7 @@ class LLMEngine:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         if params.structured_outputs is not None:
             request.grammar = self.grammars.matcher(params.structured_outputs)
+        request.bad_word_ids = bad_word_sequences(self.tokenizer, params.bad_words)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -178,6 +180,7 @@ class LLMEngine:
                                   f"min_tokens={params.min_tokens} tokens: no token could be chosen")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
+        bad_word_sequences(self.tokenizer, params.bad_words)
 
     def validate_prompt(self, prompt: Sequence[int]) -> None:
         """Raise ConfigError if a prompt can never run here (read-only: safe to call from
@@ -277,7 +280,7 @@ class LLMEngine:
                 for r in requests]
         generated = [r.output_counts if needs_output(r.params) else None for r in requests]
         args = (logits, [r.params for r in requests], [r.generator for r in requests],
-                [banned_token_ids(r.params, r.eos_token_ids, r.num_output_tokens) for r in requests], seen,
+                [_banned(r) for r in requests], seen,
                 generated, allowed)
         return sample(*args) if self.step_timer is None else self.step_timer.measure("sampling", sample, *args)
 
@@ -344,6 +347,15 @@ class LLMEngine:
         if request.is_finished:
             self._requests.pop(request.request_id, None)
         return output
+
+
+def _banned(request: Request) -> frozenset[int] | set[int]:
+    """The ids a request may not choose now: stop and EOS ids before min_tokens, and the
+    last token of any bad word the output would complete."""
+    banned = banned_token_ids(request.params, request.eos_token_ids, request.num_output_tokens)
+    if request.bad_word_ids:
+        return banned | banned_by_bad_words(request.bad_word_ids, request.output_token_ids)
+    return banned
 
 
 def _scores_prompt(request: Request) -> bool:

@@ -72,6 +72,7 @@ class Request:
     generator: Any = None  # torch.Generator of this request (set by the engine)
     detokenizer: Any = None  # IncrementalDetokenizer (set by the engine when it has a tokenizer)
     grammar: Any = None  # llguidance matcher of params.structured_outputs (set by the engine)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (set by the engine)
     # Position in the output text from which stop strings are searched next.
     stop_search_from: int = 0
     # Characters of output_text delivered so far (RequestOutput.text); the rest is held

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from kvforge.engine.bad_words import MAX_BAD_WORDS
+from kvforge.engine.conflicting_bans import refuse_conflicting_bans
 from kvforge.engine.logit_adjustments import (
     PENALTY_LIMIT,
     adjust_logits,
@@ -88,6 +90,7 @@ class SamplingParams:
     seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings; the output text is cut where one starts
+    bad_words: tuple[str, ...] = ()  # vLLM's: words never completed in the output (engine/bad_words.py)
     include_stop_str_in_output: bool = False  # vLLM's: cut where the stop string ends instead
     ignore_eos: bool = False  # don't stop on the model's EOS ids
     skip_special_tokens: bool = True  # False: the text shows special tokens (a stop token's still not)
@@ -137,6 +140,11 @@ class SamplingParams:
         object.__setattr__(self, "stop", _as_tuple(self.stop, str))
         bad_stops = [s for s in self.stop if not (isinstance(s, str) and s)]
         require(not bad_stops, "stop", self.stop, "must be non-empty strings")
+        object.__setattr__(self, "bad_words", tuple(dict.fromkeys(_as_tuple(self.bad_words, str))))
+        require(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", self.bad_words,
+                "must be strings with a non-space character")
+        require(len(self.bad_words) <= MAX_BAD_WORDS, "bad_words", f"{len(self.bad_words)} words",
+                f"must be at most {MAX_BAD_WORDS} words")
         require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
         require(isinstance(self.skip_special_tokens, bool), "skip_special_tokens", self.skip_special_tokens,
                 "must be a bool")
@@ -150,14 +158,9 @@ class SamplingParams:
         require(self.prompt_logprobs is None
                 or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
                 "prompt_logprobs", self.prompt_logprobs, f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
-        if self.structured_outputs is not None:
-            require(isinstance(self.structured_outputs, StructuredOutputs), "structured_outputs",
-                    type(self.structured_outputs).__name__, "must be a StructuredOutputs")
-            # Each would ban ids the constraint may need (its end among them): no token could be chosen.
-            require(self.min_tokens == 0, "min_tokens", self.min_tokens, "must be 0 with structured_outputs "
-                    "(the constraint decides where the text ends)")
-            require(self.allowed_token_ids is None, "allowed_token_ids", "[...]",
-                    "cannot be combined with structured_outputs (the constraint decides the allowed ids)")
+        require(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+                "structured_outputs", type(self.structured_outputs).__name__, "must be a StructuredOutputs")
+        refuse_conflicting_bans(self)
 
     @property
     def greedy(self) -> bool:

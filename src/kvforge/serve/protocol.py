@@ -28,7 +28,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     # vLLM's sampling extensions
     "use_beam_search": (False,), "length_penalty": (1,),
     "spaces_between_special_tokens": (True,),
-    "bad_words": ([],), "prompt_logprobs": (), "logits_processors": (),
+    "prompt_logprobs": (), "logits_processors": (),
     # vLLM's structured output and other extensions
     "guided_decoding_backend": ("auto", "guidance"), "guided_whitespace_pattern": (),
     "return_tokens_as_token_ids": (False,), "priority": (0,), "request_id": (), "cache_salt": (),
@@ -95,6 +95,7 @@ class _GenerationFields(_Body):
     skip_special_tokens: bool | None = None  # false: special tokens' text is part of the output
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: max_model_len - 1)
     truncation_side: str | None = None  # which end truncation keeps: "left" (default) keeps the last tokens
+    bad_words: list[str] | None = None  # words the output never completes
     # The text's shape (serve/structured_fields.py): OpenAI's, and vLLM's current and older fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -106,7 +107,6 @@ class _GenerationFields(_Body):
     use_beam_search: Any = None
     length_penalty: Any = None
     spaces_between_special_tokens: Any = None
-    bad_words: Any = None
     prompt_logprobs: Any = None
     logits_processors: Any = None
     guided_decoding_backend: Any = None  # llguidance (vLLM's "guidance") always

@@ -214,7 +214,7 @@ def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, *
             logit_bias=logit_bias, allowed_token_ids=body.allowed_token_ids,
             stop=stop, stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=bool(body.ignore_eos),
             include_stop_str_in_output=bool(body.include_stop_str_in_output), structured_outputs=structured,
-            skip_special_tokens=body.skip_special_tokens is not False,
+            skip_special_tokens=body.skip_special_tokens is not False, bad_words=tuple(body.bad_words or ()),
             **logprob_fields)
     except ConfigError as exc:
         raise bad_request(exc.parameter, exc.value, exc.rule) from exc

@@ -153,32 +153,52 @@ def test_unconstrained_requests_in_the_batch_are_untouched(model, tokenizer):
     assert [o.token_ids for o in alone] == [together[0].token_ids, together[-1].token_ids]
 
 
-def test_a_request_whose_constraint_can_go_no_further_ends_alone(model, tokenizer, monkeypatch):
-    """A matcher in error (a parser limit, say) allows no id: from its third step on, this
-    one's mask is made empty. Its request ends with an error; the other runs to its length."""
-    real = llm_engine.allowed_ids
-    masks_made: list[int] = []
-
-    def empty_from_the_third_step(matcher, vocab):
-        mask = real(matcher, vocab)
-        if matcher is not stuck:
-            return mask
-        masks_made.append(1)
-        return torch.zeros_like(mask) if len(masks_made) > 2 else mask
-
-    engine = make_engine(model, tokenizer)
-    constrained = engine.add_request(tokenizer.encode("hi"), SamplingParams(
-        max_tokens=10, temperature=1.0, seed=1, ignore_eos=True, structured_outputs=StructuredOutputs(regex="[a-z]+")))
-    free = engine.add_request(tokenizer.encode("hi"), SamplingParams.greedy_params(6, ignore_eos=True))
-    stuck = engine._requests[constrained].grammar
-    monkeypatch.setattr(llm_engine, "allowed_ids", empty_from_the_third_step)
+def run_two(engine, constrained: str, free: str, before_step=None) -> dict:
     final = {}
     while engine.has_unfinished_requests():
+        if before_step is not None:
+            before_step(engine.steps)
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-    assert final[constrained].finish_reason == "error" and len(final[constrained].token_ids) == 2
-    assert final[free].finish_reason == "length" and len(final[free].token_ids) == 6
+    assert final[free].finish_reason == "length" and len(final[free].token_ids) == 6  # the other goes on
+    return final[constrained]
+
+
+def add_two(engine, tokenizer, **constrained_params) -> tuple[str, str]:
+    constrained = engine.add_request(tokenizer.encode("hi"), SamplingParams(
+        max_tokens=10, temperature=1.0, seed=1, ignore_eos=True, structured_outputs=StructuredOutputs(regex="[a-z]+"),
+        **constrained_params))
+    free = engine.add_request(tokenizer.encode("hi"), SamplingParams.greedy_params(6, ignore_eos=True))
+    return constrained, free
+
+
+def test_a_request_whose_matcher_falls_into_error_ends_alone(model, tokenizer):
+    """A matcher in error (a parser limit, say) would allow only EOS, and the request would
+    end as if complete: it ends with an error instead. The matcher is put in error for real,
+    by feeding it a digit after the first two steps."""
+    engine = make_engine(model, tokenizer)
+    constrained, free = add_two(engine, tokenizer)
+    matcher = engine._requests[constrained].grammar
+    digit = tokenizer.convert_tokens_to_ids("5")
+
+    def break_it(steps: int) -> None:
+        if steps == 2:
+            assert not matcher.consume_token(digit) and matcher.is_error()
+
+    out = run_two(engine, constrained, free, break_it)
+    assert out.finish_reason == "error" and len(out.token_ids) == 2 and "constraint failed" in out.error
+
+
+def test_a_token_the_matcher_refuses_ends_that_request_alone(model, tokenizer, monkeypatch):
+    """Were a token outside the mask ever chosen (here the mask is made to allow every id,
+    and a bias forces a digit), the matcher refuses it and that request ends with an error."""
+    monkeypatch.setattr(llm_engine, "allowed_ids", lambda matcher, vocab: torch.ones(vocab, dtype=torch.bool))
+    engine = make_engine(model, tokenizer)
+    digit = tokenizer.convert_tokens_to_ids("5")
+    constrained, free = add_two(engine, tokenizer, logit_bias={digit: 100})
+    out = run_two(engine, constrained, free)
+    assert out.finish_reason == "error" and out.token_ids == [digit] and "broke" in out.error
 
 
 @pytest.mark.parametrize(("constraint", "parameter"), [
@@ -205,11 +225,16 @@ def test_a_constraint_that_does_not_compile_fails_before_it_is_queued(model, tok
     (dict(regex=""), "structured_outputs.regex"),
     (dict(json_object=1), "structured_outputs.json_object"),
     (dict(json_object=True, disable_any_whitespace="yes"), "structured_outputs.disable_any_whitespace"),
+    (dict(regex="a\ud800"), "structured_outputs.regex"),  # lone surrogates: not text any grammar can hold
+    (dict(choice=["ok", "\udfff"]), "structured_outputs.choice"),
+    (dict(json={"const": "\ud800"}), "structured_outputs.json"),
 ])
 def test_a_malformed_constraint_names_its_field(fields, parameter):
     with pytest.raises(ConfigError) as caught:
         StructuredOutputs(**fields)
     assert caught.value.parameter == parameter
+    if "\ud800" in str(fields) or "\udfff" in str(fields):
+        assert "Unicode" in caught.value.rule
 
 
 def test_rules_that_would_ban_the_constraints_ids_are_refused():
@@ -232,10 +257,23 @@ def test_without_a_tokenizer_or_the_package_the_error_says_what_is_missing(model
 
 def test_a_choice_literal_matches_exactly_its_text(tokenizer):
     """Quotes, backslashes, newlines and non-ASCII characters are literal in a choice."""
-    odd = ('say "hi"', "back\\slash", "two\nlines", "été ☃")
+    odd = ('say "hi"', "back\\slash", "two\nlines", "été ☃", "del\x7f", "emoji 😀")
     compiler = GrammarCompiler(tokenizer, 320, frozenset({2}))
     for choice in odd:
         matcher = compiler.matcher(StructuredOutputs(choice=odd))
         ids = tokenizer.encode(choice, add_special_tokens=False)[1:]
         assert matcher.consume_tokens(ids) and matcher.is_stopped(), (choice, lark_literal(choice))
     assert set(WORDS) >= {"yes", "no"}
+
+
+def test_stop_token_ids_still_end_a_constrained_request(model, tokenizer):
+    """A stop id the constraint allows ends the request where the free constrained run
+    would have produced it, without its text."""
+    constraint = StructuredOutputs(regex="[a-f]{12}")
+    (free,) = run(model, tokenizer, sampled(constraint, [4]))
+    stop = free.token_ids[3]
+    (stopped,) = run(model, tokenizer, [SamplingParams(max_tokens=48, temperature=1.5, seed=4, stop_token_ids=[stop],
+                                                      structured_outputs=constraint)])
+    cut = free.token_ids.index(stop)
+    assert stopped.token_ids == free.token_ids[:cut + 1] and stopped.finish_reason == "stop"
+    assert stopped.text == tokenizer.decode(free.token_ids[:cut])

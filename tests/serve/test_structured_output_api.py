@@ -8,19 +8,21 @@ The model is a tiny random Llama over a byte-fallback tokenizer (tests/grammar_h
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from grammar_helpers import byte_model, byte_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from in_process import app_client_fixture  # noqa: F401 - fixture (the character tokenizer)
-from server_helpers import MODEL_NAME, make_engine, serve
+from server_helpers import MODEL_NAME, char_tokenizer, make_engine, serve, tiny_model
 from test_bad_bodies import hostile
 
 from kvforge.engine.async_engine import AsyncEngine
@@ -53,7 +55,9 @@ def client(model) -> Iterator[TestClient]:
 
 def post(client: TestClient, path: str, **body: Any):
     base = {"prompt": "hello"} if path == COMPLETIONS else {"messages": [{"role": "user", "content": "hi"}]}
-    return client.post(path, json={"model": MODEL_NAME, "max_tokens": 80, "temperature": 1.2, **base, **body})
+    body = {"model": MODEL_NAME, "max_tokens": 80, "temperature": 1.2, **base, **body}
+    # (json.dumps escapes what is not ASCII, so a lone surrogate travels as a client may send it)
+    return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
 
 
 def texts(response) -> list[str]:
@@ -139,16 +143,47 @@ def test_a_streamed_constrained_completion_joins_to_the_constrained_text(client)
         "type": "integer", "minimum": 3, "maximum": 1}}}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
     ({"guided_regex": "a", "allowed_token_ids": [5]}, "allowed_token_ids"),
+    ({"guided_regex": "\ud800"}, "guided_regex"),  # a lone surrogate: not text llguidance can take
+    ({"guided_json": {"const": "\ud800"}}, "guided_json"),
+    ({"guided_choice": ["a", "\udfff"]}, "guided_choice"),
+    ({"response_format": {"json_schema": {"name": "x", "schema": {}}}}, "response_format"),  # no type
 ])
 def test_a_bad_constraint_is_a_400_naming_the_field_and_the_server_goes_on(client, fields, param):
     refused(post(client, COMPLETIONS, **fields), param)
     assert texts(post(client, COMPLETIONS, guided_choice=["fine"])) == ["fine"]
 
 
-def test_a_tokenizer_llguidance_cannot_read_is_a_400(app_client):
+def test_a_tokenizer_llguidance_cannot_read_is_a_400_and_is_tried_once(monkeypatch):
     """The character tokenizer of the other server tests has a decoder llguidance cannot read."""
-    message = refused(post(app_client, COMPLETIONS, guided_regex="[0-9]+"), "guided_regex")
-    assert "llguidance cannot read" in message
+    tokenizer = char_tokenizer()
+    engine = make_engine(tiny_model(), tokenizer)
+    app = create_app(ServedModel(MODEL_NAME, AsyncEngine(engine), tokenizer))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        message = refused(post(client, COMPLETIONS, guided_regex="[0-9]+"), "guided_regex")
+        assert "llguidance cannot read" in message
+        monkeypatch.setattr(engine.grammars, "_wrap", lambda: pytest.fail("the failed wrapping was tried again"))
+        assert "llguidance cannot read" in refused(post(client, CHAT, guided_choice=["a"]), "guided_choice")
+
+
+def test_the_server_answers_others_while_a_constraint_waits_for_the_tokenizer(model):
+    """The first constrained request waits for llguidance's wrapping of the tokenizer (up to
+    seconds); it waits off the event loop, so other requests are answered meanwhile."""
+    tokenizer = byte_tokenizer()
+    engine = make_engine(model, tokenizer)
+    release = threading.Event()
+    real = engine.grammars._wrap
+    engine.grammars._wrap = lambda: release.wait(30) and real()
+    with serve(engine, tokenizer) as server, httpx.Client(base_url=server.base_url, timeout=30) as client:
+        waiting = concurrent.futures.ThreadPoolExecutor(1).submit(
+            client.post, COMPLETIONS, json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 8,
+                                            "guided_choice": ["yes", "no"]})
+        try:
+            answered = client.post(COMPLETIONS, json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2},
+                                   timeout=10)
+            assert answered.status_code == 200 and not waiting.done()
+        finally:
+            release.set()
+        assert waiting.result().json()["choices"][0]["text"] in ("yes", "no")
 
 
 def test_the_official_client_parses_a_json_schema_reply(model):

@@ -29,14 +29,21 @@ from kvforge.errors import ConfigError
 CHECKED_KEPT = 256
 
 
+class ConstraintBroken(RuntimeError):
+    """A request's matcher is in error (a parser limit, or a token it refused): that request
+    alone ends, with this message."""
+
+
 class GrammarCompiler:
     def __init__(self, tokenizer: Any | None, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._wrapped: Any = None
+        self._wrap_failure: tuple[str, str] | None = None  # (value, rule) of the ConfigError, kept
+        self._wrap_lock = threading.Lock()  # held while wrapping (seconds, once)
         self._checked: dict[tuple[StructuredOutputs, str], str] = {}
-        self._lock = threading.Lock()
+        self._checked_lock = threading.Lock()  # never held while compiling
 
     def warm_up(self) -> None:
         """Wrap the tokenizer now (a server calls it at start-up, off its event loop);
@@ -48,29 +55,38 @@ class GrammarCompiler:
             pass
 
     def _llg_tokenizer(self, parameter: str) -> Any:
-        with self._lock:
-            if self._wrapped is None:
-                if self.tokenizer is None:
-                    raise ConfigError(parameter, "...", "needs a tokenizer, and this model has none (dummy weights)")
+        """llguidance's view of the tokenizer, made once; a failure is remembered too, so
+        requests that cannot be served do not wrap it again each time."""
+        with self._wrap_lock:
+            if self._wrapped is None and self._wrap_failure is None:
                 try:
-                    import llguidance.hf
-                except ImportError:
-                    raise ConfigError(parameter, "...", MISSING_PACKAGE) from None
-                try:
-                    self._wrapped = llguidance.hf.from_tokenizer(
-                        self.tokenizer, n_vocab=max(self.vocab_size, len(self.tokenizer)),
-                        eos_token=self.eos_token_ids or None)
-                except Exception as exc:  # llguidance reads the fast tokenizer's own decoder
-                    raise ConfigError(parameter, type(self.tokenizer).__name__,
-                                      f"is a tokenizer llguidance cannot read ({exc})") from None
+                    self._wrapped = self._wrap()
+                except ConfigError as exc:
+                    self._wrap_failure = (exc.value, exc.rule)
+            if self._wrap_failure is not None:
+                raise ConfigError(parameter, *self._wrap_failure)
             return self._wrapped
+
+    def _wrap(self) -> Any:
+        if self.tokenizer is None:
+            raise ConfigError("structured_outputs", "...", "needs a tokenizer, and this model has none (dummy weights)")
+        try:
+            import llguidance.hf
+        except ImportError:
+            raise ConfigError("structured_outputs", "...", MISSING_PACKAGE) from None
+        try:
+            return llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=max(self.vocab_size, len(self.tokenizer)),
+                                                eos_token=self.eos_token_ids or None)
+        except Exception as exc:  # llguidance reads the fast tokenizer's own decoder
+            raise ConfigError("structured_outputs", type(self.tokenizer).__name__,
+                              f"is a tokenizer llguidance cannot read ({exc})") from None
 
     def check(self, constraint: StructuredOutputs) -> str:
         """The compiled grammar of `constraint`; ConfigError naming its field if it is invalid.
         The last CHECKED_KEPT valid ones are remembered (the server checks a request, then
         the engine checks it again as it is queued)."""
         key = (constraint, constraint.origin)
-        with self._lock:
+        with self._checked_lock:
             if key in self._checked:
                 return self._checked[key]
         grammar = grammar_text(constraint)  # (says what to install when llguidance is missing)
@@ -79,7 +95,7 @@ class GrammarCompiler:
         error = LLMatcher.validate_grammar(grammar, self._llg_tokenizer(constraint.parameter))
         if error:
             raise ConfigError(constraint.parameter, constraint.shown, f"does not compile: {error.strip()[:500]}")
-        with self._lock:
+        with self._checked_lock:
             if len(self._checked) >= CHECKED_KEPT:
                 self._checked.pop(next(iter(self._checked)))
             self._checked[key] = grammar
@@ -98,17 +114,22 @@ class GrammarCompiler:
 
 def allowed_ids(matcher: Any, vocab_size: int) -> torch.Tensor:
     """Bool [vocab_size]: the ids that may come next (True), from the matcher's bitmask (bit
-    i of 32-bit word i // 32, least significant first)."""
+    i of 32-bit word i // 32, least significant first). ConstraintBroken when the matcher is
+    in error (its mask would then allow only EOS, ending the request as if complete)."""
+    if matcher.is_error():
+        raise ConstraintBroken(f"the structured-output constraint failed: {matcher.get_error()[:300]}")
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
     mask = torch.zeros(vocab_size, dtype=torch.bool)
     width = min(vocab_size, bits.size)
     mask[:width] = torch.from_numpy(bits[:width].astype(np.bool_))
+    if not bool(mask.any()):
+        raise ConstraintBroken("the structured-output constraint allows no token here")
     return mask
 
 
 def advance(matcher: Any, token: int) -> bool:
     """Feed the chosen token; True when the constraint is complete and nothing may follow.
-    A token the matcher refuses (impossible when the mask was applied) raises RuntimeError."""
+    ConstraintBroken when the matcher refuses it (it cannot, when its mask was applied)."""
     if not matcher.consume_token(token):
-        raise RuntimeError(f"token {token} is not allowed by the request's constraint: {matcher.get_error()}")
+        raise ConstraintBroken(f"token {token} broke the structured-output constraint: {matcher.get_error()[:300]}")
     return bool(matcher.is_stopped())

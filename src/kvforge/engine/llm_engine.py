@@ -22,7 +22,7 @@ from kvforge.engine.bad_words import bad_word_sequences, banned_by_bad_words
 from kvforge.engine.decode_graphs import CaptureReport, DecodeGraphs
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.engine_config import EngineConfig
-from kvforge.engine.grammar_matcher import GrammarCompiler, advance, allowed_ids
+from kvforge.engine.grammar_matcher import ConstraintBroken, GrammarCompiler, advance, allowed_ids
 from kvforge.engine.logit_adjustments import needs_output, needs_prompt_and_output
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.prefix_cache import PrefixCache
@@ -164,9 +164,11 @@ class LLMEngine:
         """Prompt tokens of unfinished requests whose K/V are not in the cache yet (progress of a prefill)."""
         return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in self._requests.values())
 
-    def validate_params(self, params: SamplingParams) -> None:
+    def validate_params(self, params: SamplingParams, constraint: bool = True) -> None:
         """Raise ConfigError if a request's token ids do not fit this model, or it could
-        never choose a token (read-only: safe from another thread while the engine steps)."""
+        never choose a token (read-only: safe from another thread while the engine steps).
+        `constraint`: compile its structured-output constraint too (a server does that part
+        off its event loop: the first one may wait seconds for the tokenizer's wrapping)."""
         vocab = self.model.config.vocab_size
         outside = [token for token, _ in params.logit_bias if token >= vocab]
         if outside:
@@ -178,7 +180,7 @@ class LLMEngine:
             if set(allowed) <= banned_token_ids(params, self.eos_token_ids, 0):
                 raise ConfigError("allowed_token_ids", list(allowed), f"are all stop or EOS ids, banned until "
                                   f"min_tokens={params.min_tokens} tokens: no token could be chosen")
-        if params.structured_outputs is not None:
+        if constraint and params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
         bad_word_sequences(self.tokenizer, params.bad_words)
 
@@ -250,16 +252,16 @@ class LLMEngine:
                 self.prefix.published(request)
         allowed = None
         if any(r.grammar is not None for r in sampling):
-            allowed = [None if r.grammar is None else allowed_ids(r.grammar, logits.shape[-1]) for r in sampling]
-            stuck = [i for i, mask in enumerate(allowed) if mask is not None and not bool(mask.any())]
-            for i in stuck:  # (a matcher in error, e.g. past a parser limit): this request alone ends
-                request = sampling[i]
-                request.error = f"structured output: no token can continue the text ({request.grammar.get_error()})"
-                self.scheduler.finish(request, FinishReason.ERROR)
-                self._requests.pop(request.request_id, None)
-                outputs[request.request_id] = RequestOutput.of(request, [], request.release_text())
-            if stuck:
-                keep = [i for i in range(len(sampling)) if i not in stuck]
+            allowed, broken = [], []
+            for index, request in enumerate(sampling):
+                try:
+                    allowed.append(None if request.grammar is None else allowed_ids(request.grammar, logits.shape[-1]))
+                except ConstraintBroken as exc:  # (a matcher in error, e.g. past a parser limit): it alone ends
+                    allowed.append(None)
+                    broken.append(index)
+                    outputs[request.request_id] = self._end_with_error(request, str(exc), [])
+            if broken:
+                keep = [i for i in range(len(sampling)) if i not in broken]
                 sampling, sample_rows, allowed = ([seq[i] for i in keep] for seq in (sampling, sample_rows, allowed))
         if sampling:
             rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
@@ -317,7 +319,10 @@ class LLMEngine:
         params = request.params
         request.append_output(token)
         # The constraint is complete and nothing may follow: the request ends, this token's text kept.
-        constraint_done = request.grammar is not None and advance(request.grammar, token)
+        try:
+            constraint_done = request.grammar is not None and advance(request.grammar, token)
+        except ConstraintBroken as exc:
+            return self._end_with_error(request, str(exc), [token])
         if logprob is not None:
             request.output_logprobs.append(logprob)
         if request.metrics.first_token_time is None:
@@ -347,6 +352,13 @@ class LLMEngine:
         if request.is_finished:
             self._requests.pop(request.request_id, None)
         return output
+
+    def _end_with_error(self, request: Request, message: str, new_token_ids: list[int]) -> RequestOutput:
+        """End one request (its constraint broke) and say why; the rest of the step goes on."""
+        request.error = message
+        self.scheduler.finish(request, FinishReason.ERROR)
+        self._requests.pop(request.request_id, None)
+        return RequestOutput.of(request, new_token_ids, request.release_text())
 
 
 def _banned(request: Request) -> frozenset[int] | set[int]:

@@ -66,6 +66,9 @@ class StructuredOutputs:
             require(bool(choices) and all(isinstance(c, str) and c for c in choices), self._param("choice"),
                     self.choice, "must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", choices)
+        texts = [self.json, self.regex, self.grammar, *(self.choice or ())]
+        require(all(text is None or _is_unicode(text) for text in texts), self.parameter, self.shown,
+                "must be valid Unicode (no lone surrogate)")
 
     @property
     def kind(self) -> str:
@@ -99,27 +102,34 @@ def grammar_text(constraint: StructuredOutputs) -> str:
     # llguidance's JSON compiler allows whitespace between tokens unless told otherwise
     compact = {"whitespace_flexible": False} if constraint.disable_any_whitespace else None
     kind = constraint.kind
-    if kind == "json":
-        return LLMatcher.grammar_from_json_schema(constraint.json, overrides=compact)
-    if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=compact)
-    if kind == "regex":
-        return LLMatcher.grammar_from_regex(constraint.regex)
-    if kind == "choice":
-        return "start: " + " | ".join(lark_literal(c) for c in constraint.choice or ())
-    from llguidance.gbnf_to_lark import any_to_lark
-
     try:
+        if kind == "json":
+            return LLMatcher.grammar_from_json_schema(constraint.json, overrides=compact)
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=compact)
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(constraint.regex)
+        if kind == "choice":
+            return "start: " + " | ".join(lark_literal(c) for c in constraint.choice or ())
+        from llguidance.gbnf_to_lark import any_to_lark
+
         return LLMatcher.grammar_from_lark(any_to_lark(constraint.grammar))
-    except Exception as exc:  # GbnfToLarkError and the parser's own errors: the grammar is at fault
-        raise ConfigError(constraint.parameter, constraint.shown, f"is not a valid grammar ({exc})") \
-            from None
+    except Exception as exc:  # GBNF conversion, llguidance's own checks: the constraint is at fault
+        raise ConfigError(constraint.parameter, constraint.shown, f"is not valid ({exc})") from None
 
 
 def lark_literal(text: str) -> str:
-    """`text` as a Lark string literal matching exactly it: JSON's escapes for the quote, the
-    backslash and control characters; every other character as itself."""
-    return json.dumps(text, ensure_ascii=False)
+    """`text` as a Lark string literal matching exactly it: a JSON string, every character
+    past ASCII (and DEL, which llguidance's lexer refuses raw) written as a \\u escape."""
+    return json.dumps(text)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _dumps(value: Any) -> str:

@@ -35,6 +35,7 @@ class ChatHandler:
         served.check_name(body.model)
         served.check_available()
         prompt, params = self._inputs(body)
+        await served.check_constraint(params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         arrival = time.perf_counter()
         # One engine request per choice (OpenAI's n); the first keeps the response's id.

@@ -59,6 +59,7 @@ class CompletionHandler:
         served.check_name(body.model)
         served.check_available()
         options, jobs = self._jobs(body)
+        await served.check_constraint(jobs[0].params)  # (one constraint for every prompt of the request)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         arrival = time.perf_counter()
         streams = [served.engine.generate(job.prompt, job.params, f"{request_id}-{job.index}", arrival)

@@ -7,6 +7,7 @@ request reaches the engine, so a bad request never touches the requests in fligh
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -116,9 +117,20 @@ class ServedModel:
             raise APIError(400, f"{param}: {exc}", param=param) from exc
 
     def check_params(self, params: SamplingParams) -> None:
-        """The engine's checks of a request's token ids (vocabulary, min_tokens) as a 400."""
+        """The engine's checks of a request's token ids (vocabulary, min_tokens) as a 400;
+        its constraint is checked by `check_constraint`."""
         try:
-            self.engine.engine.validate_params(params)
+            self.engine.engine.validate_params(params, constraint=False)
+        except ConfigError as exc:
+            raise bad_request(exc.parameter, exc.value, exc.rule) from exc
+
+    async def check_constraint(self, params: SamplingParams) -> None:
+        """A structured-output constraint compiled, on a worker thread (the first waits for
+        the tokenizer's wrapping, up to seconds: the event loop goes on), or a 400."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.engine.grammars.check, params.structured_outputs)
         except ConfigError as exc:
             raise bad_request(exc.parameter, exc.value, exc.rule) from exc
 

@@ -21,8 +21,7 @@ from kvforge.serve.protocol import _GenerationFields, bad_request
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # vLLM's structured_outputs options kvforge does not implement -> their neutral value
-UNSUPPORTED_OPTIONS = {"disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None,
-                       "disable_fallback": False}
+UNSUPPORTED_OPTIONS = {"disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None}
 
 
 def structured_outputs_of(body: _GenerationFields) -> StructuredOutputs | None:
@@ -52,7 +51,9 @@ def structured_outputs_of(body: _GenerationFields) -> StructuredOutputs | None:
 def _from_response_format(value: dict[str, Any] | None) -> dict[str, Any] | None:
     if not value:
         return None
-    kind = value.get("type", "text")
+    kind = value.get("type")
+    if kind is None:
+        raise bad_request("response_format", value, "needs a type: text, json_object or json_schema")
     if kind == "text":
         return None
     if kind == "json_object":

@@ -5,13 +5,13 @@ read)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 import transformers
-from server_helpers import CHAT_TEMPLATE, CONTEXT
+from server_helpers import CHAT_TEMPLATE, tiny_model
 from tokenizers import Tokenizer, decoders, models, normalizers
-
-from kvforge.models.hf_config import config_from_hf_dict
-from kvforge.models.registry import build_model
 
 WORDS = ["▁", *"abcdefghijklmnopqrstuvwxyz0123456789{}[]\":,-", "▁yes", "▁no", "ye", "yes", "no", "yellow",
          "true", "false", "null", "\"a\"", "\"b\""]
@@ -34,14 +34,10 @@ def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return hf
 
 
-def byte_model(seed: int = 0) -> torch.nn.Module:
-    hf_config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                                         num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                                         max_position_embeddings=CONTEXT, eos_token_id=2, bos_token_id=1)
-    torch.manual_seed(seed)
-    model = build_model(config_from_hf_dict(hf_config.to_dict()), dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.3)
-    return model.eval()
+@pytest.fixture(scope="module", name="model")
+def byte_model_fixture() -> Iterator[torch.nn.Module]:
+    """The tiny random Llama over byte_tokenizer's vocabulary, built on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_model(vocab=VOCAB)
+    torch.set_num_threads(threads)

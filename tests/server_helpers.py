@@ -48,8 +48,8 @@ def char_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return hf
 
 
-def tiny_model(seed: int = 0, layers: int = 2) -> torch.nn.Module:
-    hf_config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+def tiny_model(seed: int = 0, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
+    hf_config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96,
                                          num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
                                          max_position_embeddings=CONTEXT, eos_token_id=2, bos_token_id=1)
     torch.manual_seed(seed)

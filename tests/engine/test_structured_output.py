@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from grammar_helpers import WORDS, byte_model, byte_tokenizer
+from grammar_helpers import WORDS, byte_model_fixture, byte_tokenizer  # noqa: F401 - fixture
 from server_helpers import make_engine
 
 from kvforge.engine import llm_engine
@@ -33,14 +33,6 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0
 @pytest.fixture(scope="module")
 def tokenizer():
     return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield byte_model()
-    torch.set_num_threads(threads)
 
 
 def run(model, tokenizer, requests: list[SamplingParams], prompt: str = "hello"):

@@ -17,9 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from fastapi.testclient import TestClient
-from grammar_helpers import byte_model, byte_tokenizer
+from grammar_helpers import byte_model_fixture, byte_tokenizer  # noqa: F401 - fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import MODEL_NAME, char_tokenizer, make_engine, serve, tiny_model
@@ -35,14 +34,6 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
                                            "ok": {"type": "boolean"}},
           "required": ["n", "ok"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield byte_model()
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

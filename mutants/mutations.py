@@ -2259,4 +2259,8 @@ MUTATIONS: list[Mutation] = [
     Mutation("response_format_without_type_unconstrained", S + "serve/structured_fields.py",
              '    kind = value.get("type")\n', '    kind = value.get("type", "text")\n', STRUCTURED_API,
              "a response_format without a type is a 400, not free text"),
+    Mutation("structured_outputs_option_ignored", S + "commands.py",
+             "structured_outputs=_structured_outputs(args.structured_outputs))",
+             "structured_outputs=None)", ("tests/test_cli.py",),
+             "--structured-outputs reaches the sampling parameters of generate and chat"),
 ]

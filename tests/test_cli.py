@@ -87,3 +87,19 @@ def test_generate_passes_vllms_min_p_and_repetition_penalty():
     assert plain.min_p == 0.0 and plain.repetition_penalty == 1.0
     assert plain.frequency_penalty == 0.0 and plain.presence_penalty == 0.0
 
+
+
+def test_generate_takes_a_structured_output_shape():
+    from kvforge.cli import build_full_parser
+    from kvforge.commands import _sampling_params
+    from kvforge.engine.structured_output import StructuredOutputs
+
+    args = build_full_parser().parse_args(["generate", "--structured-outputs", '{"choice": ["yes", "no"]}', "hi"])
+    assert _sampling_params(args).structured_outputs == StructuredOutputs(choice=("yes", "no"))
+    assert _sampling_params(build_full_parser().parse_args(["chat"])).structured_outputs is None
+
+
+@pytest.mark.parametrize("value", ['{"choice": []}', "[1]", "{not json", '{"regexp": "a"}', '{}'])
+def test_a_bad_structured_output_shape_exits_2_naming_the_option(value, capsys):
+    assert main(["generate", "--structured-outputs", value, "hi"]) == 2
+    assert "--structured-outputs" in capsys.readouterr().err

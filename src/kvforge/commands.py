@@ -87,6 +87,10 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    parser.add_argument("--structured-outputs", default=None, metavar="JSON",
+                        help="the text's shape, as vLLM's structured_outputs: one of {\"json\": SCHEMA}, "
+                             "{\"json_object\": true}, {\"regex\": ...}, {\"choice\": [...]}, {\"grammar\": ...} "
+                             "(docs/serving.md#structured-output)")
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -96,7 +100,26 @@ def _sampling_params(args: argparse.Namespace):
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
-                          seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+                          seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                          structured_outputs=_structured_outputs(args.structured_outputs))
+
+
+def _structured_outputs(text: str | None):
+    """--structured-outputs: a JSON object of vLLM's structured_outputs fields, or None."""
+    if text is None:
+        return None
+    from kvforge.engine.structured_output import KINDS, StructuredOutputs
+    from kvforge.errors import ConfigError
+
+    try:
+        fields = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError("--structured-outputs", text, f"must be a JSON object ({exc})") from None
+    known = (*KINDS, "disable_any_whitespace")
+    require(isinstance(fields, dict), "--structured-outputs", text, f"must be a JSON object of {', '.join(known)}")
+    unknown = sorted(set(fields) - set(known))
+    require(not unknown, "--structured-outputs", text, f"names {unknown[:1]}, not one of {', '.join(known)}")
+    return StructuredOutputs(**fields, origin="--structured-outputs")
 
 
 def _make_llm(args: argparse.Namespace):

@@ -48,7 +48,7 @@ FREE_TEXT: frozenset[str] = frozenset({
     "prompts", "system", "stop", "cache", "cache_opt", "kv_budget", "host", "api_key", "served_model_name",
     "compare", "base_url", "request_rate", "input_len", "output_len", "slo", "baseline", "lengths", "tasks",
     "sizes", "lr_schedule", "fsdp_mixed_precision", "resume", "directory", "verb", "swiftkv_verb",
-    "bench_verb", "eval_verb", "duration",
+    "bench_verb", "eval_verb", "duration", "structured_outputs",
 })
 FLAG_ACTIONS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction,
                 argparse._VersionAction, argparse._CountAction, argparse._StoreConstAction)

@@ -1392,7 +1392,7 @@ MUTATIONS: list[Mutation] = [
              "separators=(',', ':'))}\\n\\n\"", "separators=(',', ':'))}\\n\"", STREAM_API,
              "each server-sent event ends with a blank line"),
     Mutation("server_sampled_token_missing_from_top_logprobs", S + "serve/logprobs.py",
-             "                top.setdefault(text, logprob)\n", "", REQUEST_FIELDS,
+             "                top.setdefault(shown, logprob)\n", "", REQUEST_FIELDS,
              "a sampled token is reported among its position's top logprobs"),
     # -- model families and loaders (models/) ------------------------------------------------
     Mutation("gguf_keys_unpermuted_over_query_heads", S + "models/gguf_checkpoint.py",
@@ -2263,4 +2263,13 @@ MUTATIONS: list[Mutation] = [
              "structured_outputs=_structured_outputs(args.structured_outputs))",
              "structured_outputs=None)", ("tests/test_cli.py",),
              "--structured-outputs reaches the sampling parameters of generate and chat"),
+    Mutation("token_id_offsets_count_the_shown_form", S + "serve/logprobs.py",
+             "            self.offset += len(self.token_text(token))", "            self.offset += len(shown)",
+             TRUNCATION, "with return_tokens_as_token_ids, text_offset still counts the text"),
+    Mutation("token_ids_as_text_ignored_by_completions", S + "serve/completions.py",
+             "shown=token_id_text if self.tokens_as_ids else None", "shown=None", TRUNCATION,
+             "return_tokens_as_token_ids names completion logprob tokens by id"),
+    Mutation("token_ids_as_text_ignored_by_chat", S + "serve/chat.py",
+             "token_text = token_id_text if body.return_tokens_as_token_ids else served.token_text",
+             "token_text = served.token_text", TRUNCATION, "return_tokens_as_token_ids names chat logprob tokens by id"),
 ]

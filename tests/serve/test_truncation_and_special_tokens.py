@@ -9,6 +9,7 @@ a context of 512 tokens; <s> = 1, </s> = 2, the EOS)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -118,3 +119,24 @@ def test_bad_words_never_appear_in_the_output(app_client):
 ])
 def test_bad_words_that_cannot_work_are_a_400(app_client, fields, param):
     refused(post(app_client, COMPLETIONS, prompt=PROMPT, **fields), param)
+
+
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_id(app_client):
+    plain = ok(post(app_client, COMPLETIONS, prompt=PROMPT, logprobs=2))["choices"][0]
+    named = ok(post(app_client, COMPLETIONS, prompt=PROMPT, logprobs=2, return_tokens_as_token_ids=True))["choices"][0]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in plain["token_ids"]]
+    assert all(key.startswith("token_id:") for top in named["logprobs"]["top_logprobs"] for key in top)
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]  # offsets still count the text
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    chat = ok(post(app_client, CHAT, messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2,
+                   return_tokens_as_token_ids=True))["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [item["token"] for item in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(top["token"].startswith("token_id:") for item in content for top in item["top_logprobs"])
+    with app_client.stream("POST", CHAT, json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                                               "max_tokens": 4, "stream": True, "logprobs": True, "temperature": 0,
+                                               "return_tokens_as_token_ids": True}) as response:
+        tokens = [item["token"] for line in response.iter_lines() if line.startswith("data: {")
+                  for choice in json.loads(line[6:])["choices"] if choice.get("logprobs")
+                  for item in choice["logprobs"]["content"]]
+    assert len(tokens) == 4 and all(token.startswith("token_id:") for token in tokens)

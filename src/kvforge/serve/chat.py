@@ -18,7 +18,7 @@ from starlette.requests import Request
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kvforge.models.tokenizer import encode_prompt, has_chat_template
-from kvforge.serve.logprobs import chat_logprobs
+from kvforge.serve.logprobs import TokenText, chat_logprobs, token_id_text
 from kvforge.serve.protocol import ChatCompletionRequest, ChatMessage, bad_request
 from kvforge.serve.served_model import ServedModel, sample_params, samples_per_prompt, sampling_params
 from kvforge.serve.streams import DONE, last_items, merge, sse, unless_disconnected
@@ -44,15 +44,16 @@ class ChatHandler:
                    for index in range(samples_per_prompt(body))]
         head = {"id": request_id, "created": int(time.time()), "model": served.name}
         ids = bool(body.return_token_ids)
+        token_text = token_id_text if body.return_tokens_as_token_ids else served.token_text
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._events(head, prompt, streams, params, usage, ids),
+            return StreamingResponse(self._events(head, prompt, streams, params, usage, ids, token_text),
                                      media_type="text/event-stream")
         finals = await unless_disconnected(raw, last_items(streams))
         choices = []
         for index, out in enumerate(finals):
             choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": out.text},
-                                      "logprobs": self._logprobs(out.token_ids, out, params),
+                                      "logprobs": self._logprobs(out.token_ids, out, params, token_text),
                                       "finish_reason": out.finish_reason}
             if ids:
                 choice["prompt_token_ids"] = prompt
@@ -92,16 +93,18 @@ class ChatHandler:
         return prompt, params
 
     # -- engine outputs -> response ---------------------------------------------------
-    def _logprobs(self, token_ids: list[int], out: RequestOutput, params: SamplingParams) -> dict[str, Any] | None:
+    def _logprobs(self, token_ids: list[int], out: RequestOutput, params: SamplingParams,
+                  token_text: TokenText) -> dict[str, Any] | None:
         if not params.logprobs:
             return None
         count = len(token_ids)
         tops = (out.top_logprobs or [])[-count:] if count else []
-        return chat_logprobs(self.served.token_text, token_ids, (out.logprobs or [])[-count:] if count else [],
+        return chat_logprobs(token_text, token_ids, (out.logprobs or [])[-count:] if count else [],
                              tops or None)
 
     async def _events(self, head: dict[str, Any], prompt: list[int], streams: list[AsyncIterator[RequestOutput]],
-                      params: SamplingParams, include_usage: bool, ids: bool) -> AsyncIterator[str]:
+                      params: SamplingParams, include_usage: bool, ids: bool,
+                      token_text: TokenText) -> AsyncIterator[str]:
         chunk_head = {**head, "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
         for index in range(len(streams)):  # each choice opens with the assistant's role
@@ -115,7 +118,7 @@ class ChatHandler:
             finals[index] = out
             choice: dict[str, Any] = {
                 "index": index, "delta": {"content": out.new_text} if out.new_text else {},
-                "logprobs": self._logprobs(out.new_token_ids, out, params),
+                "logprobs": self._logprobs(out.new_token_ids, out, params, token_text),
                 "finish_reason": out.finish_reason if out.finished else None}
             if ids:
                 choice["token_ids"] = out.new_token_ids

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kvforge.models.tokenizer import encode_prompt
-from kvforge.serve.logprobs import CompletionLogprobs
+from kvforge.serve.logprobs import CompletionLogprobs, TokenText, token_id_text
 from kvforge.serve.protocol import CompletionRequest, bad_request
 from kvforge.serve.served_model import (
     MAX_CHOICES,
@@ -48,6 +48,10 @@ class _Options:
     logprobs: int | None
     hidden: bool  # max_tokens=0 with echo: report the prompt only
     return_token_ids: bool
+    tokens_as_ids: bool  # vLLM's return_tokens_as_token_ids: logprobs show "token_id:<id>"
+
+    def logprobs_builder(self, token_text: TokenText) -> CompletionLogprobs:
+        return CompletionLogprobs(token_text, shown=token_id_text if self.tokens_as_ids else None)
 
 
 class CompletionHandler:
@@ -85,7 +89,7 @@ class CompletionHandler:
         if body.max_tokens == 0 and not echo:
             raise bad_request("max_tokens", 0, "must be >= 1 (0 is allowed only with echo=true)")
         hidden = body.max_tokens == 0
-        options = _Options(echo, logprobs, hidden, bool(body.return_token_ids))
+        options = _Options(echo, logprobs, hidden, bool(body.return_token_ids), bool(body.return_tokens_as_token_ids))
         samples = samples_per_prompt(body)
         prompts = self._prompts(body.prompt)
         if samples > 1 and samples * len(prompts) > MAX_CHOICES:
@@ -127,7 +131,7 @@ class CompletionHandler:
     def _choice(self, job: _Job, out: RequestOutput, options: _Options) -> dict[str, Any]:
         logprobs = None
         if options.logprobs is not None:
-            builder = CompletionLogprobs(self.served.token_text)
+            builder = options.logprobs_builder(self.served.token_text)
             if options.echo:
                 builder.add(job.prompt, out.prompt_logprobs or [], out.prompt_top_logprobs)
             if not options.hidden:
@@ -144,7 +148,7 @@ class CompletionHandler:
 
     async def _events(self, head: dict[str, Any], jobs: list[_Job], streams: list[AsyncIterator[RequestOutput]],
                       options: _Options, include_usage: bool) -> AsyncIterator[str]:
-        builders = [CompletionLogprobs(self.served.token_text) for _ in jobs]
+        builders = [options.logprobs_builder(self.served.token_text) for _ in jobs]
         finals: list[RequestOutput | None] = [None] * len(jobs)
         async for index, out in merge(streams):
             job, builder = jobs[index], builders[index]

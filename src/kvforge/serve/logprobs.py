@@ -8,7 +8,10 @@ tokens come first; the first prompt token has no logprob (null) and no alternati
 Chat (`logprobs: true, top_logprobs: N`): `content` is a list of {token, logprob, bytes,
 top_logprobs: [{token, logprob, bytes}] x N}.
 
-A token's text is the tokenizer's decoding of that id alone.
+A token's text is the tokenizer's decoding of that id alone; with vLLM's
+`return_tokens_as_token_ids` each token is shown as "token_id:<id>" instead (two ids of one
+text stay apart, and bytes that are not text survive), while completions' `text_offset`
+still counts the text itself.
 """
 
 from __future__ import annotations
@@ -22,11 +25,17 @@ from kvforge.engine.sampling import TopLogprobs
 TokenText = Callable[[int], str]
 
 
+def token_id_text(token: int) -> str:
+    """vLLM's `return_tokens_as_token_ids` form of a token."""
+    return f"token_id:{token}"
+
+
 @dataclass
 class CompletionLogprobs:
     """Builds the completions `logprobs` object piece by piece (streaming appends)."""
 
     token_text: TokenText
+    shown: TokenText | None = None  # how a token is written, when not as its text (token_id_text)
     offset: int = 0  # text_offset of the next token
     tokens: list[str] = field(default_factory=list)
     token_logprobs: list[float | None] = field(default_factory=list)
@@ -35,18 +44,19 @@ class CompletionLogprobs:
 
     def add(self, token_ids: Sequence[int], logprobs: Sequence[float | None],
             tops: Sequence[TopLogprobs] | None) -> None:
+        show = self.shown or self.token_text
         for index, (token, logprob) in enumerate(zip(token_ids, logprobs)):
-            text = self.token_text(token)
-            self.tokens.append(text)
+            shown = show(token)
+            self.tokens.append(shown)
             self.token_logprobs.append(logprob)
             if logprob is None:  # the first prompt token: nothing predicts it
                 self.top_logprobs.append(None)
             else:
-                top = {self.token_text(i): value for i, value in (tops[index] if tops else [])}
-                top.setdefault(text, logprob)
+                top = {show(i): value for i, value in (tops[index] if tops else [])}
+                top.setdefault(shown, logprob)
                 self.top_logprobs.append(top)
             self.text_offset.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self.token_text(token))
 
     def take(self) -> dict[str, Any]:
         """The object so far; clears the lists (the offset runs on) for the next chunk."""

@@ -31,7 +31,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (), "logits_processors": (),
     # vLLM's structured output and other extensions
     "guided_decoding_backend": ("auto", "guidance"), "guided_whitespace_pattern": (),
-    "return_tokens_as_token_ids": (False,), "priority": (0,), "request_id": (), "cache_salt": (),
+    "priority": (0,), "request_id": (), "cache_salt": (),
     "kv_transfer_params": (), "vllm_xargs": (), "prompt_embeds": (),
     # chat only: templates, documents, multimodal and reasoning options
     "add_generation_prompt": (True,), "continue_final_message": (False,), "echo": (False,),
@@ -96,6 +96,7 @@ class _GenerationFields(_Body):
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: max_model_len - 1)
     truncation_side: str | None = None  # which end truncation keeps: "left" (default) keeps the last tokens
     bad_words: list[str] | None = None  # words the output never completes
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:<id>"
     # The text's shape (serve/structured_fields.py): OpenAI's, and vLLM's current and older fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -111,7 +112,6 @@ class _GenerationFields(_Body):
     logits_processors: Any = None
     guided_decoding_backend: Any = None  # llguidance (vLLM's "guidance") always
     guided_whitespace_pattern: Any = None
-    return_tokens_as_token_ids: Any = None
     priority: Any = None
     request_id: Any = None
     cache_salt: Any = None

@@ -18,7 +18,7 @@ from grammar_helpers import WORDS, byte_model_fixture, byte_tokenizer  # noqa: F
 from server_helpers import make_engine
 
 from kvforge.engine import llm_engine
-from kvforge.engine.grammar_matcher import GrammarCompiler, allowed_ids
+from kvforge.engine.grammar_matcher import GrammarCompiler, allowed_ids, allowed_masks
 from kvforge.engine.sampling import SamplingParams
 from kvforge.engine.structured_output import StructuredOutputs, lark_literal
 from kvforge.errors import ConfigError
@@ -137,6 +137,32 @@ def token_text(token: str) -> str:
     return token.replace("▁", " ")
 
 
+def test_masks_of_a_batch_are_each_matchers_own(tokenizer):
+    """Several matchers in different states, unpacked together: each row is that matcher's
+    mask alone; a broken matcher's row allows nothing and is reported by its row."""
+    compiler = GrammarCompiler(tokenizer, 320, frozenset({2}))
+    matchers = [compiler.matcher(StructuredOutputs(choice=("yes", "no 1"))) for _ in range(3)]
+    matchers.append(compiler.matcher(StructuredOutputs(regex="[0-9]+")))
+    for token in tokenizer.encode("ye", add_special_tokens=False)[1:]:
+        assert matchers[1].consume_token(token)
+    assert not matchers[2].consume_token(tokenizer.convert_tokens_to_ids("5"))  # now in error
+    masks, broken = allowed_masks(matchers, 320)
+    assert [row for row, _ in broken] == [2] and not masks[2].any()
+    for row in (0, 1, 3):
+        assert torch.equal(masks[row], allowed_ids(matchers[row], 320))
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[3])
+
+    class AllowsNothing:  # (llguidance itself gives a matcher in error an EOS-only mask instead)
+        def is_error(self) -> bool:
+            return False
+
+        def compute_bitmask(self) -> bytes:
+            return bytes(len(matchers[0].compute_bitmask()))
+
+    masks, broken = allowed_masks([matchers[0], AllowsNothing()], 320)
+    assert broken == [(1, "the structured-output constraint allows no token here")] and masks[0].any()
+
+
 def test_unconstrained_requests_in_the_batch_are_untouched(model, tokenizer):
     free = [SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
             SamplingParams.greedy_params(12, ignore_eos=True)]
@@ -185,7 +211,8 @@ def test_a_request_whose_matcher_falls_into_error_ends_alone(model, tokenizer):
 def test_a_token_the_matcher_refuses_ends_that_request_alone(model, tokenizer, monkeypatch):
     """Were a token outside the mask ever chosen (here the mask is made to allow every id,
     and a bias forces a digit), the matcher refuses it and that request ends with an error."""
-    monkeypatch.setattr(llm_engine, "allowed_ids", lambda matcher, vocab: torch.ones(vocab, dtype=torch.bool))
+    monkeypatch.setattr(llm_engine, "allowed_masks",
+                        lambda matchers, vocab: (torch.ones(len(matchers), vocab, dtype=torch.bool), []))
     engine = make_engine(model, tokenizer)
     digit = tokenizer.convert_tokens_to_ids("5")
     constrained, free = add_two(engine, tokenizer, logit_bias={digit: 100})

@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -112,19 +113,40 @@ class GrammarCompiler:
         return matcher
 
 
+def allowed_masks(matchers: Sequence[Any], vocab_size: int) -> tuple[torch.Tensor, list[tuple[int, str]]]:
+    """Bool [len(matchers), vocab_size]: the ids that may come next under each matcher, from
+    its bitmask (bit b of byte j is id 8j + b), unpacked for all rows at once; and the
+    (row, reason) of the matchers that are broken, whose rows allow nothing: one in error
+    (its own mask would allow only EOS, ending the request as if complete) or allowing no id."""
+    broken: list[tuple[int, str]] = []
+    packed: list[bytes | None] = []
+    for row, matcher in enumerate(matchers):
+        if matcher.is_error():
+            broken.append((row, f"the structured-output constraint failed: {matcher.get_error()[:300]}"))
+            packed.append(None)
+        else:
+            packed.append(matcher.compute_bitmask())
+    width = max((len(p) for p in packed if p is not None), default=(vocab_size + 31) // 32 * 4)
+    raw = np.frombuffer(b"".join(p if p is not None else bytes(width) for p in packed), dtype=np.uint8)
+    bits = np.unpackbits(raw.reshape(len(matchers), width), axis=1, bitorder=_BIT_ORDER)
+    masks = torch.from_numpy(bits.view(np.bool_))[:, :vocab_size]
+    if masks.shape[1] < vocab_size:  # (the matcher's vocabulary is the model's or larger: never)
+        masks = torch.nn.functional.pad(masks, (0, vocab_size - masks.shape[1]))
+    failed = {row for row, _ in broken}
+    empty = (~masks.any(dim=1)).nonzero().flatten().tolist()
+    broken += [(row, "the structured-output constraint allows no token here") for row in empty if row not in failed]
+    return masks, sorted(broken)
+
+
+_BIT_ORDER = "little"  # bit 0 of a byte is its first id
+
+
 def allowed_ids(matcher: Any, vocab_size: int) -> torch.Tensor:
-    """Bool [vocab_size]: the ids that may come next (True), from the matcher's bitmask (bit
-    i of 32-bit word i // 32, least significant first). ConstraintBroken when the matcher is
-    in error (its mask would then allow only EOS, ending the request as if complete)."""
-    if matcher.is_error():
-        raise ConstraintBroken(f"the structured-output constraint failed: {matcher.get_error()[:300]}")
-    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
-    width = min(vocab_size, bits.size)
-    mask[:width] = torch.from_numpy(bits[:width].astype(np.bool_))
-    if not bool(mask.any()):
-        raise ConstraintBroken("the structured-output constraint allows no token here")
-    return mask
+    """Bool [vocab_size] of one matcher (see allowed_masks); ConstraintBroken when broken."""
+    masks, broken = allowed_masks([matcher], vocab_size)
+    if broken:
+        raise ConstraintBroken(broken[0][1])
+    return masks[0]
 
 
 def advance(matcher: Any, token: int) -> bool:

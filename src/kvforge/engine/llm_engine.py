@@ -22,7 +22,7 @@ from kvforge.engine.bad_words import bad_word_sequences, banned_by_bad_words
 from kvforge.engine.decode_graphs import CaptureReport, DecodeGraphs
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.engine_config import EngineConfig
-from kvforge.engine.grammar_matcher import ConstraintBroken, GrammarCompiler, advance, allowed_ids
+from kvforge.engine.grammar_matcher import ConstraintBroken, GrammarCompiler, advance, allowed_masks
 from kvforge.engine.logit_adjustments import needs_output, needs_prompt_and_output
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.prefix_cache import PrefixCache
@@ -251,17 +251,18 @@ class LLMEngine:
             if self.prefix is not None:
                 self.prefix.published(request)
         allowed = None
-        if any(r.grammar is not None for r in sampling):
-            allowed, broken = [], []
-            for index, request in enumerate(sampling):
-                try:
-                    allowed.append(None if request.grammar is None else allowed_ids(request.grammar, logits.shape[-1]))
-                except ConstraintBroken as exc:  # (a matcher in error, e.g. past a parser limit): it alone ends
-                    allowed.append(None)
-                    broken.append(index)
-                    outputs[request.request_id] = self._end_with_error(request, str(exc), [])
+        constrained = [index for index, request in enumerate(sampling) if request.grammar is not None]
+        if constrained:
+            masks, broken = allowed_masks([sampling[i].grammar for i in constrained], logits.shape[-1])
+            allowed = [None] * len(sampling)
+            for row, index in enumerate(constrained):
+                allowed[index] = masks[row]
+            for row, reason in broken:  # (a matcher in error, e.g. past a parser limit): that request alone ends
+                request = sampling[constrained[row]]
+                outputs[request.request_id] = self._end_with_error(request, reason, [])
             if broken:
-                keep = [i for i in range(len(sampling)) if i not in broken]
+                gone = {constrained[row] for row, _ in broken}
+                keep = [i for i in range(len(sampling)) if i not in gone]
                 sampling, sample_rows, allowed = ([seq[i] for i in keep] for seq in (sampling, sample_rows, allowed))
         if sampling:
             rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]

@@ -254,6 +254,7 @@ class LLMEngine:
         constrained = [index for index, request in enumerate(sampling) if request.grammar is not None]
         if constrained:
             masks, broken = allowed_masks([sampling[i].grammar for i in constrained], logits.shape[-1])
+            masks = masks.to(logits.device)  # one copy to a GPU for the step, not one per row
             allowed = [None] * len(sampling)
             for row, index in enumerate(constrained):
                 allowed[index] = masks[row]

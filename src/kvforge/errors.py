@@ -41,3 +41,13 @@ def is_int(value: Any) -> bool:
 def is_real(value: Any) -> bool:
     """An int or a float that is not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_unicode(text: str) -> bool:
+    """A string UTF-8 can encode: no lone surrogate (JSON's "\\ud800" decodes to one, and
+    tokenizers and grammar compilers fail on it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

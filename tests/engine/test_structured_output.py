@@ -148,8 +148,9 @@ def test_masks_of_a_batch_are_each_matchers_own(tokenizer):
     assert not matchers[2].consume_token(tokenizer.convert_tokens_to_ids("5"))  # now in error
     masks, broken = allowed_masks(matchers, 320)
     assert [row for row, _ in broken] == [2] and not masks[2].any()
-    for row in (0, 1, 3):
-        assert torch.equal(masks[row], allowed_ids(matchers[row], 320))
+    for row in (0, 1, 3):  # against the bitmask read bit by bit: bit b of 32-bit word w is id 32w + b
+        words = [int.from_bytes(matchers[row].compute_bitmask()[4 * w:4 * w + 4], "little") for w in range(10)]
+        assert masks[row].tolist() == [bool(words[i // 32] >> (i % 32) & 1) for i in range(320)]
     assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[3])
 
     class AllowsNothing:  # (llguidance itself gives a matcher in error an EOS-only mask instead)

@@ -23,9 +23,10 @@ PROMPT = "the quick brown fox jumps over the lazy dog"
 
 
 def post(client, path: str, **body: Any):
-    response = client.post(path, json={"model": MODEL_NAME, "max_tokens": 6, "temperature": 0,
-                                       "return_token_ids": True, "ignore_eos": True, **body})
-    return response
+    body = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, "return_token_ids": True, "ignore_eos": True,
+            **body}
+    # (json.dumps escapes what is not ASCII, so a lone surrogate travels as a client may send it)
+    return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
 
 
 def ok(response) -> dict[str, Any]:
@@ -65,14 +66,23 @@ def test_echo_returns_the_prompt_the_model_saw(app_client):
 def test_minus_one_keeps_the_context_less_one_token(app_client):
     long = "ab" * CONTEXT
     refused(post(app_client, COMPLETIONS, prompt=long, max_tokens=1), "prompt")
-    body = ok(post(app_client, COMPLETIONS, prompt=long, max_tokens=1, truncate_prompt_tokens=-1))
-    assert body["usage"]["prompt_tokens"] == CONTEXT - 1
+    body = ok(post(app_client, COMPLETIONS, prompt=long, truncate_prompt_tokens=-1))  # max_tokens 6: lowered to 1
+    assert body["usage"]["prompt_tokens"] == CONTEXT - 1 and body["usage"]["completion_tokens"] == 1
+
+
+def test_with_truncation_max_tokens_is_lowered_to_the_room_left_as_vllm_does(app_client):
+    ids = char_tokenizer().encode(PROMPT)
+    body = ok(post(app_client, COMPLETIONS, prompt=ids, max_tokens=CONTEXT, truncate_prompt_tokens=len(ids)))
+    assert body["usage"]["completion_tokens"] == CONTEXT - len(ids)
+    refused(post(app_client, COMPLETIONS, prompt=ids, max_tokens=CONTEXT), "max_tokens")  # without: a 400
 
 
 def test_chat_prompts_are_truncated_too(app_client):
     messages = [{"role": "user", "content": PROMPT}]
-    body = ok(post(app_client, CHAT, messages=messages, truncate_prompt_tokens=12))
-    assert body["usage"]["prompt_tokens"] == 12
+    whole = ok(post(app_client, CHAT, messages=messages))["choices"][0]["prompt_token_ids"]
+    for side, kept in (("left", whole[-12:]), ("right", whole[:12])):
+        body = ok(post(app_client, CHAT, messages=messages, truncate_prompt_tokens=12, truncation_side=side))
+        assert body["choices"][0]["prompt_token_ids"] == kept and body["usage"]["prompt_tokens"] == 12
 
 
 @pytest.mark.parametrize(("fields", "param"), [
@@ -82,6 +92,7 @@ def test_chat_prompts_are_truncated_too(app_client):
     ({"truncate_prompt_tokens": "8"}, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": 8, "truncation_side": "middle"}, "truncation_side"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"bad_words": ["\ud800"]}, "bad_words"),  # a lone surrogate: no tokenizer can take it
 ])
 def test_bad_values_are_a_400_naming_the_field(app_client, fields, param):
     refused(post(app_client, COMPLETIONS, prompt=PROMPT, **fields), param)
@@ -132,6 +143,8 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_id(app_client):
                    return_tokens_as_token_ids=True))["choices"][0]
     content = chat["logprobs"]["content"]
     assert [item["token"] for item in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    tokenizer = char_tokenizer()  # bytes still spell each token's own text
+    assert [item["bytes"] for item in content] == [list(tokenizer.decode([t]).encode()) for t in chat["token_ids"]]
     assert all(top["token"].startswith("token_id:") for item in content for top in item["top_logprobs"])
     with app_client.stream("POST", CHAT, json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
                                                "max_tokens": 4, "stream": True, "logprobs": True, "temperature": 0,

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvforge.errors import ConfigError
 
-MAX_BAD_WORDS = 128  # vLLM's default VLLM_MAX_NUM_BAD_WORDS
+MAX_BAD_WORDS = 128  # words (vLLM's default VLLM_MAX_NUM_BAD_WORDS counts their token sequences)
 
 
 def bad_word_sequences(tokenizer: Any | None, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:

@@ -46,7 +46,7 @@ from kvforge.engine.logit_adjustments import (
     penalize_repetition,
 )
 from kvforge.engine.structured_output import StructuredOutputs
-from kvforge.errors import is_int, is_real, require
+from kvforge.errors import is_int, is_real, is_unicode, require
 from kvforge.kernels.cpu_fused import argmax_rows
 
 __all__ = ["SamplingParams", "SampleOutput", "sample", "banned_token_ids", "make_generator", "most_likely",
@@ -93,7 +93,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # vLLM's: words never completed in the output (engine/bad_words.py)
     include_stop_str_in_output: bool = False  # vLLM's: cut where the stop string ends instead
     ignore_eos: bool = False  # don't stop on the model's EOS ids
-    skip_special_tokens: bool = True  # False: the text shows special tokens (a stop token's still not)
+    skip_special_tokens: bool = True  # False: the text shows special tokens (a stop token's only if included)
     logprobs: bool = False  # report log_softmax(raw logits) at each chosen token
     top_logprobs: int = 0  # with logprobs: also the N most likely ids of each position
     # None: off. N >= 0: the log-probability of every prompt token given the tokens before
@@ -141,8 +141,8 @@ class SamplingParams:
         bad_stops = [s for s in self.stop if not (isinstance(s, str) and s)]
         require(not bad_stops, "stop", self.stop, "must be non-empty strings")
         object.__setattr__(self, "bad_words", tuple(dict.fromkeys(_as_tuple(self.bad_words, str))))
-        require(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", self.bad_words,
-                "must be strings with a non-space character")
+        require(all(isinstance(w, str) and w.strip() and is_unicode(w) for w in self.bad_words), "bad_words",
+                self.bad_words, "must be valid Unicode strings with a non-space character")
         require(len(self.bad_words) <= MAX_BAD_WORDS, "bad_words", f"{len(self.bad_words)} words",
                 f"must be at most {MAX_BAD_WORDS} words")
         require(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")

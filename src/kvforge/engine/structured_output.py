@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.errors import ConfigError, require
+from kvforge.errors import ConfigError, is_unicode, require
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MISSING_PACKAGE = "needs the llguidance package (pip install 'kvforge[serve]', or pip install llguidance)"
@@ -67,7 +67,7 @@ class StructuredOutputs:
                     self.choice, "must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", choices)
         texts = [self.json, self.regex, self.grammar, *(self.choice or ())]
-        require(all(text is None or _is_unicode(text) for text in texts), self.parameter, self.shown,
+        require(all(text is None or is_unicode(text) for text in texts), self.parameter, self.shown,
                 "must be valid Unicode (no lone surrogate)")
 
     @property
@@ -122,14 +122,6 @@ def lark_literal(text: str) -> str:
     """`text` as a Lark string literal matching exactly it: a JSON string, every character
     past ASCII (and DEL, which llguidance's lexer refuses raw) written as a \\u escape."""
     return json.dumps(text)
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _dumps(value: Any) -> str:

@@ -44,16 +44,16 @@ class ChatHandler:
                    for index in range(samples_per_prompt(body))]
         head = {"id": request_id, "created": int(time.time()), "model": served.name}
         ids = bool(body.return_token_ids)
-        token_text = token_id_text if body.return_tokens_as_token_ids else served.token_text
+        shown = token_id_text if body.return_tokens_as_token_ids else None
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._events(head, prompt, streams, params, usage, ids, token_text),
+            return StreamingResponse(self._events(head, prompt, streams, params, usage, ids, shown),
                                      media_type="text/event-stream")
         finals = await unless_disconnected(raw, last_items(streams))
         choices = []
         for index, out in enumerate(finals):
             choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": out.text},
-                                      "logprobs": self._logprobs(out.token_ids, out, params, token_text),
+                                      "logprobs": self._logprobs(out.token_ids, out, params, shown),
                                       "finish_reason": out.finish_reason}
             if ids:
                 choice["prompt_token_ids"] = prompt
@@ -87,24 +87,25 @@ class ChatHandler:
         served.check_prompt(prompt, "messages")
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, served.max_tokens(requested, len(prompt), name), served.vocab_size,
+        params = sampling_params(body, served.max_tokens(requested, len(prompt), name,
+                                                          fit=body.truncate_prompt_tokens is not None), served.vocab_size,
                                  logprobs=bool(body.logprobs), top_logprobs=top)
         served.check_params(params)
         return prompt, params
 
     # -- engine outputs -> response ---------------------------------------------------
     def _logprobs(self, token_ids: list[int], out: RequestOutput, params: SamplingParams,
-                  token_text: TokenText) -> dict[str, Any] | None:
+                  shown: TokenText | None) -> dict[str, Any] | None:
         if not params.logprobs:
             return None
         count = len(token_ids)
         tops = (out.top_logprobs or [])[-count:] if count else []
-        return chat_logprobs(token_text, token_ids, (out.logprobs or [])[-count:] if count else [],
-                             tops or None)
+        return chat_logprobs(self.served.token_text, token_ids, (out.logprobs or [])[-count:] if count else [],
+                             tops or None, shown)
 
     async def _events(self, head: dict[str, Any], prompt: list[int], streams: list[AsyncIterator[RequestOutput]],
                       params: SamplingParams, include_usage: bool, ids: bool,
-                      token_text: TokenText) -> AsyncIterator[str]:
+                      shown: TokenText | None) -> AsyncIterator[str]:
         chunk_head = {**head, "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
         for index in range(len(streams)):  # each choice opens with the assistant's role
@@ -118,7 +119,7 @@ class ChatHandler:
             finals[index] = out
             choice: dict[str, Any] = {
                 "index": index, "delta": {"content": out.new_text} if out.new_text else {},
-                "logprobs": self._logprobs(out.new_token_ids, out, params, token_text),
+                "logprobs": self._logprobs(out.new_token_ids, out, params, shown),
                 "finish_reason": out.finish_reason if out.finished else None}
             if ids:
                 choice["token_ids"] = out.new_token_ids

@@ -100,7 +100,8 @@ class CompletionHandler:
             if len(prompt) < len(whole):  # echo returns the prompt the model saw
                 text = served.tokenizer.decode(prompt) if served.tokenizer is not None else ""
             served.check_prompt(prompt, "prompt")
-            max_tokens = 1 if hidden else served.max_tokens(body.max_tokens, len(prompt), "max_tokens")
+            max_tokens = 1 if hidden else served.max_tokens(body.max_tokens, len(prompt), "max_tokens",
+                                                                fit=body.truncate_prompt_tokens is not None)
             params = sampling_params(body, max_tokens, served.vocab_size, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
                                      prompt_logprobs=(logprobs or 0) if echo and logprobs is not None else None)
             served.check_params(params)

@@ -10,8 +10,8 @@ top_logprobs: [{token, logprob, bytes}] x N}.
 
 A token's text is the tokenizer's decoding of that id alone; with vLLM's
 `return_tokens_as_token_ids` each token is shown as "token_id:<id>" instead (two ids of one
-text stay apart, and bytes that are not text survive), while completions' `text_offset`
-still counts the text itself.
+text stay apart), while completions' `text_offset` and chat's `bytes` still describe the
+token's text (vLLM counts the "token_id:<id>" form in both, for alternatives).
 """
 
 from __future__ import annotations
@@ -67,10 +67,11 @@ class CompletionLogprobs:
 
 
 def chat_logprobs(token_text: TokenText, token_ids: Sequence[int], logprobs: Sequence[float],
-                  tops: Sequence[TopLogprobs] | None) -> dict[str, Any]:
+                  tops: Sequence[TopLogprobs] | None, shown: TokenText | None = None) -> dict[str, Any]:
+    show = shown or token_text
+
     def entry(token: int, value: float) -> dict[str, Any]:
-        text = token_text(token)
-        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+        return {"token": show(token), "logprob": value, "bytes": list(token_text(token).encode("utf-8"))}
 
     content = []
     for index, (token, value) in enumerate(zip(token_ids, logprobs)):

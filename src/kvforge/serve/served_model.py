@@ -152,14 +152,18 @@ class ServedModel:
             return prompt
         return prompt[-keep:] if side == "left" else prompt[:keep]
 
-    def max_tokens(self, requested: int | None, prompt_len: int, param: str) -> int:
-        """`requested` checked against the context left after the prompt (None: all of it),
-        as vLLM does: prompt + max_tokens must fit max_model_len."""
+    def max_tokens(self, requested: int | None, prompt_len: int, param: str, fit: bool = False) -> int:
+        """`requested` checked against the context left after the prompt (None: all of it):
+        prompt + max_tokens must fit max_model_len, a 400 otherwise, as OpenAI's API answers
+        (vLLM 0.32 lowers max_tokens instead). `fit` (the client asked for a truncated
+        prompt): lowered to the room left, as vLLM does."""
         room = self.max_model_len - prompt_len
         if requested is None:
             return room
         if requested < 1:
             raise bad_request(param, requested, "must be an integer >= 1")
+        if fit:
+            return min(requested, room)
         if requested > room:
             raise bad_request(param, requested,
                               f"must be <= {room}: the prompt has {prompt_len} tokens and the model's context "

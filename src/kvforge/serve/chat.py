@@ -21,6 +21,7 @@ from kvforge.models.tokenizer import encode_prompt, has_chat_template
 from kvforge.serve.logprobs import TokenText, chat_logprobs, token_id_text
 from kvforge.serve.protocol import ChatCompletionRequest, ChatMessage, bad_request
 from kvforge.serve.served_model import ServedModel, sample_params, samples_per_prompt, sampling_params
+from kvforge.serve.shared_prefill import after_first_sample
 from kvforge.serve.streams import DONE, last_items, merge, sse, unless_disconnected
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -39,9 +40,11 @@ class ChatHandler:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         arrival = time.perf_counter()
         # One engine request per choice (OpenAI's n); the first keeps the response's id.
-        streams = [served.engine.generate(prompt, sample_params(params, index),
-                                          request_id if index == 0 else f"{request_id}-{index}", arrival)
-                   for index in range(samples_per_prompt(body))]
+        samples = range(samples_per_prompt(body))
+        streams = after_first_sample([served.engine.generate(prompt, sample_params(params, index),
+                                                             request_id if index == 0 else f"{request_id}-{index}",
+                                                             arrival) for index in samples],
+                                     samples, served.prefix_caching)
         head = {"id": request_id, "created": int(time.time()), "model": served.name}
         ids = bool(body.return_token_ids)
         shown = token_id_text if body.return_tokens_as_token_ids else None

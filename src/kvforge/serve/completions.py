@@ -28,6 +28,7 @@ from kvforge.serve.served_model import (
     samples_per_prompt,
     sampling_params,
 )
+from kvforge.serve.shared_prefill import after_first_sample
 from kvforge.serve.streams import DONE, last_items, merge, sse, unless_disconnected
 
 
@@ -66,8 +67,9 @@ class CompletionHandler:
         await served.check_constraint(jobs[0].params)  # (one constraint for every prompt of the request)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         arrival = time.perf_counter()
-        streams = [served.engine.generate(job.prompt, job.params, f"{request_id}-{job.index}", arrival)
-                   for job in jobs]
+        streams = after_first_sample([served.engine.generate(job.prompt, job.params, f"{request_id}-{job.index}",
+                                                             arrival) for job in jobs],
+                                     [job.sample for job in jobs], served.prefix_caching)
         head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": served.name}
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

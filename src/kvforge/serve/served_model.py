@@ -66,6 +66,10 @@ class ServedModel:
         return self.engine.engine.max_model_len
 
     @property
+    def prefix_caching(self) -> bool:
+        return self.engine.engine.prefix is not None
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.engine.model.config.vocab_size
 

@@ -117,16 +117,19 @@ def _to_int_list(ids: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
-def encode_prompt(tokenizer: Any, text_or_messages: str | Sequence[Message], chat: bool) -> list[int]:
+def encode_prompt(tokenizer: Any, text_or_messages: str | Sequence[Message], chat: bool,
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of a prompt.
 
     chat=True and the tokenizer has a chat template: the template with the generation prompt
     appended (the template itself places BOS where the model expects it). Otherwise plain
     encoding with the tokenizer's own special-token behaviour (adds BOS only if the model
     was trained that way, e.g. Gemma yes, SmolLM2 no); messages are then joined as text.
+    `tools` (OpenAI's function list) go to the template, for one that shows them.
     """
     if chat and has_chat_template(tokenizer):
+        extra = {"tools": tools} if tools else {}
         ids = tokenizer.apply_chat_template(_as_messages(text_or_messages), add_generation_prompt=True,
-                                            tokenize=True)
+                                            tokenize=True, **extra)
         return _to_int_list(ids)
     return _to_int_list(tokenizer.encode(_as_text(text_or_messages)))

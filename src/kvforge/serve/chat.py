@@ -20,9 +20,16 @@ from kvforge.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kvforge.models.tokenizer import encode_prompt, has_chat_template
 from kvforge.serve.logprobs import TokenText, chat_logprobs, token_id_text
 from kvforge.serve.protocol import ChatCompletionRequest, ChatMessage, bad_request
-from kvforge.serve.served_model import ServedModel, sample_params, samples_per_prompt, sampling_params
+from kvforge.serve.served_model import (
+    ServedModel,
+    sample_params,
+    samples_per_prompt,
+    sampling_params,
+    with_constraint,
+)
 from kvforge.serve.shared_prefill import after_first_sample
 from kvforge.serve.streams import DONE, last_items, merge, sse, unless_disconnected
+from kvforge.serve.tool_calls import ToolCallDeltas, ToolPlan, tool_plan
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -35,7 +42,7 @@ class ChatHandler:
         served = self.served
         served.check_name(body.model)
         served.check_available()
-        prompt, params = self._inputs(body)
+        prompt, params, plan = self._inputs(body)
         await served.check_constraint(params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         arrival = time.perf_counter()
@@ -50,14 +57,19 @@ class ChatHandler:
         shown = token_id_text if body.return_tokens_as_token_ids else None
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._events(head, prompt, streams, params, usage, ids, shown),
+            return StreamingResponse(self._events(head, prompt, streams, params, usage, ids, shown, plan),
                                      media_type="text/event-stream")
         finals = await unless_disconnected(raw, last_items(streams))
         choices = []
         for index, out in enumerate(finals):
-            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": out.text},
+            message: dict[str, Any] = {"role": "assistant", "content": out.text}
+            finish_reason = out.finish_reason
+            calls = plan.calls(out.text) if plan is not None else None
+            if calls is not None and plan is not None:
+                message, finish_reason = {**message, "content": "", "tool_calls": calls}, plan.finish_reason(finish_reason)
+            choice: dict[str, Any] = {"index": index, "message": message,
                                       "logprobs": self._logprobs(out.token_ids, out, params, shown),
-                                      "finish_reason": out.finish_reason}
+                                      "finish_reason": finish_reason}
             if ids:
                 choice["prompt_token_ids"] = prompt
                 choice["token_ids"] = out.token_ids
@@ -66,35 +78,37 @@ class ChatHandler:
                              "usage": _usage(prompt, finals)})
 
     # -- request -> engine inputs -----------------------------------------------------
-    def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
-        """The token ids of `messages` through the model's chat template (also /tokenize's)."""
+    def prompt_ids(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The token ids of `messages` (and the tools, for a template that shows them) through
+        the model's chat template (also /tokenize's)."""
         served = self.served
         served.require_tokenizer("messages", "...")
         if not has_chat_template(served.tokenizer):
             raise bad_request("messages", "...", f"{served.name} has no chat template: use /v1/completions")
-        return encode_prompt(served.tokenizer, _messages(messages), chat=True)
+        return encode_prompt(served.tokenizer, _messages(messages), chat=True, tools=tools)
 
-    def _inputs(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    def _inputs(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolPlan | None]:
         served = self.served
-        if body.tools:
-            raise bad_request("tools", f"{len(body.tools)} tools", "tool calling is not supported by kvforge")
-        if body.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice", body.tool_choice,
-                              "needs tools, and tool calling is not supported by kvforge: omit it or send 'none'")
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
         top = body.top_logprobs or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad_request("top_logprobs", top, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if top and not body.logprobs:
             raise bad_request("top_logprobs", top, "needs logprobs=true")
-        prompt = served.truncated(self.prompt_ids(body.messages), body)
+        prompt = served.truncated(self.prompt_ids(body.messages, plan.tools if plan else None), body)
         served.check_prompt(prompt, "messages")
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, served.max_tokens(requested, len(prompt), name,
                                                           fit=body.truncate_prompt_tokens is not None), served.vocab_size,
                                  logprobs=bool(body.logprobs), top_logprobs=top)
+        if plan is not None and plan.constraint is not None:
+            if params.structured_outputs is not None:
+                raise bad_request("tool_choice", body.tool_choice, f"cannot be combined with "
+                                  f"{params.structured_outputs.origin}: one constraint per request")
+            params = with_constraint(params, plan.constraint)
         served.check_params(params)
-        return prompt, params
+        return prompt, params, plan
 
     # -- engine outputs -> response ---------------------------------------------------
     def _logprobs(self, token_ids: list[int], out: RequestOutput, params: SamplingParams,
@@ -108,7 +122,7 @@ class ChatHandler:
 
     async def _events(self, head: dict[str, Any], prompt: list[int], streams: list[AsyncIterator[RequestOutput]],
                       params: SamplingParams, include_usage: bool, ids: bool,
-                      shown: TokenText | None) -> AsyncIterator[str]:
+                      shown: TokenText | None, plan: ToolPlan | None) -> AsyncIterator[str]:
         chunk_head = {**head, "object": "chat.completion.chunk"}
         extra = {"usage": None} if include_usage else {}
         for index in range(len(streams)):  # each choice opens with the assistant's role
@@ -118,12 +132,20 @@ class ChatHandler:
                 first["prompt_token_ids"] = prompt
             yield sse({**chunk_head, "choices": [first], **extra})
         finals: list[RequestOutput | None] = [None] * len(streams)
+        tool_deltas = [ToolCallDeltas(plan) for _ in streams] if plan and plan.constraint else None
         async for index, out in merge(streams):
             finals[index] = out
+            finish_reason = out.finish_reason if out.finished else None
+            if tool_deltas is None:
+                delta: dict[str, Any] = {"content": out.new_text} if out.new_text else {}
+            else:
+                delta = tool_deltas[index].delta(out.new_text, out.finished, out.text)
+                if out.finished and "tool_calls" in delta and plan is not None:
+                    finish_reason = plan.finish_reason(finish_reason)
             choice: dict[str, Any] = {
-                "index": index, "delta": {"content": out.new_text} if out.new_text else {},
+                "index": index, "delta": delta,
                 "logprobs": self._logprobs(out.new_token_ids, out, params, shown),
-                "finish_reason": out.finish_reason if out.finished else None}
+                "finish_reason": finish_reason}
             if ids:
                 choice["token_ids"] = out.new_token_ids
             yield sse({**chunk_head, "choices": [choice], **extra})
@@ -132,7 +154,7 @@ class ChatHandler:
         yield DONE
 
 
-def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages with their content as one string, checked field by field."""
     if not messages:
         raise bad_request("messages", [], "must hold at least one message")
@@ -149,7 +171,11 @@ def _messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
                                       "only text parts ({'type': 'text', 'text': ...}) are supported")
                 texts.append(part["text"])
             content = "\n".join(texts)
-        out.append({"role": message.role, "content": content or ""})
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):  # (for a template that shows tool use)
+            if getattr(message, key) is not None:
+                entry[key] = getattr(message, key)
+        out.append(entry)
     return out
 
 

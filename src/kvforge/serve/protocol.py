@@ -133,6 +133,8 @@ class ChatMessage(_Body):
     # A string, or an array of parts of which kvforge reads {"type": "text", "text": ...}.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, for the chat template
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -141,8 +143,9 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None  # only "none" (or omitted): tools are not supported
+    tools: list[dict[str, Any]] | None = None  # serve/tool_calls.py
+    tool_choice: str | dict[str, Any] | None = None  # "none", "required" or a named function ("auto" is a 400)
+    parallel_tool_calls: bool | None = None  # false: "required" makes one call
     # Not implemented: accepted only at their neutral value (NEUTRAL), refused by name otherwise.
     echo: Any = None
     add_generation_prompt: Any = None

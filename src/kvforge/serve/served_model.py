@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from kvforge.engine.async_engine import AsyncEngine
 from kvforge.engine.sampling import SamplingParams
+from kvforge.engine.structured_output import StructuredOutputs
 from kvforge.errors import ConfigError
 from kvforge.serve.protocol import APIError, _GenerationFields, bad_request, is_neutral, unimplemented_fields
 from kvforge.serve.structured_fields import structured_outputs_of
@@ -200,6 +201,14 @@ def sample_params(params: SamplingParams, sample: int) -> SamplingParams:
     if params.seed is None or sample == 0:
         return params
     return replace(params, seed=(params.seed + sample) % 2**64)
+
+
+def with_constraint(params: SamplingParams, constraint: StructuredOutputs) -> SamplingParams:
+    """`params` constrained by `constraint` (a tool choice's), checked as any request's are."""
+    try:
+        return replace(params, structured_outputs=constraint)
+    except ConfigError as exc:
+        raise bad_request(exc.parameter, exc.value, exc.rule) from exc
 
 
 def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, **logprob_fields: Any) -> SamplingParams:

@@ -10,8 +10,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 import transformers
-from server_helpers import CHAT_TEMPLATE, tiny_model
+from fastapi.testclient import TestClient
+from server_helpers import CHAT_TEMPLATE, MODEL_NAME, make_engine, tiny_model
 from tokenizers import Tokenizer, decoders, models, normalizers
+
+from kvforge.engine.async_engine import AsyncEngine
+from kvforge.serve.app import create_app
+from kvforge.serve.served_model import ServedModel
 
 WORDS = ["▁", *"abcdefghijklmnopqrstuvwxyz0123456789{}[]\":,-", "▁yes", "▁no", "ye", "yes", "no", "yellow",
          "true", "false", "null", "\"a\"", "\"b\""]
@@ -41,3 +46,13 @@ def byte_model_fixture() -> Iterator[torch.nn.Module]:
     torch.set_num_threads(1)
     yield tiny_model(vocab=VOCAB)
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", name="client")
+def byte_client_fixture(model: torch.nn.Module) -> Iterator[TestClient]:
+    """The server's app in-process over that model and byte_tokenizer; server errors come
+    back as 500 responses."""
+    tokenizer = byte_tokenizer()
+    app = create_app(ServedModel(MODEL_NAME, AsyncEngine(make_engine(model, tokenizer)), tokenizer))
+    with TestClient(app, raise_server_exceptions=False) as test_client:
+        yield test_client

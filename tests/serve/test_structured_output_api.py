@@ -12,13 +12,12 @@ import concurrent.futures
 import json
 import re
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from grammar_helpers import byte_model_fixture, byte_tokenizer  # noqa: F401 - fixture
+from grammar_helpers import byte_client_fixture, byte_model_fixture, byte_tokenizer  # noqa: F401 - fixtures
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import MODEL_NAME, char_tokenizer, make_engine, serve, tiny_model
@@ -34,14 +33,6 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
                                            "ok": {"type": "boolean"}},
           "required": ["n", "ok"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def client(model) -> Iterator[TestClient]:
-    tokenizer = byte_tokenizer()
-    app = create_app(ServedModel(MODEL_NAME, AsyncEngine(make_engine(model, tokenizer)), tokenizer))
-    with TestClient(app, raise_server_exceptions=False) as test_client:
-        yield test_client
 
 
 def post(client: TestClient, path: str, **body: Any):

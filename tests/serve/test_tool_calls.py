@@ -8,18 +8,14 @@ over a byte-fallback tokenizer (tests/grammar_helpers.py): only the constraint s
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from grammar_helpers import byte_model_fixture, byte_tokenizer  # noqa: F401 - fixture
+from grammar_helpers import byte_client_fixture, byte_model_fixture, byte_tokenizer  # noqa: F401 - fixtures
 from server_helpers import MODEL_NAME, make_engine, serve
 
-from kvforge.engine.async_engine import AsyncEngine
 from kvforge.models.tokenizer import encode_prompt
-from kvforge.serve.app import create_app
-from kvforge.serve.served_model import ServedModel
 
 pytest.importorskip("llguidance")
 
@@ -35,14 +31,6 @@ CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
     "additionalProperties": False}}}
 NAMED = {"type": "function", "function": {"name": "weather"}}
-
-
-@pytest.fixture(scope="module")
-def client(model) -> Iterator[TestClient]:
-    tokenizer = byte_tokenizer()
-    app = create_app(ServedModel(MODEL_NAME, AsyncEngine(make_engine(model, tokenizer)), tokenizer))
-    with TestClient(app, raise_server_exceptions=False) as test_client:
-        yield test_client
 
 
 def post(client: TestClient, **body: Any):

@@ -4,7 +4,7 @@
 fraction of a second to a few seconds for a 256K vocabulary: made at the first constrained
 request, or ahead by `warm_up`), checks a constraint before its request is queued, and
 makes each request's matcher. At every step the matcher gives the ids that can continue a
-text the constraint accepts (`allowed_ids`); the sampler sets every other logit to -inf,
+text the constraint accepts (`allowed_masks`, all constrained rows at once); the sampler sets every other logit to -inf,
 and the chosen token is fed back (`advance`).
 
 Invariants:
@@ -129,9 +129,7 @@ def allowed_masks(matchers: Sequence[Any], vocab_size: int) -> tuple[torch.Tenso
     width = max((len(p) for p in packed if p is not None), default=(vocab_size + 31) // 32 * 4)
     raw = np.frombuffer(b"".join(p if p is not None else bytes(width) for p in packed), dtype=np.uint8)
     bits = np.unpackbits(raw.reshape(len(matchers), width), axis=1, bitorder=_BIT_ORDER)
-    masks = torch.from_numpy(bits.view(np.bool_))[:, :vocab_size]
-    if masks.shape[1] < vocab_size:  # (the matcher's vocabulary is the model's or larger: never)
-        masks = torch.nn.functional.pad(masks, (0, vocab_size - masks.shape[1]))
+    masks = torch.from_numpy(bits.view(np.bool_))[:, :vocab_size]  # (a matcher's vocabulary is at least the model's)
     failed = {row for row, _ in broken}
     empty = (~masks.any(dim=1)).nonzero().flatten().tolist()
     broken += [(row, "the structured-output constraint allows no token here") for row in empty if row not in failed]
@@ -139,14 +137,6 @@ def allowed_masks(matchers: Sequence[Any], vocab_size: int) -> tuple[torch.Tenso
 
 
 _BIT_ORDER = "little"  # bit 0 of a byte is its first id
-
-
-def allowed_ids(matcher: Any, vocab_size: int) -> torch.Tensor:
-    """Bool [vocab_size] of one matcher (see allowed_masks); ConstraintBroken when broken."""
-    masks, broken = allowed_masks([matcher], vocab_size)
-    if broken:
-        raise ConstraintBroken(broken[0][1])
-    return masks[0]
 
 
 def advance(matcher: Any, token: int) -> bool:

@@ -250,21 +250,7 @@ class LLMEngine:
                 sample_rows.append(row - 1)
             if self.prefix is not None:
                 self.prefix.published(request)
-        allowed = None
-        constrained = [index for index, request in enumerate(sampling) if request.grammar is not None]
-        if constrained:
-            masks, broken = allowed_masks([sampling[i].grammar for i in constrained], logits.shape[-1])
-            masks = masks.to(logits.device)  # one copy to a GPU for the step, not one per row
-            allowed = [None] * len(sampling)
-            for row, index in enumerate(constrained):
-                allowed[index] = masks[row]
-            for row, reason in broken:  # (a matcher in error, e.g. past a parser limit): that request alone ends
-                request = sampling[constrained[row]]
-                outputs[request.request_id] = self._end_with_error(request, reason, [])
-            if broken:
-                gone = {constrained[row] for row, _ in broken}
-                keep = [i for i in range(len(sampling)) if i not in gone]
-                sampling, sample_rows, allowed = ([seq[i] for i in keep] for seq in (sampling, sample_rows, allowed))
+        sampling, sample_rows, allowed = self._constraint_masks(sampling, sample_rows, logits, outputs)
         if sampling:
             rows = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
             chosen = self._sample(rows, sampling, allowed)
@@ -274,6 +260,29 @@ class LLMEngine:
                 outputs[request.request_id] = self._accept(request, chosen.token_ids[index],
                                                            chosen.logprobs[index], now)
         return list(outputs.values())
+
+    def _constraint_masks(self, sampling: list[Request], sample_rows: list[int], logits: torch.Tensor,
+                          outputs: dict[str, RequestOutput]) -> tuple[list[Request], list[int], list | None]:
+        """The allowed-id masks of the constrained requests about to sample (None for the
+        others; None in all when none is constrained). A request whose matcher broke (in
+        error, e.g. past a parser limit) ends here alone, with an error in `outputs`, and is
+        dropped from the rows that sample."""
+        constrained = [index for index, request in enumerate(sampling) if request.grammar is not None]
+        if not constrained:
+            return sampling, sample_rows, None
+        masks, broken = allowed_masks([sampling[i].grammar for i in constrained], logits.shape[-1])
+        masks = masks.to(logits.device)  # one copy to a GPU for the step, not one per row
+        allowed: list[torch.Tensor | None] = [None] * len(sampling)
+        for row, index in enumerate(constrained):
+            allowed[index] = masks[row]
+        for row, reason in broken:
+            request = sampling[constrained[row]]
+            outputs[request.request_id] = self._end_with_error(request, reason, [])
+        if not broken:
+            return sampling, sample_rows, allowed
+        gone = {constrained[row] for row, _ in broken}
+        keep = [i for i in range(len(sampling)) if i not in gone]
+        return [sampling[i] for i in keep], [sample_rows[i] for i in keep], [allowed[i] for i in keep]
 
     def _sample(self, logits: torch.Tensor, requests: list[Request],
                 allowed: list[torch.Tensor | None] | None = None) -> SampleOutput:

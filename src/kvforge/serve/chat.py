@@ -20,13 +20,7 @@ from kvforge.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kvforge.models.tokenizer import encode_prompt, has_chat_template
 from kvforge.serve.logprobs import TokenText, chat_logprobs, token_id_text
 from kvforge.serve.protocol import ChatCompletionRequest, ChatMessage, bad_request
-from kvforge.serve.served_model import (
-    ServedModel,
-    sample_params,
-    samples_per_prompt,
-    sampling_params,
-    with_constraint,
-)
+from kvforge.serve.served_model import ServedModel, sample_params, samples_per_prompt, sampling_params
 from kvforge.serve.shared_prefill import after_first_sample
 from kvforge.serve.streams import DONE, last_items, merge, sse, unless_disconnected
 from kvforge.serve.tool_calls import ToolCallDeltas, ToolPlan, tool_plan
@@ -101,12 +95,7 @@ class ChatHandler:
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, served.max_tokens(requested, len(prompt), name,
                                                           fit=body.truncate_prompt_tokens is not None), served.vocab_size,
-                                 logprobs=bool(body.logprobs), top_logprobs=top)
-        if plan is not None and plan.constraint is not None:
-            if params.structured_outputs is not None:
-                raise bad_request("tool_choice", body.tool_choice, f"cannot be combined with "
-                                  f"{params.structured_outputs.origin}: one constraint per request")
-            params = with_constraint(params, plan.constraint)
+                                 plan.constraint if plan else None, logprobs=bool(body.logprobs), top_logprobs=top)
         served.check_params(params)
         return prompt, params, plan
 

@@ -203,22 +203,16 @@ def sample_params(params: SamplingParams, sample: int) -> SamplingParams:
     return replace(params, seed=(params.seed + sample) % 2**64)
 
 
-def with_constraint(params: SamplingParams, constraint: StructuredOutputs) -> SamplingParams:
-    """`params` constrained by `constraint` (a tool choice's), checked as any request's are."""
-    try:
-        return replace(params, structured_outputs=constraint)
-    except ConfigError as exc:
-        raise bad_request(exc.parameter, exc.value, exc.rule) from exc
-
-
-def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int, **logprob_fields: Any) -> SamplingParams:
+def sampling_params(body: _GenerationFields, max_tokens: int, vocab_size: int,
+                    tool_constraint: StructuredOutputs | None = None, **logprob_fields: Any) -> SamplingParams:
     """The engine's SamplingParams from the fields both endpoints share. Fields OpenAI
-    defines that kvforge does not implement must keep their neutral value."""
+    defines that kvforge does not implement must keep their neutral value.
+    `tool_constraint`: a chat's tool choice shapes the text (one constraint per request)."""
     refuse_unimplemented(body)
     samples = samples_per_prompt(body)
     if body.best_of not in (None, samples):
         raise bad_request("best_of", body.best_of, f"only best_of=n ({samples}) is supported (or omit it)")
-    structured = structured_outputs_of(body)
+    structured = structured_outputs_of(body, tool_constraint)
     logit_bias = {}
     for key, value in (body.logit_bias or {}).items():  # JSON keys are strings: token ids in decimal
         # (the length bound before int(): Python refuses to convert thousands of digits)

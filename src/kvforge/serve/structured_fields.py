@@ -24,9 +24,11 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 UNSUPPORTED_OPTIONS = {"disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None}
 
 
-def structured_outputs_of(body: _GenerationFields) -> StructuredOutputs | None:
-    """The constraint the body asks for, or None; a 400 naming the field when it is malformed."""
-    found: list[tuple[str, dict[str, Any]]] = []
+def structured_outputs_of(body: _GenerationFields, from_tools: StructuredOutputs | None = None) -> StructuredOutputs | None:
+    """The constraint the body asks for, or None; a 400 naming the field when it is malformed.
+    `from_tools`: a chat's tool choice's own constraint (serve/tool_calls.py), one more
+    source that may not be combined with the others."""
+    found: list[tuple[str, dict[str, Any] | None]] = []
     response_format = _from_response_format(body.response_format)
     if response_format is not None:
         found.append(("response_format", response_format))
@@ -36,12 +38,16 @@ def structured_outputs_of(body: _GenerationFields) -> StructuredOutputs | None:
         value = getattr(body, name)
         if value is not None:
             found.append((name, {kind: value}))
+    if from_tools is not None:
+        found.append(("tool_choice", None))
     if not found:
         return None
     if len(found) > 1:
         names = [name for name, _ in found]
         raise bad_request(names[1], "...", f"cannot be combined with {names[0]}: one constraint per request")
     origin, fields = found[0]
+    if fields is None:
+        return from_tools
     try:
         return StructuredOutputs(**fields, origin=origin)
     except ConfigError as exc:

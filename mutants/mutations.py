@@ -2324,4 +2324,8 @@ MUTATIONS: list[Mutation] = [
     Mutation("tool_constraint_outside_the_one_constraint_rule", S + "serve/structured_fields.py",
              "    if from_tools is not None:\n", "    if False:\n", ("tests/serve/test_tool_calls.py",),
              "a tool choice's constraint is one source among the others: it shapes the text, and never with another"),
+    Mutation("structured_unsupported_option_accepted", S + "engine/structured_output.py",
+             "        if value.get(name) not in (None, neutral):\n", "        if False:\n",
+             ("tests/test_cli.py", "tests/serve/test_structured_output_api.py"),
+             "a structured_outputs option kvforge lacks is refused away from its neutral value, on the CLI as on the server"),
 ]

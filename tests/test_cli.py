@@ -96,10 +96,14 @@ def test_generate_takes_a_structured_output_shape():
 
     args = build_full_parser().parse_args(["generate", "--structured-outputs", '{"choice": ["yes", "no"]}', "hi"])
     assert _sampling_params(args).structured_outputs == StructuredOutputs(choice=("yes", "no"))
+    neutral = build_full_parser().parse_args(["generate", "--structured-outputs",
+                                              '{"regex": "a+", "whitespace_pattern": null}', "hi"])
+    assert _sampling_params(neutral).structured_outputs == StructuredOutputs(regex="a+")  # as the server accepts
     assert _sampling_params(build_full_parser().parse_args(["chat"])).structured_outputs is None
 
 
-@pytest.mark.parametrize("value", ['{"choice": []}', "[1]", "{not json", '{"regexp": "a"}', '{}'])
+@pytest.mark.parametrize("value", ['{"choice": []}', "[1]", "{not json", '{"regexp": "a"}', '{}',
+                                   '{"regex": "a", "structural_tag": "x"}'])
 def test_a_bad_structured_output_shape_exits_2_naming_the_option(value, capsys):
     assert main(["generate", "--structured-outputs", value, "hi"]) == 2
     assert "--structured-outputs" in capsys.readouterr().err

@@ -108,18 +108,16 @@ def _structured_outputs(text: str | None):
     """--structured-outputs: a JSON object of vLLM's structured_outputs fields, or None."""
     if text is None:
         return None
-    from kvforge.engine.structured_output import KINDS, StructuredOutputs
+    from kvforge.engine.structured_output import StructuredOutputs, constraint_fields
     from kvforge.errors import ConfigError
 
     try:
         fields = json.loads(text)
     except ValueError as exc:
         raise ConfigError("--structured-outputs", text, f"must be a JSON object ({exc})") from None
-    known = (*KINDS, "disable_any_whitespace")
-    require(isinstance(fields, dict), "--structured-outputs", text, f"must be a JSON object of {', '.join(known)}")
-    unknown = sorted(set(fields) - set(known))
-    require(not unknown, "--structured-outputs", text, f"names {unknown[:1]}, not one of {', '.join(known)}")
-    return StructuredOutputs(**fields, origin="--structured-outputs")
+    require(isinstance(fields, dict), "--structured-outputs", text, "must be a JSON object, as vLLM's "
+                                                                    "structured_outputs")
+    return StructuredOutputs(**constraint_fields(fields, "--structured-outputs"), origin="--structured-outputs")
 
 
 def _make_llm(args: argparse.Namespace):

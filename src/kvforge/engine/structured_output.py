@@ -12,6 +12,7 @@ server without the package starts, and says what to install when a request asks 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,6 +90,25 @@ class StructuredOutputs:
         """`structured_outputs.<name>`, or the field itself when it came from another one
         (`guided_regex`, `response_format`)."""
         return f"{self.origin}.{name}" if self.origin == "structured_outputs" else self.origin
+
+
+# vLLM's structured_outputs options kvforge does not implement -> their neutral value
+UNSUPPORTED_OPTIONS = {"disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None}
+
+
+def constraint_fields(value: Mapping[str, Any], origin: str) -> dict[str, Any]:
+    """The StructuredOutputs fields of a vLLM `structured_outputs` object (the server's field,
+    the CLI's --structured-outputs): ConfigError naming `<origin>.<key>` for a key vLLM does
+    not define, or an option kvforge does not implement away from its neutral value."""
+    known = {*KINDS, "disable_any_whitespace", *UNSUPPORTED_OPTIONS}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"{origin}.{unknown[0]}", value[unknown[0]],
+                          f"is not a structured_outputs field ({', '.join(sorted(known))})")
+    for name, neutral in UNSUPPORTED_OPTIONS.items():
+        if value.get(name) not in (None, neutral):
+            raise ConfigError(f"{origin}.{name}", value[name], "is not supported by kvforge: must be omitted or null")
+    return {key: item for key, item in value.items() if key not in UNSUPPORTED_OPTIONS and item is not None}
 
 
 def grammar_text(constraint: StructuredOutputs) -> str:

@@ -13,15 +13,15 @@ silently; a 400 says it instead). Errors name the field the client sent.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from kvforge.engine.structured_output import KINDS, StructuredOutputs
+from kvforge.engine.structured_output import StructuredOutputs, constraint_fields
 from kvforge.errors import ConfigError
 from kvforge.serve.protocol import _GenerationFields, bad_request
 
+T = TypeVar("T")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-# vLLM's structured_outputs options kvforge does not implement -> their neutral value
-UNSUPPORTED_OPTIONS = {"disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None}
 
 
 def structured_outputs_of(body: _GenerationFields, from_tools: StructuredOutputs | None = None) -> StructuredOutputs | None:
@@ -33,7 +33,7 @@ def structured_outputs_of(body: _GenerationFields, from_tools: StructuredOutputs
     if response_format is not None:
         found.append(("response_format", response_format))
     if body.structured_outputs is not None:
-        found.append(("structured_outputs", _from_structured_outputs(body.structured_outputs)))
+        found.append(("structured_outputs", _checked(constraint_fields, body.structured_outputs, "structured_outputs")))
     for name, kind in GUIDED.items():
         value = getattr(body, name)
         if value is not None:
@@ -48,8 +48,13 @@ def structured_outputs_of(body: _GenerationFields, from_tools: StructuredOutputs
     origin, fields = found[0]
     if fields is None:
         return from_tools
+    return _checked(lambda: StructuredOutputs(**fields, origin=origin))
+
+
+def _checked(make: Callable[..., T], *args: Any) -> T:
+    """`make(*args)`, its ConfigError a 400 naming the same field."""
     try:
-        return StructuredOutputs(**fields, origin=origin)
+        return make(*args)
     except ConfigError as exc:
         raise bad_request(exc.parameter, exc.value, exc.rule) from exc
 
@@ -71,16 +76,3 @@ def _from_response_format(value: dict[str, Any] | None) -> dict[str, Any] | None
                                                         "object")
         return {"json": spec["schema"]}
     raise bad_request("response_format", value, "type must be text, json_object or json_schema")
-
-
-def _from_structured_outputs(value: dict[str, Any]) -> dict[str, Any]:
-    known = {*KINDS, "disable_any_whitespace", *UNSUPPORTED_OPTIONS}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise bad_request(f"structured_outputs.{unknown[0]}", value[unknown[0]],
-                          f"is not a structured_outputs field ({', '.join(sorted(known))})")
-    for name, neutral in UNSUPPORTED_OPTIONS.items():
-        if value.get(name) not in (None, neutral):
-            raise bad_request(f"structured_outputs.{name}", value[name], "is not supported by kvforge: must be "
-                                                                         "omitted or null")
-    return {key: item for key, item in value.items() if key not in UNSUPPORTED_OPTIONS and item is not None}

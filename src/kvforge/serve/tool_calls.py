@@ -112,9 +112,10 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 
 
 class ToolCallDeltas:
-    """One streamed choice's deltas under a plan: a named function's arguments stream as
-    they come (the first delta carries the call's id and name); a "required" reply comes
-    whole when it ends (its array cannot be cut into calls before then)."""
+    """One streamed choice's deltas under a plan that constrains (named or "required"): a
+    named function's arguments stream as they come (the first delta carries the call's id
+    and name); a "required" reply comes whole when it ends (its array cannot be cut into
+    calls before then)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -129,8 +130,6 @@ class ToolCallDeltas:
                 return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
                                         "function": {"name": self.plan.name, "arguments": new_text}}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}
-        if self.plan.mode != "required":
-            return {"content": new_text} if new_text else {}
         if not finished:
             return {}
         calls = self.plan.calls(text)

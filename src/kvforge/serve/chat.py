@@ -22,7 +22,7 @@ from kvforge.serve.logprobs import TokenText, chat_logprobs, token_id_text
 from kvforge.serve.protocol import ChatCompletionRequest, ChatMessage, bad_request
 from kvforge.serve.served_model import ServedModel, sample_params, samples_per_prompt, sampling_params
 from kvforge.serve.shared_prefill import after_first_sample
-from kvforge.serve.streams import DONE, last_items, merge, sse, unless_disconnected
+from kvforge.serve.streams import DONE, ending_with_error_event, last_items, outputs, sse, unless_disconnected
 from kvforge.serve.tool_calls import ToolCallDeltas, ToolPlan, tool_plan
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -51,8 +51,8 @@ class ChatHandler:
         shown = token_id_text if body.return_tokens_as_token_ids else None
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._events(head, prompt, streams, params, usage, ids, shown, plan),
-                                     media_type="text/event-stream")
+            events = self._events(head, prompt, streams, params, usage, ids, shown, plan)
+            return StreamingResponse(ending_with_error_event(events), media_type="text/event-stream")
         finals = await unless_disconnected(raw, last_items(streams))
         choices = []
         for index, out in enumerate(finals):
@@ -122,7 +122,7 @@ class ChatHandler:
             yield sse({**chunk_head, "choices": [first], **extra})
         finals: list[RequestOutput | None] = [None] * len(streams)
         tool_deltas = [ToolCallDeltas(plan) for _ in streams] if plan and plan.constraint else None
-        async for index, out in merge(streams):
+        async for index, out in outputs(streams):
             finals[index] = out
             finish_reason = out.finish_reason if out.finished else None
             if tool_deltas is None:

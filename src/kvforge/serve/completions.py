@@ -29,7 +29,7 @@ from kvforge.serve.served_model import (
     sampling_params,
 )
 from kvforge.serve.shared_prefill import after_first_sample
-from kvforge.serve.streams import DONE, last_items, merge, sse, unless_disconnected
+from kvforge.serve.streams import DONE, ending_with_error_event, last_items, outputs, sse, unless_disconnected
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,8 @@ class CompletionHandler:
         head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": served.name}
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._events(head, jobs, streams, options, usage),
-                                     media_type="text/event-stream")
+            events = self._events(head, jobs, streams, options, usage)
+            return StreamingResponse(ending_with_error_event(events), media_type="text/event-stream")
         finals = await unless_disconnected(raw, last_items(streams))
         choices = [self._choice(job, out, options) for job, out in zip(jobs, finals)]
         return JSONResponse({**head, "choices": choices, "usage": _usage(jobs, finals, options)})
@@ -153,7 +153,7 @@ class CompletionHandler:
                       options: _Options, include_usage: bool) -> AsyncIterator[str]:
         builders = [options.logprobs_builder(self.served.token_text) for _ in jobs]
         finals: list[RequestOutput | None] = [None] * len(jobs)
-        async for index, out in merge(streams):
+        async for index, out in outputs(streams):
             job, builder = jobs[index], builders[index]
             first = finals[index] is None
             finals[index] = out

@@ -4,17 +4,30 @@ one, and a client that goes away.
 Every path that stops listening to a request stream closes it, which aborts the request in
 the engine (`AsyncEngine.generate`), so a disconnected client's cache is freed at the next
 engine step.
+
+A request that fails mid-generation (it ends with finish_reason "error": its constraint's
+matcher broke, or the KV budget cannot hold it even alone; or the engine step failed) fails
+the whole response, as in vLLM: a 500 naming why, before any byte is sent, or, once a
+stream has begun, an error event and `[DONE]` instead of a cut connection. The request's
+other choices are aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.request import FinishReason
+from kvforge.errors import KVForgeError
+from kvforge.serve.protocol import APIError
+
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 
@@ -70,14 +83,54 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int,
             await stream.aclose()  # type: ignore[attr-defined]
 
 
-async def last_items(streams: Sequence[AsyncIterator[T]]) -> list[T]:
-    """The last item of every stream (the finished request outputs), in stream order."""
-    last: dict[int, T] = {}
-    async for index, item in merge(streams):
+def generation_failed(message: str | None) -> APIError:
+    """The 500 of a request that ended with finish_reason "error", naming why."""
+    return APIError(500, f"the generation failed: {message or 'no reason given'}", error_type="internal_error")
+
+
+async def outputs(streams: Sequence[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`merge` of request streams, raising `generation_failed` at the first output that ended
+    in error (every stream is then closed: the other choices are aborted)."""
+    merged = merge(streams)
+    try:
+        async for index, out in merged:
+            if out.finish_reason == FinishReason.ERROR.value:
+                logger.warning("request %s failed: %s", out.request_id, out.error)
+                raise generation_failed(out.error)
+            yield index, out
+    finally:
+        await merged.aclose()  # type: ignore[attr-defined]
+
+
+async def last_items(streams: Sequence[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """The last output of every stream (the finished requests), in stream order."""
+    last: dict[int, RequestOutput] = {}
+    async for index, item in outputs(streams):
         last[index] = item
     if len(last) != len(streams):
         raise RuntimeError("a request stream ended without any output")
     return [last[index] for index in range(len(streams))]
+
+
+async def ending_with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A response stream's events; if producing them fails (a request ended in error, the
+    engine step failed, or a bug), an error event in OpenAI's error schema and `[DONE]`
+    end it, as vLLM's streams end, so a client reads why rather than a cut connection."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - reported to the client; a bug is logged too
+        if isinstance(exc, APIError):
+            error = exc
+        elif isinstance(exc, KVForgeError):  # the engine step failed, or the engine stopped
+            error = APIError(500, str(exc), error_type="internal_error")
+        else:
+            logger.exception("a response stream failed")
+            error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", error_type="internal_error")
+        yield sse(error.body())
+        yield DONE
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def _until_disconnected(request: Request) -> None:

@@ -2340,4 +2340,11 @@ MUTATIONS: list[Mutation] = [
              "        yield sse(error.body())\n        yield DONE\n", "        yield sse(error.body())\n",
              ("tests/serve/test_generation_errors.py",),
              "an error event is followed by [DONE], as every stream ends"),
+    Mutation("logprobs_ignore_the_constraints_mask", S + "engine/reported_logprobs.py",
+             "        if masks[i] is not None:\n", "        if False:\n",
+             ("tests/engine/test_sampling.py", "tests/serve/test_structured_output_api.py"),
+             "a constrained request's logprobs are over the ids its shape allows, as vLLM reports them"),
+    Mutation("logprobs_masked_ids_listed_as_alternatives", S + "engine/reported_logprobs.py",
+             " if v != -math.inf]", "]", ("tests/engine/test_sampling.py", "tests/serve/test_structured_output_api.py"),
+             "an id the shape forbids is never an alternative (and -inf never reaches the JSON)"),
 ]

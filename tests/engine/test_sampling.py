@@ -3,6 +3,7 @@ banned ids, raw-model logprobs and stop-string search."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -222,6 +223,34 @@ def test_logprobs_are_raw_log_softmax_at_the_chosen_ids(dtype):
             assert out.logprobs[row] == pytest.approx(reference[row, token].item(), abs=1e-5)
         else:
             assert out.logprobs[row] is None
+
+
+def test_a_constraints_mask_counts_in_the_logprobs_and_nothing_else_does():
+    """The definition (vLLM's: its grammar bitmask is applied before its raw logprobs): a
+    constrained row's logprobs are log_softmax over the ids its mask allows, its alternatives
+    are allowed ids only (fewer when fewer are allowed); a bias or a ban still changes
+    nothing; an unconstrained row beside it keeps the raw distribution."""
+    torch.manual_seed(7)
+    logits = torch.randn(3, 60) * 2
+    allowed = torch.zeros(60, dtype=torch.bool)
+    allowed[[3, 11, 12, 40, 59]] = True
+    params = [SamplingParams(temperature=1.0, logprobs=True, top_logprobs=8, logit_bias={11: 5.0}),
+              SamplingParams(temperature=0, logprobs=True, top_logprobs=3),
+              SamplingParams(temperature=0, logprobs=True, top_logprobs=8)]
+    out = sample(logits, params, [make_generator(1), None, None], banned=[{3}, None, None],
+                 allowed=[allowed, allowed, None])
+    for row in (0, 1):
+        masked = logits[row].masked_fill(~allowed, -math.inf).log_softmax(-1)
+        token = out.token_ids[row]
+        assert allowed[token] and out.logprobs[row] == pytest.approx(masked[token].item(), abs=1e-5)
+        top = out.top_logprobs[row]
+        assert [i for i, _ in top] == masked.topk(min(params[row].top_logprobs, 5)).indices.tolist()
+        assert all(allowed[i] and value == pytest.approx(masked[i].item(), abs=1e-5) for i, value in top)
+    assert len(out.top_logprobs[0]) == 5  # 8 asked, 5 allowed
+    assert sum(math.exp(v) for _, v in out.top_logprobs[0]) == pytest.approx(1.0, abs=1e-5)
+    raw = logits[2].log_softmax(-1)
+    assert out.logprobs[2] == pytest.approx(raw[out.token_ids[2]].item(), abs=1e-5)
+    assert [i for i, _ in out.top_logprobs[2]] == raw.topk(8).indices.tolist()
 
 
 def test_shape_mismatches_are_refused():

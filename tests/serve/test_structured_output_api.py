@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import re
 import threading
 from typing import Any
@@ -103,6 +104,19 @@ def test_a_streamed_constrained_completion_joins_to_the_constrained_text(client)
             if line.startswith("data: ") and line != "data: [DONE]":
                 pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
     assert set(json.loads("".join(pieces))) == {"n", "ok"}
+
+
+def test_logprobs_of_a_constrained_reply_are_over_the_ids_the_shape_allows(client):
+    """As vLLM reports them: at each position the alternatives are allowed ids only, so
+    with more asked than the shape allows they are all of them, and their probabilities sum
+    to 1 (the raw distribution spreads over 320 ids)."""
+    response = post(client, CHAT, structured_outputs={"choice": ["yes", "no"]}, logprobs=True, top_logprobs=20)
+    assert texts(response)[0] in ("yes", "no")
+    content = response.json()["choices"][0]["logprobs"]["content"]
+    for position in content:
+        top = position["top_logprobs"]
+        assert 1 <= len(top) < 20 and position["token"] in [alternative["token"] for alternative in top], position
+        assert sum(math.exp(alternative["logprob"]) for alternative in top) == pytest.approx(1.0, abs=1e-4), top
 
 
 @pytest.mark.parametrize(("fields", "param"), [

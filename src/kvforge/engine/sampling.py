@@ -19,7 +19,8 @@ Invariants:
   id's; it cannot change an argmax, so greedy rows ignore it. At their neutral values none
   of them does any work, and the tokens are bitwise those without them.
 - Log-probabilities are those of the *unmodified* model distribution: log_softmax of the
-  raw logits, before banning, repetition penalty, temperature, min-p, top-k and top-p.
+  raw logits, before banning, repetition penalty, temperature, min-p, top-k and top-p; only
+  a structured-output constraint's mask applies (`reported_logprobs.py`).
 - Everything is computed in float32 (cumulative sums in float64), whatever the logits'
   dtype.
 """
@@ -45,6 +46,7 @@ from kvforge.engine.logit_adjustments import (
     needs_prompt_and_output,
     penalize_repetition,
 )
+from kvforge.engine.reported_logprobs import TopLogprobs, chosen_logprobs, most_likely
 from kvforge.engine.structured_output import StructuredOutputs
 from kvforge.errors import is_int, is_real, is_unicode, require
 from kvforge.kernels.cpu_fused import argmax_rows
@@ -94,7 +96,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # vLLM's: cut where the stop string ends instead
     ignore_eos: bool = False  # don't stop on the model's EOS ids
     skip_special_tokens: bool = True  # False: the text shows special tokens (a stop token's only if included)
-    logprobs: bool = False  # report log_softmax(raw logits) at each chosen token
+    logprobs: bool = False  # report log_softmax(raw logits) at each chosen token (reported_logprobs.py)
     top_logprobs: int = 0  # with logprobs: also the N most likely ids of each position
     # None: off. N >= 0: the log-probability of every prompt token given the tokens before
     # it (None for the first), plus the N most likely ids at each prompt position.
@@ -207,13 +209,12 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
-TopLogprobs = list[tuple[int, float]]  # (token id, log-probability), most likely first
 
 
 @dataclass(frozen=True)
 class SampleOutput:
-    """One step's choices: `token_ids[i]` for row i; `logprobs[i]` is the raw-model
-    log-probability of that token when row i asked for logprobs, else None;
+    """One step's choices: `token_ids[i]` for row i; `logprobs[i]` is the model's
+    log-probability of that token (reported_logprobs.py) when row i asked for logprobs, else None;
     `top_logprobs[i]` the row's `top_logprobs` most likely ids (empty when it asked none)."""
 
     token_ids: list[int]
@@ -304,23 +305,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     top: list[TopLogprobs] = [[] for _ in range(rows)]
     logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
     if logprob_rows:
-        index = torch.tensor(logprob_rows, device=logits.device)
-        raw = logits.detach().index_select(0, index).float().log_softmax(dim=-1)
-        chosen = raw.gather(1, tokens.index_select(0, index.to(tokens.device)).unsqueeze(1)).squeeze(1)
-        for i, value in zip(logprob_rows, chosen.tolist()):
-            logprobs[i] = value
-        alternatives = max(params[i].top_logprobs for i in logprob_rows)
-        if alternatives:
-            for i, row_top in zip(logprob_rows, most_likely(raw, alternatives)):
-                top[i] = row_top[:params[i].top_logprobs]
+        chosen, tops = chosen_logprobs(logits, tokens, logprob_rows, [params[i].top_logprobs for i in logprob_rows],
+                                       masks)
+        for i, value, row_top in zip(logprob_rows, chosen, tops):
+            logprobs[i], top[i] = value, row_top
     return SampleOutput(token_ids=tokens.tolist(), logprobs=logprobs, top_logprobs=top)
 
-
-def most_likely(logprobs: torch.Tensor, count: int) -> list[TopLogprobs]:
-    """The `count` most likely (id, log-probability) pairs of each row of `logprobs` [R, V],
-    most likely first (the order of exactly equal values is torch.topk's)."""
-    values, ids = torch.topk(logprobs, min(count, logprobs.shape[-1]), dim=-1)
-    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
 
 
 def _sample_row(scores: torch.Tensor, params: SamplingParams,

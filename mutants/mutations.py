@@ -2347,4 +2347,7 @@ MUTATIONS: list[Mutation] = [
     Mutation("logprobs_masked_ids_listed_as_alternatives", S + "engine/reported_logprobs.py",
              " if v != -math.inf]", "]", ("tests/engine/test_sampling.py", "tests/serve/test_structured_output_api.py"),
              "an id the shape forbids is never an alternative (and -inf never reaches the JSON)"),
+    Mutation("structured_matchers_share_one_state", S + "engine/grammar_matcher.py",
+             "        return pristine.deep_copy()\n", "        return pristine\n", STRUCTURED,
+             "each request advances its own matcher, even when it shares its grammar's pristine one"),
 ]

@@ -166,6 +166,29 @@ def test_masks_of_a_batch_are_each_matchers_own(tokenizer):
     assert broken == [(1, "the structured-output constraint allows no token here")] and masks[0].any()
 
 
+def test_requests_sharing_a_constraint_parse_it_once(tokenizer, monkeypatch):
+    """A matcher per request is a copy of one pristine matcher per grammar (the n choices of
+    a request share their constraint); the copies are independent (the test above)."""
+    import llguidance
+
+    built = []
+    real = llguidance.LLMatcher
+
+    class Counting:  # LLMatcher, its constructions counted (its class cannot be subclassed)
+        def __call__(self, *args, **kwargs):
+            built.append(args[1])
+            return real(*args, **kwargs)
+
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting())
+    compiler = GrammarCompiler(tokenizer, 320, frozenset({2}))
+    first = [compiler.matcher(StructuredOutputs(choice=("yes", "no"))) for _ in range(4)]
+    compiler.matcher(StructuredOutputs(regex="[0-9]+"))
+    assert len(built) == 2 and len({id(m) for m in first}) == 4
+
+
 def test_unconstrained_requests_in_the_batch_are_untouched(model, tokenizer):
     free = [SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True),
             SamplingParams.greedy_params(12, ignore_eos=True)]

@@ -95,14 +95,49 @@ def test_a_streamed_named_call_streams_its_arguments(client):
     assert not any(d["delta"].get("content") for d in chunks) and chunks[-1]["finish_reason"] == "stop"
 
 
-def test_a_streamed_required_reply_carries_its_calls_at_the_end(client):
-    chunks = [c["choices"][0] for c in events(client, tools=[WEATHER, CLOCK], tool_choice="required",
-                                               parallel_tool_calls=False, max_tokens=200)]
+def joined_calls(pieces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stream's tool-call pieces joined per call, as a client does: the id and name from
+    the call's first piece (and only there), the arguments from all of them in order."""
+    calls: dict[int, dict[str, Any]] = {}
+    for piece in pieces:
+        if piece["index"] not in calls:
+            assert piece["id"].startswith("chatcmpl-tool-") and piece["function"]["name"], piece
+            calls[piece["index"]] = {"id": piece["id"], "name": piece["function"]["name"], "arguments": ""}
+        else:
+            assert "id" not in piece and "name" not in piece["function"], piece
+        calls[piece["index"]]["arguments"] += piece["function"].get("arguments", "")
+    assert sorted(calls) == list(range(len(calls)))  # opened in order
+    return [calls[index] for index in sorted(calls)]
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_a_streamed_required_reply_streams_each_call_as_it_grows(client, seed):
+    """The calls arrive piece by piece, and join to the calls of the same reply unstreamed
+    (the same seed draws the same tokens)."""
+    fields = {"tools": [WEATHER, CLOCK], "tool_choice": "required", "max_tokens": 300, "seed": seed}
+    whole = ok(post(client, **fields))["choices"][0]
+    assert whole["finish_reason"] == "tool_calls", whole
+    chunks = [c["choices"][0] for c in events(client, **fields)]
     with_calls = [d for d in chunks if d["delta"].get("tool_calls")]
-    assert len(with_calls) == 1 and with_calls[0] is chunks[-1] and chunks[-1]["finish_reason"] == "tool_calls"
-    (call,) = with_calls[0]["delta"]["tool_calls"]
-    assert call["index"] == 0
-    check_arguments(call["function"]["name"], call["function"]["arguments"])
+    assert len(with_calls) > len(whole["message"]["tool_calls"])  # streamed, not sent whole at the end
+    calls = joined_calls([piece for d in with_calls for piece in d["delta"]["tool_calls"]])
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    for call in calls:
+        check_arguments(call["name"], call["arguments"])
+    assert chunks[-1]["finish_reason"] == "tool_calls" and not any(d["delta"].get("content") for d in chunks)
+
+
+def test_a_required_reply_cut_before_a_call_opens_streams_its_text_as_content(client):
+    """Cut by max_tokens before any call's name is closed: no call, the text as content, as
+    unstreamed; finish_reason stays "length"."""
+    fields = {"tools": [WEATHER, CLOCK], "tool_choice": "required", "max_tokens": 3}
+    whole = ok(post(client, **fields))["choices"][0]
+    assert whole["finish_reason"] == "length" and "tool_calls" not in whole["message"]
+    chunks = [c["choices"][0] for c in events(client, **fields)]
+    assert not any(d["delta"].get("tool_calls") for d in chunks)
+    assert "".join(d["delta"].get("content", "") for d in chunks) == whole["message"]["content"] != ""
+    assert chunks[-1]["finish_reason"] == "length"
 
 
 def test_none_shows_the_tools_to_the_template_and_constrains_nothing(client):
@@ -162,8 +197,11 @@ def test_the_official_client_reads_the_call(model):
         stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
                                                 tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=300,
                                                 seed=3, stream=True)
-        calls = [c for chunk in stream for c in (chunk.choices[0].delta.tool_calls or [])]
-    assert calls and all(c.function.name in ("weather", "clock") for c in calls)
+        pieces = [c.model_dump(exclude_none=True) for chunk in stream for c in (chunk.choices[0].delta.tool_calls or [])]
+    calls = joined_calls(pieces)
+    assert calls and all(c["name"] in ("weather", "clock") for c in calls)
+    for call in calls:
+        check_arguments(call["name"], call["arguments"])
 
 
 def test_the_template_gets_each_messages_calls_answers_and_names():

@@ -129,7 +129,7 @@ class ChatHandler:
                 delta: dict[str, Any] = {"content": out.new_text} if out.new_text else {}
             else:
                 delta = tool_deltas[index].delta(out.new_text, out.finished, out.text)
-                if out.finished and "tool_calls" in delta and plan is not None:
+                if out.finished and plan is not None and plan.complete(out.text):
                     finish_reason = plan.finish_reason(finish_reason)
             choice: dict[str, Any] = {
                 "index": index, "delta": delta,

@@ -5,8 +5,8 @@ the reply to JSON of F's `parameters` schema, and `"required"` to a JSON array o
 more `{"name": ..., "parameters": {...}}` calls of the listed functions (at most one with
 `parallel_tool_calls: false`), by structured output (engine/structured_output.py), as vLLM
 does for these two choices (a call holds its name and parameters and nothing else, which
-vLLM's schema leaves open). The reply then carries `tool_calls` (arguments as JSON text)
-and empty content; `finish_reason` is "tool_calls" for "required" and "stop" for a named
+vLLM's schema leaves open). The reply then carries `tool_calls` (arguments as the JSON
+text the model wrote) and empty content; `finish_reason` is "tool_calls" for "required" and "stop" for a named
 function, as OpenAI's API answers. `"none"` shows the tools to the chat template and
 constrains nothing. `"auto"`, the default once tools are sent, needs a parser of each
 model family's own tool-call syntax (vLLM's `--tool-call-parser`), which kvforge lacks:
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.engine.structured_output import StructuredOutputs
+from kvforge.serve.call_array import CallSpan, scan_calls
 from kvforge.serve.protocol import bad_request
 
 
@@ -34,18 +35,29 @@ class ToolPlan:
     constraint: StructuredOutputs | None = None
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The tool calls of a finished reply. A named function's arguments are the text
-        whole, cut or not (as vLLM); a "required" reply that is not a complete array (cut by
-        max_tokens or a stop string) gives None: its text is returned as content."""
+        """The tool calls of a finished reply, arguments as the model wrote them. A named
+        function's arguments are the text whole, cut or not (as vLLM); a "required" reply that
+        is not complete (cut by max_tokens or a stop string) gives None: its text is
+        returned as content."""
         if self.mode == "named":
             return [_call(self.name or "", text)]
+        if not self.complete(text):
+            return None
+        return [_call(span.name or "", text[span.arguments_start:span.arguments_end]) for span in scan_calls(text)]
+
+    def complete(self, text: str) -> bool:
+        """Whether a finished reply holds its calls whole: always for a named function; for
+        "required", a closed array of one or more calls, each with its name and parameters."""
+        if self.mode == "named":
+            return True
         if self.mode != "required":
-            return None
+            return False
         try:
-            items = json.loads(text)
+            json.loads(text)
         except ValueError:
-            return None
-        return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+            return False
+        spans = scan_calls(text)
+        return bool(spans) and all(s.name is not None and s.arguments_end is not None for s in spans)
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if self.mode == "required" and reason == "stop" else reason
@@ -112,30 +124,46 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 
 
 class ToolCallDeltas:
-    """One streamed choice's deltas under a plan that constrains (named or "required"): a
-    named function's arguments stream as they come (the first delta carries the call's id
-    and name); a "required" reply comes whole when it ends (its array cannot be cut into
-    calls before then)."""
+    """One streamed choice's deltas under a plan that constrains (named or "required"). Each
+    call's first delta carries its id and name, the next ones the arguments as they come,
+    so the pieces join to the finished reply's arguments. A named function's arguments are
+    the text itself; a "required" reply is read as it grows (call_array.py): a call opens
+    once its name is closed. A "required" reply that ends before any call opened (cut) ends
+    with its text as content, as when it is not streamed."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.call_id: str | None = None
+        self.call_ids: list[str] = []  # of the calls opened so far
+        self.sent: list[int] = []  # characters of each opened call's arguments sent so far
 
     def delta(self, new_text: str, finished: bool, text: str) -> dict[str, Any]:
         if self.plan.mode == "named":
-            if not new_text:
-                return {}
-            if self.call_id is None:
-                self.call_id = _call_id()
-                return {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
-                                        "function": {"name": self.plan.name, "arguments": new_text}}]}
-            return {"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}
-        if not finished:
-            return {}
-        calls = self.plan.calls(text)
-        if calls is None:
-            return {"content": text} if text else {}
-        return {"tool_calls": [{"index": index, **call} for index, call in enumerate(calls)]}
+            spans = [CallSpan(self.plan.name, 0, None)] if text else []
+        else:
+            spans = scan_calls(text)
+        pieces = []
+        for index, span in enumerate(spans):
+            if span.name is None:
+                break  # (calls open in order)
+            piece: dict[str, Any] = {"index": index, "function": {}}
+            if index == len(self.call_ids):
+                self.call_ids.append(_call_id())
+                self.sent.append(0)
+                piece.update(id=self.call_ids[index], type="function")
+                piece["function"]["name"] = span.name
+            if span.arguments_start is not None:
+                end = len(text) if span.arguments_end is None else span.arguments_end
+                arguments = text[span.arguments_start + self.sent[index]:end]
+                self.sent[index] += len(arguments)
+                if arguments or "id" in piece:
+                    piece["function"]["arguments"] = arguments
+            if piece["function"]:
+                pieces.append(piece)
+        if pieces:
+            return {"tool_calls": pieces}
+        if finished and not self.call_ids and text:
+            return {"content": text}
+        return {}
 
 
 def _call_id() -> str:

@@ -19,6 +19,8 @@ import torch
 from fastapi.testclient import TestClient
 from grammar_helpers import byte_model_fixture, byte_tokenizer  # noqa: F401 - fixture
 from server_helpers import MODEL_NAME, make_engine
+from test_structured_output_api import CHAT, COMPLETIONS
+from test_structured_output_api import post as structured_post
 
 from kvforge.engine import llm_engine
 from kvforge.engine.async_engine import AsyncEngine
@@ -28,9 +30,6 @@ from kvforge.serve.app import create_app
 from kvforge.serve.served_model import ServedModel
 
 pytest.importorskip("llguidance")
-
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-
 
 @pytest.fixture(scope="module")
 def served(model) -> Iterator[tuple[TestClient, LLMEngine]]:
@@ -42,9 +41,7 @@ def served(model) -> Iterator[tuple[TestClient, LLMEngine]]:
 
 
 def post(client: TestClient, path: str, **body: Any):
-    base = {"prompt": "hello"} if path == COMPLETIONS else {"messages": [{"role": "user", "content": "hi"}]}
-    body = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, **base, **body}
-    return client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+    return structured_post(client, path, **{"max_tokens": 8, "temperature": 0, **body})
 
 
 def events(response) -> list[Any]:

@@ -17,7 +17,7 @@ import torch
 from grammar_helpers import WORDS, byte_model_fixture, byte_tokenizer  # noqa: F401 - fixture
 from server_helpers import make_engine
 
-from kvforge.engine import llm_engine
+from kvforge.engine import grammar_matcher, llm_engine
 from kvforge.engine.grammar_matcher import GrammarCompiler, allowed_masks
 from kvforge.engine.sampling import SamplingParams
 from kvforge.engine.structured_output import StructuredOutputs, lark_literal
@@ -187,6 +187,21 @@ def test_requests_sharing_a_constraint_parse_it_once(tokenizer, monkeypatch):
     first = [compiler.matcher(StructuredOutputs(choice=("yes", "no"))) for _ in range(4)]
     compiler.matcher(StructuredOutputs(regex="[0-9]+"))
     assert len(built) == 2 and len({id(m) for m in first}) == 4
+
+
+def test_the_grammars_used_last_are_kept(tokenizer, monkeypatch):
+    """Both caches forget the grammar used least recently: a schema every request sends stays
+    however many one-off ones pass."""
+    monkeypatch.setattr(grammar_matcher, "CHECKED_KEPT", 3)
+    compiler = GrammarCompiler(tokenizer, 320, frozenset({2}))
+    hot = StructuredOutputs(choice=("yes", "no"))
+    compiler.matcher(hot)
+    for digits in range(1, 6):  # one-off grammars, the hot one used between each
+        compiler.matcher(StructuredOutputs(regex=f"[0-9]{{{digits}}}"))
+        compiler.matcher(hot)
+    kept = [key[0] for key in compiler._checked]
+    assert kept == [StructuredOutputs(regex="[0-9]{4}"), StructuredOutputs(regex="[0-9]{5}"), hot], kept
+    assert len(compiler._pristine) == 3 and compiler.check(hot) in compiler._pristine
 
 
 def test_unconstrained_requests_in_the_batch_are_untouched(model, tokenizer):

@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tool_calls import joined_calls
 
-from kvforge.serve.call_array import scan_calls
+from kvforge.serve.call_array import CallArrayReader, scan_calls
 from kvforge.serve.tool_calls import ToolCallDeltas, ToolPlan
 
 PLAN = ToolPlan([], "required")
@@ -58,6 +59,46 @@ def test_streamed_calls_join_to_the_finished_calls(calls, layout, parameters_fir
     assert finished is not None and [(c["function"]["name"], c["function"]["arguments"]) for c in finished] == expected
     one_at_a_time = joined_calls(stream(text, list(range(len(text)))))
     assert [(c["name"], c["arguments"]) for c in one_at_a_time] == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(calls=st.lists(st.tuples(st.sampled_from(["weather", 'say "hi"']),
+                                st.dictionaries(st.text(max_size=6), JSON, max_size=3)), min_size=1, max_size=3),
+       layout=st.sampled_from(LAYOUTS), cuts=st.lists(st.integers(0, 400), max_size=30),
+       tail=st.sampled_from(["", "]", ", x", "}", "\"\\"]))
+def test_a_reader_fed_piece_by_piece_reads_what_a_fresh_read_does(calls, layout, cuts, tail):
+    text = reply(calls, layout, parameters_first=False)[0][:-1] + tail  # closed or cut or broken at the end
+    reader = CallArrayReader()
+    for end in sorted({c for c in cuts if 0 < c < len(text)}) + [len(text)]:
+        assert reader.read(text[:end]) == scan_calls(text[:end])
+        assert reader.seen == end
+
+
+def test_a_streamed_reply_is_read_once_however_many_pieces_it_comes_in(monkeypatch):
+    """Each step's read starts where the last one stopped: one look per character, where
+    reading the whole text again at every token cost seconds of the event loop for a long
+    call's arguments."""
+    looks = 0
+    step = CallArrayReader._step
+
+    def counted(self, text, i):
+        nonlocal looks
+        looks += 1
+        step(self, text, i)
+
+    monkeypatch.setattr(CallArrayReader, "_step", counted)
+    text, expected = reply([("write_file", {"path": "a.py", "text": "x = 1\n" * 400}), ("clock", {})],
+                           {"separators": (", ", ": ")}, parameters_first=False)
+    joined = joined_calls(stream(text, list(range(len(text)))))
+    assert [(c["name"], c["arguments"]) for c in joined] == expected
+    assert looks == len(text)
+
+
+def test_a_reader_refuses_a_text_that_shrank():
+    reader = CallArrayReader()
+    reader.read('[{"name": "f"')
+    with pytest.raises(ValueError, match="shrank from 13 to 2"):
+        reader.read("[{")
 
 
 def test_every_prefix_reads_no_further_than_it_holds():

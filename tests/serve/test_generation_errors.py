@@ -1,7 +1,7 @@
 """A request that fails mid-generation fails its whole response, as in vLLM, and alone: a
-500 naming why when nothing was sent yet, or, once a stream has begun, an error event in
-OpenAI's error schema followed by `[DONE]` (never a choice with finish_reason "error" inside
-a 200, never a cut connection). The request's other choices are aborted, and the server
+non-streamed response is a 500 naming why; a stream, whose 200 went out before its first
+event, ends with an error event in OpenAI's error schema followed by `[DONE]` (never a
+choice with finish_reason "error", never a cut connection). The request's other choices are aborted, and the server
 answers the next request normally.
 
 Three ways to fail are driven for real: a request whose constraint's matcher refuses the
@@ -23,10 +23,13 @@ from test_structured_output_api import CHAT, COMPLETIONS
 from test_structured_output_api import post as structured_post
 
 from kvforge.engine import llm_engine
-from kvforge.engine.async_engine import AsyncEngine
+from kvforge.engine.async_engine import AsyncEngine, EngineStepError, EngineUnavailableError
 from kvforge.engine.llm_engine import LLMEngine
+from kvforge.serve import chat as chat_module
 from kvforge.serve import logprobs as logprobs_module
+from kvforge.serve import streams as streams_module
 from kvforge.serve.app import create_app
+from kvforge.serve.protocol import APIError
 from kvforge.serve.served_model import ServedModel
 
 pytest.importorskip("llguidance")
@@ -126,16 +129,42 @@ def test_a_non_streamed_engine_step_failure_is_a_500(served, monkeypatch):
     assert_serves_normally(client, engine)
 
 
-def test_a_bug_while_writing_events_ends_the_stream_with_an_error_event(served, monkeypatch):
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_bug_while_writing_events_ends_the_stream_with_an_error_event(served, monkeypatch, path):
     """A failure in the handler's own code (here the logprobs builder raises) is reported in
-    the stream, named by its type, and the request is aborted in the engine."""
+    the stream, named by its type, and the request is aborted in the engine before the report
+    is written (not whenever its stream is collected)."""
     client, engine = served
+    happened: list[str] = []
 
     def broken(self, *args, **kwargs):
         raise ValueError("builder bug")
 
+    def recorded(name: str, original):
+        def call(*args, **kwargs):
+            happened.append(name)
+            return original(*args, **kwargs)
+        return call
+
     monkeypatch.setattr(logprobs_module.CompletionLogprobs, "add", broken)
-    got = events(post(client, COMPLETIONS, stream=True, logprobs=1, max_tokens=6, ignore_eos=True))
+    monkeypatch.setattr(chat_module, "chat_logprobs", lambda *args: broken(None))
+    monkeypatch.setattr(AsyncEngine, "abort", recorded("abort", AsyncEngine.abort))
+    monkeypatch.setattr(streams_module, "api_error_of", recorded("report", streams_module.api_error_of))
+    logprobs = {"logprobs": 1} if path == COMPLETIONS else {"logprobs": True}
+    got = events(post(client, path, stream=True, max_tokens=6, ignore_eos=True, **logprobs))
     assert got[-1] == "[DONE]" and got[-2]["error"]["message"] == "internal error: ValueError: builder bug", got[-2:]
+    assert happened == ["abort", "report"], happened
     monkeypatch.undo()
     assert_serves_normally(client, engine)
+
+
+def test_a_failure_is_reported_alike_streamed_or_not():
+    """One mapping for both paths: an engine that stopped is a 503 in a stream as in a
+    non-streamed response, a failed step a 500, a refusal keeps its own status."""
+    stopped = streams_module.api_error_of(EngineUnavailableError("the engine is shutting down"))
+    assert (stopped.status, stopped.error_type, stopped.message) == (503, "service_unavailable",
+                                                                     "the engine is shutting down")
+    failed = streams_module.api_error_of(EngineStepError("the engine step failed: boom"))
+    assert (failed.status, failed.error_type) == (500, "internal_error")
+    refusal = APIError(400, "invalid n=0: must be >= 1", param="n")
+    assert streams_module.api_error_of(refusal) is refusal

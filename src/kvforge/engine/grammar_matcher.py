@@ -18,8 +18,9 @@ Invariants:
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from kvforge.engine.structured_output import MISSING_PACKAGE, StructuredOutputs,
 from kvforge.errors import ConfigError
 
 CHECKED_KEPT = 256
+T = TypeVar("T")
 
 
 class ConstraintBroken(RuntimeError):
@@ -43,8 +45,8 @@ class GrammarCompiler:
         self._wrapped: Any = None
         self._wrap_failure: tuple[str, str] | None = None  # (value, rule) of the ConfigError, kept
         self._wrap_lock = threading.Lock()  # held while wrapping (seconds, once)
-        self._checked: dict[tuple[StructuredOutputs, str], str] = {}
-        self._pristine: dict[str, Any] = {}  # grammar -> a matcher never advanced (copied per request)
+        self._checked: OrderedDict[tuple[StructuredOutputs, str], str] = OrderedDict()
+        self._pristine: OrderedDict[str, Any] = OrderedDict()  # grammar -> a matcher never advanced (copied)
         self._checked_lock = threading.Lock()  # never held while compiling
 
     def warm_up(self) -> None:
@@ -85,12 +87,12 @@ class GrammarCompiler:
 
     def check(self, constraint: StructuredOutputs) -> str:
         """The compiled grammar of `constraint`; ConfigError naming its field if it is invalid.
-        The last CHECKED_KEPT valid ones are remembered (the server checks a request, then
-        the engine checks it again as it is queued)."""
+        The CHECKED_KEPT valid ones used last are remembered (the server checks a request,
+        then the engine checks it again as it is queued)."""
         key = (constraint, constraint.origin)
         with self._checked_lock:
             if key in self._checked:
-                return self._checked[key]
+                return _used(self._checked, key)
         grammar = grammar_text(constraint)  # (says what to install when llguidance is missing)
         from llguidance import LLMatcher
 
@@ -98,19 +100,17 @@ class GrammarCompiler:
         if error:
             raise ConfigError(constraint.parameter, constraint.shown, f"does not compile: {error.strip()[:500]}")
         with self._checked_lock:
-            if len(self._checked) >= CHECKED_KEPT:
-                self._checked.pop(next(iter(self._checked)))
-            self._checked[key] = grammar
+            _keep(self._checked, key, grammar)
         return grammar
 
     def matcher(self, constraint: StructuredOutputs) -> Any:
         """A fresh llguidance matcher for one request (its constraint checked): a copy of a
-        pristine matcher kept per grammar (the last CHECKED_KEPT), since building one parses
+        pristine matcher kept per grammar (the CHECKED_KEPT used last), since building one parses
         the grammar again (0.7 ms for a small JSON schema on smollm2's vocabulary), which
         the n choices of a request, or requests sharing a schema, would each pay."""
         grammar = self.check(constraint)
         with self._checked_lock:
-            pristine = self._pristine.get(grammar)
+            pristine = _used(self._pristine, grammar) if grammar in self._pristine else None
         if pristine is None:
             from llguidance import LLMatcher
 
@@ -119,10 +119,22 @@ class GrammarCompiler:
                 raise ConfigError(constraint.parameter, constraint.shown,
                                   f"does not compile: {pristine.get_error()[:500]}")
             with self._checked_lock:
-                if len(self._pristine) >= CHECKED_KEPT:
-                    self._pristine.pop(next(iter(self._pristine)))
-                self._pristine[grammar] = pristine
+                _keep(self._pristine, grammar, pristine)
         return pristine.deep_copy()
+
+
+def _used(kept: OrderedDict[Any, T], key: Any) -> T:
+    """`kept[key]`, now the most recently used."""
+    kept.move_to_end(key)
+    return kept[key]
+
+
+def _keep(kept: OrderedDict[Any, T], key: Any, value: T) -> None:
+    """Remember `value`, forgetting the least recently used beyond CHECKED_KEPT."""
+    kept[key] = value
+    kept.move_to_end(key)
+    while len(kept) > CHECKED_KEPT:
+        kept.popitem(last=False)
 
 
 def allowed_masks(matchers: Sequence[Any], vocab_size: int) -> tuple[torch.Tensor, list[tuple[int, str]]]:

@@ -66,10 +66,10 @@ _MAX_SEED = 2**64  # torch.Generator.manual_seed accepts [0, 2**64)
 # Most alternatives reported per position (OpenAI's chat API allows 20 top_logprobs).
 MAX_TOP_LOGPROBS = 20
 
-
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): a float32 division by them
 # overflows, and below float32's smallest value the divisor is 0.
 GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -207,8 +207,6 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     else:
         generator.manual_seed(seed)
     return generator
-
-
 
 
 @dataclass(frozen=True)

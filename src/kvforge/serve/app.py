@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvforge.engine.async_engine import EngineStepError, EngineUnavailableError
+from kvforge.errors import KVForgeError
 from kvforge.serve.chat import ChatHandler
 from kvforge.serve.completions import CompletionHandler
 from kvforge.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -35,7 +36,7 @@ from kvforge.serve.protocol import (
     TokenizeRequest,
 )
 from kvforge.serve.served_model import ServedModel
-from kvforge.serve.streams import ClientDisconnected
+from kvforge.serve.streams import ClientDisconnected, api_error_of
 from kvforge.serve.tokenize import TokenizeHandler
 
 logger = logging.getLogger(__name__)
@@ -135,12 +136,10 @@ def _add_error_handlers(app: FastAPI) -> None:
                             status_code=exc.status_code)
 
     @app.exception_handler(EngineUnavailableError)
-    async def unavailable(_: Request, exc: EngineUnavailableError) -> JSONResponse:
-        return JSONResponse(APIError(503, str(exc), error_type="service_unavailable").body(), status_code=503)
-
     @app.exception_handler(EngineStepError)
-    async def step_failed(_: Request, exc: EngineStepError) -> JSONResponse:
-        return JSONResponse(APIError(500, str(exc), error_type="internal_error").body(), status_code=500)
+    async def engine_failed(_: Request, exc: KVForgeError) -> JSONResponse:
+        error = api_error_of(exc)
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(ClientDisconnected)
     async def gone(_: Request, exc: ClientDisconnected) -> Response:

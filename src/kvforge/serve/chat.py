@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -122,22 +123,23 @@ class ChatHandler:
             yield sse({**chunk_head, "choices": [first], **extra})
         finals: list[RequestOutput | None] = [None] * len(streams)
         tool_deltas = [ToolCallDeltas(plan) for _ in streams] if plan and plan.constraint else None
-        async for index, out in outputs(streams):
-            finals[index] = out
-            finish_reason = out.finish_reason if out.finished else None
-            if tool_deltas is None:
-                delta: dict[str, Any] = {"content": out.new_text} if out.new_text else {}
-            else:
-                delta = tool_deltas[index].delta(out.new_text, out.finished, out.text)
-                if out.finished and plan is not None and plan.complete(out.text):
-                    finish_reason = plan.finish_reason(finish_reason)
-            choice: dict[str, Any] = {
-                "index": index, "delta": delta,
-                "logprobs": self._logprobs(out.new_token_ids, out, params, shown),
-                "finish_reason": finish_reason}
-            if ids:
-                choice["token_ids"] = out.new_token_ids
-            yield sse({**chunk_head, "choices": [choice], **extra})
+        async with aclosing(outputs(streams)) as merged:  # a bug in this loop aborts the requests now
+            async for index, out in merged:
+                finals[index] = out
+                finish_reason = out.finish_reason if out.finished else None
+                if tool_deltas is None:
+                    delta: dict[str, Any] = {"content": out.new_text} if out.new_text else {}
+                else:
+                    delta = tool_deltas[index].delta(out.new_text, out.finished, out.text)
+                    if out.finished and plan is not None and plan.complete(out.text):
+                        finish_reason = plan.finish_reason(finish_reason)
+                choice: dict[str, Any] = {
+                    "index": index, "delta": delta,
+                    "logprobs": self._logprobs(out.new_token_ids, out, params, shown),
+                    "finish_reason": finish_reason}
+                if ids:
+                    choice["token_ids"] = out.new_token_ids
+                yield sse({**chunk_head, "choices": [choice], **extra})
         if include_usage and all(out is not None for out in finals):
             yield sse({**chunk_head, "choices": [], "usage": _usage(prompt, finals)})
         yield DONE

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,28 +154,29 @@ class CompletionHandler:
                       options: _Options, include_usage: bool) -> AsyncIterator[str]:
         builders = [options.logprobs_builder(self.served.token_text) for _ in jobs]
         finals: list[RequestOutput | None] = [None] * len(jobs)
-        async for index, out in outputs(streams):
-            job, builder = jobs[index], builders[index]
-            first = finals[index] is None
-            finals[index] = out
-            text = "" if options.hidden else out.new_text
-            new_ids = [] if options.hidden else out.new_token_ids
-            if first and options.echo:
-                text = job.text + text
-                if options.logprobs is not None:
-                    builder.add(job.prompt, out.prompt_logprobs or [], out.prompt_top_logprobs)
-                    builder.offset = len(job.text)
-            if options.logprobs is not None and new_ids:
-                count = len(new_ids)
-                builder.add(new_ids, (out.logprobs or [])[-count:], (out.top_logprobs or [])[-count:] or None)
-            choice: dict[str, Any] = {"index": job.index, "text": text,
-                                      "logprobs": builder.take() if options.logprobs is not None else None,
-                                      "finish_reason": _finish_reason(out, options) if out.finished else None}
-            if options.return_token_ids:
-                choice["token_ids"] = new_ids
-                if first:
-                    choice["prompt_token_ids"] = job.prompt
-            yield sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
+        async with aclosing(outputs(streams)) as merged:  # a bug in this loop aborts the requests now
+            async for index, out in merged:
+                job, builder = jobs[index], builders[index]
+                first = finals[index] is None
+                finals[index] = out
+                text = "" if options.hidden else out.new_text
+                new_ids = [] if options.hidden else out.new_token_ids
+                if first and options.echo:
+                    text = job.text + text
+                    if options.logprobs is not None:
+                        builder.add(job.prompt, out.prompt_logprobs or [], out.prompt_top_logprobs)
+                        builder.offset = len(job.text)
+                if options.logprobs is not None and new_ids:
+                    count = len(new_ids)
+                    builder.add(new_ids, (out.logprobs or [])[-count:], (out.top_logprobs or [])[-count:] or None)
+                choice: dict[str, Any] = {"index": job.index, "text": text,
+                                          "logprobs": builder.take() if options.logprobs is not None else None,
+                                          "finish_reason": _finish_reason(out, options) if out.finished else None}
+                if options.return_token_ids:
+                    choice["token_ids"] = new_ids
+                    if first:
+                        choice["prompt_token_ids"] = job.prompt
+                yield sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
         if include_usage:
             yield sse({**head, "choices": [], "usage": _usage(jobs, finals, options)})
         yield DONE

@@ -7,8 +7,9 @@ engine step.
 
 A request that fails mid-generation (it ends with finish_reason "error": its constraint's
 matcher broke, or the KV budget cannot hold it even alone; or the engine step failed) fails
-the whole response, as in vLLM: a 500 naming why, before any byte is sent, or, once a
-stream has begun, an error event and `[DONE]` instead of a cut connection. The request's
+the whole response, as in vLLM. A non-streamed response is then a 500 naming why. A
+streamed one has already answered 200 (a stream's status goes out before its first event),
+so it ends with an error event and `[DONE]` instead of a cut connection. The request's
 other choices are aborted.
 """
 
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from kvforge.engine.async_engine import EngineUnavailableError
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import FinishReason
 from kvforge.errors import KVForgeError
@@ -120,17 +122,24 @@ async def ending_with_error_event(events: AsyncIterator[str]) -> AsyncIterator[s
         async for event in events:
             yield event
     except Exception as exc:  # noqa: BLE001 - reported to the client; a bug is logged too
-        if isinstance(exc, APIError):
-            error = exc
-        elif isinstance(exc, KVForgeError):  # the engine step failed, or the engine stopped
-            error = APIError(500, str(exc), error_type="internal_error")
-        else:
-            logger.exception("a response stream failed")
-            error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", error_type="internal_error")
-        yield sse(error.body())
+        yield sse(api_error_of(exc).body())
         yield DONE
     finally:
         await events.aclose()  # type: ignore[attr-defined]
+
+
+def api_error_of(exc: Exception) -> APIError:
+    """What a response reports for a failure, streamed or not: a refusal as it is, an engine
+    that stopped as 503, a failed step as 500, and anything else (a bug, logged with its
+    traceback) as a 500 naming the exception, as vLLM reports it."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineUnavailableError):
+        return APIError(503, str(exc), error_type="service_unavailable")
+    if isinstance(exc, KVForgeError):  # the engine step failed
+        return APIError(500, str(exc), error_type="internal_error")
+    logger.error("a response failed", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", error_type="internal_error")
 
 
 async def _until_disconnected(request: Request) -> None:

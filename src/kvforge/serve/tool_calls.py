@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.engine.structured_output import StructuredOutputs
-from kvforge.serve.call_array import CallSpan, scan_calls
+from kvforge.serve.call_array import CallArrayReader, CallSpan, scan_calls
 from kvforge.serve.protocol import bad_request
 
 
@@ -127,20 +127,21 @@ class ToolCallDeltas:
     """One streamed choice's deltas under a plan that constrains (named or "required"). Each
     call's first delta carries its id and name, the next ones the arguments as they come,
     so the pieces join to the finished reply's arguments. A named function's arguments are
-    the text itself; a "required" reply is read as it grows (call_array.py): a call opens
-    once its name is closed. A "required" reply that ends before any call opened (cut) ends
+    the text itself; a "required" reply is read as it grows (call_array.py, each character
+    once): a call opens once its name is closed. A "required" reply that ends before any call opened (cut) ends
     with its text as content, as when it is not streamed."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.call_ids: list[str] = []  # of the calls opened so far
         self.sent: list[int] = []  # characters of each opened call's arguments sent so far
+        self.reader = CallArrayReader()
 
     def delta(self, new_text: str, finished: bool, text: str) -> dict[str, Any]:
         if self.plan.mode == "named":
             spans = [CallSpan(self.plan.name, 0, None)] if text else []
         else:
-            spans = scan_calls(text)
+            spans = self.reader.read(text)
         pieces = []
         for index, span in enumerate(spans):
             if span.name is None:

@@ -1,5 +1,7 @@
 """The tracked tree fits the 64 MiB a GPU machine's transfer takes (the tree is copied whole
-to it), so a result or model that would push it over fails here, not on the device."""
+to it) beside what every GPU run carries with it (benchmarks/gpu/run_on_device.sh needs
+the stand-in model's statistics, .gpu/smollm2-stats, ignored by git), so a result or model
+that would push it over fails here, not on the device."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_BYTES = 64 * 2**20
+CARRIED = REPO / ".gpu" / "smollm2-stats"
+# Room kept for CARRIED where this checkout has not made it (3.6 MiB when made, mostly the
+# tokenizer's JSON).
+CARRIED_RESERVE_BYTES = 4 * 2**20
 
 
 def tracked_bytes(root: Path) -> int | None:
@@ -30,8 +36,11 @@ def test_the_tracked_tree_fits_the_device_transfer():
     total = tracked_bytes(REPO)
     if total is None:
         pytest.skip("not a git checkout")
-    assert total <= LIMIT_BYTES, (f"tracked files hold {total / 2**20:.1f} MiB, over the {LIMIT_BYTES / 2**20:.0f} MiB "
-                                  f"a GPU machine's transfer takes; keep large results or weights out of the tree")
+    carried = (sum(path.stat().st_size for path in CARRIED.rglob("*") if path.is_file()) if CARRIED.is_dir()
+               else CARRIED_RESERVE_BYTES)
+    assert total + carried <= LIMIT_BYTES, (
+        f"tracked files hold {total / 2**20:.1f} MiB and a GPU run carries {carried / 2**20:.1f} MiB more, over the "
+        f"{LIMIT_BYTES / 2**20:.0f} MiB a GPU machine's transfer takes; keep large results or weights out of the tree")
 
 
 def test_tracked_bytes_counts_tracked_files_only(tmp_path):

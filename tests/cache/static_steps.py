@@ -4,6 +4,7 @@ CUDA graph capture is emulated on CPU tensors (graph_replay.py)."""
 from __future__ import annotations
 
 import gc
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -15,13 +16,19 @@ from kvforge.host_sync import device_code_paths
 
 
 class Counting(DecodeGraphs):
-    """Counts the steps that ran from the fixed buffers."""
+    """Counts the steps that ran from the fixed buffers, in all and by the step's form."""
 
     static_steps = 0
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.by_form: Counter[str | None] = Counter()
+
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         logits = super().run(batch)
-        self.static_steps += logits is not None
+        if logits is not None:
+            self.static_steps += 1
+            self.by_form[self.last_form] += 1
         return logits
 
 

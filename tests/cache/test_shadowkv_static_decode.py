@@ -41,7 +41,7 @@ def _runner(model, device: str, static: bool, spec: str = SPEC, capture: bool = 
         kind = Replayed if capture and device == "cpu" else Counting
         graphs = runner.decode_graphs = kind(model, runner.cache, 4, 128, capture=capture)
         if capture:
-            assert graphs.capture().graphs == len(graphs.steps) > 0
+            assert graphs.capture().graphs == sum(len(step.forms) for step in graphs.steps.values()) > 0
     return runner, graphs
 
 
@@ -50,7 +50,8 @@ def _script(runner: ModelRunner) -> list[torch.Tensor]:
     4 sequences (the exact one last), then 3 (one freed: the exact one beside a padding
     row); prompts joining (a prefill step, eager; a 30-token one compressed at its end, a
     13-token one exact); then 4 again, the exact one first, until it compresses at 24
-    tokens (an eager step) and decodes compressed."""
+    tokens (an eager step) and decodes compressed beside the others (every sequence
+    compressed: the fixed step's form "compressed")."""
     token = lambda seq, step: (7 * step + 3 * seq + 1) % 90  # noqa: E731
     out = [runner.step([StepItem(0, list(range(1, 41))), StepItem(1, list(range(7, 72))),
                         StepItem(2, list(range(9, 39))), StepItem(4, list(range(2, 16)))])]
@@ -62,7 +63,7 @@ def _script(runner: ModelRunner) -> list[torch.Tensor]:
     runner.release(4)
     out.append(runner.step([StepItem(0, [token(0, 9)], decode=True), StepItem(3, list(range(4, 34))),
                             StepItem(5, list(range(3, 16)))]))
-    for step in range(10, 22):
+    for step in range(10, 26):
         out.append(runner.step([StepItem(seq, [token(seq, step)], decode=True) for seq in (5, 0, 2, 3)]))
     return out
 
@@ -79,14 +80,14 @@ def test_static_steps_give_the_dynamic_logits_chunk_reuse_and_folds(architecture
     with device_code_paths():  # (the branches CUDA takes around the replays too)
         static = _script(runner)
     assert [runner.cache._seqs[seq].compressed.chunks_per_step for seq in (0, 2, 3, 5)] == [1, 1, 1, 1]
-    assert runner.cache.num_cached_tokens(5) == 25  # compressed at 24
+    assert runner.cache.num_cached_tokens(5) == 29  # compressed at 24
     assert graphs.steps[4, 128].slots == 4 and eager_runner.cache._seqs[0].compressed.chunks_per_step == 1
     assert len(static) == len(eager)
     for step, (a, b) in enumerate(zip(static, eager)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
-    # every decode step but the one compressing sequence 5: 5 + 4 + 11 (the prefill steps
-    # are eager)
-    assert graphs.static_steps == 20
+    # every decode step but the one compressing sequence 5: 5 + 4 + 15 (the prefill steps
+    # are eager), the last 5 with every sequence compressed
+    assert graphs.static_steps == 24 and graphs.by_form == {"any": 19, "compressed": 5}
     got, expected = runner.cache.statistics(), eager_runner.cache.statistics()
     assert got["folded_chunks"] == expected["folded_chunks"] > 0
     assert (got["chunk_hits"], got["chunk_misses"]) == (expected["chunk_hits"], expected["chunk_misses"])

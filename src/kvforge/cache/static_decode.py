@@ -74,11 +74,22 @@ class StaticDecode(ABC, Generic[Meta]):
         self.buffers.fill(values)
         return host_meta
 
+    # The forms of the step a bucket holds, each captured in a graph of its own: one unless
+    # a method can leave work out for some batches (ShadowKV: the exact attention, when
+    # every sequence of the step is compressed). `form_of` names the form that serves a
+    # loaded step; every form gives the same logits for the batches it serves.
+    forms: tuple[str, ...] = ("any",)
+
+    def form_of(self, host_meta: Meta) -> str:
+        """The form that runs the step `load` returned `host_meta` for."""
+        del host_meta
+        return self.forms[0]
+
     @abstractmethod
-    def make_meta(self) -> Meta:
-        """Step metadata over the buffers: made once for a capture (the graph holds what the
-        step wrote into it), and afresh for each step run without one (a step's metadata
-        caches what it derives from the buffers' values)."""
+    def make_meta(self, form: str = "any") -> Meta:
+        """Step metadata over the buffers in one of `forms`: made once for a capture (the
+        graph holds what the step wrote into it), and afresh for each step run without one
+        (a step's metadata caches what it derives from the buffers' values)."""
 
     def finish(self, host_meta: Meta, meta: Meta, rows: int) -> None:
         """Hand what the step over the buffers (`meta`) left for `end_step` to the host

@@ -87,8 +87,9 @@ class DecodeGraphs:
                     if step is not None:  # (None: the method has no fixed step for such a bucket)
                         self.steps[rows, tokens] = step
         self.capture_enabled = capture and bool(self.steps)
-        # bucket -> (graph, its logits, the metadata it was captured with)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, StepMetadata]] = {}
+        # (rows, tokens, form) -> (graph, its logits, the metadata it was captured with)
+        self._graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor, StepMetadata]] = {}
+        self.last_form: str | None = None  # the form of the last step run from fixed buffers
 
     @property
     def enabled(self) -> bool:
@@ -120,14 +121,15 @@ class DecodeGraphs:
         if host_meta is None:
             return None
         rows = len(batch.spans)
-        captured = self._graphs.get(key)
+        form = self.last_form = step.form_of(host_meta)
+        captured = self._graphs.get((*key, form))
         if captured is not None:
             graph, logits, meta = captured
             graph.replay()
             # the output buffer is overwritten by the next replay: the caller gets its own copy
             result = logits[:rows].clone()
         else:
-            meta = step.make_meta()
+            meta = step.make_meta(form)
             with torch.inference_mode():
                 result = self.model.forward_step(self.cache, meta)[:rows]
         with torch.inference_mode():
@@ -136,8 +138,8 @@ class DecodeGraphs:
         return result
 
     def capture(self) -> CaptureReport:
-        """Capture every bucket's step (largest first, so that smaller graphs reuse the pool's
-        memory) on the current CUDA device; a no-op without capture enabled."""
+        """Capture every form of every bucket's step (largest first, so that smaller graphs
+        reuse the pool's memory) on the current CUDA device; a no-op without capture enabled."""
         if not self.capture_enabled:
             return CaptureReport(0, 0.0, 0)
         start = time.perf_counter()
@@ -145,7 +147,8 @@ class DecodeGraphs:
         pool = self._new_pool()
         with collection_paused():
             for key in sorted(self.steps, reverse=True):
-                self._graphs[key] = self._capture_one(self.steps[key], pool)
+                for form in self.steps[key].forms:
+                    self._graphs[(*key, form)] = self._capture_one(self.steps[key], form, pool)
         self._wait_for_device()
         report = CaptureReport(len(self._graphs), time.perf_counter() - start, torch.cuda.memory_reserved() - before)
         log.info("captured %d decode graphs (rows %s x lengths %s) in %.1f s, %.1f MiB", report.graphs,
@@ -168,14 +171,14 @@ class DecodeGraphs:
                 f"{self.length_buckets}), captured at start-up in {report.seconds:.1f} s, "
                 f"{report.bytes / 2**20:.0f} MiB of graph memory; --enforce-eager runs every step eagerly")
 
-    def _capture_one(self, step: StaticDecode, pool: object
+    def _capture_one(self, step: StaticDecode, form: str, pool: object
                      ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, StepMetadata]:
         # The buffers hold padding only (every row writes the scratch page), so warm-up and
         # capture change nothing a sequence reads. The warm-up (lazy inits, kernel
         # compiles) runs on metadata of its own: what a step derives and caches on its
         # metadata must be computed inside the capture, so that each replay recomputes it.
-        meta = step.make_meta()
-        self._warm_up(lambda: self.model.forward_step(self.cache, step.make_meta()))
+        meta = step.make_meta(form)
+        self._warm_up(lambda: self.model.forward_step(self.cache, step.make_meta(form)))
         graph, logits = self._record(lambda: self.model.forward_step(self.cache, meta), pool)
         return graph, logits, meta
 

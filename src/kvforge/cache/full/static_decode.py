@@ -104,7 +104,7 @@ class FullStaticDecode(StaticDecode[FullStepMetadata]):
         self.buffers.fill(self.layout.padding() | {"token_ids": torch.zeros(rows, dtype=torch.long),
                                                    "positions": torch.zeros(rows, dtype=torch.long)})
 
-    def make_meta(self) -> FullStepMetadata:
+    def make_meta(self, form: str = "any") -> FullStepMetadata:
         return self.layout.meta(self.buffers.tensors, self.batch, self.row_order, self.device)
 
     def plan(self, batch: ForwardBatch) -> tuple[FullStepMetadata, dict[str, torch.Tensor]] | None:

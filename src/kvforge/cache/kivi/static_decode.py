@@ -45,7 +45,7 @@ class KiviStaticDecode(StaticDecode[KiviStepMetadata]):
         self.no_flush = Flush((empty, empty), empty, empty, empty, (empty, empty), (empty, empty), empty, empty, empty)
         self.no_writes = ResidualWrites((empty,) * 3, (empty,) * 3, (empty,) * 3)
 
-    def make_meta(self) -> KiviStepMetadata:
+    def make_meta(self, form: str = "any") -> KiviStepMetadata:
         buffers = self.buffers.tensors
         groups = [GroupPlan(self.no_flush,
                             Decode(rows=self.row_order, page_table=buffers[f"{g}.page_table"],

@@ -291,8 +291,8 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
         if meta.exact_batch is meta.batch:
             return self.exact.attend(index, meta.exact, q, rope)  # type: ignore[arg-type]
         if meta.exact is None and len(meta.groups) == 1:
-            # every sequence compressed, in one group (all decoding, or one multi-token span
-            # alone): the group's rows are every row of the step in order, no gather or scatter
+            # every sequence compressed, in one group (decoding, a fixed step's form "compressed",
+            # or one multi-token span alone): its rows are every row in order, no gather or scatter
             return self._attend_compressed(cache_layer, meta, q, rope, None)
         out = torch.empty_like(q)
         if meta.exact is not None:
@@ -303,9 +303,8 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
     @staticmethod
     def _keep_own(meta: ShadowKVStepMetadata, exact: torch.Tensor, compressed: torch.Tensor) -> torch.Tensor:
         """A fixed step's rows each from its own attention (the other saw padding)."""
-        assert meta.mixed_rows is not None
         if meta.keep_exact is None:
-            meta.keep_exact = meta.mixed_rows.view(-1, *([1] * (exact.dim() - 1))) != 0
+            meta.keep_exact = meta.mixed_rows.view(-1, *([1] * (exact.dim() - 1))) != 0  # type: ignore[union-attr]
         return torch.where(meta.keep_exact, exact, compressed)
 
     def _attend_compressed(self, cache_layer: int, meta: ShadowKVStepMetadata, q: torch.Tensor,
@@ -348,12 +347,14 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
             assert self.sliding is not None and meta.sliding is not None
             return self.sliding.attend_rows(index, meta.sliding, q, rope, rows)
         meta.queries.record(cache_layer, meta.batch, meta.compressing, q, rows)
-        if meta.mixed_rows is not None:
+        if meta.fixed and meta.groups:
             if rows is not meta.batch.logit_rows:  # (its sparse group is every row, in order)
                 raise ValueError("a fixed ShadowKV decode step attends its logit rows: every row, in order")
+            compressed = self._attend_compressed(cache_layer, meta, q, rope, None)
+            if meta.mixed_rows is None:  # form "compressed": every row compressed or padding
+                return compressed
             assert meta.exact is not None
-            return self._keep_own(meta, self.exact.attend_rows(index, meta.exact, q, rope, rows),
-                                  self._attend_compressed(cache_layer, meta, q, rope, None))
+            return self._keep_own(meta, self.exact.attend_rows(index, meta.exact, q, rope, rows), compressed)
         if meta.exact_batch is meta.batch:
             assert self.exact is not None and meta.exact is not None
             return self.exact.attend_rows(index, meta.exact, q, rope, rows)

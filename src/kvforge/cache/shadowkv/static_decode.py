@@ -6,13 +6,15 @@ Every row runs both of a global layer's attentions, each row keeps its own (`mix
 1 where the sequence is exact): the inner `full` cache's over the exact sequences (the
 others are its padding rows: they write its scratch page and see nothing stored) and the
 sparse attention over the compressed ones (the others point at a scratch state). So one
-fixed step serves a batch of exact and compressed sequences in any mix, as serving prompts
-of different lengths gives (a prompt shorter than min_context stays exact). The price of
-the all-compressed step is the exact attention of padding rows: one paged decode kernel
-per global layer over one token per row. Sliding-window layers run their inner `full`
-cache's fixed step over every row (every sequence keeps its window exact). A bucket
-shorter than min_context never holds a compressed sequence: its step (`slots` 0) is the
-inner caches' alone, with no sparse buffers or kernels.
+fixed step (form "any") serves a batch of exact and compressed sequences in any mix, as
+serving prompts of different lengths gives (a prompt shorter than min_context stays
+exact). A step whose sequences are all compressed (the long-context serving the paper
+measures) runs form "compressed", captured beside it: the sparse attention alone, without
+the exact cache's page writes, its attention over padding rows and the per-row choice
+(four kernels per global layer fewer). Sliding-window layers run their inner `full`
+cache's fixed step over every row in both forms (every sequence keeps its window exact).
+A bucket shorter than min_context never holds a compressed sequence: its step (`slots` 0)
+is the inner caches' alone, with no sparse buffers or kernels, in one form.
 
 The sparse buffers of a bucket of `rows` sequences of at most `max_tokens` tokens: the
 chunk page table padded to `width` chunks, each sequence's k (chunks selected per KV head),
@@ -87,6 +89,7 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
             shapes.update({f"{g}.info": (rows, FIELDS) for g in range(num_layers)})
         shapes.update(self.exact.shapes | (self.sliding.shapes if self.sliding else {}))
         super().__init__(rows, shapes, device)
+        self.forms = ("any", "compressed") if slots else ("any",)
         self.row_order = torch.arange(rows, device=device)
         # one padding row of the pointer table (the scratch state: rows used 1, slots and
         # window at row 0)
@@ -106,15 +109,20 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
                  "exact_row": torch.zeros(rows, dtype=torch.long)}
                 | {f"{g}.info": self.padding_info.expand(rows, -1).clone() for g in range(self.num_layers)} | inner)
 
-    def make_meta(self) -> ShadowKVStepMetadata:
+    def form_of(self, host_meta: ShadowKVStepMetadata) -> str:
+        return "compressed" if self.slots and host_meta.exact is None else "any"
+
+    def make_meta(self, form: str = "any") -> ShadowKVStepMetadata:
+        if form not in self.forms:
+            raise ValueError(f"form {form!r}: this bucket's step has forms {list(self.forms)}")
         buffers = self.buffers.tensors
         inner = (self.batch, self.row_order, self.device)
-        exact = self.exact.meta(buffers, *inner)
+        exact = self.exact.meta(buffers, *inner) if form == "any" else None
         sliding = self.sliding.meta(buffers, *inner) if self.sliding else None
         if not self.slots:  # every row an exact sequence or padding
             return ShadowKVStepMetadata(self.batch, exact=exact, sliding=sliding, exact_rows=None, compressing=(),
                                         compressed_spans=(), groups=(), any_compressed=False,
-                                        queries=QuerySampler(enabled=False))
+                                        queries=QuerySampler(enabled=False), fixed=True)
         likes = (self.scratch.keys, self.scratch.basis, self.scratch.coefficients)
         rows = self.rows
         group = SparseGroup(
@@ -126,7 +134,7 @@ class ShadowKVStaticDecode(StaticDecode[ShadowKVStepMetadata]):
         return ShadowKVStepMetadata(
             self.batch, exact=exact, sliding=sliding, exact_rows=None, compressing=(), compressed_spans=(),
             groups=(group,), any_compressed=True, queries=QuerySampler(enabled=False),
-            mixed_rows=buffers["exact_row"])
+            mixed_rows=buffers["exact_row"] if form == "any" else None, fixed=True)
 
     def plan(self, batch: ForwardBatch) -> tuple[ShadowKVStepMetadata, dict[str, torch.Tensor]] | None:
         host_meta = self.begin_step(batch)

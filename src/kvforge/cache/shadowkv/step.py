@@ -33,8 +33,12 @@ class ShadowKVStepMetadata(StepMetadata):
     # rank=attention: the compressing prompts' last queries, from this step's attention calls
     queries: QuerySampler
     exact_ropes: dict[int, PositionedRope] = field(default_factory=dict)  # sub-ropes of exact rows
-    # A fixed step (static_decode.py): 1 where the row's sequence is exact. Both attentions
-    # then run over every row and each row keeps its own (None: a dynamic step).
+    # A fixed step (static_decode.py): its batch is one logit row per row of the bucket,
+    # in order, every row exact or padding (no slots) or in its one sparse group.
+    fixed: bool = False
+    # A fixed step of form "any": 1 where the row's sequence is exact. Both attentions then
+    # run over every row and each row keeps its own (None: a dynamic step, or a fixed step
+    # whose rows are all compressed or padding).
     mixed_rows: torch.Tensor | None = None
     keep_exact: torch.Tensor | None = None  # mixed_rows != 0, made at the first global layer for the others
     # attend_rows of a mixed step: the rows asked for and where they go (None: generic path),

@@ -130,12 +130,13 @@ def _headline_runs(ctx: BenchContext, system: System, prompts: list[list[int]],
 
 def _engine(ctx: BenchContext, system: System, step_timing: bool) -> Any:
     args = ctx.args
-    # CUDA graphs for decode steps of up to every running sequence at the run's longest
-    # length (the engine's default stops at 8,192 tokens, which long-context runs pass)
+    # CUDA graphs for decode steps of up to every running sequence (no more than the run's
+    # requests: larger buckets would never replay) at the run's longest length (the
+    # engine's default stops at 8,192 tokens, which long-context runs pass)
     longest = args.shared_prefix + args.input_len + args.output_len
     return ctx.make_engine(system, args.max_num_batched_tokens, args.max_num_seqs,
                            getattr(args, "admission", "optimistic"), step_timing=step_timing,
-                           graph_shape=(args.max_num_seqs, longest))
+                           graph_shape=(min(args.max_num_seqs, args.num_requests), longest))
 
 
 @dataclass

@@ -41,7 +41,9 @@ def _runner(model, device: str, static: bool, spec: str = SPEC, capture: bool = 
         kind = Replayed if capture and device == "cpu" else Counting
         graphs = runner.decode_graphs = kind(model, runner.cache, 4, 128, capture=capture)
         if capture:
-            assert graphs.capture().graphs == sum(len(step.forms) for step in graphs.steps.values()) > 0
+            report = graphs.capture()
+            assert report.graphs == sum(len(step.forms) for step in graphs.steps.values()) > 0
+            assert "x forms ['any', 'compressed'])" in graphs.describe(report)  # (the start-up line)
     return runner, graphs
 
 
@@ -152,10 +154,14 @@ def test_the_static_step_reads_nothing_on_the_host():
     batch = ForwardBatch.build([0, 1, 2, 3], [[4], [5], [6], [7]], cached)
     step = graphs.steps[graphs.bucket(batch)]
     assert step.load(batch) is not None
-    counter = SyncCounter()
-    with counter.counting(device_paths=True), counter.within("forward_step"), torch.inference_mode():
-        model.forward_step(cache, step.make_meta())
-    assert counter.syncs == []
+    assert step.forms == ("any", "compressed")
+    for form in step.forms:  # (the compressed form over these buffers: its exact row reads a scratch state)
+        counter = SyncCounter()
+        with counter.counting(device_paths=True), counter.within("forward_step"), torch.inference_mode():
+            model.forward_step(cache, step.make_meta(form))
+        assert counter.syncs == [], form
+    with pytest.raises(ValueError, match="form 'exact'"):
+        step.make_meta("exact")
 
 
 def test_a_bucket_shorter_than_min_context_is_its_inner_caches_step_alone():

@@ -1,5 +1,6 @@
 """Decode-only steps replayed from CUDA graphs: one captured step per bucket of (sequences,
-sequence length), launched as one graph instead of thousands of kernels from Python.
+sequence length) and form of its step (one, except ShadowKV's buckets that can hold
+compressed sequences: two), launched as one graph instead of thousands of kernels from Python.
 
 A bucket is `rows` sequences (powers of two up to `max_num_seqs`) of at most `max_tokens`
 tokens (powers of two from 512 up to `max_seq_len_to_capture`, vLLM's name). Its step
@@ -167,8 +168,9 @@ class DecodeGraphs:
             return f"decode steps run eagerly: {why}"
         if not report.graphs:
             return "decode steps run eagerly from fixed buffers (not captured)"
+        forms = sorted({form for step in self.steps.values() for form in step.forms})
         return (f"decode steps replay {report.graphs} CUDA graphs (sequences {self.row_buckets} x tokens "
-                f"{self.length_buckets}), captured at start-up in {report.seconds:.1f} s, "
+                f"{self.length_buckets}{' x forms ' + str(forms) if len(forms) > 1 else ''}), captured at start-up in {report.seconds:.1f} s, "
                 f"{report.bytes / 2**20:.0f} MiB of graph memory; --enforce-eager runs every step eagerly")
 
     def _capture_one(self, step: StaticDecode, form: str, pool: object

@@ -126,7 +126,7 @@ if [[ ${SMOKE:-0} == 1 ]]; then
     PAPER_7B=llama-tiny; PAPER_8B=llama-tiny; PAPER_BUDGET=64MiB; PAPER_SLOW=64MiB; PAPER_L=1
     PAPER_RANK=32  # KV width 128
     KIVI_PAPER=(--num-requests 8 --input-len 256 --output-len 16)
-    SHADOW_PAPER=(--num-requests 2 --input-len 4096 --output-len 8 --max-position-embeddings 8192)
+    SHADOW_PAPER=(--num-requests 2 --input-len 4096 --output-len 8 --max-position-embeddings 8192); SHADOW_LEN=4104
     SWIFT_PREFILL=(--batch 1 --prompt-len 512); SWIFT_SERVE=(--num-prompts 4 --input-len 256 --output-len 8)
 else
     PAPER_7B=llama-2-7b; PAPER_8B=llama-3.1-8b; PAPER_BUDGET=60GiB; PAPER_L=16; PAPER_RANK=160
@@ -138,6 +138,7 @@ else
     KIVI_PAPER=(--num-requests 128 --input-len 4096 --output-len 1024)
     # ShadowKV's Table 3 is at 122K tokens; 32K keeps both systems' prefill inside one run.
     SHADOW_PAPER=(--num-requests 24 --input-len 32768 --output-len 128 --max-position-embeddings 131072)
+    SHADOW_LEN=32896
     SWIFT_PREFILL=(--batch 4 --prompt-len 2048); SWIFT_SERVE=(--num-prompts 64 --input-len 2000 --output-len 256)
 fi
 paper=(--load-format dummy --device "$DEVICE" --dtype bfloat16 --kv-budget "$PAPER_BUDGET")
@@ -149,8 +150,12 @@ fi
 if has paper-shadowkv; then
     # Sparse budget 1.56%, chunk 8, rank 160 (the paper's Table 3 setting) against the bf16 cache;
     # values in pinned RAM (the Triton kernels read them in place; decode steps are captured).
+    # 40% of the budget for prompts not yet compressed (5 of 32K at once), the rest for compressed
+    # sequences in a 32K one's proportions: 49 of them (the default split holds 18; 60 GiB of
+    # bf16 cache holds 14 uncompressed).
+    shadow="shadowkv:budget_fraction=0.0156,chunk=8,rank=$PAPER_RANK,slow_store=pinned,slow_budget=$PAPER_SLOW"
     TAIL=16 step paper-shadowkv 560 $PY -m kvforge bench throughput --model "$PAPER_8B" "${paper[@]}" --repeats 1 \
-        --cache "shadowkv:budget_fraction=0.0156,chunk=8,rank=$PAPER_RANK,slow_store=pinned,slow_budget=$PAPER_SLOW" \
+        --cache "$shadow,exact_share=0.4,split_context=$SHADOW_LEN" \
         --compare full "${SHADOW_PAPER[@]}" \
         --json "$WORK/paper-shadowkv.json"
 fi

@@ -131,3 +131,60 @@ def test_a_budget_too_small_for_its_split_is_refused():
 def test_split_context_below_min_context_is_refused():
     with pytest.raises(ConfigError, match="split_context.*10.*min_context=24"):
         make(1 << 20, ",split_context=10")
+
+
+@pytest.mark.parametrize("options", [",exact_share=0.25", ",exact_share=0.6,split_context=100"])
+def test_exact_share_gives_the_exact_stores_their_fraction(options):
+    """The exact stores get exact_share of the budget (less the page set aside), between
+    them in a sequence's proportions; the compressed state gets the rest, between chunk
+    pages and per-sequence state as without it (split_context's proportions, or the
+    per-token mix)."""
+    share = float(options.split(",")[1].split("=")[1])
+    budget = 1 << 22
+    cache = make(budget, options)
+    split, room = cache.split, budget - cache.fast_chunk_bytes
+    assert split.exact + split.sliding + split.chunk_pages * cache.fast_chunk_bytes + split.fixed == budget
+    assert int(room * share) - 2 <= split.exact + split.sliding <= int(room * share)
+    parts = cache.memory.sizes.sequence_parts(100 if "split_context" in options else 24)
+    assert split.exact / (split.exact + split.sliding) == pytest.approx(parts["exact"] / (parts["exact"] + parts["sliding"]),
+                                                                       abs=1e-4)
+    if "split_context" in options:  # chunk pages : state in a 100-token sequence's proportions
+        pages = split.chunk_pages * cache.fast_chunk_bytes
+        assert pages / (pages + split.fixed) == pytest.approx(parts["chunks"] / (parts["chunks"] + parts["fixed"]),
+                                                              abs=0.01)
+    assert cache.exact.memory.capacity["fast"] <= split.exact  # type: ignore[union-attr]
+    assert cache.store.num_pages <= split.chunk_pages  # type: ignore[union-attr]
+
+
+def test_a_small_exact_share_holds_more_compressed_sequences():
+    """What exact_share is for: long compressed sequences, whose exact pages are freed when
+    they compress. The default split keeps most of the budget for exact pages; a quarter
+    for them holds over twice the compressed sequences."""
+    budget, n = 1 << 22, 400
+    default, small = make(budget), make(budget, ",exact_share=0.25")
+
+    def compressed(cache) -> int:
+        parts = cache.memory.sizes.sequence_parts(n)
+        return min(cache.split.fixed // parts["fixed"],
+                   cache.split.chunk_pages * cache.fast_chunk_bytes // parts["chunks"])
+
+    assert compressed(small) > 2 * compressed(default) > 0
+    assert small.split.exact < default.split.exact
+
+
+def test_a_bad_exact_share_is_refused():
+    for share in ("0", "1", "1.5", "-0.1"):
+        with pytest.raises(ConfigError, match=f"exact_share.*{share}.*must be None or in \\(0, 1\\)"):
+            make(1 << 20, f",exact_share={share}")
+    with pytest.raises(ConfigError, match="kv_budget.*must give the exact store .* exact_share=0.001: at least"):
+        make(60_000, ",exact_share=0.001")
+    with pytest.raises(ConfigError, match="kv_budget.*must leave one compressed min_context=24 sequence .* "
+                                          "exact_share=0.999"):
+        make(60_000, ",exact_share=0.999")
+
+
+def test_the_least_budget_named_for_an_exact_share_is_enough():
+    with pytest.raises(ConfigError) as refused:
+        make(30_000, ",exact_share=0.01")
+    least = int(str(refused.value).rsplit("at least ", 1)[1].split()[0])
+    make(least, ",exact_share=0.01")

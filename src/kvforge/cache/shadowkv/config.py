@@ -111,6 +111,9 @@ class ShadowKVConfig:
     # proportions between exact and compressed state, chunk pages sized per token).
     # Longer values give the exact store more (longer prompts), fewer compressed sequences fit.
     split_context: int | None = None
+    # The fraction of kv_budget for the exact stores (prompts until they compress), the rest
+    # for compressed sequences' chunk pages and state; None: as split_context says (split.py).
+    exact_share: float | None = None
 
     def __post_init__(self) -> None:
         require(self.chunk >= 1, "chunk", self.chunk, "must be >= 1")
@@ -141,6 +144,8 @@ class ShadowKVConfig:
                 f"must be >= local + chunk = {self.local + self.chunk} (something to compress)")
         require(self.threads >= 0, "threads", self.threads, "must be >= 0 (0: torch's setting)")
         require(self.block_size >= 1, "block_size", self.block_size, "must be >= 1")
+        require(self.exact_share is None or 0 < self.exact_share < 1, "exact_share", self.exact_share,
+                "must be None or in (0, 1)")
         require(self.split_context is None or self.split_context >= self.min_context, "split_context",
                 self.split_context, f"must be None or >= min_context={self.min_context} (a compressed sequence)")
         require(self.slow_store in SLOW_STORES, "slow_store", self.slow_store, f"must be one of {list(SLOW_STORES)}")

@@ -25,7 +25,13 @@ by the per-token ratio the pages run out only once the
 state's share is used too (at the largest rank, which compression never exceeds). If the
 budget cannot hold even one min_context sequence, nothing ever compresses and the whole
 budget goes to the longest sequence it holds. With `split_context` the whole budget is
-split in the proportions of a sequence of that many tokens instead. Each share is a hard
+split in the proportions of a sequence of that many tokens instead. With `exact_share` the
+exact stores (exact and sliding, in those proportions) get that fraction of the budget and
+the compressed state the rest, between chunk pages and per-sequence state as above: for
+serving many long compressed sequences, whose exact pages are freed when they compress,
+so that at most the prompts being prefilled hold exact pages at once (the proportions of
+one sequence at its compression step give the exact stores most of a large budget: 75% of
+60 GiB at Llama-3.1-8B's shapes). Each share is a hard
 bound that `allocate` checks, so together (the budget) they bound the device bytes.
 Outside the budget stay only a compressed sequence's page table (8 bytes per chunk, next to
 the chunk's hundreds to thousands of fast bytes) and per-step workspace.
@@ -33,6 +39,7 @@ the chunk's hundreds to thousands of fast bytes) and per-step workspace.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,11 +57,25 @@ class BudgetSplit:
 
     @classmethod
     def of(cls, budget: int, parts: Callable[[int], dict[str, int]], reference: int | None, min_context: int,
-           fast_chunk_bytes: int) -> BudgetSplit:
+           fast_chunk_bytes: int, exact_share: float | None = None) -> BudgetSplit:
         """`parts(n)`: bytes of each of PARTS that one sequence of n tokens holds at most
         (`parts(1)`: the least a store in use must hold)."""
         room = max(0, budget - fast_chunk_bytes)
-        if reference is None:
+        if exact_share is not None:
+            wanted = parts(reference) if reference is not None else _per_token_mix(parts, min_context)
+            exact_room = int(room * exact_share)
+            shares = (_proportional(exact_room, {**wanted, "chunks": 0, "fixed": 0})
+                      | _select(_proportional(room - exact_room, {**wanted, "exact": 0, "sliding": 0}),
+                                ("chunks", "fixed")))
+            stores = wanted["exact"] + wanted["sliding"]
+            _check_least(shares, parts, budget, f"exact_share={exact_share}",
+                         lambda name: math.ceil(parts(1)[name] * stores / wanted[name] / exact_share) + fast_chunk_bytes)
+            compressed = _select(parts(min_context), ("chunks", "fixed"))
+            if any(shares[name] < compressed[name] for name in compressed):
+                raise ConfigError("kv_budget", budget, f"must leave one compressed min_context={min_context} "
+                                                       f"sequence {sum(compressed.values())} bytes of chunk pages "
+                                                       f"and state beside exact_share={exact_share}")
+        elif reference is None:
             longest = _longest(parts, room)
             if longest == 0:
                 raise ConfigError("kv_budget", budget, "must hold one token of one sequence plus one compressed "
@@ -67,17 +88,27 @@ class BudgetSplit:
         else:
             wanted = parts(reference)
             shares = _proportional(room, wanted)
-            total, least = sum(wanted.values()), parts(1)
-            for name in ("exact", "sliding"):
-                if shares[name] < least[name]:
-                    raise ConfigError("kv_budget", budget,
-                                      f"must give the {name} store {least[name]} bytes in its split by "
-                                      f"split_context={reference}: at least "
-                                      f"{-(-least[name] * total // wanted[name]) + fast_chunk_bytes} bytes")
+            total = sum(wanted.values())
+            _check_least(shares, parts, budget, f"split_context={reference}",
+                         lambda name: -(-parts(1)[name] * total // wanted[name]) + fast_chunk_bytes)
         pages = shares["chunks"] // fast_chunk_bytes + 1  # with the page set aside
         # What rounding leaves goes to the per-sequence state.
         return cls(shares["exact"], shares["sliding"], pages,
                    budget - shares["exact"] - shares["sliding"] - pages * fast_chunk_bytes)
+
+
+def _check_least(shares: dict[str, int], parts: Callable[[int], dict[str, int]], budget: int, rule: str,
+                 budget_needed: Callable[[str], int]) -> None:
+    """Each exact store in use gets at least one token of one sequence in its share."""
+    least = parts(1)
+    for name in ("exact", "sliding"):
+        if shares[name] < least[name]:
+            raise ConfigError("kv_budget", budget, f"must give the {name} store {least[name]} bytes in its split by "
+                                                   f"{rule}: at least {budget_needed(name)} bytes")
+
+
+def _select(shares: dict[str, int], names: tuple[str, ...]) -> dict[str, int]:
+    return {name: shares[name] for name in names}
 
 
 def _longest(parts: Callable[[int], dict[str, int]], room: int) -> int:

@@ -38,3 +38,12 @@ class MemorySpec(ABC):
         `sequence_bytes` says (reserving admission; a prompt that fits nowhere is refused).
         Methods whose budget is split between stores check every store."""
         return sum(self.sequence_bytes(n) for n in token_counts) <= self.capacity["fast"]
+
+    def sequences_held(self, num_tokens: int) -> int:
+        """The most sequences of `num_tokens` tokens the cache holds at once as it keeps them
+        for decoding (here: as `fits_together` says; at most what the bytes alone allow)."""
+        lo, hi = 0, self.capacity["fast"] // max(1, self.sequence_bytes(num_tokens))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.fits_together([num_tokens] * mid) else (lo, mid - 1)
+        return lo

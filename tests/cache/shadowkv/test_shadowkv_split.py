@@ -134,41 +134,38 @@ def test_split_context_below_min_context_is_refused():
 
 
 @pytest.mark.parametrize("options", [",exact_share=0.25", ",exact_share=0.6,split_context=100"])
-def test_exact_share_gives_the_exact_stores_their_fraction(options):
-    """The exact stores get exact_share of the budget (less the page set aside), between
-    them in a sequence's proportions; the compressed state gets the rest, between chunk
-    pages and per-sequence state as without it (split_context's proportions, or the
-    per-token mix)."""
+def test_exact_share_gives_the_exact_store_its_fraction(options):
+    """The exact store gets exact_share of the budget (less the page set aside); what every
+    decoding sequence holds (sliding windows, chunk pages, per-sequence state) the rest, in
+    split_context's proportions or the per-token mix (as without exact_share)."""
     share = float(options.split(",")[1].split("=")[1])
     budget = 1 << 22
     cache = make(budget, options)
     split, room = cache.split, budget - cache.fast_chunk_bytes
-    assert split.exact + split.sliding + split.chunk_pages * cache.fast_chunk_bytes + split.fixed == budget
-    assert int(room * share) - 2 <= split.exact + split.sliding <= int(room * share)
+    pages = split.chunk_pages * cache.fast_chunk_bytes
+    assert split.exact + split.sliding + pages + split.fixed == budget
+    assert split.exact == int(room * share)
     parts = cache.memory.sizes.sequence_parts(100 if "split_context" in options else 24)
-    assert split.exact / (split.exact + split.sliding) == pytest.approx(parts["exact"] / (parts["exact"] + parts["sliding"]),
-                                                                       abs=1e-4)
-    if "split_context" in options:  # chunk pages : state in a 100-token sequence's proportions
-        pages = split.chunk_pages * cache.fast_chunk_bytes
+    rest = parts["sliding"] + parts["chunks"] + parts["fixed"]
+    assert split.sliding / (room - split.exact) == pytest.approx(parts["sliding"] / rest, abs=1e-4)
+    if "split_context" in options:  # in a 100-token sequence's proportions
         assert pages / (pages + split.fixed) == pytest.approx(parts["chunks"] / (parts["chunks"] + parts["fixed"]),
                                                               abs=0.01)
     assert cache.exact.memory.capacity["fast"] <= split.exact  # type: ignore[union-attr]
+    assert cache.sliding.memory.capacity["fast"] <= split.sliding  # type: ignore[union-attr]
     assert cache.store.num_pages <= split.chunk_pages  # type: ignore[union-attr]
 
 
 def test_a_small_exact_share_holds_more_compressed_sequences():
     """What exact_share is for: long compressed sequences, whose exact pages are freed when
     they compress. The default split keeps most of the budget for exact pages; a quarter
-    for them holds over twice the compressed sequences."""
+    for them, the rest in a 400-token sequence's proportions, holds over twice the
+    compressed 400-token sequences."""
     budget, n = 1 << 22, 400
-    default, small = make(budget), make(budget, ",exact_share=0.25")
-
-    def compressed(cache) -> int:
-        parts = cache.memory.sizes.sequence_parts(n)
-        return min(cache.split.fixed // parts["fixed"],
-                   cache.split.chunk_pages * cache.fast_chunk_bytes // parts["chunks"])
-
-    assert compressed(small) > 2 * compressed(default) > 0
+    default, small = make(budget), make(budget, f",exact_share=0.25,split_context={n}")
+    assert small.memory.sequences_held(n) > 2 * default.memory.sequences_held(n) > 0
+    # an exact share too small for one 400-token prompt: none, however much room is left
+    assert make(budget, f",exact_share=0.01,split_context={n}").memory.sequences_held(n) == 0
     assert small.split.exact < default.split.exact
 
 
@@ -178,13 +175,54 @@ def test_a_bad_exact_share_is_refused():
             make(1 << 20, f",exact_share={share}")
     with pytest.raises(ConfigError, match="kv_budget.*must give the exact store .* exact_share=0.001: at least"):
         make(60_000, ",exact_share=0.001")
+    with pytest.raises(ConfigError, match="kv_budget.*must give the sliding store .* exact_share=0.999: at least"):
+        make(200_000, ",exact_share=0.999")
     with pytest.raises(ConfigError, match="kv_budget.*must leave one compressed min_context=24 sequence .* "
-                                          "exact_share=0.999"):
-        make(60_000, ",exact_share=0.999")
+                                          "exact_share=0.9"):
+        make(200_000, ",exact_share=0.9")
 
 
-def test_the_least_budget_named_for_an_exact_share_is_enough():
+@pytest.mark.parametrize("share", ["0.01", "0.999"])
+def test_the_least_budget_named_for_an_exact_share_is_enough(share):
     with pytest.raises(ConfigError) as refused:
-        make(30_000, ",exact_share=0.01")
+        make(30_000, f",exact_share={share}")
     least = int(str(refused.value).rsplit("at least ", 1)[1].split()[0])
-    make(least, ",exact_share=0.01")
+    try:
+        make(least, f",exact_share={share}")
+    except ConfigError as error:  # enough for the store named; another may still be short
+        assert "exact_share" in str(error) and str(error) != str(refused.value)
+
+
+@pytest.mark.parametrize("architecture,options,n", [
+    ("llama_gqa", "", 40), ("llama_gqa", ",exact_share=0.3,split_context=40", 40),
+    ("llama_gqa", ",exact_share=0.3,split_context=40,slow_budget=20000", 40),  # one sequence's values
+    ("llama_gqa", "", 20),  # shorter than min_context: exact
+    ("gemma3_hybrid", ",exact_share=0.3,split_context=40", 40)])
+def test_sequences_held_is_what_the_cache_holds(architecture, options, n):
+    """`sequences_held` (bench throughput's admissible sequences) against a cache filled by
+    prompts prefilled one at a time, each compressed at its end if long enough, until
+    `allocate` refuses the next: the same count, less at most one (chunk pages counted for
+    whole tokens), on global layers; no more than the cache holds with sliding-window layers
+    (their windows' pages counted at the most a sequence can hold). `fits_together`, which
+    counts every sequence at its compression step, holds fewer with exact_share."""
+    from conftest import make_pair
+
+    from kvforge.engine.runner import ModelRunner, StepItem
+
+    model = make_pair(architecture)[1]
+    spec = ("shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=8,rank=3,budget=paper,"
+            "budget_floor=4,budget_fraction=0.1,kernel=0")
+    cache = create_cache(spec + options, model.cache_layout(), 1 << 20, torch.float32)
+    runner = ModelRunner(model, cache)
+    held = cache.memory.sequences_held(n)
+    if "slow_budget" in options:  # the values' tier binds (through the chunk pages: 2 without it)
+        assert held == 1
+    filled = 0
+    while filled < 100 and cache.allocate(filled, n):
+        runner.step([StepItem(filled, [(7 * filled + i) % 90 + 1 for i in range(n)])])
+        filled += 1
+    assert 0 < held <= filled < 100
+    if architecture == "llama_gqa":
+        assert filled <= held + 1
+    if "exact_share" in options and "slow_budget" not in options:
+        assert not cache.memory.fits_together([n] * held)

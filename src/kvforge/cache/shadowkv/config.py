@@ -111,8 +111,9 @@ class ShadowKVConfig:
     # proportions between exact and compressed state, chunk pages sized per token).
     # Longer values give the exact store more (longer prompts), fewer compressed sequences fit.
     split_context: int | None = None
-    # The fraction of kv_budget for the exact stores (prompts until they compress), the rest
-    # for compressed sequences' chunk pages and state; None: as split_context says (split.py).
+    # The fraction of kv_budget for the exact store (prompts until they compress), the rest
+    # for what decoding sequences hold (sliding windows, chunk pages, per-sequence state);
+    # None: as split_context says (split.py).
     exact_share: float | None = None
 
     def __post_init__(self) -> None:

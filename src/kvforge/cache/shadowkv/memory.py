@@ -150,6 +150,19 @@ class ShadowKVMemorySpec(MemorySpec):
     def capacity(self) -> dict[str, int]:
         return {"fast": self.budget_bytes, "slow": self.slow_bytes}
 
+    def sequences_held(self, num_tokens: int) -> int:
+        """Compressed sequences hold no exact pages in their global layers (`fits_together`
+        counts them at their compression step, when they still do): as many as the chunk
+        pages' (as many as both tiers hold), per-sequence state's and sliding windows' shares
+        hold, provided that one such sequence fits alone (its prompt is prefilled exactly).
+        Shorter than min_context, sequences stay exact: as `fits_together` says."""
+        parts = self.sizes.sequence_parts(num_tokens)
+        if not parts["chunks"]:
+            return super().sequences_held(num_tokens)
+        if not self.fits_together([num_tokens]):
+            return 0
+        return min(self.store_capacity[name] // parts[name] for name in ("sliding", "chunks", "fixed") if parts[name])
+
     def compressed_global_bytes(self, num_tokens: int, rank: int | list[int] | None = None) -> int:
         return self.sizes.compressed_global_bytes(num_tokens, rank)
 

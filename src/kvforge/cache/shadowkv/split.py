@@ -26,12 +26,12 @@ state's share is used too (at the largest rank, which compression never exceeds)
 budget cannot hold even one min_context sequence, nothing ever compresses and the whole
 budget goes to the longest sequence it holds. With `split_context` the whole budget is
 split in the proportions of a sequence of that many tokens instead. With `exact_share` the
-exact stores (exact and sliding, in those proportions) get that fraction of the budget and
-the compressed state the rest, between chunk pages and per-sequence state as above: for
-serving many long compressed sequences, whose exact pages are freed when they compress,
-so that at most the prompts being prefilled hold exact pages at once (the proportions of
-one sequence at its compression step give the exact stores most of a large budget: 75% of
-60 GiB at Llama-3.1-8B's shapes). Each share is a hard
+exact store gets that fraction of the budget and what every decoding sequence holds (the
+sliding windows, chunk pages and per-sequence state) the rest, in the proportions above:
+for serving many long compressed sequences, whose exact pages are freed when they
+compress, so that at most the prompts being prefilled hold exact pages at once (the
+proportions of one sequence at its compression step give the exact store most of a large
+budget: 75% of 60 GiB at Llama-3.1-8B's shapes). Each share is a hard
 bound that `allocate` checks, so together (the budget) they bound the device bytes.
 Outside the budget stay only a compressed sequence's page table (8 bytes per chunk, next to
 the chunk's hundreds to thousands of fast bytes) and per-step workspace.
@@ -64,13 +64,14 @@ class BudgetSplit:
         if exact_share is not None:
             wanted = parts(reference) if reference is not None else _per_token_mix(parts, min_context)
             exact_room = int(room * exact_share)
-            shares = (_proportional(exact_room, {**wanted, "chunks": 0, "fixed": 0})
-                      | _select(_proportional(room - exact_room, {**wanted, "exact": 0, "sliding": 0}),
-                                ("chunks", "fixed")))
-            stores = wanted["exact"] + wanted["sliding"]
+            shares = {**_proportional(room - exact_room, {**wanted, "exact": 0}), "exact": exact_room}
+            rest = wanted["sliding"] + wanted["chunks"] + wanted["fixed"]
             _check_least(shares, parts, budget, f"exact_share={exact_share}",
-                         lambda name: math.ceil(parts(1)[name] * stores / wanted[name] / exact_share) + fast_chunk_bytes)
-            compressed = _select(parts(min_context), ("chunks", "fixed"))
+                         lambda name: fast_chunk_bytes + math.ceil(
+                             parts(1)[name] / exact_share if name == "exact"
+                             else parts(1)[name] * rest / wanted[name] / (1 - exact_share)))
+            at_least = parts(min_context)
+            compressed = {name: at_least[name] for name in ("chunks", "fixed")}
             if any(shares[name] < compressed[name] for name in compressed):
                 raise ConfigError("kv_budget", budget, f"must leave one compressed min_context={min_context} "
                                                        f"sequence {sum(compressed.values())} bytes of chunk pages "
@@ -105,10 +106,6 @@ def _check_least(shares: dict[str, int], parts: Callable[[int], dict[str, int]],
         if shares[name] < least[name]:
             raise ConfigError("kv_budget", budget, f"must give the {name} store {least[name]} bytes in its split by "
                                                    f"{rule}: at least {budget_needed(name)} bytes")
-
-
-def _select(shares: dict[str, int], names: tuple[str, ...]) -> dict[str, int]:
-    return {name: shares[name] for name in names}
 
 
 def _longest(parts: Callable[[int], dict[str, int]], room: int) -> int:

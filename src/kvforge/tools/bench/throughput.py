@@ -254,13 +254,10 @@ def attention_rates(num_bytes: int, flops: int, seconds: float, steps: int) -> d
 
 
 def admissible_sequences(cache: CacheMethod, num_tokens: int) -> int:
-    """The most sequences of `num_tokens` tokens the cache holds at once (`fits_together`,
-    every store of a split budget checked; at most what the bytes alone allow)."""
-    lo, hi = 0, cache.memory.capacity["fast"] // cache.memory.sequence_bytes(num_tokens)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if cache.memory.fits_together([num_tokens] * mid) else (lo, mid - 1)
-    return lo
+    """The most sequences of `num_tokens` tokens the cache holds at once as it keeps them
+    for decoding (`MemorySpec.sequences_held`: ShadowKV's compressed, every store of a
+    split budget checked)."""
+    return cache.memory.sequences_held(num_tokens)
 
 
 def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:

@@ -169,8 +169,10 @@ class DecodeGraphs:
         if not report.graphs:
             return "decode steps run eagerly from fixed buffers (not captured)"
         forms = sorted({form for step in self.steps.values() for form in step.forms})
-        return (f"decode steps replay {report.graphs} CUDA graphs (sequences {self.row_buckets} x tokens "
-                f"{self.length_buckets}{' x forms ' + str(forms) if len(forms) > 1 else ''}), captured at start-up in {report.seconds:.1f} s, "
+        shapes = f"sequences {self.row_buckets} x tokens {self.length_buckets}"
+        if len(forms) > 1:
+            shapes += f" x forms {forms}"
+        return (f"decode steps replay {report.graphs} CUDA graphs ({shapes}), captured at start-up in {report.seconds:.1f} s, "
                 f"{report.bytes / 2**20:.0f} MiB of graph memory; --enforce-eager runs every step eagerly")
 
     def _capture_one(self, step: StaticDecode, form: str, pool: object

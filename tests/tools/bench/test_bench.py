@@ -237,18 +237,17 @@ def test_prefix_end_to_end_kivi_hits_and_keeps_the_tokens(fast_bench, tmp_path):
     assert result["ratio"] > 0 and math.isfinite(result["ratio"])
 
 
-def test_admissible_sequences_counts_every_store_of_a_split_budget():
+def test_sequences_held_counts_every_store_of_a_split_budget():
     """KIVI with 2 residual slots: the bytes would admit many short sequences, the slots 2."""
     from kvforge.cache.layout import CacheLayerSpec, CacheLayout
     from kvforge.cache.registry import create_cache
-    from kvforge.tools.bench.throughput import admissible_sequences
 
     layout = CacheLayout.one_per_layer([CacheLayerSpec(2, 32, 0.2)] * 2)
     full = create_cache("full", layout, 1 << 22, torch.float32)
-    assert admissible_sequences(full, 100) == (1 << 22) // full.memory.sequence_bytes(100)
+    assert full.memory.sequences_held(100) == (1 << 22) // full.memory.sequence_bytes(100)
     kivi = create_cache("kivi:max_sequences=2", layout, 1 << 22, torch.float32)
     assert kivi.memory.capacity["fast"] // kivi.memory.sequence_bytes(100) > 2
-    assert admissible_sequences(kivi, 100) == 2
+    assert kivi.memory.sequences_held(100) == 2
 
 
 # -- bench throughput's step split and attention rates --------------------------------------

@@ -19,7 +19,6 @@ from kvforge.tools.bench import common, peak
 from kvforge.tools.bench.common import parse_budgets
 from kvforge.tools.bench.compare import parse_compare
 from kvforge.tools.bench.merge_all_layers import MergedLayersCache, merged_layout
-from kvforge.tools.bench.throughput import admissible_sequences
 from kvforge.tools.report.render import render_document
 
 
@@ -105,7 +104,7 @@ def test_one_step_prompt_equals_the_base_model_and_the_budget_holds_layers_times
     budget_cache = create_cache("full:block_size=4", model.cache_layout(), budget, torch.float32)
     merged_budget = MergedLayersCache(create_cache("full:block_size=4", merged_layout(model.cache_layout()), budget,
                                                    torch.float32))
-    assert (admissible_sequences(budget_cache, 64), admissible_sequences(merged_budget, 64)) == (3, 9)
+    assert (budget_cache.memory.sequences_held(64), merged_budget.memory.sequences_held(64)) == (3, 9)
 
 
 @pytest.fixture

@@ -62,20 +62,7 @@ class BudgetSplit:
         (`parts(1)`: the least a store in use must hold)."""
         room = max(0, budget - fast_chunk_bytes)
         if exact_share is not None:
-            wanted = parts(reference) if reference is not None else _per_token_mix(parts, min_context)
-            exact_room = int(room * exact_share)
-            shares = {**_proportional(room - exact_room, {**wanted, "exact": 0}), "exact": exact_room}
-            rest = wanted["sliding"] + wanted["chunks"] + wanted["fixed"]
-            _check_least(shares, parts, budget, f"exact_share={exact_share}",
-                         lambda name: fast_chunk_bytes + math.ceil(
-                             parts(1)[name] / exact_share if name == "exact"
-                             else parts(1)[name] * rest / wanted[name] / (1 - exact_share)))
-            at_least = parts(min_context)
-            compressed = {name: at_least[name] for name in ("chunks", "fixed")}
-            if any(shares[name] < compressed[name] for name in compressed):
-                raise ConfigError("kv_budget", budget, f"must leave one compressed min_context={min_context} "
-                                                       f"sequence {sum(compressed.values())} bytes of chunk pages "
-                                                       f"and state beside exact_share={exact_share}")
+            shares = _by_exact_share(budget, room, parts, reference, min_context, fast_chunk_bytes, exact_share)
         elif reference is None:
             longest = _longest(parts, room)
             if longest == 0:
@@ -96,6 +83,26 @@ class BudgetSplit:
         # What rounding leaves goes to the per-sequence state.
         return cls(shares["exact"], shares["sliding"], pages,
                    budget - shares["exact"] - shares["sliding"] - pages * fast_chunk_bytes)
+
+
+def _by_exact_share(budget: int, room: int, parts: Callable[[int], dict[str, int]], reference: int | None,
+                    min_context: int, fast_chunk_bytes: int, exact_share: float) -> dict[str, int]:
+    """exact_share of `room` for the exact store, the rest in `reference`'s proportions (or
+    the per-token mix at min_context) for what decoding sequences hold."""
+    wanted = parts(reference) if reference is not None else _per_token_mix(parts, min_context)
+    exact_room = int(room * exact_share)
+    shares = {**_proportional(room - exact_room, {**wanted, "exact": 0}), "exact": exact_room}
+    rest = wanted["sliding"] + wanted["chunks"] + wanted["fixed"]
+    _check_least(shares, parts, budget, f"exact_share={exact_share}",
+                 lambda name: fast_chunk_bytes + math.ceil(
+                     parts(1)[name] / exact_share if name == "exact"
+                     else parts(1)[name] * rest / wanted[name] / (1 - exact_share)))
+    compressed = parts(min_context)
+    if shares["chunks"] < compressed["chunks"] or shares["fixed"] < compressed["fixed"]:
+        raise ConfigError("kv_budget", budget, f"must leave one compressed min_context={min_context} sequence "
+                                               f"{compressed['chunks'] + compressed['fixed']} bytes of chunk pages "
+                                               f"and state beside exact_share={exact_share}")
+    return shares
 
 
 def _check_least(shares: dict[str, int], parts: Callable[[int], dict[str, int]], budget: int, rule: str,

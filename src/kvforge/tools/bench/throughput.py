@@ -124,7 +124,8 @@ def _headline_runs(ctx: BenchContext, system: System, prompts: list[list[int]],
     run["kv_bytes_capacity"] = cache.memory.capacity["fast"]
     run["kv_budget_fraction_used"] = run["kv_bytes_peak"] / run["kv_bytes_capacity"]
     # Whole sequences (prompt + output) the budget holds by the cache's own accounting.
-    run["admissible_sequences"] = admissible_sequences(cache, args.shared_prefix + args.input_len + args.output_len)
+    # as the cache keeps them for decoding (MemorySpec.sequences_held: ShadowKV's compressed)
+    run["admissible_sequences"] = cache.memory.sequences_held(args.shared_prefix + args.input_len + args.output_len)
     return run
 
 
@@ -251,13 +252,6 @@ def attention_rates(num_bytes: int, flops: int, seconds: float, steps: int) -> d
             "attention_flops_per_decode_step": flops / steps if steps > 0 else None,
             "attention_gbps": num_bytes / seconds / 1e9 if timed else None,
             "attention_gflops": flops / seconds / 1e9 if timed else None}
-
-
-def admissible_sequences(cache: CacheMethod, num_tokens: int) -> int:
-    """The most sequences of `num_tokens` tokens the cache holds at once as it keeps them
-    for decoding (`MemorySpec.sequences_held`: ShadowKV's compressed, every store of a
-    split budget checked)."""
-    return cache.memory.sequences_held(num_tokens)
 
 
 def _hf(ctx: BenchContext, system: System) -> dict[str, Any]:

@@ -90,12 +90,13 @@ if has graphs-8b; then
     # kvforge with graphs, eager, and transformers on the same weights; batch 16 and 1.
     shape=llama-3.1-8b; [[ ${SMOKE:-0} == 1 ]] && shape=llama-tiny
     # hf-static compiles once per run of the bench (untimed, reported): the limits allow for it.
-    # The two steps take ~11 minutes together: run them in their own device call.
+    # The two limits add up to 580 s, inside one 600-second device call: run it on its own.
+    # Batch 1 leaves hf-static out (issue 62 asks >= 1.5x hf there; its compile would not fit).
     big=(-m kvforge bench decode --load-format dummy --model "$shape" --device "$DEVICE" --dtype bfloat16 \
          --warmup 1 --repeats 2 --kv-budget 8GiB --cache full)
     TAIL=16 step bench-8b-b16 400 $PY "${big[@]}" --compare eager,hf,hf-static "${KIVI_SHAPE[@]}" \
         --json "$WORK/bench-8b-b16.json"
-    TAIL=16 step bench-8b-b1 250 $PY "${big[@]}" --compare hf,hf-static --batch 1 --context 2048 --gen 64 \
+    TAIL=16 step bench-8b-b1 180 $PY "${big[@]}" --compare hf --batch 1 --context 2048 --gen 64 \
         --json "$WORK/bench-8b-b1.json"
 fi
 if has bench-shadowkv; then

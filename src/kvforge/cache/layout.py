@@ -7,7 +7,10 @@ and the cache therefore holds fewer layers than the model.
 Invariants:
 - every model layer reads exactly one cache layer (`layer_to_cache[i]`);
 - every cache layer is read by at least one model layer;
-- all cache layers share one geometry (kv heads, head_dim), so storage can be pooled.
+- all cache layers share one geometry (kv heads, head_dim), so storage can be pooled;
+- no sequence holds more than `max_sequence_tokens` tokens (the model's maximum length, or
+  the engine's `max_model_len`; None: unbounded), so a method may size a store for at most
+  one sequence that long.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ class CacheLayerSpec:
 class CacheLayout:
     layer_to_cache: tuple[int, ...]
     specs: tuple[CacheLayerSpec, ...]
+    max_sequence_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        require(self.max_sequence_tokens is None or self.max_sequence_tokens >= 1, "max_sequence_tokens",
+                self.max_sequence_tokens, "must be None or >= 1")
         read = set(self.layer_to_cache)
         if read != set(range(len(self.specs))):
             raise ConfigError("layer_to_cache", self.layer_to_cache,

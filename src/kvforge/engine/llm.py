@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -71,7 +72,10 @@ class LLM:
                     "needs a SwiftKV model with an early-exit head (--swiftkv DIR)")
             set_early_exit(early_exit)
         self.tokenizer = None if self.source.kind == "dummy" else load_tokenizer(self.source)
-        kv_cache = create_cache(spec, self.model.cache_layout(), config.kv_budget_bytes, torch_dtype, where)
+        layout = self.model.cache_layout()
+        if max_model_len is not None:  # LLMEngine bounds sequences by the smaller of the two too
+            layout = replace(layout, max_sequence_tokens=min(max_model_len, layout.max_sequence_tokens or max_model_len))
+        kv_cache = create_cache(spec, layout, config.kv_budget_bytes, torch_dtype, where)
         self.cache_spec = spec
         self.engine = LLMEngine(self.model, kv_cache, self.tokenizer, config)
 

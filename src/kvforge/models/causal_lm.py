@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -76,7 +77,9 @@ class CausalLM(nn.Module):
 
     # -- cache ------------------------------------------------------------------------
     def cache_layout(self) -> CacheLayout:
-        return self.layout_for(self.config)
+        """The layout the engine's cache is built for: no sequence longer than the model's
+        maximum length (LLM lowers it to an engine's `max_model_len`)."""
+        return replace(self.layout_for(self.config), max_sequence_tokens=self.config.max_position_embeddings)
 
     @classmethod
     def layout_for(cls, config: ModelConfig) -> CacheLayout:

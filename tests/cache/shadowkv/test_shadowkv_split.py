@@ -1,8 +1,10 @@
 """ShadowKV's one split of the budget between its stores (split.py): the shares are the
-budget, a lone sequence fits as far as its bytes do (default), `split_context` trades that
+budget, a lone sequence fits as far as its bytes do, up to the layout's longest (default), `split_context` trades that
 for room for many compressed sequences, and `allocate` keeps each store within its share."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,18 +12,20 @@ import torch
 from kvforge.cache.layout import CacheLayerSpec, CacheLayout
 from kvforge.cache.registry import create_cache
 from kvforge.cache.shadowkv.method import ShadowKVCache
+from kvforge.cache.shadowkv.split import PARTS
 from kvforge.errors import ConfigError
 
 SPEC = "shadowkv:chunk=4,local=8,outliers=2,min_context=24,generated_window=8,rank=4,budget=8"
 
 
-def hybrid_layout() -> CacheLayout:
+def hybrid_layout(max_sequence_tokens: int | None = None) -> CacheLayout:
     """Two global and two sliding-window layers."""
-    return CacheLayout.one_per_layer([CacheLayerSpec(2, 16, 0.25, None if i % 2 else 12) for i in range(4)])
+    layout = CacheLayout.one_per_layer([CacheLayerSpec(2, 16, 0.25, None if i % 2 else 12) for i in range(4)])
+    return replace(layout, max_sequence_tokens=max_sequence_tokens)
 
 
-def make(budget: int, options: str = "") -> ShadowKVCache:
-    cache = create_cache(SPEC + options, hybrid_layout(), budget, torch.float32)
+def make(budget: int, options: str = "", max_sequence_tokens: int | None = None) -> ShadowKVCache:
+    cache = create_cache(SPEC + options, hybrid_layout(max_sequence_tokens), budget, torch.float32)
     assert isinstance(cache, ShadowKVCache)
     return cache
 
@@ -48,11 +52,13 @@ def _allocates(cache, num_tokens: int) -> bool:
 def test_a_budget_too_small_to_compress_holds_one_sequence_as_far_as_its_bytes_do():
     """When not even a min_context sequence fits, the split follows the longest that does:
     every length whose bytes fit the budget (less one chunk page set aside) fits and can be
-    allocated in a fresh cache; no length fits whose bytes do not."""
+    allocated in a fresh cache; no length fits whose bytes do not. Nothing compresses, so
+    the exact stores get all of it (no share for compressed state that never comes)."""
     probe = make(1 << 22)
     for tokens in (5, 12, 20):
         budget = probe.memory.sequence_bytes(tokens) + probe.fast_chunk_bytes + 100
         cache = make(budget)
+        assert cache.split.chunk_pages == 1 and cache.split.fixed <= len(PARTS)
         for n in range(1, 60):
             fits = cache.memory.fits_together([n])
             if cache.memory.sequence_bytes(n) <= budget - cache.fast_chunk_bytes:
@@ -77,6 +83,23 @@ def test_the_default_split_holds_a_long_sequence_or_many_short_ones(budget):
     k = max(1, half // cache.memory.sequence_bytes(24) // 4)
     assert cache.memory.fits_together([24] * k)
     assert not long.memory.fits_together([24] * (budget // cache.memory.sequence_bytes(24)))
+
+
+def test_the_default_split_keeps_no_room_for_a_sequence_longer_than_the_layout_allows():
+    """No sequence outgrows `max_sequence_tokens` (the model's length, or max_model_len), so
+    the lone half is sized for one that long, not for the longest its bytes would hold: the
+    rest goes to the min_context half, and more compressed sequences fit, while one of the
+    longest length still fits alone. A bound below min_context: nothing ever compresses, so
+    the exact stores get the budget."""
+    budget, longest = 1 << 22, 100
+    free, bounded = make(budget), make(budget, max_sequence_tokens=longest)
+    assert free.memory.fits_together([4 * longest])  # the unbounded half holds far longer ones
+    assert bounded.memory.fits_together([longest]) and _allocates(bounded, longest)
+    assert bounded.split.exact < free.split.exact and bounded.split.chunk_pages > free.split.chunk_pages
+    assert bounded.memory.sequences_held(longest) > free.memory.sequences_held(longest) > 0
+    never = make(budget, max_sequence_tokens=20)  # min_context=24
+    assert never.split.chunk_pages == 1 and never.split.exact + never.split.sliding > 0.9 * budget
+    assert never.memory.fits_together([20] * 10)
 
 
 @pytest.mark.parametrize("budget", [1 << 20, 1 << 22, 1 << 24])
@@ -226,3 +249,17 @@ def test_sequences_held_is_what_the_cache_holds(architecture, options, n):
         assert filled <= held + 1
     if "exact_share" in options and "slow_budget" not in options:
         assert not cache.memory.fits_together([n] * held)
+
+
+def test_the_engine_bounds_its_cache_by_the_model_and_max_model_len():
+    """LLM builds the cache for sequences no longer than the engine allows them to be: the
+    model's length, or a shorter max_model_len (a longer one is lowered to the model's)."""
+    from kvforge.engine.llm import LLM
+
+    made = {length: LLM("llama-tiny", load_format="dummy", cache="shadowkv", kv_budget="64MiB", max_model_len=length)
+            for length in (None, 3000, 10 ** 6)}
+    longest = made[None].model.config.max_position_embeddings
+    for length, llm in made.items():
+        assert llm.engine.cache.layout.max_sequence_tokens == llm.engine.max_model_len == min(length or longest,
+                                                                                              longest)
+    assert made[3000].engine.cache.split.exact < made[None].engine.cache.split.exact

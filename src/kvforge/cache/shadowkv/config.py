@@ -107,8 +107,9 @@ class ShadowKVConfig:
     kernel: bool = True
     # How kv_budget is split between the exact, sliding and chunk stores and the per-sequence
     # state (split.py): in the proportions of one sequence of this many tokens; None: half for
-    # the longest sequence that half holds alone, half for compressed sequences (min_context
-    # proportions between exact and compressed state, chunk pages sized per token).
+    # the longest sequence that half holds alone (at most the longest the engine allows), the
+    # rest for compressed sequences (min_context proportions between exact and compressed
+    # state, chunk pages sized per token).
     # Longer values give the exact store more (longer prompts), fewer compressed sequences fit.
     split_context: int | None = None
     # The fraction of kv_budget for the exact store (prompts until they compress), the rest

@@ -85,7 +85,7 @@ class ShadowKVCache(ShadowKVTransitions, ShadowKVAllocator, CacheMethod[ShadowKV
                               f"must hold at least one chunk of values ({self.slow_chunk_bytes} bytes)")
         if num_global:  # one split of the budget between the stores (split.py)
             self.split = BudgetSplit.of(budget_bytes, sizes.sequence_parts, config.split_context, config.min_context,
-                                        self.fast_chunk_bytes, config.exact_share)
+                                        self.fast_chunk_bytes, config.exact_share, layout.max_sequence_tokens)
         else:  # sliding layers only: nothing is ever compressed
             self.split = BudgetSplit(exact=0, sliding=budget_bytes, chunk_pages=0, fixed=0)
         exact_config = FullCacheConfig(block_size=config.block_size)

@@ -14,7 +14,8 @@ the step that compresses it):
 After one chunk page is set aside (compression needs one), the budget is split by default
 in two halves: one holds the parts of the longest sequence that fits in it alone (long
 prompts, and requests recomputed from scratch after a preemption, up to half the budget's
-bytes), the other the parts of min_context-token sequences (the shortest that compress):
+bytes, and no longer than the longest a sequence may be, `CacheLayout.max_sequence_tokens`:
+room for a longer one would never be used), the other the parts of min_context-token sequences (the shortest that compress):
 the exact stores and the compressed state (chunk pages + per-sequence state) in their
 proportions, and the compressed state between chunk pages and per-sequence state in the
 ratio of what one more token costs each (`_per_token_mix`). A min_context sequence's
@@ -23,8 +24,9 @@ chunk pages so few that longer compressed sequences ran out of pages with most o
 state's share unused (docs/benchmarks.md#measurements-behind-design-choices);
 by the per-token ratio the pages run out only once the
 state's share is used too (at the largest rank, which compression never exceeds). If the
-budget cannot hold even one min_context sequence, nothing ever compresses and the whole
-budget goes to the longest sequence it holds. With `split_context` the whole budget is
+budget cannot hold even one min_context sequence, or no sequence may be that long, nothing
+ever compresses and the whole budget goes to the exact stores (in the proportions of the
+longest sequence). With `split_context` the whole budget is
 split in the proportions of a sequence of that many tokens instead. With `exact_share` the
 exact store gets that fraction of the budget and what every decoding sequence holds (the
 sliding windows, chunk pages and per-sequence state) the rest, in the proportions above:
@@ -57,10 +59,11 @@ class BudgetSplit:
 
     @classmethod
     def of(cls, budget: int, parts: Callable[[int], dict[str, int]], reference: int | None, min_context: int,
-           fast_chunk_bytes: int, exact_share: float | None = None) -> BudgetSplit:
+           fast_chunk_bytes: int, exact_share: float | None = None, max_tokens: int | None = None) -> BudgetSplit:
         """`parts(n)`: bytes of each of PARTS that one sequence of n tokens holds at most
-        (`parts(1)`: the least a store in use must hold)."""
+        (`parts(1)`: the least a store in use must hold). `max_tokens`: no sequence is longer."""
         room = max(0, budget - fast_chunk_bytes)
+        bound = max_tokens if max_tokens is not None else room  # (room >= any n whose parts fit)
         if exact_share is not None:
             shares = _by_exact_share(budget, room, parts, reference, min_context, fast_chunk_bytes, exact_share)
         elif reference is None:
@@ -68,10 +71,10 @@ class BudgetSplit:
             if longest == 0:
                 raise ConfigError("kv_budget", budget, "must hold one token of one sequence plus one compressed "
                                                        f"chunk ({fast_chunk_bytes} bytes)")
-            if longest < min_context:  # nothing ever compresses: all of it for that sequence
-                shares = parts(longest)
+            if min(longest, bound) < min_context:  # nothing ever compresses: all of it for the exact stores
+                shares = _proportional(room, parts(min(longest, bound)))
             else:
-                lone = parts(_longest(parts, room // 2))
+                lone = parts(min(_longest(parts, room // 2), bound))
                 shares = _add(lone, _proportional(room - sum(lone.values()), _per_token_mix(parts, min_context)))
         else:
             wanted = parts(reference)

@@ -15,8 +15,8 @@ After one chunk page is set aside (compression needs one), the budget is split b
 in two halves: one holds the parts of the longest sequence that fits in it alone (long
 prompts, and requests recomputed from scratch after a preemption, up to half the budget's
 bytes, and no longer than the longest a sequence may be, `CacheLayout.max_sequence_tokens`:
-room for a longer one would never be used), the other the parts of min_context-token sequences (the shortest that compress):
-the exact stores and the compressed state (chunk pages + per-sequence state) in their
+room for a longer one would never be used), the other the parts of min_context-token
+sequences (the shortest that compress): the exact stores and the compressed state (chunk pages + per-sequence state) in their
 proportions, and the compressed state between chunk pages and per-sequence state in the
 ratio of what one more token costs each (`_per_token_mix`). A min_context sequence's
 per-sequence state is mostly its fixed-size buffers, so its own proportions would give the
@@ -26,8 +26,8 @@ by the per-token ratio the pages run out only once the
 state's share is used too (at the largest rank, which compression never exceeds). If the
 budget cannot hold even one min_context sequence, or no sequence may be that long, nothing
 ever compresses and the whole budget goes to the exact stores (in the proportions of the
-longest sequence). With `split_context` the whole budget is
-split in the proportions of a sequence of that many tokens instead. With `exact_share` the
+longest sequence). With `split_context` the whole budget is split in the proportions of a
+sequence of that many tokens instead. With `exact_share` the
 exact store gets that fraction of the budget and what every decoding sequence holds (the
 sliding windows, chunk pages and per-sequence state) the rest, in the proportions above:
 for serving many long compressed sequences, whose exact pages are freed when they

@@ -309,3 +309,28 @@ def test_the_scratch_pages_are_left_out_of_what_admission_counts(spec, budget):
     assert cache.memory_usage()["fast"] == 0  # (left out of usage too: idle is empty)
     admitted = max(n for n in range(1, longest + 1) if cache.memory.fits_together([n]))
     assert admitted < longest and cache.allocate(7, admitted)
+
+
+def _most_held(cache: CacheMethod, num_tokens: int) -> int:
+    """How many sequences of `num_tokens` tokens admission lets in at once."""
+    held = 0
+    while held < 1000 and cache.memory.fits_together([num_tokens] * (held + 1)):
+        held += 1
+    return held
+
+
+def test_with_nothing_to_compress_the_scratch_pages_are_left_out_too():
+    """A ShadowKV budget too small for a min_context sequence to compress (split.py: one
+    chunk page, the whole budget for the exact stores): the fixed step still takes a scratch
+    page from each inner cache, and admission counts it: one fewer one-page sequence fits,
+    and every one admitted then allocates."""
+    model = make_pair("gemma3_hybrid")[1]
+    cache = create_cache("shadowkv:chunk=4,local=8,outliers=1,min_context=24,rank=3,kernel=0", model.cache_layout(),
+                         1 << 18, torch.float32)
+    cache.sparse.triton = True
+    assert cache.split.chunk_pages == 1 and cache.split.fixed <= 4  # nothing compresses
+    page = cache.exact.pages.block_size
+    before = _most_held(cache, page)
+    assert cache.static_decode(2, 64) is not None
+    after = _most_held(cache, page)
+    assert after == before - 1 > 0 and all(cache.allocate(seq, page) for seq in range(after))

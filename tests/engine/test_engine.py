@@ -30,6 +30,24 @@ def make_engine(arch="llama_gqa", budget=1 << 22, batched_tokens=64, tokenizer=N
     return LLMEngine(model, cache, tokenizer, config)
 
 
+
+def test_a_cache_sized_for_shorter_sequences_than_the_engine_allows_is_refused():
+    """The cache's layout bounds its sequences (max_sequence_tokens; ShadowKV sizes a store
+    by it): an engine allowing longer ones is a configuration error, named at start-up; one
+    allowing at most that many tokens runs."""
+    from dataclasses import replace
+
+    _, model = make_pair("llama_gqa")
+    layout = replace(model.cache_layout(), max_sequence_tokens=50)
+    for max_model_len, refused in ((None, True), (51, True), (50, False), (20, False)):
+        cache = create_cache("full:block_size=4", layout, 1 << 20, torch.float32)
+        config = EngineConfig(1 << 20, max_num_batched_tokens=16, max_model_len=max_model_len)
+        if refused:
+            with pytest.raises(ConfigError, match="max_model_len.*max_sequence_tokens=50"):
+                LLMEngine(model, cache, None, config)
+        else:
+            assert LLMEngine(model, cache, None, config).max_model_len == max_model_len
+
 def run_all(engine, requests):
     """requests: list of (prompt, params); returns outputs by position, plus peak memory."""
     ids = [engine.add_request(prompt, params) for prompt, params in requests]

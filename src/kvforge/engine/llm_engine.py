@@ -57,6 +57,11 @@ class LLMEngine:
         self.config = config or EngineConfig()
         limit = model.config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or limit, limit)
+        bound = cache.layout.max_sequence_tokens  # the cache's stores are sized for no longer a sequence
+        if bound is not None and bound < self.max_model_len:
+            raise ConfigError("max_model_len", self.max_model_len,
+                              f"must be <= the cache layout's max_sequence_tokens={bound} (build the cache from "
+                              "a layout bounded by max_model_len, as LLM does)")
         self.runner = ModelRunner(model, cache)
         self.capture_report: CaptureReport | None = None
         self.graphs_report: str | None = None  # how decode steps run on CUDA, said at start-up

@@ -49,6 +49,18 @@ def _allocates(cache, num_tokens: int) -> bool:
     return True
 
 
+def _longest_alone(cache: ShadowKVCache) -> int:
+    """The longest sequence that fits alone in an unbounded cache (found by its allocations)."""
+    n = 1
+    while cache.memory.fits_together([2 * n]):
+        n *= 2
+    lo, hi = n, 2 * n  # fits at lo, not at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if cache.memory.fits_together([mid]) else (lo, mid)
+    return lo
+
+
 def test_a_budget_too_small_to_compress_holds_one_sequence_as_far_as_its_bytes_do():
     """When not even a min_context sequence fits, the split follows the longest that does:
     every length whose bytes fit the budget (less one chunk page set aside) fits and can be
@@ -89,12 +101,17 @@ def test_the_default_split_keeps_no_room_for_a_sequence_longer_than_the_layout_a
     """No sequence outgrows `max_sequence_tokens` (the model's length, or max_model_len), so
     the lone half is sized for one that long, not for the longest its bytes would hold: the
     rest goes to the min_context half, and more compressed sequences fit, while one of the
-    longest length still fits alone. A bound below min_context: nothing ever compresses, so
-    the exact stores get the budget."""
+    longest length still fits alone, up to the longest the unbounded half holds (a bound
+    there sizes the lone half as without one). A bound below min_context: nothing ever
+    compresses, so the exact stores get the budget."""
     budget, longest = 1 << 22, 100
     free, bounded = make(budget), make(budget, max_sequence_tokens=longest)
     assert free.memory.fits_together([4 * longest])  # the unbounded half holds far longer ones
     assert bounded.memory.fits_together([longest]) and _allocates(bounded, longest)
+    lone = _longest_alone(free)
+    for bound in (lone - 1, lone):
+        at_bound = make(budget, max_sequence_tokens=bound)
+        assert at_bound.memory.fits_together([bound]) and _allocates(at_bound, bound), bound
     assert bounded.split.exact < free.split.exact and bounded.split.chunk_pages > free.split.chunk_pages
     assert bounded.memory.sequences_held(longest) > free.memory.sequences_held(longest) > 0
     never = make(budget, max_sequence_tokens=20)  # min_context=24

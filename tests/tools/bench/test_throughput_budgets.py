@@ -54,6 +54,8 @@ def test_merged_layout_stores_one_layer_for_all_and_refuses_mixed_layers():
     model = tiny_model(layers=3)
     layout = merged_layout(model.cache_layout())
     assert layout.layer_to_cache == (0, 0, 0) and layout.num_cache_layers == 1
+    # still bounded by the model's length (a method sizes stores by it)
+    assert layout.max_sequence_tokens == model.config.max_position_embeddings
     mixed = CacheLayout.one_per_layer([CacheLayerSpec(2, 16, 0.25, None), CacheLayerSpec(2, 16, 0.25, 8)])
     with pytest.raises(ConfigError) as info:
         merged_layout(mixed)

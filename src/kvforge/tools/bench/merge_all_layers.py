@@ -14,6 +14,7 @@ step's own tokens are always the layer's own; earlier tokens hold the last layer
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,10 +27,11 @@ NAME = "merge-all-layers"  # the --compare entry
 
 def merged_layout(layout: CacheLayout) -> CacheLayout:
     """One cache layer read by every model layer; the layers must share one spec (a model
-    mixing sliding-window and global layers cannot store them as one)."""
+    mixing sliding-window and global layers cannot store them as one). The rest of the layout
+    (the longest a sequence may be) stays."""
     require(len(set(layout.specs)) == 1, NAME, f"{len(set(layout.specs))} distinct cache layer specs",
             "needs every layer alike (same window, scale and geometry)")
-    return CacheLayout(layer_to_cache=(0,) * len(layout.layer_to_cache), specs=layout.specs[:1])
+    return replace(layout, layer_to_cache=(0,) * len(layout.layer_to_cache), specs=layout.specs[:1])
 
 
 class MergedLayersCache:

@@ -30,7 +30,6 @@ def make_engine(arch="llama_gqa", budget=1 << 22, batched_tokens=64, tokenizer=N
     return LLMEngine(model, cache, tokenizer, config)
 
 
-
 def test_a_cache_sized_for_shorter_sequences_than_the_engine_allows_is_refused():
     """The cache's layout bounds its sequences (max_sequence_tokens; ShadowKV sizes a store
     by it): an engine allowing longer ones is a configuration error, named at start-up; one
@@ -47,6 +46,7 @@ def test_a_cache_sized_for_shorter_sequences_than_the_engine_allows_is_refused()
                 LLMEngine(model, cache, None, config)
         else:
             assert LLMEngine(model, cache, None, config).max_model_len == max_model_len
+
 
 def run_all(engine, requests):
     """requests: list of (prompt, params); returns outputs by position, plus peak memory."""

@@ -50,7 +50,7 @@ def _allocates(cache, num_tokens: int) -> bool:
 
 
 def _longest_alone(cache: ShadowKVCache) -> int:
-    """The longest sequence that fits alone in an unbounded cache (found by its allocations)."""
+    """The longest sequence admission lets into `cache` alone."""
     n = 1
     while cache.memory.fits_together([2 * n]):
         n *= 2
@@ -101,17 +101,25 @@ def test_the_default_split_keeps_no_room_for_a_sequence_longer_than_the_layout_a
     """No sequence outgrows `max_sequence_tokens` (the model's length, or max_model_len), so
     the lone half is sized for one that long, not for the longest its bytes would hold: the
     rest goes to the min_context half, and more compressed sequences fit, while one of the
-    longest length still fits alone, up to the longest the unbounded half holds (a bound
-    there sizes the lone half as without one). A bound below min_context: nothing ever
-    compresses, so the exact stores get the budget."""
+    longest length still fits alone. A bound as long as the longest sequence whose bytes fit
+    half the room (the shortest of the lengths whose parts are its) changes nothing; a token
+    shorter does. A bound below min_context: nothing ever compresses, so the exact stores
+    get the budget."""
     budget, longest = 1 << 22, 100
     free, bounded = make(budget), make(budget, max_sequence_tokens=longest)
     assert free.memory.fits_together([4 * longest])  # the unbounded half holds far longer ones
     assert bounded.memory.fits_together([longest]) and _allocates(bounded, longest)
     lone = _longest_alone(free)
-    for bound in (lone - 1, lone):
-        at_bound = make(budget, max_sequence_tokens=bound)
-        assert at_bound.memory.fits_together([bound]) and _allocates(at_bound, bound), bound
+    parts, half = free.memory.sizes.sequence_parts, (budget - free.fast_chunk_bytes) // 2
+    half_holds = max(n for n in range(1, lone + 1) if sum(parts(n).values()) <= half)
+    as_long = min(n for n in range(1, half_holds + 1) if parts(n) == parts(half_holds))  # (bytes grow by pages)
+    assert longest < as_long <= half_holds < lone
+    for bound in (as_long, lone):
+        assert make(budget, max_sequence_tokens=bound).split == free.split, bound
+    short = make(budget, max_sequence_tokens=as_long - 1)
+    assert short.split != free.split and short.memory.fits_together([as_long - 1])
+    at_lone = make(budget, max_sequence_tokens=lone)
+    assert at_lone.memory.fits_together([lone]) and _allocates(at_lone, lone)
     assert bounded.split.exact < free.split.exact and bounded.split.chunk_pages > free.split.chunk_pages
     assert bounded.memory.sequences_held(longest) > free.memory.sequences_held(longest) > 0
     never = make(budget, max_sequence_tokens=20)  # min_context=24
@@ -279,4 +287,5 @@ def test_the_engine_bounds_its_cache_by_the_model_and_max_model_len():
     for length, llm in made.items():
         assert llm.engine.cache.layout.max_sequence_tokens == llm.engine.max_model_len == min(length or longest,
                                                                                               longest)
+        assert llm.engine.cache.exact.layout.max_sequence_tokens == llm.engine.max_model_len  # (and its inner caches)
     assert made[3000].engine.cache.split.exact < made[None].engine.cache.split.exact

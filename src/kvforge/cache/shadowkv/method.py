@@ -51,8 +51,8 @@ from kvforge.errors import ConfigError
 from kvforge.rope import PositionedRope
 
 
-def _sub_layout(layout: CacheLayout, layers: list[int]) -> CacheLayout:
-    return CacheLayout.one_per_layer([layout.specs[c] for c in layers])
+def _sub_layout(layout: CacheLayout, layers: list[int]) -> CacheLayout:  # (bounded as layout is)
+    return replace(layout, layer_to_cache=tuple(range(len(layers))), specs=tuple(layout.specs[c] for c in layers))
 
 
 @register_cache_method("shadowkv", ShadowKVConfig)

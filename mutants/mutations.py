@@ -426,7 +426,7 @@ MUTATIONS: list[Mutation] = [
              "lone = parts(min(_longest(parts, room // 2), bound))",
              "lone = parts(min(_longest(parts, room // 2), bound - 1))",
              ("tests/cache/shadowkv/test_shadowkv_split.py",),
-             "a sequence of max_sequence_tokens (up to what the unbounded lone half holds) fits alone"),
+             "a bound at the lone half's longest sequence sizes the half for that sequence, not a token less"),
     Mutation("shadowkv_inner_caches_unbounded", S + "cache/shadowkv/method.py",
              "return replace(layout, layer_to_cache=tuple(range(len(layers))), specs=",
              "return CacheLayout(layer_to_cache=tuple(range(len(layers))), specs=",

@@ -3,6 +3,8 @@ seeds, cancellation, and bad requests failing alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import make_pair
@@ -34,8 +36,6 @@ def test_a_cache_sized_for_shorter_sequences_than_the_engine_allows_is_refused()
     """The cache's layout bounds its sequences (max_sequence_tokens; ShadowKV sizes a store
     by it): an engine allowing longer ones is a configuration error, named at start-up; one
     allowing at most that many tokens runs."""
-    from dataclasses import replace
-
     _, model = make_pair("llama_gqa")
     layout = replace(model.cache_layout(), max_sequence_tokens=50)
     for max_model_len, refused in ((None, True), (51, True), (50, False), (20, False)):

@@ -11,30 +11,29 @@ the step that compresses it):
   fixed   the per-sequence state of compressed sequences (bases, key coefficients, exact
           buffers, ids),
           allocated when a sequence is compressed, never up front.
-After one chunk page is set aside (compression needs one), the budget is split by default
-in two halves: one holds the parts of the longest sequence that fits in it alone (long
-prompts, and requests recomputed from scratch after a preemption, up to half the budget's
-bytes, and no longer than the longest a sequence may be, `CacheLayout.max_sequence_tokens`:
-room for a longer one would never be used), the other the parts of min_context-token
-sequences (the shortest that compress): the exact stores and the compressed state (chunk pages + per-sequence state) in their
-proportions, and the compressed state between chunk pages and per-sequence state in the
-ratio of what one more token costs each (`_per_token_mix`). A min_context sequence's
-per-sequence state is mostly its fixed-size buffers, so its own proportions would give the
-chunk pages so few that longer compressed sequences ran out of pages with most of the
-state's share unused (docs/benchmarks.md#measurements-behind-design-choices);
-by the per-token ratio the pages run out only once the
-state's share is used too (at the largest rank, which compression never exceeds). If the
-budget cannot hold even one min_context sequence, or no sequence may be that long, nothing
-ever compresses and the whole budget goes to the exact stores (in the proportions of the
-longest sequence). With `split_context` the whole budget is split in the proportions of a
-sequence of that many tokens instead. With `exact_share` the
+After one chunk page is set aside (compression needs one), the budget is split by default in
+two halves: one holds the parts of the longest sequence that fits in it alone (long prompts,
+and requests recomputed from scratch after a preemption, up to half the budget's bytes, and no
+longer than the longest a sequence may be, `CacheLayout.max_sequence_tokens`: room for a
+longer one would never be used), the other the parts of min_context-token sequences (the
+shortest that compress): the exact stores and the compressed state (chunk pages + per-sequence
+state) in their proportions, and the compressed state between chunk pages and per-sequence
+state in the ratio of what one more token costs each (`_per_token_mix`). A min_context
+sequence's per-sequence state is mostly its fixed-size buffers, so its own proportions would
+give the chunk pages so few that longer compressed sequences ran out of pages with most of the
+state's share unused (docs/benchmarks.md#measurements-behind-design-choices); by the per-token
+ratio the pages run out only once the state's share is used too (at the largest rank, which
+compression never exceeds). If the budget cannot hold even one min_context sequence, or no
+sequence may be that long, nothing ever compresses and the whole budget goes to the exact
+stores (in the proportions of the longest sequence). With `split_context` the whole budget is
+split in the proportions of a sequence of that many tokens instead. With `exact_share` the
 exact store gets that fraction of the budget and what every decoding sequence holds (the
-sliding windows, chunk pages and per-sequence state) the rest, in the proportions above:
-for serving many long compressed sequences, whose exact pages are freed when they
-compress, so that at most the prompts being prefilled hold exact pages at once (the
-proportions of one sequence at its compression step give the exact store most of a large
-budget: 75% of 60 GiB at Llama-3.1-8B's shapes). Each share is a hard
-bound that `allocate` checks, so together (the budget) they bound the device bytes.
+sliding windows, chunk pages and per-sequence state) the rest, in the proportions above: for
+serving many long compressed sequences, whose exact pages are freed when they compress, so
+that at most the prompts being prefilled hold exact pages at once (the proportions of one
+sequence at its compression step give the exact store most of a large budget: 75% of 60 GiB at
+Llama-3.1-8B's shapes). Each share is a hard bound that `allocate` checks, so together (the
+budget) they bound the device bytes.
 Outside the budget stay only a compressed sequence's page table (8 bytes per chunk, next to
 the chunk's hundreds to thousands of fast bytes) and per-step workspace.
 """

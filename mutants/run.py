@@ -2,8 +2,8 @@
 
 Each mutation (mutations.py) names a file, an exact snippet that must occur in it once,
 its replacement, and the tests that should fail because of it. The runner copies the
-repository's `src/` and `tests/` (and what the tests read: `models/`, `examples/`,
-`docs/`, `README.md`, `pyproject.toml`) to a scratch directory once, checks that every
+repository's `src/` and `tests/` (and what the tests read: `mutants/`, `models/`,
+`examples/`, `docs/`, `README.md`, `pyproject.toml`) to a scratch directory once, checks that every
 selected mutation's tests pass unmutated there, then for each mutation: applies it to the
 scratch copy, runs its tests with the scratch `src/` first on the import path, restores
 the file, and records "killed" (a test failed or timed out), "survived" (every test
@@ -14,9 +14,12 @@ e.g. the AMX kernel's on a CPU without AMX: the mutation was not judged, and the
     python mutants/run.py --only NAME ...        # the named ones
     python mutants/run.py --area serve engine    # those in src/kvforge/serve/, src/kvforge/engine/
     python mutants/run.py --files src/kvforge/engine/detokenizer.py ...  # by path prefix
+    python mutants/run.py --since origin/main    # those a change since a commit can affect
     python mutants/run.py --area serve --list    # list a selection without running it
 
---only, --area and --files may be combined: a mutation is run when any of them selects it.
+--since REV selects each mutation whose file or test targets changed since REV (commits,
+uncommitted edits and untracked files), or whose definition is new or differs (since.py).
+--only, --area, --files and --since may be combined: a mutation is run when any of them selects it.
 --jobs N (default: one per core, at most 4) runs N mutations side by side, each in its own
 scratch copy with its share of the cores (KVFORGE_TEST_THREADS, read by tests/conftest.py):
 most of a mutation's time is single-threaded (interpreter start, imports, collection, a
@@ -44,11 +47,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mutations import MUTATIONS, Mutation  # noqa: E402
+from since import affected, changed_paths, definitions_at  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Everything the tests read from the repository (a test reading a path not copied fails
 # unmutated, in the baseline).
-COPIED = ("src", "tests", "models", "examples", "docs", "README.md", "pyproject.toml")
+COPIED = ("src", "tests", "mutants", "models", "examples", "docs", "README.md", "pyproject.toml")
 PACKAGE = "src/kvforge/"
 TIMEOUT_S = 900
 # The baseline runs every selected mutation's tests at once: most of the suite for a full run.
@@ -148,6 +152,8 @@ def main() -> int:
                         help=f"package folders under {PACKAGE} (serve, engine, cache/kivi, ...)")
     parser.add_argument("--files", nargs="+", default=None, metavar="PATH",
                         help="path prefixes from the repository root (src/kvforge/engine/sampling.py, ...)")
+    parser.add_argument("--since", default=None, metavar="REV",
+                        help="the mutations whose file, tests or definition changed since this commit")
     parser.add_argument("--list", action="store_true", help="list the selected mutations and exit")
     cores = os.cpu_count() or 1
     parser.add_argument("--jobs", type=int, default=min(4, cores), metavar="N",
@@ -160,17 +166,28 @@ def main() -> int:
     if unknown:
         print(f"unknown mutations: {sorted(unknown)}", file=sys.stderr)
         return 2
-    mutations = select(MUTATIONS, args.only, args.area, args.files)
+    only = args.only
+    if args.since is not None:
+        try:
+            changed = changed_paths(ROOT, args.since)
+            only = [*(only or ()), *affected(MUTATIONS, changed, definitions_at(ROOT, args.since))]
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            return 2
+    mutations = select(MUTATIONS, only, args.area, args.files)
     if args.list:
         for m in mutations:
             print(f"{m.name:40s} {m.file}: {m.why}")
+        return 0
+    if not mutations and args.since is not None:
+        print(f"nothing to run: no mutation's file, tests or definition changed since {args.since}")
         return 0
     if not mutations:
         print("no mutation matches the selection", file=sys.stderr)
         return 2
     partial = len(mutations) < len(MUTATIONS)
-    selection = {key: value for key, value in (("only", args.only), ("area", args.area), ("files", args.files))
-                 if value is not None}
+    chosen = (("only", args.only), ("area", args.area), ("files", args.files), ("since", args.since))
+    selection = {key: value for key, value in chosen if value is not None}
     started = time.perf_counter()
     jobs = min(args.jobs, len(mutations))
     threads = max(1, cores // jobs)

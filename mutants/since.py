@@ -1,0 +1,84 @@
+"""Which mutations a change since a git revision can have affected (`run.py --since REV`).
+
+A mutation is affected when its mutated file changed, when one of its test targets changed
+(a file, or a file under a folder target), or when its own definition in mutations.py is new
+or differs from the one at REV. "Changed" is the working tree against REV: commits since it,
+uncommitted edits and untracked files alike. Helpers a test imports (conftest.py, shared
+fixtures) are not followed, so a whole run stays the record of the list (last_run.json).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+
+class _Definition(Protocol):
+    name: str
+    file: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]
+
+
+def _git(root: Path, *args: str) -> str:
+    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"git {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def changed_paths(root: Path, revision: str) -> set[str]:
+    """Paths (from the repository root) that differ between `revision` and the working tree,
+    untracked files included. A revision git does not know raises ValueError naming it."""
+    try:
+        _git(root, "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}")
+    except ValueError:
+        raise ValueError(f"--since: {revision!r} is not a commit of this repository") from None
+    tracked = _git(root, "diff", "--name-only", revision, "--").splitlines()
+    untracked = _git(root, "ls-files", "--others", "--exclude-standard").splitlines()
+    return {path for path in tracked + untracked if path}
+
+
+def definitions_at(root: Path, revision: str) -> dict[str, tuple]:
+    """Each mutation's definition in mutations.py as it was at `revision`, by name (empty if
+    the file did not exist there)."""
+    try:
+        text = _git(root, "show", f"{revision}:mutants/mutations.py")
+    except ValueError:
+        return {}
+    name = "_kvforge_mutations_at_revision"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "mutations.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses looks its module up while building the class
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            del sys.modules[name]
+    return {m.name: definition(m) for m in module.MUTATIONS}
+
+
+def definition(mutation: _Definition) -> tuple:
+    """What decides a mutation's verdict: where it applies, what it changes, what must fail."""
+    return (mutation.file, mutation.original, mutation.replacement, tuple(mutation.tests))
+
+
+def _touches(target: str, changed: set[str]) -> bool:
+    path = target.split("::")[0].rstrip("/")
+    return path in changed or any(p.startswith(path + "/") for p in changed)
+
+
+def affected(mutations: Iterable[_Definition], changed: set[str], before: dict[str, tuple]) -> list[str]:
+    """Names of the mutations a change can have affected, in list order."""
+    return [m.name for m in mutations
+            if m.file in changed or any(_touches(t, changed) for t in m.tests)
+            or before.get(m.name) != definition(m)]

@@ -2483,4 +2483,10 @@ MUTATIONS: list[Mutation] = [
              "    return {path for path in tracked + untracked if path}", "    return {path for path in tracked if path}",
              ("tests/test_mutation_since.py",),
              "--since counts a new test file not yet added to git as a change"),
+    Mutation("docs_runner_example_reuses_held_sequence_ids", "docs/commands.md",
+             "    runner.release(seq_id)\n", "    pass\n", ("tests/test_docs_examples.py",),
+             "the runner example of docs/commands.md runs as printed (its greedy_generate needs ids 0..n-1 free)"),
+    Mutation("docs_command_with_an_unknown_cache_option", "docs/cache-methods.md",
+             "shadowkv:rank=192,budget=512", "shadowkv:rank=192,budgets=512", ("tests/test_docs_examples.py",),
+             "a cache option the code does not take in a docs command is caught, not only an unknown flag"),
 ]

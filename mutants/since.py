@@ -26,31 +26,37 @@ class _Definition(Protocol):
     tests: tuple[str, ...]
 
 
-def _git(root: Path, *args: str) -> str:
-    done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise ValueError(f"git {' '.join(args)} failed: {done.stderr.strip()}")
-    return done.stdout
+def _git(root: Path, *args: str) -> str | None:
+    """git's output, or None when git fails (a ValueError when there is no git at all)."""
+    try:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise ValueError("--since needs git, which is not on PATH") from None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _git_output(root: Path, *args: str) -> str:
+    out = _git(root, *args)
+    if out is None:
+        raise ValueError(f"--since: `git {' '.join(args)}` failed in {root}")
+    return out
 
 
 def changed_paths(root: Path, revision: str) -> set[str]:
     """Paths (from the repository root) that differ between `revision` and the working tree,
     untracked files included. A revision git does not know raises ValueError naming it."""
-    try:
-        _git(root, "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}")
-    except ValueError:
-        raise ValueError(f"--since: {revision!r} is not a commit of this repository") from None
-    tracked = _git(root, "diff", "--name-only", revision, "--").splitlines()
-    untracked = _git(root, "ls-files", "--others", "--exclude-standard").splitlines()
+    if _git(root, "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}") is None:
+        raise ValueError(f"--since: {revision!r} is not a commit of this repository")
+    tracked = _git_output(root, "diff", "--name-only", revision, "--").splitlines()
+    untracked = _git_output(root, "ls-files", "--others", "--exclude-standard").splitlines()
     return {path for path in tracked + untracked if path}
 
 
 def definitions_at(root: Path, revision: str) -> dict[str, tuple]:
     """Each mutation's definition in mutations.py as it was at `revision`, by name (empty if
     the file did not exist there)."""
-    try:
-        text = _git(root, "show", f"{revision}:mutants/mutations.py")
-    except ValueError:
+    text = _git(root, "show", f"{revision}:mutants/mutations.py")
+    if text is None:
         return {}
     name = "_kvforge_mutations_at_revision"
     with tempfile.TemporaryDirectory() as tmp:

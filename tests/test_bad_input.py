@@ -40,6 +40,10 @@ CASES = [
     (["generate", "--model", "no-such-model", "hi"], ["no-such-model", "named model", ""]),
     (["generate", "--swiftkv", "/no/such/dir", "hi"], ["swiftkv", "/no/such/dir", "checkpoint directory"]),
     (["generate", "--max-num-batched-tokens", "0", "hi"], ["max_num_batched_tokens", "0", ">= 1"]),
+    (["generate", "--kv-budget", "10TB", "hi"], ["kv_budget", "10TB", "this machine's memory"]),
+    (["generate", "--cache", "kivi:preset=quality2,bits=4", "hi"], ["bits", "4", "no effect under preset=quality2"]),
+    (["generate", "--cache", "kivi:preset=quality3,group=64", "hi"], ["group", "64", "sets key_group and value_group"]),
+    (["generate", "--cache", "kivi:bits=abc", "hi"], ["bits", "abc", "must be an integer"]),
     (["chat", "--max-tokens", "9000"], ["max_tokens", "9000", "8192"]),
     (["chat", "--top-p", "2"], ["top_p", "2", "(0, 1]"]),
     # serve
@@ -47,6 +51,8 @@ CASES = [
     (["serve", "--max-num-seqs", "0"], ["max_num_seqs", "0", ">= 1"]),
     (["serve", "--max-model-len", "99999"], ["max_model_len", "99999", "8192"]),
     (["serve", "--cache", "kivi:bits=5"], ["bits", "5", "must be one of"]),
+    (["serve", "--api-key", ""], ["api_key", "''", "must not be empty"]),
+    (["serve", "--host", "192.0.2.1"], ["host", "192.0.2.1", "not an address of this machine"]),  # TEST-NET-1
     # verify / info
     (["verify", "--passage-tokens", "99999"], ["passage_tokens", "99999", "8192"]),
     (["verify", "--passage-tokens", "10"], ["passage_tokens", "10", "must be >"]),
@@ -62,9 +68,12 @@ CASES = [
     (["bench", "serve", "--input-len", "8000", "--output-len", "500"], ["input_len + output_len", "8500", "8192"]),
     (["bench", "serve", "--slo", "fast"], ["slo", "fast", "KEY=SECONDS"]),
     (["bench", "serve", "--compare", "hf"], ["compare", "hf", "no server"]),
+    (["bench", "throughput", "--kv-budget", "1GB,10TB"], ["kv_budget", "10TB", "this machine's memory"]),
     # eval
     (["eval", "niah", "--lengths", "999999"], ["lengths", "999999", "32768"]),
     (["eval", "niah", "--lengths", "0"], ["lengths", "0", "positive"]),
+    (["eval", "niah", "--lengths", "1.5k"], ["lengths", "1.5k", "positive integers separated by commas"]),
+    (["eval", "ruler", "--lengths", "4k"], ["lengths", "4k", "positive integers separated by commas"]),
     (["eval", "ppl", "--compare", "hf-hqq:bits=2"], ["compare", "hf-hqq:bits=2", "hqq"]),  # not installed
     (["eval", "ppl", "--model", "gemma3-270m", "--compare", "hf-quanto:bits=2"],
      ["compare", "hf-quanto:bits=2", "sliding-window"]),
@@ -79,6 +88,8 @@ CASES = [
     (["swiftkv", "init", "--num-key-value-layers", "99", "--out", "never"], ["num_key_value_layers", "99", "[1,"]),
     (["swiftkv", "flops", "--model", "smollm2-135m", "--num-key-value-layers", "15", "--group-size", "4"],
      ["key_value_group_size", "4", "divide"]),
+    (["swiftkv", "flops", "--model", "smollm2-135m", "--num-key-value-layers", "15", "--context", "0"],
+     ["context", "0", ">= 1"]),
     # --device, on every command that runs a model (this torch has no CUDA)
     (["generate", "--device", "cuda", "hi"], ["device", "'cuda'", "needs a CUDA GPU"]),
     (["generate", "--device", "cuda:7", "hi"], ["device", "'cuda:7'", "needs a CUDA GPU"]),
@@ -127,3 +138,20 @@ def test_bad_input_exits_2_naming_parameter_value_and_rule(argv, expected, no_we
 
 def test_there_are_at_least_40_cases():
     assert len(CASES) >= 40
+
+
+@needs_models
+def test_verify_refuses_a_text_too_short_for_its_passage_before_loading(no_weights, capsys):
+    short = no_weights / "short.txt"
+    short.write_text("A short text here.\n")
+    assert main(["verify", "--text-file", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert "text_file" in err and "short.txt" in err and "tokens; the passage needs more than 64" in err
+
+
+def test_report_names_a_json_file_that_is_not_a_result(tmp_path, capsys):
+    """`kvforge info --json` output left among result files: refused by name, not a traceback."""
+    (tmp_path / "info.json").write_text('{"model": "smollm2-135m", "kv_bytes_per_token": 46080}')
+    assert main(["report", str(tmp_path), "--check", "--out", str(tmp_path / "r.md")]) == 2
+    err = capsys.readouterr().err
+    assert "result file" in err and "info.json" in err and "benchmark, eval" in err

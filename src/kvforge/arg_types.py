@@ -62,6 +62,20 @@ def non_negative_number(text: str) -> float:
 non_negative_number.__name__ = "number >= 0"
 
 
+def positive_ints(parameter: str, text: str | int) -> list[int]:
+    """A comma-separated list of integers >= 1 (`--lengths 4096,8192`), refused as a
+    ConfigError naming `parameter` where a piece is not one (`4k`, `1.5`, `0`)."""
+    from kvforge.errors import ConfigError
+
+    try:
+        values = [int(piece) for piece in str(text).split(",") if piece.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(parameter, text, "must be positive integers separated by commas (e.g. 4096,8192)")
+    return values
+
+
 # `--load-format` (vLLM's name): "auto" loads the checkpoint's weights; "dummy" builds the model of
 # --model's config (a named shape, a config.json, a directory holding one) with random weights.
 LOAD_FORMATS = ("auto", "dummy")

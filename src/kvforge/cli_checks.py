@@ -1,9 +1,9 @@
 """Checks `kvforge.cli.main` runs on every parsed command line, after argparse and before the
 command does anything: the values each verb shares under the same name (`--threads`,
-`--device`, `--dtype`, `--model`, `--swiftkv`, input text files, `--json`), judged by the
-value alone or by a config file, never by loading weights. A refusal is a ConfigError naming
-the option, the value and the rule; a verb that adds an option under one of these names gets
-the check without code of its own.
+`--device`, `--dtype`, `--kv-budget` on the CPU, `--model`, `--swiftkv`, input text files,
+`--json`), judged by the value alone or by a config file, never by loading weights. A
+refusal is a ConfigError naming the option, the value and the rule; a verb that adds an
+option under one of these names gets the check without code of its own.
 """
 
 from __future__ import annotations
@@ -111,6 +111,11 @@ def take_positional_model(args: argparse.Namespace) -> None:
     args.model = given[0] if given else DEFAULT_MODEL
 
 
+def torch_device_kind(device: str | None) -> str:
+    """`cpu` or `cuda` for a --device value already checked (None: the CPU, every default)."""
+    return "cuda" if device is not None and str(device).startswith("cuda") else "cpu"
+
+
 def check_shared_values(args: argparse.Namespace) -> None:
     """Every check above whose option the parsed command has (and was given or defaulted)."""
     if hasattr(args, "model_tag"):
@@ -120,6 +125,12 @@ def check_shared_values(args: argparse.Namespace) -> None:
         from kvforge.devices import resolve_device
 
         resolve_device(args.device)
+    budget = getattr(args, "kv_budget", None)
+    if isinstance(budget, str) and torch_device_kind(getattr(args, "device", None)) == "cpu":
+        from kvforge.sizes import check_host_budget
+
+        for piece in budget.split(","):  # bench throughput takes a list
+            check_host_budget(piece.strip())
     if isinstance(getattr(args, "dtype", None), str):
         from kvforge.compute_dtype import resolve_dtype
         from kvforge.models.loader import parse_dtype

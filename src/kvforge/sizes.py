@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 
-from kvforge.errors import ConfigError
+from kvforge.errors import ConfigError, require
 
 _UNITS = {
     "": 1, "b": 1,
@@ -30,7 +31,33 @@ def parse_bytes(value: str | int | float, parameter: str = "kv_budget") -> int:
 
 
 def format_bytes(size: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(size) >= scale:
             return f"{size / scale:.2f} {unit}"
     return f"{size:.0f} B"
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's RAM plus swap (None where unknown): no one allocation larger than this
+    can succeed (Linux's default overcommit refuses it)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    swap = 0
+    try:
+        with open("/proc/meminfo") as info:
+            swap = next((int(line.split()[1]) * 1024 for line in info if line.startswith("SwapTotal:")), 0)
+    except OSError:
+        pass
+    return ram + swap
+
+
+def check_host_budget(value: str | int | float, parameter: str = "kv_budget") -> int:
+    """A budget held in host memory (a cache on the CPU): a byte count this machine's RAM and
+    swap could hold, so that a typo such as 10TB is refused before any weights load."""
+    size = parse_bytes(value, parameter)
+    memory = host_memory_bytes()
+    require(memory is None or size <= memory, parameter, value,
+            f"must fit in this machine's memory ({format_bytes(memory or 0)} of RAM and swap)")
+    return size

@@ -122,6 +122,18 @@ def test_bad_requests_fail_alone():
     assert [finished[i].token_ids for i in ids] == [o.token_ids for o in reference]
 
 
+def test_a_sequence_outgrowing_the_whole_budget_alone_ends_with_an_error_naming_kv_budget():
+    """Admission checks prompt + 1 tokens (a request may stop early, as in vLLM); one that
+    then grows past what the whole cache holds ends with an error that says which setting."""
+    engine = make_engine(budget=4 * 2 * 3 * 2 * 16 * 4 * 4)  # 4 pages of 4 tokens
+    request = engine.add_request(list(range(1, 11)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    error = finished[request].error
+    assert error is not None and "kv_budget" in error and "cannot hold this sequence even alone at 17 tokens" in error
+
+
 def test_prompt_larger_than_budget_is_rejected():
     engine = make_engine(budget=4 * 2 * 3 * 2 * 16 * 4 * 4)  # 4 pages of 4 tokens
     with pytest.raises(ConfigError, match="kv_budget"):

@@ -144,3 +144,17 @@ def test_the_generator_reaches_every_field_and_the_nested_ones():
         assert (name,) in paths
     assert ("messages", 0, "role") in paths and ("messages", 0, "content") in paths
     assert ("stream_options", "include_usage") in paths
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_json_body_without_the_json_content_type_is_told_which_header_to_send(app_client, path, content_type):
+    """`curl -d '{...}'` sends a form's content type, under which FastAPI leaves the body
+    unparsed (as it does with none: its strict content-type rule, a guard against cross-site
+    requests, kept): the 400 says which header to send."""
+    body = json.dumps({"model": MODEL_NAME, **VALID[path]})
+    response = app_client.post(path, content=body, headers={"content-type": content_type} if content_type else {})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "body" and "Content-Type: application/json" in error["message"]
+    assert post(app_client, path, json.loads(body)).status_code == 200  # the same body with the header

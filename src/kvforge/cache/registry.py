@@ -14,6 +14,7 @@ import torch
 from kvforge.cache.base import CacheMethod
 from kvforge.cache.layout import CacheLayout
 from kvforge.errors import ConfigError
+from kvforge.sizes import format_bytes
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,24 @@ def create_cache(spec: CacheSpec | str, layout: CacheLayout, budget_bytes: int,
     if isinstance(spec, str):
         spec = parse_cache_spec(spec)
     entry = _entry(spec.method)
-    return entry.method(layout, spec.config(), budget_bytes, compute_dtype, torch.device(device))
+    try:
+        return entry.method(layout, spec.config(), budget_bytes, compute_dtype, torch.device(device))
+    except (MemoryError, RuntimeError) as exc:
+        # A budget the device cannot hold fails in the stores' `torch.empty` (or in Python's
+        # bookkeeping of its pages): said as a configuration error, not an allocator's
+        # traceback. Other RuntimeErrors pass. (torch.OutOfMemoryError is a RuntimeError.)
+        if not isinstance(exc, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(exc):
+            raise
+        raise ConfigError("kv_budget", format_bytes(budget_bytes),
+                          f"could not be allocated on {torch.device(device)}{_free_memory(torch.device(device))}: "
+                          "give a smaller budget") from None
+
+
+def _free_memory(device: torch.device) -> str:
+    if device.type != "cuda":
+        return " (the host's allocator refused it)"
+    free, total = torch.cuda.mem_get_info(device)
+    return f" ({format_bytes(free)} free of {format_bytes(total)})"
 
 
 def config_from_options(config_cls: type, options: dict[str, str], prefix: str) -> Any:
@@ -123,7 +141,11 @@ def _convert(parameter: str, raw: str, hint: Any) -> Any:
                 return raw
         except ValueError:
             continue
-    raise ConfigError(parameter, raw, f"must be of type {hint}")
+    raise ConfigError(parameter, raw, f"must be {' or '.join(_KIND_NAMES.get(k, str(k)) for k in kinds)}"
+                                      + (" or none" if type(None) in args else ""))
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "text", bool: "true or false"}
 
 
 def _entry(name: str) -> _Entry:

@@ -29,7 +29,7 @@ from kvforge.engine.sampling import SamplingParams
 from kvforge.errors import ConfigError, require
 from kvforge.models.loader import load_model, parse_dtype
 from kvforge.models.tokenizer import encode_prompt, has_chat_template, load_tokenizer
-from kvforge.sizes import parse_bytes
+from kvforge.sizes import check_host_budget, parse_bytes
 
 Messages = Sequence[Mapping[str, str]]
 Prompt = str | Sequence[int] | Messages
@@ -58,7 +58,8 @@ class LLM:
         resolved, self.dtype_reason = resolve_dtype(dtype, where)  # auto: bfloat16 on a CPU with bf16 hardware
         torch_dtype = parse_dtype(resolved)
         self.dtype = torch_dtype
-        config = EngineConfig(kv_budget_bytes=parse_bytes(kv_budget), max_num_batched_tokens=max_num_batched_tokens,
+        budget = parse_bytes(kv_budget) if where.type != "cpu" else check_host_budget(kv_budget)  # before loading
+        config = EngineConfig(kv_budget_bytes=budget, max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, admission=admission,
                               step_timing=step_timing, prefix_caching=prefix_caching, enforce_eager=enforce_eager,
                               max_seq_len_to_capture=max_seq_len_to_capture, prepack_weights=prepack_weights)

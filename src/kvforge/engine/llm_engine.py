@@ -45,6 +45,7 @@ from kvforge.kernels.cpu_prepack import PrepackReport, available_memory_bytes, p
 from kvforge.kernels.triton_runtime import decode_warps
 from kvforge.malloc_tuning import keep_freed_memory
 from kvforge.models.causal_lm import CausalLM
+from kvforge.sizes import format_bytes
 from kvforge.step_timing import StepTimer
 
 
@@ -226,7 +227,9 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}
         for request in scheduled.dropped:
-            request.error = "the KV-cache budget cannot hold this sequence even alone"
+            usable = format_bytes(self.cache.memory.capacity["fast"])
+            request.error = (f"the KV cache ({usable} usable of kv_budget) cannot hold this sequence even alone at "
+                             f"{request.num_tokens} tokens: give a larger kv_budget or a smaller max_tokens")
             self._requests.pop(request.request_id, None)
             outputs[request.request_id] = RequestOutput.of(request, [], request.release_text())
         if not scheduled.chunks:

@@ -164,6 +164,9 @@ def validation_api_error(errors: list[dict[str, Any]]) -> APIError:
         rule = "is required"
     elif error.get("type") == "json_invalid":
         param, rule = "body", f"is not valid JSON ({error.get('ctx', {}).get('error', 'parse error')})"
+    elif not kept and isinstance(error.get("input"), bytes):  # FastAPI reads JSON only under its content type
+        return APIError(400, "invalid body: must be a JSON object sent with the header Content-Type: "
+                             "application/json", param="body")
     elif field in UNION_RULES and len(path) > len(kept):
         rule = UNION_RULES[field]
     else:

@@ -9,6 +9,7 @@ an API key gets a warning. SIGTERM / SIGINT: stop accepting, abort the requests 
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
 import os
@@ -66,7 +67,13 @@ def check_port_free(host: str, port: int) -> None:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
+        except socket.gaierror as exc:  # a name or address that does not resolve
+            raise ConfigError("host", host, f"must be an address or a name of this machine ({exc.strerror}); "
+                                            "127.0.0.1 serves this machine only, 0.0.0.0 every interface") from None
         except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:  # a valid address of another machine
+                raise ConfigError("host", host, f"is not an address of this machine ({exc.strerror}); 127.0.0.1 "
+                                                "serves this machine only, 0.0.0.0 every interface") from None
             raise ConfigError("port", port, f"cannot bind {host}:{port} ({exc.strerror}); choose a free --port") from exc
 
 
@@ -105,6 +112,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError("serve", exc.name, "needs the serve extra: pip install 'kvforge[serve]'") from exc
     from kvforge.serve.served_model import ModelInfo, ServedModel
 
+    # An empty --api-key (often an unset "$KEY") would serve with no key at all: refused.
+    require(args.api_key != "", "api_key", args.api_key, f"must not be empty: leave --api-key out (and "
+                                                         f"{API_KEY_ENV} unset) to serve without a key")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     require(args.max_num_seqs >= 1, "max_num_seqs", args.max_num_seqs, "must be >= 1")
     check_port_free(args.host, args.port)

@@ -34,7 +34,7 @@ from kvforge.devices import resolve_device
 from kvforge.engine.greedy import greedy_generate
 from kvforge.engine.runner import ModelRunner, StepItem
 from kvforge.errors import ConfigError
-from kvforge.models.loader import ModelSource, load_model, parse_dtype
+from kvforge.models.loader import ModelSource, load_model, parse_dtype, resolve_model_source
 from kvforge.models.tokenizer import encode_prompt, has_chat_template, load_tokenizer
 from kvforge.tools.text_data import heldout_text
 
@@ -140,10 +140,16 @@ def run_verify(model_name: str, text_file: str | Path | None = None,
         raise ConfigError("passage_tokens", passage_tokens, f"must be > {DECODED_TOKENS}")
     check_within_context("passage_tokens", [passage_tokens], model_context(model_name), model_name)
     read_text(text_file)
+    # The passage before any weights load: a text too short for it is refused at once.
+    tokenizer = load_tokenizer(resolve_model_source(model_name))
+    passage = tokenizer.encode(heldout_text(text_file))[:passage_tokens]
+    if len(passage) <= DECODED_TOKENS:
+        raise ConfigError("text_file", str(text_file or "the default text"),
+                          f"its held-out part (what follows its first 80%) has {len(passage)} tokens; the passage needs more "
+                          f"than {DECODED_TOKENS}")
     times: dict[str, float] = {}
     start = time.perf_counter()
     model, source = load_model(model_name, dtype=dtype, device=device)
-    tokenizer = load_tokenizer(source)
     times["load_kvforge"] = time.perf_counter() - start
     _log(f"kvforge model loaded from {source.path} ({times['load_kvforge']:.1f}s)")
     start = time.perf_counter()
@@ -153,7 +159,6 @@ def run_verify(model_name: str, text_file: str | Path | None = None,
     cache = create_cache("full", model.cache_layout(), kv_budget, dtype, device)
     runner = ModelRunner(model, cache)
 
-    passage = tokenizer.encode(heldout_text(text_file))[:passage_tokens]
     start = time.perf_counter()
     ours = _passage_logits(runner, passage)
     with torch.inference_mode():

@@ -62,3 +62,15 @@ def test_cli_prints_the_table(capsys, tmp_path):
     assert len(json.loads(out.read_text())["rows"]) == 4
     assert main(["swiftkv", "flops", "--config", str(config_path), "--num-key-value-layers", "60,40",
                  "--group-size", "1,1,4"]) == 2
+
+
+def test_the_printed_totals_are_the_sums_of_the_printed_parts_and_give_the_ratio(capsys):
+    """The table rounds every column alike: its total is its parts' sum and total over the
+    baseline's is its `vs baseline` (a total rounded coarser once read 0.6 / 0.3 beside 0.563)."""
+    assert main(["swiftkv", "flops", "--model", "smollm2-135m", "--num-key-value-layers", "15"]) == 0
+    rows = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "setting" not in line]
+    numbers = [[float(cell) for cell in row[1:]] for row in rows]
+    for *parts, total, _ratio in numbers:
+        assert sum(parts) == pytest.approx(total, abs=0.011 * len(parts))
+    assert numbers[1][-2] / numbers[0][-2] == pytest.approx(numbers[1][-1], abs=0.02)

@@ -67,11 +67,13 @@ class FullCache(CacheMethod[FullStepMetadata]):
         self.budget_bytes = budget_bytes
         self.memory = PagedMemorySpec(layout.num_cache_layers, self.groups, self.block_size, token_layer_bytes,
                                       self.page_bytes, num_pages)
-        self.pages = PageTable(BlockPool(num_pages), self.block_size, self.groups)
-        self.scratch_pages = 0  # set aside for fixed decode steps (set_aside_scratch_pages)
         shape = (self.groups.group_size, layout.num_kv_heads, num_pages, self.block_size, layout.head_dim)
+        # The stores first: a budget the device cannot hold fails here at once, before the
+        # page pool's free list (one Python int per page) is built for it.
         self.k_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
         self.v_store = torch.empty(shape, dtype=self.storage_dtype, device=self.device)
+        self.pages = PageTable(BlockPool(num_pages), self.block_size, self.groups)
+        self.scratch_pages = 0  # set aside for fixed decode steps (set_aside_scratch_pages)
         # float8: the scale of each stored row [group_size, kv_heads, num_pages, block]
         self.k_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None
         self.v_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) if self.fp8 else None

@@ -1,8 +1,10 @@
 """Named KIVI settings (`--cache kivi:preset=NAME`): option sets chosen by measurement.
 
 A preset fills fields of KIVICacheConfig; a field it sets must be left at its default by
-the user (ConfigError otherwise), so `kivi:preset=quality2,bits=4` is refused rather than
-silently meaning one or the other. Options a preset does not set stay free
+the user (ConfigError otherwise), so `kivi:preset=paper2,bits=4` is refused rather than
+silently meaning one or the other, as is a field the preset's fields override
+(`kivi:preset=quality2,bits=4`: quality2 sets key_bits and value_bits, which `bits` only
+stands in for). Options a preset does not set stay free
 (`kivi:preset=quality2,max_sequences=32`). Why each preset is what it is: the Pareto table
 in docs/cache-methods.md (measured in docs/results/eval/).
 """
@@ -36,6 +38,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                  "rotation": "hadamard_values", "key_space": "pre_rope"},
 }
 
+# A field read only where the fields after it are None: a preset setting all of those leaves
+# it without effect, so a user's value for it is refused as well.
+SHADOWED_BY = {"bits": ("key_bits", "value_bits"), "group": ("key_group", "value_group")}
+
 
 def apply_preset(config: Any) -> None:
     """Fill `config` (a frozen KIVICacheConfig, in its __post_init__) from its preset."""
@@ -48,3 +54,8 @@ def apply_preset(config: Any) -> None:
         if current != defaults[field] and current != value:
             raise ConfigError(field, current, f"is set by preset={name} (to {value}); leave it out or drop the preset")
         object.__setattr__(config, field, value)
+    for shadowed, by in SHADOWED_BY.items():  # `bits` under a preset that sets key_bits and value_bits
+        current = getattr(config, shadowed)
+        if all(field in PRESETS[name] for field in by) and current != defaults[shadowed]:
+            raise ConfigError(shadowed, current, f"has no effect under preset={name}, which sets {' and '.join(by)}; "
+                                                 "leave it out or drop the preset")

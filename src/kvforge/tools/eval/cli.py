@@ -47,7 +47,8 @@ def add_eval_args(evaluate: argparse.ArgumentParser) -> None:
                           "../shared/data/wikitext-2-raw-test.txt)")
     ppl.add_argument("--context", type=_count(2), default=2048, help="tokens per window (2048)")
     ppl.add_argument("--mode", choices=("prefill", "decode"), default="decode",
-                     help="prefill: whole window at once; decode: --prefill-len tokens, then one token per step")
+                     help="prefill: whole window at once; decode: --prefill-len tokens, then one token per step "
+                          "(decode)")
     ppl.add_argument("--prefill-len", type=_count(1), default=64, help="decode mode: tokens prefilled (64)")
     ppl.add_argument("--max-windows", type=_count(1), default=None, help="score at most this many windows")
     ppl.add_argument("--batch", type=_count(1), default=None,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from kvforge.arg_types import positive_ints
 from kvforge.engine.conversations import converse_on_engine
 from kvforge.engine.engine_config import EngineConfig
 from kvforge.engine.greedy import greedy_generate
@@ -253,8 +254,7 @@ def haystack_sentences(path: str | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
-    require(len(lengths) > 0 and all(n > 0 for n in lengths), "lengths", args.lengths, "must be positive integers")
+    lengths = positive_ints("lengths", args.lengths)
     depths = depth_grid(args.depths)
     require(args.batch >= 1, "batch", args.batch, "must be >= 1")
     require(args.max_new_tokens >= 1, "max_new_tokens", args.max_new_tokens, "must be >= 1")

@@ -61,7 +61,8 @@ class PplSettings:
         require(self.mode in ("prefill", "decode"), "mode", self.mode, "must be prefill or decode")
         # only decode mode prefills a part of the window
         require(self.mode == "prefill" or 1 <= self.prefill_len < self.context, "prefill_len", self.prefill_len,
-                f"must be in [1, context={self.context}) in decode mode")
+                f"must be in [1, context={self.context}) in decode mode (the default --mode; its --prefill-len "
+                "defaults to 64): give a longer --context, a shorter --prefill-len or --mode prefill")
         require(self.batch >= 1, "batch", self.batch, "must be >= 1")
         require(self.max_windows is None or self.max_windows >= 1, "max_windows", self.max_windows, "must be >= 1")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvforge.errors import require
+from kvforge.arg_types import positive_ints
 from kvforge.models.loader import parse_dtype
 from kvforge.models.tokenizer import has_chat_template
 from kvforge.preflight import check_within_context
@@ -109,8 +109,7 @@ def format_ruler_table(results: list[dict[str, Any]], baseline: int) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
-    require(len(lengths) > 0 and all(n > 0 for n in lengths), "lengths", args.lengths, "must be positive integers")
+    lengths = positive_ints("lengths", args.lengths)
     tasks = parse_tasks(args.tasks)
     check_lengths(tasks, lengths)
     systems = parse_systems(args.cache, args.cache_opt, args.compare, args.swiftkv)

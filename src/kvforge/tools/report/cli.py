@@ -26,7 +26,7 @@ from typing import Any
 from kvforge.errors import ConfigError
 from kvforge.tools.report import pareto, serving_table, shadowkv_front
 from kvforge.tools.report.headline import headline_table
-from kvforge.tools.report.render import render_document
+from kvforge.tools.report.render import kind_of, render_document
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 RESULTS_HEADER = """# Results
@@ -56,9 +56,16 @@ def load_results(directory: Path) -> dict[str, dict[str, Any]]:
     out = {}
     for path in sorted(directory.rglob("*.json")):
         try:
-            out[path.relative_to(directory).as_posix()] = json.loads(path.read_text())
+            doc = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ConfigError("result file", str(path), f"must be valid JSON ({exc})") from exc
+        try:
+            kind_of(doc if isinstance(doc, dict) else {})
+        except ValueError:  # e.g. `kvforge info --json` output in the same directory
+            raise ConfigError("result file", str(path), "must be a kvforge result file (a benchmark, eval, "
+                                                        f"students, demo or check key): move other JSON out of "
+                                                        f"{directory}") from None
+        out[path.relative_to(directory).as_posix()] = doc
     return out
 
 

@@ -330,7 +330,7 @@ def _run_flops(args: argparse.Namespace) -> int:
     settings = [SwiftKVConfig(first, group) for first, group in zip(layers, groups)]
     for swift in settings:
         swift.check_layers(config.num_layers)
-    context = args.context or config.max_position_embeddings
+    context = config.max_position_embeddings if args.context is None else args.context  # 0 is refused
     require(context >= 1, "context", context, "must be >= 1")
     rows = flops_table(config, context, settings)
     print(format_flops_table(rows, context))

@@ -85,5 +85,5 @@ def format_flops_table(rows: list[dict], context: int) -> str:
              "|---|" + "---:|" * (len(PARTS) + 2)]
     for row in rows:
         cells = " | ".join(f"{row[p]:.2f}" for p in PARTS)
-        lines.append(f"| {row['setting']} | {cells} | {row['total']:.1f} | {row['ratio']:.3f} |")
+        lines.append(f"| {row['setting']} | {cells} | {row['total']:.2f} | {row['ratio']:.3f} |")
     return "\n".join(lines)

@@ -24,6 +24,7 @@ class _Definition(Protocol):
     original: str
     replacement: str
     tests: tuple[str, ...]
+    cpu_flag: str
 
 
 def _git(root: Path, *args: str) -> str | None:
@@ -47,8 +48,10 @@ def changed_paths(root: Path, revision: str) -> set[str]:
     untracked files included. A revision git does not know raises ValueError naming it."""
     if _git(root, "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}") is None:
         raise ValueError(f"--since: {revision!r} is not a commit of this repository")
-    tracked = _git_output(root, "diff", "--name-only", revision, "--").splitlines()
-    untracked = _git_output(root, "ls-files", "--others", "--exclude-standard").splitlines()
+    # --no-renames: a renamed file counts under its old path too (a mutation naming the old
+    # path is stale); -z: paths as they are, not quoted.
+    tracked = _git_output(root, "diff", "--name-only", "--no-renames", "-z", revision, "--").split("\0")
+    untracked = _git_output(root, "ls-files", "--others", "--exclude-standard", "-z").split("\0")
     return {path for path in tracked + untracked if path}
 
 
@@ -75,7 +78,8 @@ def definitions_at(root: Path, revision: str) -> dict[str, tuple]:
 
 def definition(mutation: _Definition) -> tuple:
     """What decides a mutation's verdict: where it applies, what it changes, what must fail."""
-    return (mutation.file, mutation.original, mutation.replacement, tuple(mutation.tests))
+    return (mutation.file, mutation.original, mutation.replacement, tuple(mutation.tests),
+            getattr(mutation, "cpu_flag", ""))
 
 
 def _touches(target: str, changed: set[str]) -> bool:

@@ -155,3 +155,28 @@ def test_report_names_a_json_file_that_is_not_a_result(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--check", "--out", str(tmp_path / "r.md")]) == 2
     err = capsys.readouterr().err
     assert "result file" in err and "info.json" in err and "benchmark, eval" in err
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_serve_refuses_an_empty_key_from_the_environment_too(no_weights, capsys, monkeypatch, key):
+    monkeypatch.setenv("KVFORGE_API_KEY", key)
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "KVFORGE_API_KEY" in err and "must not be empty" in err
+
+
+def test_serve_names_the_host_when_its_name_does_not_resolve(monkeypatch):
+    """A name that does not resolve (socket.gaierror) is a --host error, not a --port one
+    (monkeypatched: a real lookup would wait on DNS)."""
+    import socket
+
+    from kvforge.errors import ConfigError
+    from kvforge.serve.server import check_port_free
+
+    class Unresolved(socket.socket):
+        def bind(self, address):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "socket", Unresolved)
+    with pytest.raises(ConfigError, match="invalid host='no-such-host.invalid': must be an address or a name"):
+        check_port_free("no-such-host.invalid", 8000)

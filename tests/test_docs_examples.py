@@ -48,26 +48,55 @@ def _shell_lines(block: str) -> list[list[str]]:
     return lines
 
 
-def docs_commands() -> list[tuple[str, list[str]]]:
-    """(where, argv after `kvforge`) of each kvforge command in the docs' bash blocks."""
+def _without_redirections(words: list[str]) -> list[str]:
+    """`> out.txt`, `2>&1`, `< in` left out: the shell's, not the command's."""
+    kept, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in (">", ">>", "<", "2>"):
+            skip = True
+        elif not re.match(r"^\d?>>?&?\d*$|^\d?>>?\S+$|^<\S+$", word):
+            kept.append(word)
+    return kept
+
+
+def _commands_of(block: str) -> list[tuple[str, list[str]]]:
+    """(the command, argv after `kvforge`) of each kvforge command of a bash block."""
     found = []
-    for doc in sorted(DOCS.glob("*.md")):
-        for block in _blocks(doc, "bash"):
-            for words in _shell_lines(block):
-                commands: list[list[str]] = [[]]
-                for word in words:
-                    commands.append([]) if word in SEPARATORS else commands[-1].append(word)
-                for command in commands:
-                    while command and ENV_ASSIGNMENT.match(command[0]):
-                        command = command[1:]
-                    if command[:3] == ["python", "-m", "kvforge"]:
-                        command = ["kvforge", *command[3:]]
-                    if command[:1] == ["kvforge"] and command[1:2] != ["lm-eval"]:  # lm-eval: lm_eval's own parser
-                        found.append((f"{doc.name}: {' '.join(command)}", command[1:]))
+    for words in _shell_lines(block):
+        commands: list[list[str]] = [[]]
+        for word in words:
+            commands.append([]) if word in SEPARATORS else commands[-1].append(word)
+        for command in commands:
+            command = _without_redirections(command)
+            while command and (ENV_ASSIGNMENT.match(command[0]) or command[0] == "env"):
+                command = command[1:]
+            if command[:1] == ["timeout"]:
+                command = command[2:]
+            if command[1:3] == ["-m", "kvforge"] and command[0].endswith("python"):
+                command = ["kvforge", *command[3:]]
+            if command[:1] and command[0].endswith("/kvforge"):  # .venv/bin/kvforge
+                command = ["kvforge", *command[1:]]
+            if command[:1] == ["kvforge"] and command[1:2] != ["lm-eval"]:  # lm-eval: lm_eval's own parser
+                found.append((" ".join(command), command[1:]))
     return found
 
 
+def docs_commands() -> list[tuple[str, list[str]]]:
+    """(where, argv after `kvforge`) of each kvforge command in the docs' bash blocks."""
+    return [(f"{doc.name}: {text}", argv) for doc in sorted(DOCS.glob("*.md"))
+            for block in _blocks(doc, "bash") for text, argv in _commands_of(block)]
+
+
 COMMANDS = docs_commands()
+
+
+def test_shell_words_around_a_command_are_taken_off():
+    words = shlex.split("A=1 timeout 60 .venv/bin/kvforge info --json x.json > log.txt 2>&1")
+    assert _without_redirections(words)[-3:] == ["info", "--json", "x.json"]
+    found = [argv for _, argv in _commands_of("A=1 timeout 60 .venv/bin/kvforge info > log.txt 2>&1")]
+    assert found == [["info"]]
 
 
 def test_the_docs_hold_the_commands_this_file_checks():

@@ -102,3 +102,8 @@ def test_a_revision_before_the_list_existed_makes_every_mutation_new(repo):
     _git(repo, "rm", "-q", "--cached", "mutants/mutations.py")
     _git(repo, "commit", "-qm", "drop")
     assert definitions_at(repo, "HEAD") == {}
+
+
+def test_a_renamed_file_counts_under_its_old_path_too(repo):
+    _git(repo, "mv", "src/a.py", "src/a_renamed.py")  # in_a's file is gone: its mutation is stale
+    assert _picked(repo) == ["in_a"]

@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     verb = named_verb(argv)
     args = build_parser([verb] if verb else []).parse_args(argv)
     args.command_line = command_line(argv)  # recorded in the JSON of measuring commands
+    args.typed_options = frozenset(word.split("=", 1)[0] for word in argv if word.startswith("--"))
     try:
         from kvforge.cli_checks import check_shared_values
 

@@ -111,9 +111,19 @@ def take_positional_model(args: argparse.Namespace) -> None:
     args.model = given[0] if given else DEFAULT_MODEL
 
 
-def torch_device_kind(device: str | None) -> str:
-    """`cpu` or `cuda` for a --device value already checked (None: the CPU, every default)."""
-    return "cuda" if device is not None and str(device).startswith("cuda") else "cpu"
+def check_typed_host_budget(args: argparse.Namespace) -> None:
+    """A --kv-budget typed for a cache in host memory must fit this machine's RAM and swap. A
+    verb's default is left alone (untouched pages cost no RAM, and bench's 4GiB must keep
+    working on a smaller machine), as is `bench serve --base-url` (no local server starts)."""
+    budget = getattr(args, "kv_budget", None)
+    typed = "--kv-budget" in getattr(args, "typed_options", {"--kv-budget"})
+    if (not isinstance(budget, str) or not typed or getattr(args, "device_kind", "cpu") != "cpu"
+            or getattr(args, "base_url", None)):
+        return
+    from kvforge.sizes import check_host_budget
+
+    for piece in budget.split(","):  # bench throughput takes a list
+        check_host_budget(piece.strip())
 
 
 def check_shared_values(args: argparse.Namespace) -> None:
@@ -124,13 +134,8 @@ def check_shared_values(args: argparse.Namespace) -> None:
     if getattr(args, "device", None) is not None:
         from kvforge.devices import resolve_device
 
-        resolve_device(args.device)
-    budget = getattr(args, "kv_budget", None)
-    if isinstance(budget, str) and torch_device_kind(getattr(args, "device", None)) == "cpu":
-        from kvforge.sizes import check_host_budget
-
-        for piece in budget.split(","):  # bench throughput takes a list
-            check_host_budget(piece.strip())
+        args.device_kind = resolve_device(args.device).type
+    check_typed_host_budget(args)
     if isinstance(getattr(args, "dtype", None), str):
         from kvforge.compute_dtype import resolve_dtype
         from kvforge.models.loader import parse_dtype

@@ -37,7 +37,7 @@ def format_bytes(size: float) -> str:
     return f"{size:.0f} B"
 
 
-def host_memory_bytes() -> int | None:
+def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     """This machine's RAM plus swap (None where unknown): no one allocation larger than this
     can succeed (Linux's default overcommit refuses it)."""
     try:
@@ -46,7 +46,7 @@ def host_memory_bytes() -> int | None:
         return None
     swap = 0
     try:
-        with open("/proc/meminfo") as info:
+        with open(meminfo) as info:
             swap = next((int(line.split()[1]) * 1024 for line in info if line.startswith("SwapTotal:")), 0)
     except OSError:
         pass

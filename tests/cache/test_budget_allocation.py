@@ -25,9 +25,32 @@ def test_a_host_budget_above_ram_and_swap_is_refused_and_one_below_is_kept(monke
         check_host_budget("1.5GiB")
 
 
-def test_this_machine_reports_its_memory():
+def test_this_machine_reports_its_memory_and_swap_counts(tmp_path):
     memory = host_memory_bytes()
     assert memory is not None and memory > 2**30
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       1000 kB\nSwapTotal:       2048 kB\nSwapFree:       2048 kB\n")
+    assert host_memory_bytes(str(meminfo)) - host_memory_bytes(str(tmp_path / "none")) == 2048 * 1024
+
+
+@pytest.mark.parametrize(("typed", "extra", "refused"), [
+    (True, {}, True),
+    (False, {}, False),  # a verb's default: untouched pages cost no RAM, bench's 4GiB must run anywhere
+    (True, {"device_kind": "cuda"}, False),  # device memory: the allocation is the check there
+    (True, {"base_url": "http://127.0.0.1:9"}, False),  # bench serve against a server it does not start
+])
+def test_only_a_typed_host_budget_is_checked_against_the_machine(monkeypatch, typed, extra, refused):
+    from argparse import Namespace
+
+    from kvforge.cli_checks import check_typed_host_budget
+
+    monkeypatch.setattr("kvforge.sizes.host_memory_bytes", lambda: 2**30)
+    args = Namespace(kv_budget="1GiB,4GiB", typed_options=frozenset({"--kv-budget"} if typed else ()), **extra)
+    if refused:
+        with pytest.raises(ConfigError, match="kv_budget='4GiB'"):
+            check_typed_host_budget(args)
+    else:
+        check_typed_host_budget(args)
 
 
 def _failing_entry(monkeypatch, method) -> None:
@@ -39,6 +62,7 @@ def _failing_entry(monkeypatch, method) -> None:
 @pytest.mark.parametrize("error", [RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
                                                 "allocate 5000000000000 bytes"),
                                    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 60.00 GiB"),
+                                   RuntimeError("CUDA error: out of memory"),  # e.g. pinning host memory
                                    MemoryError()])
 def test_an_allocation_failure_while_building_a_cache_names_the_budget(monkeypatch, error):
     def failing(*args, **kwargs):
@@ -49,12 +73,13 @@ def test_an_allocation_failure_while_building_a_cache_names_the_budget(monkeypat
         registry.create_cache("full", LAYOUT, 2 * 2**40, torch.float32)
 
 
-def test_other_runtime_errors_of_a_cache_pass_through(monkeypatch):
+@pytest.mark.parametrize("message", ["a bug, not memory", "could not allocate a stream: not a memory error"])
+def test_other_runtime_errors_of_a_cache_pass_through(monkeypatch, message):
     def failing(*args, **kwargs):
-        raise RuntimeError("a bug, not memory")
+        raise RuntimeError(message)
 
     _failing_entry(monkeypatch, failing)
-    with pytest.raises(RuntimeError, match="a bug, not memory"):
+    with pytest.raises(RuntimeError, match=message):
         registry.create_cache("full", LAYOUT, 2**20, torch.float32)
 
 

@@ -14,7 +14,7 @@ import torch
 from kvforge.cache.base import CacheMethod
 from kvforge.cache.layout import CacheLayout
 from kvforge.errors import ConfigError
-from kvforge.sizes import format_bytes
+from kvforge.sizes import format_bytes, host_memory_bytes
 
 
 @dataclass(frozen=True)
@@ -97,16 +97,24 @@ def create_cache(spec: CacheSpec | str, layout: CacheLayout, budget_bytes: int,
         # A budget the device cannot hold fails in the stores' `torch.empty` (or in Python's
         # bookkeeping of its pages): said as a configuration error, not an allocator's
         # traceback. Other RuntimeErrors pass. (torch.OutOfMemoryError is a RuntimeError.)
-        if not isinstance(exc, (MemoryError, torch.OutOfMemoryError)) and "allocate" not in str(exc):
+        if not isinstance(exc, (MemoryError, torch.OutOfMemoryError)) and not _out_of_memory(str(exc)):
             raise
         raise ConfigError("kv_budget", format_bytes(budget_bytes),
                           f"could not be allocated on {torch.device(device)}{_free_memory(torch.device(device))}: "
                           "give a smaller budget") from None
 
 
+def _out_of_memory(message: str) -> bool:
+    """torch's CPU allocator's refusal, or CUDA's raw one (e.g. pinning host memory)."""
+    text = message.lower()
+    return "can't allocate memory" in text or "out of memory" in text
+
+
 def _free_memory(device: torch.device) -> str:
     if device.type != "cuda":
-        return " (the host's allocator refused it)"
+        memory = host_memory_bytes()
+        known = f": {format_bytes(memory)} of RAM and swap" if memory is not None else ""
+        return f" (the host's allocator refused it{known})"
     free, total = torch.cuda.mem_get_info(device)
     return f" ({format_bytes(free)} free of {format_bytes(total)})"
 

@@ -228,8 +228,9 @@ class LLMEngine:
         outputs: dict[str, RequestOutput] = {}
         for request in scheduled.dropped:
             usable = format_bytes(self.cache.memory.capacity["fast"])
+            shorter = " or a smaller max_tokens" if request.output_token_ids else ""
             request.error = (f"the KV cache ({usable} usable of kv_budget) cannot hold this sequence even alone at "
-                             f"{request.num_tokens} tokens: give a larger kv_budget or a smaller max_tokens")
+                             f"{request.num_tokens} tokens: give a larger kv_budget{shorter}")
             self._requests.pop(request.request_id, None)
             outputs[request.request_id] = RequestOutput.of(request, [], request.release_text())
         if not scheduled.chunks:

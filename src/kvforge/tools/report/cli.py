@@ -61,10 +61,9 @@ def load_results(directory: Path) -> dict[str, dict[str, Any]]:
             raise ConfigError("result file", str(path), f"must be valid JSON ({exc})") from exc
         try:
             kind_of(doc if isinstance(doc, dict) else {})
-        except ValueError:  # e.g. `kvforge info --json` output in the same directory
-            raise ConfigError("result file", str(path), "must be a kvforge result file (a benchmark, eval, "
-                                                        f"students, demo or check key): move other JSON out of "
-                                                        f"{directory}") from None
+        except ValueError as exc:  # e.g. `kvforge info --json` output in the same directory
+            raise ConfigError("result file", str(path), f"must be a kvforge result file, and it is {exc}: move "
+                                                        f"other JSON out of {directory}") from None
         out[path.relative_to(directory).as_posix()] = doc
     return out
 

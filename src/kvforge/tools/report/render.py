@@ -31,7 +31,7 @@ def kind_of(doc: Document) -> str:
         return "demo"
     if doc.get("check") in ("gpu-check", "gpu-check-seeds"):
         return doc["check"]
-    raise ValueError("not a kvforge result file (no benchmark, eval, students, demo or check key)")
+    raise ValueError("not a kvforge result file (no benchmark, eval, students, swiftkv_early_exit, demo or check key)")
 
 
 def provenance_line(path: str, doc: Document) -> str:

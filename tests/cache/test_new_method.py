@@ -140,3 +140,10 @@ def test_its_options_are_parsed_and_validated_like_the_builtin_ones():
         parse_cache_spec("test_list:max_sequences=0")
     with pytest.raises(ConfigError, match="known options"):
         parse_cache_spec("test_list:nope=1")
+
+
+def test_a_key_given_twice_takes_its_last_value_so_cache_opt_overrides_the_inline_options():
+    """As docs/cache-methods.md says (tests build specs as a base plus overrides this way)."""
+    assert parse_cache_spec("kivi:bits=2,bits=4").config().bits == 4
+    overridden = parse_cache_spec("kivi:bits=2,group=64", ["bits=4"])
+    assert overridden.config().bits == 4 and str(overridden) == "kivi:bits=4,group=64"

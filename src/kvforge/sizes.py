@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 from kvforge.errors import ConfigError, require
 
@@ -37,20 +38,25 @@ def format_bytes(size: float) -> str:
     return f"{size:.0f} B"
 
 
-def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+def meminfo_bytes(field: str, meminfo: str | Path = "/proc/meminfo") -> int | None:
+    """One `Field:  N kB` line of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
     """This machine's RAM plus swap (None where unknown): no one allocation larger than this
     can succeed (Linux's default overcommit refuses it)."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-    swap = 0
-    try:
-        with open(meminfo) as info:
-            swap = next((int(line.split()[1]) * 1024 for line in info if line.startswith("SwapTotal:")), 0)
-    except OSError:
-        pass
-    return ram + swap
+    return ram + (meminfo_bytes("SwapTotal", meminfo) or 0)
 
 
 def check_host_budget(value: str | int | float, parameter: str = "kv_budget") -> int:

@@ -40,6 +40,7 @@ import torch
 
 from kvforge.errors import require
 from kvforge.kernels.prepack_policy import PREPACK_POLICIES
+from kvforge.sizes import meminfo_bytes
 
 __all__ = ["AUTO_MEMORY_SHARE", "PACKABLE_DTYPES", "PREPACK_POLICIES", "PrepackReport", "available_memory_bytes", "drop_packed",
            "has_widened_copy", "packed_linear", "packed_linear_float32", "prepack_available", "prepack_weights"]
@@ -85,13 +86,7 @@ def prepack_available() -> bool:
 
 def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """The memory the kernel could hand out now (MemAvailable), or None where unknown."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return meminfo_bytes("MemAvailable", meminfo)
 
 
 def _packable(weight: torch.Tensor) -> bool:

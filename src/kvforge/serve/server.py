@@ -113,12 +113,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvforge.serve.served_model import ModelInfo, ServedModel
 
     # An empty key (often an unset "$KEY") would serve with no key at all: refused.
-    from_env = os.environ.get(API_KEY_ENV)
-    require(args.api_key is None or args.api_key.strip() != "", "api_key", args.api_key,
-            f"must not be empty: leave --api-key out (and {API_KEY_ENV} unset) to serve without a key")
-    require(args.api_key is not None or from_env is None or from_env.strip() != "", API_KEY_ENV, from_env,
-            "must not be empty: unset it to serve without a key")
-    api_key = args.api_key or from_env or None
+    given, source = (args.api_key, "api_key") if args.api_key is not None else (os.environ.get(API_KEY_ENV), API_KEY_ENV)
+    require(given is None or given.strip() != "", source, given,
+            f"must not be empty: leave --api-key out and {API_KEY_ENV} unset to serve without a key")
+    api_key = given
     require(args.max_num_seqs >= 1, "max_num_seqs", args.max_num_seqs, "must be >= 1")
     check_port_free(args.host, args.port)
     if args.max_model_len is not None:

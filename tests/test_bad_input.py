@@ -44,6 +44,8 @@ CASES = [
     (["generate", "--cache", "kivi:preset=quality2,bits=4", "hi"], ["bits", "4", "no effect under preset=quality2"]),
     (["generate", "--cache", "kivi:preset=quality3,group=64", "hi"], ["group", "64", "sets key_group and value_group"]),
     (["generate", "--cache", "kivi:bits=abc", "hi"], ["bits", "abc", "must be an integer"]),
+    (["generate", "--cache", "kivi:preset=paper2,key_bits=4,value_bits=4", "hi"],
+     ["key_bits", "4", "preset=paper2 (which sets bits) has no effect"]),
     (["chat", "--max-tokens", "9000"], ["max_tokens", "9000", "8192"]),
     (["chat", "--top-p", "2"], ["top_p", "2", "(0, 1]"]),
     # serve
@@ -68,10 +70,13 @@ CASES = [
     (["bench", "serve", "--input-len", "8000", "--output-len", "500"], ["input_len + output_len", "8500", "8192"]),
     (["bench", "serve", "--slo", "fast"], ["slo", "fast", "KEY=SECONDS"]),
     (["bench", "serve", "--compare", "hf"], ["compare", "hf", "no server"]),
+    (["bench", "serve", "--compare", "merge-all-layers"], ["compare", "merge-all-layers", "kvforge serve has no"]),
+    (["bench", "serve", "--compare", "nosuch"], ["compare", "nosuch", "one of base, no-prefix-caching, eager, vllm or"]),
     (["bench", "throughput", "--kv-budget", "1GB,10TB"], ["kv_budget", "10TB", "this machine's memory"]),
     # eval
     (["eval", "niah", "--lengths", "999999"], ["lengths", "999999", "32768"]),
     (["eval", "niah", "--lengths", "0"], ["lengths", "0", "positive"]),
+    (["eval", "niah", "--lengths", "256", "--key-digits", "50"], ["max_new_tokens", "12", "pass key's"]),
     (["eval", "niah", "--lengths", "1.5k"], ["lengths", "1.5k", "positive integers separated by commas"]),
     (["eval", "ruler", "--lengths", "4k"], ["lengths", "4k", "positive integers separated by commas"]),
     (["eval", "ppl", "--compare", "hf-hqq:bits=2"], ["compare", "hf-hqq:bits=2", "hqq"]),  # not installed

@@ -4,11 +4,14 @@ cache (whole pages for `full`, the whole kept sequence for `kivi` with prefix_re
 
 from __future__ import annotations
 
+import argparse
+import io
+
 import pytest
 import torch
 from server_helpers import char_tokenizer, make_engine, tiny_model
 
-from kvforge.chat import ChatSession
+from kvforge.chat import ChatSession, read_line, run_chat
 from kvforge.engine.llm import LLM
 from kvforge.engine.sampling import SamplingParams
 
@@ -59,3 +62,31 @@ def test_the_prompt_extends_the_previous_ids_exactly():
     assert tokenizer.decode(prompt, skip_special_tokens=False) == rendered
     session.ids[-1] = 0  # <unk> instead of the end of turn: the text no longer matches
     assert session.prompt_ids() == tokenizer.encode(rendered, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("", ("exit", "")),  # end of input
+    ("\n", ("blank", "")),
+    ("/exit\n", ("exit", "")),
+    ("/reset\n", ("command", "/reset")),
+    ("  /help me\n", ("command", "/help")),
+    ("/reste\n", ("unknown", "/reste")),  # a typo is not sent to the model
+    ("/clear now\n", ("unknown", "/clear")),
+    ("//reset is a command\n", ("message", "/reset is a command")),
+    ("/usr/bin holds what?\n", ("message", "/usr/bin holds what?")),
+    ("/ 2 is a slash\n", ("message", "/ 2 is a slash")),
+    (" hello /reset\n", ("message", "hello /reset")),
+])
+def test_each_line_is_a_command_a_message_or_refused(line, expected):
+    assert read_line(line) == expected
+
+
+def test_an_unknown_command_is_explained_and_not_sent(monkeypatch, capsys):
+    llm = _llm("full:block_size=8")
+    monkeypatch.setattr("sys.stdin", io.StringIO("/reste\n/help\nhello\n/exit\nnever read\n"))
+    params = SamplingParams.greedy_params(max_tokens=3, ignore_eos=True)
+    assert run_chat(argparse.Namespace(system=None, stats=False), llm, params) == 0
+    out, err = capsys.readouterr()
+    assert out.count("assistant> ") == 1  # only "hello" reached the model
+    assert "unknown command /reste; commands: /reset (forget the conversation)" in err
+    assert err.count("commands: ") == 2 and "//" in err

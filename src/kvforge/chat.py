@@ -11,6 +11,7 @@ conversation is encoded afresh and the cache reuses what still matches.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,34 @@ from typing import Any
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling import SamplingParams
 from kvforge.models.tokenizer import encode_prompt
+
+COMMANDS = {"/reset": "forget the conversation", "/exit": "quit", "/help": "list these commands"}
+COMMAND_WORD = re.compile(r"/[A-Za-z_]+")  # "/reste" is a typo; "/usr/bin ..." or "/ 2" is a message
+
+
+def read_line(line: str) -> tuple[str, str]:
+    """One line of input -> (kind, text): ("exit", ""), ("message", text), ("command", NAME)
+    for a known command, ("unknown", WORD) for a slash word that is none of them, or
+    ("blank", ""). A line starting with "//" is a message with one slash removed, so any text
+    can be sent. End of input (an empty string, not an empty line) exits."""
+    if not line:
+        return "exit", ""
+    text = line.strip()
+    if not text:
+        return "blank", ""
+    if text.startswith("//"):
+        return "message", text[1:]
+    word = text.split()[0]
+    if word in COMMANDS:
+        return ("exit", "") if word == "/exit" else ("command", word)
+    if COMMAND_WORD.fullmatch(word):
+        return "unknown", word
+    return "message", text
+
+
+def command_help() -> str:
+    listed = ", ".join(f"{name} ({what})" for name, what in COMMANDS.items())
+    return f"commands: {listed}; begin a line with // to send one that starts with /"
 
 
 class ChatSession:
@@ -60,18 +89,21 @@ def run_chat(args: argparse.Namespace, llm: Any, params: SamplingParams) -> int:
     while True:
         if interactive:
             print("you> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/exit":
+        kind, text = read_line(sys.stdin.readline())
+        if kind == "exit":
             return 0
-        if line.strip() == "/reset":
+        if kind == "command" and text == "/reset":
             session.reset()
-            continue
-        if not line.strip():
+        elif kind == "command":
+            print(command_help(), file=sys.stderr)
+        elif kind == "unknown":
+            print(f"kvforge chat: unknown command {text}; {command_help()}", file=sys.stderr)
+        if kind != "message":
             continue
         print("assistant> ", end="", flush=True)
         final = None
         before = llm.engine.prefix_statistics()
-        for output in session.ask(line.strip(), params):
+        for output in session.ask(text, params):
             print(output.new_text, end="", flush=True)
             final = output
             if output.error:

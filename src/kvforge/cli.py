@@ -40,7 +40,7 @@ VERBS: tuple[Verb, ...] = (
     Verb("generate", "kvforge.commands:add_generate_args", "kvforge.commands:cmd_generate",
          "generate text for one or more prompts"),
     Verb("chat", "kvforge.commands:add_chat_args", "kvforge.commands:cmd_chat",
-         "interactive chat (type /reset to forget, /exit to quit)"),
+         "interactive chat (type /reset to forget, /exit to quit, /help for the rest)"),
     Verb("serve", "kvforge.commands:add_serve_args", "kvforge.serve.server:run_serve",
          "OpenAI-compatible HTTP server (127.0.0.1:8000 by default)"),
     Verb("verify", "kvforge.commands:add_verify_args", "kvforge.commands:cmd_verify",

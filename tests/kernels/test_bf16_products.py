@@ -26,7 +26,13 @@ from kvforge.kernels.bf16_products import (
     measure_bf16_products,
 )
 from kvforge.kernels.cpu_causal_attention import causal_attention_available
-from kvforge.kernels.cpu_prepack import drop_packed, packed_linear, prepack_available, prepack_weights
+from kvforge.kernels.cpu_prepack import (
+    drop_packed,
+    onednn_packs,
+    packed_linear,
+    prepack_available,
+    prepack_weights,
+)
 from kvforge.kernels.prefill_attention import causal_attention
 
 PLENTY = 1 << 40
@@ -162,6 +168,21 @@ def test_the_real_measurement_times_both_products(fresh):
     assert "linear bf16 / float32 time" in verdict.why and "attention bf16 / float32 time" in verdict.why
 
 
+@needs_prepack
+def test_the_linear_product_is_timed_where_onednn_cannot_pack_bf16(monkeypatch):
+    """On an AVX2-only CPU the native form is F.linear on the plain weight (7x the widened
+    form's time on an AMD EPYC here): it is timed as such, not left unmeasured (which kept
+    bf16 prefills on the slow form)."""
+    from kvforge.kernels import cpu_prepack
+    real = cpu_prepack.onednn_packs
+    monkeypatch.setattr(cpu_prepack, "onednn_packs", lambda dtype: dtype != torch.bfloat16 and real(dtype))
+    timed = []
+    monkeypatch.setattr(products_module, "_best_seconds", lambda fn: timed.append(fn()) or 1.0)
+    assert products_module._linear_seconds() == (1.0, 1.0)
+    assert [t.dtype for t in timed] == [torch.bfloat16, torch.bfloat16] and torch.allclose(
+        timed[0].float(), timed[1].float(), rtol=2 ** -6, atol=1e-2)
+
+
 def _weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return ((torch.randn(96, 64, generator=generator) * 0.1).bfloat16(),
@@ -287,7 +308,10 @@ def test_auto_packs_bf16_copies_where_float32_ones_would_not_fit():
     bf16_bytes = weight.numel() * 2
     fits_bf16_only = int(bf16_bytes / 0.25) + 1  # AUTO_MEMORY_SHARE of it holds the bf16 copy, not the float32
     report = prepack_weights([weight], "auto", fits_bf16_only, widen_bf16=True)
-    assert report.weights == 1 and report.widened == 0 and report.bytes == bf16_bytes
+    if onednn_packs(torch.bfloat16):
+        assert report.weights == 1 and report.widened == 0 and report.bytes == bf16_bytes
+    else:  # an AVX2-only CPU: oneDNN has no bf16 copy to fall back on
+        assert report.weights == 0 and "would take more than" in report.skipped
     drop_packed([weight])
 
 

@@ -19,6 +19,7 @@ from kvforge.kernels.cpu_prepack import (
     AUTO_MEMORY_SHARE,
     available_memory_bytes,
     drop_packed,
+    onednn_packs,
     packed_linear,
     prepack_available,
     prepack_weights,
@@ -42,12 +43,37 @@ def test_a_packed_weight_gives_f_linear_up_to_rounding(dtype, tolerance, shape):
     weight, bias = _weights(dtype)
     x = torch.randn(*shape).to(dtype)
     report = prepack_weights([weight], "on", PLENTY)
+    if not onednn_packs(dtype):  # bf16 on an AVX2-only CPU: nothing packed, F.linear runs
+        assert report.weights == 0 and "can pack on this CPU" in report.skipped
+        assert packed_linear(x, weight, bias) is None
+        return
     assert report.weights == 1 and report.bytes == weight.numel() * weight.element_size()
     for b in (bias, None):
         out = packed_linear(x, weight, b)
         assert out is not None and out.dtype == dtype and out.shape == (*shape[:-1], 96)
         reference = F.linear(x.double(), weight.double(), None if b is None else b.double())
         assert torch.allclose(out.double(), reference, atol=tolerance, rtol=tolerance)
+
+
+def test_bf16_is_packed_only_where_the_cpu_has_onednn_bf16(monkeypatch):
+    """An AVX2-only CPU (an AMD EPYC here) refuses oneDNN's bf16 reorder with a RuntimeError
+    that took every bf16 prefill down: a bf16 weight is then left to F.linear, or packed
+    widened to float32 when asked, while float32 weights pack as before. Simulated on any CPU
+    by a oneDNN without bf16."""
+    real = onednn_packs
+    monkeypatch.setattr(cpu_prepack, "onednn_packs", lambda dtype: dtype != torch.bfloat16 and real(dtype))
+    native, _ = _weights(torch.bfloat16)
+    wide, _ = _weights(torch.bfloat16)
+    full, _ = _weights(torch.float32)
+    x = torch.randn(40, 64).bfloat16()
+    report = prepack_weights([native, full], "on", PLENTY)
+    assert report.weights == 1 and packed_linear(x, native, None) is None
+    assert packed_linear(x.float(), full, None) is not None
+    report = prepack_weights([wide], "auto", PLENTY, widen_bf16=True)
+    assert report.widened == 1 and packed_linear(x, wide, None).dtype == torch.bfloat16
+    too_small = int(wide.numel() * 2 / AUTO_MEMORY_SHARE) + 1  # holds a bf16 copy, not a float32 one
+    drop_packed([wide])
+    assert prepack_weights([wide], "auto", too_small, widen_bf16=True).weights == 0  # no bf16 copy to fall back on
 
 
 def test_the_linear_helper_takes_the_packed_copy_for_prefill_rows_only(monkeypatch):

@@ -11,7 +11,8 @@ does the same and drops the plain weight; kvforge keeps it, because its decode k
 linear weights' bytes once more, which is what the policy bounds:
 
 - "auto" packs float32 and bfloat16 weights on a CPU with oneDNN when the copy takes at most
-  `AUTO_MEMORY_SHARE` of the memory available at start-up;
+  `AUTO_MEMORY_SHARE` of the memory available at start-up (bfloat16 ones as they are only on a
+  CPU whose oneDNN has bf16 products, `onednn_packs`; elsewhere widened or not at all);
 - "on" packs whenever oneDNN can, "off" never (and drops copies an earlier engine made).
 
 bf16 weights are packed as float32 when `widen_bf16` says their products run faster widened on
@@ -43,7 +44,8 @@ from kvforge.kernels.prepack_policy import PREPACK_POLICIES
 from kvforge.sizes import meminfo_bytes
 
 __all__ = ["AUTO_MEMORY_SHARE", "PACKABLE_DTYPES", "PREPACK_POLICIES", "PrepackReport", "available_memory_bytes", "drop_packed",
-           "has_widened_copy", "packed_linear", "packed_linear_float32", "prepack_available", "prepack_weights"]
+           "has_widened_copy", "onednn_packs", "packed_linear", "packed_linear_float32", "prepack_available",
+           "prepack_weights"]
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 AUTO_MEMORY_SHARE = 0.25
@@ -84,15 +86,25 @@ def prepack_available() -> bool:
             and hasattr(mkldnn, "_linear_pointwise"))
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack and multiply a `dtype` weight on this CPU: float32 wherever the
+    ops exist; bfloat16 only on a CPU with its bf16 instructions (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; an AVX2-only CPU refuses the reorder). A bf16 weight it cannot pack
+    natively is still packed widened to float32 when `widen_bf16` asks for it."""
+    if not prepack_available() or dtype not in PACKABLE_DTYPES:
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """The memory the kernel could hand out now (MemAvailable), or None where unknown."""
     return meminfo_bytes("MemAvailable", meminfo)
 
 
-def _packable(weight: torch.Tensor) -> bool:
+def _packable(weight: torch.Tensor, widen_bf16: bool) -> bool:
     # an inference tensor has no version counter to tell a changed weight by
     return (weight.dim() == 2 and weight.is_cpu and weight.dtype in PACKABLE_DTYPES and not weight.is_inference()
-            and weight.numel() > 0)
+            and weight.numel() > 0 and onednn_packs(torch.float32 if _widens(weight, widen_bf16) else weight.dtype))
 
 
 def _widens(weight: torch.Tensor, widen_bf16: bool) -> bool:
@@ -115,11 +127,12 @@ def prepack_weights(weights: Iterable[torch.Tensor], policy: str, available_byte
         return PrepackReport(0, 0, 0.0, "--prepack-weights off")
     if not prepack_available():
         return PrepackReport(0, 0, 0.0, "this torch build has no oneDNN packed linear ops")
-    packable = [w for w in weights if _packable(w)]
+    packable = [w for w in weights if _packable(w, widen_bf16)]
     if not packable:
-        return PrepackReport(0, 0, 0.0, "no float32 or bfloat16 CPU linear weights")
+        return PrepackReport(0, 0, 0.0, "no float32 or bfloat16 CPU linear weights oneDNN can pack on this CPU")
     total = sum(_copy_bytes(w, widen_bf16) for w in packable)
-    if policy == "auto" and widen_bf16 and available_bytes is not None and total > AUTO_MEMORY_SHARE * available_bytes:
+    if (policy == "auto" and widen_bf16 and available_bytes is not None and total > AUTO_MEMORY_SHARE * available_bytes
+            and onednn_packs(torch.bfloat16)):
         widen_bf16 = False  # bf16 copies where float32 ones would not fit: still faster than none
         total = sum(_copy_bytes(w, widen_bf16) for w in packable)
     if policy == "auto":

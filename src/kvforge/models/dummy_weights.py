@@ -104,9 +104,9 @@ class DummyState(Mapping[str, torch.Tensor]):
     CPU, in `dtype`), so a reader of a few tensors never holds the whole model."""
 
     def __init__(self, config: ModelConfig, seed: int = DUMMY_SEED, dtype: torch.dtype = torch.float32) -> None:
-        from kvforge.models.registry import model_class  # lazy: the registry imports the model zoo
+        from kvforge.models.registry import build_model  # lazy: the registry imports the model zoo
 
-        meta = model_class(config)(config, device="meta")
+        meta = build_model(config, device="meta", initialise=False)  # shapes only: nothing to draw
         self._shapes = {name: p.shape for name, p in meta.named_parameters()}
         if config.tie_word_embeddings:  # a checkpoint names the tied head too
             self._shapes.setdefault("lm_head.weight", self._shapes["model.embed_tokens.weight"])

@@ -57,5 +57,7 @@ def num_parameters(config: ModelConfig) -> int:
     """Parameters of the base model (SwiftKV fields ignored; a tied embedding counted once),
     counted on the family's own modules built on the meta device, so no formula per family
     can drift from the layers."""
-    model = model_class(replace(config, swiftkv=None))(replace(config, swiftkv=None), device="meta")
+    # initialise=False: a meta tensor's normal_ runs through torch._refs, whose first call
+    # imports torch._dynamo (2 s of `kvforge info` on a 2-core EPYC) to draw nothing
+    model = build_model(replace(config, swiftkv=None), device="meta", initialise=False)
     return sum(p.numel() for p in model.parameters())

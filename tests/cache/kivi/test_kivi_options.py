@@ -223,6 +223,7 @@ def test_bytes_count_sinks_and_value_groups():
     ("kivi:preset=paper2,bits=4", "bits.*4.*set by preset=paper2"),
     ("kivi:preset=quality2,bits=4", "bits.*4.*no effect under preset=quality2, which sets key_bits and value_bits"),
     ("kivi:preset=quality3,group=64", "group.*64.*no effect under preset=quality3"),
+    ("kivi:preset=paper2,key_bits=4,value_bits=4", "key_bits.*4.*preset=paper2 \\(which sets bits\\) has no effect"),
     ("kivi:decode_kernel=triton,sinks=4", "decode_kernel.*triton.*does not read sinks"),
     ("kivi:decode_kernel=cpp,key_bits=2,value_bits=4", "decode_kernel.*cpp.*key_bits=2,value_bits=4"),
     ("kivi:key_bits=3", "key_bits.*3.*one of"),

@@ -15,7 +15,7 @@ import torch
 from kvforge.cli import main
 from kvforge.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
 from kvforge.errors import ConfigError
-from kvforge.kernels.cpu_prepack import prepack_available
+from kvforge.kernels.cpu_prepack import onednn_packs, prepack_available
 from kvforge.tools.bench import common, measure, peak
 from kvforge.tools.bench.compare import parse_compare
 from kvforge.tools.bench.flops import (
@@ -100,6 +100,23 @@ def test_parse_compare_rejects(text, expected):
         parse_compare(text)
     assert info.value.parameter == "compare"
     assert expected in str(info.value).lower()
+
+
+def test_bench_serve_compare_lists_only_what_serve_can_run():
+    """A bad entry's message lists the words the benchmark takes: bench serve names vllm but
+    not transformers or merge-all-layers (kvforge serve cannot run them), and refuses both."""
+    with pytest.raises(ConfigError) as info:
+        parse_compare("nosuch", vllm=True, server=True)
+    words = str(info.value).split("one of ")[1].split(" or a cache spec")[0].split(", ")
+    assert words == ["base", "no-prefix-caching", "eager", "vllm"]
+    with pytest.raises(ConfigError) as info:
+        parse_compare("nosuch", llama_cpp=True, hf_static=True)
+    assert "hf, hf-static, base" in str(info.value) and "llama.cpp[:WEIGHTS]" in str(info.value)
+    assert "vllm" not in str(info.value)
+    for entry, rule in (("hf", "transformers has no server"), ("merge-all-layers", "kvforge serve has no such")):
+        with pytest.raises(ConfigError, match=rule):
+            parse_compare(entry, vllm=True, server=True)
+        assert parse_compare(entry)[0].name.startswith(entry)
 
 
 def test_cli_rejects_base_before_loading(capsys):
@@ -405,11 +422,12 @@ def test_a_bf16_peak_includes_the_widened_product_where_the_engine_widens(monkey
     exact = (a.double() @ b.double()).bfloat16()
     monkeypatch.setenv("KVFORGE_BF16_PRODUCTS", "float32")
     products = peak._matmul_products(a, b)
-    assert set(products) == {"torch.mm", "oneDNN packed", "oneDNN packed, bf16 widened to float32"}
+    native = {"oneDNN packed"} if onednn_packs(torch.bfloat16) else set()  # none on an AVX2-only CPU
+    assert set(products) == {"torch.mm", *native, "oneDNN packed, bf16 widened to float32"}
     widened = products["oneDNN packed, bf16 widened to float32"]()
     assert widened.dtype == torch.bfloat16 and torch.allclose(widened.float(), exact.float(), rtol=2 ** -7, atol=1e-2)
     monkeypatch.setenv("KVFORGE_BF16_PRODUCTS", "native")
-    assert set(peak._matmul_products(a, b)) == {"torch.mm", "oneDNN packed"}
+    assert set(peak._matmul_products(a, b)) == {"torch.mm", *native}
 
 
 def test_the_read_probe_is_the_median_pass_not_a_lucky_one(monkeypatch):

@@ -13,6 +13,7 @@ from kvforge.tools.eval.passkey import (
     QUESTION,
     build_grid,
     build_sample,
+    check_key_fits,
     depth_grid,
     make_key,
     score_output,
@@ -79,3 +80,12 @@ def test_grid_is_deterministic_for_a_seed():
 def test_too_short_length_fails_clearly():
     with pytest.raises(ConfigError, match="without any filler"):
         build_sample(CharTokenizer(), 50, 0.5, "12345", NOISE_SENTENCES)
+
+
+def test_a_key_longer_than_the_generation_budget_is_refused():
+    """Char tokenizer: a 7-digit key is 7 tokens. Every sample of a run whose
+    --max-new-tokens is shorter would score 0% whatever the cache, so it is refused."""
+    keys = [make_key(0, 64, d, 0) for d in range(3)] + ["1234567"]
+    check_key_fits(CharTokenizer(), keys, 7)
+    with pytest.raises(ConfigError, match=r"max_new_tokens=6.*pass key's 7 tokens \(7 digits"):
+        check_key_fits(CharTokenizer(), keys, 6)

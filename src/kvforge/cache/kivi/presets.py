@@ -4,7 +4,8 @@ A preset fills fields of KIVICacheConfig; a field it sets must be left at its de
 the user (ConfigError otherwise), so `kivi:preset=paper2,bits=4` is refused rather than
 silently meaning one or the other, as is a field the preset's fields override
 (`kivi:preset=quality2,bits=4`: quality2 sets key_bits and value_bits, which `bits` only
-stands in for). Options a preset does not set stay free
+stands in for), and so is a preset that the user's fields override whole
+(`kivi:preset=paper2,key_bits=4,value_bits=4`: paper2 sets only `bits`). Options a preset does not set stay free
 (`kivi:preset=quality2,max_sequences=32`). Why each preset is what it is: the Pareto table
 in docs/cache-methods.md (measured in docs/results/eval/).
 """
@@ -49,6 +50,11 @@ def apply_preset(config: Any) -> None:
     if name not in PRESETS:
         raise ConfigError("preset", name, f"must be one of {sorted(PRESETS)}")
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for shadowed, by in SHADOWED_BY.items():  # paper2 (bits) under the user's key_bits and value_bits
+        if shadowed in PRESETS[name] and all(getattr(config, field) != defaults[field] for field in by):
+            raise ConfigError(by[0], getattr(config, by[0]),
+                              f"with {' and '.join(by)} both given, preset={name} (which sets {shadowed}) has no "
+                              "effect; leave out one of them or drop the preset")
     for field, value in PRESETS[name].items():
         current = getattr(config, field)
         if current != defaults[field] and current != value:

@@ -16,9 +16,18 @@ VLLM_PEER = "vllm"  # --compare: vLLM's server of the same weights (bench serve;
 HF_STATIC = "hf-static"  # --compare: transformers' static cache, compiled (bench decode/prefill; hf_static_peer.py)
 
 
+def allowed_entries(llama_cpp: bool, vllm: bool, hf_static: bool, server: bool) -> list[str]:
+    """The bare `--compare` words a benchmark takes, for its error messages: `server` (bench
+    serve) drops the systems kvforge serve cannot run (transformers, merge-all-layers)."""
+    words = [] if server else ["hf"]
+    words += [HF_STATIC] * hf_static + ["base", NO_PREFIX_CACHING, EAGER]
+    words += [] if server else [MERGE_ALL_LAYERS]
+    return words + [f"{llamacpp_option.PEER}[:WEIGHTS]"] * llama_cpp + [VLLM_PEER] * vllm
+
+
 def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None = None,
                   swiftkv: str | None = None, llama_cpp: bool = False, vllm: bool = False,
-                  hf_static: bool = False) -> list[System]:
+                  hf_static: bool = False, server: bool = False) -> list[System]:
     """`--compare` values -> systems. Each value is a comma-separated list of `hf`,
     `hf-static` (only where `hf_static` says the benchmark has that peer), `base`
     (the --swiftkv model's base model with the cache under test), `merge-all-layers` (the
@@ -26,14 +35,18 @@ def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None 
     `llama.cpp[:WEIGHTS]` (only where `llama_cpp` says the benchmark has that peer), `vllm`
     (vLLM's server: only where `vllm` says so, `bench serve`) or cache
     specs; a spec's own `k=v` options may continue after commas
-    (`full:storage_dtype=bfloat16,block_size=32`). With --swiftkv, cache-spec systems run
+    (`full:storage_dtype=bfloat16,block_size=32`). `server` (bench serve) refuses `hf` and
+    `merge-all-layers`, which kvforge serve has no way to run. With --swiftkv, cache-spec systems run
     the SwiftKV model too; `SPEC@DIR` runs the SwiftKV checkpoint DIR, `SPEC@base` the base
     model, whatever --swiftkv says."""
     items = split_spec_list(entries, bare=("hf", HF_STATIC, "base", NO_PREFIX_CACHING, EAGER, MERGE_ALL_LAYERS,
                                            llamacpp_option.PEER, VLLM_PEER))
+    allowed = allowed_entries(llama_cpp, vllm, hf_static, server)
     systems = []
     for item in items:
         if item == "hf":
+            require(not server, "compare", item, "transformers has no server: compare kvforge systems, or run "
+                                                 "another server yourself and measure it with --base-url")
             systems.append(System("hf", "hf"))
         elif item == HF_STATIC:
             require(hf_static, "compare", item, "transformers' static cache with torch.compile is a peer of "
@@ -58,22 +71,24 @@ def parse_compare(entries: list[str] | str | None, under_test: CacheSpec | None 
             spec = under_test or parse_cache_spec("full")
             systems.append(System(f"base[{spec}]", "kvforge", spec, swiftkv=False))
         elif item == MERGE_ALL_LAYERS:
+            require(not server, "compare", item,
+                    "merge-all-layers is a bench throughput/decode system; kvforge serve has no such option")
             spec = under_test or parse_cache_spec("full")
             systems.append(System(f"{MERGE_ALL_LAYERS}[{spec}]", "kvforge", spec, swiftkv=False, merge_all_layers=True))
         else:
-            systems.append(_cache_system(item, swiftkv))
+            systems.append(_cache_system(item, swiftkv, allowed))
     return systems
 
 
-def _cache_system(item: str, swiftkv: str | None) -> System:
+def _cache_system(item: str, swiftkv: str | None, allowed: list[str]) -> System:
     """A `SPEC`, `SPEC@DIR` (the SwiftKV checkpoint DIR) or `SPEC@base` (the base model) entry."""
     text, at, where = item.partition("@")
     require(not at or bool(where.strip()), "compare", item, "SPEC@ must name a SwiftKV checkpoint directory or base")
     try:
         spec = parse_cache_spec(text)
     except ConfigError as exc:
-        raise ConfigError("compare", item, "each entry must be hf, hf-static, base, merge-all-layers, llama.cpp[:WEIGHTS], "
-                                           f"vllm or a cache spec, optionally @DIR or @base ({exc})") from exc
+        raise ConfigError("compare", item, f"each entry must be one of {', '.join(allowed)} or a cache spec, "
+                                           f"optionally @DIR or @base ({exc})") from exc
     where = where.strip()
     if not at:
         return System(kvforge_name(spec, swiftkv), "kvforge", spec)

@@ -42,7 +42,7 @@ import torch
 
 from kvforge.errors import require
 from kvforge.kernels.bf16_products import bf16_products
-from kvforge.kernels.cpu_prepack import PACKABLE_DTYPES, packed_linear, prepack_available, prepack_weights
+from kvforge.kernels.cpu_prepack import onednn_packs, packed_linear, prepack_available, prepack_weights
 
 MATMUL_SIZE = 2048
 PROBE_SECONDS = 0.05  # a smaller size is used when one 2048 call would take far longer
@@ -108,15 +108,16 @@ def _matmul_size(dtype: torch.dtype) -> int:
 
 def _matmul_products(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The products a @ b is timed through: torch.mm, and oneDNN on b prepacked (as a linear
-    weight, b^T) where this torch offers it for the dtype."""
+    weight, b^T) where this torch and CPU offer it for the dtype, and the engine's widened
+    bf16 form where it would take it."""
     products: dict[str, Callable[[], object]] = {"torch.mm": lambda: torch.mm(a, b)}
-    if prepack_available() and a.dtype in PACKABLE_DTYPES:
+    if onednn_packs(a.dtype):
         packed = torch.ops.mkldnn._reorder_linear_weight(b.T.contiguous(), None)
         products["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
-        weight = b.T.contiguous()
-        if (a.dtype == torch.bfloat16 and bf16_products().linear  # the engine's bf16 prefill runs this form
-                and prepack_weights([weight], "on", None, widen_bf16=True).widened):
-            products["oneDNN packed, bf16 widened to float32"] = lambda: packed_linear(a, weight, None)
+    weight = b.T.contiguous()
+    if (a.dtype == torch.bfloat16 and prepack_available() and bf16_products().linear  # the engine's bf16 prefill form
+            and prepack_weights([weight], "on", None, widen_bf16=True).widened):
+        products["oneDNN packed, bf16 widened to float32"] = lambda: packed_linear(a, weight, None)
     return products
 
 

@@ -129,13 +129,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         if args.workload == "chat" else None
     slo = SLO.parse(args.slo)
     under_test = parse_cache_spec(args.cache, list(args.cache_opt))
-    compare = parse_compare(args.compare, under_test, args.swiftkv, vllm=True)
-    if any(system.kind == "hf" for system in compare):
-        raise ConfigError("compare", "hf", "transformers has no server: compare kvforge systems, or run another "
-                                           "server yourself and measure it with --base-url")
-    for system in compare:
-        require(not system.merge_all_layers, "compare", system.name,
-                "merge-all-layers is a bench throughput/decode system; kvforge serve has no such option")
+    compare = parse_compare(args.compare, under_test, args.swiftkv, vllm=True, server=True)
     if args.base_url:
         args.base_url = normalize_base_url(args.base_url)
     first = System(f"server[{args.base_url}]", "external") if args.base_url else \

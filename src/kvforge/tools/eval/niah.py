@@ -44,6 +44,7 @@ from kvforge.tools.eval.passkey import (
     NOISE_SENTENCES,
     PasskeySample,
     build_grid,
+    check_key_fits,
     depth_grid,
     score_output,
     split_sentences,
@@ -275,6 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         depths = depth_grid(multi_turn)  # heatmap rows: where each needle sits
         conversations = build_conversations(tokenizer, lengths, multi_turn, args.seed, sentences,
                                             samples=args.samples, key_digits=args.key_digits)
+        check_key_fits(tokenizer, [key for c in conversations for key in c.keys], args.max_new_tokens)
         log(f"{len(conversations)} conversations of {multi_turn} turns: lengths {lengths}, {args.samples} per length")
         results = evaluate_systems(
             systems, lambda system: evaluate_conversations(ctx, system, conversations, args, lengths, depths),
@@ -282,6 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         samples = build_grid(tokenizer, lengths, args.depths, args.seed, sentences,
                              chat=chat, samples=args.samples, key_digits=args.key_digits)
+        check_key_fits(tokenizer, [sample.key for sample in samples], args.max_new_tokens)
         log(f"{len(samples)} prompts: lengths {lengths}, {len(depths)} depths, {args.samples} per cell, chat={chat}")
         results = evaluate_systems(systems, lambda system: evaluate_system(ctx, system, samples, args, lengths, depths),
                                    args.json, {"eval": "niah", "model": args.model, "dtype": args.dtype})

@@ -111,6 +111,17 @@ def build_grid(tokenizer: Any, lengths: Sequence[int], depths: int, seed: int, s
     return out
 
 
+def check_key_fits(tokenizer: Any, keys: Sequence[str], max_new_tokens: int) -> None:
+    """Refuse a run whose generation budget cannot hold the pass key it is scored on: every
+    such sample would score 0% whatever the cache. The key's digits alone are counted (the
+    fewest tokens an answer can take; a reply would usually add a space or more), and digits
+    per token depend on the tokenizer, hence the check here and not on --key-digits alone."""
+    longest = max(len(tokenizer.encode(key, add_special_tokens=False)) for key in keys)
+    require(max_new_tokens >= longest, "max_new_tokens", max_new_tokens,
+            f"must be at least the pass key's {longest} tokens ({len(max(keys, key=len))} digits "
+            "under this tokenizer); raise --max-new-tokens or lower --key-digits")
+
+
 def score_output(key: str, output: str) -> bool:
     """Correct when the key appears in the generated text as a whole number (not inside a
     longer run of digits)."""

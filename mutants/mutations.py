@@ -2580,4 +2580,13 @@ MUTATIONS: list[Mutation] = [
              'words = [] if server else ["hf"]', 'words = ["hf"]',
              ("tests/tools/bench/test_bench.py::test_bench_serve_compare_lists_only_what_serve_can_run",),
              "a bad bench serve --compare entry is told only the words bench serve takes"),
+    Mutation("parameter_count_draws_meta_weights", S + "models/registry.py",
+             'model = build_model(replace(config, swiftkv=None), device="meta", initialise=False)',
+             'model = build_model(replace(config, swiftkv=None), device="meta")',
+             ("tests/models/test_meta_builds.py",),
+             "counting parameters builds the model uninitialised: a meta normal_ imports torch._dynamo (2 s)"),
+    Mutation("dummy_names_draw_meta_weights", S + "models/dummy_weights.py",
+             'meta = build_model(config, device="meta", initialise=False)', 'meta = build_model(config, device="meta")',
+             ("tests/models/test_meta_builds.py",),
+             "the dummy state's shapes come from an uninitialised meta build (no torch._dynamo import)"),
 ]

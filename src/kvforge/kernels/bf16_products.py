@@ -176,8 +176,8 @@ def _linear_seconds() -> tuple[float, float] | None:
     if prepack_weights([wide], "on", None, widen_bf16=True).widened != 1:
         return None
     packed = prepack_weights([native], "on", None).weights == 1
-    return (_best_seconds(lambda: packed_linear(x, native, None) if packed else torch.nn.functional.linear(x, native)),
-            _best_seconds(lambda: packed_linear(x, wide, None)))
+    bf16 = (lambda: packed_linear(x, native, None)) if packed else (lambda: torch.nn.functional.linear(x, native))
+    return _best_seconds(bf16), _best_seconds(lambda: packed_linear(x, wide, None))
 
 
 def _attention_seconds() -> tuple[float, float] | None:

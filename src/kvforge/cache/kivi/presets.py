@@ -5,9 +5,9 @@ the user (ConfigError otherwise), so `kivi:preset=paper2,bits=4` is refused rath
 silently meaning one or the other, as is a field the preset's fields override
 (`kivi:preset=quality2,bits=4`: quality2 sets key_bits and value_bits, which `bits` only
 stands in for), and so is a preset that the user's fields override whole
-(`kivi:preset=paper2,key_bits=4,value_bits=4`: paper2 sets only `bits`). Options a preset does not set stay free
-(`kivi:preset=quality2,max_sequences=32`). Why each preset is what it is: the Pareto table
-in docs/cache-methods.md (measured in docs/results/eval/).
+(`kivi:preset=paper2,key_bits=4,value_bits=4`: paper2 sets only `bits`). Options a preset
+does not set stay free (`kivi:preset=quality2,max_sequences=32`). Why each preset is what
+it is: the Pareto table in docs/cache-methods.md (measured in docs/results/eval/).
 """
 
 from __future__ import annotations

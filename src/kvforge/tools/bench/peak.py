@@ -114,10 +114,10 @@ def _matmul_products(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[],
     if onednn_packs(a.dtype):
         packed = torch.ops.mkldnn._reorder_linear_weight(b.T.contiguous(), None)
         products["oneDNN packed"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
-    weight = b.T.contiguous()
-    if (a.dtype == torch.bfloat16 and prepack_available() and bf16_products().linear  # the engine's bf16 prefill form
-            and prepack_weights([weight], "on", None, widen_bf16=True).widened):
-        products["oneDNN packed, bf16 widened to float32"] = lambda: packed_linear(a, weight, None)
+    if a.dtype == torch.bfloat16 and prepack_available() and bf16_products().linear:  # the engine's bf16 prefill form
+        weight = b.T.contiguous()
+        if prepack_weights([weight], "on", None, widen_bf16=True).widened:
+            products["oneDNN packed, bf16 widened to float32"] = lambda: packed_linear(a, weight, None)
     return products
 
 

@@ -5,7 +5,8 @@ The commands run as written, with these documented reductions so the suite stays
 (README_SIZES below): long lengths and large batches become short ones, benchmarks take one repeat, result
 files go to a scratch directory, port 8000 becomes a free loopback port, and `kvforge
 report` only checks (`--check`) instead of rewriting the docs. `make` lines are skipped
-(they are what runs this suite). A backgrounded `kvforge serve ... &` is started, waited
+(they are what runs this suite), and a command whose peer is transformers runs in the slow
+suite (SLOW_WHEN). A backgrounded `kvforge serve ... &` is started, waited
 for on /health, used by the blocks after it, and stopped at the end. A command measuring
 vLLM (`--compare vllm`) runs only where $KVFORGE_VLLM_PYTHON names vLLM's environment (vLLM
 is not one of kvforge's dependencies: docs/serving.md#against-vllm).
@@ -50,6 +51,14 @@ PYTHON_SIZES = [(r"max_tokens=\d+", "max_tokens=6"), (r"max_new_tokens=\d+", "ma
 # in float32 and in bf16 alike): an example that prints a wrong answer fails here, as the
 # first command once did in bf16 ("L'Etoile, la femme, la femme, ..."; docs/benchmarks.md).
 ANSWERS = {"What is the capital of France?": "Paris"}
+# Commands whose peer is transformers, which converts the GGUF file on every load (most of
+# the command's time: docs/benchmarks.md#the-default-test-suite-make-test). They run in the
+# slow suite (test_the_readme_examples_with_a_transformers_peer_run).
+SLOW_WHEN = ("--compare hf",)
+
+
+def is_slow(command: str) -> bool:
+    return any(marker in command for marker in SLOW_WHEN)
 
 
 def blocks(language: str) -> list[str]:
@@ -97,6 +106,8 @@ def test_every_readme_example_runs(tmp_path):
                 assert done.returncode == 0 and '"choices"' in done.stdout, (command, done.stdout, done.stderr)
                 _check_answer(command, done.stdout)
                 continue
+            if is_slow(command):
+                continue
             words = _reduce(shlex.split(command.rstrip("&").strip()), tmp_path)
             assert words[0] == "kvforge", command
             if "vllm" in words and not os.environ.get("KVFORGE_VLLM_PYTHON"):
@@ -108,9 +119,7 @@ def test_every_readme_example_runs(tmp_path):
                                           stderr=subprocess.PIPE, text=True)
                 _wait_healthy(server, port)
                 continue
-            done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-            assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-            _check_answer(command, done.stdout)
+            _run_command(argv, command, env)
         for snippet in blocks("python"):
             code = snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
             for pattern, replacement in PYTHON_SIZES:
@@ -125,6 +134,22 @@ def test_every_readme_example_runs(tmp_path):
         if server is not None:
             server.send_signal(signal.SIGTERM)
             assert server.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+@needs_models
+def test_the_readme_examples_with_a_transformers_peer_run(tmp_path):
+    slow = [command for command in shell_commands() if is_slow(command)]
+    assert slow, f"no README command has any of {SLOW_WHEN}: drop the split"
+    for command in slow:
+        words = _reduce(shlex.split(command), tmp_path)
+        _run_command([sys.executable, "-m", "kvforge.cli", *words[1:]], command, {**os.environ})
+
+
+def _run_command(argv: list[str], command: str, env: dict[str, str]) -> None:
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    _check_answer(command, done.stdout)
 
 
 def _check_answer(command: str, stdout: str) -> None:

@@ -585,3 +585,26 @@ def test_gemma3_tokenizer() -> None:
     tok = load_tokenizer(resolve_model_source("gemma3-270m"))
     ids = encode_prompt(tok, "The pass key is 12345.", chat=False)
     assert ids[0] == 2 and ids.count(2) == 1  # Gemma prepends <bos> once
+
+
+def test_a_settled_header_is_parsed_once_and_shared_read_only(tmp_path: Path) -> None:
+    import os
+
+    from kvforge.models import gguf_metadata
+
+    path = tmp_path / "tiny-llama.gguf"
+    write_tiny_llama_gguf(path, tiny_llama_hf_tensors())
+    fresh = read_gguf_metadata(path)
+    assert read_gguf_metadata(path) is not fresh  # just written: its timestamp may not have moved yet
+    os.utime(path, (time.time() - 60, time.time() - 60))
+    first = read_gguf_metadata(path)
+    assert read_gguf_metadata(path) is first and first.fields == fresh.fields
+    with pytest.raises(TypeError):
+        first.fields["general.architecture"] = "qwen2"  # shared between callers: read-only
+    with pytest.raises(TypeError):
+        del first.tensors["token_embd.weight"]
+    write_tiny_llama_gguf(path, tiny_llama_hf_tensors(), extra_tensors={"extra.weight": np.ones(8, np.float32)})
+    os.utime(path, (time.time() - 30, time.time() - 30))
+    rewritten = read_gguf_metadata(path)
+    assert rewritten is not first and "extra.weight" in rewritten.tensors
+    assert len(gguf_metadata._PARSED) <= gguf_metadata._PARSED_MAX

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -65,9 +68,9 @@ class GGUFMetadata:
 
     path: Path
     version: int
-    fields: dict[str, Any]  # scalars, strings and short arrays (as lists)
-    array_lengths: dict[str, int]  # length of every array field, including skipped ones
-    tensors: dict[str, GGUFTensorInfo]  # in file order
+    fields: Mapping[str, Any]  # scalars, strings and short arrays (as lists)
+    array_lengths: Mapping[str, int]  # length of every array field, including skipped ones
+    tensors: Mapping[str, GGUFTensorInfo]  # in file order
     byte_order: str  # "<" or ">" (struct notation)
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -129,11 +132,35 @@ class _Cursor:
                 self.value(elem_type, key, sink)
 
 
+# Parsed headers by (resolved path, size, mtime): loading a model reads its header three
+# times (the source's config, the model's, the weights' directory), and a parse walks every
+# vocabulary string (docs/benchmarks.md#kvforgemodels). A rewritten file has a new key,
+# except within a timestamp's granularity (milliseconds), so a file changed in the last
+# _SETTLED_S seconds is parsed anew every time.
+_PARSED: dict[tuple[str, int, int], GGUFMetadata] = {}
+_PARSED_MAX = 8
+_SETTLED_S = 2.0
+
+
 def read_gguf_metadata(path: str | Path) -> GGUFMetadata:
-    """Parse the header of a GGUF (v2/v3) file: metadata fields and the tensor directory."""
+    """Parse the header of a GGUF (v2/v3) file: metadata fields and the tensor directory.
+    The result is shared between callers, so its mappings are read-only."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"no such file: {path}")
+    stat = path.stat()
+    if time.time() - stat.st_mtime < _SETTLED_S:
+        return _read_header(path)
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _PARSED:
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.pop(next(iter(_PARSED)))  # the oldest parse
+        _PARSED[key] = _read_header(path)
+    meta = _PARSED[key]
+    return meta if meta.path == path else replace(meta, path=path)  # the path as this caller named it
+
+
+def _read_header(path: Path) -> GGUFMetadata:
     with path.open("rb") as handle:
         if handle.read(4) != _GGUF_MAGIC:
             raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
@@ -182,4 +209,5 @@ def _parse_header(view: memoryview, path: Path) -> GGUFMetadata:
         if name in tensors:
             raise ModelLoadError(f"{path}: duplicate tensor {name!r}")
         tensors[name] = GGUFTensorInfo(name, dims, ggml_type, data_start + rel_offset)
-    return GGUFMetadata(path, version, fields, array_lengths, tensors, order)
+    return GGUFMetadata(path, version, MappingProxyType(fields), MappingProxyType(array_lengths),
+                        MappingProxyType(tensors), order)

@@ -607,4 +607,9 @@ def test_a_settled_header_is_parsed_once_and_shared_read_only(tmp_path: Path) ->
     os.utime(path, (time.time() - 30, time.time() - 30))
     rewritten = read_gguf_metadata(path)
     assert rewritten is not first and "extra.weight" in rewritten.tensors
-    assert len(gguf_metadata._PARSED) <= gguf_metadata._PARSED_MAX
+    for index in range(gguf_metadata._PARSED_MAX + 2):  # the cache keeps the newest few
+        other = tmp_path / f"other-{index}.gguf"
+        write_tiny_llama_gguf(other, tiny_llama_hf_tensors())
+        os.utime(other, (time.time() - 60, time.time() - 60))
+        read_gguf_metadata(other)
+    assert len(gguf_metadata._PARSED) == gguf_metadata._PARSED_MAX

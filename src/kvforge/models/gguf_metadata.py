@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -132,13 +133,13 @@ class _Cursor:
                 self.value(elem_type, key, sink)
 
 
-# Parsed headers by (resolved path, size, mtime): loading a model reads its header three
-# times (the source's config, the model's, the weights' directory), and a parse walks every
-# vocabulary string (docs/benchmarks.md#kvforgemodels). A rewritten file has a new key,
+# Parsed headers by (resolved path, size, mtime): `kvforge generate` read its model's header
+# three times (configs, then the tensor directory), and a parse walks every vocabulary string (docs/benchmarks.md#kvforgemodels). A rewritten file has a new key,
 # except within a timestamp's granularity (milliseconds), so a file changed in the last
 # _SETTLED_S seconds is parsed anew every time.
 _PARSED: dict[tuple[str, int, int], GGUFMetadata] = {}
 _PARSED_MAX = 8
+_PARSED_LOCK = threading.Lock()
 _SETTLED_S = 2.0
 
 
@@ -152,11 +153,13 @@ def read_gguf_metadata(path: str | Path) -> GGUFMetadata:
     if time.time() - stat.st_mtime < _SETTLED_S:
         return _read_header(path)
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    if key not in _PARSED:
-        if len(_PARSED) >= _PARSED_MAX:
-            _PARSED.pop(next(iter(_PARSED)))  # the oldest parse
-        _PARSED[key] = _read_header(path)
-    meta = _PARSED[key]
+    meta = _PARSED.get(key)
+    if meta is None:
+        meta = _read_header(path)
+        with _PARSED_LOCK:  # (a server may load models from several threads)
+            while len(_PARSED) >= _PARSED_MAX:
+                _PARSED.pop(next(iter(_PARSED)))  # the oldest parse
+            _PARSED[key] = meta
     return meta if meta.path == path else replace(meta, path=path)  # the path as this caller named it
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from safetensors.torch import save_file
 
 from kvforge.config import FULL_ATTENTION, SLIDING_ATTENTION
 from kvforge.errors import ConfigError, ModelLoadError
-from kvforge.models import named_models
+from kvforge.models import gguf_metadata, named_models
 from kvforge.models.gguf_checkpoint import read_gguf_config, read_gguf_state_dict, unpermute_qk
 from kvforge.models.gguf_metadata import read_gguf_metadata
 from kvforge.models.hf_checkpoint import normalize_hf_name, read_hf_config, read_hf_state_dict
@@ -588,10 +589,6 @@ def test_gemma3_tokenizer() -> None:
 
 
 def test_a_settled_header_is_parsed_once_and_shared_read_only(tmp_path: Path) -> None:
-    import os
-
-    from kvforge.models import gguf_metadata
-
     path = tmp_path / "tiny-llama.gguf"
     write_tiny_llama_gguf(path, tiny_llama_hf_tensors())
     fresh = read_gguf_metadata(path)

@@ -134,9 +134,10 @@ class _Cursor:
 
 
 # Parsed headers by (resolved path, size, mtime): `kvforge generate` read its model's header
-# three times (configs, then the tensor directory), and a parse walks every vocabulary string (docs/benchmarks.md#kvforgemodels). A rewritten file has a new key,
-# except within a timestamp's granularity (milliseconds), so a file changed in the last
-# _SETTLED_S seconds is parsed anew every time.
+# three times (configs, then the tensor directory), and a parse walks every vocabulary
+# string (docs/benchmarks.md#kvforgemodels). A rewritten file has a new key, except within
+# a timestamp's granularity (milliseconds), so a file changed in the last _SETTLED_S
+# seconds is parsed anew every time.
 _PARSED: dict[tuple[str, int, int], GGUFMetadata] = {}
 _PARSED_MAX = 8
 _PARSED_LOCK = threading.Lock()

@@ -219,6 +219,70 @@ def test_the_exit_status_says_whether_a_property_failed(monkeypatch):
     assert bench_cli.run_bench(parse([])) == 0
 
 
+class _Clock:
+    """A clock the sampler's reads of the time, its sleeps and a fake /metrics all move."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)
+
+    async def to_thread(self, fn, *args):
+        return fn(*args)
+
+
+def _looks(monkeypatch, answer_s: float, interval_s: float = 0.5, count: int = 7) -> list[Sample]:
+    """The first `count` looks of a sampler at a server whose /metrics takes `answer_s` to
+    answer (a request times out after its timeout, as httpx's does) and whose resident memory
+    is 1000 bytes per second of the run."""
+    clock = _Clock()
+
+    def metrics(base_url, headers, timeout):
+        clock.now += min(answer_s, timeout)
+        return {} if answer_s > timeout else {"running": 2.0, "waiting": 0.0, "kv_used:cpu": 64.0}
+
+    monkeypatch.setattr(soak, "time", clock)
+    monkeypatch.setattr(soak, "asyncio", clock)
+    monkeypatch.setattr(soak, "scrape", metrics)
+    monkeypatch.setattr(soak, "rss_bytes", lambda pid: int(1000 * clock.now))
+    server = argparse.Namespace(base_url="http://127.0.0.1:1", process=argparse.Namespace(pid=1))
+    sampler = soak.Sampler(server, InFlight(), 0.0, interval_s)
+
+    async def watch() -> None:
+        task = asyncio.create_task(sampler.every_interval(soak.tqdm(total=10, disable=True), 10.0, {}))
+        while len(sampler.samples) < count:
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(watch())
+    return sampler.samples[:count]
+
+
+def test_a_slow_metrics_answer_costs_its_look_the_server_fields_never_a_grid_point(monkeypatch):
+    # The CI run that failed: a busy server answered /metrics late, the memory reading was
+    # taken after the answer, and the second fifth of a 6 s run ended without a sample.
+    prompt = _looks(monkeypatch, answer_s=0.01)
+    assert [s.t_s for s in prompt] == [0.5 * k for k in range(7)]
+    assert [s.rss_bytes for s in prompt] == [500 * k for k in range(7)]  # read at the grid point
+    assert all(s.running == 2.0 and s.kv_bytes == 64.0 for s in prompt)
+    late = _looks(monkeypatch, answer_s=3.0)  # six intervals: far past the look's timeout
+    assert [s.t_s for s in late] == [0.5 * k for k in range(7)]
+    assert [s.rss_bytes for s in late] == [500 * k for k in range(7)]
+    assert all(s.running is None and s.kv_bytes is None for s in late)
+
+
+def test_a_short_run_looks_often_enough_for_each_fifth_to_hold_several_looks():
+    assert soak.sample_interval_s(6.0) == pytest.approx(6.0 / soak.MIN_SAMPLES)
+    assert soak.sample_interval_s(6.0) * 4 < 6.0 / 5  # four looks in each fifth of a 6 s run
+    assert soak.sample_interval_s(1200.0) == soak.SAMPLE_INTERVAL_S  # a 20 min soak: once a second
+
+
 def test_a_short_soak_of_the_tiny_server_passes(tiny_soak, tmp_path):
     out = tmp_path / "soak.json"
     args = parse(["--model", "tiny", "--duration", "6", "--request-rate", "8", "--seed", "1", "--max-output-tokens",

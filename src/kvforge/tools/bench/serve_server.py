@@ -148,14 +148,14 @@ def group_cpu_seconds(pgid: int) -> float:
     return sum(sum(int(x) for x in fields[11:15]) for fields in _group_stats(pgid)) / tick
 
 
-def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+def scrape(base_url: str, headers: dict[str, str] | None = None, timeout: float = 10.0) -> dict[str, float]:
     """kvforge's serving metrics as flat keys ({} for a server without them):
     running, waiting, preemptions, kv_used:<tier>, steps:<kind>, <kind>:<part> (with
     --step-timing), steps (every engine step; vLLM's too)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        response = httpx.get(f"{base_url}/metrics", timeout=10, headers=headers)
+        response = httpx.get(f"{base_url}/metrics", timeout=timeout, headers=headers)
     except httpx.HTTPError:
         return {}
     if response.status_code != 200:

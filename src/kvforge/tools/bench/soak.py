@@ -2,9 +2,10 @@
 
 Starts `kvforge serve` on a free loopback port, sends --duration of Poisson arrivals
 (--request-rate) of the seeded mix of soak_traffic.py (at most --max-in-flight open at
-once), and every second reads the server process's resident memory (/proc/PID/status,
-VmRSS) and its /metrics (KV bytes in use, requests running and waiting). When the traffic
-has ended it waits up to DRAIN_TIMEOUT_S for the server to hold no request and no KV byte.
+once), and every second (more often in runs shorter than MIN_SAMPLES seconds) reads the
+server process's resident memory (/proc/PID/status, VmRSS) and its /metrics (KV bytes in
+use, requests running and waiting). When the traffic has ended it waits up to
+DRAIN_TIMEOUT_S for the server to hold no request and no KV byte.
 
 Fails (exit status 1, one line per property) on any 5xx answer, any unexpected answer,
 resident memory grown by RSS_GROWTH_LIMIT or more after warm-up, or KV bytes left in use
@@ -35,7 +36,8 @@ from kvforge.tools.bench.soak_traffic import BAD_FRACTION, DISCONNECT_FRACTION, 
 from kvforge.tools.text_data import heldout_text
 
 SERVED_NAME = "soak"  # the model name the started server answers to
-SAMPLE_INTERVAL_S = 1.0
+SAMPLE_INTERVAL_S = 1.0  # the longest gap between two looks at the server
+MIN_SAMPLES = 25  # looks per run at least: each fifth the verdicts compare holds several
 DRAIN_TIMEOUT_S = 10.0
 DRAIN_POLL_S = 0.25
 
@@ -69,6 +71,11 @@ def plan_traffic(args: argparse.Namespace, options: SoakOptions, tokenizer: Any)
     return mix.take(len(times)), times
 
 
+def sample_interval_s(duration_s: float) -> float:
+    """Seconds between two looks at the server during a run of `duration_s` seconds."""
+    return min(SAMPLE_INTERVAL_S, duration_s / MIN_SAMPLES)
+
+
 @dataclass
 class Sampler:
     """Looks at the server (memory, /metrics) and at the client's open requests."""
@@ -76,21 +83,31 @@ class Sampler:
     server: ServerProcess
     in_flight: InFlight
     start: float
+    interval_s: float = SAMPLE_INTERVAL_S
     samples: list[Sample] = field(default_factory=list)
 
-    async def look(self) -> Sample:
-        metrics = await asyncio.to_thread(scrape, self.server.base_url)
+    async def look(self, metrics_timeout_s: float = 10.0) -> Sample:
+        # The time and the resident memory are read before /metrics is asked: a busy server
+        # may answer late (or not within the timeout: its fields are then None), and a late
+        # answer must not move the memory reading out of the fifth of the run it belongs to.
+        t_s, rss = time.perf_counter() - self.start, rss_bytes(self.server.process.pid)
+        metrics = await asyncio.to_thread(scrape, self.server.base_url, None, metrics_timeout_s)
         kv = [value for key, value in metrics.items() if key.startswith("kv_used:")]
-        return Sample(time.perf_counter() - self.start, rss_bytes(self.server.process.pid), sum(kv) if kv else None,
-                      metrics.get("running"), metrics.get("waiting"), self.in_flight.count)
+        return Sample(t_s, rss, sum(kv) if kv else None, metrics.get("running"), metrics.get("waiting"),
+                      self.in_flight.count)
 
-    async def every_second(self, bar: tqdm, duration_s: float, tally: dict[str, int]) -> None:
+    async def every_interval(self, bar: tqdm, duration_s: float, tally: dict[str, int]) -> None:
+        """Looks on a fixed grid (start + k * interval_s). /metrics gets half an interval to
+        answer, so a slow server costs that look its server fields, never a grid point."""
+        tick = 0
         while True:
-            sample = await self.look()
+            sample = await self.look(metrics_timeout_s=self.interval_s / 2)
             self.samples.append(sample)
             bar.set_postfix(tally | {"in_flight": sample.in_flight}, refresh=False)
             bar.update(max(0, min(int(sample.t_s), int(duration_s)) - bar.n))
-            await asyncio.sleep(max(0.0, SAMPLE_INTERVAL_S - (time.perf_counter() - self.start - sample.t_s)))
+            elapsed = time.perf_counter() - self.start
+            tick = max(tick + 1, math.ceil(elapsed / self.interval_s))  # the first grid point not yet looked at
+            await asyncio.sleep(max(0.0, tick * self.interval_s - elapsed))
 
 
 async def soak(server: ServerProcess, requests: list[SoakRequest], schedule: list[float], options: SoakOptions,
@@ -98,7 +115,7 @@ async def soak(server: ServerProcess, requests: list[SoakRequest], schedule: lis
     """Runs the traffic with the sampler beside it, then the drain; returns the records,
     the samples during the traffic and after it, and the traffic's seconds."""
     in_flight = InFlight()
-    sampler = Sampler(server, in_flight, time.perf_counter())
+    sampler = Sampler(server, in_flight, time.perf_counter(), sample_interval_s(options.duration_s))
     tally = {"done": 0, "5xx": 0, "unexpected": 0}
 
     def done(record: SoakRecord) -> None:
@@ -108,7 +125,7 @@ async def soak(server: ServerProcess, requests: list[SoakRequest], schedule: lis
 
     with tqdm(total=int(options.duration_s), desc=f"soak {args.model} [{args.cache}]", unit="s",
               file=sys.stderr) as bar:
-        watcher = asyncio.create_task(sampler.every_second(bar, options.duration_s, tally))
+        watcher = asyncio.create_task(sampler.every_interval(bar, options.duration_s, tally))
         records = await run_traffic(server.base_url, requests, schedule, args.request_timeout, args.max_in_flight,
                                     in_flight, options.duration_s, done)
         traffic_s = time.perf_counter() - sampler.start
@@ -207,7 +224,7 @@ def _result(args: argparse.Namespace, options: SoakOptions, records: list[SoakRe
                      "max_in_flight": args.max_in_flight, "max_prompt_tokens": options.max_prompt_tokens,
                      "max_output_tokens": args.max_output_tokens, "kv_budget": args.kv_budget, "seed": args.seed,
                      "disconnect_fraction": DISCONNECT_FRACTION, "bad_fraction": BAD_FRACTION,
-                     "sample_interval_s": SAMPLE_INTERVAL_S, "drain_timeout_s": DRAIN_TIMEOUT_S},
+                     "sample_interval_s": sample_interval_s(options.duration_s), "drain_timeout_s": DRAIN_TIMEOUT_S},
         "traffic_s": traffic_s,
         "counts": tally,
         "memory": memory,

@@ -15,7 +15,7 @@ from typing import Any
 from kvforge.devices import add_device_arg
 from kvforge.errors import ConfigError, require
 
-MIN_DURATION_S = 5.0  # one memory sample per fifth of the run at least
+MIN_DURATION_S = 5.0  # a fifth of the run (the memory verdict's unit) is a second at least
 MAX_DURATION_S = 24 * 3600.0  # a soak is bounded: a day at most
 MAX_REQUEST_RATE = 1000.0
 LONG_PROMPT_TOKENS = 1500  # the longest prompt the mix sends, where the context allows

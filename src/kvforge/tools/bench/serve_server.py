@@ -28,6 +28,7 @@ from kvforge.errors import KVForgeError
 
 STARTUP_TIMEOUT_S = 600  # a first run may build the C++ kernels and convert a tokenizer
 SERVE_LINE_PREFIX = "kvforge serve: "  # how `kvforge serve` starts each line it prints about itself
+METRICS_TIMEOUT_S = 10.0  # how long a /metrics read waits by default
 
 
 def free_loopback_port() -> int:
@@ -148,7 +149,8 @@ def group_cpu_seconds(pgid: int) -> float:
     return sum(sum(int(x) for x in fields[11:15]) for fields in _group_stats(pgid)) / tick
 
 
-def scrape(base_url: str, headers: dict[str, str] | None = None, timeout: float = 10.0) -> dict[str, float]:
+def scrape(base_url: str, headers: dict[str, str] | None = None,
+           timeout: float = METRICS_TIMEOUT_S) -> dict[str, float]:
     """kvforge's serving metrics as flat keys ({} for a server without them):
     running, waiting, preemptions, kv_used:<tier>, steps:<kind>, <kind>:<part> (with
     --step-timing), steps (every engine step; vLLM's too)."""

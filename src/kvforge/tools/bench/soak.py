@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from kvforge.models.loader import load_model_config, resolve_model_source
 from kvforge.tools.bench.common import log
 from kvforge.tools.bench.serve_client import poisson_schedule
-from kvforge.tools.bench.serve_server import ServerProcess, scrape
+from kvforge.tools.bench.serve_server import METRICS_TIMEOUT_S, ServerProcess, scrape
 from kvforge.tools.bench.soak_client import InFlight, SoakRecord, run_traffic
 from kvforge.tools.bench.soak_options import SoakOptions, check_options
 from kvforge.tools.bench.soak_stats import Sample, counts, failures, kv_drained, latency_drift, rss_growth
@@ -86,7 +86,7 @@ class Sampler:
     interval_s: float = SAMPLE_INTERVAL_S
     samples: list[Sample] = field(default_factory=list)
 
-    async def look(self, metrics_timeout_s: float = 10.0) -> Sample:
+    async def look(self, metrics_timeout_s: float = METRICS_TIMEOUT_S) -> Sample:
         # The time and the resident memory are read before /metrics is asked: a busy server
         # may answer late (or not within the timeout: its fields are then None), and a late
         # answer must not move the memory reading out of the fifth of the run it belongs to.

@@ -24,6 +24,7 @@ from kvforge.engine.runner import ModelRunner
 from kvforge.host_sync import device_code_paths
 from kvforge.kernels.cpu_fused import fused_ops_available
 from kvforge.kernels.cpu_linear import small_m_linear_available
+from kvforge.models.layers import pack_projections
 
 SHADOWKV = ("shadowkv:chunk=4,local=8,outliers=1,min_context=24,generated_window=8,rank=3,budget=paper,"
             "budget_floor=4,budget_fraction=0.1,kernel=0")
@@ -38,15 +39,18 @@ BUDGETS = {("full:block_size=4,decode_kernel=triton", "any"): (17, 0),
            # every sequence compressed: RoPE of k and of q and the sparse kernels; no page writes,
            # exact attention or per-row choice (ShadowKV's own: 8 a layer, the paper's target 10)
            (SHADOWKV, "compressed"): (20, 0)}
+PACKED_SAVES = 3  # packed projections (the default on CUDA): q, k, v in one GEMM and gate, up in one
 
 
-def _layer_kernels(spec: str) -> dict[str, list[list[list[str]]]]:
+def _layer_kernels(spec: str, packed: bool) -> dict[str, list[list[list[str]]]]:
     """For each form of the step, for each captured bucket of it that holds decoder layers:
     each layer's kernels, in order."""
     interpreted_or_skip()
     if not (small_m_linear_available() and fused_ops_available()):
         pytest.skip("kvforge's CPU kernels did not build: the layer's operations are not one each")
     model = make_pair("llama_gqa")[1]
+    if packed:  # as a runner on CUDA packs it (models/packed_projections.py)
+        assert pack_projections(model) == 2 * len(model.model.layers)
     spans: list[tuple[object, int, list[int]]] = []
 
     def before(module, args) -> None:
@@ -66,6 +70,7 @@ def _layer_kernels(spec: str) -> dict[str, list[list[list[str]]]]:
             if spec == SHADOWKV:
                 runner = ModelRunner(model, create_cache(spec, model.cache_layout(), 1 << 22, torch.float32))
                 runner.cache.sparse.triton = True  # kernel=0 keeps the fused C++ kernel off on the CPU
+                runner.cache.exact.decode_kernel = "triton"  # CUDA's paged kernel for the exact rows
                 graphs = runner.decode_graphs = Replayed(model, runner.cache, 4, 128, capture=True)
             else:
                 runner = make_runner(model, spec)
@@ -88,19 +93,22 @@ def _layer_kernels(spec: str) -> dict[str, list[list[list[str]]]]:
 @pytest.mark.parametrize("spec", ["full:block_size=4,decode_kernel=triton",
                                   "kivi:bits=2,group=4,residual=8,decode_kernel=triton", SHADOWKV],
                          ids=["full", "kivi", "shadowkv"])
-def test_a_captured_decode_step_launches_a_few_kernels_per_layer(spec: str) -> None:
-    by_form = _layer_kernels(spec)
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_a_captured_decode_step_launches_a_few_kernels_per_layer(spec: str, packed: bool) -> None:
+    by_form = _layer_kernels(spec, packed)
     assert sorted(by_form) == sorted(form for s, form in BUDGETS if s == spec)  # every form captured
     for form, steps in by_form.items():
-        _within_budget(steps, *BUDGETS[spec, form])
+        per_layer, once = BUDGETS[spec, form]
+        # packed: one GEMM for q, k and v and one for gate and up, where there were five
+        _within_budget(steps, per_layer - PACKED_SAVES if packed else per_layer, once, 4 if packed else 7)
 
 
-def _within_budget(steps: list[list[list[str]]], per_layer: int, once: int) -> None:
+def _within_budget(steps: list[list[list[str]]], per_layer: int, once: int, gemms: int) -> None:
     for layers in steps:
         first, *rest = layers
         for kernels in rest:
             assert len(kernels) <= per_layer, f"{len(kernels)} kernels in a layer: {kernels}"
         assert len(first) <= per_layer + once, f"{len(first)} kernels in the first layer: {first}"
     # the counting sees the layer's work: its projections and its attention at least
-    assert all(sum(name == "small_m_linear" for name in kernels) == 7 for layers in steps for kernels in layers)
+    assert all(sum(name == "small_m_linear" for name in kernels) == gemms for layers in steps for kernels in layers)
     assert any(name.startswith("triton:") for kernels in steps[-1] for name in kernels)

@@ -82,7 +82,8 @@ KERNELS = {
         dict(CHUNK=8, BLOCK_T=8, HEAD_DIM=128, BLOCK_D=128, NFIELDS=SHADOWKV_FIELDS)),
     shadowkv._attention_kernel: (
         dict(q_ptr=BF16, own_k_ptr=BF16, own_v_ptr=BF16, info_ptr=IDS, keys_like=BF16, slot_ids_ptr=IDS,
-             out_ptr=BF16, sq_b=I32_16, sq_h=I32_16, so_b=I32_16, so_h=I32_16, slots=I32, scale="fp32"),
+             out_ptr=BF16, sq_b=I32_16, sq_h=I32_16, so_b=I32_16, so_h=I32_16, sv_b=I32_16, sv_h=I32_16, slots=I32,
+             scale="fp32"),
         dict(QUERY_GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, CHUNK=8, BLOCK=32, MASK_SLOTS=True,
              NFIELDS=SHADOWKV_FIELDS)),
     slots._values_in_place_kernel: (
@@ -97,10 +98,12 @@ KERNELS = {
         dict(REUSE=True, BLOCK_K=16, BLOCK_S=256, NFIELDS=SHADOWKV_FIELDS)),
     fused._rms_norm_kernel: (dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, dim=I32_16, eps="fp32"),
                              dict(GEMMA=False, BLOCK_D=4096)),
-    fused._rope_kernel: (dict(x_ptr=BF16, cos_ptr=BF16, sin_ptr=BF16, out_ptr=BF16, heads=I32, dim=I32_16,
-                              half=I32_16),
+    # rows apart (a packed q/k/v output: (32 + 2 x 8) x 128 elements a row at 8B's shapes)
+    fused._rope_kernel: (dict(x_ptr=BF16, x_row_stride=I32_16, cos_ptr=BF16, sin_ptr=BF16, out_ptr=BF16, heads=I32,
+                              dim=I32_16, half=I32_16),
                          dict(BLOCK_H=32, BLOCK_HALF=64)),
-    fused._silu_mul_kernel: (dict(gate_ptr=BF16, up_ptr=BF16, out_ptr=BF16, n=I32_16), dict(BLOCK=1024)),
+    fused._silu_mul_kernel: (dict(gate_ptr=BF16, gate_row_stride=I32_16, up_ptr=BF16, up_row_stride=I32_16,
+                                  out_ptr=BF16, cols=I32_16), dict(BLOCK=1024)),
 }
 
 # Other settings of kernels whose code paths depend on their constants, compiled beside the

@@ -18,6 +18,8 @@ from kvforge.cache.base import CacheMethod
 from kvforge.engine.decode_graphs import DecodeGraphs
 from kvforge.errors import CacheCapacityError, ConfigError
 from kvforge.models.causal_lm import CausalLM
+from kvforge.models.layers import pack_projections
+from kvforge.models.packed_projections import packs_projections
 from kvforge.step_plan import upload
 from kvforge.step_timing import TimedCache, current_timer
 
@@ -39,6 +41,8 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = next(model.parameters()).device
+        if packs_projections(self.device):  # q/k/v and gate/up as one GEMM each (CUDA), before any capture
+            pack_projections(model)
         self.max_positions = model.config.max_position_embeddings
         # Decode-only steps from fixed buffers and CUDA graphs (decode_graphs.py); None: eager.
         self.decode_graphs: DecodeGraphs | None = None

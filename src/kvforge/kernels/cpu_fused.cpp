@@ -10,10 +10,12 @@
 //     r = 1 / sqrt(mean(float(x)^2) + eps) per row;
 //     Llama (gemma = false): y = T(float(w) * float(T(float(x) * r)))   (HF's two roundings)
 //     Gemma (gemma = true):  y = T(float(x) * r * (1 + float(w)))
-//   rope_rotate(x [R, heads, D], cos [R, D], sin [R, D]) -> [R, heads, D], x's dtype
+//   rope_rotate(x [R, heads, D], cos [R, D], sin [R, D]) -> [R, heads, D], x's dtype; x's rows
+//     may sit apart (a slice of a packed q/k/v projection: each row's heads contiguous)
 //     y[d] = T(float(x[d]) * float(cos[d]) + float(rot[d]) * float(sin[d])),
 //     rot = (-x[D/2:], x[:D/2]) (rotate-half); computed in float, rounded once.
-//   silu_mul(gate [R, F], up [R, F]) -> [R, F], gate's dtype: a gated MLP's act(gate) * up
+//   silu_mul(gate [R, F], up [R, F]) -> [R, F], gate's dtype: a gated MLP's act(gate) * up;
+//     2-D gate and up may have rows that sit apart (the halves of a packed gate/up projection)
 //     with the eager expression's two roundings: s = T(silu(float(g))), y = T(float(s) * float(u)),
 //     silu(v) = v / (1 + exp(-v)) computed as v / (1 + e) (v >= 0) or v e / (1 + e) (v < 0)
 //     with e = exp(-|v|) <= 1, so nothing overflows; e below float's normal range is taken as 0.
@@ -96,14 +98,15 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t h, float 
 }
 
 template <typename T>
-void rope_rows(const T* x, const T* cos, const T* sin, T* y, int64_t rows, int64_t heads, int64_t d) {
+void rope_rows(const T* x, int64_t x_row_stride, const T* cos, const T* sin, T* y, int64_t rows, int64_t heads,
+               int64_t d) {
   const int64_t half = d / 2;
   at::parallel_for(0, rows, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* c = cos + r * d;
       const T* s = sin + r * d;
       for (int64_t hd = 0; hd < heads; ++hd) {
-        const T* xr = x + (r * heads + hd) * d;
+        const T* xr = x + r * x_row_stride + hd * d;
         T* yr = y + (r * heads + hd) * d;
         for (int64_t k = 0; k < half; ++k) {
           const float a = static_cast<float>(xr[k]) * static_cast<float>(c[k]);
@@ -183,9 +186,9 @@ void silu_mul_row(const T* g, const T* u, T* y, int64_t f) {
 }
 
 template <typename T>
-void silu_mul_rows(const T* g, const T* u, T* y, int64_t rows, int64_t f) {
+void silu_mul_rows(const T* g, int64_t g_stride, const T* u, int64_t u_stride, T* y, int64_t rows, int64_t f) {
   at::parallel_for(0, rows, grain_rows(f), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(g + r * f, u + r * f, y + r * f, f);
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(g + r * g_stride, u + r * u_stride, y + r * f, f);
   });
 }
 
@@ -245,13 +248,28 @@ void argmax_rows_of(const T* x, int64_t rows, int64_t v, int64_t* out) {
   });
 }
 
-void check_same(const char* op, const at::Tensor& x, std::initializer_list<const at::Tensor*> others) {
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), op, ": x must be a contiguous CPU tensor");
+// Whether every dimension of t but the first is contiguous: its rows may sit apart.
+bool rows_contiguous(const at::Tensor& t) {
+  if (t.is_contiguous()) return true;
+  int64_t expected = 1;
+  for (int64_t dim = t.dim() - 1; dim >= 1; --dim) {
+    if (t.size(dim) != 1 && t.stride(dim) != expected) return false;
+    expected *= t.size(dim);
+  }
+  return t.dim() >= 2;
+}
+
+// Every tensor on the CPU, of one float dtype, contiguous; with `strided_rows`, x and the
+// others may have rows that sit apart (rows_contiguous).
+void check_same(const char* op, const at::Tensor& x, std::initializer_list<const at::Tensor*> others,
+                bool strided_rows = false) {
+  const auto laid_out = [&](const at::Tensor& t) { return strided_rows ? rows_contiguous(t) : t.is_contiguous(); };
+  TORCH_CHECK(x.device().is_cpu() && laid_out(x), op, ": x must be a contiguous CPU tensor");
   const at::ScalarType dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
               ": dtype must be float32, bfloat16 or float16, got ", dtype);
   for (const at::Tensor* t : others) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == dtype, op,
+    TORCH_CHECK(t->device().is_cpu() && laid_out(*t) && t->scalar_type() == dtype, op,
                 ": every tensor must be contiguous, on the CPU and of x's dtype (", dtype, ")");
   }
 }
@@ -291,8 +309,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 }
 
 at::Tensor rope_rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  check_same("rope_rotate", x, {&cos, &sin});
-  TORCH_CHECK(x.dim() == 3, "rope_rotate: x must be [rows, heads, head_dim]");
+  TORCH_CHECK(x.device().is_cpu(), "rope_rotate: x must be a CPU tensor");
+  check_same("rope_rotate", cos, {&sin});
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == cos.scalar_type() && rows_contiguous(x),
+              "rope_rotate: x must be [rows, heads, head_dim] of cos's dtype, each row's heads contiguous");
   const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
   TORCH_CHECK(d % 2 == 0, "rope_rotate: head_dim must be even, got ", d);
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == d && sin.sizes() == cos.sizes(),
@@ -300,7 +320,7 @@ at::Tensor rope_rotate(const at::Tensor& x, const at::Tensor& cos, const at::Ten
   at::Tensor y = at::empty(x.sizes(), x.options());
   if (x.numel() == 0) return y;
   KVFORGE_DISPATCH(x.scalar_type(),
-                   rope_rows<T>(reinterpret_cast<const T*>(x.const_data_ptr()),
+                   rope_rows<T>(reinterpret_cast<const T*>(x.const_data_ptr()), x.stride(0),
                                 reinterpret_cast<const T*>(cos.const_data_ptr()),
                                 reinterpret_cast<const T*>(sin.const_data_ptr()),
                                 reinterpret_cast<T*>(y.data_ptr()), rows, heads, d))
@@ -308,14 +328,17 @@ at::Tensor rope_rotate(const at::Tensor& x, const at::Tensor& cos, const at::Ten
 }
 
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  check_same("silu_mul", gate, {&up});
+  const bool contiguous = gate.is_contiguous() && up.is_contiguous();
+  check_same("silu_mul", gate, {&up}, /*strided_rows=*/gate.dim() == 2 && up.dim() == 2);
   TORCH_CHECK(gate.dim() >= 1 && up.sizes() == gate.sizes(), "silu_mul: gate and up must have one shape, got ",
               gate.sizes(), " and ", up.sizes());
   at::Tensor y = at::empty(gate.sizes(), gate.options());
   const int64_t f = gate.size(-1);
   if (gate.numel() == 0) return y;
-  KVFORGE_DISPATCH(gate.scalar_type(), silu_mul_rows<T>(reinterpret_cast<const T*>(gate.const_data_ptr()),
-                                                        reinterpret_cast<const T*>(up.const_data_ptr()),
+  // contiguous: rows of f one after the other; else 2-D rows at their own strides
+  const int64_t g_stride = contiguous ? f : gate.stride(0), u_stride = contiguous ? f : up.stride(0);
+  KVFORGE_DISPATCH(gate.scalar_type(), silu_mul_rows<T>(reinterpret_cast<const T*>(gate.const_data_ptr()), g_stride,
+                                                        reinterpret_cast<const T*>(up.const_data_ptr()), u_stride,
                                                         reinterpret_cast<T*>(y.data_ptr()), gate.numel() / f, f))
   return y;
 }

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kvforge.kernels.build import DEFAULT_FLAG_SETS, FLOAT_IO_DTYPES, CppKernel, kernels_disabled
+from kvforge.kernels.row_layout import rows_contiguous
 
 __all__ = ["argmax_rows", "fused_ops_available", "rms_norm", "rope_rotate", "silu_mul"]
 
@@ -40,10 +41,12 @@ def fused_ops_available() -> bool:
     return _KERNEL.available()
 
 
-def _eligible(*tensors: torch.Tensor) -> bool:
+def _eligible(*tensors: torch.Tensor, rows_apart: int = 0) -> bool:
+    """The op can take these tensors; the first `rows_apart` of them only need contiguous
+    rows (row_layout.rows_contiguous), the others must be contiguous."""
     dtype = tensors[0].dtype
-    for t in tensors:
-        if t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
+    for i, t in enumerate(tensors):
+        if t.dtype != dtype or not t.is_cpu or not (rows_contiguous(t) if i < rows_apart else t.is_contiguous()):
             return False
     if dtype not in FLOAT_IO_DTYPES:
         return False
@@ -64,14 +67,15 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     if (x.dim() != 3 or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != x.shape[0]
             or cos.shape[1] != x.shape[2] or x.shape[2] % 2):
         return None
-    if not _eligible(x, cos, sin):
+    if not _eligible(x, cos, sin, rows_apart=1):  # x may be a slice of a packed q/k/v projection
         return None
     return torch.ops.kvforge_cpu_fused.rope_rotate(x, cos, sin)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """`F.silu(gate) * up` in one pass with the same two roundings (gate's dtype), or None."""
-    if gate.dim() < 1 or gate.shape != up.shape or not _eligible(gate, up):
+    # 2-D gate and up may be the halves of a packed gate/up projection's output
+    if gate.dim() < 1 or gate.shape != up.shape or not _eligible(gate, up, rows_apart=2 if gate.dim() == 2 else 0):
         return None
     return torch.ops.kvforge_cpu_fused.silu_mul(gate, up)
 

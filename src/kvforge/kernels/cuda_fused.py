@@ -2,7 +2,8 @@
 Triton launch each (triton_fused.py), where the PyTorch expression is several.
 
 `rms_norm`, `rope_rotate` and `silu_mul` mirror `cpu_fused`'s: they return None when the call
-is not eligible (tensors not on CUDA, of mixed or non-float dtypes, not contiguous, needing
+is not eligible (tensors not on CUDA, of mixed or non-float dtypes, not contiguous (RoPE's x
+and SiLU-gate's 2-D inputs: rows not contiguous), needing
 autograd; triton not installed; `KVFORGE_DISABLE_TRITON_FUSED=1`), and the caller then runs
 its PyTorch expression, which stays the reference (tests/kernels/test_triton_fused.py holds
 them together). triton_fused.py, and with it triton, is imported at the first eligible call
@@ -17,6 +18,7 @@ from types import ModuleType
 import torch
 
 from kvforge.kernels.build import FLOAT_IO_DTYPES
+from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_runtime import triton_installed
 
 __all__ = ["DISABLE_TRITON_FUSED_ENV", "rms_norm", "rope_rotate", "silu_mul"]
@@ -32,10 +34,12 @@ def _kernels() -> ModuleType:
     return triton_fused
 
 
-def _eligible(*tensors: torch.Tensor) -> bool:
+def _eligible(*tensors: torch.Tensor, rows_apart: int = 0) -> bool:
+    """The first `rows_apart` tensors need only contiguous rows (row_layout.rows_contiguous)."""
     dtype = tensors[0].dtype
-    for t in tensors:
-        if t.device.type != DEVICE_TYPE or t.dtype != dtype or not t.is_contiguous():
+    for i, t in enumerate(tensors):
+        laid_out = rows_contiguous(t) if i < rows_apart else t.is_contiguous()
+        if t.device.type != DEVICE_TYPE or t.dtype != dtype or not laid_out:
             return False
     if dtype not in FLOAT_IO_DTYPES:
         return False
@@ -56,11 +60,14 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     if (x.device.type != DEVICE_TYPE or x.dim() != 3 or cos.dim() != 2 or cos.shape != sin.shape
             or cos.shape[0] != x.shape[0] or cos.shape[1] != x.shape[2] or x.shape[2] % 2):
         return None
-    return _kernels().rope_rotate_triton(x, cos, sin) if _eligible(x, cos, sin) else None
+    # x may be a slice of a packed q/k/v projection's output
+    return _kernels().rope_rotate_triton(x, cos, sin) if _eligible(x, cos, sin, rows_apart=1) else None
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """`F.silu(gate) * up` in one launch with the same two roundings (gate's dtype), or None."""
     if gate.device.type != DEVICE_TYPE or gate.dim() < 1 or gate.shape != up.shape:
         return None
-    return _kernels().silu_mul_triton(gate, up) if _eligible(gate, up) else None
+    # 2-D gate and up may be the halves of a packed gate/up projection's output
+    eligible = _eligible(gate, up, rows_apart=2 if gate.dim() == 2 else 0)
+    return _kernels().silu_mul_triton(gate, up) if eligible else None

@@ -9,7 +9,8 @@ scales by (1 + w) in float32 (Gemma); RoPE rounds both products and their sum; S
 rounds silu(gate) and the product. Results are not bitwise on a GPU (rsqrt/exp
 approximations, contracted multiply-adds): tests hold them to the references' tolerance.
 
-The launchers take contiguous tensors of one float dtype (`cuda_fused.py` checks this and
+The launchers take contiguous tensors of one float dtype (RoPE's x and SiLU-gate's 2-D
+inputs need only contiguous rows: the slices of a packed projection's output) (`cuda_fused.py` checks this and
 picks these kernels on CUDA); on CPU tensors they run only in Triton's interpreter
 (TRITON_INTERPRET=1 when kernels/triton_jit.py was imported), which is how the tests run
 them. Importing this module imports triton.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_jit import INTERPRETED, jit, tl, triton
 
 __all__ = ["rms_norm_triton", "rope_rotate_triton", "silu_mul_triton"]
@@ -43,18 +45,21 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, eps, GEMMA: tl.constexpr, BLOCK
 
 
 @jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, dim, half,
+def _rope_kernel(x_ptr, x_row_stride, cos_ptr, sin_ptr, out_ptr, heads, dim, half,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # One program per row: every head of it. First half: x1 cos1 - x2 sin1; second half:
     # x2 cos2 + x1 sin2 (rotate_half(x) = cat(-x2, x1)); each product and the sum rounded.
+    # x's rows start x_row_stride apart (a slice of a packed q/k/v output); out is contiguous.
     row = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
     ok = (h < heads)[:, None] & (d < half)[None, :]
-    base = row * heads * dim + h[:, None] * dim + d[None, :]
+    within = h[:, None] * dim + d[None, :]
+    base = row * heads * dim + within
+    x_base = row * x_row_stride + within
     dtype = out_ptr.dtype.element_ty
-    x1 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + base + half, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + x_base, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_base + half, mask=ok, other=0.0).to(tl.float32)
     cos1 = tl.load(cos_ptr + row * dim + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
     cos2 = tl.load(cos_ptr + row * dim + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
     sin1 = tl.load(sin_ptr + row * dim + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
@@ -66,24 +71,29 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, dim, half,
 
 
 @jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offsets < n
-    gate = tl.load(gate_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+def _silu_mul_kernel(gate_ptr, gate_row_stride, up_ptr, up_row_stride, out_ptr, cols, BLOCK: tl.constexpr):
+    # Programs over (row, block of columns): gate's and up's rows start at their own strides
+    # (the halves of a packed gate/up output), out is contiguous [rows, cols].
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < cols
+    gate = tl.load(gate_ptr + row * gate_row_stride + offsets, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * up_row_stride + offsets, mask=ok, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + offsets, (silu * up).to(dtype), mask=ok)
+    tl.store(out_ptr + row * cols + offsets, (silu * up).to(dtype), mask=ok)
 
 
-def _check(*tensors: torch.Tensor) -> None:
+def _check(*tensors: torch.Tensor, rows_apart: int = 0) -> None:
+    """CUDA (or interpreted), one dtype, contiguous; the first `rows_apart` tensors need only
+    contiguous rows (row_layout.rows_contiguous)."""
     if triton is None:
         raise RuntimeError("the fused Triton ops need the `triton` package (pip install 'kvforge[triton]')")
-    for t in tensors:
+    for i, t in enumerate(tensors):
         if not (t.is_cuda or INTERPRETED):
             raise ValueError("the fused Triton ops run on CUDA tensors (or on CPU tensors when TRITON_INTERPRET=1 "
                              "was set before kvforge.kernels.triton_jit was imported)")
-        if not t.is_contiguous() or t.dtype != tensors[0].dtype:
+        if not (rows_contiguous(t) if i < rows_apart else t.is_contiguous()) or t.dtype != tensors[0].dtype:
             raise ValueError(f"the fused Triton ops take contiguous tensors of one dtype, got {t.dtype} "
                              f"(contiguous: {t.is_contiguous()}) beside {tensors[0].dtype}")
 
@@ -108,24 +118,30 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bo
 
 def rope_rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`x * cos + rotate_half(x) * sin` for x [rows, heads, head_dim], cos/sin [rows, head_dim]."""
-    _check(x, cos, sin)
+    _check(x, cos, sin, rows_apart=1)
     rows, heads, dim = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows and heads:
         half = dim // 2
         block_h, block_half = triton.next_power_of_2(heads), triton.next_power_of_2(half)
         with torch.cuda.device_of(x):
-            _rope_kernel[(rows,)](x, cos, sin, out, heads, dim, half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+            _rope_kernel[(rows,)](x, x.stride(0), cos, sin, out, heads, dim, half, BLOCK_H=block_h, BLOCK_HALF=block_half,
                                   num_warps=_warps(block_h * block_half))
     return out
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`F.silu(gate) * up`, elementwise, in gate's dtype."""
-    _check(gate, up)
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
+    """`F.silu(gate) * up`, elementwise, in gate's dtype; 2-D gate and up may have rows that
+    sit apart (the halves of a packed gate/up output), any other shape is contiguous."""
+    _check(gate, up, rows_apart=2 if gate.dim() == 2 else 0)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    cols = gate.shape[-1] if gate.dim() else 1
+    rows = gate.numel() // cols if cols else 0
+    if rows:
+        # a contiguous tensor is [rows, cols] with rows cols apart, whatever its dims
+        contiguous = gate.is_contiguous() and up.is_contiguous()
+        gate_stride, up_stride = (cols, cols) if contiguous else (gate.stride(0), up.stride(0))
         with torch.cuda.device_of(gate):
-            _silu_mul_kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, BLOCK=SILU_BLOCK)
+            _silu_mul_kernel[(rows, triton.cdiv(cols, SILU_BLOCK))](gate, gate_stride, up, up_stride, out, cols,
+                                                                    BLOCK=SILU_BLOCK)
     return out

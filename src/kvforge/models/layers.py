@@ -3,6 +3,8 @@ checkpoints (q_proj, k_proj, ..., gate_proj, input_layernorm) so weights load by
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +13,7 @@ from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.kernels import cuda_fused
 from kvforge.kernels.cpu_fused import rms_norm, silu_mul
 from kvforge.kernels.cpu_linear import linear, linear_float32, linear_from, widened_input
+from kvforge.models.packed_projections import PackedLinear, pack_linears
 from kvforge.rope import PositionedRope
 
 
@@ -79,13 +82,32 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias, dtype=dtype, device=device)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias, dtype=dtype, device=device)
         self.activation = _ACTIVATIONS[activation]
+        self.packed_gate_up: PackedLinear | None = None  # see pack()
+
+    def pack(self) -> int:
+        """gate and up as one GEMM from now on (models/packed_projections.py); 1 if it packed."""
+        if self.packed_gate_up is not None and self.packed_gate_up.aliased():
+            return 0
+        self.packed_gate_up = pack_linears((self.gate_proj, self.up_proj))
+        return int(self.packed_gate_up is not None)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> GatedMLP:
+        out = super()._apply(fn, recurse)
+        if self.packed_gate_up is not None and not self.packed_gate_up.aliased():
+            self.packed_gate_up = None  # moved or cast: the projections have new storage; free the old
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wide = self._float32_prefill(x)
         if wide is not None:
             return wide
-        gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)
-        up = linear(x, self.up_proj.weight, self.up_proj.bias)
+        packed = self.packed_gate_up
+        if packed is not None and packed.usable():
+            # one GEMM; gate and up are its two halves, read in place by the fused SiLU-gate
+            gate, up = packed.split(linear(x, packed.weight, packed.bias))
+        else:
+            gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)
+            up = linear(x, self.up_proj.weight, self.up_proj.bias)
         # SiLU through the fused CPU op when it applies: the fused decode layer calls the
         # same op, so the two paths stay bitwise equal; on CUDA one Triton launch
         gated = None
@@ -141,15 +163,49 @@ class CachedAttention(nn.Module):
             self.k_norm = GemmaRMSNorm(head_dim, qk_norm_eps, **kw)
         else:
             self.q_norm = self.k_norm = None
+        self.packed_qkv: PackedLinear | None = None  # see pack()
+
+    def pack(self) -> int:
+        """q, k and v as one GEMM from now on (models/packed_projections.py); 1 if it packed.
+        Not with QK-norm, whose RMSNorm over a slice's heads would need a copy of the slice."""
+        if self.q_norm is not None or (self.packed_qkv is not None and self.packed_qkv.aliased()):
+            return 0
+        self.packed_qkv = pack_linears((self.q_proj, self.k_proj, self.v_proj))
+        return int(self.packed_qkv is not None)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CachedAttention:
+        out = super()._apply(fn, recurse)
+        if self.packed_qkv is not None and not self.packed_qkv.aliased():
+            self.packed_qkv = None  # moved or cast: the projections have new storage; free the old
+        return out
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of x, [rows, heads, head_dim] each: views of one packed GEMM's output
+        when the layer is packed (the fused RoPE and the cache writes read them in place),
+        else three GEMMs."""
+        packed = self.packed_qkv
+        if packed is not None and packed.usable():
+            q, k, v = packed.split(linear(x, packed.weight, packed.bias))
+        else:
+            wide = widened_input(x, self.q_proj.weight)  # widened once for q, k and v where they run widened
+            q = linear_from(x, wide, self.q_proj.weight, self.q_proj.bias)
+            k = linear_from(x, wide, self.k_proj.weight, self.k_proj.bias)
+            v = linear_from(x, wide, self.v_proj.weight, self.v_proj.bias)
+        rows = x.shape[0]
+        return (q.view(rows, self.num_heads, self.head_dim), k.view(rows, self.num_kv_heads, self.head_dim),
+                v.view(rows, self.num_kv_heads, self.head_dim))
 
     def forward(self, x: torch.Tensor, cache: CacheMethod, meta: StepMetadata, rope: PositionedRope) -> torch.Tensor:
         rows = x.shape[0]
-        wide = widened_input(x, self.q_proj.weight)  # widened once for q, k and v where they run widened
-        q = linear_from(x, wide, self.q_proj.weight, self.q_proj.bias).view(rows, self.num_heads, self.head_dim)
-        k = linear_from(x, wide, self.k_proj.weight, self.k_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
-        v = linear_from(x, wide, self.v_proj.weight, self.v_proj.bias).view(rows, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cache.write(self.cache_layer, meta, k, v, rope)
         out = cache.attend(self.cache_layer, meta, rope.apply(q), rope)
         return linear(out.reshape(rows, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+
+
+def pack_projections(model: nn.Module) -> int:
+    """Pack the q/k/v and gate/up projections of every layer that can (`CachedAttention.pack`,
+    `GatedMLP.pack`; models/packed_projections.py); returns how many packs were made."""
+    return sum(module.pack() for module in model.modules() if isinstance(module, (CachedAttention, GatedMLP)))

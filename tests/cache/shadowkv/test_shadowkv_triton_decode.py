@@ -89,6 +89,17 @@ def _step(sparse: SparseAttention, states: list[CompressedSequence], q: torch.Te
     return out[:, 0], group
 
 
+def _packed_slice(v: torch.Tensor) -> torch.Tensor:
+    """v [B, H, D] as the layer hands it over when its q/k/v projections are packed: the
+    middle slice of one wider row per sequence (rows apart, each row contiguous)."""
+    batch, heads, dim = v.shape
+    wide = torch.zeros(batch, 3 * heads * dim, dtype=v.dtype, device=v.device)
+    view = wide[:, heads * dim:2 * heads * dim].view(batch, heads, dim)
+    view.copy_(v)
+    assert not view.is_contiguous()
+    return view
+
+
 def tolerance(dtype: torch.dtype) -> dict:
     # float32: both paths compute in float32, in other orders. bfloat16: the PyTorch path
     # rounds the rebuilt keys to bfloat16 before RoPE and after each RoPE operation, the
@@ -126,7 +137,7 @@ def test_triton_path_equals_the_pytorch_path(case, dtype, in_place):
         own_k, own_v = torch.randn(2, batch, kv_heads, dim, generator=generator)
         step = [t.to(device, dtype) for t in (q, own_k, own_v)]
         expected, group = _step(ref, ref_states, *step)
-        got, _ = _step(fast, fast_states, *step)
+        got, _ = _step(fast, fast_states, *step[:2], _packed_slice(step[2]))
         assert group.slots_full == (case == "full")
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), expected.float(), **tolerance(dtype))

@@ -297,7 +297,8 @@ class SparseAttention:
                 with self.stats.timed("rebuild"):
                     kernels.write_values(info, inputs.keys_like, fetched.contiguous(), match.order, kv_heads, slots)
         with self.stats.timed("attention"):
-            out = kernels.slot_attention(query, own_keys.contiguous(), own_values.contiguous(), info,
+            # the step's own K/V are read at their strides (v may be a packed projection's slice)
+            out = kernels.slot_attention(query, _heads_contiguous(own_keys), _heads_contiguous(own_values), info,
                                          inputs.keys_like, new_ids, self.chunk, scale,
                                          mask_slots=not group.slots_full)
         return out[:, None]
@@ -383,3 +384,8 @@ class SparseAttention:
             torch.bmm(coefficients.view(heads, slots * chunk, -1).to(keys.dtype), basis.to(keys.dtype), out=keys[b])
         keys = self.rope.apply(keys.view(-1, chunk, dim), chunks.view(-1), rope, group.table.shape[1])
         return keys.view(batch, heads, slots, chunk, dim)
+
+
+def _heads_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t with each head's values contiguous (the slot attention's layout), copied only if not."""
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -179,7 +179,7 @@ def _values_kernel(info_ptr, values_like, fetched_ptr, order_ptr, kv_heads, slot
 
 @jit
 def _attention_kernel(q_ptr, own_k_ptr, own_v_ptr, info_ptr, keys_like, slot_ids_ptr, out_ptr, sq_b, sq_h, so_b,
-                      so_h, slots, scale,
+                      so_h, sv_b, sv_h, slots, scale,
                       QUERY_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MASK_SLOTS: tl.constexpr,
                       NFIELDS: tl.constexpr):
@@ -206,9 +206,8 @@ def _attention_kernel(q_ptr, own_k_ptr, own_v_ptr, info_ptr, keys_like, slot_ids
     # The step's own token (the last row in use) comes from own_k/own_v, is stored into
     # that row for later steps, and seeds the softmax: it is always visible, so every
     # query head has a finite max and a sum >= 1.
-    own = seq * so_b + kv_head * so_h + dims
-    k_own = tl.load(own_k_ptr + own, mask=dim_ok, other=0.0)
-    v_own = tl.load(own_v_ptr + own, mask=dim_ok, other=0.0)
+    k_own = tl.load(own_k_ptr + seq * so_b + kv_head * so_h + dims, mask=dim_ok, other=0.0)
+    v_own = tl.load(own_v_ptr + seq * sv_b + kv_head * sv_h + dims, mask=dim_ok, other=0.0)
     last = (kv_head * rows + used - 1) * HEAD_DIM + dims
     tl.store(keys + last, k_own.to(element), mask=dim_ok)
     tl.store(values + last, v_own.to(element), mask=dim_ok)
@@ -310,18 +309,19 @@ def slot_attention(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, in
                    mask_slots: bool) -> torch.Tensor:
     """q [B, heads, D] (contiguous) over each sequence's buffer rows [0, rows used), slots
     with slot_ids [B, H, slots] < 0 masked when `mask_slots` -> [B, heads, D] in q's dtype.
-    The last row in use is the step's token own_k/own_v [B, H, D] (contiguous), which the
-    kernel writes into the buffers."""
+    The last row in use is the step's token own_k/own_v [B, H, D] (each head's D values
+    contiguous; the rows and heads at any strides, e.g. v as a slice of a packed q/k/v
+    projection), which the kernel writes into the buffers."""
     check_device(q, "slot_attention")
-    require(own_k.is_contiguous() and own_v.shape == own_k.shape and own_v.is_contiguous(), "own_k",
-            tuple(own_k.shape), f"must be contiguous [B, H, D] as own_v {tuple(own_v.shape)}")
+    require(own_k.stride(-1) == 1 and own_v.shape == own_k.shape and own_v.stride(-1) == 1, "own_k",
+            tuple(own_k.shape), f"must be [B, H, D] as own_v {tuple(own_v.shape)}, each head's D values contiguous")
     batch, heads, dim = q.shape
     kv_heads, slots = slot_ids.shape[1], slot_ids.shape[2]
     out = torch.empty_like(q)
     with torch.cuda.device_of(q):
         _attention_kernel[(batch, kv_heads)](
             q, own_k, own_v, info, keys_like, slot_ids, out, q.stride(0), q.stride(1), own_k.stride(0),
-            own_k.stride(1), slots, float(scale),
+            own_k.stride(1), own_v.stride(0), own_v.stride(1), slots, float(scale),
             QUERY_GROUP=heads // kv_heads, BLOCK_G=_block(heads // kv_heads), HEAD_DIM=dim, BLOCK_D=_block(dim),
             CHUNK=chunk, BLOCK=BLOCK_N, MASK_SLOTS=mask_slots, NFIELDS=FIELDS, num_warps=decode_warps())
     return out

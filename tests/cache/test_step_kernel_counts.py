@@ -101,6 +101,11 @@ def test_a_captured_decode_step_launches_a_few_kernels_per_layer(spec: str, pack
         per_layer, once = BUDGETS[spec, form]
         # packed: one GEMM for q, k and v and one for gate and up, where there were five
         _within_budget(steps, per_layer - PACKED_SAVES if packed else per_layer, once, 4 if packed else 7)
+        if spec == SHADOWKV:  # every layer attends its compressed sequences sparsely
+            assert all("triton:_attention_kernel" in kernels for layers in steps for kernels in layers)
+        if form == "compressed":  # no exact sequence: no exact page write, no paged attention
+            exact = {"index_copy_", "triton:_paged_decode_kernel"}
+            assert not any(exact & set(kernels) for layers in steps for kernels in layers)
 
 
 def _within_budget(steps: list[list[list[str]]], per_layer: int, once: int, gemms: int) -> None:

@@ -13,7 +13,7 @@ from kvforge.cache.base import CacheMethod, StepMetadata
 from kvforge.kernels import cuda_fused
 from kvforge.kernels.cpu_fused import rms_norm, silu_mul
 from kvforge.kernels.cpu_linear import linear, linear_float32, linear_from, widened_input
-from kvforge.models.packed_projections import PackedLinear, pack_linears
+from kvforge.models.packed_projections import PackedLinear, pack_linears, still_packed
 from kvforge.rope import PositionedRope
 
 
@@ -86,15 +86,14 @@ class GatedMLP(nn.Module):
 
     def pack(self) -> int:
         """gate and up as one GEMM from now on (models/packed_projections.py); 1 if it packed."""
-        if self.packed_gate_up is not None and self.packed_gate_up.aliased():
+        if still_packed(self.packed_gate_up) is not None:
             return 0
         self.packed_gate_up = pack_linears((self.gate_proj, self.up_proj))
         return int(self.packed_gate_up is not None)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> GatedMLP:
         out = super()._apply(fn, recurse)
-        if self.packed_gate_up is not None and not self.packed_gate_up.aliased():
-            self.packed_gate_up = None  # moved or cast: the projections have new storage; free the old
+        self.packed_gate_up = still_packed(self.packed_gate_up)  # a move or cast: dropped, the old storage freed
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,15 +167,14 @@ class CachedAttention(nn.Module):
     def pack(self) -> int:
         """q, k and v as one GEMM from now on (models/packed_projections.py); 1 if it packed.
         Not with QK-norm, whose RMSNorm over a slice's heads would need a copy of the slice."""
-        if self.q_norm is not None or (self.packed_qkv is not None and self.packed_qkv.aliased()):
+        if self.q_norm is not None or still_packed(self.packed_qkv) is not None:
             return 0
         self.packed_qkv = pack_linears((self.q_proj, self.k_proj, self.v_proj))
         return int(self.packed_qkv is not None)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CachedAttention:
         out = super()._apply(fn, recurse)
-        if self.packed_qkv is not None and not self.packed_qkv.aliased():
-            self.packed_qkv = None  # moved or cast: the projections have new storage; free the old
+        self.packed_qkv = still_packed(self.packed_qkv)  # a move or cast: dropped, the old storage freed
         return out
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -107,6 +107,12 @@ def pack_linears(parts: Sequence[nn.Linear]) -> PackedLinear | None:
                         tuple((part.weight, part.bias) for part in parts), tuple(addresses))
 
 
+def still_packed(pack: PackedLinear | None) -> PackedLinear | None:
+    """The pack while it still is its parts' storage; else None (dropping it frees the
+    storage a move or cast left behind)."""
+    return pack if pack is not None and pack.aliased() else None
+
+
 def packs_projections(device: torch.device) -> bool:
     """The engine's rule: on CUDA, unless KVFORGE_PACKED_PROJECTIONS=0; everywhere with =1."""
     setting = os.environ.get(PACKED_PROJECTIONS_ENV, "").strip()

@@ -11,6 +11,7 @@ import torch
 from conftest import decode_logits, make_pair, make_runner
 from torch import nn
 
+from kvforge.cache.registry import create_cache
 from kvforge.engine.runner import ModelRunner
 from kvforge.kernels.build import DISABLE_ENV
 from kvforge.models.dense import dense_logits
@@ -33,7 +34,12 @@ def eager_layers(monkeypatch) -> None:
 
 
 def logits(model, spec: str = "full:block_size=4") -> torch.Tensor:
-    return decode_logits(make_runner(model, spec), PROMPTS, steps=3)
+    """Prefill and 3 decode steps of PROMPTS, on the model's device."""
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        return decode_logits(make_runner(model, spec), PROMPTS, steps=3)
+    cache = create_cache(spec, model.cache_layout(), 1 << 22, torch.float32, device)
+    return decode_logits(ModelRunner(model, cache), PROMPTS, steps=3).cpu()
 
 
 def packs_used(monkeypatch) -> list[int]:
@@ -166,3 +172,19 @@ def test_a_device_without_room_for_the_pack_keeps_the_parts_apart(monkeypatch):
     monkeypatch.setattr(torch, "cat", no_room)
     assert pack_linears(parts) is None
     assert all(part.weight is weight and weight.is_contiguous() for part, weight in zip(parts, weights))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the engine packs there by default")
+@pytest.mark.parametrize("spec", ["full:block_size=4", "kivi:bits=2,group=4,residual=8"])
+def test_on_cuda_the_packed_model_gives_the_logits_of_its_parts_apart(spec, monkeypatch):
+    """On a GPU, where one GEMM replaces three (cuBLAS may pick other kernels for the wider
+    product), the Triton RoPE and SiLU-gate read the slices in place."""
+    monkeypatch.delenv(DISABLE_ENV)
+    monkeypatch.setenv(PACKED_PROJECTIONS_ENV, "0")
+    apart = logits(make_pair("llama_gqa")[1].cuda(), spec)
+    monkeypatch.delenv(PACKED_PROJECTIONS_ENV)
+    model = make_pair("llama_gqa")[1].cuda()
+    used = packs_used(monkeypatch)
+    packed = logits(model, spec)
+    assert len(used) == 4 * 2 * len(model.model.layers)  # every step of every layer, prefill and decode
+    torch.testing.assert_close(packed, apart, rtol=1e-4, atol=1e-4)

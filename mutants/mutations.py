@@ -53,6 +53,7 @@ STREAM_API = ("tests/serve/test_stream_api.py",)
 REQUEST_FIELDS = ("tests/serve/test_request_fields.py",)
 SOAK = "tests/tools/bench/test_bench_soak.py::"
 PACKED = "tests/models/test_packed_projections.py::"
+FULL_STORE = ("tests/cache/full/test_full_triton_store.py",)
 FULL_TRITON = ("tests/cache/full/test_full_triton_decode.py",)
 TRITON_FUSED = ("tests/kernels/test_triton_fused.py",)
 SHADOWKV_TRITON = ("tests/cache/shadowkv/test_shadowkv_triton_decode.py",)
@@ -2682,4 +2683,27 @@ MUTATIONS: list[Mutation] = [
              "    v_own = tl.load(own_v_ptr + seq * sv_b + kv_head * sv_h + dims,",
              "    v_own = tl.load(own_v_ptr + seq * so_b + kv_head * so_h + dims,",
              SHADOWKV_TRITON, "the slot attention reads the step's own value at its own strides (a packed slice)"),
+    Mutation("rope_store_keys_not_rotated", S + "cache/full/triton_store.py",
+             "    tl.store(k_pages_ptr + page, first.to(page_dtype), mask=ok)",
+             "    tl.store(k_pages_ptr + page, tl.load(k_ptr + row * k_row_stride + within, mask=ok).to(page_dtype), "
+             "mask=ok)", FULL_STORE, "the key pages hold the rotated keys"),
+    Mutation("rope_store_values_into_the_key_pages", S + "cache/full/triton_store.py",
+             "    tl.store(v_pages_ptr + h[:, None]", "    tl.store(k_pages_ptr + h[:, None]", FULL_STORE,
+             "the values go to the value pages"),
+    Mutation("rope_store_slot_ignored", S + "cache/full/triton_store.py",
+             "    slot = tl.load(slots_ptr + row)", "    slot = row", FULL_STORE,
+             "each row is stored at its own slot"),
+    Mutation("rope_store_key_rows_read_as_contiguous", S + "cache/full/triton_store.py",
+             "rope_halves(k_ptr, row * k_row_stride + within,", "rope_halves(k_ptr, row * heads * dim + within,",
+             FULL_STORE, "the fused store reads the keys at their row stride (a packed q/k/v slice)"),
+    Mutation("rope_store_value_rows_read_as_contiguous", S + "cache/full/triton_store.py",
+             "values = tl.load(v_ptr + row * v_row_stride", "values = tl.load(v_ptr + row * heads * dim",
+             FULL_STORE, "the fused store reads the values at their row stride (a packed q/k/v slice)"),
+    Mutation("rope_store_ignores_its_switch", S + "cache/full/triton_store.py",
+             "    return triton_fused_enabled()", "    return True", FULL_STORE,
+             "KVFORGE_DISABLE_TRITON_FUSED turns the fused store off with the other fused ops"),
+    Mutation("rope_store_with_a_subset_of_rows", S + "cache/full/method.py",
+             'if self.decode_kernel != "triton" or plan.write_rows is not None or',
+             'if self.decode_kernel != "triton" or', ("tests/cache/test_static_decode.py", FULL_STORE[0]),
+             "a step storing only some rows (a sliding group's) stores them through the PyTorch path"),
 ]

@@ -31,12 +31,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kvforge.cache.full import triton_decode as full  # noqa: E402
+from kvforge.cache.full import triton_store as full_store  # noqa: E402
 from kvforge.cache.kivi import triton_decode as kivi  # noqa: E402
 from kvforge.cache.shadowkv import triton_decode as shadowkv  # noqa: E402
 from kvforge.cache.shadowkv import triton_slots as slots  # noqa: E402
 from kvforge.kernels import triton_fused as fused  # noqa: E402
 
-MODULES = (full, kivi, shadowkv, slots, fused)
+MODULES = (full, full_store, kivi, shadowkv, slots, fused)
 TARGET = GPUTarget("cuda", 90, 32)
 IDS, I32, I64, BF16, F32, BOOL = "*i64", "i32", "i64", "*bf16", "*fp32", "*i1"
 I32_16, I64_16 = "i32:16", "i64:16"  # multiples of 16 at these shapes
@@ -56,6 +57,12 @@ KERNELS = {
              svp_h=I64_16,
              stab_b=I32, table_width=I32, scale="fp32", split_tokens=I32, **dict.fromkeys(FULL_STRIDES.split(), I32_16)),
         dict(QUERY_GROUP=4, BLOCK_Q=16, HEAD_DIM=128, BLOCK_D=128, PAGE_BLOCK=16, BLOCK_T=32, SPLIT=True)),
+    # the step's keys and values as slices of a packed q/k/v row (48 x 128 elements at 8B's shapes)
+    full_store._rope_store_kernel: (
+        dict(k_ptr=BF16, k_row_stride=I32_16, v_ptr=BF16, v_row_stride=I32_16, cos_ptr=BF16, sin_ptr=BF16,
+             k_out_ptr=BF16, k_pages_ptr=BF16, v_pages_ptr=BF16, slots_ptr=IDS, heads=I32, dim=I32_16,
+             half=I32_16, page_head_stride=I64_16),
+        dict(BLOCK_H=8, BLOCK_HALF=64, BLOCK_D=128)),
     full._reduce_kernel: (
         dict(part_acc_ptr=F32, part_max_ptr=F32, part_sum_ptr=F32, out_ptr=BF16, splits=I32),
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=32)),

@@ -21,7 +21,7 @@ from kvforge.kernels.build import FLOAT_IO_DTYPES
 from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_runtime import triton_installed
 
-__all__ = ["DISABLE_TRITON_FUSED_ENV", "rms_norm", "rope_rotate", "silu_mul"]
+__all__ = ["DISABLE_TRITON_FUSED_ENV", "rms_norm", "rope_rotate", "silu_mul", "triton_fused_enabled"]
 
 DISABLE_TRITON_FUSED_ENV = "KVFORGE_DISABLE_TRITON_FUSED"
 # The device the Triton ops serve; tests set "cpu" to run them in Triton's interpreter.
@@ -45,6 +45,12 @@ def _eligible(*tensors: torch.Tensor, rows_apart: int = 0) -> bool:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
+    return triton_fused_enabled()
+
+
+def triton_fused_enabled() -> bool:
+    """triton is installed and `KVFORGE_DISABLE_TRITON_FUSED` does not turn the fused ops off
+    (read on every call; also the switch of `full`'s fused RoPE-and-store, cache/full/triton_store.py)."""
     return os.environ.get(DISABLE_TRITON_FUSED_ENV, "").strip() in ("", "0") and triton_installed()
 
 

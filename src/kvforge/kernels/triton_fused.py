@@ -45,19 +45,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, eps, GEMMA: tl.constexpr, BLOCK
 
 
 @jit
-def _rope_kernel(x_ptr, x_row_stride, cos_ptr, sin_ptr, out_ptr, heads, dim, half,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    # One program per row: every head of it. First half: x1 cos1 - x2 sin1; second half:
-    # x2 cos2 + x1 sin2 (rotate_half(x) = cat(-x2, x1)); each product and the sum rounded.
-    # x's rows start x_row_stride apart (a slice of a packed q/k/v output); out is contiguous.
-    row = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_HALF)
-    ok = (h < heads)[:, None] & (d < half)[None, :]
-    within = h[:, None] * dim + d[None, :]
-    base = row * heads * dim + within
-    x_base = row * x_row_stride + within
-    dtype = out_ptr.dtype.element_ty
+def rope_halves(x_ptr, x_base, cos_ptr, sin_ptr, row, dim, half, d, ok, dtype: tl.constexpr):
+    """RoPE of one row's heads: x at x_ptr + x_base (first halves; [heads, half] offsets, `d`
+    the offsets within a half, `ok` the mask), the row's cos/sin [dim]. Returns the rotated
+    (first, second) halves in `dtype`: x1 cos1 - x2 sin1 and x2 cos2 + x1 sin2
+    (rotate_half(x) = cat(-x2, x1)), each product and the sum rounded to `dtype` as the
+    PyTorch expression rounds them. Shared by `_rope_kernel` and `full`'s RoPE-and-store."""
     x1 = tl.load(x_ptr + x_base, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + x_base + half, mask=ok, other=0.0).to(tl.float32)
     cos1 = tl.load(cos_ptr + row * dim + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
@@ -66,8 +59,24 @@ def _rope_kernel(x_ptr, x_row_stride, cos_ptr, sin_ptr, out_ptr, heads, dim, hal
     sin2 = tl.load(sin_ptr + row * dim + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
     first = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
     second = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
-    tl.store(out_ptr + base, first.to(dtype), mask=ok)
-    tl.store(out_ptr + base + half, second.to(dtype), mask=ok)
+    return first.to(dtype), second.to(dtype)
+
+
+@jit
+def _rope_kernel(x_ptr, x_row_stride, cos_ptr, sin_ptr, out_ptr, heads, dim, half,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # One program per row: every head of it (rope_halves). x's rows start x_row_stride apart
+    # (a slice of a packed q/k/v output); out is contiguous.
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    ok = (h < heads)[:, None] & (d < half)[None, :]
+    within = h[:, None] * dim + d[None, :]
+    base = row * heads * dim + within
+    x_base = row * x_row_stride + within
+    first, second = rope_halves(x_ptr, x_base, cos_ptr, sin_ptr, row, dim, half, d, ok, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + base, first, mask=ok)
+    tl.store(out_ptr + base + half, second, mask=ok)
 
 
 @jit

@@ -25,7 +25,7 @@ import torch
 from kvforge.errors import ConfigError
 from kvforge.kernels.triton_runtime import triton_installed
 
-__all__ = ["resolve_decode_kernel", "triton_module"]
+__all__ = ["resolve_decode_kernel", "triton_module", "triton_store_module"]
 
 INSTALL_TRITON = "pip install 'kvforge[triton]'"
 
@@ -34,6 +34,13 @@ def triton_module() -> ModuleType:
     from kvforge.cache.full import triton_decode
 
     return triton_decode
+
+
+def triton_store_module() -> ModuleType:
+    """The fused RoPE-and-store (triton_store.py), imported with the decode kernel's rule."""
+    from kvforge.cache.full import triton_store
+
+    return triton_store
 
 
 def resolve_decode_kernel(requested: str, device: torch.device, fp8_pages: bool) -> str:

@@ -28,11 +28,18 @@ from kvforge.cache.base import CacheMethod
 from kvforge.cache.block_pool import BlockPool
 from kvforge.cache.full.config import STORAGE_DTYPES, FullCacheConfig
 from kvforge.cache.full.cpu_decode import cpu_kernels_available, paged_decode_attention_cpu
-from kvforge.cache.full.decode_kernels import resolve_decode_kernel, triton_module
+from kvforge.cache.full.decode_kernels import resolve_decode_kernel, triton_module, triton_store_module
 from kvforge.cache.full.fp8 import SCALE_BYTES, SCALE_DTYPE, dequantize, is_fp8, quantize_per_token
 from kvforge.cache.full.fused_target import FullFusedTarget
 from kvforge.cache.full.memory import PagedMemorySpec
-from kvforge.cache.full.plan import DecodePlan, FullStepMetadata, RowQueries, locate_rows, plan_step
+from kvforge.cache.full.plan import (
+    DecodePlan,
+    FullStepMetadata,
+    GroupPlan,
+    RowQueries,
+    locate_rows,
+    plan_step,
+)
 from kvforge.cache.full.static_decode import FullStaticDecode
 from kvforge.cache.layout import CacheLayout
 from kvforge.cache.page_table import LayerGroups, PageTable
@@ -135,15 +142,32 @@ class FullCache(CacheMethod[FullStepMetadata]):
 
     def write(self, cache_layer: int, meta: FullStepMetadata, k_pre: torch.Tensor, v: torch.Tensor,
               rope: PositionedRope) -> None:
-        k = rope.apply(k_pre)
-        meta.step_kv[cache_layer] = (k, v)
         group, index = self.groups.slot_of[cache_layer]
         plan = meta.groups[group]
+        if self._rope_and_store(cache_layer, meta, index, plan, k_pre, v, rope):
+            return
+        k = rope.apply(k_pre)
+        meta.step_kv[cache_layer] = (k, v)
         if plan.write_rows is not None:
             k, v = k[plan.write_rows], v[plan.write_rows]
         for store, scales, values in ((self.k_store, self.k_scales, k), (self.v_store, self.v_scales, v)):
             self._store_rows(store[index], None if scales is None else scales[index], plan.write_slots,
                              values.transpose(0, 1))
+
+    def _rope_and_store(self, cache_layer: int, meta: FullStepMetadata, index: int, plan: GroupPlan,
+                        k_pre: torch.Tensor, v: torch.Tensor, rope: PositionedRope) -> bool:
+        """With the Triton decode kernel (CUDA): RoPE and both page stores of a step that
+        stores every row, in one launch (cache/full/triton_store.py); False when it does not
+        apply (the PyTorch path then runs)."""
+        if self.decode_kernel != "triton" or plan.write_rows is not None or self.k_scales is not None:
+            return False
+        store = triton_store_module()
+        k_pages, v_pages = self.k_store[index], self.v_store[index]
+        if not store.rope_store_applies(k_pre, v, rope.cos, rope.sin, k_pages, v_pages):
+            return False
+        k = store.rope_and_store(k_pre, v, rope.cos, rope.sin, k_pages, v_pages, plan.write_slots)
+        meta.step_kv[cache_layer] = (k, v)
+        return True
 
     def _store_rows(self, pages: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
                     rows: torch.Tensor) -> None:

@@ -131,12 +131,18 @@ def rope_rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     rows, heads, dim = x.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows and heads:
-        half = dim // 2
-        block_h, block_half = triton.next_power_of_2(heads), triton.next_power_of_2(half)
+        half, block_h, block_half, warps = rope_launch(heads, dim)
         with torch.cuda.device_of(x):
             _rope_kernel[(rows,)](x, x.stride(0), cos, sin, out, heads, dim, half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-                                  num_warps=_warps(block_h * block_half))
+                                  num_warps=warps)
     return out
+
+
+def rope_launch(heads: int, dim: int) -> tuple[int, int, int, int]:
+    """(half, BLOCK_H, BLOCK_HALF, warps) of a one-program-per-row RoPE launch (rope_halves)."""
+    half = dim // 2
+    block_h, block_half = triton.next_power_of_2(heads), triton.next_power_of_2(half)
+    return half, block_h, block_half, _warps(block_h * block_half)
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from kvforge.kernels.build import FLOAT_IO_DTYPES
 from kvforge.kernels.cuda_fused import triton_fused_enabled
 from kvforge.kernels.row_layout import rows_contiguous
-from kvforge.kernels.triton_fused import rope_halves
+from kvforge.kernels.triton_fused import rope_halves, rope_launch
 from kvforge.kernels.triton_jit import jit, tl, triton
 
 __all__ = ["rope_and_store", "rope_store_applies"]
@@ -83,11 +83,9 @@ def rope_and_store(k_pre: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin:
     rows, heads, dim = k_pre.shape
     k_out = torch.empty(k_pre.shape, dtype=k_pre.dtype, device=k_pre.device)
     if rows and heads:
-        half = dim // 2
-        block_h, block_half = triton.next_power_of_2(heads), triton.next_power_of_2(half)
+        half, block_h, block_half, warps = rope_launch(heads, dim)
         with torch.cuda.device_of(k_pre):
             _rope_store_kernel[(rows,)](k_pre, k_pre.stride(0), v, v.stride(0), cos, sin, k_out, k_pages, v_pages,
                                         slots, heads, dim, half, k_pages.stride(0), BLOCK_H=block_h,
-                                        BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(dim),
-                                        num_warps=4 if block_h * block_half <= 2048 else 8)
+                                        BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(dim), num_warps=warps)
     return k_out

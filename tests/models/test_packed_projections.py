@@ -13,6 +13,7 @@ from torch import nn
 
 from kvforge.cache.registry import create_cache
 from kvforge.engine.runner import ModelRunner
+from kvforge.errors import ConfigError
 from kvforge.kernels.build import DISABLE_ENV
 from kvforge.models.dense import dense_logits
 from kvforge.models.layers import CachedAttention, GatedMLP, pack_projections
@@ -151,6 +152,12 @@ def test_parts_that_cannot_share_a_gemm_are_not_packed():
 def test_the_engine_packs_on_cuda_unless_told(setting, device, packs, monkeypatch):
     monkeypatch.setenv(PACKED_PROJECTIONS_ENV, setting)
     assert packs_projections(torch.device(device)) is packs
+
+
+def test_a_mistyped_setting_is_refused_naming_the_variable_and_its_values(monkeypatch):
+    monkeypatch.setenv(PACKED_PROJECTIONS_ENV, "yes")
+    with pytest.raises(ConfigError, match=r"KVFORGE_PACKED_PROJECTIONS.*'yes'.*must be 0 .* 1 .* or unset"):
+        packs_projections(torch.device("cuda"))
 
 
 @pytest.mark.parametrize("setting", ["1", "0"])

@@ -9,16 +9,17 @@ projection's weight) are unchanged, and an in-place update of a part (`load_stat
 optimizer step) is an update of the packed tensor.
 
 INVARIANT: the packed tensor is used only while it *is* the parts' storage and no gradient
-is wanted. `PackedLinear.usable` checks, on every call, that each part's weight and bias
-still start at their slice's address with their slice's shape and dtype (a `.to()`, a cast
-or a reassigned weight gives a part new storage: the layer then runs the separate GEMMs,
-never a stale copy), and that autograd does not need the parts' own parameters (training
-goes through the separate GEMMs, whose gradients reach the parameters by name).
+is wanted. `PackedLinear.usable` checks, on every call, that each part still holds the
+Parameters it was packed with and that their data still start at their slices (a `.to()`,
+a cast, `.data =` or a reassigned weight breaks this: the layer then runs the separate
+GEMMs, never a stale copy), and that autograd does not need the parts' own parameters
+(training goes through the separate GEMMs, whose gradients reach the parameters by name).
 
 Where: `packs_projections(device)` is the engine's rule (CUDA; `KVFORGE_PACKED_PROJECTIONS`
 = 0 or 1 turns it off or on for every device), which `ModelRunner` applies before any step
-or capture through `models.layers.pack_projections` (the layers know what they can pack). On the CPU the compiled decode layer reads the projections one by one, and
-bf16 prompts use per-weight float32 copies, so packing there would gain nothing.
+or capture through `models.layers.pack_projections` (the layers know what they can pack).
+On the CPU the compiled decode layer reads the projections one by one, and bf16 prompts
+use per-weight float32 copies, so packing there would gain nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from kvforge.errors import ConfigError
 
 PACKED_PROJECTIONS_ENV = "KVFORGE_PACKED_PROJECTIONS"
 
@@ -116,6 +119,9 @@ def still_packed(pack: PackedLinear | None) -> PackedLinear | None:
 def packs_projections(device: torch.device) -> bool:
     """The engine's rule: on CUDA, unless KVFORGE_PACKED_PROJECTIONS=0; everywhere with =1."""
     setting = os.environ.get(PACKED_PROJECTIONS_ENV, "").strip()
-    if setting in ("0", "1"):
+    if setting not in ("", "0", "1"):
+        raise ConfigError(PACKED_PROJECTIONS_ENV, setting, "must be 0 (never pack), 1 (pack on every device) "
+                          "or unset (pack on CUDA)")
+    if setting:
         return setting == "1"
     return device.type == "cuda"

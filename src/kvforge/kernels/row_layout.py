@@ -1,7 +1,8 @@
 """Which tensors the fused elementwise ops take: contiguous ones, and for RoPE and SiLU-gate
 also tensors whose rows sit apart in memory while each row is contiguous, as the slices of
 a packed projection's output are (q, k and v of one q/k/v GEMM; gate and up of one gate/up
-GEMM: models/packed_projections.py). Reading those slices in place saves a copy per slice."""
+GEMM: models/packed_projections.py). Reading those slices in place saves a copy per slice.
+`last_dim_contiguous` is the Triton decode kernels' one requirement of a step's q/k/v."""
 
 from __future__ import annotations
 
@@ -21,3 +22,9 @@ def rows_contiguous(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride in its last dimension (what the Triton decode kernels address per
+    element), copied only when it has not: a packed projection's slice is taken as it is."""
+    return t if t.stride(-1) == 1 else t.contiguous()

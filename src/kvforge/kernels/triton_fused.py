@@ -9,9 +9,9 @@ scales by (1 + w) in float32 (Gemma); RoPE rounds both products and their sum; S
 rounds silu(gate) and the product. Results are not bitwise on a GPU (rsqrt/exp
 approximations, contracted multiply-adds): tests hold them to the references' tolerance.
 
-The launchers take contiguous tensors of one float dtype (RoPE's x and SiLU-gate's 2-D
-inputs need only contiguous rows: the slices of a packed projection's output) (`cuda_fused.py` checks this and
-picks these kernels on CUDA); on CPU tensors they run only in Triton's interpreter
+The launchers take contiguous tensors of one float dtype, except that RoPE's x and
+SiLU-gate's 2-D inputs need only contiguous rows (the slices of a packed projection's
+output); `cuda_fused.py` checks this and picks these kernels on CUDA. On CPU tensors they run only in Triton's interpreter
 (TRITON_INTERPRET=1 when kernels/triton_jit.py was imported), which is how the tests run
 them. Importing this module imports triton.
 """

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.errors import require
+from kvforge.kernels.row_layout import last_dim_contiguous
 from kvforge.kernels.triton_jit import INTERPRETED, decode_warps, jit, tl, triton
 
 __all__ = ["choose_splits", "paged_decode_attention_triton"]
@@ -166,7 +167,7 @@ def paged_decode_attention_triton(
             f"as v_pages {tuple(v_pages.shape)}")
     require(page_table.dim() == 2 and page_table.shape[0] == batch, "page_table", tuple(page_table.shape),
             f"must be [batch={batch}, pages]")
-    q, k_self, v_self, k_pages, v_pages = (_unit_last(t) for t in (q, k_self, v_self, k_pages, v_pages))
+    q, k_self, v_self, k_pages, v_pages = (last_dim_contiguous(t) for t in (q, k_self, v_self, k_pages, v_pages))
     page_table, first_page_position, visible_from, visible_to = (
         _as_int64(t) for t in (page_table, first_page_position, visible_from, visible_to))
     out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
@@ -228,10 +229,6 @@ def _multiprocessors(device: torch.device) -> int:
     if index not in _SM_COUNTS:
         _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNTS[index]
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _as_int64(t: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ import torch
 
 from kvforge.cache.kivi.quant import SUPPORTED_BITS, codes_per_byte
 from kvforge.errors import require
+from kvforge.kernels.row_layout import last_dim_contiguous
 from kvforge.kernels.triton_jit import INTERPRETED as _INTERPRETED
 from kvforge.kernels.triton_jit import decode_warps, tl, triton, triton_available
 from kvforge.kernels.triton_jit import jit as _jit
@@ -266,7 +267,7 @@ def kivi_decode_attention_triton(
     require(not loose, "quantised store", loose, "must hold each page contiguously (heads and pages may have any "
             "strides, as in a view of one layer of the store)")
     query_group = heads // kv_heads
-    q, k_self, v_self, k_residual, v_residual = (_unit_last(t) for t in (q, k_self, v_self, k_residual, v_residual))
+    q, k_self, v_self, k_residual, v_residual = (last_dim_contiguous(t) for t in (q, k_self, v_self, k_residual, v_residual))
     page_table = _as(page_table, torch.int64)
     slots, first_page_position, nk, nv, visible_from, n = (
         _as(t, torch.int64) for t in (slots, first_page_position, nk, nv, visible_from, n))
@@ -350,10 +351,6 @@ def _pages_contiguous(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -49,6 +49,7 @@ from kvforge.cache.shadowkv.slots import SlotMatch, match_slots, miss_pairs
 from kvforge.cache.shadowkv.state import CompressedSequence, LayerState, padded_page_tables
 from kvforge.cache.shadowkv.stats import ShadowKVStats
 from kvforge.cache.shadowkv.store import ChunkStore
+from kvforge.kernels.row_layout import last_dim_contiguous
 from kvforge.kernels.triton_runtime import triton_installed
 from kvforge.rope import PositionedRope
 from kvforge.step_plan import upload
@@ -298,7 +299,7 @@ class SparseAttention:
                     kernels.write_values(info, inputs.keys_like, fetched.contiguous(), match.order, kv_heads, slots)
         with self.stats.timed("attention"):
             # the step's own K/V are read at their strides (v may be a packed projection's slice)
-            out = kernels.slot_attention(query, _heads_contiguous(own_keys), _heads_contiguous(own_values), info,
+            out = kernels.slot_attention(query, last_dim_contiguous(own_keys), last_dim_contiguous(own_values), info,
                                          inputs.keys_like, new_ids, self.chunk, scale,
                                          mask_slots=not group.slots_full)
         return out[:, None]
@@ -384,8 +385,3 @@ class SparseAttention:
             torch.bmm(coefficients.view(heads, slots * chunk, -1).to(keys.dtype), basis.to(keys.dtype), out=keys[b])
         keys = self.rope.apply(keys.view(-1, chunk, dim), chunks.view(-1), rope, group.table.shape[1])
         return keys.view(batch, heads, slots, chunk, dim)
-
-
-def _heads_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """t with each head's values contiguous (the slot attention's layout), copied only if not."""
-    return t if t.stride(-1) == 1 else t.contiguous()

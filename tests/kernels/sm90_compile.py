@@ -103,8 +103,10 @@ KERNELS = {
         dict(info_ptr=IDS, top_scores_ptr=F32, top_ids_ptr=IDS, k_ptr=IDS, new_ids_ptr=IDS, filled_ptr=BOOL,
              counts_ptr=IDS, picks=I32, slots=I32),
         dict(REUSE=True, BLOCK_K=16, BLOCK_S=256, NFIELDS=SHADOWKV_FIELDS)),
-    fused._rms_norm_kernel: (dict(x_ptr=BF16, w_ptr=BF16, out_ptr=BF16, dim=I32_16, eps="fp32"),
-                             dict(GEMMA=False, BLOCK_D=4096)),
+    # with the residual add (a layer's add after attention, and the norm before the MLP)
+    fused._rms_norm_kernel: (dict(x_ptr=BF16, delta_ptr=BF16, sum_ptr=BF16, w_ptr=BF16, out_ptr=BF16, dim=I32_16,
+                                  eps="fp32"),
+                             dict(GEMMA=False, ADD=True, BLOCK_D=4096)),
     # rows apart (a packed q/k/v output: (32 + 2 x 8) x 128 elements a row at 8B's shapes)
     fused._rope_kernel: (dict(x_ptr=BF16, x_row_stride=I32_16, cos_ptr=BF16, sin_ptr=BF16, out_ptr=BF16, heads=I32,
                               dim=I32_16, half=I32_16),
@@ -116,7 +118,8 @@ KERNELS = {
 # Other settings of kernels whose code paths depend on their constants, compiled beside the
 # ones above: KIVI with parts of 4 tokens over several pages, each channel gathering its value
 # scale, head_dim 96 padded to 128, and the output written unsplit in bf16; 4-bit codes in
-# pages of 128 tokens (four tiles per page); and 4-bit keys beside 2-bit values.
+# pages of 128 tokens (four tiles per page); and 4-bit keys beside 2-bit values. RMSNorm
+# without the residual add, as Gemma's.
 _KIVI_TYPES, _KIVI_CONSTANTS = KERNELS[kivi._kivi_decode_kernel]
 VARIANTS = {
     "kivi group 12, head_dim 96, unsplit": (kivi._kivi_decode_kernel, {**_KIVI_TYPES, "out_ptr": BF16}, {
@@ -124,6 +127,8 @@ VARIANTS = {
     "kivi 4-bit, group 128": (kivi._kivi_decode_kernel, _KIVI_TYPES, {
         **_KIVI_CONSTANTS, "BITS": 4, "VALUE_BITS": 4, "GROUP": 128, "SUB": 32, "PARTS": 1, "GROUPS_BLOCK": 1}),
     "kivi 4-bit keys, 2-bit values": (kivi._kivi_decode_kernel, _KIVI_TYPES, {**_KIVI_CONSTANTS, "BITS": 4}),
+    "rms_norm alone, gemma": (fused._rms_norm_kernel, KERNELS[fused._rms_norm_kernel][0],
+                              dict(GEMMA=True, ADD=False, BLOCK_D=4096)),
 }
 
 

@@ -1,13 +1,14 @@
-"""The fused ops of a decoder layer on CUDA: RMSNorm, rotary embedding and SiLU-gate as one
-Triton launch each (triton_fused.py), where the PyTorch expression is several.
+"""The fused ops of a decoder layer on CUDA: RMSNorm (alone, or with the residual add before
+it), rotary embedding and SiLU-gate as one Triton launch each (triton_fused.py), where the
+PyTorch expression is several.
 
-`rms_norm`, `rope_rotate` and `silu_mul` mirror `cpu_fused`'s: they return None when the call
-is not eligible (tensors not on CUDA, of mixed or non-float dtypes, not contiguous (RoPE's x
-and SiLU-gate's 2-D inputs: rows not contiguous), needing
-autograd; triton not installed; `KVFORGE_DISABLE_TRITON_FUSED=1`), and the caller then runs
-its PyTorch expression, which stays the reference (tests/kernels/test_triton_fused.py holds
-them together). triton_fused.py, and with it triton, is imported at the first eligible call
-only, so CPU runs never import triton.
+`rms_norm`, `rope_rotate` and `silu_mul` mirror `cpu_fused`'s (`add_rms_norm` has no CPU
+op): they return None when the call is not eligible (tensors not on CUDA, of mixed or
+non-float dtypes, not contiguous (RoPE's x and SiLU-gate's 2-D inputs: rows not
+contiguous), needing autograd; triton not installed; `KVFORGE_DISABLE_TRITON_FUSED=1`), and
+the caller then runs its PyTorch expression, which stays the reference
+(tests/kernels/test_triton_fused.py holds them together). triton_fused.py, and with it
+triton, is imported at the first eligible call only, so CPU runs never import triton.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvforge.kernels.build import FLOAT_IO_DTYPES
 from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_runtime import triton_installed
 
-__all__ = ["DISABLE_TRITON_FUSED_ENV", "rms_norm", "rope_rotate", "silu_mul", "triton_fused_enabled"]
+__all__ = ["DISABLE_TRITON_FUSED_ENV", "add_rms_norm", "rms_norm", "rope_rotate", "silu_mul", "triton_fused_enabled"]
 
 DISABLE_TRITON_FUSED_ENV = "KVFORGE_DISABLE_TRITON_FUSED"
 # The device the Triton ops serve; tests set "cpu" to run them in Triton's interpreter.
@@ -59,6 +60,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> 
     if x.device.type != DEVICE_TYPE or weight.dim() != 1 or x.dim() < 1 or weight.shape[0] != x.shape[-1]:
         return None
     return _kernels().rms_norm_triton(x, weight, eps, gemma) if _eligible(x, weight) else None
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 gemma: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + delta, RMSNorm of it) in one launch (a layer's residual add and the norm after it),
+    or None."""
+    if (x.device.type != DEVICE_TYPE or weight.dim() != 1 or x.dim() < 1 or delta.shape != x.shape
+            or weight.shape[0] != x.shape[-1]):
+        return None
+    return _kernels().add_rms_norm_triton(x, delta, weight, eps, gemma) if _eligible(x, delta, weight) else None
 
 
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:

@@ -1,19 +1,21 @@
 """RMSNorm, rotary embedding and the gated MLP's SiLU-gate as Triton kernels: each one
 launch where the PyTorch expression is several (RMSNorm: pow, mean, add, rsqrt, two muls and
-two casts; RoPE: two slices, a negation, a cat, two muls, an add). A decode step runs these
-on a few rows, so on a GPU each is launch overhead rather than work.
+two casts, and a layer's residual add before it when asked; RoPE: two slices, a negation, a
+cat, two muls, an add). A decode step runs these on a few rows, so on a GPU each is launch
+overhead rather than work.
 
 Each computes its PyTorch reference (models/layers.py, rope.py) with the same roundings to
 the input dtype: RMSNorm normalises in float32 and rounds before the weight (Llama) or
-scales by (1 + w) in float32 (Gemma); RoPE rounds both products and their sum; SiLU-gate
-rounds silu(gate) and the product. Results are not bitwise on a GPU (rsqrt/exp
-approximations, contracted multiply-adds): tests hold them to the references' tolerance.
+scales by (1 + w) in float32 (Gemma), after rounding the residual sum as `x + delta` does;
+RoPE rounds both products and their sum; SiLU-gate rounds silu(gate) and the product.
+Results are not bitwise on a GPU (rsqrt/exp approximations, contracted multiply-adds):
+tests hold them to the references' tolerance.
 
 The launchers take contiguous tensors of one float dtype, except that RoPE's x and
 SiLU-gate's 2-D inputs need only contiguous rows (the slices of a packed projection's
-output); `cuda_fused.py` checks this and picks these kernels on CUDA. On CPU tensors they run only in Triton's interpreter
-(TRITON_INTERPRET=1 when kernels/triton_jit.py was imported), which is how the tests run
-them. Importing this module imports triton.
+output); `cuda_fused.py` checks this and picks these kernels on CUDA. On CPU tensors they
+run only in Triton's interpreter (TRITON_INTERPRET=1 when kernels/triton_jit.py was
+imported), which is how the tests run them. Importing this module imports triton.
 """
 
 from __future__ import annotations
@@ -23,20 +25,26 @@ import torch
 from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_jit import INTERPRETED, jit, tl, triton
 
-__all__ = ["rms_norm_triton", "rope_rotate_triton", "silu_mul_triton"]
+__all__ = ["add_rms_norm_triton", "rms_norm_triton", "rope_rotate_triton", "silu_mul_triton"]
 
 SILU_BLOCK = 1024  # elements per program of silu_mul
 
 
 @jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, dim, eps, GEMMA: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, delta_ptr, sum_ptr, w_ptr, out_ptr, dim, eps, GEMMA: tl.constexpr, ADD: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     ok = cols < dim
     x = tl.load(x_ptr + row * dim + cols, mask=ok, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if ADD:  # the residual add first: x + delta rounded to the dtype (the reference's sum), stored, then normed
+        delta = tl.load(delta_ptr + row * dim + cols, mask=ok, other=0.0).to(tl.float32)
+        x = (x + delta).to(dtype)
+        tl.store(sum_ptr + row * dim + cols, x, mask=ok)
+        x = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     normed = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps))
-    dtype = out_ptr.dtype.element_ty
     if GEMMA:
         out = normed * (1.0 + w)
     else:
@@ -114,15 +122,34 @@ def _warps(elements: int) -> int:
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
     """RMSNorm of the last dim of x (Llama's w * norm(x), or Gemma's (1 + w) * norm(x))."""
     _check(x, weight)
-    dim = x.shape[-1]
     out = torch.empty_like(x)
+    _launch_rms_norm(x, None, None, weight, out, eps, gemma)
+    return out
+
+
+def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                        gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm of it) in one launch: a decoder layer's residual add and the norm
+    that reads its result. The sum is rounded to x's dtype before the norm, as `x + delta` is,
+    and the norm is `rms_norm_triton`'s own code, so both equal the two ops run apart."""
+    _check(x, delta, weight)
+    if delta.shape != x.shape:
+        raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} is not shaped as x {tuple(x.shape)}")
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    _launch_rms_norm(x, delta, total, weight, out, eps, gemma)
+    return total, out
+
+
+def _launch_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, total: torch.Tensor | None, weight: torch.Tensor,
+                     out: torch.Tensor, eps: float, gemma: bool) -> None:
+    dim = x.shape[-1]
     rows = x.numel() // dim if dim else 0
     if rows:
         block = triton.next_power_of_2(dim)
+        add = delta is not None
         with torch.cuda.device_of(x):
-            _rms_norm_kernel[(rows,)](x, weight, out, dim, float(eps), GEMMA=bool(gemma), BLOCK_D=block,
-                                      num_warps=_warps(block))
-    return out
+            _rms_norm_kernel[(rows,)](x, delta if add else x, total if add else out, weight, out, dim, float(eps),
+                                      GEMMA=bool(gemma), ADD=add, BLOCK_D=block, num_warps=_warps(block))
 
 
 def rope_rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -45,8 +45,8 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, cache: CacheMethod, meta: StepMetadata, rope: PositionedRope,
                 *later: Any) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(hidden), cache, meta, rope, *later)
-        hidden = hidden + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        hidden, normed = self.pre_feedforward_layernorm.add_and_norm(hidden, self.post_attention_layernorm(attn))
+        mlp = self.mlp(normed)
         return hidden + self.post_feedforward_layernorm(mlp)
 
 

@@ -17,12 +17,33 @@ from kvforge.models.packed_projections import PackedLinear, pack_linears, still_
 from kvforge.rope import PositionedRope
 
 
-class RMSNorm(nn.Module):
+class ResidualAddNorm:
+    """`add_and_norm` for the RMSNorms below: a decoder layer's residual add and the norm that
+    reads the sum (vLLM fuses the same pair)."""
+
+    gemma: bool
+    weight: nn.Parameter
+    eps: float
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this norm of it): one Triton launch on CUDA (kernels/cuda_fused.py), and
+        elsewhere the add, then `forward`; the two give the same sum and, within the fused
+        norm's tolerance, the same norm."""
+        fused = cuda_fused.add_rms_norm(x, delta, self.weight, self.eps, gemma=self.gemma)
+        if fused is not None:
+            return fused
+        total = x + delta
+        return total, self(total)  # type: ignore[operator]
+
+
+class RMSNorm(ResidualAddNorm, nn.Module):
     """Llama-style RMSNorm: normalise in float32, scale by w in the input dtype.
 
     On CPU (no autograd) one fused op computes it (kernels/cpu_fused.py), on CUDA one Triton
     launch (kernels/cuda_fused.py); the PyTorch expression below is the reference and the
     path everywhere else."""
+
+    gemma = False
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -31,9 +52,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = rms_norm(x, self.weight, self.eps, gemma=False)
+        fused = rms_norm(x, self.weight, self.eps, gemma=self.gemma)
         if fused is None:
-            fused = cuda_fused.rms_norm(x, self.weight, self.eps, gemma=False)
+            fused = cuda_fused.rms_norm(x, self.weight, self.eps, gemma=self.gemma)
         if fused is not None:
             return fused
         x32 = x.float()
@@ -41,9 +62,11 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(ResidualAddNorm, nn.Module):
     """Gemma RMSNorm: scale by (1 + w), all in float32, then back to the input dtype (fused
     on CPU and CUDA as RMSNorm is)."""
+
+    gemma = True
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -52,9 +75,9 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = rms_norm(x, self.weight, self.eps, gemma=True)
+        fused = rms_norm(x, self.weight, self.eps, gemma=self.gemma)
         if fused is None:
-            fused = cuda_fused.rms_norm(x, self.weight, self.eps, gemma=True)
+            fused = cuda_fused.rms_norm(x, self.weight, self.eps, gemma=self.gemma)
         if fused is not None:
             return fused
         x32 = x.float()

@@ -37,8 +37,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cache: CacheMethod, meta: StepMetadata, rope: PositionedRope,
                 *later: Any) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cache, meta, rope, *later)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(self.input_layernorm(hidden), cache, meta, rope, *later)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, attn)  # one launch on CUDA
+        return hidden + self.mlp(normed)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -43,7 +43,7 @@ BUDGETS = {("full:block_size=4,decode_kernel=triton", "any"): (14, 0),
 PACKED_SAVES = 3  # packed projections (the default on CUDA): q, k, v in one GEMM and gate, up in one
 
 
-def _layer_kernels(spec: str, packed: bool, monkeypatch) -> dict[str, list[list[list[str]]]]:
+def _layer_kernels(spec: str, packed: bool, monkeypatch, name: str = "llama_gqa") -> dict[str, list[list[list[str]]]]:
     """For each form of the step, for each captured bucket of it that holds decoder layers:
     each layer's kernels, in order."""
     interpreted_or_skip()
@@ -51,7 +51,7 @@ def _layer_kernels(spec: str, packed: bool, monkeypatch) -> dict[str, list[list[
     monkeypatch.setattr(cuda_fused, "DEVICE_TYPE", "cpu")
     if not (small_m_linear_available() and fused_ops_available()):
         pytest.skip("kvforge's CPU kernels did not build: the layer's operations are not one each")
-    model = make_pair("llama_gqa")[1]
+    model = make_pair(name)[1]
     if packed:  # as a runner on CUDA packs it (models/packed_projections.py)
         assert pack_projections(model) == 2 * len(model.model.layers)
     spans: list[tuple[object, int, list[int]]] = []
@@ -123,3 +123,16 @@ def _within_budget(steps: list[list[list[str]]], per_layer: int, once: int, gemm
     # the counting sees the layer's work: its projections and its attention at least
     assert all(sum(name == "small_m_linear" for name in kernels) == gemms for layers in steps for kernels in layers)
     assert any(name.startswith("triton:") for kernels in steps[-1] for name in kernels)
+
+
+def test_gemma3s_residual_adds_and_gate_launch_fused(monkeypatch) -> None:
+    """Gemma3's sandwich norms: the post-attention norm, the add and the pre-feedforward norm
+    in one launch, the post-feedforward norm and the add in another, no add apart; its
+    GELU-tanh gate in one launch."""
+    by_form = _layer_kernels("full:block_size=4,decode_kernel=triton", False, monkeypatch, "gemma3_hybrid")
+    layers = [kernels for steps in by_form.values() for step in steps for kernels in step]
+    assert layers and all(kernels.count("triton:_rms_norm_kernel") == 2 and kernels.count("triton:_gate_mul_kernel") == 1
+                          and not {"add", "gelu", "mul"} & set(kernels) for kernels in layers), layers[0]
+    # norm, q, k, v, q-norm, k-norm, RoPE and store, RoPE of q, attention, o, the sandwich, gate, up, the gate's
+    # product, down, the add of a norm (from 20 before the fused adds and gate)
+    assert max(len(kernels) for kernels in layers) <= 16

@@ -104,22 +104,23 @@ KERNELS = {
              counts_ptr=IDS, picks=I32, slots=I32),
         dict(REUSE=True, BLOCK_K=16, BLOCK_S=256, NFIELDS=SHADOWKV_FIELDS)),
     # with the residual add (a layer's add after attention, and the norm before the MLP)
-    fused._rms_norm_kernel: (dict(x_ptr=BF16, delta_ptr=BF16, sum_ptr=BF16, w_ptr=BF16, out_ptr=BF16, dim=I32_16,
-                                  eps="fp32"),
-                             dict(GEMMA=False, ADD=True, BLOCK_D=4096)),
+    fused._rms_norm_kernel: (dict(x_ptr=BF16, delta_ptr=BF16, delta_w_ptr=BF16, sum_ptr=BF16, w_ptr=BF16,
+                                  out_ptr=BF16, dim=I32_16, eps="fp32", delta_eps="fp32"),
+                             dict(GEMMA=False, ADD=True, NORM_DELTA=False, NORM_OUT=True, BLOCK_D=4096)),
     # rows apart (a packed q/k/v output: (32 + 2 x 8) x 128 elements a row at 8B's shapes)
     fused._rope_kernel: (dict(x_ptr=BF16, x_row_stride=I32_16, cos_ptr=BF16, sin_ptr=BF16, out_ptr=BF16, heads=I32,
                               dim=I32_16, half=I32_16),
                          dict(BLOCK_H=32, BLOCK_HALF=64)),
-    fused._silu_mul_kernel: (dict(gate_ptr=BF16, gate_row_stride=I32_16, up_ptr=BF16, up_row_stride=I32_16,
-                                  out_ptr=BF16, cols=I32_16), dict(BLOCK=1024)),
+    fused._gate_mul_kernel: (dict(gate_ptr=BF16, gate_row_stride=I32_16, up_ptr=BF16, up_row_stride=I32_16,
+                                  out_ptr=BF16, cols=I32_16), dict(GELU_TANH=False, BLOCK=1024)),
 }
 
 # Other settings of kernels whose code paths depend on their constants, compiled beside the
 # ones above: KIVI with parts of 4 tokens over several pages, each channel gathering its value
 # scale, head_dim 96 padded to 128, and the output written unsplit in bf16; 4-bit codes in
-# pages of 128 tokens (four tiles per page); and 4-bit keys beside 2-bit values. RMSNorm
-# without the residual add, as Gemma's.
+# pages of 128 tokens (four tiles per page); and 4-bit keys beside 2-bit values. Gemma's
+# RMSNorm alone, in its sandwich around the residual add, and added after its norm; its
+# GELU-tanh gate.
 _KIVI_TYPES, _KIVI_CONSTANTS = KERNELS[kivi._kivi_decode_kernel]
 VARIANTS = {
     "kivi group 12, head_dim 96, unsplit": (kivi._kivi_decode_kernel, {**_KIVI_TYPES, "out_ptr": BF16}, {
@@ -128,7 +129,13 @@ VARIANTS = {
         **_KIVI_CONSTANTS, "BITS": 4, "VALUE_BITS": 4, "GROUP": 128, "SUB": 32, "PARTS": 1, "GROUPS_BLOCK": 1}),
     "kivi 4-bit keys, 2-bit values": (kivi._kivi_decode_kernel, _KIVI_TYPES, {**_KIVI_CONSTANTS, "BITS": 4}),
     "rms_norm alone, gemma": (fused._rms_norm_kernel, KERNELS[fused._rms_norm_kernel][0],
-                              dict(GEMMA=True, ADD=False, BLOCK_D=4096)),
+                              dict(GEMMA=True, ADD=False, NORM_DELTA=False, NORM_OUT=True, BLOCK_D=4096)),
+    "gemma sandwich norms": (fused._rms_norm_kernel, KERNELS[fused._rms_norm_kernel][0],
+                             dict(GEMMA=True, ADD=True, NORM_DELTA=True, NORM_OUT=True, BLOCK_D=4096)),
+    "gemma add of a norm": (fused._rms_norm_kernel, KERNELS[fused._rms_norm_kernel][0],
+                            dict(GEMMA=True, ADD=True, NORM_DELTA=True, NORM_OUT=False, BLOCK_D=4096)),
+    "gemma gelu-tanh gate": (fused._gate_mul_kernel, KERNELS[fused._gate_mul_kernel][0],
+                             dict(GELU_TANH=True, BLOCK=1024)),
 }
 
 

@@ -84,6 +84,6 @@ def test_paged_decode_kernels_read_their_pages_in_vector_accesses(compiled):
     kivi, full = widths["_kivi_decode_kernel"], widths["_paged_decode_kernel"]
     assert kivi.get("ld1", 0) == 0 and kivi.get("ld2", 0) <= 6 and kivi.get("cp16", 0) >= 8, kivi
     assert full.get("ld2", 0) <= 2 and full.get("cp16", 0) >= 8, full
-    for kernel in ("_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel",  # the fused layer ops: rows only
+    for kernel in ("_rms_norm_kernel", "_rope_kernel", "_gate_mul_kernel",  # the fused layer ops: rows only
                    "_rope_store_kernel"):
         assert widths[kernel].get("ld2", 0) == widths[kernel].get("st2", 0) == 0, (kernel, widths[kernel])

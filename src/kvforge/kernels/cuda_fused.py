@@ -1,14 +1,15 @@
-"""The fused ops of a decoder layer on CUDA: RMSNorm (alone, or with the residual add before
-it), rotary embedding and SiLU-gate as one Triton launch each (triton_fused.py), where the
-PyTorch expression is several.
+"""The fused ops of a decoder layer on CUDA, one Triton launch each (triton_fused.py) where
+the PyTorch expression is several: RMSNorm, alone or with a residual add (`add_rms_norm`,
+`add_norm_of`), rotary embedding, and the MLP's SiLU-gate or GELU-tanh gate.
 
-`rms_norm`, `rope_rotate` and `silu_mul` mirror `cpu_fused`'s (`add_rms_norm` has no CPU
-op): they return None when the call is not eligible (tensors not on CUDA, of mixed or
-non-float dtypes, not contiguous (RoPE's x and SiLU-gate's 2-D inputs: rows not
-contiguous), needing autograd; triton not installed; `KVFORGE_DISABLE_TRITON_FUSED=1`), and
-the caller then runs its PyTorch expression, which stays the reference
-(tests/kernels/test_triton_fused.py holds them together). triton_fused.py, and with it
-triton, is imported at the first eligible call only, so CPU runs never import triton.
+`rms_norm`, `rope_rotate` and `silu_mul` mirror `cpu_fused`'s (the residual adds and the
+GELU gate have no CPU op): they return None when the call is not eligible (tensors not on
+CUDA, of mixed or non-float dtypes, not contiguous (RoPE's x and the gates' 2-D inputs:
+rows not contiguous), needing autograd; triton not installed;
+`KVFORGE_DISABLE_TRITON_FUSED=1`), and the caller then runs its PyTorch expression, which
+stays the reference (tests/kernels/test_triton_fused.py holds them together).
+triton_fused.py, and with it triton, is imported at the first eligible call only, so CPU
+runs never import triton.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kvforge.kernels.build import FLOAT_IO_DTYPES
 from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_runtime import triton_installed
 
-__all__ = ["DISABLE_TRITON_FUSED_ENV", "add_rms_norm", "rms_norm", "rope_rotate", "silu_mul", "triton_fused_enabled"]
+__all__ = ["DISABLE_TRITON_FUSED_ENV", "add_norm_of", "add_rms_norm", "gelu_tanh_mul", "rms_norm", "rope_rotate", "silu_mul", "triton_fused_enabled"]
 
 DISABLE_TRITON_FUSED_ENV = "KVFORGE_DISABLE_TRITON_FUSED"
 # The device the Triton ops serve; tests set "cpu" to run them in Triton's interpreter.
@@ -62,14 +63,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> 
     return _kernels().rms_norm_triton(x, weight, eps, gemma) if _eligible(x, weight) else None
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                 gemma: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(x + delta, RMSNorm of it) in one launch (a layer's residual add and the norm after it),
-    or None."""
-    if (x.device.type != DEVICE_TYPE or weight.dim() != 1 or x.dim() < 1 or delta.shape != x.shape
-            or weight.shape[0] != x.shape[-1]):
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool,
+                 delta_weight: torch.Tensor | None = None,
+                 delta_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + d, RMSNorm of it) in one launch (a layer's residual add and the norm after it),
+    d = delta or, given `delta_weight`, delta's own RMSNorm (Gemma's post-attention norm); or None."""
+    if not _residual_shapes(x, delta, weight, delta_weight):
         return None
-    return _kernels().add_rms_norm_triton(x, delta, weight, eps, gemma) if _eligible(x, delta, weight) else None
+    tensors = (x, delta, weight) if delta_weight is None else (x, delta, weight, delta_weight)
+    if not _eligible(*tensors):
+        return None
+    return _kernels().add_rms_norm_triton(x, delta, weight, eps, gemma, delta_weight, delta_eps)
+
+
+def add_norm_of(x: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor, delta_eps: float,
+                gemma: bool) -> torch.Tensor | None:
+    """x + RMSNorm(delta) in one launch (Gemma's post-feedforward norm and the residual add), or None."""
+    if not _residual_shapes(x, delta, delta_weight) or not _eligible(x, delta, delta_weight):
+        return None
+    return _kernels().add_norm_of_triton(x, delta, delta_weight, delta_eps, gemma)
+
+
+def _residual_shapes(x: torch.Tensor, delta: torch.Tensor, *weights: torch.Tensor | None) -> bool:
+    """x and delta of one shape (no broadcast) on the served device, each weight 1-D over x's last dim."""
+    if x.device.type != DEVICE_TYPE or x.dim() < 1 or delta.shape != x.shape:
+        return False
+    return all(w.dim() == 1 and w.shape[0] == x.shape[-1] for w in weights if w is not None)
 
 
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -88,3 +107,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     # 2-D gate and up may be the halves of a packed gate/up projection's output
     eligible = _eligible(gate, up, rows_apart=2 if gate.dim() == 2 else 0)
     return _kernels().silu_mul_triton(gate, up) if eligible else None
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """`F.gelu(gate, approximate="tanh") * up` in one launch, laid out as `silu_mul`'s, or None."""
+    if gate.device.type != DEVICE_TYPE or gate.dim() < 1 or gate.shape != up.shape:
+        return None
+    eligible = _eligible(gate, up, rows_apart=2 if gate.dim() == 2 else 0)
+    return _kernels().gelu_tanh_mul_triton(gate, up) if eligible else None

@@ -1,13 +1,14 @@
-"""RMSNorm, rotary embedding and the gated MLP's SiLU-gate as Triton kernels: each one
-launch where the PyTorch expression is several (RMSNorm: pow, mean, add, rsqrt, two muls and
-two casts, and a layer's residual add before it when asked; RoPE: two slices, a negation, a
-cat, two muls, an add). A decode step runs these on a few rows, so on a GPU each is launch
-overhead rather than work.
+"""RMSNorm, rotary embedding and the gated MLP's SiLU-gate (or GELU-tanh gate) as Triton
+kernels: each one launch where the PyTorch expression is several (RMSNorm: pow, mean, add,
+rsqrt, two muls and two casts, and when asked a layer's residual add with it, and Gemma's
+norm of the added branch; RoPE: two slices, a negation, a cat, two muls, an add). A decode
+step runs these on a few rows, so on a GPU each is launch overhead rather than work.
 
 Each computes its PyTorch reference (models/layers.py, rope.py) with the same roundings to
 the input dtype: RMSNorm normalises in float32 and rounds before the weight (Llama) or
 scales by (1 + w) in float32 (Gemma), after rounding the residual sum as `x + delta` does;
-RoPE rounds both products and their sum; SiLU-gate rounds silu(gate) and the product.
+RoPE rounds both products and their sum; SiLU-gate rounds silu(gate) and the product (so
+does the GELU-tanh gate).
 Results are not bitwise on a GPU (rsqrt/exp approximations, contracted multiply-adds):
 tests hold them to the references' tolerance.
 
@@ -25,31 +26,45 @@ import torch
 from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_jit import INTERPRETED, jit, tl, triton
 
-__all__ = ["add_rms_norm_triton", "rms_norm_triton", "rope_rotate_triton", "silu_mul_triton"]
+__all__ = ["add_norm_of_triton", "add_rms_norm_triton", "rms_norm_triton", "gelu_tanh_mul_triton", "rope_rotate_triton",
+           "silu_mul_triton"]
 
-SILU_BLOCK = 1024  # elements per program of silu_mul
+SILU_BLOCK = 1024  # elements per program of the gated activations (silu_mul, gelu_tanh_mul)
 
 
 @jit
-def _rms_norm_kernel(x_ptr, delta_ptr, sum_ptr, w_ptr, out_ptr, dim, eps, GEMMA: tl.constexpr, ADD: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    ok = cols < dim
-    x = tl.load(x_ptr + row * dim + cols, mask=ok, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    if ADD:  # the residual add first: x + delta rounded to the dtype (the reference's sum), stored, then normed
-        delta = tl.load(delta_ptr + row * dim + cols, mask=ok, other=0.0).to(tl.float32)
-        x = (x + delta).to(dtype)
-        tl.store(sum_ptr + row * dim + cols, x, mask=ok)
-        x = x.to(tl.float32)
+def _norm_row(x, w_ptr, cols, ok, dim, eps, dtype: tl.constexpr, GEMMA: tl.constexpr):
+    """RMSNorm of one row x (float32, zero past `dim`) by the weight at w_ptr, in `dtype`."""
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     normed = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps))
     if GEMMA:
         out = normed * (1.0 + w)
     else:
         out = w * normed.to(dtype).to(tl.float32)  # rounded before the weight, as the reference
-    tl.store(out_ptr + row * dim + cols, out.to(dtype), mask=ok)
+    return out.to(dtype)
+
+
+@jit
+def _rms_norm_kernel(x_ptr, delta_ptr, delta_w_ptr, sum_ptr, w_ptr, out_ptr, dim, eps, delta_eps,
+                     GEMMA: tl.constexpr, ADD: tl.constexpr, NORM_DELTA: tl.constexpr, NORM_OUT: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """One row per program: out = norm(x) (NORM_OUT alone); with ADD, the residual add first,
+    x + delta (or + norm(delta) by its own weight with NORM_DELTA: Gemma's sandwich norms)
+    rounded to the dtype as the reference's sum is, stored at sum_ptr, and normed if NORM_OUT."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    ok = cols < dim
+    x = tl.load(x_ptr + row * dim + cols, mask=ok, other=0.0).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    if ADD:
+        delta = tl.load(delta_ptr + row * dim + cols, mask=ok, other=0.0).to(tl.float32)
+        if NORM_DELTA:
+            delta = _norm_row(delta, delta_w_ptr, cols, ok, dim, delta_eps, dtype, GEMMA).to(tl.float32)
+        x = (x + delta).to(dtype)
+        tl.store(sum_ptr + row * dim + cols, x, mask=ok)
+        x = x.to(tl.float32)
+    if NORM_OUT:
+        tl.store(out_ptr + row * dim + cols, _norm_row(x, w_ptr, cols, ok, dim, eps, dtype, GEMMA), mask=ok)
 
 
 @jit
@@ -88,7 +103,8 @@ def _rope_kernel(x_ptr, x_row_stride, cos_ptr, sin_ptr, out_ptr, heads, dim, hal
 
 
 @jit
-def _silu_mul_kernel(gate_ptr, gate_row_stride, up_ptr, up_row_stride, out_ptr, cols, BLOCK: tl.constexpr):
+def _gate_mul_kernel(gate_ptr, gate_row_stride, up_ptr, up_row_stride, out_ptr, cols, GELU_TANH: tl.constexpr,
+                     BLOCK: tl.constexpr):
     # Programs over (row, block of columns): gate's and up's rows start at their own strides
     # (the halves of a packed gate/up output), out is contiguous [rows, cols].
     row = tl.program_id(0).to(tl.int64)
@@ -97,8 +113,13 @@ def _silu_mul_kernel(gate_ptr, gate_row_stride, up_ptr, up_row_stride, out_ptr, 
     gate = tl.load(gate_ptr + row * gate_row_stride + offsets, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * up_row_stride + offsets, mask=ok, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * cols + offsets, (silu * up).to(dtype), mask=ok)
+    if GELU_TANH:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1)
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        # exp(2y) capped where tanh(y) is 1 in float32 already (y > 9), so it never overflows
+        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * inner, 60.0)) + 1.0))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + row * cols + offsets, (act.to(dtype).to(tl.float32) * up).to(dtype), mask=ok)
 
 
 def _check(*tensors: torch.Tensor, rows_apart: int = 0) -> None:
@@ -123,33 +144,58 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bo
     """RMSNorm of the last dim of x (Llama's w * norm(x), or Gemma's (1 + w) * norm(x))."""
     _check(x, weight)
     out = torch.empty_like(x)
-    _launch_rms_norm(x, None, None, weight, out, eps, gemma)
+    _launch_rms_norm(x, None, None, None, weight, out, eps, 0.0, gemma)
     return out
 
 
-def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                        gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, RMSNorm of it) in one launch: a decoder layer's residual add and the norm
-    that reads its result. The sum is rounded to x's dtype before the norm, as `x + delta` is,
-    and the norm is `rms_norm_triton`'s own code, so both equal the two ops run apart."""
-    _check(x, delta, weight)
-    if delta.shape != x.shape:
-        raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} is not shaped as x {tuple(x.shape)}")
+def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool,
+                        delta_weight: torch.Tensor | None = None,
+                        delta_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + d, RMSNorm of it) in one launch, d = delta or, given `delta_weight`, delta's own
+    RMSNorm (Gemma's post-attention norm): a decoder layer's residual add and the norm(s)
+    around it. Each norm is `rms_norm_triton`'s code and the sum is rounded to x's dtype, as
+    the ops run apart round it."""
+    _check(x, delta, weight, *(() if delta_weight is None else (delta_weight,)))
+    _same_shape(x, delta)
     total, out = torch.empty_like(x), torch.empty_like(x)
-    _launch_rms_norm(x, delta, total, weight, out, eps, gemma)
+    _launch_rms_norm(x, delta, delta_weight, total, weight, out, eps, delta_eps, gemma)
     return total, out
 
 
-def _launch_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, total: torch.Tensor | None, weight: torch.Tensor,
-                     out: torch.Tensor, eps: float, gemma: bool) -> None:
+def add_norm_of_triton(x: torch.Tensor, delta: torch.Tensor, delta_weight: torch.Tensor, delta_eps: float,
+                       gemma: bool) -> torch.Tensor:
+    """x + RMSNorm(delta) in one launch (Gemma's post-feedforward norm and the residual add)."""
+    _check(x, delta, delta_weight)
+    _same_shape(x, delta)
+    total = torch.empty_like(x)
+    _launch_rms_norm(x, delta, delta_weight, total, None, None, 0.0, delta_eps, gemma)
+    return total
+
+
+def _same_shape(x: torch.Tensor, delta: torch.Tensor) -> None:
+    if delta.shape != x.shape:
+        raise ValueError(f"the fused residual add: delta {tuple(delta.shape)} is not shaped as x {tuple(x.shape)}")
+
+
+def _launch_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, delta_weight: torch.Tensor | None,
+                     total: torch.Tensor | None, weight: torch.Tensor | None, out: torch.Tensor | None, eps: float,
+                     delta_eps: float, gemma: bool) -> None:
+    """A launch of `_rms_norm_kernel`; the flags follow from which tensors are given (pointers
+    a launch does not use are passed as x, never read or written)."""
     dim = x.shape[-1]
     rows = x.numel() // dim if dim else 0
     if rows:
         block = triton.next_power_of_2(dim)
-        add = delta is not None
+        add, norm_out = delta is not None, out is not None
+
+        def given(t: torch.Tensor | None) -> torch.Tensor:
+            return x if t is None else t
+
         with torch.cuda.device_of(x):
-            _rms_norm_kernel[(rows,)](x, delta if add else x, total if add else out, weight, out, dim, float(eps),
-                                      GEMMA=bool(gemma), ADD=add, BLOCK_D=block, num_warps=_warps(block))
+            _rms_norm_kernel[(rows,)](x, given(delta), given(delta_weight), given(total), given(weight), given(out),
+                                      dim, float(eps), float(delta_eps), GEMMA=bool(gemma), ADD=add,
+                                      NORM_DELTA=delta_weight is not None, NORM_OUT=norm_out, BLOCK_D=block,
+                                      num_warps=_warps(block))
 
 
 def rope_rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -175,6 +221,15 @@ def rope_launch(heads: int, dim: int) -> tuple[int, int, int, int]:
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`F.silu(gate) * up`, elementwise, in gate's dtype; 2-D gate and up may have rows that
     sit apart (the halves of a packed gate/up output), any other shape is contiguous."""
+    return _gate_mul(gate, up, gelu_tanh=False)
+
+
+def gelu_tanh_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.gelu(gate, approximate="tanh") * up` (Gemma's gated MLP), laid out as `silu_mul_triton`'s."""
+    return _gate_mul(gate, up, gelu_tanh=True)
+
+
+def _gate_mul(gate: torch.Tensor, up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     _check(gate, up, rows_apart=2 if gate.dim() == 2 else 0)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     cols = gate.shape[-1] if gate.dim() else 1
@@ -184,6 +239,6 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         contiguous = gate.is_contiguous() and up.is_contiguous()
         gate_stride, up_stride = (cols, cols) if contiguous else (gate.stride(0), up.stride(0))
         with torch.cuda.device_of(gate):
-            _silu_mul_kernel[(rows, triton.cdiv(cols, SILU_BLOCK))](gate, gate_stride, up, up_stride, out, cols,
-                                                                    BLOCK=SILU_BLOCK)
+            _gate_mul_kernel[(rows, triton.cdiv(cols, SILU_BLOCK))](gate, gate_stride, up, up_stride, out, cols,
+                                                                    GELU_TANH=gelu_tanh, BLOCK=SILU_BLOCK)
     return out

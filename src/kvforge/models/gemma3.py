@@ -45,9 +45,9 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, cache: CacheMethod, meta: StepMetadata, rope: PositionedRope,
                 *later: Any) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(hidden), cache, meta, rope, *later)
-        hidden, normed = self.pre_feedforward_layernorm.add_and_norm(hidden, self.post_attention_layernorm(attn))
-        mlp = self.mlp(normed)
-        return hidden + self.post_feedforward_layernorm(mlp)
+        # hidden + post_attention_layernorm(attn), then its pre_feedforward_layernorm: one launch on CUDA
+        hidden, normed = self.pre_feedforward_layernorm.add_and_norm(hidden, attn, self.post_attention_layernorm)
+        return self.post_feedforward_layernorm.add_norm_of(hidden, self.mlp(normed))  # one launch on CUDA
 
 
 class Gemma3ForCausalLM(CausalLM):

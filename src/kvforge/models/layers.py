@@ -18,22 +18,34 @@ from kvforge.rope import PositionedRope
 
 
 class ResidualAddNorm:
-    """`add_and_norm` for the RMSNorms below: a decoder layer's residual add and the norm that
-    reads the sum (vLLM fuses the same pair)."""
+    """A decoder layer's residual adds with the RMSNorms beside them (vLLM fuses the same
+    pairs), for the norms below: one Triton launch on CUDA (kernels/cuda_fused.py), and
+    elsewhere the ops apart, which stay the reference. Both give the same sums (rounded to
+    the dtype once) and, within the fused norm's tolerance, the same norms."""
 
     gemma: bool
     weight: nn.Parameter
     eps: float
 
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, this norm of it): one Triton launch on CUDA (kernels/cuda_fused.py), and
-        elsewhere the add, then `forward`; the two give the same sum and, within the fused
-        norm's tolerance, the same norm."""
-        fused = cuda_fused.add_rms_norm(x, delta, self.weight, self.eps, gemma=self.gemma)
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor,
+                     delta_norm: ResidualAddNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + d, this norm of it), d = delta or `delta_norm(delta)` (Gemma's sandwich: the
+        post-attention norm, the add, the pre-feedforward norm)."""
+        fused = None
+        if delta_norm is None:
+            fused = cuda_fused.add_rms_norm(x, delta, self.weight, self.eps, self.gemma)
+        elif delta_norm.gemma == self.gemma:
+            fused = cuda_fused.add_rms_norm(x, delta, self.weight, self.eps, self.gemma, delta_norm.weight,
+                                            delta_norm.eps)
         if fused is not None:
             return fused
-        total = x + delta
+        total = x + (delta if delta_norm is None else delta_norm(delta))  # type: ignore[operator]
         return total, self(total)  # type: ignore[operator]
+
+    def add_norm_of(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """x + this norm of delta (Gemma's post-feedforward norm and the residual add)."""
+        fused = cuda_fused.add_norm_of(x, delta, self.weight, self.eps, self.gemma)
+        return fused if fused is not None else x + self(delta)  # type: ignore[operator]
 
 
 class RMSNorm(ResidualAddNorm, nn.Module):
@@ -85,10 +97,13 @@ class GemmaRMSNorm(ResidualAddNorm, nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+# the activation and the gate's product in one Triton launch on CUDA (kernels/cuda_fused.py)
+_CUDA_GATES = {F.silu: cuda_fused.silu_mul, _gelu_tanh: cuda_fused.gelu_tanh_mul}
 
 
 class GatedMLP(nn.Module):
@@ -131,12 +146,10 @@ class GatedMLP(nn.Module):
             gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)
             up = linear(x, self.up_proj.weight, self.up_proj.bias)
         # SiLU through the fused CPU op when it applies: the fused decode layer calls the
-        # same op, so the two paths stay bitwise equal; on CUDA one Triton launch
-        gated = None
-        if self.activation is F.silu:
-            gated = silu_mul(gate, up)
-            if gated is None:
-                gated = cuda_fused.silu_mul(gate, up)
+        # same op, so the two paths stay bitwise equal; on CUDA one Triton launch (SiLU or GELU)
+        gated = silu_mul(gate, up) if self.activation is F.silu else None
+        if gated is None:
+            gated = _CUDA_GATES[self.activation](gate, up)
         if gated is None:
             gated = self.activation(gate) * up
         return linear(gated, self.down_proj.weight, self.down_proj.bias)

@@ -131,7 +131,8 @@ def test_gemma3s_residual_adds_and_gate_launch_fused(monkeypatch) -> None:
     GELU-tanh gate in one launch."""
     by_form = _layer_kernels("full:block_size=4,decode_kernel=triton", False, monkeypatch, "gemma3_hybrid")
     layers = [kernels for steps in by_form.values() for step in steps for kernels in step]
-    assert layers and all(kernels.count("triton:_rms_norm_kernel") == 2 and kernels.count("triton:_gate_mul_kernel") == 1
+    assert layers and all(kernels.count("triton:_rms_norm_kernel") == 2
+                          and kernels.count("triton:_gate_mul_kernel") == 1
                           and not {"add", "gelu", "mul"} & set(kernels) for kernels in layers), layers[0]
     # norm, q, k, v, q-norm, k-norm, RoPE and store, RoPE of q, attention, o, the sandwich, gate, up, the gate's
     # product, down, the add of a norm (from 20 before the fused adds and gate)

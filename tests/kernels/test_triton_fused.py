@@ -1,7 +1,7 @@
-"""The Triton RMSNorm (alone and after the residual add), RoPE and SiLU-gate ops (kernels/triton_fused.py) against the PyTorch
-paths of the layers, and their dispatch (kernels/cuda_fused.py): on CUDA, or in Triton's CPU
-interpreter, which tests/conftest.py turns on without a GPU; skipped, with the reason,
-without the `triton` package."""
+"""The Triton RMSNorm (alone and with the residual adds), RoPE, SiLU-gate and GELU-tanh gate
+ops (kernels/triton_fused.py) against the PyTorch paths of the layers, and their dispatch
+(kernels/cuda_fused.py): on CUDA, or in Triton's CPU interpreter, which tests/conftest.py
+turns on without a GPU; skipped, with the reason, without the `triton` package."""
 
 from __future__ import annotations
 
@@ -138,7 +138,8 @@ def test_residual_adds_refuse_what_they_cannot_take(device):
     assert cuda_fused.add_rms_norm(x, d, w, 1e-6, gemma=False) is not None
     assert cuda_fused.add_rms_norm(x, d, w, 1e-6, gemma=False, delta_weight=w, delta_eps=1e-6) is not None
     assert cuda_fused.add_norm_of(x, d, w, 1e-6, gemma=True) is not None
-    for delta, why in ((torch.randn(1, 8, device=device), "broadcast"), (torch.randn(8, 4, device=device).t(), "strided"),
+    for delta, why in ((torch.randn(1, 8, device=device), "broadcast"),
+                       (torch.randn(8, 4, device=device).t(), "strided"),
                        (x.to(torch.bfloat16), "mixed dtypes"), (x.clone().requires_grad_(), "autograd")):
         assert cuda_fused.add_rms_norm(x, delta, w, 1e-6, gemma=False) is None, why
         assert cuda_fused.add_norm_of(x, delta, w, 1e-6, gemma=False) is None, why

@@ -23,7 +23,8 @@ from kvforge.kernels.build import FLOAT_IO_DTYPES
 from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_runtime import triton_installed
 
-__all__ = ["DISABLE_TRITON_FUSED_ENV", "add_norm_of", "add_rms_norm", "gelu_tanh_mul", "rms_norm", "rope_rotate", "silu_mul", "triton_fused_enabled"]
+__all__ = ["DISABLE_TRITON_FUSED_ENV", "add_norm_of", "add_rms_norm", "gelu_tanh_mul", "rms_norm", "rope_rotate",
+           "silu_mul", "triton_fused_enabled"]
 
 DISABLE_TRITON_FUSED_ENV = "KVFORGE_DISABLE_TRITON_FUSED"
 # The device the Triton ops serve; tests set "cpu" to run them in Triton's interpreter.

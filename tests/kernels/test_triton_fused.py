@@ -87,7 +87,7 @@ def test_residual_add_with_its_norms_matches_the_ops_apart(device, dtype, cls, h
         # a residual and a layer's output of unlike sizes: the sum's rounding matters in bfloat16
         x = (torch.randn(3, 5, hidden, generator=gen) * 8).to(dtype).to(device)
         delta = (torch.randn(3, 5, hidden, generator=gen) * 0.3).to(dtype).to(device)
-        before = x.clone()
+        before, delta_before = x.clone(), delta.clone()
         calls = []
         for op in ("add_rms_norm_triton", "add_norm_of_triton"):
             kernel = getattr(cuda_fused._kernels(), op)
@@ -100,7 +100,9 @@ def test_residual_add_with_its_norms_matches_the_ops_apart(device, dtype, cls, h
         added = delta if form == "add_and_norm" else branch(delta)  # the Triton norm: its own code
         lone = cuda_fused._kernels().rms_norm_triton(total, norm.weight, norm.eps, gemma)
     assert calls and total.dtype == dtype and total.shape == x.shape
-    torch.testing.assert_close(x, before, atol=0, rtol=0)  # the residual is not written in place
+    # neither the residual nor the branch is written in place
+    torch.testing.assert_close(x, before, atol=0, rtol=0)
+    torch.testing.assert_close(delta, delta_before, atol=0, rtol=0)
     if dtype == torch.bfloat16 and device == "cpu":
         # Triton's interpreter rounds float32 to bfloat16 by truncation (CUDA and torch: to
         # nearest even), so here the sum is held to one unit in the last place; bitwise on a GPU

@@ -148,8 +148,9 @@ class GatedMLP(nn.Module):
         # SiLU through the fused CPU op when it applies: the fused decode layer calls the
         # same op, so the two paths stay bitwise equal; on CUDA one Triton launch (SiLU or GELU)
         gated = silu_mul(gate, up) if self.activation is F.silu else None
-        if gated is None:
-            gated = _CUDA_GATES[self.activation](gate, up)
+        cuda_gate = _CUDA_GATES.get(self.activation)
+        if gated is None and cuda_gate is not None:
+            gated = cuda_gate(gate, up)
         if gated is None:
             gated = self.activation(gate) * up
         return linear(gated, self.down_proj.weight, self.down_proj.bias)

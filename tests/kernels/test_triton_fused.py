@@ -194,7 +194,7 @@ def test_gates_over_their_whole_range(device, dtype, activation):
 @pytest.mark.parametrize("activation", sorted(GATES))
 def test_gated_mlp_matches_its_pytorch_path(device, dtype, activation, monkeypatch):
     torch.manual_seed(0)
-    mlp = GatedMLP(32, 1500, activation, bias=False, dtype=dtype, device=device)  # > one SILU_BLOCK per row
+    mlp = GatedMLP(32, 1500, activation, bias=False, dtype=dtype, device=device)  # > one GATE_BLOCK per row
     x = torch.randn(3, 32).to(dtype).to(device)
     with torch.no_grad():
         wide = x * 4  # gates far out on both tails, where tanh saturates

@@ -71,8 +71,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     d = delta or, given `delta_weight`, delta's own RMSNorm (Gemma's post-attention norm); or None."""
     if not _residual_shapes(x, delta, weight, delta_weight):
         return None
-    tensors = (x, delta, weight) if delta_weight is None else (x, delta, weight, delta_weight)
-    if not _eligible(*tensors):
+    if not _eligible(x, delta, weight, *(() if delta_weight is None else (delta_weight,))):
         return None
     return _kernels().add_rms_norm_triton(x, delta, weight, eps, gemma, delta_weight, delta_eps)
 
@@ -103,16 +102,18 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """`F.silu(gate) * up` in one launch with the same two roundings (gate's dtype), or None."""
-    if gate.device.type != DEVICE_TYPE or gate.dim() < 1 or gate.shape != up.shape:
-        return None
-    # 2-D gate and up may be the halves of a packed gate/up projection's output
-    eligible = _eligible(gate, up, rows_apart=2 if gate.dim() == 2 else 0)
-    return _kernels().silu_mul_triton(gate, up) if eligible else None
+    return _gated(gate, up, "silu_mul_triton")
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """`F.gelu(gate, approximate="tanh") * up` in one launch, laid out as `silu_mul`'s, or None."""
+    return _gated(gate, up, "gelu_tanh_mul_triton")
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, launcher: str) -> torch.Tensor | None:
     if gate.device.type != DEVICE_TYPE or gate.dim() < 1 or gate.shape != up.shape:
         return None
-    eligible = _eligible(gate, up, rows_apart=2 if gate.dim() == 2 else 0)
-    return _kernels().gelu_tanh_mul_triton(gate, up) if eligible else None
+    # 2-D gate and up may be the halves of a packed gate/up projection's output
+    if not _eligible(gate, up, rows_apart=2 if gate.dim() == 2 else 0):
+        return None
+    return getattr(_kernels(), launcher)(gate, up)

@@ -7,10 +7,10 @@ step runs these on a few rows, so on a GPU each is launch overhead rather than w
 Each computes its PyTorch reference (models/layers.py, rope.py) with the same roundings to
 the input dtype: RMSNorm normalises in float32 and rounds before the weight (Llama) or
 scales by (1 + w) in float32 (Gemma), after rounding the residual sum as `x + delta` does;
-RoPE rounds both products and their sum; SiLU-gate rounds silu(gate) and the product (so
-does the GELU-tanh gate).
-Results are not bitwise on a GPU (rsqrt/exp approximations, contracted multiply-adds):
-tests hold them to the references' tolerance.
+RoPE rounds both products and their sum; the SiLU- and GELU-tanh gates round the
+activation and the product. Results are not bitwise on a GPU (rsqrt/exp approximations,
+contracted multiply-adds; the norm kernel launches without contraction, so its fused sums
+are bitwise the ops apart): tests hold them to the references' tolerance.
 
 The launchers take contiguous tensors of one float dtype, except that RoPE's x and
 SiLU-gate's 2-D inputs need only contiguous rows (the slices of a packed projection's
@@ -26,10 +26,10 @@ import torch
 from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_jit import INTERPRETED, jit, tl, triton
 
-__all__ = ["add_norm_of_triton", "add_rms_norm_triton", "rms_norm_triton", "gelu_tanh_mul_triton", "rope_rotate_triton",
+__all__ = ["add_norm_of_triton", "add_rms_norm_triton", "gelu_tanh_mul_triton", "rms_norm_triton", "rope_rotate_triton",
            "silu_mul_triton"]
 
-SILU_BLOCK = 1024  # elements per program of the gated activations (silu_mul, gelu_tanh_mul)
+GATE_BLOCK = 1024  # elements per program of the gated activations (silu_mul, gelu_tanh_mul)
 
 
 @jit
@@ -243,6 +243,6 @@ def _gate_mul(gate: torch.Tensor, up: torch.Tensor, gelu_tanh: bool) -> torch.Te
         contiguous = gate.is_contiguous() and up.is_contiguous()
         gate_stride, up_stride = (cols, cols) if contiguous else (gate.stride(0), up.stride(0))
         with torch.cuda.device_of(gate):
-            _gate_mul_kernel[(rows, triton.cdiv(cols, SILU_BLOCK))](gate, gate_stride, up, up_stride, out, cols,
-                                                                    GELU_TANH=gelu_tanh, BLOCK=SILU_BLOCK)
+            _gate_mul_kernel[(rows, triton.cdiv(cols, GATE_BLOCK))](gate, gate_stride, up, up_stride, out, cols,
+                                                                    GELU_TANH=gelu_tanh, BLOCK=GATE_BLOCK)
     return out

@@ -17,15 +17,34 @@ from kvforge.models.packed_projections import PackedLinear, pack_linears, still_
 from kvforge.rope import PositionedRope
 
 
-class ResidualAddNorm:
-    """A decoder layer's residual adds with the RMSNorms beside them (vLLM fuses the same
-    pairs), for the norms below: one Triton launch on CUDA (kernels/cuda_fused.py), and
-    elsewhere the ops apart, which stay the reference. Both give the same sums (rounded to
-    the dtype once) and, within the fused norm's tolerance, the same norms."""
+class ResidualAddNorm(nn.Module):
+    """The RMSNorms of the decoders (`RMSNorm`, `GemmaRMSNorm`: `gemma` picks the weight's
+    form, `_reference` is the PyTorch expression), and a decoder layer's residual adds with
+    the norms beside them (vLLM fuses the same pairs).
+
+    Each is one fused op where it applies: the norm alone in C++ on CPU (no autograd,
+    kernels/cpu_fused.py) or one Triton launch on CUDA (kernels/cuda_fused.py), the residual
+    forms one Triton launch on CUDA; elsewhere the ops apart, which stay the reference. Both
+    give the same sums (rounded to the dtype once) and, within the fused norm's tolerance,
+    the same norms."""
 
     gemma: bool
-    weight: nn.Parameter
-    eps: float
+    initial_weight: float
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.full((dim,), self.initial_weight, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = rms_norm(x, self.weight, self.eps, gemma=self.gemma)
+        if fused is None:
+            fused = cuda_fused.rms_norm(x, self.weight, self.eps, gemma=self.gemma)
+        return fused if fused is not None else self._reference(x)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor,
                      delta_norm: ResidualAddNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,59 +58,34 @@ class ResidualAddNorm:
                                             delta_norm.eps)
         if fused is not None:
             return fused
-        total = x + (delta if delta_norm is None else delta_norm(delta))  # type: ignore[operator]
-        return total, self(total)  # type: ignore[operator]
+        total = x + (delta if delta_norm is None else delta_norm(delta))
+        return total, self(total)
 
     def add_norm_of(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """x + this norm of delta (Gemma's post-feedforward norm and the residual add)."""
         fused = cuda_fused.add_norm_of(x, delta, self.weight, self.eps, self.gemma)
-        return fused if fused is not None else x + self(delta)  # type: ignore[operator]
+        return fused if fused is not None else x + self(delta)
 
 
-class RMSNorm(ResidualAddNorm, nn.Module):
-    """Llama-style RMSNorm: normalise in float32, scale by w in the input dtype.
-
-    On CPU (no autograd) one fused op computes it (kernels/cpu_fused.py), on CUDA one Triton
-    launch (kernels/cuda_fused.py); the PyTorch expression below is the reference and the
-    path everywhere else."""
+class RMSNorm(ResidualAddNorm):
+    """Llama-style RMSNorm: normalise in float32, scale by w in the input dtype."""
 
     gemma = False
+    initial_weight = 1.0
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = rms_norm(x, self.weight, self.eps, gemma=self.gemma)
-        if fused is None:
-            fused = cuda_fused.rms_norm(x, self.weight, self.eps, gemma=self.gemma)
-        if fused is not None:
-            return fused
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
-class GemmaRMSNorm(ResidualAddNorm, nn.Module):
-    """Gemma RMSNorm: scale by (1 + w), all in float32, then back to the input dtype (fused
-    on CPU and CUDA as RMSNorm is)."""
+class GemmaRMSNorm(ResidualAddNorm):
+    """Gemma RMSNorm: scale by (1 + w), all in float32, then back to the input dtype."""
 
     gemma = True
+    initial_weight = 0.0
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = rms_norm(x, self.weight, self.eps, gemma=self.gemma)
-        if fused is None:
-            fused = cuda_fused.rms_norm(x, self.weight, self.eps, gemma=self.gemma)
-        if fused is not None:
-            return fused
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)

@@ -56,6 +56,7 @@ PACKED = "tests/models/test_packed_projections.py::"
 FULL_STORE = ("tests/cache/full/test_full_triton_store.py",)
 FULL_TRITON = ("tests/cache/full/test_full_triton_decode.py",)
 TRITON_FUSED = ("tests/kernels/test_triton_fused.py",)
+MLP_RESIDUAL = ("tests/models/test_mlp_residual_gemm.py",)
 SHADOWKV_TRITON = ("tests/cache/shadowkv/test_shadowkv_triton_decode.py",)
 SHADOWKV_STATIC = ("tests/cache/test_shadowkv_static_decode.py",)
 VOCAB_LOGITS = "tests/kernels/test_vocab_logits.py::"
@@ -2773,4 +2774,24 @@ MUTATIONS: list[Mutation] = [
     Mutation("gemma_mlp_gate_takes_silu_on_cuda", S + "models/layers.py",
              "_gelu_tanh: cuda_fused.gelu_tanh_mul}", "_gelu_tanh: cuda_fused.silu_mul}", TRITON_FUSED,
              "a GELU-gated MLP takes the GELU gate on CUDA"),
+    Mutation("residual_gemm_ignores_the_bias", S + "kernels/cuda_fused.py",
+             "    if bias is not None or out.device.type != DEVICE_TYPE", "    if out.device.type != DEVICE_TYPE",
+             MLP_RESIDUAL, "addmm_ has no bias: a biased down projection adds apart"),
+    Mutation("residual_gemm_under_autograd", S + "kernels/cuda_fused.py",
+             "    if not _eligible(out, x, weight):", "    if not _eligible(out.detach(), x.detach(), weight.detach()):",
+             MLP_RESIDUAL, "an in-place add under autograd runs apart"),
+    Mutation("residual_gemm_rounds_twice", S + "kernels/cuda_fused.py",
+             "    out.view(-1, out.shape[-1]).addmm_(x.view(-1, x.shape[-1]), weight.t())",
+             "    out.view(-1, out.shape[-1]).add_(x.view(-1, x.shape[-1]) @ weight.t())",
+             MLP_RESIDUAL, "the add is in the GEMM's epilogue: the sum rounded once"),
+    Mutation("mlp_residual_always_apart", S + "models/layers.py",
+             "            if fused is not None:\n                return fused\n        out = linear(gated,",
+             "            if False:\n                return fused\n        out = linear(gated,",
+             MLP_RESIDUAL, "on the served device the down projection adds itself into the residual"),
+    Mutation("mlp_residual_fallback_drops_the_residual", S + "models/layers.py",
+             "        return out if residual is None else residual + out", "        return out",
+             MLP_RESIDUAL, "the add apart adds the residual"),
+    Mutation("llama_layer_adds_after_the_mlp_apart", S + "models/llama.py",
+             "        return self.mlp.add_into(hidden, normed)", "        return hidden + self.mlp(normed)",
+             ("tests/cache/test_step_kernel_counts.py",), "a Llama layer's last add is in the down GEMM on CUDA"),
 ]

@@ -80,7 +80,8 @@ if has graphs; then
     # on a CPU the CUDA ones skip and the ShadowKV one runs in the CPU emulation of a capture),
     # the packed projections (one GEMM for q/k/v, one for gate/up) against the parts apart, and
     # `full`'s RoPE-and-store in one launch against the RoPE and two page stores, and the
-    # residual adds with their norms and the gates (bitwise sums in bf16 on a GPU only).
+    # residual adds with their norms and the gates (bitwise sums in bf16 on a GPU only), and the
+    # add after the MLP in cuBLAS's epilogue (the bf16 sum rounded once).
     TAIL=15 step graph-tests 200 $PY -m pytest -q -x -p no:cacheprovider \
         tests/cache/test_static_decode.py::test_captured_graphs_replay_the_eager_logits \
         tests/cache/test_static_decode.py::test_the_engine_captures_on_cuda_unless_told_not_to \
@@ -88,7 +89,7 @@ if has graphs; then
         "tests/models/test_packed_projections.py::test_on_cuda_the_packed_model_gives_the_logits_of_its_parts_apart" \
         tests/kernels/test_fused_ops_on_packed_rows.py tests/cache/full/test_full_triton_store.py \
         tests/kernels/test_triton_fused.py::test_residual_add_with_its_norms_matches_the_ops_apart \
-        tests/kernels/test_triton_fused.py::test_gates_over_their_whole_range
+        tests/kernels/test_triton_fused.py::test_gates_over_their_whole_range tests/models/test_mlp_residual_gemm.py
     TAIL=14 step bench-graphs 150 $PY -m kvforge bench decode "${common[@]}" --repeats 3 --cache full \
         --compare eager,hf "${KIVI_SHAPE[@]}" --json "$WORK/bench-graphs.json"
 fi

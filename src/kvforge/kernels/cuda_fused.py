@@ -1,6 +1,7 @@
 """The fused ops of a decoder layer on CUDA, one Triton launch each (triton_fused.py) where
 the PyTorch expression is several: RMSNorm, alone or with a residual add (`add_rms_norm`,
-`add_norm_of`), rotary embedding, and the MLP's SiLU-gate or GELU-tanh gate.
+`add_norm_of`), rotary embedding, and the MLP's SiLU-gate or GELU-tanh gate; and the
+residual add after the MLP folded into its down projection's GEMM (`linear_into`, cuBLAS).
 
 `rms_norm`, `rope_rotate` and `silu_mul` mirror `cpu_fused`'s (the residual adds and the
 GELU gate have no CPU op): they return None when the call is not eligible (tensors not on
@@ -23,8 +24,8 @@ from kvforge.kernels.build import FLOAT_IO_DTYPES
 from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_runtime import triton_installed
 
-__all__ = ["DISABLE_TRITON_FUSED_ENV", "add_norm_of", "add_rms_norm", "gelu_tanh_mul", "rms_norm", "rope_rotate",
-           "silu_mul", "triton_fused_enabled"]
+__all__ = ["DISABLE_TRITON_FUSED_ENV", "add_norm_of", "add_rms_norm", "gelu_tanh_mul", "linear_into", "rms_norm",
+           "rope_rotate", "silu_mul", "triton_fused_enabled"]
 
 DISABLE_TRITON_FUSED_ENV = "KVFORGE_DISABLE_TRITON_FUSED"
 # The device the Triton ops serve; tests set "cpu" to run them in Triton's interpreter.
@@ -89,6 +90,25 @@ def _residual_shapes(x: torch.Tensor, delta: torch.Tensor, *weights: torch.Tenso
     if x.device.type != DEVICE_TYPE or x.dim() < 1 or delta.shape != x.shape:
         return False
     return all(w.dim() == 1 and w.shape[0] == x.shape[-1] for w in weights if w is not None)
+
+
+def linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`out += linear(x, weight)` in place, one GEMM (`addmm_`: the add happens in the GEMM's
+    epilogue, where `out + linear(x, weight)` is a GEMM and an add launch); returns `out`, or
+    None (then the caller adds apart, and `out` is untouched). The sum is rounded to the dtype
+    once where the ops apart round the product first: not bitwise those ops, only closer to
+    the exact sum. `out` is overwritten, so it must be the caller's own intermediate.
+    Eligible: no bias, out [..., N] and x [..., K] with the same leading dims, weight [N, K],
+    all contiguous, with `_eligible`'s rules (the `KVFORGE_DISABLE_TRITON_FUSED` switch too)."""
+    if bias is not None or out.device.type != DEVICE_TYPE or out.dim() < 1 or x.dim() != out.dim():
+        return None
+    if x.shape[:-1] != out.shape[:-1] or weight.shape != (out.shape[-1], x.shape[-1]):
+        return None
+    if not _eligible(out, x, weight):
+        return None
+    out.view(-1, out.shape[-1]).addmm_(x.view(-1, x.shape[-1]), weight.t())
+    return out
 
 
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:

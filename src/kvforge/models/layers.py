@@ -129,9 +129,26 @@ class GatedMLP(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_into(None, x)
+
+    def add_into(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x) (self(x) for no residual). On CUDA the down projection adds
+        itself into `residual` in place (`cuda_fused.linear_into`: one GEMM where the add is
+        another launch), so `residual` must be the caller's own intermediate, read by nobody
+        after; elsewhere the add runs apart, out of place, as the reference."""
         wide = self._float32_prefill(x)
         if wide is not None:
-            return wide
+            return wide if residual is None else residual + wide
+        gated = self._gated(x)
+        if residual is not None:
+            fused = cuda_fused.linear_into(residual, gated, self.down_proj.weight, self.down_proj.bias)
+            if fused is not None:
+                return fused
+        out = linear(gated, self.down_proj.weight, self.down_proj.bias)
+        return out if residual is None else residual + out
+
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate(x)) * up(x)."""
         packed = self.packed_gate_up
         if packed is not None and packed.usable():
             # one GEMM; gate and up are its two halves, read in place by the fused SiLU-gate
@@ -147,7 +164,7 @@ class GatedMLP(nn.Module):
             gated = cuda_gate(gate, up)
         if gated is None:
             gated = self.activation(gate) * up
-        return linear(gated, self.down_proj.weight, self.down_proj.bias)
+        return gated
 
     def _float32_prefill(self, x: torch.Tensor) -> torch.Tensor | None:
         """The prompt-sized MLP of a bf16 model whose products run widened on this CPU

@@ -39,7 +39,7 @@ class LlamaDecoderLayer(nn.Module):
                 *later: Any) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(hidden), cache, meta, rope, *later)
         hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, attn)  # one launch on CUDA
-        return hidden + self.mlp(normed)
+        return self.mlp.add_into(hidden, normed)  # the sum is the layer's own: on CUDA, the add is in down's GEMM
 
 
 class LlamaForCausalLM(CausalLM):

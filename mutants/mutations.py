@@ -57,6 +57,7 @@ FULL_STORE = ("tests/cache/full/test_full_triton_store.py",)
 FULL_TRITON = ("tests/cache/full/test_full_triton_decode.py",)
 TRITON_FUSED = ("tests/kernels/test_triton_fused.py",)
 MLP_RESIDUAL = ("tests/models/test_mlp_residual_gemm.py",)
+HOOKS = ("tests/models/test_fused_layers_keep_hooks.py",)
 SHADOWKV_TRITON = ("tests/cache/shadowkv/test_shadowkv_triton_decode.py",)
 SHADOWKV_STATIC = ("tests/cache/test_shadowkv_static_decode.py",)
 VOCAB_LOGITS = "tests/kernels/test_vocab_logits.py::"
@@ -2756,7 +2757,7 @@ MUTATIONS: list[Mutation] = [
              "return fused if fused is not None else x + self(delta)", "return fused if fused is not None else x + delta",
              ("tests/models",), "the unfused add of a norm norms the branch"),
     Mutation("sandwich_fused_across_norm_kinds", S + "models/layers.py",
-             "        elif delta_norm.gemma == self.gemma:", "        elif True:", TRITON_FUSED,
+             "        elif not hooked and delta_norm.gemma == self.gemma:", "        elif not hooked:", TRITON_FUSED,
              "one launch applies one kind of norm: a branch of the other kind runs apart"),
     Mutation("gelu_tanh_gate_at_half_the_argument", S + "kernels/triton_fused.py",
              "tl.exp(tl.minimum(-2.0 * inner, 80.0))", "tl.exp(tl.minimum(-1.0 * inner, 80.0))", TRITON_FUSED,
@@ -2781,8 +2782,8 @@ MUTATIONS: list[Mutation] = [
              "    if not _eligible(out, x, weight):", "    if not _eligible(out.detach(), x.detach(), weight.detach()):",
              MLP_RESIDUAL, "an in-place add under autograd runs apart"),
     Mutation("residual_gemm_rounds_twice", S + "kernels/cuda_fused.py",
-             "    out.view(-1, out.shape[-1]).addmm_(x.view(-1, x.shape[-1]), weight.t())",
-             "    out.view(-1, out.shape[-1]).add_(x.view(-1, x.shape[-1]) @ weight.t())",
+             "    gemm = out.view(-1, out.shape[-1]).addmm_",
+             "    gemm = lambda a, b, o=out.view(-1, out.shape[-1]): o.add_(a @ b)",
              MLP_RESIDUAL, "the add is in the GEMM's epilogue: the sum rounded once"),
     Mutation("mlp_residual_always_apart", S + "models/layers.py",
              "            if fused is not None:\n                return fused\n        out = linear(gated,",
@@ -2791,6 +2792,24 @@ MUTATIONS: list[Mutation] = [
     Mutation("mlp_residual_fallback_drops_the_residual", S + "models/layers.py",
              "        return out if residual is None else residual + out", "        return out",
              MLP_RESIDUAL, "the add apart adds the residual"),
+    Mutation("hooked_mlp_adds_in_the_gemm", S + "models/layers.py",
+             "        return residual + self(x) if hooks_would_run(self) else self._added(residual, x)",
+             "        return self._added(residual, x)", HOOKS, "a hook on the MLP sees its call"),
+    Mutation("hooked_norm_fused_beside_its_add", S + "models/layers.py",
+             "        hooked = hooks_would_run(self) or (delta_norm", "        hooked = False and hooks_would_run(self) or (delta_norm",
+             HOOKS, "a hook on a norm sees its call"),
+    Mutation("hooked_branch_norm_fused", S + "models/layers.py",
+             "(delta_norm is not None and hooks_would_run(delta_norm))", "(False)",
+             HOOKS, "a hook on the sandwich's branch norm sees its call"),
+    Mutation("hooked_norm_of_fused", S + "models/layers.py",
+             "        fused = None if hooks_would_run(self) else cuda_fused.add_norm_of(",
+             "        fused = None if False else cuda_fused.add_norm_of(", HOOKS, "a hook on a post-feedforward norm sees its call"),
+    Mutation("hooks_check_skips_global_hooks", S + "models/layers.py",
+             "    return any(own) or any((glob._global_forward_hooks,", "    return any(own) or False and any((glob._global_forward_hooks,",
+             HOOKS, "a global hook would run too"),
+    Mutation("residual_gemm_untimed", S + "kernels/cuda_fused.py",
+             "    if timer is not None:\n        timer.measure(\"linear\", gemm,", "    if False:\n        timer.measure(\"linear\", gemm,",
+             MLP_RESIDUAL, "a timed step files the down GEMM under linear"),
     Mutation("llama_layer_adds_after_the_mlp_apart", S + "models/llama.py",
              "        return self.mlp.add_into(hidden, normed)", "        return hidden + self.mlp(normed)",
              ("tests/cache/test_step_kernel_counts.py",), "a Llama layer's last add is in the down GEMM on CUDA"),

@@ -13,6 +13,7 @@ from triton_helpers import kernel_device
 from kvforge.kernels import cuda_fused
 from kvforge.kernels.build import DISABLE_ENV
 from kvforge.models.layers import GatedMLP
+from kvforge.step_timing import StepTimer, recording
 
 
 @pytest.fixture
@@ -102,3 +103,14 @@ def test_mismatched_or_strided_operands_are_refused(device) -> None:
     x = torch.randn(2, 4, 160, device=device)
     assert cuda_fused.linear_into(out, x, weight, None) is out
     torch.testing.assert_close(out, x @ weight.T, atol=1e-4, rtol=1e-4)
+
+
+def test_a_timed_step_files_the_gemm_under_linear(device) -> None:
+    mlp, residual, x = _mlp(torch.float32, device)
+    timer = StepTimer()
+    parts: list[str] = []
+    measure = timer.measure
+    timer.measure = lambda part, fn, *args: parts.append(part) or measure(part, fn, *args)
+    with torch.no_grad(), recording(timer):
+        mlp.add_into(residual.clone(), x)
+    assert parts.count("linear") == 3  # gate, up, and down with the add

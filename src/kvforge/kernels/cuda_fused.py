@@ -23,6 +23,7 @@ import torch
 from kvforge.kernels.build import FLOAT_IO_DTYPES
 from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_runtime import triton_installed
+from kvforge.step_timing import current_timer
 
 __all__ = ["DISABLE_TRITON_FUSED_ENV", "add_norm_of", "add_rms_norm", "gelu_tanh_mul", "linear_into", "rms_norm",
            "rope_rotate", "silu_mul", "triton_fused_enabled"]
@@ -107,7 +108,12 @@ def linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         return None
     if not _eligible(out, x, weight):
         return None
-    out.view(-1, out.shape[-1]).addmm_(x.view(-1, x.shape[-1]), weight.t())
+    gemm = out.view(-1, out.shape[-1]).addmm_
+    timer = current_timer()  # a GEMM: a step's breakdown files it under "linear", as `cpu_linear.linear`
+    if timer is not None:
+        timer.measure("linear", gemm, x.view(-1, x.shape[-1]), weight.t())
+    else:
+        gemm(x.view(-1, x.shape[-1]), weight.t())
     return out
 
 

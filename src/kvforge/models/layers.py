@@ -17,6 +17,15 @@ from kvforge.models.packed_projections import PackedLinear, pack_linears, still_
 from kvforge.rope import PositionedRope
 
 
+def hooks_would_run(module: nn.Module) -> bool:
+    """Calling `module` would run a hook (its own or a global one, forward or backward): a
+    fused op that computes its output without calling it must then call it instead."""
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    glob = torch.nn.modules.module
+    return any(own) or any((glob._global_forward_hooks, glob._global_forward_pre_hooks,
+                            glob._global_backward_hooks, glob._global_backward_pre_hooks))
+
+
 class ResidualAddNorm(nn.Module):
     """The RMSNorms of the decoders (`RMSNorm`, `GemmaRMSNorm`: `gemma` picks the weight's
     form, `_reference` is the PyTorch expression), and a decoder layer's residual adds with
@@ -49,11 +58,13 @@ class ResidualAddNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor,
                      delta_norm: ResidualAddNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + d, this norm of it), d = delta or `delta_norm(delta)` (Gemma's sandwich: the
-        post-attention norm, the add, the pre-feedforward norm)."""
+        post-attention norm, the add, the pre-feedforward norm). A norm a hook would see is
+        called, apart."""
         fused = None
-        if delta_norm is None:
+        hooked = hooks_would_run(self) or (delta_norm is not None and hooks_would_run(delta_norm))
+        if not hooked and delta_norm is None:
             fused = cuda_fused.add_rms_norm(x, delta, self.weight, self.eps, self.gemma)
-        elif delta_norm.gemma == self.gemma:
+        elif not hooked and delta_norm.gemma == self.gemma:
             fused = cuda_fused.add_rms_norm(x, delta, self.weight, self.eps, self.gemma, delta_norm.weight,
                                             delta_norm.eps)
         if fused is not None:
@@ -63,7 +74,7 @@ class ResidualAddNorm(nn.Module):
 
     def add_norm_of(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """x + this norm of delta (Gemma's post-feedforward norm and the residual add)."""
-        fused = cuda_fused.add_norm_of(x, delta, self.weight, self.eps, self.gemma)
+        fused = None if hooks_would_run(self) else cuda_fused.add_norm_of(x, delta, self.weight, self.eps, self.gemma)
         return fused if fused is not None else x + self(delta)
 
 
@@ -129,13 +140,16 @@ class GatedMLP(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.add_into(None, x)
+        return self._added(None, x)
 
-    def add_into(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        """residual + self(x) (self(x) for no residual). On CUDA the down projection adds
-        itself into `residual` in place (`cuda_fused.linear_into`: one GEMM where the add is
-        another launch), so `residual` must be the caller's own intermediate, read by nobody
-        after; elsewhere the add runs apart, out of place, as the reference."""
+    def add_into(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x). On CUDA the down projection adds itself into `residual` in
+        place (`cuda_fused.linear_into`: one GEMM where the add is another launch), so
+        `residual` must be the caller's own intermediate, read by nobody after; elsewhere,
+        or where a hook would see the module's call, the add runs apart, out of place."""
+        return residual + self(x) if hooks_would_run(self) else self._added(residual, x)
+
+    def _added(self, residual: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         wide = self._float32_prefill(x)
         if wide is not None:
             return wide if residual is None else residual + wide

@@ -6,8 +6,6 @@ skipped, with the reason, without the `triton` package."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from triton_helpers import kernel_device
@@ -26,19 +24,14 @@ def device(monkeypatch) -> str:
 
 
 @pytest.fixture
-def calls(device) -> Iterator[list[str]]:
+def calls(device, monkeypatch) -> list[str]:
     """Names of the fused launchers called, while the test runs."""
     kernels = cuda_fused._kernels()
     seen: list[str] = []
-    names = ("add_rms_norm_triton", "add_norm_of_triton")
-    originals = {name: getattr(kernels, name) for name in names}
-    for name, kernel in originals.items():
-        setattr(kernels, name, lambda *a, n=name, k=kernel, **kw: seen.append(n) or k(*a, **kw))
-    try:
-        yield seen
-    finally:
-        for name, kernel in originals.items():
-            setattr(kernels, name, kernel)
+    for name in ("add_rms_norm_triton", "add_norm_of_triton"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, n=name, k=kernel, **kw: seen.append(n) or k(*a, **kw))
+    return seen
 
 
 def _doubling(module: torch.nn.Module, fired: list[int]) -> torch.utils.hooks.RemovableHandle:

@@ -108,12 +108,12 @@ def linear_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         return None
     if not _eligible(out, x, weight):
         return None
-    gemm = out.view(-1, out.shape[-1]).addmm_
+    gemm, operands = out.view(-1, out.shape[-1]).addmm_, (x.view(-1, x.shape[-1]), weight.t())
     timer = current_timer()  # a GEMM: a step's breakdown files it under "linear", as `cpu_linear.linear`
     if timer is not None:
-        timer.measure("linear", gemm, x.view(-1, x.shape[-1]), weight.t())
+        timer.measure("linear", gemm, *operands)
     else:
-        gemm(x.view(-1, x.shape[-1]), weight.t())
+        gemm(*operands)
     return out
 
 

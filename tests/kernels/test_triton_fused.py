@@ -223,6 +223,21 @@ def test_dispatch_refuses_what_it_cannot_take(device, monkeypatch):
         assert cuda_fused.silu_mul(x.detach(), x.detach()) is None
 
 
+def test_operands_on_two_devices_are_refused(device, monkeypatch):
+    """A launch runs on one device: operands on two (cuda:0 and cuda:1, or the served type
+    and another) run the PyTorch expression, which raises torch's own error for them."""
+    monkeypatch.setattr(cuda_fused, "DEVICE_TYPE", "cuda")
+    zero, one = torch.device("cuda", 0), torch.device("cuda", 1)  # devices, not tensors: no GPU needed
+    assert cuda_fused.on_one_served_device([zero, zero, zero])
+    assert not cuda_fused.on_one_served_device([zero, one])
+    assert not cuda_fused.on_one_served_device([zero, zero, one])
+    assert not cuda_fused.on_one_served_device([torch.device("cpu"), torch.device("cpu")])  # not the served type
+    monkeypatch.setattr(cuda_fused, "DEVICE_TYPE", device)
+    x = torch.randn(4, 8, device=device)
+    assert cuda_fused.silu_mul(x, x) is not None
+    assert cuda_fused.silu_mul(x, torch.randn(4, 8, device="meta")) is None  # the second operand elsewhere
+
+
 @pytest.mark.parametrize("name", ["llama_gqa", "gemma3_hybrid"])
 def test_model_logits_with_every_triton_op(device, name, monkeypatch):
     """The GPU layer path end to end (Triton norms, the residual add with its norm, RoPE,

@@ -5,7 +5,7 @@ residual add after the MLP folded into its down projection's GEMM (`linear_into`
 
 `rms_norm`, `rope_rotate` and `silu_mul` mirror `cpu_fused`'s (the residual adds and the
 GELU gate have no CPU op): they return None when the call is not eligible (tensors not on
-CUDA, of mixed or non-float dtypes, not contiguous (RoPE's x and the gates' 2-D inputs:
+one CUDA device, of mixed or non-float dtypes, not contiguous (RoPE's x and the gates' 2-D inputs:
 rows not contiguous), needing autograd; triton not installed;
 `KVFORGE_DISABLE_TRITON_FUSED=1`), and the caller then runs its PyTorch expression, which
 stays the reference (tests/kernels/test_triton_fused.py holds them together).
@@ -25,8 +25,8 @@ from kvforge.kernels.row_layout import rows_contiguous
 from kvforge.kernels.triton_runtime import triton_installed
 from kvforge.step_timing import current_timer
 
-__all__ = ["DISABLE_TRITON_FUSED_ENV", "add_norm_of", "add_rms_norm", "gelu_tanh_mul", "linear_into", "rms_norm",
-           "rope_rotate", "silu_mul", "triton_fused_enabled"]
+__all__ = ["DISABLE_TRITON_FUSED_ENV", "add_norm_of", "add_rms_norm", "gelu_tanh_mul", "linear_into",
+           "on_one_served_device", "rms_norm", "rope_rotate", "silu_mul", "triton_fused_enabled"]
 
 DISABLE_TRITON_FUSED_ENV = "KVFORGE_DISABLE_TRITON_FUSED"
 # The device the Triton ops serve; tests set "cpu" to run them in Triton's interpreter.
@@ -42,15 +42,25 @@ def _kernels() -> ModuleType:
 def _eligible(*tensors: torch.Tensor, rows_apart: int = 0) -> bool:
     """The first `rows_apart` tensors need only contiguous rows (row_layout.rows_contiguous)."""
     dtype = tensors[0].dtype
+    if not on_one_served_device([t.device for t in tensors]):
+        return False
     for i, t in enumerate(tensors):
         laid_out = rows_contiguous(t) if i < rows_apart else t.is_contiguous()
-        if t.device.type != DEVICE_TYPE or t.dtype != dtype or not laid_out:
+        if t.dtype != dtype or not laid_out:
             return False
     if dtype not in FLOAT_IO_DTYPES:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     return triton_fused_enabled()
+
+
+def on_one_served_device(devices: list[torch.device]) -> bool:
+    """All of `devices` are one device (type and index) of the type the ops serve. A launch
+    runs on one GPU (the first tensor's) and would take another GPU's pointer for its own;
+    torch's ops apart raise a clear error for operands on two devices instead."""
+    first = devices[0]
+    return first.type == DEVICE_TYPE and all(device == first for device in devices[1:])
 
 
 def triton_fused_enabled() -> bool:
